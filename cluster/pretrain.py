@@ -1,0 +1,87 @@
+"""`vitray pretrain`: one Ray Train V2 TorchTrainer per run.
+
+`RunConfig(name=run.name, storage_path=run.storage)` is what makes re-submitting the same run
+resume: Ray Train finds the run's checkpoint snapshot and hands the latest committed checkpoint
+to the new workers. `FailureConfig(max_failures)` restarts a failed worker group the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import ray.train
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from vitray.cluster.progress import TrainingProgress
+from vitray.cluster.runtime import connect, ray_storage, run_dir
+from vitray.trainers.config import PretrainConfig
+from vitray.trainers.context import WorkerContext
+
+
+def train_worker(loop_config: dict[str, Any]) -> None:
+    """Runs in every Ray Train worker."""
+    from ray.train import CheckpointUploadMode
+
+    from vitray.trainers.loop import PretrainLoop
+
+    cfg = PretrainConfig.model_validate(loop_config["config"])
+    context = ray.train.get_context()
+
+    def report(metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
+        if checkpoint_dir is None:
+            ray.train.report(metrics)
+            return
+        # Uploads in the background; training goes on as soon as the local files are written.
+        ray.train.report(
+            metrics,
+            checkpoint=ray.train.Checkpoint.from_directory(str(checkpoint_dir)),
+            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+        )
+
+    with contextlib.ExitStack() as stack:
+        restore_dir = None
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is not None:
+            restore_dir = Path(stack.enter_context(checkpoint.as_directory()))
+        worker = WorkerContext(
+            rank=context.get_world_rank(),
+            world_size=context.get_world_size(),
+            run_dir=loop_config["run_dir"],
+            report=report,
+            restore_dir=restore_dir,
+        )
+        PretrainLoop(cfg, worker).run()
+
+
+def build_trainer(cfg: PretrainConfig) -> TorchTrainer:
+    cluster = cfg.cluster
+    storage_path, storage_fs = ray_storage(cfg.run.storage)
+    use_gpu = cluster.gpus_per_worker > 0
+    resources = {"CPU": cluster.cpus_per_worker, **cluster.resources_per_worker}
+    if use_gpu:
+        resources["GPU"] = cluster.gpus_per_worker
+    return TorchTrainer(
+        train_worker,
+        train_loop_config={"config": cfg.model_dump(mode="json"), "run_dir": run_dir(cfg.run.storage, cfg.run.name)},
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=cluster.num_workers, use_gpu=use_gpu, resources_per_worker=resources),
+        run_config=RunConfig(
+            name=cfg.run.name,
+            storage_path=storage_path,
+            storage_filesystem=storage_fs,
+            failure_config=FailureConfig(max_failures=cluster.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
+        ),
+    )
+
+
+def pretrain(cfg: PretrainConfig, *, show_progress: bool = True, verbose: bool = False):
+    """Run (or resume) the pre-training run described by `cfg`; returns Ray Train's Result."""
+    connect(cfg.cluster.address, verbose=verbose)
+    trainer = build_trainer(cfg)
+    progress = TrainingProgress(run_dir(cfg.run.storage, cfg.run.name), total_steps=cfg.train.steps)
+    with progress if show_progress else contextlib.nullcontext():
+        return trainer.fit()

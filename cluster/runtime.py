@@ -1,0 +1,55 @@
+"""Connecting to Ray and handing it vitray's storage.
+
+With no address an embedded local Ray instance starts; with one, the driver connects. Clusters
+started by `ray start --head` use token authentication: the token is read from
+`~/.ray/auth_token` (or RAY_AUTH_TOKEN) by Ray itself once RAY_AUTH_MODE=token is set, which
+`connect` does when it finds the token file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import ray
+
+from vitray.data import storage
+
+AUTH_TOKEN_FILE = Path.home() / ".ray" / "auth_token"
+
+
+def enable_token_auth_if_available() -> None:
+    if "RAY_AUTH_MODE" not in os.environ and (os.environ.get("RAY_AUTH_TOKEN") or AUTH_TOKEN_FILE.is_file()):
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
+def connect(address: str | None, *, num_cpus: int | None = None, verbose: bool = False) -> None:
+    """Start or join Ray once per process."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    if address:
+        enable_token_auth_if_available()
+        ray.init(address=address, log_to_driver=verbose)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=verbose, logging_level="info" if verbose else "warning")
+
+
+def ray_storage(storage_path: str):
+    """(storage_path, storage_filesystem) for Ray Train's RunConfig.
+
+    Remote storage goes through the same fsspec filesystem vitray uses everywhere (s3fs, so any
+    S3-compatible endpoint from the AWS environment works), wrapped for pyarrow.
+    """
+    if not storage.is_remote(storage_path):
+        return os.path.abspath(storage_path), None
+    import pyarrow.fs
+
+    fs, path = storage.filesystem(storage_path)
+    return path, pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs))
+
+
+def run_dir(storage_root: str, name: str) -> str:
+    root = storage_root if storage.is_remote(storage_root) else os.path.abspath(storage_root)
+    return storage.join(root, name)

@@ -1,0 +1,77 @@
+"""`vitray submit`: run a vitray command as a Ray job through the Jobs API, and follow its logs.
+
+Ctrl-C stops following; the job keeps running (`ray job stop ID` stops it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import sys
+from typing import Any
+
+from vitray.cluster.runtime import enable_token_auth_if_available
+
+# What never belongs in a job's uploaded working dir.
+WORKING_DIR_EXCLUDES = [
+    ".git",
+    ".venv",
+    ".venv-xla",
+    "**/__pycache__",
+    "*.egg-info",
+    ".pytest_cache",
+    "runs",
+    "demo-output",
+    "*.tar",
+    "*.npz",
+    "*.safetensors",
+]
+
+# Forwarded to the job when set on the submitting machine (credentials stay out of the command line).
+FORWARDED_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+)
+
+
+def runtime_env(working_dir: str | None, env: dict[str, str]) -> dict[str, Any]:
+    env_vars = {name: os.environ[name] for name in FORWARDED_ENV if name in os.environ}
+    env_vars.update(env)
+    runtime: dict[str, Any] = {"env_vars": env_vars}
+    if working_dir:
+        runtime["working_dir"] = working_dir
+        runtime["excludes"] = WORKING_DIR_EXCLUDES
+    return runtime
+
+
+def submit(address: str, args: list[str], *, working_dir: str | None, env: dict[str, str], follow: bool) -> str:
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    enable_token_auth_if_available()
+    client = JobSubmissionClient(address)
+    entrypoint = "vitray " + shlex.join(args)
+    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env(working_dir, env))
+    print(f"submitted job {job_id}: {entrypoint}", file=sys.stderr)
+    if not follow:
+        return job_id
+    try:
+        asyncio.run(_tail(client, job_id))
+    except KeyboardInterrupt:
+        print(f"\ndetached; job {job_id} keeps running (`ray job stop {job_id}` stops it)", file=sys.stderr)
+        return job_id
+    status = client.get_job_status(job_id)
+    print(f"job {job_id}: {status.value}", file=sys.stderr)
+    if status != JobStatus.SUCCEEDED:
+        raise SystemExit(1)
+    return job_id
+
+
+async def _tail(client, job_id: str) -> None:
+    async for lines in client.tail_job_logs(job_id):
+        print(lines, end="", flush=True)

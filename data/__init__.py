@@ -1,0 +1,77 @@
+"""vitray.data: dataset sources, shard writing, the epoch plan and the resumable readers.
+
+Prepare once, read anywhere::
+
+    from vitray.data import prepare_dataset, ShardLoader, EvalLoader
+
+    prepare_dataset("builtin:digits", "/tmp/digits")              # or s3://bucket/digits
+    loader = ShardLoader("/tmp/digits", "train", rank=0, world_size=1, batch_size=64,
+                         img_size=32, train=True, seed=0)
+    for batch in loader:                                          # endless; batch.images, .labels
+        ...
+    state = loader.state_dict()                                   # resume with load_state_dict
+
+This package imports nothing else from vitray and never imports ray.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Public name -> module. Imported on first use: preparing shards (e.g. in a Ray task) then does not
+# pay for importing torch and torchvision, which only the readers need.
+_EXPORTS = {
+    "Batch": "batch",
+    "DataConfig": "config",
+    "EvalLoader": "eval_loader",
+    "load_split": "eval_loader",
+    "DatasetInfo": "layout",
+    "ManifestRow": "layout",
+    "SplitInfo": "layout",
+    "read_dataset_info": "layout",
+    "read_manifest": "layout",
+    "ShardLoader": "loader",
+    "EpochPlan": "plan",
+    "ShardRange": "plan",
+    "epoch_plan": "plan",
+    "rank_slots": "plan",
+    "begin_prepare": "prepare",
+    "finalize": "prepare",
+    "prepare_dataset": "prepare",
+    "DEFAULT_MAX_SHARD_BYTES": "shards",
+    "DEFAULT_SAMPLES_PER_SHARD": "shards",
+    "ShardTask": "shards",
+    "plan_shards": "shards",
+    "write_shard": "shards",
+    "Source": "sources",
+    "open_source": "sources",
+    "eval_transform": "transforms",
+    "train_transform": "transforms",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from .batch import Batch
+    from .config import DataConfig
+    from .eval_loader import EvalLoader, load_split
+    from .layout import DatasetInfo, ManifestRow, SplitInfo, read_dataset_info, read_manifest
+    from .loader import ShardLoader
+    from .plan import EpochPlan, ShardRange, epoch_plan, rank_slots
+    from .prepare import begin_prepare, finalize, prepare_dataset
+    from .shards import DEFAULT_MAX_SHARD_BYTES, DEFAULT_SAMPLES_PER_SHARD, ShardTask, plan_shards, write_shard
+    from .sources import Source, open_source
+    from .transforms import eval_transform, train_transform
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

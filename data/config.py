@@ -1,0 +1,34 @@
+"""The data section of a run's config (owned here so `data/` stays self-contained)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .layout import DatasetInfo, read_dataset_info
+
+__all__ = ["DataConfig", "DatasetInfo", "read_dataset_info"]
+
+
+class DataConfig(BaseModel):
+    """Which prepared dataset to read and how (see :class:`vitray.data.ShardLoader`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    train: str = Field(description="Prepared dataset for training: a local folder or s3://bucket/prefix.")
+    train_split: str = "train"
+    val: str | None = Field(None, description="Prepared dataset for validation; the training one when unset.")
+    val_split: str = "test"
+    num_slots: int = Field(
+        8, gt=0, description="Canonical slots of the epoch plan; fixed for a run, divisible by every world size used."
+    )
+    num_workers: int = Field(1, ge=0, description="DataLoader worker processes per rank (0: decode in the trainer).")
+    shuffle_buffer: int = Field(512, gt=0, description="Samples per shuffle window within a slot.")
+    storage_options: dict[str, Any] | None = Field(
+        None, description="fsspec options for remote paths (endpoint and credentials default to the AWS environment)."
+    )
+
+    @property
+    def val_path(self) -> str:
+        return self.val or self.train

@@ -1,0 +1,162 @@
+"""The evaluation reader: one pass over a split, every sample exactly once across ranks.
+
+The split is read in its stored order (shards in manifest order). Rank ``r`` of ``W`` reads the
+contiguous samples ``[r * N // W, (r + 1) * N // W)``, so ranks differ by at most one sample and
+nothing is dropped; batches are consecutive runs of ``batch_size`` samples of that range (the last
+one may be shorter). Worker ``w`` of ``n`` decodes batches ``w, w + n, ...``; batches come out in
+order. Images get the evaluation transform (resize + central crop, see
+:mod:`vitray.data.transforms`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from . import storage
+from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_order
+from .layout import LabelKind, read_dataset_info, read_manifest
+from .plan import ShardRange
+from .reader import SampleStream
+from .transforms import eval_transform
+
+
+@dataclass(frozen=True)
+class _EvalSpec:
+    shard_urls: tuple[str, ...]
+    ranges: tuple[ShardRange, ...]  # the whole split, in stored order
+    first: int  # this rank's samples: [first, stop)
+    stop: int
+    batch_size: int
+    img_size: int
+    label_kind: LabelKind
+    num_classes: int
+    storage_options: dict[str, Any] | None
+
+
+class _EvalStream(IterableDataset):
+    """Yields ``(batch_number, {0: Chunk})`` for this worker's batches."""
+
+    def __init__(self, spec: _EvalSpec) -> None:
+        self.spec = spec
+
+    def __iter__(self) -> Iterator[tuple[int, dict[int, Chunk]]]:
+        spec = self.spec
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        num_batches = -(-(spec.stop - spec.first) // spec.batch_size)
+        mine = range(worker, num_batches, workers)
+        if not mine:
+            return
+        transform, reporter = eval_transform(spec.img_size), SkipReporter()
+        at = spec.first + mine[0] * spec.batch_size
+        stream = SampleStream(spec.shard_urls, spec.ranges, spec.storage_options, start=at)
+        try:
+            for b in mine:
+                first = spec.first + b * spec.batch_size
+                count = min(spec.batch_size, spec.stop - first)
+                stream.skip(first - at)
+                raws = [stream.read(want=True) for _ in range(count)]
+                at = first + count
+                chunk = decode_chunk(
+                    raws,
+                    [None] * count,
+                    transform=transform,
+                    img_size=spec.img_size,
+                    label_kind=spec.label_kind,
+                    num_classes=spec.num_classes,
+                    reporter=reporter,
+                    where=f"evaluation batch {b}",
+                )
+                yield b, {0: chunk}
+        finally:
+            stream.close()
+
+
+class EvalLoader:
+    """One deterministic pass over ``split`` for rank ``rank`` of ``world_size``.
+
+    Iterating it again starts a new pass. ``len(loader)`` is this rank's number of batches.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        split: str,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        batch_size: int,
+        img_size: int,
+        num_workers: int = 1,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
+        if batch_size < 1 or img_size < 1 or num_workers < 0:
+            raise ValueError(
+                f"batch_size and img_size must be positive and num_workers non-negative; got {batch_size}, "
+                f"{img_size}, {num_workers}"
+            )
+        self.info = read_dataset_info(path, storage_options)
+        self.info.split(split)
+        rows = read_manifest(path, split, storage_options)
+        total = sum(r.num_samples for r in rows)
+        self.num_workers = num_workers
+        self._spec = _EvalSpec(
+            shard_urls=tuple(storage.join(path, r.name) for r in rows),
+            ranges=tuple(ShardRange(i, 0, r.num_samples) for i, r in enumerate(rows)),
+            first=rank * total // world_size,
+            stop=(rank + 1) * total // world_size,
+            batch_size=batch_size,
+            img_size=img_size,
+            label_kind=self.info.label_kind,
+            num_classes=self.info.num_classes,
+            storage_options=storage_options,
+        )
+
+    @property
+    def num_samples(self) -> int:
+        """Samples this rank reads (corrupt ones included)."""
+        return self._spec.stop - self._spec.first
+
+    def __len__(self) -> int:
+        return -(-self.num_samples // self._spec.batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        workers = self.num_workers
+        loader = DataLoader(
+            _EvalStream(self._spec), batch_size=None, num_workers=workers, prefetch_factor=2 if workers else None
+        )
+        for number, chunks in in_order(loader, parts_per_item=1):
+            yield concat_chunks(chunks, epoch=0, step=number)
+
+
+def load_split(
+    path: str,
+    split: str,
+    *,
+    img_size: int,
+    batch_size: int = 256,
+    num_workers: int = 0,
+    storage_options: dict[str, Any] | None = None,
+) -> Batch:
+    """A whole (small) split decoded into memory with the evaluation transform, in stored order.
+
+    Meant for few-shot probes and small benchmarks; corrupt samples are left out and counted in
+    ``num_skipped``.
+    """
+    loader = EvalLoader(
+        path, split, batch_size=batch_size, img_size=img_size, num_workers=num_workers, storage_options=storage_options
+    )
+    batches = list(loader)
+    if not batches:
+        multi = loader.info.label_kind == "multi"
+        labels = torch.zeros((0, loader.info.num_classes)) if multi else torch.zeros(0, dtype=torch.int64)
+        return Batch(torch.zeros((0, 3, img_size, img_size)), labels, [], 0)
+    whole = concat_chunks([Chunk(b.images, b.labels, b.keys, b.num_skipped) for b in batches], epoch=0, step=0)
+    return whole

@@ -1,0 +1,144 @@
+"""The on-storage layout of a prepared dataset: ``dataset.json``, shards and manifests.
+
+A prepared dataset is a folder (local or ``s3://``)::
+
+    dataset.json                  written last: its presence means the dataset is complete
+    train-000000.tar ...          webdataset shards, keys like ``train_00000123``
+    train.manifest.parquet        one row per shard: name, num_samples, bytes, sha256
+    test-000000.tar ...
+    test.manifest.parquet
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import storage
+
+FORMAT_VERSION = 1
+DATASET_JSON = "dataset.json"
+SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+$")  # split names become part of keys, which have no dots
+
+LabelKind = Literal["single", "multi"]
+
+
+class SplitInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_samples: int = Field(ge=0)
+    num_shards: int = Field(ge=0)
+
+
+class DatasetInfo(BaseModel):
+    """The content of ``dataset.json``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format_version: int = FORMAT_VERSION
+    name: str
+    source: str
+    classes: list[str]
+    num_classes: int
+    label_kind: LabelKind
+    splits: dict[str, SplitInfo]
+
+    def split(self, name: str) -> SplitInfo:
+        """The split called ``name``, or an error listing the splits there are."""
+        if name not in self.splits:
+            raise KeyError(f"dataset {self.name!r} has no split {name!r}; it has {sorted(self.splits)}")
+        return self.splits[name]
+
+
+@dataclass(frozen=True)
+class ManifestRow:
+    """One shard of a split, as listed in ``SPLIT.manifest.parquet``."""
+
+    name: str
+    num_samples: int
+    bytes: int
+    sha256: str
+
+
+MANIFEST_SCHEMA = pa.schema(
+    [("name", pa.string()), ("num_samples", pa.int64()), ("bytes", pa.int64()), ("sha256", pa.string())]
+)
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}-{index:06d}.tar"
+
+
+def manifest_name(split: str) -> str:
+    return f"{split}.manifest.parquet"
+
+
+def sample_key(split: str, index: int, width: int) -> str:
+    """``train_00000123``: split name and the sample's index in the split, zero-padded."""
+    return f"{split}_{index:0{width}d}"
+
+
+def key_width(num_samples: int) -> int:
+    """Digits of the index in keys: at least 8, more for very large splits, fixed per split."""
+    return max(8, len(str(max(num_samples - 1, 0))))
+
+
+def check_split_name(name: str, where: str) -> str:
+    if not SPLIT_NAME.match(name):
+        raise ValueError(f"split name {name!r} from {where} is not allowed: use letters, digits and _ only")
+    return name
+
+
+def write_manifest(path: str, rows: list[ManifestRow], storage_options: dict[str, Any] | None = None) -> None:
+    table = pa.Table.from_pylist([vars(r) for r in rows], schema=MANIFEST_SCHEMA)
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    storage.write_bytes_atomic(path, buffer.getvalue(), storage_options)
+
+
+def read_manifest(dataset: str, split: str, storage_options: dict[str, Any] | None = None) -> list[ManifestRow]:
+    """The shards of ``split`` in their canonical order."""
+    path = storage.join(dataset, manifest_name(split))
+    try:
+        data = storage.read_bytes(path, storage_options)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no manifest {path}: split {split!r} was not prepared") from None
+    table = pq.read_table(io.BytesIO(data))
+    return [ManifestRow(**row) for row in table.to_pylist()]
+
+
+def write_dataset_info(dataset: str, info: DatasetInfo, storage_options: dict[str, Any] | None = None) -> None:
+    text = json.dumps(info.model_dump(), indent=2, sort_keys=True) + "\n"
+    storage.write_bytes_atomic(storage.join(dataset, DATASET_JSON), text.encode(), storage_options)
+
+
+def read_dataset_info(path: str, storage_options: dict[str, Any] | None = None) -> DatasetInfo:
+    """Read ``dataset.json`` of the prepared dataset at ``path`` (local folder or URL).
+
+    Raises FileNotFoundError when the dataset was not prepared or is still being written (the file
+    is written last), and ValueError when the file is not a vitray dataset description.
+    """
+    json_path = storage.join(path, DATASET_JSON)
+    try:
+        data = storage.read_bytes(json_path, storage_options)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"no {DATASET_JSON} at {path}: not prepared or still being written; "
+            f"run `vitray data prepare SOURCE {path}`"
+        ) from None
+    try:
+        info = DatasetInfo.model_validate_json(data)
+    except ValueError as error:
+        raise ValueError(f"{json_path} is not a valid vitray dataset description: {error}") from None
+    if info.format_version != FORMAT_VERSION:
+        raise ValueError(
+            f"{json_path} has format_version {info.format_version}; this vitray reads version {FORMAT_VERSION}"
+        )
+    return info

@@ -1,0 +1,278 @@
+"""The training reader: endless, exactly resumable, the same number of batches on every rank.
+
+Each rank owns whole slots of the epoch plan (see :mod:`vitray.data.plan`); every batch takes
+``batch_size / slots_per_rank`` consecutive positions from each of the rank's slots. Reading and
+decoding happen in ``torch.utils.data.DataLoader`` worker processes; the work is split so that
+worker ``w`` of ``N`` decodes
+
+- the slots ``w, w + N, ...`` of the rank when ``N <= slots_per_rank``, every batch;
+- otherwise one slot, for every ``g``-th batch (``g = N // slots_per_rank``; workers beyond
+  ``g * slots_per_rank`` stay idle).
+
+The main process puts each batch together in slot order from the workers' chunks, so the batches
+do not depend on ``N``. Progress is counted on that consumer side, as ``(epoch, positions consumed
+per slot)``: :meth:`ShardLoader.state_dict` never includes what workers prefetched but did not
+hand over, and :meth:`ShardLoader.load_state_dict` continues the exact sample sequence with any
+world size (keep the global batch ``batch_size * world_size`` to keep the same batches) and any
+number of workers.
+
+Positions at the end of a slot that do not fill a whole batch are not used in that epoch
+(fewer than ``batch_size / slots_per_rank`` per slot).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from . import storage
+from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_order
+from .layout import LabelKind, read_dataset_info, read_manifest
+from .plan import augment_seed, epoch_plan, rank_slots
+from .slots import SlotReader
+from .transforms import eval_transform, train_transform
+
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Everything a worker needs; plain data, so it pickles into worker processes."""
+
+    shard_urls: tuple[str, ...]
+    shard_sizes: tuple[int, ...]
+    slots: tuple[int, ...]  # the rank's slots, in batch order
+    per_slot: int  # positions taken from each slot per batch
+    num_slots: int
+    seed: int
+    shuffle_buffer: int
+    img_size: int
+    train: bool
+    label_kind: LabelKind
+    num_classes: int
+    num_workers: int
+    storage_options: dict[str, Any] | None
+
+
+class _TrainStream(IterableDataset):
+    """Yields ``(batch_number, {local_slot: Chunk})`` for this worker's share, forever."""
+
+    def __init__(self, spec: _Spec, epoch: int, position: int) -> None:
+        self.spec, self.epoch, self.position = spec, epoch, position
+
+    def _assignment(self) -> tuple[list[int], int, int]:
+        """(local slots this worker decodes, batch stride, batch phase) for this worker."""
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        m = len(self.spec.slots)
+        if workers <= m:
+            return list(range(worker, m, workers)), 1, 0
+        stride = workers // m
+        if worker >= stride * m:
+            return [], stride, 0
+        return [worker % m], stride, worker // m
+
+    def __iter__(self) -> Iterator[tuple[int, dict[int, Chunk]]]:
+        spec = self.spec
+        local_slots, stride, phase = self._assignment()
+        if not local_slots:
+            return
+        transform = train_transform(spec.img_size) if spec.train else eval_transform(spec.img_size)
+        reporter = SkipReporter()
+        epoch, position, batch_number = self.epoch, self.position, 0
+        while True:
+            plan = epoch_plan(spec.seed, epoch, spec.shard_sizes, spec.num_slots)
+            batches = (plan.slot_size - position) // spec.per_slot
+            first_batch = batch_number
+
+            def wanted(p: int, position: int = position, first_batch: int = first_batch) -> bool:
+                return (first_batch + (p - position) // spec.per_slot) % stride == phase
+
+            stop = position + batches * spec.per_slot
+            readers = {
+                i: SlotReader(
+                    spec.shard_urls,
+                    plan,
+                    spec.slots[i],
+                    shuffle_buffer=spec.shuffle_buffer,
+                    start=position,
+                    stop=stop,
+                    wanted=wanted,
+                    storage_options=spec.storage_options,
+                )
+                for i in local_slots
+            }
+            try:
+                for b in range(batches):
+                    if (batch_number + b) % stride != phase:
+                        continue
+                    first = position + b * spec.per_slot
+                    chunks = {}
+                    for i, reader in readers.items():
+                        slot = spec.slots[i]
+                        positions = range(first, first + spec.per_slot)
+                        raws = [reader.take(p) for p in positions]
+                        seeds = [augment_seed(spec.seed, epoch, slot, p) if spec.train else None for p in positions]
+                        chunks[i] = decode_chunk(
+                            raws,
+                            seeds,
+                            transform=transform,
+                            img_size=spec.img_size,
+                            label_kind=spec.label_kind,
+                            num_classes=spec.num_classes,
+                            reporter=reporter,
+                            where=f"epoch {epoch} slot {slot}",
+                        )
+                    yield batch_number + b, chunks
+            finally:
+                for reader in readers.values():
+                    reader.close()
+            batch_number += batches
+            epoch, position = epoch + 1, 0
+
+
+class ShardLoader:
+    """Endless, resumable training batches from a prepared dataset split, for one rank.
+
+    Args:
+        path: the prepared dataset (local folder or ``s3://...``).
+        split: the split to read (e.g. ``"train"``).
+        rank, world_size: this rank among the data-parallel ranks; ``num_slots % world_size == 0``.
+        batch_size: samples per batch on this rank; a multiple of ``num_slots // world_size``.
+        img_size: output resolution.
+        train: random crop + flip (True) or resize + central crop (False).
+        seed: the data seed (shard order, shuffle windows, augmentation).
+        num_slots: canonical slots; fixed for a run (it bounds the world sizes usable on resume).
+        num_workers: DataLoader worker processes reading and decoding (0: in this process).
+        shuffle_buffer: samples per shuffle window within a slot.
+        storage_options: fsspec options for remote paths.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        split: str,
+        *,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        img_size: int,
+        train: bool,
+        seed: int,
+        num_slots: int = 8,
+        num_workers: int = 1,
+        shuffle_buffer: int = 512,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        slots = rank_slots(rank, world_size, num_slots)
+        if batch_size < 1 or batch_size % len(slots):
+            raise ValueError(
+                f"batch_size={batch_size} must be a positive multiple of the rank's {len(slots)} slots "
+                f"(num_slots={num_slots} / world_size={world_size}): every batch takes the same number of "
+                "samples from each slot"
+            )
+        for name, value in (("img_size", img_size), ("shuffle_buffer", shuffle_buffer)):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if num_workers < 0 or seed < 0:
+            raise ValueError(f"num_workers and seed must be non-negative, got {num_workers} and {seed}")
+        self.info = read_dataset_info(path, storage_options)
+        split_info = self.info.split(split)
+        rows = read_manifest(path, split, storage_options)
+        self.path, self.split, self.rank, self.world_size = path, split, rank, world_size
+        self.batch_size = batch_size
+        self._spec = _Spec(
+            shard_urls=tuple(storage.join(path, r.name) for r in rows),
+            shard_sizes=tuple(r.num_samples for r in rows),
+            slots=tuple(slots),
+            per_slot=batch_size // len(slots),
+            num_slots=num_slots,
+            seed=seed,
+            shuffle_buffer=shuffle_buffer,
+            img_size=img_size,
+            train=train,
+            label_kind=self.info.label_kind,
+            num_classes=self.info.num_classes,
+            num_workers=num_workers,
+            storage_options=storage_options,
+        )
+        self.slot_size = epoch_plan(seed, 0, self._spec.shard_sizes, num_slots).slot_size
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"split {split!r} has {split_info.num_samples} samples: too few for {num_slots} slots of "
+                f"{self._spec.per_slot} samples per batch; use a smaller batch_size or num_slots"
+            )
+        self._epoch, self._position = 0, 0
+        self._yielded, self._skipped = 0, 0
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Batches per epoch (the same on every rank)."""
+        return self.slot_size // self._spec.per_slot
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counts since this loader was created: samples yielded and corrupt samples skipped."""
+        return {"samples": self._yielded, "skipped": self._skipped}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch handed to the caller."""
+        spec = self._spec
+        return {
+            "version": STATE_VERSION,
+            "epoch": self._epoch,
+            "consumed_per_slot": self._position,
+            "seed": spec.seed,
+            "num_slots": spec.num_slots,
+            "shuffle_buffer": spec.shuffle_buffer,
+            "num_samples": sum(spec.shard_sizes),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``; takes effect at the next ``iter(loader)``.
+
+        The seed, slot count, shuffle buffer and dataset must be those of the saved run: they define
+        which sample sits at which position. World size, batch size and workers may differ.
+        """
+        spec = self._spec
+        mine = {"seed": spec.seed, "num_slots": spec.num_slots, "shuffle_buffer": spec.shuffle_buffer,
+                "num_samples": sum(spec.shard_sizes)}  # fmt: skip
+        for key, value in mine.items():
+            if state.get(key) != value:
+                raise ValueError(
+                    f"cannot resume the data stream: saved {key}={state.get(key)!r} but this loader has "
+                    f"{key}={value!r}; seed, num_slots, shuffle_buffer and the dataset must stay the same"
+                )
+        epoch, position = int(state["epoch"]), int(state["consumed_per_slot"])
+        if epoch < 0 or not 0 <= position <= self.slot_size:
+            raise ValueError(f"bad loader state: epoch={epoch}, consumed_per_slot={position}")
+        self._epoch, self._position = epoch, position
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self._position + self._spec.per_slot > self.slot_size:  # the epoch has no whole batch left
+            self._epoch, self._position = self._epoch + 1, 0
+        dataset = _TrainStream(self._spec, self._epoch, self._position)
+        workers = self._spec.num_workers
+        loader = DataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=workers,
+            prefetch_factor=2 if workers else None,
+            persistent_workers=False,
+        )
+        for _, chunks in in_order(loader, parts_per_item=len(self._spec.slots)):
+            batch = concat_chunks(chunks, epoch=self._epoch, step=self._position // self._spec.per_slot)
+            self._position += self._spec.per_slot
+            if self._position + self._spec.per_slot > self.slot_size:
+                self._epoch, self._position = self._epoch + 1, 0
+            self._yielded += len(batch)
+            self._skipped += batch.num_skipped
+            yield batch

@@ -1,0 +1,108 @@
+"""The epoch plan: which sample each rank reads at each position, as a pure function.
+
+For one epoch, given (seed, epoch, the shard sizes from the manifest, a fixed number of canonical
+slots):
+
+1. the shards are permuted with ``numpy.random.default_rng([seed, epoch])``;
+2. the stream of their samples, in that order, is cut into ``num_slots`` contiguous slots of
+   ``floor(total / num_slots)`` samples each. The ``total % num_slots`` samples at the end of the
+   stream are **dropped for this epoch**; since the shard order changes every epoch, different
+   samples are dropped each time, and none systematically;
+3. within a slot, consecutive windows of ``shuffle_buffer`` samples are permuted with
+   ``default_rng([seed, epoch, slot, window])``, so the sample at any position of a slot is known
+   without reading anything before its window (resuming needs no history);
+4. rank ``r`` of ``W`` owns slots ``r, r + W, r + 2W, ...`` (``num_slots`` must be divisible by
+   ``W``), and all slots advance in lock-step.
+
+The training progress is therefore one number per epoch: the samples consumed per slot. It means
+the same thing for any number of ranks or loader workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+AUGMENT_TAG = 0x5EED  # keeps per-sample augmentation seeds apart from the shuffle seeds
+
+
+@dataclass(frozen=True)
+class ShardRange:
+    """Samples ``[start, stop)`` of shard number ``shard`` (its index in the manifest)."""
+
+    shard: int
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    seed: int
+    epoch: int
+    slot_size: int  # samples per slot this epoch
+    slots: tuple[tuple[ShardRange, ...], ...]
+    dropped: int  # samples left out of this epoch (fewer than num_slots)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots)
+
+
+def _check_seed(seed: int, epoch: int) -> None:
+    if seed < 0 or epoch < 0:
+        raise ValueError(f"seed and epoch must be non-negative integers, got seed={seed}, epoch={epoch}")
+
+
+def epoch_plan(seed: int, epoch: int, shard_sizes: Sequence[int], num_slots: int) -> EpochPlan:
+    """The slots of ``epoch``: each a list of shard ranges, together ``slot_size`` samples long."""
+    _check_seed(seed, epoch)
+    if num_slots < 1:
+        raise ValueError(f"num_slots must be at least 1, got {num_slots}")
+    total = int(sum(shard_sizes))
+    slot_size = total // num_slots
+    if slot_size == 0:
+        raise ValueError(f"the split has {total} samples, fewer than num_slots={num_slots}; use fewer slots")
+    order = np.random.default_rng([seed, epoch]).permutation(len(shard_sizes))
+    slots: list[tuple[ShardRange, ...]] = []
+    current: list[ShardRange] = []
+    room = slot_size
+    for shard in order.tolist():
+        offset, size = 0, int(shard_sizes[shard])
+        while offset < size and len(slots) < num_slots:
+            take = min(room, size - offset)
+            current.append(ShardRange(shard, offset, offset + take))
+            offset += take
+            room -= take
+            if room == 0:
+                slots.append(tuple(current))
+                current, room = [], slot_size
+    return EpochPlan(seed, epoch, slot_size, tuple(slots), total - slot_size * num_slots)
+
+
+def rank_slots(rank: int, world_size: int, num_slots: int) -> list[int]:
+    """The slots rank ``rank`` of ``world_size`` owns: ``rank, rank + world_size, ...``."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
+    if num_slots % world_size:
+        divisors = [d for d in range(1, num_slots + 1) if num_slots % d == 0]
+        raise ValueError(
+            f"num_slots={num_slots} is not divisible by world_size={world_size}; ranks own whole slots, "
+            f"so world_size must be one of {divisors} (or choose num_slots as a multiple of the world size)"
+        )
+    return list(range(rank, num_slots, world_size))
+
+
+def window_order(seed: int, epoch: int, slot: int, window: int, length: int) -> np.ndarray:
+    """Permutation of one shuffle window: position ``window_start + i`` reads stream offset
+    ``window_start + window_order(...)[i]``."""
+    return np.random.default_rng([seed, epoch, slot, window]).permutation(length)
+
+
+def augment_seed(seed: int, epoch: int, slot: int, position: int) -> int:
+    """Seed of the random augmentation of the sample at ``position`` of ``slot`` in ``epoch``."""
+    return int(np.random.SeedSequence([seed, epoch, slot, position, AUGMENT_TAG]).generate_state(1)[0])

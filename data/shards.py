@@ -1,0 +1,162 @@
+"""Writing webdataset shards: the unit of work of ``vitray data prepare``.
+
+:func:`plan_shards` cuts every split of a source into :class:`ShardTask` objects (picklable, small)
+and :func:`write_shard` turns one into ``SPLIT-NNNNNN.tar``, returning its manifest row. Tasks are
+independent, so any executor can run them (``map``, a process pool, Ray tasks).
+
+Shards are byte-for-byte reproducible: members are written in sample order, image then label, with
+fixed metadata (mtime 0, uid/gid 0, no user names, mode 0444) in the POSIX ustar format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+from dataclasses import dataclass
+from typing import IO, Any
+
+import numpy as np
+
+from . import storage
+from .layout import LabelKind, ManifestRow, check_split_name, key_width, sample_key, shard_name
+from .sources import SampleChunk, Source
+
+DEFAULT_SAMPLES_PER_SHARD = 1000
+DEFAULT_MAX_SHARD_BYTES = 256 * 1024 * 1024
+TAR_MEMBER_OVERHEAD = 3 * 512  # two member headers and padding, per sample
+PREPARE_SHUFFLE_SEED = 0
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """Everything needed to write one shard, without access to the source object."""
+
+    split: str
+    index: int  # shard number within the split
+    first_sample: int  # position of the shard's first sample in the split's stored order
+    num_samples: int
+    key_width: int
+    num_classes: int
+    label_kind: LabelKind
+    chunk: SampleChunk
+
+    @property
+    def name(self) -> str:
+        return shard_name(self.split, self.index)
+
+
+def plan_shards(
+    source: Source,
+    *,
+    samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[ShardTask]:
+    """Cut every split of ``source`` into shards of at most ``samples_per_shard`` samples and about
+    ``max_shard_bytes`` bytes (exact for files, estimated for Parquet/CIFAR; a single larger sample
+    gets a shard of its own).
+
+    Random-access sources are stored in a fixed shuffled order (``default_rng(0)``), so that every
+    shard mixes classes; sequential sources (Parquet) keep their order.
+    """
+    if samples_per_shard < 1:
+        raise ValueError(f"samples_per_shard must be at least 1, got {samples_per_shard}")
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be at least 1, got {max_shard_bytes}")
+    tasks = []
+    for split, size in source.split_sizes().items():
+        check_split_name(split, source.spec)
+        order = np.arange(size)
+        if source.random_access:
+            order = np.random.default_rng([PREPARE_SHUFFLE_SEED, _stable_id(split)]).permutation(size)
+        sizes = source.sample_nbytes(split)[order] + TAR_MEMBER_OVERHEAD
+        width = key_width(size)
+        for index, (start, stop) in enumerate(_cut(sizes, samples_per_shard, max_shard_bytes)):
+            tasks.append(
+                ShardTask(
+                    split=split,
+                    index=index,
+                    first_sample=start,
+                    num_samples=stop - start,
+                    key_width=width,
+                    num_classes=len(source.classes),
+                    label_kind=source.label_kind,
+                    chunk=source.chunk(split, order[start:stop].tolist()),
+                )
+            )
+    return tasks
+
+
+def _stable_id(text: str) -> int:
+    # Python's hash() of a str changes between processes; the shuffle must not.
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+
+
+def _cut(sizes: np.ndarray, max_samples: int, max_bytes: int) -> list[tuple[int, int]]:
+    ranges, start, n = [], 0, len(sizes)
+    while start < n:
+        stop = min(start + max_samples, n)
+        over = np.nonzero(np.cumsum(sizes[start:stop]) > max_bytes)[0]
+        if len(over):
+            stop = start + max(int(over[0]), 1)
+        ranges.append((start, stop))
+        start = stop
+    return ranges
+
+
+class _HashingWriter:
+    """Counts and hashes the bytes tarfile writes, on their way to the real file."""
+
+    def __init__(self, target: IO[bytes]) -> None:
+        self.target, self.sha256, self.size = target, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self.target.write(data)
+
+    def tell(self) -> int:
+        return self.size
+
+
+def _member(name: str, data: bytes) -> tuple[tarfile.TarInfo, IO[bytes]]:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), 0, 0o444
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info, io.BytesIO(data)
+
+
+def label_member(task: ShardTask, label: int | tuple[int, ...], key: str) -> tuple[str, bytes]:
+    """The label field of a sample: ``.cls`` (decimal text) or ``.json`` ``{"labels": [...]}``."""
+    labels = [label] if isinstance(label, int) else list(label)
+    if task.label_kind == "single" and not isinstance(label, int):
+        raise ValueError(f"{key}: single-label dataset but the label is {label!r}")
+    bad = [v for v in labels if not 0 <= int(v) < task.num_classes]
+    if bad:
+        raise ValueError(f"{key}: label {bad[0]} is outside the classes 0..{task.num_classes - 1}")
+    if task.label_kind == "single":
+        return "cls", str(int(label)).encode()  # type: ignore[arg-type]
+    return "json", json.dumps({"labels": sorted({int(v) for v in labels})}, separators=(",", ":")).encode()
+
+
+def write_shard(task: ShardTask, dest: str, storage_options: dict[str, Any] | None = None) -> ManifestRow:
+    """Write the shard of ``task`` into the dataset folder ``dest``; returns its manifest row.
+
+    The shard appears under its final name only when complete (see :func:`storage.atomic_write`).
+    """
+    path = storage.join(dest, task.name)
+    with storage.atomic_write(path, storage_options) as f:
+        out = _HashingWriter(f)
+        with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:  # type: ignore[call-overload]
+            count = 0
+            for sample in task.chunk:
+                key = sample_key(task.split, task.first_sample + count, task.key_width)
+                label_ext, label_bytes = label_member(task, sample.label, key)
+                tar.addfile(*_member(f"{key}.{sample.ext}", sample.image))
+                tar.addfile(*_member(f"{key}.{label_ext}", label_bytes))
+                count += 1
+        if count != task.num_samples:
+            raise RuntimeError(f"{task.name}: the source gave {count} samples, expected {task.num_samples}")
+    return ManifestRow(name=task.name, num_samples=count, bytes=out.size, sha256=out.sha256.hexdigest())

@@ -1,0 +1,103 @@
+"""``imagefolder:PATH``: one folder per class, optionally under ``train/``, ``val/``, ``test/``.
+
+Layouts::
+
+    PATH/CLASS/IMAGE.jpg                      -> one split, "train"
+    PATH/{train,val,test}/CLASS/IMAGE.jpg     -> the splits that are present
+
+Classes are the sorted union of class folder names over all splits (so a class index means the
+same in every split). Images may sit in nested folders under their class folder. Hidden files and
+files that are not images are ignored; GIF/BMP/TIFF/WEBP images are an error (shards hold the
+original PNG/JPEG bytes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .sources import IMAGE_SUFFIXES, UNSUPPORTED_IMAGE_SUFFIXES, Sample, SampleChunk, Source, image_ext
+
+log = logging.getLogger(__name__)
+
+SPLIT_FOLDERS = ("train", "val", "test")
+
+
+class ImageFolderChunk(SampleChunk):
+    def __init__(self, files: list[tuple[str, int]]) -> None:
+        self.files = files
+
+    def __iter__(self) -> Iterator[Sample]:
+        for path, label in self.files:
+            data = Path(path).read_bytes()
+            yield Sample(image=data, ext=image_ext(data, path), label=label)
+
+
+class ImageFolderSource(Source):
+    kind = "imagefolder"
+
+    def __init__(self, root: Path, split_files: dict[str, list[tuple[str, int, int]]], classes: list[str]) -> None:
+        super().__init__(f"{self.kind}:{root}", root.name, classes, "single")
+        self.split_files = split_files  # split -> [(path, label, size)]
+
+    @classmethod
+    def open(cls, location: str) -> ImageFolderSource:
+        root = Path(location).expanduser().resolve()
+        if not root.is_dir():
+            raise FileNotFoundError(f"imagefolder source {root} is not a folder")
+        split_roots = {s: root / s for s in SPLIT_FOLDERS if (root / s).is_dir()} or {"train": root}
+        class_dirs = {split: _class_folders(folder) for split, folder in split_roots.items()}
+        classes = sorted({name for names in class_dirs.values() for name in names})
+        if not classes:
+            raise ValueError(f"imagefolder source {root} has no class folders (expected PATH/CLASS/IMAGE.jpg)")
+        index = {name: i for i, name in enumerate(classes)}
+        split_files = {
+            split: [
+                (path, index[name], size)
+                for name in sorted(class_dirs[split])
+                for path, size in _image_files(split_roots[split] / name)
+            ]
+            for split in split_roots
+        }
+        for split, files in split_files.items():
+            if not files:
+                raise ValueError(f"imagefolder split {split!r} at {split_roots[split]} has no PNG/JPEG images")
+        return cls(root, split_files, classes)
+
+    def split_sizes(self) -> dict[str, int]:
+        return {split: len(files) for split, files in self.split_files.items()}
+
+    def sample_nbytes(self, split: str) -> np.ndarray:
+        return np.array([size for _, _, size in self.split_files[split]], dtype=np.int64)
+
+    def chunk(self, split: str, indices: Sequence[int]) -> ImageFolderChunk:
+        files = self.split_files[split]
+        return ImageFolderChunk([(files[i][0], files[i][1]) for i in indices])
+
+
+def _class_folders(folder: Path) -> list[str]:
+    return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
+
+
+def _image_files(class_dir: Path) -> list[tuple[str, int]]:
+    """(path, size) of the images under ``class_dir``, recursively, in sorted path order."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(class_dir, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in filenames:
+            suffix = os.path.splitext(name)[1].lower()
+            if name.startswith(".") or suffix not in IMAGE_SUFFIXES:
+                if suffix in UNSUPPORTED_IMAGE_SUFFIXES:
+                    raise ValueError(
+                        f"{os.path.join(dirpath, name)}: {suffix} images are not supported; "
+                        "convert them to PNG or JPEG (shards keep the original bytes)"
+                    )
+                continue
+            path = os.path.join(dirpath, name)
+            found.append((path, os.stat(path).st_size))
+    found.sort()
+    return found

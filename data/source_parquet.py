@@ -1,0 +1,151 @@
+"""``parquet:PATH``: Parquet image tables in the Hugging Face ``datasets`` layout.
+
+PATH is a ``.parquet`` file or a folder searched recursively. Each table has an ``image`` struct
+column ``{bytes, path}`` (the encoded image) and a ``label`` column: an integer, or a list of
+integers for multi-label data. The split is the file name up to its first ``-``
+(``train-00000-of-00004.parquet`` -> ``train``, ``test.parquet`` -> ``test``). Class names come
+from the ``huggingface`` schema metadata (a ``ClassLabel`` feature) when present, else they are
+``"0" .. "K-1"`` with K one more than the largest label.
+
+Rows are read sequentially, in file-name order then row order; the table's order is kept (tables
+published on the Hugging Face hub are usually already shuffled).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from .layout import check_split_name
+from .sources import Sample, SampleChunk, Source, image_ext
+
+
+class ParquetChunk(SampleChunk):
+    """Rows ``[start, stop)`` of the concatenation of ``files``."""
+
+    def __init__(self, files: list[str], offsets: list[int], start: int, stop: int) -> None:
+        self.files, self.offsets, self.start, self.stop = files, offsets, start, stop
+
+    def __iter__(self) -> Iterator[Sample]:
+        for file_no, path in enumerate(self.files):
+            file_start = self.offsets[file_no]
+            file_rows = pq.ParquetFile(path).metadata.num_rows
+            lo, hi = max(self.start - file_start, 0), min(self.stop - file_start, file_rows)
+            if lo < hi:
+                yield from _read_rows(path, lo, hi)
+
+
+def _read_rows(path: str, lo: int, hi: int) -> Iterator[Sample]:
+    reader = pq.ParquetFile(path)
+    first = 0
+    for group in range(reader.num_row_groups):
+        rows = reader.metadata.row_group(group).num_rows
+        if first < hi and first + rows > lo:
+            table = reader.read_row_group(group, columns=["image", "label"])
+            for row in range(max(lo - first, 0), min(hi - first, rows)):
+                image = table.column("image")[row].as_py()
+                label = table.column("label")[row].as_py()
+                where = f"{path} row {first + row}"
+                if not image or image.get("bytes") is None:
+                    raise ValueError(f"{where} has no image bytes (images must be embedded, not referenced by path)")
+                if label is None:
+                    raise ValueError(f"{where} has no label")
+                data = image["bytes"]
+                yield Sample(data, image_ext(data, image.get("path") or ""), tuple(label) if isinstance(label, list) else label)
+        first += rows
+
+
+class ParquetSource(Source):
+    kind = "parquet"
+    random_access = False
+
+    def __init__(self, root: Path, classes: list[str], multi: bool, files: dict[str, list[str]]) -> None:
+        super().__init__(f"{self.kind}:{root}", root.stem if root.is_file() else root.name, classes,
+                         "multi" if multi else "single")
+        self.files = files
+        self.rows = {split: [pq.ParquetFile(f).metadata.num_rows for f in paths] for split, paths in files.items()}
+
+    @classmethod
+    def open(cls, location: str) -> ParquetSource:
+        root = Path(location).expanduser().resolve()
+        paths = [root] if root.is_file() else sorted(root.rglob("*.parquet"))
+        if not paths:
+            raise FileNotFoundError(f"parquet source {root}: no .parquet files there")
+        files: dict[str, list[str]] = defaultdict(list)
+        for path in paths:
+            files[check_split_name(path.name.split(".")[0].split("-")[0], str(path))].append(str(path))
+        schema = pq.read_schema(paths[0])
+        multi = _check_schema(schema, paths[0])
+        for path in paths[1:]:
+            if _check_schema(pq.read_schema(path), path) != multi:
+                raise ValueError(f"{path}: label type differs from {paths[0]} (single- vs multi-label)")
+        classes = _class_names(schema) or _numbered_classes(paths, multi)
+        return cls(root, classes, multi, dict(files))
+
+    def split_sizes(self) -> dict[str, int]:
+        return {split: sum(rows) for split, rows in self.rows.items()}
+
+    def sample_nbytes(self, split: str) -> np.ndarray:
+        # Estimated per row group from the stored size of the image bytes column: reading the
+        # images only to measure them would double the work of preparing.
+        sizes = []
+        for path in self.files[split]:
+            meta = pq.ParquetFile(path).metadata
+            for group in range(meta.num_row_groups):
+                rg = meta.row_group(group)
+                column = next(rg.column(c) for c in range(rg.num_columns) if rg.column(c).path_in_schema == "image.bytes")
+                sizes.append(np.full(rg.num_rows, column.total_uncompressed_size // max(rg.num_rows, 1)))
+        return np.concatenate(sizes).astype(np.int64) if sizes else np.zeros(0, np.int64)
+
+    def chunk(self, split: str, indices: Sequence[int]) -> ParquetChunk:
+        start, stop = int(indices[0]), int(indices[-1]) + 1
+        if stop - start != len(indices) or any(int(b) - int(a) != 1 for a, b in zip(indices, indices[1:])):
+            raise ValueError("parquet sources read contiguous ascending index ranges only")
+        offsets = [0, *np.cumsum(self.rows[split]).tolist()[:-1]]
+        return ParquetChunk(self.files[split], offsets, start, stop)
+
+
+def _check_schema(schema: pa.Schema, path: Path) -> bool:
+    """Validate the Hugging Face image layout; True when labels are lists (multi-label)."""
+    names = schema.names
+    if "image" not in names or "label" not in names:
+        raise ValueError(f"{path}: expected columns 'image' (struct of bytes, path) and 'label'; found {names}")
+    image = schema.field("image").type
+    if not pa.types.is_struct(image) or image.get_field_index("bytes") < 0:
+        raise ValueError(f"{path}: column 'image' must be a struct with a 'bytes' field, not {image}")
+    label = schema.field("label").type
+    if pa.types.is_integer(label):
+        return False
+    if (pa.types.is_list(label) or pa.types.is_large_list(label)) and pa.types.is_integer(label.value_type):
+        return True
+    raise ValueError(f"{path}: column 'label' must be an integer or a list of integers, not {label}")
+
+
+def _class_names(schema: pa.Schema) -> list[str] | None:
+    meta = (schema.metadata or {}).get(b"huggingface")
+    if not meta:
+        return None
+    feature: Any = json.loads(meta).get("info", {}).get("features", {}).get("label", {})
+    if feature.get("_type") in ("Sequence", "List", "LargeList"):
+        feature = feature.get("feature", {})
+    names = feature.get("names") if feature.get("_type") == "ClassLabel" else None
+    return [str(n) for n in names] if names else None
+
+
+def _numbered_classes(paths: list[Path], multi: bool) -> list[str]:
+    largest = -1
+    for path in paths:
+        labels = pq.read_table(path, columns=["label"]).column("label")
+        if multi:
+            labels = pc.list_flatten(labels)
+        if len(labels):
+            largest = max(largest, pc.max(labels).as_py() or 0)
+    return [str(i) for i in range(largest + 1)]

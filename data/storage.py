@@ -1,0 +1,185 @@
+"""One way to reach local and object-storage paths: fsspec, with bounded retries.
+
+Every part of vitray opens dataset, checkpoint and report paths through this module, so that a
+path is either a local folder or a URL such as ``s3://bucket/prefix`` and nothing else needs to
+know which.
+
+S3 endpoint and credentials come from the standard AWS configuration: environment variables
+(``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL`` /
+``AWS_ENDPOINT_URL_S3``, ``AWS_DEFAULT_REGION``), ``~/.aws/config`` profiles or an instance role.
+s3fs passes them to botocore, which reads ``AWS_ENDPOINT_URL[_S3]`` by itself, so an S3-compatible
+store (MinIO, moto, Ceph) works without extra options. ``storage_options`` (the keyword arguments of
+the fsspec filesystem, e.g. ``{"endpoint_url": ...}``) override them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import posixpath
+import random
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import IO, Any, TypeVar
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Streamed shard reads fetch this much per request: large enough that skipping small tar members
+# stays inside the read-ahead buffer instead of costing one request per member.
+READ_BLOCK_SIZE = 8 * 1024 * 1024
+
+
+def is_remote(path: str) -> bool:
+    """True for URLs with a protocol other than the local filesystem (``s3://``, ``gs://``, ...)."""
+    protocol, _ = fsspec.core.split_protocol(str(path))
+    return protocol not in (None, "file", "local")
+
+
+def filesystem(path: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem for ``path`` and the path as that filesystem names it."""
+    return fsspec.core.url_to_fs(str(path), **(storage_options or {}))
+
+
+def join(base: str, *names: str) -> str:
+    """Join path parts with ``/``, keeping a URL's protocol (``s3://b/p`` + ``x`` -> ``s3://b/p/x``)."""
+    base = str(base)
+    if is_remote(base):
+        protocol, rest = fsspec.core.split_protocol(base)
+        return f"{protocol}://" + posixpath.join(rest, *names)
+    return os.path.join(base, *names)
+
+
+def exists(path: str, storage_options: dict[str, Any] | None = None) -> bool:
+    fs, fs_path = filesystem(path, storage_options)
+    return fs.exists(fs_path)
+
+
+def open_file(
+    path: str,
+    mode: str = "rb",
+    storage_options: dict[str, Any] | None = None,
+    *,
+    block_size: int | None = None,
+) -> IO[Any]:
+    """Open ``path`` (local or URL) as a file object; remote reads use a read-ahead cache.
+
+    Raises :class:`FileNotFoundError` naming the path when it does not exist.
+    """
+    fs, fs_path = filesystem(path, storage_options)
+    kwargs: dict[str, Any] = {}
+    if not isinstance(fs, LocalFileSystem) and "r" in mode:
+        kwargs = {"block_size": block_size or READ_BLOCK_SIZE, "cache_type": "readahead"}
+    try:
+        return fs.open(fs_path, mode, **kwargs)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"{path} does not exist") from error
+
+
+def read_bytes(path: str, storage_options: dict[str, Any] | None = None) -> bytes:
+    """The whole content of a (small) file, with retries on transient errors."""
+
+    def read() -> bytes:
+        with open_file(path, "rb", storage_options) as f:
+            return f.read()
+
+    return with_retries(read, what=f"reading {path}")
+
+
+def write_bytes_atomic(path: str, data: bytes, storage_options: dict[str, Any] | None = None) -> None:
+    """Write ``data`` so that readers see either no file or the whole file, never a prefix."""
+    with atomic_write(path, storage_options) as f:
+        f.write(data)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str, storage_options: dict[str, Any] | None = None) -> Iterator[IO[bytes]]:
+    """A binary file to write ``path`` through; it appears at ``path`` only once the block succeeds.
+
+    Locally the data goes to a hidden temporary file beside the target, renamed into place at the
+    end (a rename is atomic within one filesystem). For object storage it goes to a local temporary
+    file that is then uploaded (an object only becomes visible once its upload completes) and the
+    stored size is checked against the local one. If the block raises, nothing is published.
+    """
+    fs, fs_path = filesystem(path, storage_options)
+    local = isinstance(fs, LocalFileSystem)
+    if local:
+        parent = os.path.dirname(os.path.abspath(fs_path))
+        os.makedirs(parent, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(fs_path)}.", suffix=".tmp", dir=parent)
+    else:
+        fd, tmp = tempfile.mkstemp(prefix="vitray-upload-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+        if local:
+            os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; published files are world-readable
+            os.replace(tmp, fs_path)
+        else:
+            _upload_verified(fs, tmp, fs_path, what=path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def _upload_verified(fs: fsspec.AbstractFileSystem, local_path: str, fs_path: str, *, what: str) -> None:
+    size = os.path.getsize(local_path)
+
+    def upload() -> None:
+        fs.put_file(local_path, fs_path)
+        stored = fs.info(fs_path)["size"]
+        if stored != size:
+            raise OSError(f"uploaded {what} has {stored} bytes, expected {size}")
+
+    with_retries(upload, what=f"uploading {what}")
+
+
+def remove(path: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Delete a file if it exists."""
+    fs, fs_path = filesystem(path, storage_options)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(fs_path)
+
+
+def list_names(folder: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Base names of the files directly inside ``folder`` (empty when it does not exist)."""
+    fs, fs_path = filesystem(folder, storage_options)
+    try:
+        entries = fs.ls(fs_path, detail=False)
+    except FileNotFoundError:
+        return []
+    return sorted(posixpath.basename(str(e).rstrip("/")) for e in entries)
+
+
+def is_transient(error: BaseException) -> bool:
+    """Errors worth retrying: I/O and timeouts, but not a missing file or a permission problem."""
+    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    return isinstance(error, (OSError, TimeoutError, ConnectionError))
+
+
+def with_retries(
+    fn: Callable[[], T],
+    *,
+    what: str,
+    attempts: int = 5,
+    base_delay: float = 0.5,
+    max_delay: float = 20.0,
+) -> T:
+    """Call ``fn`` until it succeeds, retrying transient errors with jittered exponential backoff."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except Exception as error:  # noqa: BLE001 - filtered by is_transient just below
+            if attempt == attempts or not is_transient(error):
+                raise
+            delay = min(max_delay, base_delay * 2 ** (attempt - 1)) * (0.5 + random.random())
+            log.warning("%s failed (%s); retry %d/%d in %.1fs", what, error, attempt, attempts - 1, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")

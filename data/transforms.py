@@ -1,0 +1,116 @@
+"""Decoding and augmentation of one sample (torchvision v2 transforms on PIL images).
+
+- train: ``RandomResizedCrop(img_size, scale=(0.05, 1.0))`` (the "inception crop" of the ViT
+  paper's pre-training) and a horizontal flip;
+- eval: the shorter side resized to ``round(img_size / 0.875)`` then a central ``img_size`` crop
+  (256 -> 224, the usual ImageNet evaluation); images whose shorter side is at most ``img_size``
+  (CIFAR, digits) are simply resized to ``img_size x img_size``, since cropping a small image
+  would only lose content;
+- both: RGB (grayscale and palette images are converted), float32 in ``[-1, 1]``.
+
+Training randomness comes from a seed per sample (see :func:`vitray.data.plan.augment_seed`), so
+a resumed run crops and flips every sample exactly as the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from PIL import Image
+from torchvision.transforms import v2
+
+from .layout import LabelKind
+
+EVAL_CROP_FRACTION = 0.875
+TRAIN_CROP_SCALE = (0.05, 1.0)
+IMAGE_FIELDS = ("jpg", "jpeg", "png")
+
+Transform = Callable[[Image.Image], torch.Tensor]
+
+
+class CorruptSample(Exception):
+    """A sample that cannot be decoded; the loaders skip it and count it."""
+
+
+_to_model_input = v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize([0.5] * 3, [0.5] * 3)])
+
+
+def train_transform(img_size: int) -> Transform:
+    return v2.Compose(
+        [
+            v2.RandomResizedCrop(img_size, scale=TRAIN_CROP_SCALE, antialias=True),
+            v2.RandomHorizontalFlip(),
+            _to_model_input,
+        ]
+    )
+
+
+def eval_transform(img_size: int) -> Transform:
+    small = v2.Compose([v2.Resize((img_size, img_size), antialias=True), _to_model_input])
+    large = v2.Compose(
+        [
+            v2.Resize(round(img_size / EVAL_CROP_FRACTION), antialias=True),
+            v2.CenterCrop(img_size),
+            _to_model_input,
+        ]
+    )
+
+    def transform(image: Image.Image) -> torch.Tensor:
+        return small(image) if min(image.size) <= img_size else large(image)
+
+    return transform
+
+
+def decode_image(data: bytes) -> Image.Image:
+    """Decode encoded bytes into an RGB image; CorruptSample if they are not a readable image."""
+    try:
+        image = Image.open(io.BytesIO(data))
+        if image.mode == "P" and "transparency" in image.info:
+            image = image.convert("RGBA")  # converting straight to RGB warns about the palette alpha
+        return image.convert("RGB")  # convert() forces the full decode, so truncation shows here
+    except Exception as error:  # noqa: BLE001 - Pillow raises many kinds for bad data
+        raise CorruptSample(f"undecodable image: {type(error).__name__}: {error}") from None
+
+
+def image_bytes(fields: dict[str, bytes]) -> bytes:
+    for ext in IMAGE_FIELDS:
+        if ext in fields:
+            return fields[ext]
+    raise CorruptSample(f"no image member (expected one of {IMAGE_FIELDS}); members: {sorted(fields)}")
+
+
+def decode_label(fields: dict[str, bytes], label_kind: LabelKind, num_classes: int) -> int | torch.Tensor:
+    """The class index (``.cls``), or a float multi-hot vector of ``num_classes`` (``.json``)."""
+    try:
+        if label_kind == "single":
+            label = int(fields["cls"])
+            if not 0 <= label < num_classes:
+                raise ValueError(f"label {label} outside 0..{num_classes - 1}")
+            return label
+        labels: Any = [int(v) for v in json.loads(fields["json"])["labels"]]
+        if any(not 0 <= v < num_classes for v in labels):
+            raise ValueError(f"labels {labels} outside 0..{num_classes - 1}")
+        multi_hot = torch.zeros(num_classes, dtype=torch.float32)
+        multi_hot[torch.as_tensor(labels, dtype=torch.int64)] = 1.0
+        return multi_hot
+    except (KeyError, ValueError, TypeError, IndexError) as error:
+        raise CorruptSample(f"bad label: {type(error).__name__}: {error}") from None
+
+
+def apply_seeded(transform: Transform, image: Image.Image, seed: int | None) -> torch.Tensor:
+    """Run ``transform`` with torch's RNG seeded by ``seed``, leaving the caller's RNG untouched."""
+    if seed is None:
+        return transform(image)
+    # Only the CPU generator, which the transforms draw from: torch.manual_seed would also queue
+    # CUDA seeding (milliseconds per call on CUDA builds) and fork_rng is slower still.
+    generator = torch.default_generator
+    saved = generator.get_state()
+    generator.manual_seed(seed)
+    try:
+        return transform(image)
+    finally:
+        generator.set_state(saved)

@@ -1,0 +1,375 @@
+"""Reading the results table: a rich console table, and a Markdown report with PNG plots.
+
+Every number shown is the mean (and population std) over a cell group's seeds, where a group is
+(checkpoint, step, benchmark, method, settings, metric) of the "ok" rows. Plots are drawn with
+matplotlib's object API on the Agg canvas (no pyplot global state, safe in workers):
+
+- `accuracy_per_benchmark.png`: each benchmark's metric for the newest checkpoint of every run;
+- `vtab_groups.png`: VTAB-1k natural / specialized / structured / overall means (VTAB rows only);
+- `fewshot_vs_shots.png`: few-shot metric against shots per benchmark (few-shot rows only);
+- `accuracy_vs_step.png`: metric against pre-training step (runs with >= 2 evaluated steps).
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+from rich.console import Console
+from rich.table import Table as RichTable
+
+from vitray.evaluation.results import ResultsTable
+from vitray.evaluation.suite import BENCHMARKS, VTAB_GROUPS
+
+GROUP_KEYS = ["checkpoint", "step", "benchmark", "method", "settings", "metric"]
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    """What :func:`write_report` wrote: the Markdown file and the plots by name."""
+
+    markdown: Path
+    plots: dict[str, Path] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation
+# ---------------------------------------------------------------------------------------------
+
+
+def as_frame(table: ResultsTable | pa.Table | pd.DataFrame) -> pd.DataFrame:
+    """The results as a DataFrame, whatever form they come in."""
+    if isinstance(table, ResultsTable):
+        return table.to_pandas()
+    if isinstance(table, pa.Table):
+        return table.to_pandas()
+    if isinstance(table, pd.DataFrame):
+        return table.copy()
+    raise TypeError(f"expected a ResultsTable, pyarrow Table or pandas DataFrame, got {type(table).__name__}")
+
+
+def setting_label(method: str, settings: str | dict[str, Any]) -> str:
+    """Short human label of a cell's settings, e.g. "10-shot" or "finetune lr=0.01 steps=2500"."""
+    values = json.loads(settings) if isinstance(settings, str) else dict(settings)
+    shots = values.pop("shots", None)
+    head = f"{shots}-shot" if method == "fewshot" and shots is not None else method
+    if shots is not None and method != "fewshot":
+        values["shots"] = shots
+    rest = " ".join(f"{k}={values[k]}" for k in sorted(values))
+    return f"{head} {rest}".strip()
+
+
+def summarize(table: ResultsTable | pa.Table | pd.DataFrame, metric: str | None = None) -> pd.DataFrame:
+    """Mean / std / number of seeds of every ok cell group (optionally of one metric only).
+
+    Columns: checkpoint, step, benchmark, method, settings, metric, label, run, mean, std, seeds.
+    """
+    frame = as_frame(table)
+    ok = frame[frame["status"] == "ok"]
+    if metric is not None:
+        ok = ok[ok["metric"] == metric]
+    columns = GROUP_KEYS + ["label", "run", "mean", "std", "seeds"]
+    if ok.empty:
+        return pd.DataFrame(columns=columns)
+    grouped = ok.groupby(GROUP_KEYS, dropna=False, sort=True)["value"]
+    summary = grouped.agg(mean="mean", std=lambda v: float(np.std(v)), seeds="count").reset_index()
+    summary["label"] = [setting_label(m, s) for m, s in zip(summary["method"], summary["settings"])]
+    summary["run"] = [run_of(c) for c in summary["checkpoint"]]
+    # Order shots numerically (1, 5, 10, 25), not as text.
+    summary["_shots"] = [json.loads(s).get("shots", -1) for s in summary["settings"]]
+    order = ["checkpoint", "step", "benchmark", "method", "_shots", "settings", "metric"]
+    summary = summary.sort_values(order, kind="stable", na_position="first").reset_index(drop=True)
+    return summary[columns]
+
+
+def run_of(checkpoint: str) -> str:
+    """The run a checkpoint belongs to: its parent folder (`.../run/checkpoint_000100` -> `.../run`)."""
+    parent = posixpath.dirname(str(checkpoint).rstrip("/"))
+    return parent or str(checkpoint)
+
+
+def newest_per_run(summary: pd.DataFrame) -> pd.DataFrame:
+    """Rows of each run's newest evaluated checkpoint (largest step; unknown steps count as oldest)."""
+    if summary.empty:
+        return summary
+    steps = summary.assign(_step=summary["step"].fillna(-1))
+    newest = steps.groupby("run")["_step"].transform("max")
+    kept = steps[steps["_step"] == newest]
+    # Several checkpoints of one run without steps: keep them all, they are told apart by name.
+    return kept.drop(columns="_step")
+
+
+def vtab_group_averages(summary: pd.DataFrame) -> pd.DataFrame:
+    """Per (checkpoint, step, label, metric): the mean over VTAB-1k tasks of each group and overall.
+
+    Columns: checkpoint, step, label, metric, group, mean, tasks, total (tasks present / in group).
+    A group mean over fewer tasks than the group has is marked by tasks < total.
+    """
+    group_of = {name: b.vtab_group for name, b in BENCHMARKS.items() if b.vtab_group}
+    vtab = summary[summary["benchmark"].isin(group_of)]
+    columns = ["checkpoint", "step", "label", "metric", "group", "mean", "tasks", "total"]
+    if vtab.empty:
+        return pd.DataFrame(columns=columns)
+    totals = {g: sum(1 for v in group_of.values() if v == g) for g in VTAB_GROUPS}
+    totals["all"] = len(group_of)
+    rows = []
+    for key, part in vtab.groupby(["checkpoint", "step", "label", "metric"], dropna=False, sort=True):
+        groups = part["benchmark"].map(group_of)
+        for group in (*VTAB_GROUPS, "all"):
+            members = part if group == "all" else part[groups == group]
+            if not members.empty:
+                rows.append((*key, group, float(members["mean"].mean()), len(members), totals[group]))
+    return pd.DataFrame(rows, columns=columns)
+
+
+# ---------------------------------------------------------------------------------------------
+# Console
+# ---------------------------------------------------------------------------------------------
+
+
+def print_table(
+    table: ResultsTable | pa.Table | pd.DataFrame, *, metric: str | None = None, console: Console | None = None
+) -> None:
+    """Prints the grid's results (mean ± std over seeds) and any failed / missing cells."""
+    console = console or Console()
+    frame = as_frame(table)
+    summary = summarize(frame, metric)
+    results = RichTable(title="vitray evaluation results", show_lines=False)
+    for name, justify in [("checkpoint", "left"), ("step", "right"), ("benchmark", "left"),
+                          ("setting", "left"), ("metric", "left"), ("mean", "right"), ("± std", "right"),
+                          ("seeds", "right")]:
+        results.add_column(name, justify=justify)
+    for row in summary.itertuples():
+        results.add_row(
+            _short_checkpoint(row.checkpoint), _step_text(row.step), row.benchmark, row.label, row.metric,
+            f"{row.mean:.4f}", f"{row.std:.4f}", str(row.seeds),
+        )
+    console.print(results)
+    problems = _problem_cells(frame)
+    if not problems.empty:
+        failed = RichTable(title="cells not finished", show_lines=True)
+        for name in ("benchmark", "setting", "seed", "status", "error"):
+            failed.add_column(name, overflow="fold")
+        for row in problems.itertuples():
+            style = "yellow" if row.status == "missing" else "red"
+            failed.add_row(row.benchmark, setting_label(row.method, row.settings), str(row.seed),
+                           f"[{style}]{row.status}[/{style}]", _first_lines(row.error, 3))
+        console.print(failed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown + plots
+# ---------------------------------------------------------------------------------------------
+
+
+def write_report(
+    table: ResultsTable | pa.Table | pd.DataFrame, out_dir: str | Path, *, metric: str = "accuracy"
+) -> ReportFiles:
+    """Writes `report.md` and the PNG plots that the data supports into `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    frame = as_frame(table)
+    summary = summarize(frame)
+    shown = summarize(frame, metric)
+    plots: dict[str, Path] = {}
+    newest = newest_per_run(shown)
+    vtab = vtab_group_averages(newest)
+    if not newest.empty:
+        plots["accuracy_per_benchmark"] = _plot_per_benchmark(newest, metric, out / "accuracy_per_benchmark.png")
+    if not vtab.empty:
+        plots["vtab_groups"] = _plot_vtab_groups(vtab, metric, out / "vtab_groups.png")
+    fewshot = newest[newest["method"] == "fewshot"]
+    if fewshot["settings"].map(lambda s: json.loads(s).get("shots")).nunique() >= 2:
+        plots["fewshot_vs_shots"] = _plot_fewshot_vs_shots(fewshot, metric, out / "fewshot_vs_shots.png")
+    over_steps = shown.dropna(subset=["step"])
+    if not over_steps.empty and over_steps.groupby("run")["step"].nunique().max() >= 2:
+        plots["accuracy_vs_step"] = _plot_vs_step(over_steps, metric, out / "accuracy_vs_step.png")
+
+    markdown = out / "report.md"
+    markdown.write_text(_markdown(frame, summary, vtab_group_averages(summary), plots, metric))
+    return ReportFiles(markdown=markdown, plots=plots)
+
+
+def _markdown(frame: pd.DataFrame, summary: pd.DataFrame, vtab: pd.DataFrame, plots: dict[str, Path],
+              metric: str) -> str:
+    counts = frame.drop_duplicates("cell_id")["status"].value_counts()
+    lines = [
+        "# vitray evaluation report",
+        "",
+        f"Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} from {len(frame)} rows: "
+        f"{counts.get('ok', 0)} cells ok, {counts.get('failed', 0)} failed, {counts.get('missing', 0)} missing. "
+        "Values are the mean and population std over seeds.",
+        "",
+        "## Results",
+        "",
+        "| checkpoint | step | benchmark | setting | metric | mean | std | seeds |",
+        "| --- | ---: | --- | --- | --- | ---: | ---: | ---: |",
+    ]
+    for row in summary.itertuples():
+        lines.append(
+            f"| {_cell(row.checkpoint)} | {_step_text(row.step)} | {_cell(row.benchmark)} | {_cell(row.label)} "
+            f"| {_cell(row.metric)} | {row.mean:.4f} | {row.std:.4f} | {row.seeds} |"
+        )
+    if summary.empty:
+        lines.append("| (no finished cells) | | | | | | | |")
+    if not vtab.empty:
+        lines += ["", "## VTAB-1k group averages", "",
+                  "| checkpoint | step | setting | metric | group | mean | tasks |",
+                  "| --- | ---: | --- | --- | --- | ---: | ---: |"]
+        for row in vtab.itertuples():
+            lines.append(f"| {_cell(row.checkpoint)} | {_step_text(row.step)} | {_cell(row.label)} | "
+                         f"{_cell(row.metric)} | {row.group} | {row.mean:.4f} | {row.tasks}/{row.total} |")
+    problems = _problem_cells(frame)
+    if not problems.empty:
+        lines += ["", "## Cells not finished", "", "| benchmark | setting | seed | status | error |",
+                  "| --- | --- | ---: | --- | --- |"]
+        for row in problems.itertuples():
+            lines.append(f"| {_cell(row.benchmark)} | {_cell(setting_label(row.method, row.settings))} | "
+                         f"{row.seed} | {row.status} | {_cell(_first_lines(row.error, 2))} |")
+    if plots:
+        lines += ["", "## Plots", ""]
+        for name, path in plots.items():
+            lines += [f"![{name.replace('_', ' ')} ({metric})]({path.name})", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _figure(width: float, height: float):
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _series_name(row: Any, multi_run: bool) -> str:
+    prefix = f"{_short_checkpoint(row.checkpoint)} · " if multi_run else ""
+    return prefix + row.label
+
+
+def _plot_per_benchmark(newest: pd.DataFrame, metric: str, path: Path) -> Path:
+    multi_run = newest["checkpoint"].nunique() > 1
+    newest = newest.assign(series=[_series_name(r, multi_run) for r in newest.itertuples()])
+    benchmarks = list(dict.fromkeys(newest["benchmark"]))
+    series = list(dict.fromkeys(newest["series"]))
+    height = 0.8 / len(series)
+    fig = _figure(8, 1.0 + 0.35 * len(benchmarks) * max(1, len(series) / 2))
+    ax = fig.add_subplot()
+    positions = np.arange(len(benchmarks))
+    for i, name in enumerate(series):
+        part = newest[newest["series"] == name].set_index("benchmark").reindex(benchmarks)
+        ax.barh(positions + i * height, part["mean"], height=height, xerr=part["std"], label=name, capsize=2)
+    ax.set_yticks(positions + height * (len(series) - 1) / 2, benchmarks)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"{metric} (mean over seeds)")
+    ax.set_title(f"{metric} per benchmark")
+    ax.legend(fontsize="small", loc="best")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _plot_vtab_groups(vtab: pd.DataFrame, metric: str, path: Path) -> Path:
+    groups = [g for g in (*VTAB_GROUPS, "all") if g in set(vtab["group"])]
+    multi_run = vtab["checkpoint"].nunique() > 1
+    vtab = vtab.assign(series=[_series_name(r, multi_run) for r in vtab.itertuples()])
+    series = list(dict.fromkeys(vtab["series"]))
+    width = 0.8 / len(series)
+    fig = _figure(7, 4)
+    ax = fig.add_subplot()
+    positions = np.arange(len(groups))
+    for i, name in enumerate(series):
+        part = vtab[vtab["series"] == name].set_index("group").reindex(groups)
+        ax.bar(positions + i * width, part["mean"], width=width, label=name)
+    labels = [f"{g}\n({int(vtab[vtab['group'] == g]['tasks'].max())}/{int(vtab[vtab['group'] == g]['total'].max())})"
+              for g in groups]
+    ax.set_xticks(positions + width * (len(series) - 1) / 2, labels)
+    ax.set_ylabel(f"mean {metric} over tasks")
+    ax.set_title("VTAB-1k group averages (tasks present / in group)")
+    ax.legend(fontsize="small")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _plot_fewshot_vs_shots(fewshot: pd.DataFrame, metric: str, path: Path) -> Path:
+    multi_run = fewshot["checkpoint"].nunique() > 1
+    settings = [json.loads(s) for s in fewshot["settings"]]
+    fewshot = fewshot.assign(
+        shots=[s.get("shots") for s in settings],
+        line=[(f"{_short_checkpoint(r.checkpoint)} · " if multi_run else "") + r.benchmark
+              + "".join(f" {k}={v}" for k, v in sorted(s.items()) if k != "shots")
+              for r, s in zip(fewshot.itertuples(), settings)],
+    ).dropna(subset=["shots"])
+    fig = _figure(7, 4.5)
+    ax = fig.add_subplot()
+    for name, part in fewshot.groupby("line", sort=True):
+        part = part.sort_values("shots")
+        ax.errorbar(part["shots"], part["mean"], yerr=part["std"], marker="o", capsize=3, label=name)
+    ax.set_xscale("log", base=2)
+    shots = sorted(fewshot["shots"].unique())
+    ax.set_xticks(shots, [str(int(s)) for s in shots])
+    ax.set_xlabel("shots per class")
+    ax.set_ylabel(f"{metric} (mean ± std over seeds)")
+    ax.set_title(f"few-shot linear probe: {metric} vs shots")
+    ax.legend(fontsize="small")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _plot_vs_step(summary: pd.DataFrame, metric: str, path: Path) -> Path:
+    """Small multiples: one panel per benchmark, one line per (run, setting)."""
+    multi_run = summary["run"].nunique() > 1
+    has_steps = summary.groupby(["run", "benchmark", "label"])["step"].transform("nunique") >= 2
+    summary = summary[has_steps]
+    benchmarks = list(dict.fromkeys(summary["benchmark"]))
+    cols = min(3, len(benchmarks))
+    rows = -(-len(benchmarks) // cols)
+    fig = _figure(4.2 * cols, 3.2 * rows)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for ax, benchmark in zip(axes.flat, benchmarks):
+        part = summary[summary["benchmark"] == benchmark]
+        for (run, label), line in part.groupby(["run", "label"], sort=False):
+            line = line.sort_values("step")
+            name = (f"{_short_checkpoint(run)} · " if multi_run else "") + label
+            ax.errorbar(line["step"], line["mean"], yerr=line["std"], marker="o", capsize=3, label=name)
+        ax.set_title(benchmark, fontsize="medium")
+        ax.set_xlabel("pre-training step")
+        ax.set_ylabel(metric)
+        ax.legend(fontsize="x-small")
+    for ax in list(axes.flat)[len(benchmarks):]:
+        ax.set_visible(False)
+    fig.suptitle(f"{metric} (mean ± std over seeds) during pre-training")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Small formatting helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _problem_cells(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame[frame["status"] != "ok"].drop_duplicates("cell_id").sort_values(["benchmark", "seed"])
+
+
+def _short_checkpoint(checkpoint: str) -> str:
+    parts = str(checkpoint).rstrip("/").split("/")
+    return "/".join(parts[-2:]) if len(parts) > 1 else parts[0]
+
+
+def _step_text(step: Any) -> str:
+    return "" if step is None or pd.isna(step) else str(int(step))
+
+
+def _first_lines(text: Any, n: int) -> str:
+    if text is None or (isinstance(text, float) and np.isnan(text)):
+        return ""
+    return "\n".join(str(text).strip().splitlines()[:n])
+
+
+def _cell(text: Any) -> str:
+    """Text safe inside a Markdown table cell."""
+    return str(text).replace("|", "\\|").replace("\n", "<br>")

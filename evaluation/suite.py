@@ -1,0 +1,289 @@
+"""The benchmark registry: the ViT paper's transfer datasets, VTAB-1k, and the built-in demo set.
+
+A :class:`Benchmark` says which prepared dataset (a folder `<data_root>/<dataset>` written by
+`vitray data prepare`) to read, which splits play train / test, how many classes there are, and
+the protocol settings of the paper (few-shot shots, fine-tuning steps / learning rates / batch /
+resolution). Nothing here downloads data: a benchmark whose data is not prepared yields a
+:class:`MissingDataset` whose message is the exact `vitray data prepare ...` command to run.
+
+Sources of the settings: the ViT paper (Dosovitskiy et al. 2021, appendix B.1.1 and Table 4),
+VTAB (Zhai et al. 2019) for the 19 tasks and their class counts, big_vision's few-shot config
+(shots 1/5/10/25, 3 seeds, l2 2**10, resize 256 + central crop 224).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from vitray.data import storage
+from vitray.data.layout import DatasetInfo, read_dataset_info
+
+VTAB_GROUPS = ("natural", "specialized", "structured")
+PAPER_LRS = (0.003, 0.01, 0.03, 0.06)
+SMALL_DATASET_LRS = (0.001, 0.003, 0.01, 0.03)
+
+
+@dataclass(frozen=True)
+class FewShotProtocol:
+    """Linear few-shot probe settings (big_vision's defaults)."""
+
+    shots: tuple[int, ...] = (1, 5, 10, 25)
+    seeds: int = 3
+    l2_reg: float = 2.0**10
+    resize: int = 256
+    crop: int = 224
+
+
+@dataclass(frozen=True)
+class FinetuneProtocol:
+    """Fine-tuning settings: SGD momentum 0.9, cosine decay, no weight decay, grad clip 1.
+
+    `learning_rates` is the paper's sweep (one value for VTAB). `train_examples` caps the train
+    split (VTAB-1k: 1000), of which the last `val_examples` are held out for model selection
+    (VTAB-1k: 800 train / 200 val); when None a `val_split` or no validation is used.
+    """
+
+    steps: int
+    learning_rates: tuple[float, ...]
+    batch_size: int = 512
+    warmup_steps: int = 500
+    resolution: int = 384
+    train_examples: int | None = None
+    val_examples: int | None = None
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One downstream task: where its prepared data lives and how the paper evaluates it."""
+
+    name: str
+    title: str
+    num_classes: int
+    dataset: str
+    train_split: str
+    test_split: str
+    prepare_source: str
+    finetune: FinetuneProtocol
+    fewshot: FewShotProtocol = field(default_factory=FewShotProtocol)
+    val_split: str | None = None
+    groups: tuple[str, ...] = ()
+    label_kind: Literal["single", "multi"] = "single"
+    # Set when the train split lives in another prepared dataset (ImageNet-ReaL trains on ImageNet).
+    train_dataset: str | None = None
+    train_prepare_source: str | None = None
+    notes: str = ""
+
+    @property
+    def vtab_group(self) -> str | None:
+        """"natural" / "specialized" / "structured" for VTAB-1k tasks, else None."""
+        return next((g.split("/", 1)[1] for g in self.groups if g.startswith("vtab/")), None)
+
+
+class MissingDataset(FileNotFoundError):
+    """A benchmark's prepared data is not at the expected place; the message says how to prepare it."""
+
+    def __init__(self, benchmark: str, path: str, command: str, reason: str):
+        self.benchmark, self.path, self.command, self.reason = benchmark, path, command, reason
+        super().__init__(f"benchmark {benchmark!r}: {reason}. Prepare it with:\n  {command}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry
+# ---------------------------------------------------------------------------------------------
+
+
+def _paper(name: str, title: str, num_classes: int, source: str, steps: int, lrs: tuple[float, ...],
+           warmup: int, test_split: str = "test", **kw: Any) -> Benchmark:
+    return Benchmark(
+        name=name, title=title, num_classes=num_classes, dataset=name, train_split="train",
+        test_split=test_split, prepare_source=source, groups=("paper",),
+        finetune=FinetuneProtocol(steps=steps, learning_rates=lrs, warmup_steps=warmup), **kw,
+    )
+
+
+# VTAB-1k: the 1000-example "train800val200" set is prepared as split `train` (first 800 = train800,
+# last 200 = val200) and the full test set as `test`. Lr 0.01, 2500 steps, batch 512 for every task.
+_VTAB_FINETUNE = FinetuneProtocol(
+    steps=2500, learning_rates=(0.01,), warmup_steps=200, train_examples=1000, val_examples=200
+)
+# name, title, classes, group, TFDS source VTAB uses (for the notes)
+_VTAB_TASKS = (
+    ("caltech101", "Caltech101", 102, "natural", "caltech101"),
+    ("cifar100", "CIFAR-100", 100, "natural", "cifar100"),
+    ("dtd", "DTD", 47, "natural", "dtd"),
+    ("flowers102", "Oxford Flowers-102", 102, "natural", "oxford_flowers102"),
+    ("pets", "Oxford-IIIT Pets", 37, "natural", "oxford_iiit_pet"),
+    ("sun397", "SUN397", 397, "natural", "sun397"),
+    ("svhn", "SVHN", 10, "natural", "svhn_cropped"),
+    ("patch_camelyon", "Patch Camelyon", 2, "specialized", "patch_camelyon"),
+    ("eurosat", "EuroSAT", 10, "specialized", "eurosat"),
+    ("resisc45", "Resisc45", 45, "specialized", "resisc45"),
+    ("retinopathy", "Diabetic Retinopathy", 5, "specialized", "diabetic_retinopathy_detection/btgraham-300"),
+    ("clevr_count", "CLEVR count", 8, "structured", "clevr (count_all: 3..10 objects)"),
+    ("clevr_dist", "CLEVR distance", 6, "structured", "clevr (closest_object_distance)"),
+    ("dmlab", "DMLab", 6, "structured", "dmlab"),
+    ("dsprites_loc", "dSprites location", 16, "structured", "dsprites (label_x_position, 16 bins)"),
+    ("dsprites_ori", "dSprites orientation", 16, "structured", "dsprites (label_orientation, 16 bins)"),
+    ("kitti_dist", "KITTI distance", 4, "structured", "kitti (closest_vehicle_distance)"),
+    ("smallnorb_azimuth", "smallNORB azimuth", 18, "structured", "smallnorb (label_azimuth)"),
+    ("smallnorb_elevation", "smallNORB elevation", 9, "structured", "smallnorb (label_elevation)"),
+)
+
+
+def _vtab(name: str, title: str, num_classes: int, group: str, tfds: str) -> Benchmark:
+    dataset = f"vtab_{name}"
+    return Benchmark(
+        name=f"vtab/{name}", title=f"VTAB {title}", num_classes=num_classes, dataset=dataset,
+        train_split="train", test_split="test", prepare_source=f"imagefolder:/path/to/{dataset}",
+        finetune=_VTAB_FINETUNE, groups=("vtab", f"vtab/{group}"),
+        notes=(f"VTAB-1k task from TFDS {tfds}: split `train` must hold exactly the 1000 train800val200 "
+               "examples, split `test` the full test set"),
+    )
+
+
+def _build_registry() -> dict[str, Benchmark]:
+    entries = [
+        _paper("imagenet", "ImageNet", 1000, "imagefolder:/path/to/imagenet", 20_000, PAPER_LRS, 500,
+               test_split="val", notes="ILSVRC-2012; split `val` is the 50k validation set"),
+        _paper("imagenet_real", "ImageNet-ReaL", 1000, "parquet:/path/to/imagenet-real", 20_000, PAPER_LRS, 500,
+               test_split="val", label_kind="multi", train_dataset="imagenet",
+               train_prepare_source="imagefolder:/path/to/imagenet",
+               notes="ImageNet validation images with the ReaL label sets (multi-label); trains on ImageNet"),
+        _paper("cifar10", "CIFAR-10", 10, "cifar10:/path/to/cifar-10-batches-py", 10_000, PAPER_LRS, 500),
+        _paper("cifar100", "CIFAR-100", 100, "cifar100:/path/to/cifar-100-python", 10_000, PAPER_LRS, 500),
+        _paper("pets", "Oxford-IIIT Pets", 37, "imagefolder:/path/to/oxford-iiit-pets", 500, SMALL_DATASET_LRS, 100),
+        _paper("flowers102", "Oxford Flowers-102", 102, "imagefolder:/path/to/oxford-flowers102", 500,
+               SMALL_DATASET_LRS, 100),
+        *(_vtab(*task) for task in _VTAB_TASKS),
+        Benchmark(
+            name="digits", title="scikit-learn digits (demo)", num_classes=10, dataset="digits",
+            train_split="train", test_split="test", prepare_source="builtin:digits", groups=("demo",),
+            fewshot=FewShotProtocol(shots=(1, 5, 10, 25), seeds=3, resize=32, crop=32),
+            finetune=FinetuneProtocol(steps=200, learning_rates=(0.01, 0.03), batch_size=64, warmup_steps=20,
+                                      resolution=32),
+            notes="8x8 handwritten digits shipped with scikit-learn; CPU-sized settings for the demo and tests",
+        ),
+    ]
+    return {b.name: b for b in entries}
+
+
+BENCHMARKS: dict[str, Benchmark] = _build_registry()
+
+
+def benchmark_names() -> list[str]:
+    """Every registered benchmark name, in registry order."""
+    return list(BENCHMARKS)
+
+
+def group_names() -> list[str]:
+    """Valid arguments of :func:`benchmarks_in_group`."""
+    return sorted({g for b in BENCHMARKS.values() for g in b.groups} | {"all"})
+
+
+def get_benchmark(name: str) -> Benchmark:
+    """The registered benchmark `name` (e.g. "cifar10", "vtab/dtd"); unknown names list valid ones."""
+    try:
+        return BENCHMARKS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown benchmark {name!r}; valid: {', '.join(BENCHMARKS)}") from None
+
+
+def benchmarks_in_group(group: str) -> list[Benchmark]:
+    """Benchmarks tagged `group`: "paper", "vtab", "vtab/natural", "vtab/specialized",
+    "vtab/structured", "demo", or "all"."""
+    if group == "all":
+        return list(BENCHMARKS.values())
+    members = [b for b in BENCHMARKS.values() if group in b.groups]
+    if not members:
+        raise ValueError(f"unknown benchmark group {group!r}; valid: {', '.join(group_names())}")
+    return members
+
+
+def with_overrides(benchmark: Benchmark, **changes: Any) -> Benchmark:
+    """A copy with changed fields, e.g. a custom `dataset` folder name or fewer fine-tune steps."""
+    return replace(benchmark, **changes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Locating prepared data
+# ---------------------------------------------------------------------------------------------
+
+
+def locate(benchmark: Benchmark | str, data_root: str) -> str:
+    """`<data_root>/<benchmark.dataset>`: the prepared folder holding the test split (no I/O)."""
+    return _join(data_root, _resolve(benchmark).dataset)
+
+
+def locate_train(benchmark: Benchmark | str, data_root: str) -> str:
+    """The prepared folder holding the train split (another benchmark's for ImageNet-ReaL)."""
+    b = _resolve(benchmark)
+    return _join(data_root, b.train_dataset or b.dataset)
+
+
+def prepare_command(benchmark: Benchmark | str, data_root: str, *, train: bool = False) -> str:
+    """The `vitray data prepare SOURCE DEST` command that writes the benchmark's (train) data."""
+    b = _resolve(benchmark)
+    source = b.train_prepare_source if train and b.train_dataset else b.prepare_source
+    dest = locate_train(b, data_root) if train else locate(b, data_root)
+    return f"vitray data prepare {source} {dest}"
+
+
+def find_missing(
+    benchmark: Benchmark | str, data_root: str, *, storage_options: dict[str, Any] | None = None
+) -> MissingDataset | None:
+    """None when the benchmark's data is prepared, else the :class:`MissingDataset` describing it.
+
+    Checks `dataset.json` (written last by `vitray data prepare`, so its presence means finished)
+    in every folder the benchmark reads, that the needed splits are listed there, and that its
+    class count and label kind match. Works on local paths and s3:// (via `vitray.data.storage`).
+    """
+    b = _resolve(benchmark)
+    needs = [(locate(b, data_root), [b.test_split] + ([] if b.train_dataset else [b.train_split]), False)]
+    if b.train_dataset:
+        needs.append((locate_train(b, data_root), [b.train_split], True))
+    for path, splits, is_train in needs:
+        command = prepare_command(b, data_root, train=is_train)
+        try:
+            info = read_dataset_info(path, storage_options)
+        except FileNotFoundError:
+            reason = f"no dataset.json at {path} (not prepared, or still being written)"
+            return MissingDataset(b.name, path, command, reason)
+        absent = [s for s in splits if s not in info.splits]
+        if absent:
+            reason = (f"{path} has no split {', '.join(map(repr, absent))} "
+                      f"(it has: {', '.join(sorted(info.splits)) or 'none'})")
+            return MissingDataset(b.name, path, command, reason)
+        _check_matches(b, info, path, is_train)
+    return None
+
+
+def _check_matches(b: Benchmark, info: DatasetInfo, path: str, is_train: bool) -> None:
+    if info.num_classes != b.num_classes:
+        raise ValueError(
+            f"benchmark {b.name!r} has {b.num_classes} classes but the dataset at {path} has "
+            f"{info.num_classes}: wrong folder, or prepared from another source"
+        )
+    # The test data decides the metric (ImageNet-ReaL: multi-label); train data may be single-label.
+    if not is_train and info.label_kind != b.label_kind:
+        raise ValueError(
+            f"benchmark {b.name!r} needs {b.label_kind}-label test data; {path} holds {info.label_kind}-label data"
+        )
+
+
+def require_prepared(
+    benchmark: Benchmark | str, data_root: str, *, storage_options: dict[str, Any] | None = None
+) -> str:
+    """:func:`locate` after checking the data is prepared; raises :class:`MissingDataset` if not."""
+    missing = find_missing(benchmark, data_root, storage_options=storage_options)
+    if missing is not None:
+        raise missing
+    return locate(benchmark, data_root)
+
+
+def _resolve(benchmark: Benchmark | str) -> Benchmark:
+    return benchmark if isinstance(benchmark, Benchmark) else get_benchmark(benchmark)
+
+
+def _join(root: str, name: str) -> str:
+    return storage.join(str(root).rstrip("/"), name)

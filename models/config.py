@@ -1,0 +1,23 @@
+"""The model section of a run's config (owned here so `models/` stays self-contained)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ModelConfig(BaseModel):
+    """Which ViT to build; the arguments of :func:`vitray.models.create_model`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("Ti/4", description='Variant, e.g. "B/16", "L/32", "R50+B/16", "Ti/4".')
+    img_size: int = Field(32, gt=0, description="Input resolution in pixels (square).")
+    head: Literal["token", "gap"] = "token"
+    representation_size: int | None = Field(
+        None, gt=0, description="Width of the tanh pre-logits layer used in pre-training; none for fine-tuning."
+    )
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout after the embeddings, attention and MLP layers.")
+    attn_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the attention probabilities.")
+    grad_checkpointing: bool = False

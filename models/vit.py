@@ -1,0 +1,327 @@
+"""The Vision Transformer (Dosovitskiy et al., ICLR 2021), named after the paper's equations.
+
+    z0  = [x_class; x_p^1 E; ...; x_p^N E] + E_pos            (1)  embed()
+    z'_l = MSA(LN(z_{l-1})) + z_{l-1}                          (2)  EncoderBlock
+    z_l  = MLP(LN(z'_l)) + z'_l                                (3)  EncoderBlock
+    y    = LN(z_L^0)                                           (4)  forward_features()
+
+Choices that follow the authors' code (google-research/vision_transformer, ``models_vit.py``):
+
+* ``head="gap"`` has no class token at all (the position embedding covers only the patch
+  grid) and averages the patch tokens *after* the final LayerNorm, as the authors' and
+  big_vision's gap models do.
+* LayerNorm epsilon 1e-6 (Flax's default); initialisation as in Flax: LeCun-normal patch
+  embedding and pre-logits, Xavier-uniform attention and MLP kernels, MLP biases N(0, 1e-6),
+  class token zero, position embedding N(0, 0.02), zero head.
+* GELU is the exact (erf) form, as in PyTorch ports of the released checkpoints (timm); the
+  JAX code's default tanh approximation differs by < 1e-3 per activation.
+
+The normal path uses ``scaled_dot_product_attention`` and never materialises attention
+probabilities; ``forward_with_attention`` is the (slower) inspection path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .initializers import lecun_normal_, xavier_uniform_square_blocks_
+from .posemb import resample_posemb
+from .resnet import ResNetStem
+from .variants import Variant
+
+LAYERNORM_EPS = 1e-6
+HEAD_TYPES = ("token", "gap")
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with a fused query/key/value projection."""
+
+    def __init__(self, width: int, num_heads: int, attn_dropout: float) -> None:
+        super().__init__()
+        if width % num_heads:
+            raise ValueError(f"width {width} is not divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = width // num_heads
+        self.attn_dropout = attn_dropout
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        xavier_uniform_square_blocks_(self.qkv.weight, num_blocks=3)
+        nn.init.zeros_(self.qkv.bias)
+        nn.init.xavier_uniform_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def _split_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch, tokens, _ = x.shape
+        qkv = self.qkv(x).view(batch, tokens, 3, self.num_heads, self.head_dim)
+        return qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, heads, N, head_dim)
+
+    def _merge_heads(self, x: torch.Tensor) -> torch.Tensor:
+        batch, _, tokens, _ = x.shape
+        return self.proj(x.transpose(1, 2).reshape(batch, tokens, self.num_heads * self.head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._split_heads(x)
+        dropout_p = self.attn_dropout if self.training else 0.0
+        return self._merge_heads(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p))
+
+    def forward_first_query(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` for the first token only, ``(B, 1, width)``: its query against all keys."""
+        batch, tokens, width = x.shape
+        weight, bias = self.qkv.weight, self.qkv.bias
+        q = F.linear(x[:, :1], weight[:width], bias[:width]).view(batch, 1, self.num_heads, self.head_dim)
+        kv = F.linear(x, weight[width:], bias[width:]).view(batch, tokens, 2, self.num_heads, self.head_dim)
+        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)
+        dropout_p = self.attn_dropout if self.training else 0.0
+        return self._merge_heads(F.scaled_dot_product_attention(q.transpose(1, 2), k, v, dropout_p=dropout_p))
+
+    def forward_with_probs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same result as :meth:`forward`, plus the attention probabilities (B, heads, N, N)."""
+        q, k, v = self._split_heads(x)
+        probs = torch.softmax((q * self.head_dim**-0.5) @ k.transpose(-2, -1), dim=-1)
+        attended = F.dropout(probs, self.attn_dropout, self.training) @ v
+        return self._merge_heads(attended), probs
+
+
+class MlpBlock(nn.Module):
+    """Two Dense layers with a GELU between them, dropout after each (as in the authors' MlpBlock)."""
+
+    def __init__(self, width: int, mlp_dim: int, dropout: float) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, mlp_dim)
+        self.fc2 = nn.Linear(mlp_dim, width)
+        self.dropout = nn.Dropout(dropout)
+        for layer in (self.fc1, self.fc2):
+            nn.init.xavier_uniform_(layer.weight)
+            nn.init.normal_(layer.bias, std=1e-6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.fc2(self.dropout(F.gelu(self.fc1(x)))))
+
+
+class EncoderBlock(nn.Module):
+    """Pre-LN Transformer block, equations (2) and (3)."""
+
+    def __init__(self, width: int, mlp_dim: int, num_heads: int, dropout: float, attn_dropout: float) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width, eps=LAYERNORM_EPS)
+        self.attn = SelfAttention(width, num_heads, attn_dropout)
+        self.norm2 = nn.LayerNorm(width, eps=LAYERNORM_EPS)
+        self.mlp = MlpBlock(width, mlp_dim, dropout)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.norm1(x)))
+        return x + self.mlp(self.norm2(x))
+
+    def forward_class_token(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output for the first (class) token only, ``(B, 1, width)``."""
+        z = x[:, :1] + self.dropout(self.attn.forward_first_query(self.norm1(x)))
+        return z + self.mlp(self.norm2(z))
+
+    def forward_with_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        attended, probs = self.attn.forward_with_probs(self.norm1(x))
+        x = x + self.dropout(attended)
+        return x + self.mlp(self.norm2(x)), probs
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_rate(name: str, value: float) -> None:
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+
+
+class VisionTransformer(nn.Module):
+    """ViT (or hybrid ResNet+ViT) classifier; build it with :func:`vitray.models.create_model`.
+
+    Attributes: ``name``, ``num_classes``, ``img_size``, ``patch_size`` (pixels per token side;
+    for a hybrid the ResNet's stride), ``grid_size`` (tokens per side), ``width``, ``depth``,
+    ``num_heads``, ``mlp_dim``, ``head_type`` ("token" | "gap"), ``representation_size``,
+    ``num_features`` (size of :meth:`forward_features`), ``grad_checkpointing``.
+    """
+
+    def __init__(
+        self,
+        variant: Variant,
+        *,
+        num_classes: int,
+        img_size: int = 224,
+        head: str = "token",
+        representation_size: int | None = None,
+        dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        grad_checkpointing: bool = False,
+    ) -> None:
+        super().__init__()
+        _check_positive_int("num_classes", num_classes)
+        if head not in HEAD_TYPES:
+            raise ValueError(f"head must be one of {HEAD_TYPES}, got {head!r}")
+        if representation_size is not None:
+            _check_positive_int("representation_size", representation_size)
+        _check_rate("dropout", dropout)
+        _check_rate("attn_dropout", attn_dropout)
+        size = variant.size
+        self.variant = variant
+        self.name = variant.name
+        self.patch_size = variant.patch_size
+        self.width = size.width
+        self.depth = size.depth
+        self.num_heads = size.num_heads
+        self.mlp_dim = size.mlp_dim
+        self.head_type = head
+        self.num_prefix_tokens = 1 if head == "token" else 0
+        self.grad_checkpointing = grad_checkpointing
+        self._set_resolution_attributes(img_size)
+
+        if variant.resnet_stages is None:
+            self.stem = None
+            self.patch_embed = nn.Conv2d(3, self.width, self.patch_size, stride=self.patch_size)
+        else:
+            self.stem = ResNetStem(variant.resnet_stages)
+            if self.stem.stride != self.patch_size:
+                raise ValueError(f"{self.name}: ResNet stride {self.stem.stride} != patch size {self.patch_size}")
+            self.patch_embed = nn.Conv2d(self.stem.out_channels, self.width, 1)
+        lecun_normal_(self.patch_embed.weight)
+        nn.init.zeros_(self.patch_embed.bias)
+
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, self.width)) if head == "token" else None
+        num_tokens = self.num_prefix_tokens + self.grid_size**2
+        self.pos_embed = nn.Parameter(torch.empty(1, num_tokens, self.width).normal_(std=0.02))
+        self.embed_dropout = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(
+            EncoderBlock(self.width, self.mlp_dim, self.num_heads, dropout, attn_dropout) for _ in range(self.depth)
+        )
+        self.norm = nn.LayerNorm(self.width, eps=LAYERNORM_EPS)
+
+        self.representation_size = representation_size
+        if representation_size is None:
+            self.pre_logits = None
+        else:
+            self.pre_logits = nn.Linear(self.width, representation_size)
+            lecun_normal_(self.pre_logits.weight)
+            nn.init.zeros_(self.pre_logits.bias)
+        self.num_features = representation_size or self.width
+        self.num_classes = num_classes
+        self.head = self._zero_linear(self.num_features, num_classes)
+
+    # -- construction helpers -------------------------------------------------------------
+
+    def _set_resolution_attributes(self, img_size: int) -> None:
+        _check_positive_int("img_size", img_size)
+        if img_size % self.patch_size:
+            unit = "the ResNet stride" if self.variant.is_hybrid else "the patch size"
+            raise ValueError(
+                f"img_size {img_size} is not divisible by {unit} {self.patch_size} of {self.name}; "
+                f"use a multiple of {self.patch_size}, e.g. {img_size - img_size % self.patch_size or self.patch_size}"
+            )
+        self.img_size = img_size
+        self.grid_size = img_size // self.patch_size
+
+    def _zero_linear(self, in_features: int, out_features: int) -> nn.Linear:
+        reference = self.norm.weight  # new layers follow the model's current device and dtype
+        layer = nn.Linear(in_features, out_features, device=reference.device, dtype=reference.dtype)
+        nn.init.zeros_(layer.weight)
+        nn.init.zeros_(layer.bias)
+        return layer
+
+    # -- forward paths -------------------------------------------------------------------
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """Equation (1): patch (or ResNet-feature) embeddings, class token, position embedding."""
+        expected = (3, self.img_size, self.img_size)
+        if images.ndim != 4 or tuple(images.shape[1:]) != expected:
+            raise ValueError(
+                f"{self.name} expects images of shape (batch, {', '.join(map(str, expected))}), "
+                f"got {tuple(images.shape)}; call set_img_size() to change the resolution"
+            )
+        x = images if self.stem is None else self.stem(images)
+        x = self.patch_embed(x).flatten(2).transpose(1, 2)  # (B, grid*grid, width)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        return self.embed_dropout(x + self.pos_embed)
+
+    def _run(self, layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if self.grad_checkpointing and torch.is_grad_enabled():
+            # Non-reentrant checkpointing recomputes the block in backward instead of keeping
+            # its activations, and restores the RNG state so dropout masks match.
+            return checkpoint(layer, x, use_reentrant=False)
+        return layer(x)
+
+    def forward_tokens(self, images: torch.Tensor) -> torch.Tensor:
+        """All encoded tokens after the final LayerNorm, ``(B, [cls] + grid*grid, width)``."""
+        x = self.embed(images)
+        for block in self.blocks:
+            x = self._run(block, x)
+        return self.norm(x)
+
+    def _pool(self, images: torch.Tensor) -> torch.Tensor:
+        """Equation (4) before the head: the normalised class token, or the mean token for "gap"."""
+        if self.head_type == "gap":
+            return self.forward_tokens(images).mean(dim=1)
+        # Only the class token of the last block reaches the head, so that block computes its
+        # query, projection and MLP for that token alone (all tokens still serve as keys and
+        # values): the same function, about 1/depth less work.
+        x = self.embed(images)
+        for block in self.blocks[:-1]:
+            x = self._run(block, x)
+        return self.norm(self._run(self.blocks[-1].forward_class_token, x))[:, 0]
+
+    def _represent(self, pooled: torch.Tensor) -> torch.Tensor:
+        return pooled if self.pre_logits is None else torch.tanh(self.pre_logits(pooled))
+
+    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
+        """The pre-logits representation ``(B, num_features)`` used by linear probes."""
+        return self._represent(self._pool(images))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Logits ``(B, num_classes)``."""
+        return self.head(self.forward_features(images))
+
+    def forward_with_attention(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Logits and, per layer, the attention probabilities ``(B, heads, N, N)`` (inspection path)."""
+        x = self.embed(images)
+        attentions = []
+        for block in self.blocks:
+            x, probs = block.forward_with_attention(x)
+            attentions.append(probs)
+        tokens = self.norm(x)
+        pooled = tokens[:, 0] if self.head_type == "token" else tokens.mean(dim=1)
+        return self.head(self._represent(pooled)), attentions
+
+    # -- adaptation ------------------------------------------------------------------------
+
+    def reset_head(self, num_classes: int) -> None:
+        """Prepares fine-tuning: drops the pre-logits layer and adds a zero-initialised head."""
+        _check_positive_int("num_classes", num_classes)
+        self.pre_logits = None
+        self.representation_size = None
+        self.num_features = self.width
+        self.num_classes = num_classes
+        self.head = self._zero_linear(self.width, num_classes)
+
+    def set_img_size(self, img_size: int) -> None:
+        """Changes the input resolution in place, resampling the position embedding.
+
+        The position embedding becomes a new Parameter: build optimizers after calling this.
+        """
+        self._set_resolution_attributes(img_size)
+        if self.pos_embed.shape[1] == self.num_prefix_tokens + self.grid_size**2:
+            return
+        with torch.no_grad():
+            resampled = resample_posemb(self.pos_embed, self.grid_size, num_prefix_tokens=self.num_prefix_tokens)
+        self.pos_embed = nn.Parameter(resampled, requires_grad=self.pos_embed.requires_grad)
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Turns activation checkpointing of the encoder blocks on or off."""
+        self.grad_checkpointing = enable
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}, img_size={self.img_size}, head={self.head_type!r}, num_classes={self.num_classes}"

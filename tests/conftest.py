@@ -1,0 +1,99 @@
+"""Shared fixtures: an S3 endpoint on this machine and a small prepared dataset."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+AWS_TEST_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+# Variables that would point the clients at real accounts or another endpoint.
+AWS_CLEARED_ENV = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_CONFIG_FILE",
+                   "AWS_SHARED_CREDENTIALS_FILE", "AWS_ENDPOINT_URL_S3")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class S3Endpoint:
+    """A moto S3 server on 127.0.0.1 with one empty bucket; the AWS env vars point at it."""
+
+    endpoint_url: str
+    bucket: str
+
+    def url(self, *parts: str) -> str:
+        """``s3://BUCKET/part/...``"""
+        return "/".join([f"s3://{self.bucket}", *parts])
+
+    @property
+    def storage_options(self) -> dict:
+        """Explicit fsspec options, for code that does not read the environment."""
+        return {"endpoint_url": self.endpoint_url, "key": "testing", "secret": "testing"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _clear_s3fs_cache() -> None:
+    # s3fs caches filesystem instances by their options, not by the environment they read.
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def moto_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Endpoint]:
+    """Start moto's S3 server on a free local port, create a bucket, point AWS_* env vars at it.
+
+    The environment is restored and the server stopped after the test.
+    """
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = S3Endpoint(f"http://127.0.0.1:{port}", f"vitray-test-{uuid.uuid4().hex[:8]}")
+    for name in AWS_CLEARED_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {**AWS_TEST_ENV, "AWS_ENDPOINT_URL": endpoint.endpoint_url}.items():
+        monkeypatch.setenv(name, value)
+    _clear_s3fs_cache()
+    try:
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint.endpoint_url).create_bucket(Bucket=endpoint.bucket)
+        yield endpoint
+    finally:
+        _clear_s3fs_cache()
+        server.stop()
+
+
+DIGITS_SAMPLES_PER_SHARD = 100
+
+
+@pytest.fixture(scope="session")
+def digits_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``builtin:digits`` prepared once per session (100 samples per shard): 1,437 train and 360
+    test samples, 10 classes, 8x8 grayscale PNGs. Treat it as read-only."""
+    from vitray.data import prepare_dataset
+
+    dest = tmp_path_factory.mktemp("digits")
+    prepare_dataset("builtin:digits", str(dest), samples_per_shard=DIGITS_SAMPLES_PER_SHARD)
+    return dest
+
+
+@pytest.fixture(autouse=True)
+def _no_instance_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep botocore from probing the cloud instance-metadata address for credentials."""
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")

@@ -1,0 +1,314 @@
+"""The epoch plan and the readers: exact resume, world-size changes, corrupt data, evaluation."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import logging
+import shutil
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import vitray.data.batch as batch_module
+from vitray.data import (
+    EvalLoader,
+    ShardLoader,
+    epoch_plan,
+    load_split,
+    prepare_dataset,
+    rank_slots,
+    read_dataset_info,
+    read_manifest,
+)
+from vitray.data.batch import SkipReporter
+from vitray.data.plan import ShardRange
+from vitray.data.reader import SampleStream
+from vitray.data.transforms import eval_transform, train_transform
+
+NUM_SLOTS = 8
+GLOBAL_BATCH = 32  # 4 positions of each of the 8 slots per step; digits train: 179 per slot, 44 steps
+
+
+def loader(path, *, rank=0, world_size=1, batch_size=GLOBAL_BATCH, workers=0, seed=3, **kwargs) -> ShardLoader:
+    return ShardLoader(str(path), "train", rank=rank, world_size=world_size, batch_size=batch_size, img_size=8,
+                       train=True, seed=seed, num_slots=NUM_SLOTS, num_workers=workers, **kwargs)  # fmt: skip
+
+
+def take(data_loader: ShardLoader, steps: int) -> list:
+    return list(itertools.islice(data_loader, steps))
+
+
+def same_batches(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        x.keys == y.keys and torch.equal(x.images, y.images) and torch.equal(x.labels, y.labels) for x, y in zip(a, b)
+    )
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def test_epoch_plan_is_a_pure_function_with_equal_slots():
+    sizes = [100, 100, 37, 100, 5]
+    plan = epoch_plan(7, 2, sizes, 8)
+    assert plan == epoch_plan(7, 2, sizes, 8)
+    assert plan.slot_size == 342 // 8 and plan.dropped == 342 % 8
+    assert all(sum(len(r) for r in slot) == plan.slot_size for slot in plan.slots)
+    covered = [(r.shard, i) for slot in plan.slots for r in slot for i in range(r.start, r.stop)]
+    assert len(covered) == len(set(covered)) == 342 - plan.dropped
+    orders = {tuple(dict.fromkeys(r.shard for slot in epoch_plan(7, e, sizes, 8).slots for r in slot)) for e in range(6)}
+    assert len(orders) > 1  # the shard order changes from epoch to epoch
+
+
+def test_rank_slots_and_bad_divisions():
+    assert rank_slots(1, 4, 8) == [1, 5]
+    with pytest.raises(ValueError, match="num_slots=8 is not divisible by world_size=3"):
+        rank_slots(0, 3, 8)
+    with pytest.raises(ValueError, match="fewer than num_slots"):
+        epoch_plan(0, 0, [3], 8)
+
+
+def test_batch_size_must_split_over_the_rank_slots(digits_dataset):
+    with pytest.raises(ValueError, match="batch_size=10 must be a positive multiple of the rank's 4 slots"):
+        loader(digits_dataset, world_size=2, batch_size=10)
+    with pytest.raises(KeyError, match="has no split 'validation'"):
+        ShardLoader(str(digits_dataset), "validation", rank=0, world_size=1, batch_size=8, img_size=8, train=True, seed=0)
+
+
+# ---------------------------------------------------------------- training reader
+
+
+def test_resume_gives_the_uninterrupted_sequence_with_any_worker_count(digits_dataset):
+    steps, cut = 50, 17  # crosses the epoch boundary at step 44
+    uninterrupted = take(loader(digits_dataset, workers=0), steps)
+    assert [b.epoch for b in uninterrupted].index(1) == 44
+    first = loader(digits_dataset, workers=2)
+    before = take(first, cut)
+    state = first.state_dict()
+    assert state["epoch"] == 0 and state["consumed_per_slot"] == cut * GLOBAL_BATCH // NUM_SLOTS
+    resumed = loader(digits_dataset, workers=0)
+    resumed.load_state_dict(state)
+    after = take(resumed, steps - cut)
+    assert same_batches(before + after, uninterrupted)  # keys, augmented pixels and labels
+
+
+def test_workers_beyond_the_slot_count_split_batches(digits_dataset):
+    # 8 ranks of 1 slot; 2 workers take turns on the rank's slot, batch by batch.
+    reference = take(loader(digits_dataset, rank=5, world_size=8, batch_size=4, workers=0), 7)
+    assert same_batches(take(loader(digits_dataset, rank=5, world_size=8, batch_size=4, workers=2), 7), reference)
+
+
+@pytest.mark.parametrize(("before_ws", "after_ws"), [(2, 1), (1, 2)])
+def test_resume_on_another_world_size_visits_every_sample_once(digits_dataset, before_ws, after_ws):
+    def run(world_size, steps, state=None):
+        ranks = [loader(digits_dataset, rank=r, world_size=world_size, batch_size=GLOBAL_BATCH // world_size)
+                 for r in range(world_size)]  # fmt: skip
+        for rank_loader in ranks:
+            if state:
+                rank_loader.load_state_dict(state)
+        per_rank = [take(rank_loader, steps) for rank_loader in ranks]
+        states = [rank_loader.state_dict() for rank_loader in ranks]
+        assert all(s == states[0] for s in states)  # the state is one number for every rank
+        return [sorted(k for r in per_rank for k in r[step].keys) for step in range(steps)], states[0]
+
+    steps_per_epoch = loader(digits_dataset).steps_per_epoch
+    global_batches, state = run(before_ws, 20)
+    rest, _ = run(after_ws, steps_per_epoch - 20, state)
+    reference, _ = run(1, steps_per_epoch)
+    assert global_batches + rest == reference  # the same global batches, step by step
+    keys = [k for step in reference for k in step]
+    assert len(keys) == len(set(keys)) == steps_per_epoch * GLOBAL_BATCH
+
+
+def test_every_rank_yields_the_same_number_of_batches_per_epoch(digits_dataset):
+    ranks = [loader(digits_dataset, rank=r, world_size=4, batch_size=8) for r in range(4)]
+    assert len({r.steps_per_epoch for r in ranks}) == 1
+    boundaries = set()
+    for rank_loader in ranks:
+        epochs = [b.epoch for b in take(rank_loader, rank_loader.steps_per_epoch + 1)]
+        boundaries.add(epochs.index(1))
+    assert boundaries == {ranks[0].steps_per_epoch}
+
+
+def test_batches_are_normalised_rgb_and_shuffled(digits_dataset):
+    batch = take(loader(digits_dataset), 1)[0]
+    assert batch.images.shape == (GLOBAL_BATCH, 3, 8, 8) and batch.images.dtype == torch.float32
+    assert -1.0 <= batch.images.min() < 0 < batch.images.max() <= 1.0
+    assert batch.labels.dtype == torch.int64 and len(set(batch.labels.tolist())) > 3
+    other_seed = take(loader(digits_dataset, seed=4), 1)[0]
+    assert other_seed.keys != batch.keys
+
+
+def test_resume_decodes_only_what_it_yields(digits_dataset, monkeypatch):
+    decoded = []
+
+    def counting_decode(data):
+        decoded.append(data)
+        return real_decode(data)
+
+    real_decode = batch_module.decode_image
+    monkeypatch.setattr(batch_module, "decode_image", counting_decode)
+    resumed = loader(digits_dataset)
+    resumed.load_state_dict({**resumed.state_dict(), "consumed_per_slot": 160})
+    take(resumed, 1)
+    assert len(decoded) == GLOBAL_BATCH
+
+
+def test_stream_skips_whole_shards_without_opening_them(digits_dataset, tmp_path):
+    copy = tmp_path / "digits"
+    shutil.copytree(digits_dataset, copy)
+    rows = read_manifest(str(copy), "train")
+    urls = [str(copy / r.name) for r in rows]
+    ranges = [ShardRange(i, 0, r.num_samples) for i, r in enumerate(rows)]
+    (copy / rows[0].name).unlink()
+    stream = SampleStream(urls, ranges, start=rows[0].num_samples + 5)
+    assert stream.read(want=True).key == "train_00000105"
+    stream.skip(200)
+    assert stream.read(want=True).key == "train_00000306"
+    with pytest.raises(FileNotFoundError, match="train-000000.tar is missing"):
+        SampleStream(urls, ranges).read(want=True)
+
+
+def test_incompatible_state_is_refused(digits_dataset):
+    state = loader(digits_dataset).state_dict()
+    with pytest.raises(ValueError, match="saved seed=3 but this loader has seed=4"):
+        loader(digits_dataset, seed=4).load_state_dict(state)
+
+
+# ---------------------------------------------------------------- corrupt data
+
+
+def damaged_dataset(tmp_path: Path) -> Path:
+    """An image folder prepared with one undecodable PNG, then its last shard cut mid-member."""
+    rng = np.random.default_rng(0)
+    for c in range(3):
+        folder = tmp_path / "src" / f"class{c}"
+        folder.mkdir(parents=True)
+        for i in range(20):
+            buffer = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (10, 10, 3), dtype=np.uint8)).save(buffer, format="PNG")
+            (folder / f"{i}.png").write_bytes(buffer.getvalue())
+    (tmp_path / "src" / "class1" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n this is not a PNG")
+    dest = tmp_path / "out"
+    prepare_dataset(f"imagefolder:{tmp_path / 'src'}", str(dest), samples_per_shard=16)
+    last = dest / read_manifest(str(dest), "train")[-1].name
+    data = last.read_bytes()
+    last.write_bytes(data[: len(data) // 2 + 100])  # cuts through a member's data
+    return dest
+
+
+def readable_keys(dest: Path) -> set[str]:
+    """Independent oracle: samples whose members tarfile can read and whose PNG Pillow decodes."""
+    good = set()
+    for row in read_manifest(str(dest), "train"):
+        with tarfile.open(dest / row.name) as tar:
+            try:
+                for member in tar:
+                    if member.name.endswith(".png"):
+                        png = tar.extractfile(member).read()
+                        try:
+                            Image.open(io.BytesIO(png)).convert("RGB")
+                        except OSError:
+                            continue
+                        pending = member.name.split(".")[0]
+                    elif member.name.endswith(".cls") and member.name.split(".")[0] == pending:
+                        tar.extractfile(member).read()
+                        good.add(pending)
+            except tarfile.ReadError:
+                pass
+    return good
+
+
+def test_corrupt_images_and_truncated_shards_are_skipped_and_counted(tmp_path, caplog):
+    dest = damaged_dataset(tmp_path)
+    rows = read_manifest(str(dest), "train")
+    assert sum(r.num_samples for r in rows) == 61
+    expected = readable_keys(dest)
+    assert 40 < len(expected) < 60
+    with caplog.at_level(logging.WARNING, logger="vitray.data"):
+        batches = list(EvalLoader(str(dest), "train", batch_size=10, img_size=8, num_workers=0))
+    assert {k for b in batches for k in b.keys} == expected
+    assert sum(b.num_skipped for b in batches) == 61 - len(expected)
+    assert all(b.images.shape[0] == len(b.keys) == b.labels.shape[0] for b in batches)
+    skip_warnings = [r for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skip_warnings) == 1  # rate-limited: the first at once, the rest summarised later
+
+    # Training: the same positions are skipped with any number of workers, and nothing is fatal.
+    train = [ShardLoader(str(dest), "train", rank=0, world_size=1, batch_size=8, img_size=8, train=True, seed=1,
+                         num_slots=4, num_workers=w, shuffle_buffer=5) for w in (0, 2)]  # fmt: skip
+    runs = [take(t, 2 * t.steps_per_epoch) for t in train]
+    assert same_batches(*runs)
+    assert [b.num_skipped for b in runs[0]] == [b.num_skipped for b in runs[1]]
+    per_epoch = [sum(b.num_skipped for b in runs[0] if b.epoch == e) for e in (0, 1)]
+    assert sum(per_epoch) > 0
+    assert train[0].stats["skipped"] == sum(per_epoch)
+    assert {k for b in runs[0] for k in b.keys} <= expected
+    assert all(len(b) == 8 - b.num_skipped for b in runs[0])
+
+
+def test_skip_reporter_limits_warnings(caplog):
+    reporter = SkipReporter(interval_s=3600)
+    with caplog.at_level(logging.WARNING, logger="vitray.data"):
+        for i in range(50):
+            reporter.skipped(f"key{i}", "bad")
+    assert reporter.total == 50 and len(caplog.records) == 1
+
+
+# ---------------------------------------------------------------- evaluation reader
+
+
+def test_eval_loader_reads_every_sample_once_across_ranks(digits_dataset):
+    per_rank = []
+    for rank in range(3):
+        eval_loader = EvalLoader(str(digits_dataset), "test", rank=rank, world_size=3, batch_size=50, img_size=8,
+                                 num_workers=2)  # fmt: skip
+        batches = list(eval_loader)
+        assert len(batches) == len(eval_loader) and [b.step for b in batches] == list(range(len(batches)))
+        per_rank.append([k for b in batches for k in b.keys])
+    keys = [k for r in per_rank for k in r]
+    assert keys == sorted(keys) and len(set(keys)) == 360  # stored order, nothing dropped or repeated
+    assert [len(r) for r in per_rank] == [120, 120, 120]
+    single = [k for b in EvalLoader(str(digits_dataset), "test", batch_size=64, img_size=8, num_workers=0) for k in b.keys]
+    assert single == keys
+
+
+def test_load_split_decodes_a_whole_split(digits_dataset):
+    split = load_split(str(digits_dataset), "test", img_size=16)
+    assert split.images.shape == (360, 3, 16, 16) and split.labels.shape == (360,)
+    assert Counter(split.labels.tolist()).keys() == set(range(10))
+    assert torch.equal(split.images[:, 0], split.images[:, 1])  # grayscale digits become RGB
+
+
+def test_multi_label_batches_are_multi_hot(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    records = []
+    for i in range(40):
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)).save(buffer, format="PNG")
+        records.append({"image": {"bytes": buffer.getvalue(), "path": None}, "label": [i % 5, 5 + i % 3]})
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "pq" / "train-0.parquet")
+    prepare_dataset(f"parquet:{tmp_path / 'pq'}", str(tmp_path / "out"), samples_per_shard=10)
+    assert read_dataset_info(str(tmp_path / "out")).num_classes == 8
+    batch = take(ShardLoader(str(tmp_path / "out"), "train", rank=0, world_size=1, batch_size=8, img_size=6,
+                             train=True, seed=0, num_workers=0), 1)[0]  # fmt: skip
+    assert batch.labels.shape == (8, 8) and batch.labels.dtype == torch.float32
+    assert torch.all(batch.labels.sum(dim=1) == 2)
+    by_key = {f"train_{i:08d}": {i % 5, 5 + i % 3} for i in range(40)}
+    assert all(set(torch.nonzero(row).flatten().tolist()) == by_key[k] for k, row in zip(batch.keys, batch.labels))
+
+
+def test_eval_transform_resizes_small_images_and_crops_large_ones():
+    small, large = Image.new("RGB", (8, 6), (255, 0, 0)), Image.new("RGB", (300, 400), (0, 0, 0))
+    out = eval_transform(16)(small)
+    assert out.shape == (3, 16, 16) and out[0].min() == 1.0 and out[1].max() == -1.0
+    assert eval_transform(224)(large).shape == (3, 224, 224)
+    assert train_transform(32)(large).shape == (3, 32, 32)

@@ -1,0 +1,399 @@
+"""The benchmark registry and missing-data messages, the durable results table (local, crash,
+S3), and the Markdown / PNG report."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from rich.console import Console
+
+from vitray.evaluation.report import print_table, summarize, vtab_group_averages, write_report
+from vitray.evaluation.results import Cell, ResultsTable, make_cell_id
+from vitray.evaluation.suite import (
+    MissingDataset,
+    benchmarks_in_group,
+    find_missing,
+    get_benchmark,
+    locate,
+    locate_train,
+    require_prepared,
+)
+
+# The VTAB-1k tasks and class counts as published (Zhai et al. 2019, Table / TFDS builders).
+VTAB_TASKS = {
+    "natural": {"caltech101": 102, "cifar100": 100, "dtd": 47, "flowers102": 102, "pets": 37, "sun397": 397,
+                "svhn": 10},
+    "specialized": {"patch_camelyon": 2, "eurosat": 10, "resisc45": 45, "retinopathy": 5},
+    "structured": {"clevr_count": 8, "clevr_dist": 6, "dmlab": 6, "dsprites_loc": 16, "dsprites_ori": 16,
+                   "kitti_dist": 4, "smallnorb_azimuth": 18, "smallnorb_elevation": 9},
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------------------------
+
+
+def test_vtab_tasks_groups_and_class_counts():
+    assert len(benchmarks_in_group("vtab")) == 19
+    for group, tasks in VTAB_TASKS.items():
+        members = benchmarks_in_group(f"vtab/{group}")
+        assert {b.name: b.num_classes for b in members} == {f"vtab/{t}": n for t, n in tasks.items()}
+        for b in members:
+            assert b.vtab_group == group
+            assert (b.finetune.learning_rates, b.finetune.steps, b.finetune.batch_size) == ((0.01,), 2500, 512)
+            assert (b.finetune.train_examples, b.finetune.val_examples) == (1000, 200)
+
+
+def test_paper_benchmarks_follow_the_paper():
+    names = {b.name for b in benchmarks_in_group("paper")}
+    assert names == {"imagenet", "imagenet_real", "cifar10", "cifar100", "pets", "flowers102"}
+    assert {n: get_benchmark(n).num_classes for n in names} == {
+        "imagenet": 1000, "imagenet_real": 1000, "cifar10": 10, "cifar100": 100, "pets": 37, "flowers102": 102}
+    assert get_benchmark("imagenet").finetune.steps == 20_000
+    assert get_benchmark("cifar10").finetune.learning_rates == (0.003, 0.01, 0.03, 0.06)
+    assert get_benchmark("pets").finetune.steps == 500
+    assert get_benchmark("imagenet_real").label_kind == "multi"
+    assert get_benchmark("cifar100").fewshot.shots == (1, 5, 10, 25)
+    assert get_benchmark("digits").groups == ("demo",)
+
+
+def test_unknown_names_list_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown benchmark 'cifar-10'.*cifar10.*vtab/dtd.*digits"):
+        get_benchmark("cifar-10")
+    with pytest.raises(ValueError, match="unknown benchmark group 'vtab-natural'.*vtab/natural"):
+        benchmarks_in_group("vtab-natural")
+
+
+def test_locate_paths_local_and_s3():
+    assert locate("cifar10", "/data") == "/data/cifar10"
+    assert locate("vtab/dtd", "s3://bucket/prepared/") == "s3://bucket/prepared/vtab_dtd"
+    assert locate("imagenet_real", "/data") == "/data/imagenet_real"
+    assert locate_train("imagenet_real", "/data") == "/data/imagenet"
+
+
+def _write_dataset_json(folder: Path, splits=("train", "test"), num_classes=10) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    info = {"name": folder.name, "num_classes": num_classes, "classes": [str(i) for i in range(num_classes)],
+            "label_kind": "single", "splits": {s: {"num_samples": 10, "num_shards": 1} for s in splits}}
+    (folder / "dataset.json").write_text(json.dumps(info))
+
+
+def test_missing_dataset_message_is_the_prepare_command(tmp_path):
+    missing = find_missing("digits", str(tmp_path))
+    assert isinstance(missing, MissingDataset) and missing.path == f"{tmp_path}/digits"
+    assert missing.command == f"vitray data prepare builtin:digits {tmp_path}/digits"
+    with pytest.raises(MissingDataset, match=re.escape(f"vitray data prepare builtin:digits {tmp_path}/digits")):
+        require_prepared("digits", str(tmp_path))
+    assert "cifar10:/path/to/cifar-10-batches-py" in str(find_missing("cifar10", str(tmp_path)))
+    assert "imagefolder:/path/to/oxford-iiit-pets" in str(find_missing("pets", str(tmp_path)))
+
+    # A folder that is still being written (shards, no dataset.json yet) is not prepared either.
+    (tmp_path / "digits").mkdir()
+    (tmp_path / "digits" / "train-000000.tar").write_bytes(b"partial")
+    assert "no dataset.json" in str(find_missing("digits", str(tmp_path)))
+
+    _write_dataset_json(tmp_path / "digits")
+    assert find_missing("digits", str(tmp_path)) is None
+    assert require_prepared("digits", str(tmp_path)) == f"{tmp_path}/digits"
+
+
+def test_prepared_but_wrong_data_is_reported(tmp_path):
+    _write_dataset_json(tmp_path / "digits", splits=("train",))
+    assert "has no split 'test' (it has: train)" in str(find_missing("digits", str(tmp_path)))
+    _write_dataset_json(tmp_path / "cifar10", num_classes=100)
+    with pytest.raises(ValueError, match="10 classes but the dataset at .* has 100"):
+        find_missing("cifar10", str(tmp_path))
+    # ImageNet-ReaL reads its train split from the ImageNet folder: that one is checked too.
+    _write_dataset_json(tmp_path / "imagenet_real", splits=("val",), num_classes=1000)
+    missing = find_missing("imagenet_real", str(tmp_path))
+    assert missing.command == f"vitray data prepare imagefolder:/path/to/imagenet {tmp_path}/imagenet"
+
+
+# ---------------------------------------------------------------------------------------------
+# Results table
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cell_id_is_stable_and_order_independent():
+    a = Cell("runs/r1/checkpoint_000100", "digits", "fewshot", {"shots": 10, "l2": 1024.0}, seed=0, step=100)
+    b = Cell("runs/r1/checkpoint_000100", "digits", "fewshot", {"l2": 1024.0, "shots": 10}, seed=0, step=None)
+    assert a.cell_id == b.cell_id == make_cell_id(a.checkpoint, "digits", "fewshot", {"shots": 10, "l2": 1024.0}, 0)
+    assert a.cell_id != Cell(a.checkpoint, "digits", "fewshot", a.settings, seed=1).cell_id
+    assert a.cell_id != Cell(a.checkpoint, "digits", "finetune", a.settings, seed=0).cell_id
+    # The documented scheme, spelled out: changing it would make every existing table re-run its grid.
+    identity = '["runs/r1/checkpoint_000100","digits","fewshot","{\\"l2\\":1024.0,\\"shots\\":10}",0]'
+    assert a.cell_id == hashlib.sha256(identity.encode()).hexdigest()[:16]
+    with pytest.raises(ValueError, match="method must be one of fewshot, finetune"):
+        Cell("c", "digits", "linear", {})
+
+
+def _cell(seed: int, shots: int = 10, benchmark: str = "digits") -> Cell:
+    return Cell("runs/r1/checkpoint_000100", benchmark, "fewshot", {"shots": shots}, seed=seed, step=100)
+
+
+def test_append_reopen_and_retry_semantics(tmp_path):
+    table = ResultsTable(str(tmp_path / "results"))
+    table.append(_cell(0).ok({"accuracy": 0.8, "l2_reg": 1024.0}, seconds=1.5))
+    table.append(_cell(1).failed(RuntimeError("worker died"), seconds=0.2))
+    table.append(_cell(2).missing("no dataset.json at /data/digits"))
+
+    reopened = ResultsTable(str(tmp_path / "results"))
+    assert reopened.finished_cell_ids() == {_cell(0).cell_id}
+    rows = reopened.to_table().to_pylist()
+    assert len(rows) == 4
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert {r["metric"]: r["value"] for r in ok} == {"accuracy": 0.8, "l2_reg": 1024.0}
+    assert ok[0]["settings"] == '{"shots":10}' and ok[0]["seconds"] == 1.5 and ok[0]["step"] == 100
+    failed = next(r for r in rows if r["status"] == "failed")
+    assert failed["error"] == "RuntimeError: worker died" and failed["value"] is None
+
+    # The failed cell is retried and succeeds: it is finished, and the deciding attempt is the ok one.
+    reopened.append(_cell(1).ok({"accuracy": 0.7}, seconds=1.0))
+    assert reopened.finished_cell_ids() == {_cell(0).cell_id, _cell(1).cell_id}
+    latest = [r for r in reopened.to_table().to_pylist() if r["cell_id"] == _cell(1).cell_id]
+    assert [(r["status"], r["value"]) for r in latest] == [("ok", 0.7)]
+    history = [r["status"] for r in reopened.to_table(latest=False).to_pylist() if r["cell_id"] == _cell(1).cell_id]
+    assert history == ["failed", "ok"]
+
+
+def test_a_crash_mid_append_loses_nothing_finished(tmp_path):
+    """A writer process is SIGKILLed in the middle of writing its third cell."""
+    path = tmp_path / "results"
+    script = textwrap.dedent(f"""
+        import os, signal
+        import pyarrow.parquet as pq
+        from vitray.evaluation.results import Cell, ResultsTable
+
+        def cell(seed):
+            return Cell("runs/r1/checkpoint_000100", "digits", "fewshot", {{"shots": 10}}, seed=seed, step=100)
+
+        table = ResultsTable({str(path)!r})
+        table.append(cell(0).ok({{"accuracy": 0.8}}, 1.0))
+        table.append(cell(1).failed("boom", 1.0))
+
+        def die_half_way(tbl, sink, **kwargs):
+            sink.write(b"PAR1" + b"\\0" * 100)  # a parquet file's first bytes, then the process dies
+            sink.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        pq.write_table = die_half_way
+        table.append(cell(2).ok({{"accuracy": 0.9}}, 1.0))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == -9, result.stderr
+    assert list(path.glob(".*.tmp")), "the half-written part was left behind under its temp name"
+
+    table = ResultsTable(str(path))
+    assert table.finished_cell_ids() == {_cell(0).cell_id}
+    assert sorted(r["status"] for r in table.to_table().to_pylist()) == ["failed", "ok"]
+    table.append(_cell(2).ok({"accuracy": 0.9}, 1.0))  # the re-run finishes the grid
+    assert table.finished_cell_ids() == {_cell(0).cell_id, _cell(2).cell_id}
+
+
+def test_concurrent_appends_and_compaction(tmp_path):
+    table = ResultsTable(str(tmp_path / "results"))
+
+    def writer(first: int) -> None:
+        for seed in range(first, first + 10):
+            ResultsTable(str(tmp_path / "results")).append(_cell(seed).ok({"accuracy": seed / 100}, 0.1))
+
+    threads = [threading.Thread(target=writer, args=(i * 10,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(table.part_files()) == 40
+    before = sorted((r["cell_id"], r["value"]) for r in table.to_table().to_pylist())
+    assert len(before) == 40 and table.finished_cell_ids() == {_cell(s).cell_id for s in range(40)}
+
+    table.compact()
+    assert len(table.part_files()) == 1
+    assert sorted((r["cell_id"], r["value"]) for r in table.to_table().to_pylist()) == before
+
+
+def test_invalid_rows_are_rejected(tmp_path):
+    table = ResultsTable(str(tmp_path / "results"))
+    row = _cell(0).ok({"accuracy": 0.5}, 1.0)[0]
+    with pytest.raises(ValueError, match="unknown columns \\['acc'\\]"):
+        table.append([{**row, "acc": 1}])
+    with pytest.raises(ValueError, match="status must be one of ok, failed, missing"):
+        table.append([{**row, "status": "done"}])
+    with pytest.raises(ValueError, match="finite value"):
+        table.append([{**row, "value": float("nan")}])
+    with pytest.raises(ValueError, match="error text"):
+        table.append([{**row, "status": "failed", "value": None, "metric": None}])
+    assert table.part_files() == [] and table.to_table().num_rows == 0
+
+
+@pytest.fixture(scope="module")
+def s3_bucket():
+    """A moto S3 server on 127.0.0.1 with one bucket; AWS env vars point s3fs at it."""
+    from moto.server import ThreadedMotoServer
+    import s3fs
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}.items():
+            env.setenv(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()
+        fs = s3fs.S3FileSystem()
+        fs.mkdir("vitray-test")
+        yield fs, "s3://vitray-test"
+        s3fs.S3FileSystem.clear_instance_cache()
+    server.stop()
+
+
+def test_results_table_and_dataset_check_on_s3(s3_bucket):
+    fs, root = s3_bucket
+    table = ResultsTable(f"{root}/eval/results")
+    table.append(_cell(0).ok({"accuracy": 0.8}, 1.0))
+    table.append(_cell(1).failed("boom", 1.0))
+    reopened = ResultsTable(f"{root}/eval/results")
+    assert reopened.finished_cell_ids() == {_cell(0).cell_id}
+    assert reopened.to_table().num_rows == 2
+
+    missing = find_missing("digits", f"{root}/prepared")
+    assert missing.command == f"vitray data prepare builtin:digits {root}/prepared/digits"
+    fs.pipe(f"{root}/prepared/digits/dataset.json",
+            json.dumps({"num_classes": 10, "splits": {"train": {}, "test": {}}}).encode())
+    assert find_missing("digits", f"{root}/prepared") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def grid_table(tmp_path):
+    """Two checkpoints of one run x digits + 3 VTAB tasks x shots 1/5/10 x 3 seeds, plus one failure."""
+    rng = np.random.default_rng(0)
+    table = ResultsTable(str(tmp_path / "results"))
+    for step in (100, 200):
+        checkpoint = f"runs/r1/checkpoint_{step:06d}"
+        for benchmark in ("digits", "vtab/dtd", "vtab/eurosat", "vtab/dmlab"):
+            for shots in (1, 5, 10):
+                rows = []
+                for seed in range(3):
+                    cell = Cell(checkpoint, benchmark, "fewshot", {"shots": shots, "l2": 1024}, seed, step)
+                    rows += cell.ok({"accuracy": float(rng.uniform(0.1, 0.9))}, 0.5)
+                table.append(rows)
+    table.append(Cell("runs/r1/checkpoint_000200", "cifar10", "finetune", {"lr": 0.01}, 0, 200)
+                 .failed("CUDA out of memory | retry with a smaller batch", 3.0))
+    return table
+
+
+def _markdown_rows(text: str, header_start: str) -> list[list[str]]:
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]])
+    return rows
+
+
+def test_report_numbers_equal_the_table(grid_table, tmp_path):
+    files = write_report(grid_table, tmp_path / "report")
+    text = files.markdown.read_text()
+
+    # Independent aggregation of the raw rows: mean and population std over seeds.
+    raw = {}
+    for r in grid_table.to_table().to_pylist():
+        if r["status"] == "ok":
+            key = (r["checkpoint"], r["benchmark"], json.loads(r["settings"])["shots"])
+            raw.setdefault(key, []).append(r["value"])
+    rows = _markdown_rows(text, "| checkpoint | step | benchmark |")
+    assert len(rows) == len(raw) == 24
+    for checkpoint, step, benchmark, setting, metric, mean, std, seeds in rows:
+        values = raw[(checkpoint, benchmark, int(setting.split("-shot")[0]))]
+        assert (metric, int(seeds), int(step)) == ("accuracy", 3, int(checkpoint[-6:]))
+        assert float(mean) == pytest.approx(np.mean(values), abs=5e-5)
+        assert float(std) == pytest.approx(np.std(values), abs=5e-5)
+
+    groups = _markdown_rows(text, "| checkpoint | step | setting | metric | group |")
+    for checkpoint, _, setting, _, group, mean, tasks in groups:
+        shots = int(setting.split("-shot")[0])
+        members = {"natural": ["vtab/dtd"], "specialized": ["vtab/eurosat"], "structured": ["vtab/dmlab"],
+                   "all": ["vtab/dtd", "vtab/eurosat", "vtab/dmlab"]}[group]
+        expected = np.mean([np.mean(raw[(checkpoint, b, shots)]) for b in members])
+        assert float(mean) == pytest.approx(expected, abs=5e-5)
+        assert tasks == {"natural": "1/7", "specialized": "1/4", "structured": "1/8", "all": "3/19"}[group]
+    assert len(groups) == 2 * 3 * 4
+
+    assert "CUDA out of memory \\| retry" in text  # the failed cell, escaped for the table
+    assert "1 failed" in text and "72 cells ok" in text
+
+
+def test_report_plots_are_real_figures(grid_table, tmp_path):
+    files = write_report(grid_table, tmp_path / "report")
+    assert set(files.plots) == {"accuracy_per_benchmark", "vtab_groups", "fewshot_vs_shots", "accuracy_vs_step"}
+    text = files.markdown.read_text()
+    for name, path in files.plots.items():
+        assert path.parent == files.markdown.parent and f"]({path.name})" in text
+        with Image.open(path) as image:
+            assert image.format == "PNG" and image.width > 300 and image.height > 200
+            pixels = np.asarray(image.convert("L"))
+        assert pixels.std() > 10, f"{name} looks blank"
+
+    # Different numbers draw a different figure.
+    other = ResultsTable(str(tmp_path / "other"))
+    for row in grid_table.to_table().to_pylist():
+        if row["status"] == "ok":
+            row["value"] = 1.0 - row["value"]
+        other.append([{k: v for k, v in row.items() if k != "finished_at"}])
+    changed = write_report(other, tmp_path / "other_report")
+    for name in files.plots:
+        assert files.plots[name].read_bytes() != changed.plots[name].read_bytes(), name
+
+
+def test_report_only_draws_what_the_data_supports(tmp_path):
+    table = ResultsTable(str(tmp_path / "results"))
+    for seed in range(2):
+        table.append(Cell("runs/r2/checkpoint_000050", "cifar10", "finetune", {"lr": 0.01}, seed, 50)
+                     .ok({"accuracy": 0.9 + seed / 100}, 10.0))
+    files = write_report(table, tmp_path / "report")
+    assert set(files.plots) == {"accuracy_per_benchmark"}
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["accuracy_per_benchmark.png", "report.md"]
+    rows = _markdown_rows(files.markdown.read_text(), "| checkpoint | step | benchmark |")
+    assert rows == [["runs/r2/checkpoint_000050", "50", "cifar10", "finetune lr=0.01", "accuracy", "0.9050",
+                     "0.0050", "2"]]
+    assert "VTAB" not in files.markdown.read_text()
+
+    empty = write_report(ResultsTable(str(tmp_path / "none")), tmp_path / "empty")
+    assert empty.plots == {} and "no finished cells" in empty.markdown.read_text()
+
+
+def test_print_table_shows_means_and_failures(grid_table):
+    console = Console(record=True, width=200)
+    print_table(grid_table, console=console)
+    text = console.export_text()
+    summary = summarize(grid_table)
+    first = summary.iloc[0]
+    assert f"{first['mean']:.4f}" in text and "vtab/eurosat" in text and "10-shot" in text
+    assert "CUDA out of memory" in text and "failed" in text
+
+
+def test_vtab_group_averages_mark_incomplete_groups(grid_table):
+    averages = vtab_group_averages(summarize(grid_table, "accuracy"))
+    natural = averages[(averages["group"] == "natural") & (averages["step"] == 200)]
+    assert set(natural["tasks"]) == {1} and set(natural["total"]) == {7}
+    assert set(averages["group"]) == {"natural", "specialized", "structured", "all"}

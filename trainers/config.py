@@ -1,0 +1,122 @@
+"""The pre-training config tree. Each component owns its section; this module composes them.
+
+Defaults follow the paper's pre-training recipe (Adam b1=0.9, b2=0.999, weight decay 0.1,
+batch 4096, 10k warm-up steps then linear decay, grad-norm clip 1.0); `configs/demo.yaml`
+scales it down to one CPU machine.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from vitray.data.config import DataConfig
+from vitray.models.config import ModelConfig
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = Field("vitray-run", description="Run id; re-running with the same name and storage resumes.")
+    storage: str = Field("./runs", description="Where runs live: a local folder or s3://bucket/prefix.")
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, name: str) -> str:
+        if not _RUN_NAME.match(name):
+            raise ValueError("must start with a letter or digit and contain only letters, digits, '_', '.', '-'")
+        return name
+
+
+class TrainConfig(_Section):
+    backend: Literal["deepspeed", "xla"] = "deepspeed"
+    objective: Literal["auto", "softmax", "sigmoid"] = Field(
+        "auto", description="auto: softmax cross-entropy for single-label data, sigmoid for multi-label."
+    )
+    steps: int = Field(10_000, gt=0)
+    batch_size: int = Field(4096, gt=0, description="Global batch (all workers, one optimizer step).")
+    micro_batch_size: int = Field(32, gt=0, description="Samples per worker per forward/backward.")
+    lr: float = Field(1e-3, gt=0)
+    min_lr: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(10_000, ge=0)
+    decay: Literal["linear", "cosine"] = "linear"
+    weight_decay: float = Field(0.1, ge=0)
+    b1: float = Field(0.9, ge=0, lt=1)
+    b2: float = Field(0.999, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0, description="Global grad-norm clip; 0 disables it.")
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    mixup_alpha: float = Field(0.0, ge=0, description="Mixup Beta(alpha, alpha); 0 disables it.")
+    ema_decay: float | None = Field(None, gt=0, lt=1, description="Polyak/EMA weight averaging decay.")
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    zero_stage: int = Field(1, ge=0, le=3)
+    checkpoint_every: int = Field(1000, gt=0)
+    keep_checkpoints: int = Field(3, gt=0)
+    log_every: int = Field(50, gt=0)
+    eval_every: int | None = Field(None, gt=0, description="Validation top-1 every N steps (and at the end).")
+    eval_batch_size: int = Field(256, gt=0)
+    peak_tflops: float | None = Field(
+        None, gt=0, description="Accelerator peak TFLOP/s per worker for MFU; known GPUs are detected."
+    )
+
+
+class ClusterConfig(_Section):
+    """The worker group. Plain data: cluster/ turns it into Ray's ScalingConfig."""
+
+    address: str | None = Field(None, description="Ray address; none starts an embedded local Ray.")
+    num_workers: int = Field(2, gt=0)
+    cpus_per_worker: float = Field(1.0, gt=0)
+    gpus_per_worker: float = Field(0.0, ge=0)
+    resources_per_worker: dict[str, float] = Field(default_factory=dict)
+    max_failures: int = Field(0, ge=-1, description="Worker-group restarts from the latest checkpoint; -1 = unlimited.")
+
+
+class DebugConfig(_Section):
+    record_sample_keys: str | None = Field(
+        None, description="A folder: each rank appends the sample keys it trains on, with the step."
+    )
+    kill_worker_at_step: int | None = Field(
+        None, gt=0, description="Fault-injection for tests: the last rank SIGKILLs itself once at this step."
+    )
+
+
+class PretrainConfig(_Section):
+    seed: int = Field(0, ge=0)
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    debug: DebugConfig = Field(default_factory=DebugConfig)
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> "PretrainConfig":
+        per_step = self.train.micro_batch_size * self.cluster.num_workers
+        if self.train.batch_size % per_step:
+            raise ValueError(
+                f"train.batch_size={self.train.batch_size} must be a multiple of train.micro_batch_size x "
+                f"cluster.num_workers = {self.train.micro_batch_size} x {self.cluster.num_workers} = {per_step} "
+                "(gradient accumulation is derived from them)"
+            )
+        if self.data.num_slots % self.cluster.num_workers:
+            raise ValueError(
+                f"data.num_slots={self.data.num_slots} must be a multiple of cluster.num_workers="
+                f"{self.cluster.num_workers} (each worker owns whole data slots)"
+            )
+        slots_per_worker = self.data.num_slots // self.cluster.num_workers
+        if self.train.micro_batch_size % slots_per_worker:
+            raise ValueError(
+                f"train.micro_batch_size={self.train.micro_batch_size} must be a multiple of the data slots per "
+                f"worker (data.num_slots / cluster.num_workers = {slots_per_worker}): every slot advances in lock-step"
+            )
+        return self
+
+    @property
+    def grad_accumulation(self) -> int:
+        return self.train.batch_size // (self.train.micro_batch_size * self.cluster.num_workers)

@@ -1,0 +1,25 @@
+"""What the training loop needs from whoever runs it (Ray Train in `cluster/`, or a test).
+
+Keeping this a plain interface is what keeps `trainers/` free of Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+
+class Reporter(Protocol):
+    def __call__(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
+        """Publish metrics and, when given, a local checkpoint folder (every rank calls it)."""
+
+
+@dataclass
+class WorkerContext:
+    rank: int
+    world_size: int
+    run_dir: str  # <storage>/<run name>, local path or s3:// URL
+    report: Reporter
+    restore_dir: Path | None = None  # a local copy of the checkpoint to resume from
+    attempt_marker: Callable[[str], bool] | None = None  # test hook: returns True the first time a name is seen

@@ -1,0 +1,134 @@
+"""The DeepSpeed backend: builds the engine from the config and owns its checkpoint files.
+
+DeepSpeed picks the accelerator itself: CUDA on GPU nodes, the CPU (gloo) elsewhere. The
+process group is the one Ray Train already set up; DeepSpeed joins it instead of making its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vitray.trainers.config import PretrainConfig
+from vitray.trainers.optim import build_adamw
+from vitray.trainers.schedule import lr_multiplier
+
+CHECKPOINT_SUBDIR = "deepspeed"
+CHECKPOINT_TAG = "state"
+
+
+def deepspeed_config(cfg: PretrainConfig, world_size: int, *, load_universal: bool = False) -> dict[str, Any]:
+    train = cfg.train
+    return {
+        "train_batch_size": train.batch_size,
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.batch_size // (train.micro_batch_size * world_size),
+        "gradient_clipping": train.grad_clip,
+        "zero_optimization": {"stage": train.zero_stage},
+        # A checkpoint from another number of workers is converted to DeepSpeed's universal
+        # format first (see `to_universal`), which re-partitions the optimizer state on load.
+        "checkpoint": {"load_universal": load_universal},
+        "bf16": {"enabled": train.precision == "bf16"},
+        "fp16": {"enabled": train.precision == "fp16", "initial_scale_power": 16},
+        "steps_per_print": 10**12,  # vitray logs its own metrics
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def build_engine(model: nn.Module, cfg: PretrainConfig, world_size: int, *, load_universal: bool = False):
+    """Returns the DeepSpeed engine; its lr scheduler follows `lr_multiplier`."""
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    train = cfg.train
+    optimizer = build_adamw(model, lr=train.lr, weight_decay=train.weight_decay, b1=train.b1, b2=train.b2, eps=train.eps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_multiplier(
+            step,
+            total_steps=train.steps,
+            warmup_steps=train.warmup_steps,
+            decay=train.decay,
+            min_ratio=train.min_lr / train.lr,
+        ),
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=schedule,
+        config=deepspeed_config(cfg, world_size, load_universal=load_universal),
+        dist_init_required=False,
+    )
+    return engine
+
+
+def save(engine, checkpoint_dir: Path, client_state: dict[str, Any]) -> None:
+    """Every rank writes its own shards; rank 0 also writes the module states."""
+    engine.save_checkpoint(str(checkpoint_dir / CHECKPOINT_SUBDIR), tag=CHECKPOINT_TAG, client_state=client_state)
+
+
+def load(engine, checkpoint_dir: Path, *, universal_dir: Path | None = None) -> dict[str, Any]:
+    """Load every rank's state; `universal_dir` is the output of `to_universal` when re-sharding."""
+    load_dir, tag = (universal_dir.parent, universal_dir.name) if universal_dir else (checkpoint_dir / CHECKPOINT_SUBDIR, CHECKPOINT_TAG)
+    path, client_state = engine.load_checkpoint(
+        str(load_dir),
+        tag=tag,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+    )
+    if path is None:
+        raise RuntimeError(f"no DeepSpeed state under {load_dir}/{tag}")
+    return client_state or {}
+
+
+def shard_files(checkpoint_dir: Path) -> list[str]:
+    root = checkpoint_dir / CHECKPOINT_SUBDIR / CHECKPOINT_TAG
+    return sorted(p.name for p in root.glob("*")) if root.is_dir() else []
+
+
+def full_state_dict(engine) -> dict[str, torch.Tensor]:
+    """Consolidated fp32 module weights on the CPU (gathers ZeRO-3 partitions; call on all ranks)."""
+    import deepspeed
+
+    module = engine.module
+    if engine.zero_optimization_stage() == 3:
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+    return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+
+
+
+def to_universal(checkpoint_dir: Path, out_dir: Path) -> Path:
+    """Convert a checkpoint's DeepSpeed shards to the universal (world-size free) layout.
+
+    Used when a run resumes on a different number of workers; the global batch is unchanged,
+    only the partitioning of the optimizer state moves.
+    """
+    import argparse
+    import contextlib
+    import io
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    target = out_dir / f"{CHECKPOINT_TAG}_universal"
+    if (target / "zero").is_dir():
+        return target
+    args = argparse.Namespace(
+        input_folder=str(checkpoint_dir / CHECKPOINT_SUBDIR / CHECKPOINT_TAG),
+        output_folder=str(target),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        ds_to_universal(args)
+    return target

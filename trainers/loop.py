@@ -1,0 +1,274 @@
+"""The pre-training loop run by every worker: build, restore, loop over `train_step`, save.
+
+Randomness is derived from (seed, step, rank) at every step -- dropout, mixup -- and data
+augmentation from (seed, epoch, slot, position) in the loader, so a resumed run reproduces an
+uninterrupted one exactly without carrying generator states around.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from vitray.data import EvalLoader, ShardLoader, read_dataset_info
+from vitray.models import create_model_from_config
+from vitray.trainers import checkpoint as ckpt
+from vitray.trainers import deepspeed_backend as ds
+from vitray.trainers.config import PretrainConfig
+from vitray.trainers.context import WorkerContext
+from vitray.trainers.ema import Ema
+from vitray.trainers.keys import SampleKeyRecorder
+from vitray.trainers.metrics import MetricsWriter, accelerator_peak_tflops, train_flops_per_image
+from vitray.trainers.objectives import loss_fn, mixup, resolve_objective, targets_from_labels
+from vitray.trainers.run_files import RunFiles
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+
+
+class PretrainLoop:
+    def __init__(self, cfg: PretrainConfig, ctx: WorkerContext):
+        self.cfg, self.ctx = cfg, ctx
+        self.rank, self.world = ctx.rank, ctx.world_size
+        self.accum = cfg.train.batch_size // (cfg.train.micro_batch_size * self.world)
+        self.info = read_dataset_info(cfg.data.train, cfg.data.storage_options)
+        self.objective = resolve_objective(cfg.train.objective, self.info.label_kind)
+        self.run_files = RunFiles(ctx.run_dir)
+
+        restore_state = ckpt.verify_complete(ctx.restore_dir) if ctx.restore_dir is not None else None
+        universal_dir = None
+        if restore_state is not None and restore_state["world_size"] != self.world and cfg.train.zero_stage > 0:
+            # Each rank converts privately: no shared local disk is assumed between ranks.
+            universal_dir = ds.to_universal(ctx.restore_dir, Path(tempfile.mkdtemp(prefix="vitray-universal-")))
+
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        model = create_model_from_config(cfg.model, self.info.num_classes)
+        self.engine = ds.build_engine(model, cfg, self.world, load_universal=universal_dir is not None)
+        self.dtype = next(self.engine.module.parameters()).dtype
+        self.ema = Ema(self.engine.module, cfg.train.ema_decay) if cfg.train.ema_decay else None
+        self.loader = ShardLoader(
+            cfg.data.train,
+            cfg.data.train_split,
+            rank=self.rank,
+            world_size=self.world,
+            batch_size=cfg.train.micro_batch_size,
+            img_size=cfg.model.img_size,
+            train=True,
+            seed=cfg.seed,
+            num_slots=cfg.data.num_slots,
+            num_workers=cfg.data.num_workers,
+            shuffle_buffer=cfg.data.shuffle_buffer,
+            storage_options=cfg.data.storage_options,
+        )
+        self.step = 0
+        if restore_state is not None:
+            self._restore(ctx.restore_dir, restore_state, universal_dir)
+        self.keys = None
+        if cfg.debug.record_sample_keys:
+            attempt = _broadcast_int(time.time_ns(), device=self.engine.device)  # one id for this attempt's ranks
+            self.keys = SampleKeyRecorder(
+                cfg.debug.record_sample_keys, rank=self.rank, start_step=self.step, attempt=attempt
+            )
+        self.flops_per_image = train_flops_per_image(
+            lambda: create_model_from_config(cfg.model, self.info.num_classes), cfg.model.img_size
+        )
+        self.peak_tflops = accelerator_peak_tflops(cfg.train.peak_tflops)
+        self.metrics = None
+        if self.rank == 0:
+            local_metrics = Path(tempfile.mkdtemp(prefix="vitray-metrics-"))
+            self.run_files.seed_local_metrics(local_metrics, self.step)
+            self.metrics = MetricsWriter(local_metrics, self.run_files)
+
+    # -- the recipe -----------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        train = self.cfg.train
+        batches = iter(self.loader)
+        window = _Window()
+        last: dict[str, Any] = {}
+        while self.step < train.steps:
+            loss, grad_norm, data_wait, skipped = self.train_step(batches)
+            self.step += 1
+            window.add(loss, data_wait, skipped)
+            metrics: dict[str, Any] = {}
+            if self.step % train.log_every == 0 or self.step == train.steps:
+                metrics = self._step_metrics(window, grad_norm)
+                window = _Window()
+            if train.eval_every and (self.step % train.eval_every == 0 or self.step == train.steps):
+                metrics["val/top1"] = self.validate()
+            save = self.step % train.checkpoint_every == 0 or self.step == train.steps
+            if metrics and self.metrics is not None:
+                self.metrics.write(self.step, metrics)
+            if save:
+                self._save(metrics)
+            elif metrics:
+                self.ctx.report({"step": self.step, **metrics}, None)
+            last = metrics or last
+            self._maybe_inject_failure()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.keys is not None:
+            self.keys.close()
+        return last
+
+    def train_step(self, batches) -> tuple[float, float, float, int]:
+        torch.manual_seed(step_seed(self.cfg.seed, self.step, self.rank))
+        rng = np.random.default_rng([self.cfg.seed, self.step, self.rank])
+        losses, data_wait, skipped = [], 0.0, 0
+        for _ in range(self.accum):
+            t0 = time.perf_counter()
+            batch = next(batches)
+            data_wait += time.perf_counter() - t0
+            skipped += batch.num_skipped
+            if self.keys is not None:
+                self.keys.record(self.step, batch.keys)
+            targets = targets_from_labels(batch.labels, self.info.num_classes, self.cfg.train.label_smoothing)
+            images, targets = mixup(batch.images, targets, self.cfg.train.mixup_alpha, rng)
+            images = images.to(self.engine.device, self.dtype)
+            logits = self.engine(images)
+            loss = loss_fn(logits, targets.to(self.engine.device), self.objective)
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(loss.item())
+        if self.ema is not None:
+            self.ema.update(self.engine.module)
+        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        return float(np.mean(losses)), grad_norm, data_wait, skipped
+
+    # -- pieces -----------------------------------------------------------------------------------
+    def _step_metrics(self, window: "_Window", grad_norm: float) -> dict[str, Any]:
+        loss, skipped = _all_reduce(
+            [window.loss_sum / window.steps, float(window.skipped)], average=[True, False], device=self.engine.device
+        )
+        elapsed = time.perf_counter() - window.started
+        images_per_s = window.steps * self.cfg.train.batch_size / elapsed
+        tflops = self.flops_per_image * images_per_s / self.world / 1e12
+        metrics = {
+            "loss": loss,
+            "lr": self.engine.get_lr()[0],
+            "grad_norm": grad_norm,
+            "images_per_s": images_per_s,
+            "tflops_per_worker": tflops,
+            "data_wait_fraction": window.data_wait / elapsed,
+            "skipped_samples": int(skipped),
+            "epoch": self.loader.state_dict()["epoch"],
+        }
+        if self.peak_tflops:
+            metrics["mfu"] = tflops / self.peak_tflops
+        if not np.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {self.step}: stopping instead of training on NaNs")
+        return metrics
+
+    def validate(self) -> float:
+        module = self.engine.module
+        module.eval()
+        correct = seen = 0
+        loader = EvalLoader(
+            self.cfg.data.val_path,
+            self.cfg.data.val_split,
+            rank=self.rank,
+            world_size=self.world,
+            batch_size=self.cfg.train.eval_batch_size,
+            img_size=self.cfg.model.img_size,
+            num_workers=self.cfg.data.num_workers,
+            storage_options=self.cfg.data.storage_options,
+        )
+        with torch.no_grad():
+            for batch in loader:
+                logits = module(batch.images.to(self.engine.device, self.dtype)).float().cpu()
+                labels = batch.labels
+                if labels.ndim == 2:  # multi-label: top-1 is correct when it is one of the labels
+                    correct += int(labels.gather(1, logits.argmax(1, keepdim=True)).sum())
+                else:
+                    correct += int((logits.argmax(1) == labels).sum())
+                seen += len(labels)
+        module.train()
+        correct, seen = _all_reduce([float(correct), float(seen)], average=[False, False], device=self.engine.device)
+        return correct / max(seen, 1.0)
+
+    def _save(self, metrics: dict[str, Any]) -> None:
+        folder = Path(tempfile.mkdtemp(prefix=f"vitray-ckpt-{self.step:08d}-r{self.rank}-"))
+        t0 = time.perf_counter()
+        ds.save(self.engine, folder, client_state={})
+        weights = ds.full_state_dict(self.engine)
+        if self.rank == 0:
+            from safetensors.torch import save_file
+
+            save_file(weights, str(folder / ckpt.MODEL_FILE))
+            if self.ema is not None:
+                save_file(self.ema.state_dict(), str(folder / ckpt.EMA_FILE))
+            ckpt.write_state(
+                folder,
+                {
+                    "step": self.step,
+                    "world_size": self.world,
+                    "backend": "deepspeed",
+                    "data": self.loader.state_dict(),
+                    "num_classes": self.info.num_classes,
+                    "label_kind": self.info.label_kind,
+                    "model": self.cfg.model.model_dump(mode="json"),
+                    "config": self.cfg.model_dump(mode="json"),
+                },
+            )
+        ckpt.mark_complete(folder, self.rank, ckpt.files_under(folder))
+        metrics = {**metrics, "step": self.step, "checkpoint_save_s": time.perf_counter() - t0}
+        self.ctx.report(metrics, folder)
+
+    def _restore(self, folder: Path, state: dict[str, Any], universal_dir: Path | None) -> None:
+        ds.load(self.engine, folder, universal_dir=universal_dir)
+        if self.ema is not None and (folder / ckpt.EMA_FILE).is_file():
+            from safetensors.torch import load_file
+
+            self.ema.load_state_dict(load_file(str(folder / ckpt.EMA_FILE)))
+        self.loader.load_state_dict(state["data"])
+        self.step = int(state["step"])
+
+    def _maybe_inject_failure(self) -> None:
+        at = self.cfg.debug.kill_worker_at_step
+        if at != self.step or self.rank != self.world - 1:
+            return
+        if self.run_files.claim_once(f"killed-at-step-{at}"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Window:
+    """Sums over the steps since the last log."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.steps = 0
+        self.loss_sum = 0.0
+        self.data_wait = 0.0
+        self.skipped = 0
+
+    def add(self, loss: float, data_wait: float, skipped: int) -> None:
+        self.steps += 1
+        self.loss_sum += loss
+        self.data_wait += data_wait
+        self.skipped += skipped
+
+
+def _all_reduce(values: list[float], average: list[bool], device) -> list[float]:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    world = dist.get_world_size()
+    return [v / world if avg else v for v, avg in zip(tensor.tolist(), average)]
+
+
+def _broadcast_int(value: int, device) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.broadcast(tensor, src=0)
+    return int(tensor.item())

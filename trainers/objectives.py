@@ -1,0 +1,51 @@
+"""Training objectives: softmax cross-entropy (single-label) and sigmoid cross-entropy (multi-label).
+
+Labels arrive as class indices (single-label) or multi-hot float rows (multi-label); both are
+turned into target distributions so label smoothing and mixup act on one representation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def resolve_objective(objective: str, label_kind: str) -> str:
+    if objective == "auto":
+        return "sigmoid" if label_kind == "multi" else "softmax"
+    if objective == "softmax" and label_kind == "multi":
+        raise ValueError("train.objective=softmax needs single-label data; this dataset is multi-label (use sigmoid)")
+    return objective
+
+
+def targets_from_labels(labels: torch.Tensor, num_classes: int, label_smoothing: float = 0.0) -> torch.Tensor:
+    if labels.dtype in (torch.int64, torch.int32):
+        targets = F.one_hot(labels.long(), num_classes).float()
+    else:
+        targets = labels.float()
+    if label_smoothing:
+        targets = targets * (1.0 - label_smoothing) + label_smoothing / num_classes
+    return targets
+
+
+def mixup(images: torch.Tensor, targets: torch.Tensor, alpha: float, rng: np.random.Generator):
+    """Mix each example with the batch reversed (big_vision's convention), one ratio per batch.
+
+    The ratio comes from the caller's seeded generator, so a resumed run mixes identically.
+    """
+    if alpha <= 0:
+        return images, targets
+    ratio = float(rng.beta(alpha, alpha))
+    ratio = max(ratio, 1.0 - ratio)
+    return ratio * images + (1 - ratio) * images.flip(0), ratio * targets + (1 - ratio) * targets.flip(0)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor, objective: str) -> torch.Tensor:
+    logits = logits.float()
+    if objective == "softmax":
+        return torch.sum(-targets * F.log_softmax(logits, dim=-1), dim=-1).mean()
+    if objective == "sigmoid":
+        # Summed over classes, averaged over the batch (as big_vision's sigmoid_xent).
+        return F.binary_cross_entropy_with_logits(logits, targets, reduction="none").sum(-1).mean()
+    raise ValueError(f"objective={objective!r}: expected 'softmax' or 'sigmoid'")

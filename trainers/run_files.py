@@ -1,0 +1,94 @@
+"""The one place that knows what vitray keeps in a run folder besides Ray Train's checkpoints.
+
+  <storage>/<run name>/                       Ray Train's run folder (checkpoint_* + its snapshot)
+  <storage>/<run name>/vitray/metrics.jsonl    one JSON object per logged step
+  <storage>/<run name>/vitray/tensorboard/     TensorBoard events
+  <storage>/<run name>/vitray/markers/         one-shot markers (fault-injection in tests)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vitray.data import storage
+from vitray.trainers import checkpoint as ckpt
+from vitray.trainers.metrics import METRICS_FILE
+
+VITRAY_DIR = "vitray"
+
+
+class RunFiles:
+    def __init__(self, run_dir: str):
+        self.run_dir = str(run_dir).rstrip("/")
+        self.root = storage.join(self.run_dir, VITRAY_DIR)
+
+    @property
+    def metrics_path(self) -> str:
+        return storage.join(self.root, METRICS_FILE)
+
+    def __call__(self, local_dir: Path) -> None:
+        """Mirror a local metrics folder (JSONL + TensorBoard) into the run folder."""
+        fs, root = storage.filesystem(self.root)
+        for path in sorted(Path(local_dir).rglob("*")):
+            if path.is_file():
+                target = f"{root}/{path.relative_to(local_dir).as_posix()}"
+                fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+                storage.with_retries(lambda p=path, t=target: fs.put_file(str(p), t), what=f"uploading {path.name}")
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        if not storage.exists(self.metrics_path):
+            return []
+        text = storage.read_bytes(self.metrics_path).decode()
+        records = []
+        for line in text.splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a line being written right now
+                break
+        return records
+
+    def seed_local_metrics(self, local_dir: Path, resumed_step: int) -> None:
+        """Start a resumed attempt's metrics from what was logged up to its checkpoint."""
+        kept = [r for r in self.read_metrics() if r.get("step", 0) <= resumed_step]
+        (Path(local_dir) / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def claim_once(self, name: str) -> bool:
+        """True the first time `name` is claimed in this run (markers live on storage)."""
+        marker = storage.join(self.root, "markers", name)
+        if storage.exists(marker):
+            return False
+        storage.write_bytes_atomic(marker, b"")
+        return True
+
+
+@dataclass
+class CheckpointInfo:
+    path: str
+    step: int | None
+    complete: bool
+    problem: str = ""
+
+
+def list_checkpoints(run_dir: str) -> list[CheckpointInfo]:
+    """The run's checkpoint folders (Ray Train names them checkpoint_<time>), oldest first."""
+    fs, root = storage.filesystem(run_dir)
+    protocol_root = str(run_dir).rstrip("/")
+    found = []
+    for name in storage.list_names(run_dir):
+        if not name.startswith("checkpoint_") or not fs.isdir(f"{root}/{name}"):
+            continue
+        path = storage.join(protocol_root, name)
+        try:
+            state = ckpt.verify_complete(f"{root}/{name}", fs)
+            found.append(CheckpointInfo(path, int(state["step"]), True))
+        except (ckpt.IncompleteCheckpointError, KeyError, ValueError) as err:
+            found.append(CheckpointInfo(path, None, False, str(err)))
+    return sorted(found, key=lambda c: (c.step is None, c.step or 0, c.path))
+
+
+def latest_complete_checkpoint(run_dir: str) -> CheckpointInfo | None:
+    complete = [c for c in list_checkpoints(run_dir) if c.complete]
+    return complete[-1] if complete else None

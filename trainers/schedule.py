@@ -1,0 +1,25 @@
+"""Learning-rate schedule: linear warm-up, then linear or cosine decay (the paper's recipe)."""
+
+from __future__ import annotations
+
+import math
+
+
+def lr_multiplier(step: int, *, total_steps: int, warmup_steps: int, decay: str, min_ratio: float = 0.0) -> float:
+    """Factor applied to the base learning rate at optimizer step `step` (0-based).
+
+    Warm-up ramps linearly from 1/warmup to 1 so the first step already moves; decay goes from 1
+    to `min_ratio` at `total_steps`. Warm-up longer than the run is clipped to the run.
+    """
+    warmup_steps = min(warmup_steps, total_steps)
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    progress = min(max(progress, 0.0), 1.0)
+    if decay == "linear":
+        shape = 1.0 - progress
+    elif decay == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"decay={decay!r}: expected 'linear' or 'cosine'")
+    return min_ratio + (1.0 - min_ratio) * shape
