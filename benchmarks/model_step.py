@@ -1,16 +1,19 @@
 """Training-step throughput of vitray's ViT-S/16 against timm's ``vit_small_patch16_224``.
 
 One step is forward, cross-entropy, backward and an AdamW update, on the same random batch,
-with the same thread count, in the same process. Both models warm up, then run in alternating
-rounds (the order flips every round) so that drifts of the machine hit both alike. Prints each
-round, the images/s of each model over all rounds, and as its last line the ratio vitray/timm.
+with the same thread count and the same weights, in the same process. Both models warm up, then
+run in alternating rounds (the order flips every round) so that drifts of the machine hit both
+alike. Throughput is the batch over the *median* step time, which a busy neighbour on a shared
+machine disturbs far less than the mean. Prints each round, the images/s of each model, and as
+its last line the ratio vitray/timm.
 
-    python benchmarks/model_step.py --batch 32 --steps 4 --rounds 4 [--compile]
+    python benchmarks/model_step.py --batch 32 --steps 3 --rounds 6 [--threads N] [--compile]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Callable
 
@@ -38,18 +41,21 @@ def make_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> C
     return step
 
 
-def time_steps(step: Callable[[], None], steps: int) -> float:
-    start = time.perf_counter()
+def time_steps(step: Callable[[], None], steps: int) -> list[float]:
+    """Seconds taken by each of ``steps`` calls of ``step``."""
+    durations = []
     for _ in range(steps):
+        start = time.perf_counter()
         step()
-    return time.perf_counter() - start
+        durations.append(time.perf_counter() - start)
+    return durations
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32, help="images per step (default 32)")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per model per round (default 4)")
-    parser.add_argument("--rounds", type=int, default=4, help="alternating rounds (default 4)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per model per round (default 3)")
+    parser.add_argument("--rounds", type=int, default=6, help="alternating rounds (default 6)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model first (default 2)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for both")
     parser.add_argument("--compile", action="store_true", help="torch.compile both models")
@@ -91,17 +97,17 @@ def main() -> None:
         f"{'compiled' if args.compile else 'eager'}, {params['vitray S/16']:,} params each, "
         f"same weights (max logit difference {difference:.1e})"
     )
-    seconds = dict.fromkeys(models, 0.0)
+    durations: dict[str, list[float]] = {name: [] for name in models}
     names = list(models)
     for round_index in range(args.rounds):
         order = names if round_index % 2 == 0 else names[::-1]
         for name in order:
-            elapsed = time_steps(steps[name], args.steps)
-            seconds[name] += elapsed
-            print(f"  round {round_index + 1}: {name:28s} {args.batch * args.steps / elapsed:8.2f} img/s")
-    throughput = {name: args.batch * args.steps * args.rounds / seconds[name] for name in names}
+            round_durations = time_steps(steps[name], args.steps)
+            durations[name] += round_durations
+            print(f"  round {round_index + 1}: {name:28s} {args.batch * args.steps / sum(round_durations):8.2f} img/s")
+    throughput = {name: args.batch / statistics.median(durations[name]) for name in names}
     for name in names:
-        print(f"{name}: {throughput[name]:.2f} img/s")
+        print(f"{name}: {throughput[name]:.2f} img/s (median of {len(durations[name])} steps)")
     print(f"vitray/timm: {throughput[names[0]] / throughput[names[1]]:.3f}")
 
 

@@ -162,6 +162,21 @@ def submit(
     run_submit(address, args, working_dir=working_dir, env=env_vars, follow=not no_follow)
 
 
+@app.command()
+def demo(
+    out: Annotated[str, typer.Option(help="Where the data, runs and report go.")] = "demo-output",
+    set_: SetOpt = None,
+    verbose: VerboseOpt = False,
+):
+    """The whole pipeline on built-in data: prepare -> pretrain -> evaluate -> report."""
+    from vitray.cluster.demo import run_demo
+
+    try:
+        run_demo(out, overrides=set_ or [], verbose=verbose)
+    except ConfigError as err:
+        _fail(str(err).replace("[", r"\["))
+
+
 def main() -> None:
     try:
         app()

@@ -8,35 +8,17 @@ import tempfile
 import torch
 
 from vitray.data import storage
-from vitray.models import ModelConfig, create_model_from_config
 from vitray.trainers import checkpoint as ckpt
-from vitray.trainers.run_files import latest_complete_checkpoint
+from vitray.trainers.run_files import resolve_checkpoint
 
 FORMATS = ("npz", "safetensors", "timm")
 
 
-def resolve_checkpoint(path: str) -> str:
-    """A checkpoint folder as given, or the latest complete checkpoint of a run folder."""
-    fs, fs_path = storage.filesystem(path)
-    if fs.isfile(f"{fs_path.rstrip('/')}/{ckpt.STATE_FILE}"):
-        ckpt.verify_complete(fs_path, fs)
-        return path
-    latest = latest_complete_checkpoint(path)
-    if latest is None:
-        raise FileNotFoundError(f"{path} is neither a checkpoint nor a run folder with a complete checkpoint")
-    return latest.path
-
-
 def load_checkpoint_model(path: str) -> tuple[torch.nn.Module, dict]:
-    """The model of a (complete) checkpoint, with its trained weights, and the trainer state."""
-    from safetensors.torch import load
-
+    """The model of a checkpoint (or of a run's latest one) and its trainer state."""
     checkpoint = resolve_checkpoint(path)
     fs, fs_path = storage.filesystem(checkpoint)
-    state = ckpt.verify_complete(fs_path, fs)
-    model = create_model_from_config(ModelConfig.model_validate(state["model"]), int(state["num_classes"]))
-    weights = load(storage.read_bytes(storage.join(checkpoint, ckpt.MODEL_FILE)))
-    model.load_state_dict(weights, strict=True)
+    model, state = ckpt.load_model(fs_path, fs)
     return model, {**state, "checkpoint": checkpoint}
 
 

@@ -33,7 +33,8 @@ def connect(address: str | None, *, num_cpus: int | None = None, verbose: bool =
         enable_token_auth_if_available()
         ray.init(address=address, log_to_driver=verbose)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=verbose, logging_level="info" if verbose else "warning")
+        # address="local" always starts a private instance, never joins a `ray start` cluster by accident.
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=verbose, logging_level="info" if verbose else "warning")
 
 
 def ray_storage(storage_path: str):

@@ -107,6 +107,7 @@ class EvalLoader:
         rows = read_manifest(path, split, storage_options)
         total = sum(r.num_samples for r in rows)
         self.num_workers = num_workers
+        self._yielded, self._skipped = 0, 0
         self._spec = _EvalSpec(
             shard_urls=tuple(storage.join(path, r.name) for r in rows),
             ranges=tuple(ShardRange(i, 0, r.num_samples) for i, r in enumerate(rows)),
@@ -133,7 +134,15 @@ class EvalLoader:
             _EvalStream(self._spec), batch_size=None, num_workers=workers, prefetch_factor=2 if workers else None
         )
         for number, chunks in in_order(loader, parts_per_item=1):
-            yield concat_chunks(chunks, epoch=0, step=number)
+            batch = concat_chunks(chunks, epoch=0, step=number)
+            self._yielded += len(batch)
+            self._skipped += batch.num_skipped
+            yield batch
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counts since this loader was created: samples yielded and corrupt samples skipped."""
+        return {"samples": self._yielded, "skipped": self._skipped}
 
 
 def load_split(

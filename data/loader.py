@@ -5,9 +5,11 @@ Each rank owns whole slots of the epoch plan (see :mod:`vitray.data.plan`); ever
 decoding happen in ``torch.utils.data.DataLoader`` worker processes; the work is split so that
 worker ``w`` of ``N`` decodes
 
-- the slots ``w, w + N, ...`` of the rank when ``N <= slots_per_rank``, every batch;
+- a contiguous block of the rank's slots when ``N <= slots_per_rank``, every batch;
 - otherwise one slot, for every ``g``-th batch (``g = N // slots_per_rank``; workers beyond
-  ``g * slots_per_rank`` stay idle).
+  ``g * slots_per_rank`` stay idle). Each of the ``g`` workers of a slot then reads the slot's
+  bytes but decodes only its batches, so choose ``num_slots >= world_size * num_workers`` when
+  reading from remote storage.
 
 The main process puts each batch together in slot order from the workers' chunks, so the batches
 do not depend on ``N``. Progress is counted on that consumer side, as ``(epoch, positions consumed
@@ -26,7 +28,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from . import storage
@@ -59,7 +60,7 @@ class _Spec:
 
 
 class _TrainStream(IterableDataset):
-    """Yields ``(batch_number, {local_slot: Chunk})`` for this worker's share, forever."""
+    """Yields ``(batch_number, {first_local_slot: Chunk})`` for this worker's share, forever."""
 
     def __init__(self, spec: _Spec, epoch: int, position: int) -> None:
         self.spec, self.epoch, self.position = spec, epoch, position
@@ -69,8 +70,8 @@ class _TrainStream(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         m = len(self.spec.slots)
-        if workers <= m:
-            return list(range(worker, m, workers)), 1, 0
+        if workers <= m:  # a contiguous block of slots, so that blocks concatenate in slot order
+            return list(range(worker * m // workers, (worker + 1) * m // workers)), 1, 0
         stride = workers // m
         if worker >= stride * m:
             return [], stride, 0
@@ -87,52 +88,34 @@ class _TrainStream(IterableDataset):
         while True:
             plan = epoch_plan(spec.seed, epoch, spec.shard_sizes, spec.num_slots)
             batches = (plan.slot_size - position) // spec.per_slot
-            first_batch = batch_number
+            first_batch, start = batch_number, position
 
-            def wanted(p: int, position: int = position, first_batch: int = first_batch) -> bool:
-                return (first_batch + (p - position) // spec.per_slot) % stride == phase
+            def wanted(p: int) -> bool:
+                return (first_batch + (p - start) // spec.per_slot) % stride == phase
 
-            stop = position + batches * spec.per_slot
-            readers = {
-                i: SlotReader(
-                    spec.shard_urls,
-                    plan,
-                    spec.slots[i],
-                    shuffle_buffer=spec.shuffle_buffer,
-                    start=position,
-                    stop=stop,
-                    wanted=wanted,
-                    storage_options=spec.storage_options,
-                )
+            readers = [
+                SlotReader(spec.shard_urls, plan, spec.slots[i], shuffle_buffer=spec.shuffle_buffer, start=start,
+                           stop=start + batches * spec.per_slot, wanted=wanted, storage_options=spec.storage_options)
                 for i in local_slots
-            }
+            ]  # fmt: skip
             try:
                 for b in range(batches):
-                    if (batch_number + b) % stride != phase:
-                        continue
-                    first = position + b * spec.per_slot
-                    chunks = {}
-                    for i, reader in readers.items():
-                        slot = spec.slots[i]
-                        positions = range(first, first + spec.per_slot)
-                        raws = [reader.take(p) for p in positions]
-                        seeds = [augment_seed(spec.seed, epoch, slot, p) if spec.train else None for p in positions]
-                        chunks[i] = decode_chunk(
-                            raws,
-                            seeds,
-                            transform=transform,
-                            img_size=spec.img_size,
-                            label_kind=spec.label_kind,
-                            num_classes=spec.num_classes,
-                            reporter=reporter,
-                            where=f"epoch {epoch} slot {slot}",
-                        )
-                    yield batch_number + b, chunks
+                    if (first_batch + b) % stride == phase:
+                        positions = range(start + b * spec.per_slot, start + (b + 1) * spec.per_slot)
+                        yield first_batch + b, {local_slots[0]: self._decode(readers, epoch, positions, transform, reporter)}
             finally:
-                for reader in readers.values():
+                for reader in readers:
                     reader.close()
             batch_number += batches
             epoch, position = epoch + 1, 0
+
+    def _decode(self, readers: list[SlotReader], epoch: int, positions: range, transform: Any, reporter: SkipReporter) -> Chunk:
+        """The samples at ``positions`` of each of the readers' slots, slot after slot."""
+        spec = self.spec
+        raws = [reader.take(p) for reader in readers for p in positions]
+        seeds = [augment_seed(spec.seed, epoch, r.slot, p) if spec.train else None for r in readers for p in positions]
+        return decode_chunk(raws, seeds, transform=transform, img_size=spec.img_size, label_kind=spec.label_kind,
+                            num_classes=spec.num_classes, reporter=reporter, where=f"epoch {epoch}")  # fmt: skip
 
 
 class ShardLoader:
@@ -208,6 +191,7 @@ class ShardLoader:
             )
         self._epoch, self._position = 0, 0
         self._yielded, self._skipped = 0, 0
+        self._generation = 0  # identifies the live iterator
 
     @property
     def steps_per_epoch(self) -> int:
@@ -237,7 +221,7 @@ class ShardLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``; takes effect at the next ``iter(loader)``.
+        """Continue from ``state`` at the next ``iter(loader)`` (a running iterator stops).
 
         The seed, slot count, shuffle buffer and dataset must be those of the saved run: they define
         which sample sits at which position. World size, batch size and workers may differ.
@@ -255,8 +239,15 @@ class ShardLoader:
         if epoch < 0 or not 0 <= position <= self.slot_size:
             raise ValueError(f"bad loader state: epoch={epoch}, consumed_per_slot={position}")
         self._epoch, self._position = epoch, position
+        self._generation += 1
 
     def __iter__(self) -> Iterator[Batch]:
+        """Batches from the current state on, forever. One iterator at a time: starting a new one
+        (or loading a state) ends the previous one."""
+        self._generation += 1
+        return self._batches(self._generation)
+
+    def _batches(self, generation: int) -> Iterator[Batch]:
         if self._position + self._spec.per_slot > self.slot_size:  # the epoch has no whole batch left
             self._epoch, self._position = self._epoch + 1, 0
         dataset = _TrainStream(self._spec, self._epoch, self._position)
@@ -268,7 +259,11 @@ class ShardLoader:
             prefetch_factor=2 if workers else None,
             persistent_workers=False,
         )
-        for _, chunks in in_order(loader, parts_per_item=len(self._spec.slots)):
+        # Every batch comes in one part per working worker (each a block of slots), or one per slot.
+        parts = min(max(workers, 1), len(self._spec.slots))
+        for _, chunks in in_order(loader, parts_per_item=parts):
+            if generation != self._generation:
+                return  # superseded by a newer iterator or a loaded state; its workers stop with it
             batch = concat_chunks(chunks, epoch=self._epoch, step=self._position // self._spec.per_slot)
             self._position += self._spec.per_slot
             if self._position + self._spec.per_slot > self.slot_size:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import tarfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any
@@ -88,8 +89,8 @@ class ShardCursor:
         if self.broken:
             self.index += 1
             return CORRUPT
-        for attempt in range(5):
-            start_index = self.index
+        start_index = self.index
+        for attempt in range(1, storage.RETRY_ATTEMPTS + 1):
             try:
                 return self._read(want)
             except _UNREADABLE as error:
@@ -97,10 +98,12 @@ class ShardCursor:
                 self.broken = True
                 self.index = start_index + 1
                 return CORRUPT
-            except Exception as error:  # noqa: BLE001
-                if not storage.is_transient(error) or attempt == 4:
+            except Exception as error:  # noqa: BLE001 - filtered by is_transient just below
+                if not storage.is_transient(error) or attempt == storage.RETRY_ATTEMPTS:
                     raise
-                log.warning("reading %s failed (%s); reopening at sample %d", self.url, error, start_index)
+                delay = storage.backoff_delay(attempt)
+                log.warning("reading %s failed (%s); reopening at sample %d in %.1fs", self.url, error, start_index, delay)
+                time.sleep(delay)
                 self._open()
                 self.skip_to(start_index)
         raise AssertionError("unreachable")

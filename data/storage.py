@@ -164,22 +164,28 @@ def is_transient(error: BaseException) -> bool:
     return isinstance(error, (OSError, TimeoutError, ConnectionError))
 
 
-def with_retries(
-    fn: Callable[[], T],
-    *,
-    what: str,
-    attempts: int = 5,
-    base_delay: float = 0.5,
-    max_delay: float = 20.0,
-) -> T:
-    """Call ``fn`` until it succeeds, retrying transient errors with jittered exponential backoff."""
+# Transient failures are retried this many times in all, waiting about 0.5, 1, 2, 4 s in between.
+RETRY_ATTEMPTS = 5
+RETRY_BASE_DELAY_S = 0.5
+RETRY_MAX_DELAY_S = 20.0
+
+
+def backoff_delay(attempt: int) -> float:
+    """Seconds to wait before retry number ``attempt`` (1-based): jittered exponential backoff."""
+    return min(RETRY_MAX_DELAY_S, RETRY_BASE_DELAY_S * 2 ** (attempt - 1)) * (0.5 + random.random())
+
+
+def with_retries(fn: Callable[[], T], *, what: str, attempts: int | None = None) -> T:
+    """Call ``fn`` until it succeeds, retrying transient errors (see :func:`is_transient`) with
+    backoff, at most ``attempts`` times in all; other errors and the last failure propagate."""
+    attempts = attempts or RETRY_ATTEMPTS
     for attempt in range(1, attempts + 1):
         try:
             return fn()
         except Exception as error:  # noqa: BLE001 - filtered by is_transient just below
             if attempt == attempts or not is_transient(error):
                 raise
-            delay = min(max_delay, base_delay * 2 ** (attempt - 1)) * (0.5 + random.random())
+            delay = backoff_delay(attempt)
             log.warning("%s failed (%s); retry %d/%d in %.1fs", what, error, attempt, attempts - 1, delay)
             time.sleep(delay)
     raise AssertionError("unreachable")

@@ -6,7 +6,8 @@
   (256 -> 224, the usual ImageNet evaluation); images whose shorter side is at most ``img_size``
   (CIFAR, digits) are simply resized to ``img_size x img_size``, since cropping a small image
   would only lose content;
-- both: RGB (grayscale and palette images are converted), float32 in ``[-1, 1]``.
+- both: RGB (grayscale and palette images are converted); the transforms give uint8 tensors and
+  :func:`to_model_range` maps a stacked batch of them to float32 in ``[-1, 1]``.
 
 Training randomness comes from a seed per sample (see :func:`vitray.data.plan.augment_seed`), so
 a resumed run crops and flips every sample exactly as the uninterrupted run would have.
@@ -36,33 +37,35 @@ class CorruptSample(Exception):
     """A sample that cannot be decoded; the loaders skip it and count it."""
 
 
-_to_model_input = v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize([0.5] * 3, [0.5] * 3)])
-
-
 def train_transform(img_size: int) -> Transform:
+    """PIL image -> uint8 tensor ``(3, img_size, img_size)``: inception crop and flip."""
     return v2.Compose(
         [
             v2.RandomResizedCrop(img_size, scale=TRAIN_CROP_SCALE, antialias=True),
             v2.RandomHorizontalFlip(),
-            _to_model_input,
+            v2.PILToTensor(),
         ]
     )
 
 
 def eval_transform(img_size: int) -> Transform:
-    small = v2.Compose([v2.Resize((img_size, img_size), antialias=True), _to_model_input])
+    """PIL image -> uint8 tensor ``(3, img_size, img_size)``: resize (and central crop)."""
+    small = v2.Compose([v2.Resize((img_size, img_size), antialias=True), v2.PILToTensor()])
     large = v2.Compose(
-        [
-            v2.Resize(round(img_size / EVAL_CROP_FRACTION), antialias=True),
-            v2.CenterCrop(img_size),
-            _to_model_input,
-        ]
+        [v2.Resize(round(img_size / EVAL_CROP_FRACTION), antialias=True), v2.CenterCrop(img_size), v2.PILToTensor()]
     )
 
     def transform(image: Image.Image) -> torch.Tensor:
         return small(image) if min(image.size) <= img_size else large(image)
 
     return transform
+
+
+def to_model_range(images: torch.Tensor) -> torch.Tensor:
+    """uint8 images -> float32 in ``[-1, 1]`` (``x / 127.5 - 1``), for a whole batch at once:
+    one vectorised op instead of a per-image ``ToDtype`` + ``Normalize``, which cost more than the
+    crop itself."""
+    return images.to(torch.float32).mul_(2.0 / 255.0).sub_(1.0)
 
 
 def decode_image(data: bytes) -> Image.Image:

@@ -120,7 +120,7 @@ def vtab_group_averages(summary: pd.DataFrame) -> pd.DataFrame:
     totals = {g: sum(1 for v in group_of.values() if v == g) for g in VTAB_GROUPS}
     totals["all"] = len(group_of)
     rows = []
-    for key, part in vtab.groupby(["checkpoint", "step", "label", "metric"], dropna=False, sort=True):
+    for key, part in vtab.groupby(["checkpoint", "step", "label", "metric"], dropna=False, sort=False):
         groups = part["benchmark"].map(group_of)
         for group in (*VTAB_GROUPS, "all"):
             members = part if group == "all" else part[groups == group]

@@ -81,7 +81,7 @@ class Cell:
 
     checkpoint: str
     benchmark: str
-    method: str
+    method: Method
     settings: Mapping[str, Any] = field(default_factory=dict)
     seed: int = 0
     step: int | None = None
@@ -114,7 +114,7 @@ class Cell:
         """The row of a cell whose dataset is not prepared (`reason` says how to prepare it)."""
         return [self._row("missing", None, None, 0.0, reason)]
 
-    def _row(self, status: str, metric: str | None, value: float | None, seconds: float, error: str | None):
+    def _row(self, status: Status, metric: str | None, value: float | None, seconds: float, error: str | None):
         return {
             "cell_id": self.cell_id, "checkpoint": self.checkpoint, "step": self.step,
             "benchmark": self.benchmark, "method": self.method, "settings": self.settings_json,

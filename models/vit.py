@@ -22,8 +22,6 @@ probabilities; ``forward_with_attention`` is the (slower) inspection path.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,24 +62,22 @@ class SelfAttention(nn.Module):
         batch, _, tokens, _ = x.shape
         return self.proj(x.transpose(1, 2).reshape(batch, tokens, self.num_heads * self.head_dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self._split_heads(x)
-        dropout_p = self.attn_dropout if self.training else 0.0
-        return self._merge_heads(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p))
+    def forward(
+        self, x: torch.Tensor, *, first_token_only: bool = False, return_probs: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Self-attention over ``x`` (B, N, width).
 
-    def forward_first_query(self, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` for the first token only, ``(B, 1, width)``: its query against all keys."""
-        batch, tokens, width = x.shape
-        weight, bias = self.qkv.weight, self.qkv.bias
-        q = F.linear(x[:, :1], weight[:width], bias[:width]).view(batch, 1, self.num_heads, self.head_dim)
-        kv = F.linear(x, weight[width:], bias[width:]).view(batch, tokens, 2, self.num_heads, self.head_dim)
-        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)
-        dropout_p = self.attn_dropout if self.training else 0.0
-        return self._merge_heads(F.scaled_dot_product_attention(q.transpose(1, 2), k, v, dropout_p=dropout_p))
-
-    def forward_with_probs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Same result as :meth:`forward`, plus the attention probabilities (B, heads, N, N)."""
+        ``first_token_only`` attends with the first token's query alone (all tokens still serve
+        as keys and values) and returns ``(B, 1, width)``. ``return_probs`` also returns the
+        attention probabilities ``(B, heads, queries, N)``, computed explicitly; otherwise the
+        fused ``scaled_dot_product_attention`` never materialises them.
+        """
         q, k, v = self._split_heads(x)
+        if first_token_only:
+            q = q[:, :, :1]
+        if not return_probs:
+            dropout_p = self.attn_dropout if self.training else 0.0
+            return self._merge_heads(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p))
         probs = torch.softmax((q * self.head_dim**-0.5) @ k.transpose(-2, -1), dim=-1)
         attended = F.dropout(probs, self.attn_dropout, self.training) @ v
         return self._merge_heads(attended), probs
@@ -114,19 +110,19 @@ class EncoderBlock(nn.Module):
         self.mlp = MlpBlock(width, mlp_dim, dropout)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.norm1(x)))
-        return x + self.mlp(self.norm2(x))
-
-    def forward_class_token(self, x: torch.Tensor) -> torch.Tensor:
-        """The block's output for the first (class) token only, ``(B, 1, width)``."""
-        z = x[:, :1] + self.dropout(self.attn.forward_first_query(self.norm1(x)))
-        return z + self.mlp(self.norm2(z))
-
-    def forward_with_attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        attended, probs = self.attn.forward_with_probs(self.norm1(x))
+    def forward(
+        self, x: torch.Tensor, *, first_token_only: bool = False, return_attention: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The block's output tokens; ``first_token_only`` computes the first token's alone
+        ``(B, 1, width)``; ``return_attention`` also returns the attention probabilities."""
+        attended = self.attn(self.norm1(x), first_token_only=first_token_only, return_probs=return_attention)
+        if return_attention:
+            attended, probs = attended
+        if first_token_only:
+            x = x[:, :1]
         x = x + self.dropout(attended)
-        return x + self.mlp(self.norm2(x)), probs
+        x = x + self.mlp(self.norm2(x))
+        return (x, probs) if return_attention else x
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -248,12 +244,14 @@ class VisionTransformer(nn.Module):
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         return self.embed_dropout(x + self.pos_embed)
 
-    def _run(self, layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def _run(self, block: EncoderBlock, x: torch.Tensor, first_token_only: bool = False) -> torch.Tensor:
+        # Blocks are always invoked as modules (never via a bare method) so that module hooks
+        # -- DeepSpeed ZeRO-3 parameter gathering, FSDP, user hooks -- see every call.
         if self.grad_checkpointing and torch.is_grad_enabled():
             # Non-reentrant checkpointing recomputes the block in backward instead of keeping
             # its activations, and restores the RNG state so dropout masks match.
-            return checkpoint(layer, x, use_reentrant=False)
-        return layer(x)
+            return checkpoint(block, x, first_token_only=first_token_only, use_reentrant=False)
+        return block(x, first_token_only=first_token_only)
 
     def forward_tokens(self, images: torch.Tensor) -> torch.Tensor:
         """All encoded tokens after the final LayerNorm, ``(B, [cls] + grid*grid, width)``."""
@@ -266,13 +264,13 @@ class VisionTransformer(nn.Module):
         """Equation (4) before the head: the normalised class token, or the mean token for "gap"."""
         if self.head_type == "gap":
             return self.forward_tokens(images).mean(dim=1)
-        # Only the class token of the last block reaches the head, so that block computes its
-        # query, projection and MLP for that token alone (all tokens still serve as keys and
-        # values): the same function, about 1/depth less work.
+        # Only the class token of the last block reaches the head, so that block runs its
+        # attention output, projection and MLP for that token alone (all tokens still serve as
+        # keys and values): the same function for about 3/4 of a block less work.
         x = self.embed(images)
         for block in self.blocks[:-1]:
             x = self._run(block, x)
-        return self.norm(self._run(self.blocks[-1].forward_class_token, x))[:, 0]
+        return self.norm(self._run(self.blocks[-1], x, first_token_only=True))[:, 0]
 
     def _represent(self, pooled: torch.Tensor) -> torch.Tensor:
         return pooled if self.pre_logits is None else torch.tanh(self.pre_logits(pooled))
@@ -290,7 +288,7 @@ class VisionTransformer(nn.Module):
         x = self.embed(images)
         attentions = []
         for block in self.blocks:
-            x, probs = block.forward_with_attention(x)
+            x, probs = block(x, return_attention=True)
             attentions.append(probs)
         tokens = self.norm(x)
         pooled = tokens[:, 0] if self.head_type == "token" else tokens.mean(dim=1)

@@ -5,18 +5,22 @@ from __future__ import annotations
 import io
 import itertools
 import logging
+import os
 import shutil
 import tarfile
 from collections import Counter
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pytest
 import torch
+from fsspec.implementations.local import LocalFileSystem
 from PIL import Image
 
 import vitray.data.batch as batch_module
 from vitray.data import (
+    DataConfig,
     EvalLoader,
     ShardLoader,
     epoch_plan,
@@ -25,11 +29,12 @@ from vitray.data import (
     rank_slots,
     read_dataset_info,
     read_manifest,
+    storage,
 )
 from vitray.data.batch import SkipReporter
 from vitray.data.plan import ShardRange
 from vitray.data.reader import SampleStream
-from vitray.data.transforms import eval_transform, train_transform
+from vitray.data.transforms import eval_transform, to_model_range, train_transform
 
 NUM_SLOTS = 8
 GLOBAL_BATCH = 32  # 4 positions of each of the 8 slots per step; digits train: 179 per slot, 44 steps
@@ -97,10 +102,13 @@ def test_resume_gives_the_uninterrupted_sequence_with_any_worker_count(digits_da
     assert same_batches(before + after, uninterrupted)  # keys, augmented pixels and labels
 
 
-def test_workers_beyond_the_slot_count_split_batches(digits_dataset):
+def test_any_worker_count_gives_the_same_batches(digits_dataset):
     # 8 ranks of 1 slot; 2 workers take turns on the rank's slot, batch by batch.
     reference = take(loader(digits_dataset, rank=5, world_size=8, batch_size=4, workers=0), 7)
     assert same_batches(take(loader(digits_dataset, rank=5, world_size=8, batch_size=4, workers=2), 7), reference)
+    # 2 ranks of 4 slots; 3 workers own uneven blocks of slots (1, 1 and 2).
+    reference = take(loader(digits_dataset, rank=1, world_size=2, batch_size=16, workers=0), 3)
+    assert same_batches(take(loader(digits_dataset, rank=1, world_size=2, batch_size=16, workers=3), 3), reference)
 
 
 @pytest.mark.parametrize(("before_ws", "after_ws"), [(2, 1), (1, 2)])
@@ -308,7 +316,70 @@ def test_multi_label_batches_are_multi_hot(tmp_path):
 
 def test_eval_transform_resizes_small_images_and_crops_large_ones():
     small, large = Image.new("RGB", (8, 6), (255, 0, 0)), Image.new("RGB", (300, 400), (0, 0, 0))
-    out = eval_transform(16)(small)
+    out = to_model_range(eval_transform(16)(small)[None])[0]
     assert out.shape == (3, 16, 16) and out[0].min() == 1.0 and out[1].max() == -1.0
     assert eval_transform(224)(large).shape == (3, 224, 224)
     assert train_transform(32)(large).shape == (3, 32, 32)
+
+
+# ---------------------------------------------------------------- transient storage errors
+
+
+class FlakyFileSystem(LocalFileSystem):
+    """Local files behind a ``flaky://`` URL whose reads fail once per file, half way through."""
+
+    protocol = "flaky"
+    failed: set = set()
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(str(path).removeprefix("flaky://"))
+
+    def _open(self, path, mode="rb", **kwargs):
+        f = super()._open(path, mode, **kwargs)
+        failed, half = self.failed, os.path.getsize(path) // 2
+        real_read = f.read
+
+        def read(size=-1):
+            if path not in failed and f.tell() + (size if size >= 0 else half) >= half:
+                failed.add(path)
+                raise ConnectionResetError(f"simulated network failure reading {path}")
+            return real_read(size)
+
+        f.read = read
+        return f
+
+
+def test_transient_read_errors_are_retried_transparently(digits_dataset, monkeypatch, caplog):
+    fsspec.register_implementation("flaky", FlakyFileSystem, clobber=True)
+    monkeypatch.setattr(storage, "RETRY_BASE_DELAY_S", 0.001)
+    FlakyFileSystem.failed.clear()
+    url = f"flaky://{digits_dataset}"
+    with caplog.at_level(logging.WARNING, logger="vitray.data"):
+        flaky = [k for b in EvalLoader(url, "test", batch_size=64, img_size=8, num_workers=0) for k in b.keys]
+    assert len(FlakyFileSystem.failed) >= 4  # the dataset.json, manifest and shards each failed once
+    assert any("reopening at sample" in r.getMessage() for r in caplog.records)
+    local = [k for b in EvalLoader(str(digits_dataset), "test", batch_size=64, img_size=8, num_workers=0) for k in b.keys]
+    assert flaky == local and len(local) == 360
+
+
+# ---------------------------------------------------------------- config and iteration
+
+
+def test_data_config_validates():
+    config = DataConfig(train="s3://bucket/digits")
+    assert (config.val_path, config.val_split, config.num_slots, config.shuffle_buffer) == ("s3://bucket/digits", "test", 8, 512)
+    with pytest.raises(ValueError, match="num_slot"):
+        DataConfig(train="x", num_slot=8)
+    with pytest.raises(ValueError, match="greater than 0"):
+        DataConfig(train="x", num_slots=0)
+
+
+def test_a_new_iterator_supersedes_the_old_one(digits_dataset):
+    data_loader = loader(digits_dataset)
+    old = iter(data_loader)
+    first = next(old)
+    new = iter(data_loader)
+    second = next(new)
+    assert second.step == first.step + 1 and not set(first.keys) & set(second.keys)
+    assert list(old) == []  # the old iterator ends instead of advancing the shared position

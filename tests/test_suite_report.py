@@ -6,18 +6,17 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import socket
 import subprocess
 import sys
 import textwrap
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 from rich.console import Console
 
+from vitray.data.layout import DatasetInfo, SplitInfo, write_dataset_info
 from vitray.evaluation.report import print_table, summarize, vtab_group_averages, write_report
 from vitray.evaluation.results import Cell, ResultsTable, make_cell_id
 from vitray.evaluation.suite import (
@@ -28,6 +27,7 @@ from vitray.evaluation.suite import (
     locate,
     locate_train,
     require_prepared,
+    with_overrides,
 )
 
 # The VTAB-1k tasks and class counts as published (Zhai et al. 2019, Table / TFDS builders).
@@ -63,7 +63,7 @@ def test_paper_benchmarks_follow_the_paper():
         "imagenet": 1000, "imagenet_real": 1000, "cifar10": 10, "cifar100": 100, "pets": 37, "flowers102": 102}
     assert get_benchmark("imagenet").finetune.steps == 20_000
     assert get_benchmark("cifar10").finetune.learning_rates == (0.003, 0.01, 0.03, 0.06)
-    assert get_benchmark("pets").finetune.steps == 500
+    assert get_benchmark("pets").finetune.steps == 500 and get_benchmark("pets").finetune.val_fraction == 0.1
     assert get_benchmark("imagenet_real").label_kind == "multi"
     assert get_benchmark("cifar100").fewshot.shots == (1, 5, 10, 25)
     assert get_benchmark("digits").groups == ("demo",)
@@ -83,11 +83,12 @@ def test_locate_paths_local_and_s3():
     assert locate_train("imagenet_real", "/data") == "/data/imagenet"
 
 
-def _write_dataset_json(folder: Path, splits=("train", "test"), num_classes=10) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    info = {"name": folder.name, "num_classes": num_classes, "classes": [str(i) for i in range(num_classes)],
-            "label_kind": "single", "splits": {s: {"num_samples": 10, "num_shards": 1} for s in splits}}
-    (folder / "dataset.json").write_text(json.dumps(info))
+def _write_dataset_json(folder, splits=("train", "test"), num_classes=10, label_kind="single") -> None:
+    """dataset.json through the data layer's own writer (`folder` local Path or s3:// URL)."""
+    info = DatasetInfo(name=str(folder).rsplit("/", 1)[-1], source="test", classes=[str(i) for i in range(num_classes)],
+                       num_classes=num_classes, label_kind=label_kind,
+                       splits={s: SplitInfo(num_samples=10, num_shards=1) for s in splits})
+    write_dataset_info(str(folder), info)
 
 
 def test_missing_dataset_message_is_the_prepare_command(tmp_path):
@@ -104,9 +105,17 @@ def test_missing_dataset_message_is_the_prepare_command(tmp_path):
     (tmp_path / "digits" / "train-000000.tar").write_bytes(b"partial")
     assert "no dataset.json" in str(find_missing("digits", str(tmp_path)))
 
-    _write_dataset_json(tmp_path / "digits")
-    assert find_missing("digits", str(tmp_path)) is None
-    assert require_prepared("digits", str(tmp_path)) == f"{tmp_path}/digits"
+
+
+def test_really_prepared_digits_are_found(digits_dataset):
+    """The folder `vitray data prepare builtin:digits` wrote (conftest) passes the check."""
+    digits = with_overrides(get_benchmark("digits"), dataset=digits_dataset.name)
+    assert find_missing(digits, str(digits_dataset.parent)) is None
+    assert require_prepared(digits, str(digits_dataset.parent)) == str(digits_dataset)
+    # Wrong benchmark for the folder: caught by the class count.
+    cifar100 = with_overrides(get_benchmark("cifar100"), dataset=digits_dataset.name)
+    with pytest.raises(ValueError, match="100 classes but the dataset at .* has 10"):
+        find_missing(cifar100, str(digits_dataset.parent))
 
 
 def test_prepared_but_wrong_data_is_reported(tmp_path):
@@ -117,8 +126,13 @@ def test_prepared_but_wrong_data_is_reported(tmp_path):
         find_missing("cifar10", str(tmp_path))
     # ImageNet-ReaL reads its train split from the ImageNet folder: that one is checked too.
     _write_dataset_json(tmp_path / "imagenet_real", splits=("val",), num_classes=1000)
+    with pytest.raises(ValueError, match="needs multi-label test data"):
+        find_missing("imagenet_real", str(tmp_path))
+    _write_dataset_json(tmp_path / "imagenet_real", splits=("val",), num_classes=1000, label_kind="multi")
     missing = find_missing("imagenet_real", str(tmp_path))
     assert missing.command == f"vitray data prepare imagefolder:/path/to/imagenet {tmp_path}/imagenet"
+    _write_dataset_json(tmp_path / "imagenet", splits=("train", "val"), num_classes=1000)
+    assert find_missing("imagenet_real", str(tmp_path)) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,43 +251,22 @@ def test_invalid_rows_are_rejected(tmp_path):
     assert table.part_files() == [] and table.to_table().num_rows == 0
 
 
-@pytest.fixture(scope="module")
-def s3_bucket():
-    """A moto S3 server on 127.0.0.1 with one bucket; AWS env vars point s3fs at it."""
-    from moto.server import ThreadedMotoServer
-    import s3fs
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}.items():
-            env.setenv(key, value)
-        s3fs.S3FileSystem.clear_instance_cache()
-        fs = s3fs.S3FileSystem()
-        fs.mkdir("vitray-test")
-        yield fs, "s3://vitray-test"
-        s3fs.S3FileSystem.clear_instance_cache()
-    server.stop()
-
-
-def test_results_table_and_dataset_check_on_s3(s3_bucket):
-    fs, root = s3_bucket
-    table = ResultsTable(f"{root}/eval/results")
+def test_results_table_and_dataset_check_on_s3(moto_server):
+    table = ResultsTable(moto_server.url("eval", "results"))
     table.append(_cell(0).ok({"accuracy": 0.8}, 1.0))
     table.append(_cell(1).failed("boom", 1.0))
-    reopened = ResultsTable(f"{root}/eval/results")
+    reopened = ResultsTable(moto_server.url("eval", "results"))
+    assert reopened.part_files()[0].startswith(moto_server.url("eval", "results", "part-"))
     assert reopened.finished_cell_ids() == {_cell(0).cell_id}
     assert reopened.to_table().num_rows == 2
+    reopened.compact()
+    assert len(reopened.part_files()) == 1 and reopened.finished_cell_ids() == {_cell(0).cell_id}
 
-    missing = find_missing("digits", f"{root}/prepared")
-    assert missing.command == f"vitray data prepare builtin:digits {root}/prepared/digits"
-    fs.pipe(f"{root}/prepared/digits/dataset.json",
-            json.dumps({"num_classes": 10, "splits": {"train": {}, "test": {}}}).encode())
-    assert find_missing("digits", f"{root}/prepared") is None
+    root = moto_server.url("prepared")
+    missing = find_missing("digits", root)
+    assert missing.command == f"vitray data prepare builtin:digits {root}/digits"
+    _write_dataset_json(f"{root}/digits")
+    assert find_missing("digits", root) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,10 +349,12 @@ def test_report_plots_are_real_figures(grid_table, tmp_path):
 
     # Different numbers draw a different figure.
     other = ResultsTable(str(tmp_path / "other"))
+    flipped = []
     for row in grid_table.to_table().to_pylist():
         if row["status"] == "ok":
             row["value"] = 1.0 - row["value"]
-        other.append([{k: v for k, v in row.items() if k != "finished_at"}])
+        flipped.append(row)
+    other.append(flipped)
     changed = write_report(other, tmp_path / "other_report")
     for name in files.plots:
         assert files.plots[name].read_bytes() != changed.plots[name].read_bytes(), name

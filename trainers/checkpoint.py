@@ -75,3 +75,18 @@ def verify_complete(folder: str | Path, fs=None) -> dict[str, Any]:
             if sizes.get(f"{prefix}/{name}") != size:
                 raise IncompleteCheckpointError(f"checkpoint {folder}: {name} is missing or truncated")
     return state
+
+
+def load_model(folder: str, fs=None):
+    """The trained model stored in a complete checkpoint folder (built from its own config), and
+    the checkpoint's trainer state."""
+    from safetensors.torch import load
+
+    from vitray.models import ModelConfig, create_model_from_config
+
+    fs = fs or fsspec.filesystem("file")
+    state = verify_complete(folder, fs)
+    model = create_model_from_config(ModelConfig.model_validate(state["model"]), int(state["num_classes"]))
+    with fs.open(f"{str(folder).rstrip('/')}/{MODEL_FILE}", "rb") as f:
+        model.load_state_dict(load(f.read()), strict=True)
+    return model, state

@@ -34,8 +34,19 @@ class RunConfig(_Section):
         return name
 
 
+class InitConfig(_Section):
+    """Where the weights start. Start-up order: resume the run -> these weights -> scratch."""
+
+    checkpoint: str | None = Field(
+        None, description="A vitray checkpoint folder, or a run folder (its latest complete checkpoint)."
+    )
+    reset_head: bool = Field(True, description="Replace the head with a zero-initialised one (fine-tuning).")
+
+
 class TrainConfig(_Section):
     backend: Literal["deepspeed", "xla"] = "deepspeed"
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw: pre-training; sgd (momentum): fine-tuning.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
     objective: Literal["auto", "softmax", "sigmoid"] = Field(
         "auto", description="auto: softmax cross-entropy for single-label data, sigmoid for multi-label."
     )
@@ -90,6 +101,7 @@ class PretrainConfig(_Section):
     seed: int = Field(0, ge=0)
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
+    init: InitConfig = Field(default_factory=InitConfig)
     data: DataConfig
     train: TrainConfig = Field(default_factory=TrainConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from vitray.trainers.config import PretrainConfig
-from vitray.trainers.optim import build_adamw
+from vitray.trainers.optim import build_optimizer
 from vitray.trainers.schedule import lr_multiplier
 
 CHECKPOINT_SUBDIR = "deepspeed"
@@ -48,7 +48,7 @@ def build_engine(model: nn.Module, cfg: PretrainConfig, world_size: int, *, load
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
     train = cfg.train
-    optimizer = build_adamw(model, lr=train.lr, weight_decay=train.weight_decay, b1=train.b1, b2=train.b2, eps=train.eps)
+    optimizer = build_optimizer(model, train)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: lr_multiplier(

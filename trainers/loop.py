@@ -18,8 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from vitray.data import EvalLoader, ShardLoader, read_dataset_info
-from vitray.models import create_model_from_config
+from vitray.data import EvalLoader, ShardLoader, read_dataset_info, storage
+from vitray.models import ModelConfig, create_model_from_config
 from vitray.trainers import checkpoint as ckpt
 from vitray.trainers import deepspeed_backend as ds
 from vitray.trainers.config import PretrainConfig
@@ -28,7 +28,7 @@ from vitray.trainers.ema import Ema
 from vitray.trainers.keys import SampleKeyRecorder
 from vitray.trainers.metrics import MetricsWriter, accelerator_peak_tflops, train_flops_per_image
 from vitray.trainers.objectives import loss_fn, mixup, resolve_objective, targets_from_labels
-from vitray.trainers.run_files import RunFiles
+from vitray.trainers.run_files import RunFiles, resolve_checkpoint
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -51,7 +51,7 @@ class PretrainLoop:
             universal_dir = ds.to_universal(ctx.restore_dir, Path(tempfile.mkdtemp(prefix="vitray-universal-")))
 
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        model = create_model_from_config(cfg.model, self.info.num_classes)
+        model = self._initial_model(resuming=restore_state is not None)
         self.engine = ds.build_engine(model, cfg, self.world, load_universal=universal_dir is not None)
         self.dtype = next(self.engine.module.parameters()).dtype
         self.ema = Ema(self.engine.module, cfg.train.ema_decay) if cfg.train.ema_decay else None
@@ -79,7 +79,8 @@ class PretrainLoop:
                 cfg.debug.record_sample_keys, rank=self.rank, start_step=self.step, attempt=attempt
             )
         self.flops_per_image = train_flops_per_image(
-            lambda: create_model_from_config(cfg.model, self.info.num_classes), cfg.model.img_size
+            lambda: create_model_from_config(ModelConfig(**self._architecture()), self.info.num_classes),
+            cfg.model.img_size,
         )
         self.peak_tflops = accelerator_peak_tflops(cfg.train.peak_tflops)
         self.metrics = None
@@ -145,6 +146,19 @@ class PretrainLoop:
         return float(np.mean(losses)), grad_norm, data_wait, skipped
 
     # -- pieces -----------------------------------------------------------------------------------
+    def _initial_model(self, resuming: bool) -> torch.nn.Module:
+        """Scratch, or `init.checkpoint`'s weights at this run's resolution with a fresh head
+        (when resuming, the run's own checkpoint then replaces these weights)."""
+        init = self.cfg.init
+        if init.checkpoint is None:
+            return create_model_from_config(self.cfg.model, self.info.num_classes)
+        fs, path = storage.filesystem(resolve_checkpoint(init.checkpoint))
+        model, _ = ckpt.load_model(path, fs)
+        if init.reset_head or model.num_classes != self.info.num_classes:
+            model.reset_head(self.info.num_classes)
+        model.set_img_size(self.cfg.model.img_size)
+        return model
+
     def _step_metrics(self, window: "_Window", grad_norm: float) -> dict[str, Any]:
         loss, skipped = _all_reduce(
             [window.loss_sum / window.steps, float(window.skipped)], average=[True, False], device=self.engine.device
@@ -215,13 +229,24 @@ class PretrainLoop:
                     "data": self.loader.state_dict(),
                     "num_classes": self.info.num_classes,
                     "label_kind": self.info.label_kind,
-                    "model": self.cfg.model.model_dump(mode="json"),
+                    "model": self._architecture(),
                     "config": self.cfg.model_dump(mode="json"),
                 },
             )
         ckpt.mark_complete(folder, self.rank, ckpt.files_under(folder))
         metrics = {**metrics, "step": self.step, "checkpoint_save_s": time.perf_counter() - t0}
         self.ctx.report(metrics, folder)
+
+    def _architecture(self) -> dict[str, Any]:
+        """The model as built (fine-tuning changes the head and resolution of `init.checkpoint`'s)."""
+        module = self.engine.module
+        return {
+            **self.cfg.model.model_dump(mode="json"),
+            "name": module.name,
+            "img_size": module.img_size,
+            "head": module.head_type,
+            "representation_size": module.representation_size,
+        }
 
     def _restore(self, folder: Path, state: dict[str, Any], universal_dir: Path | None) -> None:
         ds.load(self.engine, folder, universal_dir=universal_dir)

@@ -1,4 +1,4 @@
-"""AdamW with the authors' weight-decay rule: decay matrices/kernels only, not biases, norms,
+"""Optimizers with the authors' weight-decay rule: decay matrices/kernels only, not biases, norms,
 position embeddings or the class token."""
 
 from __future__ import annotations
@@ -24,5 +24,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_adamw(model: nn.Module, *, lr: float, weight_decay: float, b1: float, b2: float, eps: float):
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=(b1, b2), eps=eps)
+def build_optimizer(model: nn.Module, train) -> torch.optim.Optimizer:
+    """AdamW for pre-training, SGD with momentum for fine-tuning (both from `TrainConfig`)."""
+    groups = param_groups(model, train.weight_decay)
+    if train.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=train.lr, momentum=train.momentum)
+    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.b1, train.b2), eps=train.eps)

@@ -92,3 +92,15 @@ def list_checkpoints(run_dir: str) -> list[CheckpointInfo]:
 def latest_complete_checkpoint(run_dir: str) -> CheckpointInfo | None:
     complete = [c for c in list_checkpoints(run_dir) if c.complete]
     return complete[-1] if complete else None
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A complete checkpoint folder as given, or the latest complete checkpoint of a run folder."""
+    fs, fs_path = storage.filesystem(path)
+    if fs.isfile(f"{fs_path.rstrip('/')}/{ckpt.STATE_FILE}"):
+        ckpt.verify_complete(fs_path, fs)
+        return path
+    latest = latest_complete_checkpoint(path)
+    if latest is None:
+        raise FileNotFoundError(f"{path} is neither a checkpoint nor a run folder with a complete checkpoint")
+    return latest.path

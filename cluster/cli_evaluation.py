@@ -1,0 +1,304 @@
+"""The transfer commands of the `vitray` CLI: `fewshot`, `finetune` and `evaluate`.
+
+`cluster/cli.py` adds them with one call, `register_evaluation_commands(app)`. Until then (and in
+tests) `python -m vitray.cluster.cli_evaluation ARGS...` runs the full `vitray` app with them.
+Like every vitray command they take `--config/-c FILE.yaml` and `--set dotted.key=value`; a bad
+value fails before any Ray resources are taken.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from vitray.cluster.config import ConfigError, dump_config, load_config
+
+console = Console(stderr=True)  # progress and messages; results tables go to stdout
+
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file.")]
+SetOpt = Annotated[
+    Optional[list[str]], typer.Option("--set", help="Override a config value: --set fewshot.seeds=5 (repeatable).")
+]
+DataRootOpt = Annotated[
+    Optional[str], typer.Option("--data-root", help="Folder (local or s3://) with the prepared benchmark datasets.")
+]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's and the workers' logs.")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config and exit.")]
+
+EVALUATION_COMMANDS = ("fewshot", "finetune", "evaluate")
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    console.print(f"[bold red]error:[/] {message.replace('[', chr(92) + '[')}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _grid(config: Optional[Path], overrides: list[str]):
+    from vitray.evaluation.config import GridConfig
+
+    try:
+        return load_config(GridConfig, config, overrides)
+    except ConfigError as err:
+        _fail(str(err))
+
+
+def _as_list(text: str, kind: type, option: str) -> list:
+    try:
+        return [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        _fail(f"{option} {text!r}: expected comma-separated {kind.__name__}s, e.g. 1,5,10,25")
+
+
+# ---------------------------------------------------------------------------------------------
+# vitray fewshot
+# ---------------------------------------------------------------------------------------------
+
+
+def fewshot(
+    checkpoint: Annotated[str, typer.Argument(help="A checkpoint folder, or a run folder (its latest checkpoint).")],
+    benchmark: Annotated[Optional[list[str]], typer.Option("--benchmark", "-b", help="Benchmark name (repeatable).")] = None,
+    data_root: DataRootOpt = None,
+    shots: Annotated[Optional[str], typer.Option(help="Shots per class, e.g. 1,5,10,25 (the protocol's by default).")] = None,
+    seeds: Annotated[Optional[int], typer.Option(help="Seeds per shots value (the protocol's, 3, by default).", min=1)] = None,
+    l2: Annotated[Optional[str], typer.Option("--l2", help='Ridge strength (default 1024) or "select".')] = None,
+    img_size: Annotated[Optional[int], typer.Option(help="Probe resolution (the checkpoint's by default).", min=1)] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+):
+    """Few-shot linear probe of a checkpoint on benchmarks: accuracy per shots, mean ± std over seeds."""
+    overrides = []
+    if benchmark:
+        overrides.append(f"benchmarks=[{', '.join(benchmark)}]")
+    if data_root:
+        overrides.append(f"data_root={data_root}")
+    if shots:
+        overrides.append(f"fewshot.shots={_as_list(shots, int, '--shots')}")
+    if seeds:
+        overrides.append(f"fewshot.seeds={seeds}")
+    if l2:
+        overrides.append(f"fewshot.l2_reg={l2}")
+    if img_size:
+        overrides.append(f"fewshot.img_size={img_size}")
+    grid = _grid(config, overrides + list(set_ or []))
+
+    from vitray.cluster.transfer import fewshot_on_checkpoint, resolve_checkpoints
+    from vitray.evaluation.suite import MissingDataset
+    from vitray.evaluation.transfer import summarize_scores
+
+    try:
+        (ref,) = resolve_checkpoints(checkpoint)
+    except (FileNotFoundError, ValueError, RuntimeError) as err:
+        _fail(str(err))
+    table = Table(title=f"few-shot linear probe: {ref.path} (step {ref.step})")
+    for name, justify in [("benchmark", "left"), ("shots", "right"), ("accuracy", "right"), ("± std", "right"),
+                          ("seeds", "right")]:  # fmt: skip
+        table.add_column(name, justify=justify)
+    problems = []
+    for bench in grid.resolved_benchmarks():
+        try:
+            outcomes = fewshot_on_checkpoint(ref, bench, grid.data_root, grid.fewshot,
+                                             storage_options=grid.storage_options)  # fmt: skip
+        except (MissingDataset, ValueError) as err:
+            problems.append(str(err))
+            continue
+        for k, (mean, std, n) in summarize_scores(outcomes).items():
+            table.add_row(bench.name, str(k), f"{mean:.4f}", f"{std:.4f}", str(n))
+        problems += [f"{bench.name} {o.cell.settings['shots']}-shot seed {o.cell.seed}: {o.error}"
+                     for o in outcomes if not o.ok]  # fmt: skip
+    Console().print(table)
+    if problems:
+        _fail("\n".join(problems), code=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# vitray finetune
+# ---------------------------------------------------------------------------------------------
+
+
+def finetune(
+    checkpoint: Annotated[
+        Optional[str], typer.Argument(help="Checkpoint (or run folder) to start from; sets init.checkpoint.")
+    ] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    benchmark: Annotated[
+        Optional[str], typer.Option("--benchmark", "-b", help="Build the recipe from this benchmark's protocol.")
+    ] = None,
+    data_root: DataRootOpt = None,
+    lr: Annotated[Optional[float], typer.Option(help="Learning rate (with --benchmark; its first by default).")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Steps (with --benchmark; the protocol's by default).", min=1)] = None,
+    seed: Annotated[int, typer.Option(help="Seed (with --benchmark).", min=0)] = 0,
+    storage: Annotated[str, typer.Option(help="Run storage (with --benchmark): local folder or s3://.")] = "./runs",
+    name: Annotated[Optional[str], typer.Option(help="Run name (with --benchmark; derived from the settings).")] = None,
+    dry_run: DryRunOpt = False,
+    verbose: VerboseOpt = False,
+):
+    """Fine-tune a checkpoint on one worker group and print the test top-1.
+
+    Either a fine-tune config (a pretrain YAML with init.checkpoint, e.g. configs/finetune_digits.yaml):
+    `vitray finetune -c FILE --set init.checkpoint=PATH`, or from a benchmark's protocol:
+    `vitray finetune CHECKPOINT --benchmark digits --data-root ROOT --lr 0.01`.
+    Re-running the same command resumes the run.
+    """
+    from vitray.cluster.transfer import validate_recipe
+
+    overrides = list(set_ or [])
+    if benchmark is not None:
+        if config is not None:
+            _fail("give either -c FILE (a fine-tune config) or --benchmark (the protocol's recipe), not both")
+        if checkpoint is None or data_root is None:
+            _fail("--benchmark needs the CHECKPOINT argument and --data-root")
+        try:
+            raw, source = _benchmark_recipe(checkpoint, benchmark, data_root, lr, steps, seed, storage, name)
+            cfg = validate_recipe(raw, overrides, source=source)
+        except ConfigError as err:
+            _fail(str(err))
+        except (FileNotFoundError, ValueError, RuntimeError) as err:
+            _fail(str(err))
+    else:
+        if checkpoint is not None:
+            overrides.insert(0, f"init.checkpoint={checkpoint}")
+        from vitray.trainers.config import PretrainConfig
+
+        try:
+            cfg = load_config(PretrainConfig, config, overrides)
+        except ConfigError as err:
+            _fail(str(err))
+        if cfg.init.checkpoint is None:
+            _fail("fine-tuning starts from a checkpoint: give CHECKPOINT or --set init.checkpoint=PATH")
+        if cfg.train.eval_every is None:
+            cfg.train.eval_every = cfg.train.steps  # the test top-1 this command reports, at the end
+    if dry_run:
+        typer.echo(dump_config(cfg), nl=False)
+        return
+    from vitray.cluster.runtime import run_dir
+    from vitray.cluster.transfer import run_finetune
+
+    try:
+        top1 = run_finetune(cfg, show_progress=True, verbose=verbose)
+    except Exception as err:  # noqa: BLE001 - Ray Train's TrainingFailedError and friends
+        _fail(f"fine-tuning failed: {err}", code=1)
+    console.print(f"run folder: {run_dir(cfg.run.storage, cfg.run.name)}")
+    Console().print(f"test top-1 ({cfg.data.val_path} split {cfg.data.val_split}): {top1:.4f}")
+
+
+def _benchmark_recipe(checkpoint: str, benchmark: str, data_root: str, lr: Optional[float], steps: Optional[int],
+                      seed: int, storage: str, name: Optional[str]) -> tuple[dict[str, Any], str]:  # fmt: skip
+    from vitray.cluster.transfer import resolve_checkpoints
+    from vitray.evaluation.config import FinetuneGrid
+    from vitray.evaluation.grid import finetune_settings
+    from vitray.evaluation.results import Cell
+    from vitray.evaluation.suite import get_benchmark, require_prepared
+    from vitray.evaluation.transfer import finetune_recipe, finetune_run_name
+
+    bench = get_benchmark(benchmark)
+    options = FinetuneGrid(learning_rates=[lr] if lr else None, steps=steps)
+    settings = finetune_settings(bench, options)[0]
+    (ref,) = resolve_checkpoints(checkpoint)
+    require_prepared(bench, data_root)
+    cell = Cell(ref.path, bench.name, "finetune", settings, seed, ref.step)
+    raw = finetune_recipe(bench, settings, checkpoint=ref.path, model=ref.model, data_root=data_root,
+                          run_name=name or finetune_run_name(cell), run_storage=storage, seed=seed,
+                          options=options)  # fmt: skip
+    return raw, f"the {bench.name} fine-tune recipe"
+
+
+# ---------------------------------------------------------------------------------------------
+# vitray evaluate
+# ---------------------------------------------------------------------------------------------
+
+
+def evaluate(
+    checkpoint: Annotated[str, typer.Argument(help="A checkpoint folder or a run folder (local or s3://).")],
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    data_root: DataRootOpt = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Results folder (sets `output`).")] = None,
+    all_checkpoints: Annotated[
+        bool, typer.Option("--all-checkpoints", help="Evaluate every complete checkpoint of the run (accuracy vs step).")
+    ] = False,
+    watch: Annotated[
+        bool, typer.Option("--watch", help="Keep evaluating new checkpoints of a training run until it finishes.")
+    ] = False,
+    watch_timeout: Annotated[float, typer.Option(help="Stop watching after this many seconds.", min=0)] = 24 * 3600.0,
+    poll: Annotated[float, typer.Option(help="Seconds between looks for new checkpoints (--watch).", min=0)] = 60.0,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar over the cells.")] = True,
+    dry_run: DryRunOpt = False,
+    verbose: VerboseOpt = False,
+):
+    """Evaluate CHECKPOINT on a grid of benchmarks x few-shot shots / fine-tune lrs x seeds over Ray.
+
+    Results are appended to <output>/results cell by cell; re-running skips finished cells and
+    retries failed ones. Prints the table and writes <output>/report (Markdown + PNG plots).
+    Exit code 1 when a cell failed or a benchmark's data is missing.
+    """
+    overrides = ([f"data_root={data_root}"] if data_root else []) + ([f"output={output}"] if output else [])
+    grid = _grid(config, overrides + list(set_ or []))
+    if dry_run:
+        typer.echo(dump_config(grid), nl=False)
+        return
+    from vitray.cluster.evaluate import resolve_checkpoints, run_grid, watch_run
+
+    if watch:
+        try:
+            watched = watch_run(checkpoint, grid, poll_seconds=poll, timeout_seconds=watch_timeout, console=console,
+                                show_progress=progress)  # fmt: skip
+        except FileNotFoundError as err:
+            _fail(str(err))
+        summaries = watched.grids
+        if not watched.finished:
+            console.print(f"[yellow]stopped watching after {watch_timeout:g} s: the run has not finished[/]")
+    else:
+        try:
+            refs = resolve_checkpoints(checkpoint, all_checkpoints=all_checkpoints)
+        except (FileNotFoundError, ValueError, RuntimeError) as err:
+            _fail(str(err))
+        summaries = [run_grid(grid, refs, console=console, show_progress=progress, verbose=verbose)]
+    files = _report(grid)
+    failed, missing = sum(s.failed for s in summaries), sum(s.missing for s in summaries)
+    ok, skipped = sum(s.ok for s in summaries), sum(s.skipped for s in summaries)
+    console.print(f"cells: {ok} ok, {skipped} already finished, {failed} failed, {missing} missing data")
+    console.print(f"results: {grid.results_path}\nreport:  {files}")
+    if failed or missing:
+        raise typer.Exit(1)
+
+
+def _report(grid) -> str:
+    """Prints the results table and writes the report next to it; returns the report.md path."""
+    from vitray.data import storage
+    from vitray.evaluation.report import print_table, write_report
+    from vitray.evaluation.results import ResultsTable
+
+    table = ResultsTable(grid.results_path, storage_options=grid.storage_options).to_table()
+    print_table(table, console=Console())
+    if not storage.is_remote(grid.report_path):
+        return str(write_report(table, grid.report_path).markdown)
+    with tempfile.TemporaryDirectory() as local:
+        files = write_report(table, local)
+        for path in [files.markdown, *files.plots.values()]:
+            storage.write_bytes_atomic(storage.join(grid.report_path, path.name), path.read_bytes(),
+                                       grid.storage_options)  # fmt: skip
+    return storage.join(grid.report_path, "report.md")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def register_evaluation_commands(app: typer.Typer) -> None:
+    """Adds `fewshot`, `finetune` and `evaluate` to the `vitray` app (again: no-op)."""
+    present = {info.name or getattr(info.callback, "__name__", None) for info in app.registered_commands}
+    for command in (fewshot, finetune, evaluate):
+        if command.__name__ not in present:
+            app.command(command.__name__)(command)
+
+
+if __name__ == "__main__":
+    from vitray.cluster.cli import app, main
+
+    register_evaluation_commands(app)
+    main()

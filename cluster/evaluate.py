@@ -1,0 +1,249 @@
+"""`vitray evaluate`: an evaluation grid fanned out over Ray, written to the results table cell by cell.
+
+- Few-shot: one Ray task per (checkpoint, benchmark) with its own resource request
+  (`fewshot.num_cpus` / `num_gpus`) extracts the features once and solves every (shots, seed) cell.
+- Fine-tune: every cell is a Ray Train V2 TorchTrainer run (`run_finetune`), named after the cell
+  under `<output>/finetune_runs`, so a re-run resumes a half-done run. The driver calls `fit()`
+  from a thread pool sized to what the cluster can hold: V2's `fit()` only blocks on its
+  controller actor (0 CPUs, pinned to the driver's node; it skips its SIGINT handler off the main
+  thread), so threads cost no cluster resources, whereas a Ray task wrapping `fit()` would hold a
+  CPU for nothing and could starve the workers it waits for.
+- The driver alone appends to the results table, each cell as soon as it finishes. Finished
+  cells are skipped on a re-run; failed and missing ones are retried. Data that is not prepared
+  gives "missing" rows whose message is the `vitray data prepare` command.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+
+import ray
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from vitray.cluster.runtime import connect
+from vitray.cluster.transfer import checkpoint_ref, finetune_config, resolve_checkpoints, run_finetune
+from vitray.data import storage
+from vitray.evaluation.config import GridConfig
+from vitray.evaluation.grid import METRIC, CheckpointRef, FewShotGroup, FinetuneJob, GridPlan, plan_grid
+from vitray.evaluation.results import ResultsTable
+from vitray.evaluation.suite import find_missing
+from vitray.evaluation.transfer import CellOutcome, error_text, run_fewshot_group
+from vitray.trainers.run_files import list_checkpoints
+
+
+@dataclass
+class GridSummary:
+    """Counts of one `run_grid` call (cells skipped because an earlier run finished them)."""
+
+    total: int = 0
+    skipped: int = 0
+    ok: int = 0
+    failed: int = 0
+    missing: int = 0
+    checkpoints: list[str] = field(default_factory=list)
+
+    def add(self, outcome: CellOutcome) -> None:
+        if outcome.ok:
+            self.ok += 1
+        else:
+            self.failed += 1
+
+
+@ray.remote
+def _fewshot_task(group: FewShotGroup, data_root: str, batch_size: int, data_workers: int,
+                  storage_options: dict | None, use_gpu: bool) -> list[CellOutcome]:  # fmt: skip
+    """In a Ray worker: load the checkpoint's model, extract features once, solve every cell."""
+    import torch
+
+    from vitray.cluster.export import load_checkpoint_model
+
+    try:
+        model, _ = load_checkpoint_model(group.checkpoint.path)
+    except Exception as error:  # noqa: BLE001 - every cell of the group records it
+        return [CellOutcome(cell, error=error_text(error)) for cell in group.cells]
+    device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
+    return run_fewshot_group(model, group, data_root, batch_size=batch_size, num_workers=data_workers,
+                             storage_options=storage_options, device=device)  # fmt: skip
+
+
+def run_grid(
+    grid: GridConfig,
+    checkpoints: Iterable[CheckpointRef],
+    *,
+    console: Console | None = None,
+    show_progress: bool = True,
+    verbose: bool = False,
+) -> GridSummary:
+    """Evaluates every cell of `grid` x `checkpoints` not finished yet; appends rows as cells finish."""
+    console = console or Console(stderr=True)
+    checkpoints = list(checkpoints)
+    table = ResultsTable(grid.results_path, storage_options=grid.storage_options)
+    plan = plan_grid(grid, checkpoints)
+    summary = GridSummary(total=len(plan), checkpoints=[c.path for c in checkpoints])
+    pending = plan.without(table.finished_cell_ids())
+    summary.skipped = summary.total - len(pending)
+    pending = _record_unprepared(pending, grid, table, summary)
+    if not len(pending):
+        return summary
+
+    connect(grid.cluster.address, verbose=verbose)
+    with _progress(console, len(pending), show_progress) as advance:
+        futures: dict[Future, FewShotGroup | FinetuneJob] = {}
+        for group in pending.fewshot:
+            futures[_submit_fewshot(group, grid)] = group
+        pool = ThreadPoolExecutor(max_workers=_finetune_slots(grid), thread_name_prefix="finetune")
+        try:
+            for job in pending.finetune:
+                futures[pool.submit(_finetune_cell, job, grid, verbose)] = job
+            for future in as_completed(futures):
+                for outcome in _outcomes(future, futures[future]):
+                    table.append(outcome.rows())
+                    summary.add(outcome)
+                    advance(outcome, summary)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+    return summary
+
+
+def _record_unprepared(plan: GridPlan, grid: GridConfig, table: ResultsTable, summary: GridSummary) -> GridPlan:
+    """Writes "missing" (or, for a mismatching dataset, "failed") rows for benchmarks whose data
+    cannot be read, and returns the plan without them."""
+    for name in dict.fromkeys(c.benchmark for c in plan.cells):
+        try:
+            missing = find_missing(name, grid.data_root, storage_options=grid.storage_options)
+            problem = None if missing is None else str(missing)
+        except ValueError as error:  # prepared, but not this benchmark's data (class count, label kind)
+            missing, problem = None, f"ValueError: {error}"
+        if problem is None:
+            continue
+        cells = plan.for_benchmark(name).cells
+        if missing is not None:
+            table.append([row for cell in cells for row in cell.missing(problem)])
+            summary.missing += len(cells)
+        else:
+            table.append([row for cell in cells for row in cell.failed(problem, 0.0)])
+            summary.failed += len(cells)
+        plan = plan.without_benchmark(name)
+    return plan
+
+
+def _submit_fewshot(group: FewShotGroup, grid: GridConfig) -> Future:
+    settings = grid.fewshot
+    task = _fewshot_task.options(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus)
+    ref = task.remote(group, grid.data_root, settings.batch_size, settings.data_workers,
+                      grid.storage_options, settings.num_gpus > 0)  # fmt: skip
+    return ref.future()
+
+
+def _finetune_cell(job: FinetuneJob, grid: GridConfig, verbose: bool) -> CellOutcome:
+    started = time.perf_counter()
+    try:
+        top1 = run_finetune(finetune_config(job, grid), verbose=verbose)
+    except Exception as error:  # noqa: BLE001 - the cell records it; the grid goes on
+        return CellOutcome(job.cell, error=error_text(error), seconds=time.perf_counter() - started)
+    return CellOutcome(job.cell, metrics={METRIC: top1}, seconds=time.perf_counter() - started)
+
+
+def _outcomes(future: Future, work: FewShotGroup | FinetuneJob) -> list[CellOutcome]:
+    try:
+        result = future.result()
+    except Exception as error:  # noqa: BLE001 - a Ray task that died (OOM, node lost)
+        cells = work.cells if isinstance(work, FewShotGroup) else (work.cell,)
+        return [CellOutcome(cell, error=error_text(error)) for cell in cells]
+    return result if isinstance(result, list) else [result]
+
+
+def _finetune_slots(grid: GridConfig) -> int:
+    """Fine-tune runs the cluster can hold at once (or `finetune.max_concurrent`)."""
+    settings = grid.finetune
+    if settings.max_concurrent:
+        return settings.max_concurrent
+    resources = ray.cluster_resources()
+    if settings.gpus_per_worker > 0:
+        fits = resources.get("GPU", 0) / (settings.gpus_per_worker * settings.num_workers)
+    else:
+        fits = resources.get("CPU", 0) / (settings.cpus_per_worker * settings.num_workers)
+    return max(1, math.floor(fits))
+
+
+class _progress:
+    """A rich progress bar over the pending cells; `advance(outcome, summary)` moves it."""
+
+    def __init__(self, console: Console, total: int, enabled: bool):
+        self.enabled = enabled
+        self.bar = Progress(TextColumn("[bold]evaluate"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console)  # fmt: skip
+        self.task = self.bar.add_task("cells", total=total, status="starting...")
+
+    def __enter__(self) -> Callable[[CellOutcome, GridSummary], None]:
+        if self.enabled:
+            self.bar.start()
+        return self.advance
+
+    def advance(self, outcome: CellOutcome, summary: GridSummary) -> None:
+        status = f"ok {summary.ok}  failed {summary.failed}  last: {outcome.cell.benchmark} {outcome.cell.method}"
+        self.bar.update(self.task, advance=1, status=status)
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self.bar.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# Watching a run that is still training
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WatchSummary:
+    grids: list[GridSummary] = field(default_factory=list)
+    finished: bool = False  # the run reached its last step and that checkpoint was evaluated
+
+
+def watch_run(
+    run_path: str,
+    grid: GridConfig,
+    *,
+    poll_seconds: float = 60.0,
+    timeout_seconds: float = 24 * 3600.0,
+    console: Console | None = None,
+    show_progress: bool = True,
+    on_grid: Callable[[GridSummary], None] | None = None,
+) -> WatchSummary:
+    """Evaluates each new complete checkpoint of a run as it appears, until the run's final
+    checkpoint (step == its train.steps) is evaluated or `timeout_seconds` pass."""
+    console = console or Console(stderr=True)
+    if not list_checkpoints(run_path) and not storage.exists(run_path, grid.storage_options):
+        raise FileNotFoundError(f"--watch needs a run folder; {run_path} does not exist")
+    done: set[str] = set()
+    watched = WatchSummary()
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        new = [c for c in list_checkpoints(run_path) if c.complete and c.path not in done]
+        refs = []
+        for info in new:
+            try:
+                refs.append(checkpoint_ref(info.path))
+            except Exception as error:  # noqa: BLE001 - deleted by checkpoint rotation meanwhile
+                console.print(f"skipping {info.path}: {error}")
+            done.add(info.path)
+        if refs:
+            console.print(f"evaluating {len(refs)} new checkpoint(s): steps {', '.join(str(r.step) for r in refs)}")
+            summary = run_grid(grid, refs, console=console, show_progress=show_progress)
+            watched.grids.append(summary)
+            if on_grid is not None:
+                on_grid(summary)
+            if any(r.target_steps is not None and r.step is not None and r.step >= r.target_steps for r in refs):
+                watched.finished = True
+                return watched
+        if time.monotonic() + poll_seconds > deadline:
+            return watched
+        time.sleep(poll_seconds)
+
+
+__all__ = ["GridSummary", "WatchSummary", "resolve_checkpoints", "run_grid", "watch_run"]

@@ -1,0 +1,157 @@
+"""One transfer run: checkpoints as grid inputs, a fine-tune run on Ray Train, a few-shot probe.
+
+The pieces `vitray finetune`, `vitray fewshot` and the grid (`cluster/evaluate.py`) share:
+
+- :func:`resolve_checkpoints`: a checkpoint folder, or a run folder's latest / every complete one;
+- :func:`finetune_config` + :func:`run_finetune`: the paper's fine-tune recipe for one cell,
+  validated as a PretrainConfig and run as a TorchTrainer (`pretrain`), resumed when the run
+  already exists, skipped when it already finished;
+- :func:`fewshot_on_checkpoint`: the few-shot probe of one benchmark, in this process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from vitray.cluster.config import ConfigError, _describe, _parse_override, _set_dotted
+from vitray.data import storage
+from vitray.evaluation.config import FewShotGrid, GridConfig
+from vitray.evaluation.grid import CheckpointRef, FinetuneJob, fewshot_group
+from vitray.evaluation.suite import Benchmark, require_prepared
+from vitray.evaluation.transfer import CellOutcome, final_top1, finetune_recipe, finetune_run_name, run_fewshot_group
+from vitray.trainers import checkpoint as ckpt
+from vitray.trainers.config import PretrainConfig
+from vitray.trainers.run_files import RunFiles, list_checkpoints
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def absolute(path: str) -> str:
+    """Local paths made absolute (they are part of cell ids); URLs unchanged."""
+    return str(path).rstrip("/") if storage.is_remote(path) else os.path.abspath(path)
+
+
+def is_checkpoint(path: str) -> bool:
+    fs, fs_path = storage.filesystem(path)
+    return fs.isfile(f"{fs_path.rstrip('/')}/{ckpt.STATE_FILE}")
+
+
+def checkpoint_ref(path: str) -> CheckpointRef:
+    """A complete checkpoint folder as a grid input (raises IncompleteCheckpointError otherwise)."""
+    path = absolute(path)
+    fs, fs_path = storage.filesystem(path)
+    state = ckpt.verify_complete(fs_path, fs)
+    target = state.get("config", {}).get("train", {}).get("steps")
+    return CheckpointRef(path, int(state["step"]), dict(state["model"]), int(target) if target else None)
+
+
+def resolve_checkpoints(path: str, *, all_checkpoints: bool = False) -> list[CheckpointRef]:
+    """The checkpoint folder `path`, or the latest (`all_checkpoints`: every) complete checkpoint
+    of the run folder `path`, oldest first. Local or s3://."""
+    path = absolute(path)
+    if is_checkpoint(path):
+        return [checkpoint_ref(path)]
+    complete = [c for c in list_checkpoints(path) if c.complete]
+    if not complete:
+        raise FileNotFoundError(
+            f"{path} is neither a checkpoint folder (no {ckpt.STATE_FILE}) nor a run folder with a complete "
+            "checkpoint (see `vitray runs STORAGE`)"
+        )
+    chosen = complete if all_checkpoints else complete[-1:]
+    return [checkpoint_ref(c.path) for c in chosen]
+
+
+# ---------------------------------------------------------------------------------------------
+# Fine-tuning
+# ---------------------------------------------------------------------------------------------
+
+
+def validate_recipe(
+    raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[str] = (), *, source: str = "the fine-tune recipe"
+) -> PretrainConfig:
+    """A recipe dict + dotted overrides (a mapping, or `key=value` strings as from `--set`) ->
+    a validated PretrainConfig; errors name the key, the value and what is allowed."""
+    from pydantic import ValidationError
+
+    data = _deep_copy(raw)
+    items = overrides.items() if isinstance(overrides, Mapping) else map(_parse_override, overrides)
+    for key, value in items:
+        _set_dotted(data, key, value)
+    try:
+        return PretrainConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, PretrainConfig, source=source)) from None
+
+
+def _deep_copy(node: Any) -> Any:
+    if isinstance(node, Mapping):
+        return {k: _deep_copy(v) for k, v in node.items()}
+    return list(node) if isinstance(node, list) else node
+
+
+def finetune_config(job: FinetuneJob, grid: GridConfig) -> PretrainConfig:
+    """The fine-tune run of one grid cell; its run lives under `<output>/finetune_runs`."""
+    raw = finetune_recipe(
+        job.benchmark, job.cell.settings, checkpoint=job.checkpoint.path, model=job.checkpoint.model,
+        data_root=grid.data_root, run_name=finetune_run_name(job.cell), run_storage=grid.finetune_storage,
+        seed=job.cell.seed, options=grid.finetune, address=grid.cluster.address,
+        storage_options=grid.storage_options,
+    )  # fmt: skip
+    return validate_recipe(raw, grid.finetune.overrides, source=f"fine-tune recipe of {job.benchmark.name}")
+
+
+def run_finetune(cfg: PretrainConfig, *, show_progress: bool = False, verbose: bool = False) -> float:
+    """Runs (or resumes) a fine-tune run and returns its test top-1 at the last step.
+
+    A run that already logged its final top-1 is not started again; one that stopped halfway
+    resumes from its latest checkpoint (same run.name and run.storage).
+    """
+    from vitray.cluster.pretrain import pretrain
+    from vitray.cluster.runtime import run_dir
+
+    files = RunFiles(run_dir(cfg.run.storage, cfg.run.name))
+    top1 = final_top1(files.read_metrics(), cfg.train.steps)
+    if top1 is None:
+        pretrain(cfg, show_progress=show_progress, verbose=verbose)  # raises TrainingFailedError on failure
+        top1 = final_top1(files.read_metrics(), cfg.train.steps)
+    if top1 is None:
+        raise RuntimeError(
+            f"fine-tune run {files.run_dir} ended without a test top-1 at step {cfg.train.steps} "
+            f"(train.eval_every must divide the run or be unset: the recipe evaluates at the end)"
+        )
+    return top1
+
+
+# ---------------------------------------------------------------------------------------------
+# Few-shot in this process
+# ---------------------------------------------------------------------------------------------
+
+
+def fewshot_on_checkpoint(
+    checkpoint: CheckpointRef,
+    benchmark: Benchmark,
+    data_root: str,
+    settings: FewShotGrid,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    device: Any = "cpu",
+) -> list[CellOutcome]:
+    """Every (shots, seed) few-shot cell of one benchmark on one checkpoint, without Ray.
+
+    Raises :class:`vitray.evaluation.suite.MissingDataset` (whose message is the prepare
+    command) when the benchmark's data is not prepared.
+    """
+    from vitray.cluster.export import load_checkpoint_model
+
+    require_prepared(benchmark, data_root, storage_options=storage_options)
+    group = fewshot_group(checkpoint, benchmark, settings)
+    model, _ = load_checkpoint_model(checkpoint.path)
+    return run_fewshot_group(
+        model, group, data_root, batch_size=settings.batch_size, num_workers=settings.data_workers,
+        storage_options=storage_options, device=device,
+    )  # fmt: skip

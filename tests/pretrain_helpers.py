@@ -1,0 +1,90 @@
+"""Running `vitray pretrain` as a user does (a subprocess with its own embedded Ray) in tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from vitray.trainers.run_files import latest_complete_checkpoint, list_checkpoints
+
+# A small, quick recipe: Ti/4 at 16 px on digits, 2 CPU workers, fp32, ZeRO-1.
+BASE = [
+    "model.name=Ti/4",
+    "model.img_size=16",
+    "train.batch_size=32",
+    "train.micro_batch_size=16",
+    "train.lr=0.002",
+    "train.warmup_steps=3",
+    "train.log_every=2",
+    "train.keep_checkpoints=2",
+    "train.precision=fp32",
+    "train.zero_stage=1",
+    "cluster.num_workers=2",
+    "data.num_slots=8",
+    "data.num_workers=1",
+    "data.shuffle_buffer=64",
+]
+
+
+def vitray_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "vitray.cluster.cli", *args]
+
+
+def pretrain_args(dataset: str, storage: str, name: str, *extra: str) -> list[str]:
+    sets = [*BASE, f"data.train={dataset}", f"run.storage={storage}", f"run.name={name}", *extra]
+    return vitray_cmd("pretrain", *[a for s in sets for a in ("--set", s)])
+
+
+def run(cmd: list[str], timeout: float = 480, env: dict | None = None) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    assert out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
+    return out
+
+
+def run_until_checkpoint(cmd: list[str], run_dir: str, min_step: int, timeout: float = 480) -> int:
+    """Start a run and kill its whole process tree (driver and embedded Ray) with SIGKILL as soon
+    as a complete checkpoint at `min_step` or later exists: a pre-emption. Returns that step."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            latest = latest_complete_checkpoint(run_dir) if Path(run_dir).exists() else None
+            if latest is not None and latest.step >= min_step:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return latest.step
+            if proc.poll() is not None:
+                raise AssertionError(f"run ended before it could be stopped: {proc.stderr.read()[-3000:]}")
+            time.sleep(0.2)
+        raise AssertionError("no checkpoint appeared in time")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        _stop_leftover_ray(proc.pid)
+
+
+def _stop_leftover_ray(session_id: int) -> None:
+    """Processes of the killed session that outlived the kill (Ray daemons re-parented to init)."""
+    try:
+        os.killpg(session_id, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def final_weights(run_dir: str) -> dict:
+    latest = latest_complete_checkpoint(run_dir)
+    assert latest is not None, f"no complete checkpoint in {run_dir}: {list_checkpoints(run_dir)}"
+    return load_file(str(Path(latest.path) / "model.safetensors"))
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not bool((a[k] == b[k]).all())]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"

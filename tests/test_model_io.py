@@ -1,0 +1,352 @@
+"""Weight I/O: the original .npz layout, timm interop, safetensors, load_weights, errors."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+from timm.models.vision_transformer import VisionTransformer as TimmVisionTransformer
+from timm.models.vision_transformer import _load_weights as timm_load_npz
+
+from vitray.models import (
+    create_model,
+    load_npz,
+    load_safetensors,
+    load_timm_state_dict,
+    load_weights,
+    resample_posemb,
+    save_npz,
+    save_safetensors,
+    to_timm_state_dict,
+)
+from vitray.models.io_safetensors import read_safetensors_metadata
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    # These models are tiny: one thread avoids OpenMP contention on a busy 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def randomized(name: str, seed: int = 0, **kwargs):
+    """A model with random values in every parameter (zero heads would hide mistakes)."""
+    kwargs.setdefault("num_classes", 10)
+    model = create_model(name, **kwargs)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    return model.eval()
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+def timm_vit(model, **kwargs) -> TimmVisionTransformer:
+    return TimmVisionTransformer(
+        img_size=model.img_size,
+        patch_size=model.patch_size,
+        embed_dim=model.width,
+        depth=model.depth,
+        num_heads=model.num_heads,
+        mlp_ratio=model.mlp_dim / model.width,
+        num_classes=model.num_classes,
+        **kwargs,
+    ).eval()
+
+
+IMAGES = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+
+
+# -- the .npz layout ---------------------------------------------------------------------------
+
+
+def test_npz_layout_names_and_shapes(tmp_path):
+    model = randomized("Ti/16", img_size=64, representation_size=32)
+    save_npz(model, tmp_path / "w.npz")
+    with np.load(tmp_path / "w.npz") as file:
+        arrays = {key: file[key] for key in file.files}
+    block = "Transformer/encoderblock_11/"
+    expected_shapes = {
+        "embedding/kernel": (16, 16, 3, 192),  # HWIO
+        "embedding/bias": (192,),
+        "cls": (1, 1, 192),
+        "Transformer/posembed_input/pos_embedding": (1, 17, 192),
+        f"{block}LayerNorm_0/scale": (192,),
+        f"{block}MultiHeadDotProductAttention_1/query/kernel": (192, 3, 64),
+        f"{block}MultiHeadDotProductAttention_1/value/bias": (3, 64),
+        f"{block}MultiHeadDotProductAttention_1/out/kernel": (3, 64, 192),
+        f"{block}LayerNorm_2/bias": (192,),
+        f"{block}MlpBlock_3/Dense_0/kernel": (192, 768),
+        f"{block}MlpBlock_3/Dense_1/kernel": (768, 192),
+        "Transformer/encoder_norm/scale": (192,),
+        "pre_logits/kernel": (192, 32),
+        "head/kernel": (32, 10),
+        "head/bias": (10,),
+    }
+    for key, shape in expected_shapes.items():
+        assert arrays[key].shape == shape, key
+    # 4 top-level embedding tensors, 16 per block (q/k/v/out kernels and biases split), 2 norm,
+    # 2 pre-logits, 2 head.
+    assert len(arrays) == 4 + 12 * 16 + 2 + 2 + 2
+    # The query kernel is the first third of the fused qkv projection, transposed to (in, out).
+    query = torch.from_numpy(arrays["Transformer/encoderblock_0/MultiHeadDotProductAttention_1/query/kernel"])
+    assert torch.equal(query.reshape(192, 192), model.blocks[0].attn.qkv.weight[:192].t())
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"representation_size": 24}, {"head": "gap"}])
+def test_npz_round_trip_is_bit_exact(tmp_path, kwargs):
+    model = randomized("Ti/16", img_size=64, **kwargs)
+    save_npz(model, tmp_path / "w.npz")
+    restored = create_model("Ti/16", num_classes=10, img_size=64, **kwargs)
+    load_npz(restored, tmp_path / "w.npz")
+    assert_same_weights(model, restored)
+    assert torch.equal(restored.eval()(IMAGES), model(IMAGES))
+
+
+def test_npz_loads_into_timm_with_the_same_logits(tmp_path):
+    model = randomized("Ti/16", img_size=64)
+    save_npz(model, tmp_path / "w.npz")
+    reference = timm_vit(model)
+    timm_load_npz(reference, str(tmp_path / "w.npz"))
+    logits = model(IMAGES)
+    assert logits.std() > 0.05
+    torch.testing.assert_close(reference(IMAGES), logits, atol=1e-5, rtol=1e-5)
+
+
+def test_gap_npz_loads_into_timm_average_pooling_model(tmp_path):
+    model = randomized("Ti/16", img_size=64, head="gap")
+    save_npz(model, tmp_path / "w.npz")
+    reference = timm_vit(model, class_token=False, global_pool="avg", fc_norm=False)
+    timm_load_npz(reference, str(tmp_path / "w.npz"))
+    torch.testing.assert_close(reference(IMAGES), model(IMAGES), atol=1e-5, rtol=1e-5)
+
+
+def test_timm_state_dict_both_ways():
+    model = randomized("Ti/16", img_size=64)
+    reference = timm_vit(model)
+    reference.load_state_dict(to_timm_state_dict(model), strict=True)
+    torch.testing.assert_close(reference(IMAGES), model(IMAGES), atol=1e-5, rtol=1e-5)
+    restored = create_model("Ti/16", num_classes=10, img_size=64)
+    load_timm_state_dict(restored, reference.state_dict())
+    assert_same_weights(model, restored)
+
+
+def test_timm_export_refuses_pre_logits():
+    model = create_model("Ti/4", num_classes=10, img_size=32, representation_size=16)
+    with pytest.raises(ValueError, match="no pre-logits layer.*reset_head"):
+        to_timm_state_dict(model)
+
+
+# -- hybrid --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid_npz(tmp_path_factory):
+    model = randomized("R26+S/32", img_size=64)
+    path = tmp_path_factory.mktemp("hybrid") / "r26_s32.npz"
+    save_npz(model, path)
+    return model, path
+
+
+def test_hybrid_npz_round_trip_and_layout(hybrid_npz):
+    model, path = hybrid_npz
+    with np.load(path) as file:
+        assert file["conv_root/kernel"].shape == (7, 7, 3, 64)
+        assert file["gn_root/scale"].shape == (64,)
+        assert file["block4/unit1/conv_proj/kernel"].shape == (1, 1, 1024, 2048)
+        assert file["block4/unit2/gn3/bias"].shape == (2048,)
+        assert "block4/unit2/conv_proj/kernel" not in file.files
+        assert file["embedding/kernel"].shape == (1, 1, 2048, 384)
+    restored = create_model("R26+S/32", num_classes=10, img_size=64)
+    load_npz(restored, path)
+    assert_same_weights(model, restored)
+    assert torch.equal(restored.eval()(IMAGES), model(IMAGES))
+
+
+def test_hybrid_npz_loads_into_timm(hybrid_npz):
+    model, path = hybrid_npz
+    reference = timm.create_model("vit_small_r26_s32_224", pretrained=False, num_classes=10, img_size=64).eval()
+    timm_load_npz(reference, str(path))
+    # Every tensor lands where timm expects it ...
+    ours = to_timm_state_dict(model)
+    theirs = reference.state_dict()
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+    # ... and the logits agree up to timm's different normalisation epsilons (StdConv 1e-8 on
+    # the variance, GroupNorm 1e-5; the authors' code uses 1e-5 on the std and 1e-6).
+    torch.testing.assert_close(reference(IMAGES), model(IMAGES), atol=1e-4, rtol=1e-3)
+    restored = create_model("R26+S/32", num_classes=10, img_size=64)
+    load_timm_state_dict(restored, theirs)
+    assert_same_weights(model, restored)
+
+
+def test_old_hybrid_checkpoint_conventions_are_read(hybrid_npz, tmp_path):
+    # Early releases nest everything under opt/target/ and store GroupNorm params as (1, 1, 1, C).
+    model, path = hybrid_npz
+    with np.load(path) as file:
+        arrays = {
+            f"opt/target/{key}": file[key].reshape(1, 1, 1, -1) if "/gn" in key or key.startswith("gn") else file[key]
+            for key in file.files
+        }
+    np.savez(tmp_path / "old.npz", **arrays)
+    restored = create_model("R26+S/32", num_classes=10, img_size=64)
+    load_npz(restored, tmp_path / "old.npz")
+    assert_same_weights(model, restored)
+
+
+# -- resolution changes ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors", ".pt"])
+def test_loading_at_a_new_resolution_resamples_the_posemb(tmp_path, suffix):
+    model = randomized("Ti/4", img_size=32)  # grid 8
+    path = tmp_path / f"w{suffix}"
+    {".npz": save_npz, ".safetensors": save_safetensors}.get(suffix, lambda m, p: torch.save(m.state_dict(), p))(
+        model, path
+    )
+    bigger = create_model("Ti/4", num_classes=10, img_size=48)  # grid 12
+    load_weights(bigger, path)
+    torch.testing.assert_close(bigger.pos_embed.detach(), resample_posemb(model.pos_embed.detach(), 12))
+    assert torch.equal(bigger.blocks[3].mlp.fc2.weight, model.blocks[3].mlp.fc2.weight)
+    assert bigger.eval()(torch.randn(1, 3, 48, 48)).shape == (1, 10)
+
+
+# -- safetensors and load_weights -------------------------------------------------------------
+
+
+def test_safetensors_round_trip_and_metadata(tmp_path):
+    model = randomized("Ti/4", img_size=32, head="gap", representation_size=16)
+    save_safetensors(model, tmp_path / "w.safetensors")
+    metadata = read_safetensors_metadata(tmp_path / "w.safetensors")
+    assert metadata == {
+        "format": "vitray", "name": "Ti/4", "img_size": "32", "head": "gap", "num_classes": "10",
+        "representation_size": "16",
+    }  # fmt: skip
+    restored = create_model("Ti/4", num_classes=10, img_size=32, head="gap", representation_size=16)
+    load_safetensors(restored, tmp_path / "w.safetensors")
+    assert_same_weights(model, restored)
+
+
+def test_load_weights_dispatches_on_suffix_and_name_style(tmp_path):
+    model = randomized("Ti/4", img_size=32)
+    save_npz(model, tmp_path / "a.npz")
+    save_safetensors(model, tmp_path / "b.safetensors")
+    torch.save(model.state_dict(), tmp_path / "c.pt")
+    torch.save({"state_dict": to_timm_state_dict(model)}, tmp_path / "d.pth")  # timm names, wrapped
+    save_file(to_timm_state_dict(model), str(tmp_path / "e.safetensors"))  # timm names
+    for name in ("a.npz", "b.safetensors", "c.pt", "d.pth", "e.safetensors"):
+        restored = create_model("Ti/4", num_classes=10, img_size=32)
+        load_weights(restored, tmp_path / name)
+        assert_same_weights(model, restored)
+
+
+class NotWeights:
+    """Anything torch.load(weights_only=True) must refuse to unpickle."""
+
+
+def test_load_weights_refuses_unsafe_pickles_and_unknown_formats(tmp_path):
+    model = create_model("Ti/4", num_classes=10, img_size=32)
+    torch.save({"model": model.state_dict(), "extra": NotWeights()}, tmp_path / "unsafe.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        load_weights(model, tmp_path / "unsafe.pt")
+    torch.save([1, 2, 3], tmp_path / "list.pt")
+    with pytest.raises(ValueError, match="does not hold a state dict"):
+        load_weights(model, tmp_path / "list.pt")
+    (tmp_path / "w.ckpt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"cannot tell the weight format.*\.npz, \.safetensors, \.pt"):
+        load_weights(model, tmp_path / "w.ckpt")
+
+
+# -- mismatches are errors, never partial loads ------------------------------------------------
+
+
+def saved_npz(tmp_path, name="Ti/4", **kwargs):
+    kwargs.setdefault("img_size", 32)
+    model = randomized(name, **kwargs)
+    path = tmp_path / "w.npz"
+    save_npz(model, path)
+    return model, path
+
+
+def test_other_variant_is_named_in_the_error(tmp_path):
+    _, path = saved_npz(tmp_path, "S/16", img_size=64)
+    target = create_model("Ti/16", num_classes=10, img_size=64)
+    with pytest.raises(ValueError, match=r"holds weights of S/16 \(width 384.*but the model is Ti/16 \(width 192"):
+        load_npz(target, path)
+
+
+def test_other_head_type_is_an_error(tmp_path):
+    _, path = saved_npz(tmp_path, head="gap")
+    with pytest.raises(ValueError, match="trained with head='gap'.*model uses head='token'"):
+        load_npz(create_model("Ti/4", num_classes=10, img_size=32), path)
+
+
+def test_other_number_of_heads_is_an_error(tmp_path):
+    _, path = saved_npz(tmp_path)
+    with np.load(path) as file:
+        arrays = {key: file[key] for key in file.files}
+    for key, value in arrays.items():  # same width, 6 heads of 32 instead of 3 of 64
+        if "MultiHeadDotProductAttention_1/" in key and "/out/bias" not in key:
+            shape = {3: (192, 6, 32), 2: (6, 32)}[value.ndim] if "/out/" not in key else (6, 32, 192)
+            arrays[key] = value.reshape(shape)
+    np.savez(tmp_path / "heads.npz", **arrays)
+    with pytest.raises(ValueError, match="6 heads.*but the model is Ti/4.*3 heads"):
+        load_npz(create_model("Ti/4", num_classes=10, img_size=32), tmp_path / "heads.npz")
+
+
+def test_other_num_classes_needs_load_head_false(tmp_path):
+    source, path = saved_npz(tmp_path)
+    target = create_model("Ti/4", num_classes=3, img_size=32)
+    with pytest.raises(ValueError, match=r"head\.weight: checkpoint \(10, 192\) vs model \(3, 192\).*load_head=False"):
+        load_npz(target, path)
+    assert torch.count_nonzero(target.blocks[0].mlp.fc1.bias.abs() > 1e-4) == 0  # nothing was loaded
+    load_npz(target, path, load_head=False)
+    assert torch.equal(target.blocks[0].mlp.fc1.weight, source.blocks[0].mlp.fc1.weight)
+    assert torch.count_nonzero(target.head.weight) == 0  # the model's own head is kept
+
+
+def test_pre_logits_mismatch_names_representation_size(tmp_path):
+    _, path = saved_npz(tmp_path, representation_size=16)
+    with pytest.raises(ValueError, match=r"not in the model: \['pre_logits.bias', 'pre_logits.weight'\].*representation_size=16"):
+        load_npz(create_model("Ti/4", num_classes=10, img_size=32), path)
+    target = create_model("Ti/4", num_classes=10, img_size=32)
+    load_npz(target, path, load_head=False)  # the fine-tuning start: drop pre-logits and head
+    assert target.pre_logits is None
+
+
+def test_unknown_and_missing_npz_keys_are_named(tmp_path):
+    _, path = saved_npz(tmp_path)
+    with np.load(path) as file:
+        arrays = {key: file[key] for key in file.files}
+    np.savez(tmp_path / "extra.npz", **arrays, **{"Transformer/mystery/kernel": np.zeros(3)})
+    with pytest.raises(ValueError, match=r"keys outside the ViT layout: \['Transformer/mystery/kernel'\]"):
+        load_npz(create_model("Ti/4", num_classes=10, img_size=32), tmp_path / "extra.npz")
+    del arrays["Transformer/encoderblock_3/MlpBlock_3/Dense_1/bias"]
+    np.savez(tmp_path / "missing.npz", **arrays)
+    with pytest.raises(ValueError, match="missing 'Transformer/encoderblock_3/MlpBlock_3/Dense_1/bias'"):
+        load_npz(create_model("Ti/4", num_classes=10, img_size=32), tmp_path / "missing.npz")
+
+
+def test_state_dict_key_problems_are_named(tmp_path):
+    model = randomized("Ti/4", img_size=32)
+    state = model.state_dict()
+    state["blocks.0.extra"] = torch.zeros(1)
+    del state["norm.bias"]
+    target = create_model("Ti/4", num_classes=10, img_size=32)
+    with pytest.raises(ValueError, match=r"missing from the checkpoint: \['norm.bias'\]; not in the model: \['blocks.0.extra'\]"):
+        load_timm_state_dict(target, state)
+    with pytest.raises(ValueError, match="not a ViT"):
+        load_timm_state_dict(target, {"foo": torch.zeros(1)})

@@ -1,0 +1,427 @@
+"""The ViT family: names, sizes, shapes, heads, forward paths, resolution changes, errors."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import scipy.ndimage
+import timm
+import torch
+import torch.nn.functional as F
+
+from vitray.models import (
+    ModelConfig,
+    VisionTransformer,
+    create_model,
+    create_model_from_config,
+    model_names,
+    resample_posemb,
+)
+from vitray.models.resnet import same_padding
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    # These models are tiny: one thread avoids OpenMP contention on a busy 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Random values in every parameter (zero heads and unit norms would hide mistakes)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    return model.eval()
+
+
+def meta_model(name: str, img_size: int = 224, **kwargs) -> VisionTransformer:
+    with torch.device("meta"):
+        return create_model(name, num_classes=1000, img_size=img_size, **kwargs)
+
+
+def num_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# -- names -------------------------------------------------------------------------------
+
+
+def test_model_names_cover_sizes_patches_and_hybrids():
+    names = model_names()
+    for size in ("Ti", "S", "B", "L", "H", "g"):
+        for patch in (4, 8, 14, 16, 32):
+            assert f"{size}/{patch}" in names
+    for hybrid in ("R50+B/16", "R26+S/32", "R26+B/32", "R50+L/32"):
+        assert hybrid in names
+    assert len(names) == len(set(names)) == 6 * 5 + 6 * 4
+
+
+def test_unknown_name_lists_valid_names():
+    with pytest.raises(ValueError, match="unknown model name 'B/15'") as error:
+        create_model("B/15", num_classes=10)
+    assert "B/16" in str(error.value) and "R50+B/16" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "width", "depth", "mlp_dim", "heads"),
+    [
+        ("Ti/16", 192, 12, 768, 3),
+        ("S/16", 384, 12, 1536, 6),
+        ("B/16", 768, 12, 3072, 12),
+        ("L/16", 1024, 24, 4096, 16),
+        ("H/14", 1280, 32, 5120, 16),
+        ("g/14", 1408, 40, 6144, 16),
+    ],
+)
+def test_sizes_match_the_papers(name, width, depth, mlp_dim, heads):
+    model = meta_model(name)
+    assert (model.width, model.depth, model.mlp_dim, model.num_heads) == (width, depth, mlp_dim, heads)
+    assert len(model.blocks) == depth
+    assert model.blocks[0].mlp.fc1.out_features == mlp_dim
+
+
+# -- parameter counts (paper Table 1) -----------------------------------------------------
+
+# Exact counts at 224 px with a 1000-class head and no pre-logits layer.
+PINNED_COUNTS = {"B/16": 86_567_656, "L/16": 304_326_632, "H/14": 632_045_800}
+TIMM_NAMES = {"B/16": "vit_base_patch16_224", "L/16": "vit_large_patch16_224", "H/14": "vit_huge_patch14_224"}
+
+
+@pytest.mark.parametrize("name", list(PINNED_COUNTS))
+def test_parameter_counts_are_pinned_and_equal_timms(name):
+    count = num_params(meta_model(name))
+    assert count == PINNED_COUNTS[name]
+    with torch.device("meta"):
+        reference = timm.create_model(TIMM_NAMES[name], pretrained=False, num_classes=1000)
+    assert count == num_params(reference)
+
+
+def test_parameter_counts_against_paper_table_1():
+    # Table 1 lists Base 86M, Large 307M, Huge 632M. Base and Huge are the counts above cut to
+    # whole millions. Large/16 has 304.3M however built (timm agrees, see above); 307M is not
+    # reproduced by any L/16 setting, so it is pinned as a known discrepancy of the paper.
+    assert PINNED_COUNTS["B/16"] // 10**6 == 86
+    assert PINNED_COUNTS["H/14"] // 10**6 == 632
+    assert PINNED_COUNTS["L/16"] // 10**6 == 304
+
+
+def test_representation_size_and_hybrid_counts():
+    plain = num_params(meta_model("B/16"))
+    with_pre_logits = num_params(meta_model("B/16", representation_size=768))
+    assert with_pre_logits - plain == 768 * 768 + 768
+    # timm's vit_base_r50_s16_224 is the same R50 (3, 4, 9) + ViT-B/16 hybrid.
+    with torch.device("meta"):
+        reference = timm.create_model("vit_base_r50_s16_224", pretrained=False, num_classes=1000)
+    assert num_params(meta_model("R50+B/16")) == num_params(reference) == 98_659_112
+
+
+# -- shapes -----------------------------------------------------------------------------
+
+SHAPE_NAMES = ["Ti/16", "S/16", "B/16", "L/16", "H/14", "g/14", "B/32", "L/32", "B/8", "R50+B/16", "R50+L/32", "R26+S/32"]
+
+
+@pytest.mark.parametrize("img_size", [224, 384])
+@pytest.mark.parametrize("name", SHAPE_NAMES)
+def test_output_shapes_at_224_and_384(name, img_size):
+    patch = int(name.split("/")[1])
+    if img_size % patch:
+        with pytest.raises(ValueError, match=f"not divisible by the patch size {patch}"):
+            meta_model(name, img_size)
+        return
+    model = meta_model(name, img_size)
+    grid = img_size // patch
+    assert (model.patch_size, model.grid_size, model.num_features) == (patch, grid, model.width)
+    assert model.pos_embed.shape == (1, 1 + grid * grid, model.width)
+    images = torch.empty(2, 3, img_size, img_size, device="meta")
+    assert model(images).shape == (2, 1000)
+    assert model.forward_features(images).shape == (2, model.width)
+
+
+def test_h14_and_g14_run_at_a_multiple_of_14():
+    model = meta_model("H/14", 518)  # the paper's fine-tuning resolution for /14 models
+    assert model.grid_size == 37
+    assert model(torch.empty(1, 3, 518, 518, device="meta")).shape == (1, 1000)
+
+
+def test_hybrid_stage_layouts_follow_the_authors():
+    assert meta_model("R50+B/16").stem.stage_units == (3, 4, 9)
+    assert meta_model("R50+L/32").stem.stage_units == (3, 4, 6, 3)
+    assert meta_model("R26+S/32").stem.stage_units == (2, 2, 2, 2)
+    assert meta_model("R26+B/16").stem.stage_units == (2, 2, 4)
+    assert meta_model("R50+B/16").patch_embed.kernel_size == (1, 1)
+    with pytest.raises(ValueError, match="not divisible by the ResNet stride 32"):
+        meta_model("R26+S/32", 240)
+
+
+def test_tensorflow_same_padding():
+    assert same_padding(224, 7, 2) == (2, 3)  # root conv: the extra pixel goes after
+    assert same_padding(112, 3, 2) == (0, 1)  # max-pool and strided 3x3
+    assert same_padding(56, 3, 1) == (1, 1)
+    assert same_padding(56, 1, 2) == (0, 0)
+
+
+# -- initialisation -------------------------------------------------------------------------
+
+
+def test_initialisation_follows_the_authors():
+    torch.manual_seed(0)
+    model = create_model("Ti/16", num_classes=10, img_size=64, representation_size=32)
+    width = model.width
+    assert torch.count_nonzero(model.head.weight) == 0 and torch.count_nonzero(model.head.bias) == 0
+    assert torch.count_nonzero(model.cls_token) == 0
+    assert model.pos_embed.std().item() == pytest.approx(0.02, rel=0.1)
+    # Separate Xavier-uniform query/key/value kernels: bound sqrt(6 / (D + D)), not the
+    # sqrt(6 / (D + 3D)) a fused 3D x D initialisation would give.
+    bound = math.sqrt(6 / (2 * width))
+    qkv = model.blocks[0].attn.qkv.weight
+    assert qkv.abs().max().item() <= bound and qkv.abs().max().item() > 0.95 * bound
+    assert model.blocks[0].mlp.fc1.bias.abs().max().item() < 1e-5 < model.blocks[0].mlp.fc1.bias.abs().max() * 1e2
+    # LeCun normal: std sqrt(1 / fan_in), truncated at two standard deviations of the base normal.
+    patch = model.patch_embed.weight
+    fan_in = patch[0].numel()
+    assert patch.std().item() == pytest.approx(math.sqrt(1 / fan_in), rel=0.05)
+    assert patch.abs().max().item() <= 2 * math.sqrt(1 / fan_in) / 0.87962566103423978
+    assert model.pre_logits.weight.std().item() == pytest.approx(math.sqrt(1 / width), rel=0.05)
+
+
+def test_fresh_model_predicts_zero_logits():
+    model = create_model("Ti/4", num_classes=7, img_size=32).eval()
+    logits = model(torch.randn(3, 3, 32, 32))
+    assert logits.shape == (3, 7)
+    assert torch.count_nonzero(logits) == 0  # zero-initialised head
+
+
+# -- forward paths --------------------------------------------------------------------------
+
+
+def test_token_features_are_the_normalised_class_token():
+    model = randomize_(create_model("Ti/4", num_classes=5, img_size=32, representation_size=24))
+    images = torch.randn(2, 3, 32, 32)
+    tokens = model.forward_tokens(images)
+    features = model.forward_features(images)
+    expected = torch.tanh(model.pre_logits(tokens[:, 0]))
+    assert features.shape == (2, 24) and model.num_features == 24
+    torch.testing.assert_close(features, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model(images), model.head(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_class_token_shortcut_trains_like_the_full_encoder():
+    # forward() runs the last block for the class token only; gradients must equal those of
+    # the plain computation over all tokens.
+    model = randomize_(create_model("Ti/4", num_classes=5, img_size=32)).train()
+    images, labels = torch.randn(2, 3, 32, 32), torch.tensor([0, 4])
+    parameters = list(model.parameters())
+    shortcut = torch.autograd.grad(F.cross_entropy(model(images), labels), parameters)
+    full_logits = model.head(model.forward_tokens(images)[:, 0])
+    full = torch.autograd.grad(F.cross_entropy(full_logits, labels), parameters)
+    for (name, _), a, b in zip(model.named_parameters(), shortcut, full):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_every_block_is_called_as_a_module():
+    # DeepSpeed ZeRO-3 and FSDP gather parameters in module hooks: no block may be bypassed.
+    model = create_model("Ti/4", num_classes=5, img_size=32)
+    calls = []
+    for module in model.modules():
+        if len(list(module.parameters(recurse=False))):
+            module.register_forward_pre_hook(lambda module, _: calls.append(module))
+    model(torch.randn(1, 3, 32, 32))
+    called = {id(module) for module in calls}
+    skipped = [name for name, m in model.named_modules() if list(m.parameters(recurse=False)) and id(m) not in called]
+    assert not skipped and len(calls) > 4 * model.depth
+
+
+def test_gap_head_has_no_class_token_and_averages_patch_tokens():
+    model = randomize_(create_model("Ti/4", num_classes=5, img_size=32, head="gap"))
+    assert model.cls_token is None and "cls_token" not in model.state_dict()
+    assert model.pos_embed.shape == (1, 64, model.width)
+    images = torch.randn(2, 3, 32, 32)
+    tokens = model.forward_tokens(images)
+    assert tokens.shape == (2, 64, model.width)
+    torch.testing.assert_close(model.forward_features(images), tokens.mean(dim=1))
+
+
+@pytest.mark.parametrize("head", ["token", "gap"])
+def test_attention_path_equals_normal_path(head):
+    model = randomize_(create_model("Ti/4", num_classes=5, img_size=32, head=head, representation_size=16))
+    images = torch.randn(2, 3, 32, 32)
+    logits, attentions = model.forward_with_attention(images)
+    torch.testing.assert_close(logits, model(images), atol=1e-5, rtol=1e-5)
+    tokens = 65 if head == "token" else 64
+    assert len(attentions) == model.depth
+    for probs in attentions:
+        assert probs.shape == (2, model.num_heads, tokens, tokens)
+        torch.testing.assert_close(probs.sum(dim=-1), torch.ones(2, model.num_heads, tokens))
+
+
+def test_attention_probabilities_are_softmax_of_scaled_scores():
+    model = randomize_(create_model("Ti/4", num_classes=5, img_size=32))
+    images = torch.randn(1, 3, 32, 32)
+    _, attentions = model.forward_with_attention(images)
+    x = model.blocks[0].norm1(model.embed(images))
+    attn = model.blocks[0].attn
+    q, k, _ = attn.qkv(x).split(model.width, dim=-1)
+    q = q.view(1, -1, attn.num_heads, attn.head_dim).transpose(1, 2)
+    k = k.view(1, -1, attn.num_heads, attn.head_dim).transpose(1, 2)
+    expected = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(attn.head_dim), dim=-1)
+    torch.testing.assert_close(attentions[0], expected, atol=1e-6, rtol=1e-5)
+
+
+def test_dropout_is_active_only_in_training():
+    model = randomize_(create_model("Ti/4", num_classes=5, img_size=32, dropout=0.1, attn_dropout=0.1))
+    images = torch.randn(2, 3, 32, 32)
+    assert torch.equal(model(images), model(images))
+    model.train()
+    assert not torch.equal(model(images), model(images))
+
+
+def test_grad_checkpointing_recomputes_blocks_and_keeps_gradients():
+    images = torch.randn(2, 3, 32, 32)
+    labels = torch.tensor([1, 3])
+    gradients, block_calls = [], []
+    for enabled in (False, True):
+        model = randomize_(create_model("Ti/4", num_classes=5, img_size=32, grad_checkpointing=enabled)).train()
+        calls = []
+        model.blocks[0].register_forward_pre_hook(lambda *_: calls.append(1))
+        F.cross_entropy(model(images), labels).backward()
+        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        block_calls.append(len(calls))
+    assert block_calls == [1, 2]  # checkpointing runs the block again during backward
+    torch.testing.assert_close(gradients[0], gradients[1])
+    assert gradients[0].abs().sum() > 0
+
+
+def test_hybrid_forward():
+    torch.manual_seed(0)
+    model = create_model("R26+Ti/32", num_classes=4, img_size=64).eval()
+    assert (model.grid_size, model.stem.stride, model.stem.out_channels) == (2, 32, 2048)
+    images = torch.randn(2, 3, 64, 64)
+    features = model.forward_features(images)
+    assert features.shape == (2, model.width) and torch.isfinite(features).all()
+    assert features.std() > 0.1
+    assert model(images).shape == (2, 4)
+    torch.testing.assert_close(model.forward_with_attention(images)[0], model(images))
+
+
+def test_weight_standardisation_ignores_kernel_scale():
+    # Standardised convolutions are invariant to a per-channel affine change of the kernel.
+    torch.manual_seed(0)
+    model = create_model("R26+Ti/32", num_classes=4, img_size=64).eval()
+    images = torch.randn(1, 3, 64, 64)
+    before = model.forward_features(images)
+    with torch.no_grad():
+        conv = model.stem.stages[1][0].conv2
+        conv.weight.mul_(3.0).add_(0.5)
+    torch.testing.assert_close(model.forward_features(images), before, atol=1e-4, rtol=1e-4)
+
+
+# -- adaptation -----------------------------------------------------------------------------
+
+
+def test_reset_head_drops_pre_logits_and_zeroes_the_head():
+    model = randomize_(create_model("Ti/4", num_classes=5, img_size=32, representation_size=16))
+    model.reset_head(3)
+    assert model.pre_logits is None and model.representation_size is None
+    assert (model.num_classes, model.num_features) == (3, model.width)
+    assert not any(key.startswith("pre_logits") for key in model.state_dict())
+    assert model.head.weight.shape == (3, model.width) and torch.count_nonzero(model.head.weight) == 0
+    images = torch.randn(2, 3, 32, 32)
+    assert torch.count_nonzero(model(images)) == 0
+    torch.testing.assert_close(model.forward_features(images), model.forward_tokens(images)[:, 0])
+
+
+def test_set_img_size_resamples_the_position_embedding():
+    model = randomize_(create_model("Ti/4", num_classes=5, img_size=32))
+    old = model.pos_embed.detach().clone()
+    model.set_img_size(48)
+    assert (model.img_size, model.grid_size) == (48, 12)
+    torch.testing.assert_close(model.pos_embed.detach(), resample_posemb(old, 12))
+    assert model.pos_embed.requires_grad
+    assert model(torch.randn(1, 3, 48, 48)).shape == (1, 5)
+    with pytest.raises(ValueError, match=r"expects images of shape \(batch, 3, 48, 48\).*set_img_size"):
+        model(torch.randn(1, 3, 32, 32))
+    with pytest.raises(ValueError, match="not divisible by the patch size 4"):
+        model.set_img_size(50)
+
+
+# -- position-embedding resampling vs scipy -----------------------------------------------
+
+
+def scipy_reference(posemb: torch.Tensor, prefix: int, new_h: int, new_w: int) -> np.ndarray:
+    grid = posemb[0, prefix:].double().numpy()
+    side = int(math.isqrt(grid.shape[0]))
+    zoomed = scipy.ndimage.zoom(grid.reshape(side, side, -1), (new_h / side, new_w / side, 1), order=1)
+    return np.concatenate([posemb[0, :prefix].double().numpy(), zoomed.reshape(new_h * new_w, -1)])
+
+
+@pytest.mark.parametrize(("old", "new"), [(7, 12), (14, 24), (24, 14), (12, 5), (2, 3), (1, 4), (16, 16)])
+@pytest.mark.parametrize("prefix", [0, 1])
+def test_resample_posemb_matches_scipy_zoom(old, new, prefix):
+    posemb = torch.randn(1, prefix + old * old, 8, generator=torch.Generator().manual_seed(old * 100 + new))
+    resampled = resample_posemb(posemb, new, num_prefix_tokens=prefix)
+    assert resampled.shape == (1, prefix + new * new, 8) and resampled.dtype == posemb.dtype
+    np.testing.assert_allclose(resampled[0].double().numpy(), scipy_reference(posemb, prefix, new, new), atol=1e-6)
+    if prefix:
+        assert torch.equal(resampled[:, 0], posemb[:, 0])
+
+
+def test_resample_posemb_infers_class_token_and_handles_rectangles():
+    posemb = torch.randn(1, 1 + 49, 4, dtype=torch.float64)
+    resampled = resample_posemb(posemb, (5, 9))
+    assert resampled.shape == (1, 1 + 45, 4)
+    np.testing.assert_allclose(resampled[0].numpy(), scipy_reference(posemb, 1, 5, 9), atol=1e-12)
+    # torch's default (align_corners=False) bilinear is a different function: make sure we differ.
+    grid = posemb[0, 1:].reshape(1, 7, 7, 4).permute(0, 3, 1, 2)
+    half_pixel = F.interpolate(grid, size=(5, 9), mode="bilinear", align_corners=False)
+    assert not torch.allclose(half_pixel.permute(0, 2, 3, 1).reshape(1, 45, 4), resampled[:, 1:])
+
+
+def test_resample_posemb_rejects_non_grids():
+    with pytest.raises(ValueError, match="neither a square grid nor a class token plus a square grid"):
+        resample_posemb(torch.randn(1, 51, 4), 4)
+    with pytest.raises(ValueError, match=r"shape \(1, tokens, dim\)"):
+        resample_posemb(torch.randn(50, 4), 4)
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_classes": 0}, "num_classes must be a positive integer"),
+        ({"num_classes": 10, "head": "map"}, r"head must be one of \('token', 'gap'\)"),
+        ({"num_classes": 10, "img_size": 30}, "img_size 30 is not divisible by the patch size 4"),
+        ({"num_classes": 10, "img_size": 0}, "img_size must be a positive integer"),
+        ({"num_classes": 10, "representation_size": 0}, "representation_size must be a positive integer"),
+        ({"num_classes": 10, "dropout": 1.0}, r"dropout must be in \[0, 1\)"),
+        ({"num_classes": 10, "attn_dropout": -0.1}, r"attn_dropout must be in \[0, 1\)"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(kwargs, message):
+    kwargs.setdefault("img_size", 32)
+    with pytest.raises(ValueError, match=message):
+        create_model("Ti/4", **kwargs)
+
+
+def test_wrong_input_shape_is_a_clear_error():
+    model = create_model("Ti/4", num_classes=5, img_size=32)
+    with pytest.raises(ValueError, match=r"expects images of shape \(batch, 3, 32, 32\), got \(2, 1, 32, 32\)"):
+        model(torch.randn(2, 1, 32, 32))
+
+
+def test_create_model_from_config():
+    cfg = ModelConfig(name="Ti/4", img_size=32, head="gap", representation_size=8, attn_dropout=0.1)
+    model = create_model_from_config(cfg, num_classes=3)
+    assert (model.name, model.img_size, model.head_type, model.num_features, model.num_classes) == (
+        "Ti/4", 32, "gap", 8, 3,
+    )  # fmt: skip
+    assert model.blocks[0].attn.attn_dropout == 0.1
+    with pytest.raises(ValueError, match="head"):
+        ModelConfig(head="map")

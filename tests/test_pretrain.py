@@ -1,0 +1,124 @@
+"""Pre-training on a local Ray instance with 2 CPU workers and DeepSpeed: learning, checkpoints,
+exact resume after a pre-emption and after a worker is killed, re-sharding onto 1 worker."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run, run_until_checkpoint
+from vitray.trainers.checkpoint import IncompleteCheckpointError, verify_complete
+from vitray.trainers.keys import collect_keys
+from vitray.trainers.run_files import RunFiles, latest_complete_checkpoint, list_checkpoints
+
+pytestmark = pytest.mark.slow
+
+STEPS = 16
+EVERY = 4
+
+
+@pytest.fixture(scope="module")
+def reference(digits_dataset, tmp_path_factory):
+    """An uninterrupted 2-worker run: the yardstick for every resume test."""
+    root = tmp_path_factory.mktemp("reference")
+    keys = root / "keys"
+    run(
+        pretrain_args(
+            str(digits_dataset), str(root / "runs"), "ref",
+            f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", f"train.eval_every={STEPS}",
+            f"debug.record_sample_keys={keys}",
+        )
+    )  # fmt: skip
+    run_dir = str(root / "runs" / "ref")
+    return {"run_dir": run_dir, "weights": final_weights(run_dir), "keys": collect_keys(keys)}
+
+
+def test_run_trains_and_loss_falls(reference):
+    metrics = RunFiles(reference["run_dir"]).read_metrics()
+    assert [m["step"] for m in metrics] == list(range(2, STEPS + 1, 2))
+    first, last = metrics[0]["loss"], metrics[-1]["loss"]
+    assert last < first - 0.1, f"loss did not fall: {first} -> {last}"
+    assert metrics[-1]["val/top1"] > 0.2  # 10 classes: chance is 0.1
+    for key in ("lr", "grad_norm", "images_per_s", "tflops_per_worker", "data_wait_fraction", "skipped_samples"):
+        assert key in metrics[-1]
+    # Every step trained on one global batch of distinct samples.
+    keys = reference["keys"]
+    assert sorted(keys) == list(range(STEPS))
+    assert all(len(k) == 32 and len(set(k)) == 32 for k in keys.values())
+    assert Path(reference["run_dir"], "vitray", "tensorboard").is_dir()
+
+
+def test_checkpoints_are_complete_and_kept(reference):
+    checkpoints = list_checkpoints(reference["run_dir"])
+    assert all(c.complete for c in checkpoints)
+    assert [c.step for c in checkpoints] == [12, 16]  # train.keep_checkpoints=2
+    state = verify_complete(checkpoints[-1].path)
+    assert state["step"] == STEPS and state["world_size"] == 2
+
+
+def test_stop_and_rerun_resumes_exactly(digits_dataset, reference, tmp_path):
+    storage = str(tmp_path / "runs")
+    keys = tmp_path / "keys"
+    args = pretrain_args(
+        str(digits_dataset), storage, "ref",
+        f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", f"train.eval_every={STEPS}",
+        f"debug.record_sample_keys={keys}",
+    )  # fmt: skip
+    stopped_at = run_until_checkpoint(args, str(tmp_path / "runs" / "ref"), min_step=EVERY)
+    assert stopped_at < STEPS
+    run(args)  # the same command again
+    assert_same_weights(final_weights(str(tmp_path / "runs" / "ref")), reference["weights"])
+    assert collect_keys(keys) == reference["keys"]
+
+
+def test_killed_worker_is_restarted_and_run_finishes_identically(digits_dataset, reference, tmp_path):
+    keys = tmp_path / "keys"
+    run(
+        pretrain_args(
+            str(digits_dataset), str(tmp_path / "runs"), "ref",
+            f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", f"train.eval_every={STEPS}",
+            f"debug.record_sample_keys={keys}", "debug.kill_worker_at_step=6", "cluster.max_failures=1",
+        )
+    )  # fmt: skip
+    run_dir = str(tmp_path / "runs" / "ref")
+    assert (Path(run_dir) / "vitray" / "markers" / "killed-at-step-6").exists()
+    assert_same_weights(final_weights(run_dir), reference["weights"])
+    assert collect_keys(keys) == reference["keys"]
+
+
+def test_resume_on_one_worker_from_two_worker_checkpoint(digits_dataset, reference, tmp_path):
+    storage = str(tmp_path / "runs")
+    keys = tmp_path / "keys"
+    common = [f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", f"debug.record_sample_keys={keys}"]
+    stopped_at = run_until_checkpoint(
+        pretrain_args(str(digits_dataset), storage, "ref", *common), str(tmp_path / "runs" / "ref"), min_step=EVERY
+    )
+    run(pretrain_args(str(digits_dataset), storage, "ref", *common, "cluster.num_workers=1", "train.micro_batch_size=32"))
+    run_dir = str(tmp_path / "runs" / "ref")
+    state = verify_complete(latest_complete_checkpoint(run_dir).path)
+    assert state["step"] == STEPS and state["world_size"] == 1
+    recorded = collect_keys(keys)
+    # The global batches are the same samples whatever the number of workers.
+    assert recorded == reference["keys"], f"stopped at {stopped_at}"
+    metrics = RunFiles(run_dir).read_metrics()
+    assert [m["step"] for m in metrics] == list(range(2, STEPS + 1, 2))
+
+
+def test_half_written_checkpoint_is_never_taken(reference, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference["run_dir"], run_dir)
+    newest = Path(list_checkpoints(str(run_dir))[-1].path)
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # an upload cut short
+    with pytest.raises(IncompleteCheckpointError, match="model.safetensors"):
+        verify_complete(newest)
+    latest = latest_complete_checkpoint(str(run_dir))
+    assert latest is not None and latest.step == 12
+    (newest / "complete-rank-0001.json").unlink()
+    with pytest.raises(IncompleteCheckpointError, match="rank 1"):
+        verify_complete(newest)
