@@ -1,21 +1,26 @@
 """Throughput of the training reader (ShardLoader) against a plain decode-and-augment loop.
 
-    python benchmarks/data_pipeline.py [--images 2000] [--workers 2] [--img-size 224]
+    python benchmarks/data_pipeline.py [--images 2000] [--workers 2] [--img-size 224] [--skip-s3]
 
 It writes ``--images`` JPEGs of about 256x256 (random crops of scikit-learn's two sample photos,
 which ship with the package), prepares them into local shards, and measures decoded + augmented
-samples per second of
+samples of
 
-1. a plain single-process loop over the JPEG files: read, decode, the same training transform;
-2. ``ShardLoader`` with ``--workers`` DataLoader workers over the local shards;
+1. a plain single-process loop over the JPEG files: read, decode, the same training transform,
+   the same conversion to float in [-1, 1], torch on one thread;
+2. ``ShardLoader`` with ``--workers`` DataLoader workers over the local shards (batches of
+   ``--batch-size``, the default 8 slots, 512-sample shuffle windows), with float32 batches and
+   with uint8 batches (``float_images=False``: no conversion in the main process);
 3. the same over S3 (a moto server on 127.0.0.1, so it measures the S3 code path, not a network).
 
-Each figure is the best of ``--repeats`` runs, since other work on the machine only slows runs down.
-
-The per-core ratio, (ShardLoader samples/s / workers) / (plain loop samples/s), says what the
-shard format, shuffling and resumable bookkeeping cost per decoding core; the last line prints it.
-Near 1 means workers decode as fast as a bare loop; on a machine with no more cores than workers,
-the main process (concatenating batches, as a trainer would) takes its share of them too.
+Two figures per reader: samples per second of wall-clock time (after the first batch; best of
+``--repeats``), and samples per CPU-second, summed over the main process and its workers (from
+``getrusage``, first batch included). The second hardly changes when other work shares the
+machine, so the last line's CPU ratio, (ShardLoader samples per CPU-s) / (plain loop samples per
+CPU-s), is the steadier measure of what shards, shuffling, seeding and passing batches between
+processes cost; the wall-clock per-core ratio, (ShardLoader samples/s / workers) / (plain loop
+samples/s), is printed beside it and needs an otherwise idle machine with a core per worker plus
+one for the main process.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ import argparse
 import itertools
 import logging
 import os
+import resource
 import socket
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +45,23 @@ from vitray.data import ShardLoader, prepare_dataset, train_transform
 from vitray.data.transforms import apply_seeded, decode_image, to_model_range
 
 
+@dataclass
+class Rate:
+    per_second: float  # samples per wall-clock second
+    per_cpu_second: float  # samples per CPU-second of this process and its (finished) children
+    first_batch_s: float = 0.0
+
+
+def cpu_seconds() -> float:
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
+
+
 def write_jpegs(root: Path, count: int, classes: int = 10, seed: int = 0) -> list[Path]:
-    """``count`` JPEG crops (about 256x256, quality 90) in ``classes`` class folders."""
+    """``count`` JPEG crops (224-320 px a side, quality 90) in ``classes`` class folders."""
     photos = load_sample_images().images  # two 427x640 RGB photos
     rng = np.random.default_rng(seed)
     paths = []
@@ -56,38 +78,73 @@ def write_jpegs(root: Path, count: int, classes: int = 10, seed: int = 0) -> lis
     return paths
 
 
-def plain_loop(paths: list[Path], img_size: int) -> float:
-    """Samples/s of reading, decoding and augmenting the files one by one in this process, on one
-    core (DataLoader workers also run torch single-threaded; more threads only contend here)."""
+def plain_loop(paths: list[Path], img_size: int) -> Rate:
+    """Read, decode and augment the files one by one in this process, torch on one thread (as in
+    DataLoader workers; more threads only contend on small images)."""
     transform = train_transform(img_size)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        start = time.perf_counter()
+        cpu, start = cpu_seconds(), time.perf_counter()
         for i, path in enumerate(paths):
-            to_model_range(apply_seeded(transform, decode_image(path.read_bytes()), seed=i))
-        return len(paths) / (time.perf_counter() - start)
+            to_model_range(apply_seeded(transform, decode_image(path.read_bytes()), seed=i)[None])
+        wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu
     finally:
         torch.set_num_threads(threads)
+    return Rate(len(paths) / wall, len(paths) / cpu)
 
 
-def loader_rate(path: str, *, workers: int, img_size: int, batch_size: int, samples: int) -> tuple[float, float]:
-    """(steady samples/s after the first batch, seconds to the first batch) of ShardLoader."""
+def loader_run(path: str, *, workers: int, img_size: int, batch_size: int, samples: int, floats: bool = True) -> Rate:
     data_loader = ShardLoader(path, "train", rank=0, world_size=1, batch_size=batch_size, img_size=img_size,
-                              train=True, seed=0, num_workers=workers)  # fmt: skip
-    start = time.perf_counter()
+                              train=True, seed=0, num_workers=workers, float_images=floats)  # fmt: skip
+    cpu, start = cpu_seconds(), time.perf_counter()
     iterator = iter(data_loader)
-    next(iterator)
+    count = len(next(iterator))
     first = time.perf_counter()
     steps = max(1, samples // batch_size - 1)
-    count = sum(len(b) for b in itertools.islice(iterator, steps))
-    return count / (time.perf_counter() - first), first - start
+    steady = sum(len(b) for b in itertools.islice(iterator, steps))
+    wall = time.perf_counter() - first
+    iterator.close()  # joins the workers, so that their CPU time is counted
+    return Rate(steady / wall, (count + steady) / (cpu_seconds() - cpu), first - start)
+
+
+def best(runs: list[Rate]) -> Rate:
+    return Rate(max(r.per_second for r in runs), max(r.per_cpu_second for r in runs),
+                min(r.first_batch_s for r in runs))  # fmt: skip
+
+
+def show(name: str, rate: Rate, workers: int = 0) -> None:
+    per_worker = f", {rate.per_second / workers:.0f} per worker" if workers else ""
+    first = f", first batch after {rate.first_batch_s:.1f}s" if workers else ""
+    print(f"{name:<34} {rate.per_second:7.0f} samples/s{per_worker}; {rate.per_cpu_second:5.0f} per CPU-s{first}")
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def s3_run(root: Path, args: argparse.Namespace) -> Rate:
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+                          AWS_EC2_METADATA_DISABLED="true", AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")  # fmt: skip
+        import boto3
+
+        boto3.client("s3").create_bucket(Bucket="bench")
+        t = time.perf_counter()
+        prepare_dataset(f"imagefolder:{root / 'jpegs'}", "s3://bench/shards", samples_per_shard=500)
+        print(f"prepare (serial) to S3:            {args.images / (time.perf_counter() - t):7.0f} images/s")
+        return best([loader_run("s3://bench/shards", workers=args.workers, img_size=args.img_size,
+                                batch_size=args.batch_size, samples=args.images) for _ in range(args.repeats)])  # fmt: skip
+    finally:
+        server.stop()
 
 
 def main() -> None:
@@ -102,55 +159,32 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="vitray-bench-") as tmp:
         root = Path(tmp)
-        t = time.perf_counter()
         paths = write_jpegs(root / "jpegs", args.images)
-        mean_kb = np.mean([p.stat().st_size for p in paths]) / 1024
-        print(f"wrote {len(paths)} JPEGs (mean {mean_kb:.0f} KiB) in {time.perf_counter() - t:.1f}s")
-
+        mean_kib = np.mean([p.stat().st_size for p in paths]) / 1024
+        print(f"{len(paths)} JPEGs, mean {mean_kib:.0f} KiB; img_size {args.img_size}, batch {args.batch_size}, "
+              f"{os.cpu_count()} CPUs")  # fmt: skip
         t = time.perf_counter()
         prepare_dataset(f"imagefolder:{root / 'jpegs'}", str(root / "shards"), samples_per_shard=500)
-        print(f"prepare (serial, local): {args.images / (time.perf_counter() - t):.0f} images/s")
+        print(f"prepare (serial) to local disk:    {args.images / (time.perf_counter() - t):7.0f} images/s")
 
-        plain = max(plain_loop(paths, args.img_size) for _ in range(args.repeats))
-        print(f"plain loop, 1 process:             {plain:8.1f} samples/s")
-        local, startup = max(
-            loader_rate(str(root / "shards"), workers=args.workers, img_size=args.img_size,
-                        batch_size=args.batch_size, samples=args.images)
-            for _ in range(args.repeats)
-        )  # fmt: skip
-        print(f"ShardLoader local, {args.workers} workers:      {local:8.1f} samples/s "
-              f"({local / max(args.workers, 1):.1f} per worker; first batch after {startup:.1f}s)")  # fmt: skip
-
+        plain = best([plain_loop(paths, args.img_size) for _ in range(args.repeats)])
+        show("plain loop, 1 process", plain)
+        local = best([loader_run(str(root / "shards"), workers=args.workers, img_size=args.img_size,
+                                 batch_size=args.batch_size, samples=args.images) for _ in range(args.repeats)])  # fmt: skip
+        show(f"ShardLoader local, {args.workers} workers", local, args.workers)
+        uint8 = best([loader_run(str(root / "shards"), workers=args.workers, img_size=args.img_size,
+                                 batch_size=args.batch_size, samples=args.images, floats=False)
+                      for _ in range(args.repeats)])  # fmt: skip
+        show("  the same, uint8 batches", uint8, args.workers)
         if not args.skip_s3:
-            from moto.server import ThreadedMotoServer
+            remote = s3_run(root, args)
+            show(f"ShardLoader S3 (moto), {args.workers} workers", remote, args.workers)
+            print(f"S3 / local: {remote.per_second / local.per_second:.2f} (wall), "
+                  f"{remote.per_cpu_second / local.per_cpu_second:.2f} (per CPU-s)")  # fmt: skip
 
-            logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-
-            port = free_port()
-            server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-            server.start()
-            try:
-                os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                                  AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true",
-                                  AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")  # fmt: skip
-                import boto3
-
-                boto3.client("s3").create_bucket(Bucket="bench")
-                t = time.perf_counter()
-                prepare_dataset(f"imagefolder:{root / 'jpegs'}", "s3://bench/shards", samples_per_shard=500)
-                print(f"prepare (serial, to S3): {args.images / (time.perf_counter() - t):.0f} images/s")
-                remote, startup = max(
-                    loader_rate("s3://bench/shards", workers=args.workers, img_size=args.img_size,
-                                batch_size=args.batch_size, samples=args.images)
-                    for _ in range(args.repeats)
-                )  # fmt: skip
-                print(f"ShardLoader S3 (moto), {args.workers} workers: {remote:8.1f} samples/s "
-                      f"(first batch after {startup:.1f}s); S3 / local = {remote / local:.2f}")  # fmt: skip
-            finally:
-                server.stop()
-
-    per_core = local / max(args.workers, 1) / plain
-    print(f"ratio (ShardLoader samples/s per worker / plain loop samples/s): {per_core:.2f}")
+    per_core = local.per_second / max(args.workers, 1) / plain.per_second
+    print(f"ratio ShardLoader / plain loop: {local.per_cpu_second / plain.per_cpu_second:.2f} per CPU-second; "
+          f"{per_core:.2f} per worker, wall clock")  # fmt: skip
 
 
 if __name__ == "__main__":

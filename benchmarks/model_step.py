@@ -1,13 +1,13 @@
 """Training-step throughput of vitray's ViT-S/16 against timm's ``vit_small_patch16_224``.
 
 One step is forward, cross-entropy, backward and an AdamW update, on the same random batch,
-with the same thread count and the same weights, in the same process. Both models warm up, then
-run in alternating rounds (the order flips every round) so that drifts of the machine hit both
-alike. Throughput is the batch over the *median* step time, which a busy neighbour on a shared
-machine disturbs far less than the mean. Prints each round, the images/s of each model, and as
-its last line the ratio vitray/timm.
+with the same thread count and the same weights, in the same process. After warm-up the two
+models take turns step by step (the order flips every pair), so each vitray step has a timm step
+next to it in time and a busy neighbour on a shared machine slows both alike. images/s is the
+batch over each model's median step time; the last line is the median of the per-pair speed
+ratios vitray/timm (time of the timm step over time of the vitray step).
 
-    python benchmarks/model_step.py --batch 32 --steps 3 --rounds 6 [--threads N] [--compile]
+    python benchmarks/model_step.py --batch 32 --steps 12 [--threads N] [--clock wall|cpu] [--compile]
 """
 
 from __future__ import annotations
@@ -41,26 +41,31 @@ def make_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> C
     return step
 
 
-def time_steps(step: Callable[[], None], steps: int) -> list[float]:
-    """Seconds taken by each of ``steps`` calls of ``step``."""
+# "wall" is the honest measure on a quiet machine; "cpu" (this process's CPU time) is far less
+# disturbed by other processes on a shared one, and equals wall time for --threads 1 when idle.
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def time_steps(step: Callable[[], None], steps: int, clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """Seconds taken by each of ``steps`` calls of ``step``, as measured by ``clock``."""
     durations = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start = clock()
         step()
-        durations.append(time.perf_counter() - start)
+        durations.append(clock() - start)
     return durations
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32, help="images per step (default 32)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per model per round (default 3)")
-    parser.add_argument("--rounds", type=int, default=6, help="alternating rounds (default 6)")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per model, taken in turns (default 12)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model first (default 2)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for both")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall", help="wall time or process CPU time")
     parser.add_argument("--compile", action="store_true", help="torch.compile both models")
     args = parser.parse_args()
-    for option in ("batch", "steps", "rounds", "threads"):
+    for option in ("batch", "steps", "threads"):
         if getattr(args, option) < 1:
             parser.error(f"--{option} must be >= 1")
 
@@ -94,21 +99,24 @@ def main() -> None:
 
     print(
         f"training step (fwd+bwd+AdamW), batch {args.batch}, {IMG_SIZE}px, {args.threads} threads, "
-        f"{'compiled' if args.compile else 'eager'}, {params['vitray S/16']:,} params each, "
+        f"{'compiled' if args.compile else 'eager'}, {args.clock} clock, {params['vitray S/16']:,} params each, "
         f"same weights (max logit difference {difference:.1e})"
     )
-    durations: dict[str, list[float]] = {name: [] for name in models}
     names = list(models)
-    for round_index in range(args.rounds):
-        order = names if round_index % 2 == 0 else names[::-1]
+    durations: dict[str, list[float]] = {name: [] for name in names}
+    ratios = []
+    for pair in range(args.steps):
+        order = names if pair % 2 == 0 else names[::-1]
         for name in order:
-            round_durations = time_steps(steps[name], args.steps)
-            durations[name] += round_durations
-            print(f"  round {round_index + 1}: {name:28s} {args.batch * args.steps / sum(round_durations):8.2f} img/s")
-    throughput = {name: args.batch / statistics.median(durations[name]) for name in names}
+            durations[name] += time_steps(steps[name], 1, CLOCKS[args.clock])
+        ratios.append(durations[names[1]][-1] / durations[names[0]][-1])
+        print(
+            f"  pair {pair + 1:2d}: " + ", ".join(f"{n} {args.batch / durations[n][-1]:6.2f} img/s" for n in names)
+            + f", ratio {ratios[-1]:.3f}"
+        )
     for name in names:
-        print(f"{name}: {throughput[name]:.2f} img/s (median of {len(durations[name])} steps)")
-    print(f"vitray/timm: {throughput[names[0]] / throughput[names[1]]:.3f}")
+        print(f"{name}: {args.batch / statistics.median(durations[name]):.2f} img/s (median of {args.steps} steps)")
+    print(f"vitray/timm: {statistics.median(ratios):.3f}")
 
 
 if __name__ == "__main__":

@@ -178,6 +178,10 @@ def demo(
 
 
 def main() -> None:
+    from vitray.cluster.runtime import enable_token_auth_if_available
+
+    # Ray reads its auth mode when first imported, so this comes before any command runs.
+    enable_token_auth_if_available()
     try:
         app()
     except KeyboardInterrupt:

@@ -14,6 +14,7 @@ from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from vitray.cluster.config import ConfigError, dump_config, load_config
@@ -34,7 +35,8 @@ EVALUATION_COMMANDS = ("fewshot", "finetune", "evaluate")
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
-    console.print(f"[bold red]error:[/] {message.replace('[', chr(92) + '[')}", highlight=False)
+    # soft_wrap: a command in the message (e.g. `vitray data prepare ...`) must stay copyable.
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -184,7 +186,7 @@ def finetune(
     except Exception as err:  # noqa: BLE001 - Ray Train's TrainingFailedError and friends
         _fail(f"fine-tuning failed: {err}", code=1)
     console.print(f"run folder: {run_dir(cfg.run.storage, cfg.run.name)}")
-    Console().print(f"test top-1 ({cfg.data.val_path} split {cfg.data.val_split}): {top1:.4f}")
+    typer.echo(f"test top-1 ({cfg.data.val_path} split {cfg.data.val_split}): {top1:.4f}")
 
 
 def _benchmark_recipe(checkpoint: str, benchmark: str, data_root: str, lr: Optional[float], steps: Optional[int],

@@ -105,8 +105,13 @@ def run_grid(
                     table.append(outcome.rows())
                     summary.add(outcome)
                     advance(outcome, summary)
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        except BaseException:
+            # Ctrl-C (or a results-table error): stop the fine-tunes instead of waiting for them;
+            # their runs resume on the next invocation.
+            pool.shutdown(wait=False, cancel_futures=True)
+            ray.shutdown()
+            raise
+        pool.shutdown(wait=True)
     return summary
 
 

@@ -11,26 +11,28 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import ray
-
 from vitray.data import storage
 
 AUTH_TOKEN_FILE = Path.home() / ".ray" / "auth_token"
 
 
 def enable_token_auth_if_available() -> None:
+    """Use the cluster token when there is one; must run before `ray` is first imported."""
     if "RAY_AUTH_MODE" not in os.environ and (os.environ.get("RAY_AUTH_TOKEN") or AUTH_TOKEN_FILE.is_file()):
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def connect(address: str | None, *, num_cpus: int | None = None, verbose: bool = False) -> None:
     """Start or join Ray once per process."""
+    if address:
+        enable_token_auth_if_available()  # before Ray is imported: it reads the auth mode once
+    import ray
+
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     if address:
-        enable_token_auth_if_available()
         ray.init(address=address, log_to_driver=verbose)
     else:
         # address="local" always starts a private instance, never joins a `ray start` cluster by accident.

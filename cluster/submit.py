@@ -9,6 +9,7 @@ import asyncio
 import os
 import shlex
 import sys
+import time
 from typing import Any
 
 from vitray.cluster.runtime import enable_token_auth_if_available
@@ -56,7 +57,7 @@ def submit(address: str, args: list[str], *, working_dir: str | None, env: dict[
     enable_token_auth_if_available()
     client = JobSubmissionClient(address)
     entrypoint = "vitray " + shlex.join(args)
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env(working_dir, env))
+    job_id = _submit_when_ready(client, entrypoint, runtime_env(working_dir, env))
     print(f"submitted job {job_id}: {entrypoint}", file=sys.stderr)
     if not follow:
         return job_id
@@ -70,6 +71,18 @@ def submit(address: str, args: list[str], *, working_dir: str | None, env: dict[
     if status != JobStatus.SUCCEEDED:
         raise SystemExit(1)
     return job_id
+
+
+def _submit_when_ready(client, entrypoint: str, runtime: dict[str, Any], wait_s: float = 120.0) -> str:
+    """Submit, waiting out a head node that is up but whose job agent is not yet (fresh clusters)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return client.submit_job(entrypoint=entrypoint, runtime_env=runtime)
+        except RuntimeError as err:
+            if "No available agent" not in str(err) or time.monotonic() > deadline:
+                raise
+            time.sleep(2)
 
 
 async def _tail(client, job_id: str) -> None:

@@ -48,6 +48,7 @@ _EXPORTS = {
     "open_source": "sources",
     "eval_transform": "transforms",
     "train_transform": "transforms",
+    "to_model_range": "transforms",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
     from .prepare import begin_prepare, finalize, prepare_dataset
     from .shards import DEFAULT_MAX_SHARD_BYTES, DEFAULT_SAMPLES_PER_SHARD, ShardTask, plan_shards, write_shard
     from .sources import Source, open_source
-    from .transforms import eval_transform, train_transform
+    from .transforms import eval_transform, to_model_range, train_transform
 
 
 def __getattr__(name: str) -> Any:

@@ -21,9 +21,10 @@ WARN_INTERVAL_S = 60.0
 
 @dataclass
 class Batch:
-    """Decoded samples: ``images`` float32 ``(B, 3, H, W)`` in ``[-1, 1]``; ``labels`` int64 ``(B,)``
-    or float32 multi-hot ``(B, K)``; ``keys`` the sample keys. Corrupt samples are left out, so B
-    is the requested batch size minus ``num_skipped``."""
+    """Decoded samples: ``images`` float32 ``(B, 3, H, W)`` in ``[-1, 1]`` (uint8 in ``[0, 255]``
+    from loaders made with ``float_images=False``); ``labels`` int64 ``(B,)`` or float32 multi-hot
+    ``(B, K)``; ``keys`` the sample keys. Corrupt samples are left out, so B is the requested batch
+    size minus ``num_skipped``."""
 
     images: torch.Tensor
     labels: torch.Tensor
@@ -107,13 +108,13 @@ def _stack_labels(labels: list[Any], label_kind: LabelKind, num_classes: int) ->
     return torch.tensor(labels, dtype=torch.int64)
 
 
-def concat_chunks(chunks: Iterable[Chunk], *, epoch: int, step: int) -> Batch:
-    """One batch from chunks in order; images become float32 in ``[-1, 1]`` here."""
+def concat_chunks(chunks: Iterable[Chunk], *, epoch: int, step: int, float_images: bool = True) -> Batch:
+    """One batch from chunks in order; uint8 images become float32 in ``[-1, 1]`` if ``float_images``."""
     parts = list(chunks)
-    one = len(parts) == 1  # no concatenation needed
+    images = parts[0].images if len(parts) == 1 else torch.cat([c.images for c in parts])
     return Batch(
-        images=to_model_range(parts[0].images if one else torch.cat([c.images for c in parts])),
-        labels=parts[0].labels if one else torch.cat([c.labels for c in parts]),
+        images=to_model_range(images) if float_images else images,
+        labels=parts[0].labels if len(parts) == 1 else torch.cat([c.labels for c in parts]),
         keys=[k for c in parts for k in c.keys],
         num_skipped=sum(c.num_skipped for c in parts),
         epoch=epoch,

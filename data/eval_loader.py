@@ -81,6 +81,7 @@ class EvalLoader:
     """One deterministic pass over ``split`` for rank ``rank`` of ``world_size``.
 
     Iterating it again starts a new pass. ``len(loader)`` is this rank's number of batches.
+    ``float_images=False`` gives uint8 images, as for :class:`vitray.data.ShardLoader`.
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class EvalLoader:
         img_size: int,
         num_workers: int = 1,
         storage_options: dict[str, Any] | None = None,
+        float_images: bool = True,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
@@ -106,7 +108,7 @@ class EvalLoader:
         self.info.split(split)
         rows = read_manifest(path, split, storage_options)
         total = sum(r.num_samples for r in rows)
-        self.num_workers = num_workers
+        self.num_workers, self.float_images = num_workers, float_images
         self._yielded, self._skipped = 0, 0
         self._spec = _EvalSpec(
             shard_urls=tuple(storage.join(path, r.name) for r in rows),
@@ -134,7 +136,7 @@ class EvalLoader:
             _EvalStream(self._spec), batch_size=None, num_workers=workers, prefetch_factor=2 if workers else None
         )
         for number, chunks in in_order(loader, parts_per_item=1):
-            batch = concat_chunks(chunks, epoch=0, step=number)
+            batch = concat_chunks(chunks, epoch=0, step=number, float_images=self.float_images)
             self._yielded += len(batch)
             self._skipped += batch.num_skipped
             yield batch
@@ -159,13 +161,11 @@ def load_split(
     Meant for few-shot probes and small benchmarks; corrupt samples are left out and counted in
     ``num_skipped``.
     """
-    loader = EvalLoader(
-        path, split, batch_size=batch_size, img_size=img_size, num_workers=num_workers, storage_options=storage_options
-    )
+    loader = EvalLoader(path, split, batch_size=batch_size, img_size=img_size, num_workers=num_workers,
+                        storage_options=storage_options, float_images=False)  # fmt: skip
     batches = list(loader)
     if not batches:
         multi = loader.info.label_kind == "multi"
         labels = torch.zeros((0, loader.info.num_classes)) if multi else torch.zeros(0, dtype=torch.int64)
         return Batch(torch.zeros((0, 3, img_size, img_size)), labels, [], 0)
-    whole = concat_chunks([Chunk(b.images, b.labels, b.keys, b.num_skipped) for b in batches], epoch=0, step=0)
-    return whole
+    return concat_chunks([Chunk(b.images, b.labels, b.keys, b.num_skipped) for b in batches], epoch=0, step=0)

@@ -102,6 +102,7 @@ def test_resume_gives_the_uninterrupted_sequence_with_any_worker_count(digits_da
     assert same_batches(before + after, uninterrupted)  # keys, augmented pixels and labels
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 3 workers on a 2-CPU machine
 def test_any_worker_count_gives_the_same_batches(digits_dataset):
     # 8 ranks of 1 slot; 2 workers take turns on the rank's slot, batch by batch.
     reference = take(loader(digits_dataset, rank=5, world_size=8, batch_size=4, workers=0), 7)
@@ -150,6 +151,9 @@ def test_batches_are_normalised_rgb_and_shuffled(digits_dataset):
     assert batch.labels.dtype == torch.int64 and len(set(batch.labels.tolist())) > 3
     other_seed = take(loader(digits_dataset, seed=4), 1)[0]
     assert other_seed.keys != batch.keys
+    raw = take(loader(digits_dataset, float_images=False), 1)[0]
+    assert raw.images.dtype == torch.uint8 and raw.keys == batch.keys
+    assert torch.equal(to_model_range(raw.images), batch.images)
 
 
 def test_resume_decodes_only_what_it_yields(digits_dataset, monkeypatch):
@@ -288,6 +292,7 @@ def test_eval_loader_reads_every_sample_once_across_ranks(digits_dataset):
 def test_load_split_decodes_a_whole_split(digits_dataset):
     split = load_split(str(digits_dataset), "test", img_size=16)
     assert split.images.shape == (360, 3, 16, 16) and split.labels.shape == (360,)
+    assert split.images.dtype == torch.float32 and split.images.min() == -1.0 and split.images.max() == 1.0
     assert Counter(split.labels.tolist()).keys() == set(range(10))
     assert torch.equal(split.images[:, 0], split.images[:, 1])  # grayscale digits become RGB
 

@@ -1,0 +1,183 @@
+"""Fine-tuning from a pre-trained checkpoint: the recipe, a fresh zero head for a new number of
+classes, position embeddings resampled to a higher resolution (Ti/4: 16 px, a 4x4 grid -> 24 px,
+6x6), and a short real fine-tune on one Ray worker that reports its test top-1."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+from safetensors.torch import load_file
+
+from pretrain_helpers import pretrain_args, run
+from vitray.cluster.config import ConfigError
+from vitray.cluster.transfer import finetune_config, resolve_checkpoints, validate_recipe
+from vitray.evaluation.config import FinetuneGrid, GridConfig
+from vitray.evaluation.grid import CheckpointRef, finetune_settings, plan_grid
+from vitray.evaluation.suite import get_benchmark
+from vitray.evaluation.transfer import finetune_recipe
+from vitray.models import resample_posemb
+from vitray.trainers.checkpoint import read_state
+from vitray.trainers.run_files import RunFiles, latest_complete_checkpoint
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "vitray.cluster.cli_evaluation"]
+TI_WIDTH = 192
+THREE_CLASSES = ("zero", "one", "two")
+
+
+@pytest.fixture(scope="module")
+def pretrained(digits_dataset, tmp_path_factory) -> str:
+    """A Ti/4 pre-trained at 16 px on digits: 2 Ray workers, 8 steps; returns the run folder."""
+    storage = tmp_path_factory.mktemp("pretrain")
+    run(pretrain_args(str(digits_dataset), str(storage), "pre", "train.steps=8", "train.checkpoint_every=4"))
+    return str(storage / "pre")
+
+
+@pytest.fixture(scope="module")
+def three_digits(tmp_path_factory) -> str:
+    """Another task with another class count: digits 0-2 as a PNG image folder, prepared."""
+    from sklearn.datasets import load_digits
+
+    from vitray.data import prepare_dataset
+
+    root = tmp_path_factory.mktemp("three-digits")
+    digits = load_digits()
+    images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)
+    for i, (image, label) in enumerate(zip(images, digits.target)):
+        if label < len(THREE_CLASSES):
+            split = "test" if i % 5 == 0 else "train"
+            folder = root / "src" / split / THREE_CLASSES[label]
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image).save(folder / f"{i:04d}.png")
+    prepare_dataset(f"imagefolder:{root / 'src'}", str(root / "prepared"), samples_per_shard=100)
+    return str(root / "prepared")
+
+
+def _pretrained_ref(pretrained: str) -> CheckpointRef:
+    (ref,) = resolve_checkpoints(pretrained)
+    return ref
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipe (no Ray)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_recipe_is_the_papers_finetuning_recipe(pretrained, tmp_path):
+    ref = _pretrained_ref(pretrained)
+    assert ref.step == 8 and ref.img_size == 16 and ref.target_steps == 8
+    grid = GridConfig(data_root=str(tmp_path / "data"), output=str(tmp_path / "eval"),
+                      finetune={"resolution": 24, "steps": 30})  # fmt: skip
+    (job, *_) = plan_grid(grid, [ref]).finetune
+    cfg = finetune_config(job, grid)
+    train = cfg.train
+    assert (train.optimizer, train.momentum, train.decay, train.weight_decay, train.grad_clip) == (
+        "sgd", 0.9, "cosine", 0.0, 1.0)  # fmt: skip
+    digits = get_benchmark("digits").finetune
+    assert (train.lr, train.steps, train.batch_size, train.warmup_steps) == (
+        digits.learning_rates[0], 30, digits.batch_size, digits.warmup_steps)  # fmt: skip
+    assert train.eval_every == 30  # the test top-1 at the end
+    assert cfg.init.checkpoint == ref.path and cfg.init.reset_head
+    assert cfg.model.name == "Ti/4" and cfg.model.img_size == 24 and cfg.model.representation_size is None
+    assert cfg.data.train == str(tmp_path / "data" / "digits") and cfg.data.val_split == "test"
+    assert cfg.run.storage == str(tmp_path / "eval" / "finetune_runs")
+    assert job.cell.cell_id in cfg.run.name and cfg.cluster.num_workers == 1
+
+
+@pytest.mark.parametrize("workers, micro, batch", [(1, 32, 512), (2, 32, 64), (4, 12, 48), (8, 64, 512), (3, 5, 15)])
+def test_recipe_validates_for_any_worker_count(workers, micro, batch, tmp_path):
+    options = FinetuneGrid(num_workers=workers, micro_batch_size=micro, batch_size=batch)
+    settings = finetune_settings(get_benchmark("cifar10"), options)[0]
+    raw = finetune_recipe(get_benchmark("cifar10"), settings, checkpoint="/ckpt", model={"name": "B/16"},
+                          data_root=str(tmp_path), run_name="r", run_storage=str(tmp_path), options=options)  # fmt: skip
+    cfg = validate_recipe(raw)
+    assert cfg.train.batch_size == batch and cfg.cluster.num_workers == workers
+    assert cfg.train.micro_batch_size * workers * cfg.grad_accumulation == batch
+
+
+def test_recipe_overrides_are_validated_with_clear_errors(tmp_path):
+    settings = finetune_settings(get_benchmark("digits"), FinetuneGrid())[0]
+    raw = finetune_recipe(get_benchmark("digits"), settings, checkpoint="/ckpt", model={"name": "Ti/4"},
+                          data_root=str(tmp_path), run_name="r", run_storage=str(tmp_path))  # fmt: skip
+    assert validate_recipe(raw, {"train.precision": "bf16"}).train.precision == "bf16"
+    assert validate_recipe(raw, ["train.lr=0.5"]).train.lr == 0.5
+    with pytest.raises(ConfigError, match=r"train\.precison: unknown key; did you mean 'train\.precision'"):
+        validate_recipe(raw, {"train.precison": "bf16"})
+    with pytest.raises(ConfigError, match=r"train\.lr.*greater than 0"):
+        validate_recipe(raw, ["train.lr=-1"])
+
+
+def test_benchmark_form_builds_the_protocol_recipe(pretrained, digits_dataset, tmp_path):
+    root = tmp_path / "prepared"
+    root.mkdir()
+    (root / "digits").symlink_to(digits_dataset)
+    out = subprocess.run(
+        [*CLI, "finetune", pretrained, "--benchmark", "digits", "--data-root", str(root), "--lr", "0.03",
+         "--steps", "50", "--storage", str(tmp_path / "runs"), "--set", "model.img_size=24", "--dry-run"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    cfg = yaml.safe_load(out.stdout)
+    assert cfg["init"] == {"checkpoint": _pretrained_ref(pretrained).path, "reset_head": True}
+    assert cfg["train"]["optimizer"] == "sgd" and cfg["train"]["lr"] == 0.03 and cfg["train"]["steps"] == 50
+    assert cfg["model"]["img_size"] == 24 and cfg["data"]["val"] == str(root / "digits")
+    assert re.fullmatch(r"digits-lr0\.03-seed0-[0-9a-f]{16}", cfg["run"]["name"])
+
+    missing = subprocess.run(
+        [*CLI, "finetune", pretrained, "--benchmark", "cifar10", "--data-root", str(root), "--dry-run"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert missing.returncode == 2
+    assert f"vitray data prepare cifar10:/path/to/cifar-10-batches-py {root}/cifar10" in missing.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# A real fine-tune on Ray
+# ---------------------------------------------------------------------------------------------
+
+
+def test_finetune_resets_head_resamples_posemb_and_reports_top1(pretrained, three_digits, tmp_path):
+    steps = 6
+    sets = [f"init.checkpoint={pretrained}", f"data.train={three_digits}", f"run.storage={tmp_path}",
+            "run.name=three", f"train.steps={steps}", "train.batch_size=16", "train.micro_batch_size=16",
+            "train.warmup_steps=2", "train.log_every=1", "train.checkpoint_every=3", f"train.eval_every={steps}",
+            "data.shuffle_buffer=64", "model.img_size=24"]  # fmt: skip
+    out = run([*CLI, "finetune", "-c", str(REPO / "configs" / "finetune_digits.yaml"),
+               *[a for s in sets for a in ("--set", s)]])  # fmt: skip
+    printed = re.search(r"test top-1 \(.*\): ([0-9.]+)", out.stdout)
+    assert printed, out.stdout
+
+    run_dir = str(tmp_path / "three")
+    metrics = RunFiles(run_dir).read_metrics()
+    assert float(printed.group(1)) == pytest.approx(metrics[-1]["val/top1"], abs=1e-4)
+    assert 0.0 <= metrics[-1]["val/top1"] <= 1.0 and metrics[-1]["step"] == steps
+    # A zero-initialised head gives uniform logits: the first step's loss is exactly ln(3).
+    assert metrics[0]["step"] == 1 and metrics[0]["loss"] == pytest.approx(math.log(3), abs=1e-5)
+
+    checkpoint = latest_complete_checkpoint(run_dir)
+    state = read_state(checkpoint.path)
+    assert (state["step"], state["world_size"], state["num_classes"]) == (steps, 1, 3)
+    assert state["model"]["img_size"] == 24 and state["model"]["name"] == "Ti/4"
+    tuned = load_file(str(Path(checkpoint.path) / "model.safetensors"))
+    before = load_file(str(Path(_pretrained_ref(pretrained).path) / "model.safetensors"))
+    assert tuned["head.weight"].shape == (3, TI_WIDTH) and before["head.weight"].shape == (10, TI_WIDTH)
+    assert before["pos_embed"].shape == (1, 1 + 4 * 4, TI_WIDTH)
+    assert tuned["pos_embed"].shape == (1, 1 + 6 * 6, TI_WIDTH)
+    # The 6x6 embeddings start from the pre-trained 4x4 ones, bilinearly resampled; six small SGD
+    # steps move them far less than the distance to a fresh initialisation.
+    resampled = resample_posemb(before["pos_embed"], 6)
+    fresh = torch.empty_like(resampled).normal_(std=0.02, generator=torch.Generator().manual_seed(0))
+    moved = (tuned["pos_embed"] - resampled).norm()
+    assert moved < 0.2 * (fresh - resampled).norm(), float(moved)
+    assert (tuned["pos_embed"][:, 0] - before["pos_embed"][:, 0]).norm() < 0.2 * before["pos_embed"][:, 0].norm() + 0.05
