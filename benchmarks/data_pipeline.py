@@ -1,6 +1,6 @@
 """Throughput of the training reader (ShardLoader) against a plain decode-and-augment loop.
 
-    python benchmarks/data_pipeline.py [--images 2000] [--workers 2] [--img-size 224] [--skip-s3]
+    python benchmarks/data_pipeline.py [--images 2000] [--samples 6000] [--workers 2] [--skip-s3]
 
 It writes ``--images`` JPEGs of about 256x256 (random crops of scikit-learn's two sample photos,
 which ship with the package), prepares them into local shards, and measures decoded + augmented
@@ -11,11 +11,15 @@ samples of
 2. ``ShardLoader`` with ``--workers`` DataLoader workers over the local shards (batches of
    ``--batch-size``, the default 8 slots, 512-sample shuffle windows), with float32 batches and
    with uint8 batches (``float_images=False``: no conversion in the main process);
-3. the same over S3 (a moto server on 127.0.0.1, so it measures the S3 code path, not a network).
+3. ``ShardLoader`` decoding in the calling process (``num_workers=0``), which shows the cost of
+   the shard format, shuffling and per-sample seeding alone, without passing batches between
+   processes;
+4. the same as 2. over S3 (a moto server on 127.0.0.1: the S3 code path, not a network).
 
 Two figures per reader: samples per second of wall-clock time (after the first batch; best of
 ``--repeats``), and samples per CPU-second, summed over the main process and its workers (from
-``getrusage``, first batch included). The second hardly changes when other work shares the
+``getrusage``; worker start-up and the first shuffle windows included, amortised over
+``--samples``). The second hardly changes when other work shares the
 machine, so the last line's CPU ratio, (ShardLoader samples per CPU-s) / (plain loop samples per
 CPU-s), is the steadier measure of what shards, shuffling, seeding and passing batches between
 processes cost; the wall-clock per-core ratio, (ShardLoader samples/s / workers) / (plain loop
@@ -97,6 +101,9 @@ def plain_loop(paths: list[Path], img_size: int) -> Rate:
 def loader_run(path: str, *, workers: int, img_size: int, batch_size: int, samples: int, floats: bool = True) -> Rate:
     data_loader = ShardLoader(path, "train", rank=0, world_size=1, batch_size=batch_size, img_size=img_size,
                               train=True, seed=0, num_workers=workers, float_images=floats)  # fmt: skip
+    threads = torch.get_num_threads()
+    if workers == 0:
+        torch.set_num_threads(1)  # decoding in this process: one thread, as in the plain loop
     cpu, start = cpu_seconds(), time.perf_counter()
     iterator = iter(data_loader)
     count = len(next(iterator))
@@ -105,6 +112,7 @@ def loader_run(path: str, *, workers: int, img_size: int, batch_size: int, sampl
     steady = sum(len(b) for b in itertools.islice(iterator, steps))
     wall = time.perf_counter() - first
     iterator.close()  # joins the workers, so that their CPU time is counted
+    torch.set_num_threads(threads)
     return Rate(steady / wall, (count + steady) / (cpu_seconds() - cpu), first - start)
 
 
@@ -142,7 +150,7 @@ def s3_run(root: Path, args: argparse.Namespace) -> Rate:
         prepare_dataset(f"imagefolder:{root / 'jpegs'}", "s3://bench/shards", samples_per_shard=500)
         print(f"prepare (serial) to S3:            {args.images / (time.perf_counter() - t):7.0f} images/s")
         return best([loader_run("s3://bench/shards", workers=args.workers, img_size=args.img_size,
-                                batch_size=args.batch_size, samples=args.images) for _ in range(args.repeats)])  # fmt: skip
+                                batch_size=args.batch_size, samples=args.samples) for _ in range(args.repeats)])  # fmt: skip
     finally:
         server.stop()
 
@@ -153,7 +161,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--img-size", type=int, default=224)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="best of this many runs (the machine may be busy)")
+    parser.add_argument("--samples", type=int, default=6000,
+                        help="samples per ShardLoader run (several epochs, so worker start-up is amortised)")
+    parser.add_argument("--repeats", type=int, default=2, help="best of this many runs (the machine may be busy)")
     parser.add_argument("--skip-s3", action="store_true", help="measure local shards only")
     args = parser.parse_args()
 
@@ -170,12 +180,15 @@ def main() -> None:
         plain = best([plain_loop(paths, args.img_size) for _ in range(args.repeats)])
         show("plain loop, 1 process", plain)
         local = best([loader_run(str(root / "shards"), workers=args.workers, img_size=args.img_size,
-                                 batch_size=args.batch_size, samples=args.images) for _ in range(args.repeats)])  # fmt: skip
+                                 batch_size=args.batch_size, samples=args.samples) for _ in range(args.repeats)])  # fmt: skip
         show(f"ShardLoader local, {args.workers} workers", local, args.workers)
         uint8 = best([loader_run(str(root / "shards"), workers=args.workers, img_size=args.img_size,
-                                 batch_size=args.batch_size, samples=args.images, floats=False)
+                                 batch_size=args.batch_size, samples=args.samples, floats=False)
                       for _ in range(args.repeats)])  # fmt: skip
         show("  the same, uint8 batches", uint8, args.workers)
+        inline = best([loader_run(str(root / "shards"), workers=0, img_size=args.img_size,
+                                  batch_size=args.batch_size, samples=args.samples) for _ in range(args.repeats)])  # fmt: skip
+        show("ShardLoader local, no workers", inline)
         if not args.skip_s3:
             remote = s3_run(root, args)
             show(f"ShardLoader S3 (moto), {args.workers} workers", remote, args.workers)
@@ -183,7 +196,8 @@ def main() -> None:
                   f"{remote.per_cpu_second / local.per_cpu_second:.2f} (per CPU-s)")  # fmt: skip
 
     per_core = local.per_second / max(args.workers, 1) / plain.per_second
-    print(f"ratio ShardLoader / plain loop: {local.per_cpu_second / plain.per_cpu_second:.2f} per CPU-second; "
+    print(f"ratio ShardLoader / plain loop: {local.per_cpu_second / plain.per_cpu_second:.2f} per CPU-second "
+          f"({inline.per_cpu_second / plain.per_cpu_second:.2f} without workers); "
           f"{per_core:.2f} per worker, wall clock")  # fmt: skip
 
 

@@ -8,7 +8,6 @@ value fails before any Ray resources are taken.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, Optional
 
@@ -244,13 +243,13 @@ def evaluate(
     if dry_run:
         typer.echo(dump_config(grid), nl=False)
         return
-    from vitray.cluster.evaluate import resolve_checkpoints, run_grid, watch_run
+    from vitray.cluster.evaluate import report_grid, resolve_checkpoints, run_grid, watch_run
 
     if watch:
         try:
             watched = watch_run(checkpoint, grid, poll_seconds=poll, timeout_seconds=watch_timeout, console=console,
                                 show_progress=progress)  # fmt: skip
-        except FileNotFoundError as err:
+        except ValueError as err:
             _fail(str(err))
         summaries = watched.grids
         if not watched.finished:
@@ -261,31 +260,13 @@ def evaluate(
         except (FileNotFoundError, ValueError, RuntimeError) as err:
             _fail(str(err))
         summaries = [run_grid(grid, refs, console=console, show_progress=progress, verbose=verbose)]
-    files = _report(grid)
+    files = report_grid(grid, Console())
     failed, missing = sum(s.failed for s in summaries), sum(s.missing for s in summaries)
     ok, skipped = sum(s.ok for s in summaries), sum(s.skipped for s in summaries)
     console.print(f"cells: {ok} ok, {skipped} already finished, {failed} failed, {missing} missing data")
     console.print(f"results: {grid.results_path}\nreport:  {files}")
     if failed or missing:
         raise typer.Exit(1)
-
-
-def _report(grid) -> str:
-    """Prints the results table and writes the report next to it; returns the report.md path."""
-    from vitray.data import storage
-    from vitray.evaluation.report import print_table, write_report
-    from vitray.evaluation.results import ResultsTable
-
-    table = ResultsTable(grid.results_path, storage_options=grid.storage_options).to_table()
-    print_table(table, console=Console())
-    if not storage.is_remote(grid.report_path):
-        return str(write_report(table, grid.report_path).markdown)
-    with tempfile.TemporaryDirectory() as local:
-        files = write_report(table, local)
-        for path in [files.markdown, *files.plots.values()]:
-            storage.write_bytes_atomic(storage.join(grid.report_path, path.name), path.read_bytes(),
-                                       grid.storage_options)  # fmt: skip
-    return storage.join(grid.report_path, "report.md")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
@@ -26,7 +27,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from vitray.cluster.runtime import connect
-from vitray.cluster.transfer import checkpoint_ref, finetune_config, resolve_checkpoints, run_finetune
+from vitray.cluster.transfer import (
+    absolute,
+    checkpoint_ref,
+    finetune_config,
+    is_checkpoint,
+    resolve_checkpoints,
+    run_finetune,
+)
 from vitray.data import storage
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.grid import METRIC, CheckpointRef, FewShotGroup, FinetuneJob, GridPlan, plan_grid
@@ -199,6 +207,23 @@ class _progress:
             self.bar.stop()
 
 
+def report_grid(grid: GridConfig, console: Console | None = None) -> str:
+    """Prints the whole results table and writes `<output>/report` (Markdown + PNG plots, uploaded
+    when the output is remote); returns the path of report.md."""
+    from vitray.evaluation.report import print_table, write_report
+
+    table = ResultsTable(grid.results_path, storage_options=grid.storage_options).to_table()
+    print_table(table, console=console or Console())
+    if not storage.is_remote(grid.report_path):
+        return str(write_report(table, grid.report_path).markdown)
+    with tempfile.TemporaryDirectory() as local:
+        files = write_report(table, local)
+        for path in [files.markdown, *files.plots.values()]:
+            target = storage.join(grid.report_path, path.name)
+            storage.write_bytes_atomic(target, path.read_bytes(), grid.storage_options)
+    return storage.join(grid.report_path, "report.md")
+
+
 # ---------------------------------------------------------------------------------------------
 # Watching a run that is still training
 # ---------------------------------------------------------------------------------------------
@@ -223,8 +248,11 @@ def watch_run(
     """Evaluates each new complete checkpoint of a run as it appears, until the run's final
     checkpoint (step == its train.steps) is evaluated or `timeout_seconds` pass."""
     console = console or Console(stderr=True)
-    if not list_checkpoints(run_path) and not storage.exists(run_path, grid.storage_options):
-        raise FileNotFoundError(f"--watch needs a run folder; {run_path} does not exist")
+    run_path = absolute(run_path)
+    if is_checkpoint(run_path):
+        raise ValueError(f"--watch follows a run folder; {run_path} is a checkpoint (drop --watch to evaluate it)")
+    if not storage.exists(run_path, grid.storage_options):
+        console.print(f"waiting for {run_path} to appear (the run has not written anything yet)")
     done: set[str] = set()
     watched = WatchSummary()
     deadline = time.monotonic() + timeout_seconds
@@ -251,4 +279,4 @@ def watch_run(
         time.sleep(poll_seconds)
 
 
-__all__ = ["GridSummary", "WatchSummary", "resolve_checkpoints", "run_grid", "watch_run"]
+__all__ = ["GridSummary", "WatchSummary", "report_grid", "resolve_checkpoints", "run_grid", "watch_run"]

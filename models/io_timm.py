@@ -66,7 +66,11 @@ def from_timm_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, to
 
 
 def load_timm_state_dict(
-    model: VisionTransformer, state_dict: Mapping[str, torch.Tensor], *, load_head: bool = True, source: str = "timm state dict"
+    model: VisionTransformer,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    load_head: bool = True,
+    source: str = "timm state dict",
 ) -> None:
     """Loads a timm ``VisionTransformer`` state dict into ``model`` (strictly; posemb resampled)."""
     load_native_state_dict(model, from_timm_state_dict(state_dict), source=source, load_head=load_head)

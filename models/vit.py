@@ -17,7 +17,9 @@ Choices that follow the authors' code (google-research/vision_transformer, ``mod
   JAX code's default tanh approximation differs by < 1e-3 per activation.
 
 The normal path uses ``scaled_dot_product_attention`` and never materialises attention
-probabilities; ``forward_with_attention`` is the (slower) inspection path.
+probabilities; ``forward_with_attention`` is the (slower) inspection path. With the token head,
+``forward``/``forward_features`` run the last block for the class token alone (the only token
+the head reads), which is the same function with less work; ``forward_tokens`` runs it fully.
 """
 
 from __future__ import annotations

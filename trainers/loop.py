@@ -70,6 +70,7 @@ class PretrainLoop:
             storage_options=cfg.data.storage_options,
         )
         self.step = 0
+        self.pending_metrics: dict[str, float] = {}
         if restore_state is not None:
             self._restore(ctx.restore_dir, restore_state, universal_dir)
         self.keys = None
@@ -103,6 +104,9 @@ class PretrainLoop:
             if self.step % train.log_every == 0 or self.step == train.steps:
                 metrics = self._step_metrics(window, grad_norm)
                 window = _Window()
+            if metrics and self.pending_metrics:
+                metrics.update(self.pending_metrics)
+                self.pending_metrics = {}
             if train.eval_every and (self.step % train.eval_every == 0 or self.step == train.steps):
                 metrics["val/top1"] = self.validate()
             save = self.step % train.checkpoint_every == 0 or self.step == train.steps
@@ -234,8 +238,11 @@ class PretrainLoop:
                 },
             )
         ckpt.mark_complete(folder, self.rank, ckpt.files_under(folder))
-        metrics = {**metrics, "step": self.step, "checkpoint_save_s": time.perf_counter() - t0}
-        self.ctx.report(metrics, folder)
+        written = time.perf_counter() - t0
+        self.ctx.report({**metrics, "step": self.step, "checkpoint_write_s": written}, folder)
+        # Training was blocked for the local write plus handing the folder to the (asynchronous)
+        # uploader; the next logged step carries it so the driver and benchmarks can see it.
+        self.pending_metrics = {"checkpoint_write_s": written, "checkpoint_blocked_s": time.perf_counter() - t0}
 
     def _architecture(self) -> dict[str, Any]:
         """The model as built (fine-tuning changes the head and resolution of `init.checkpoint`'s)."""

@@ -1,0 +1,108 @@
+"""Training throughput through `vitray pretrain` (Ray Train + DeepSpeed, 1 worker) against a plain
+single-process PyTorch loop of the same step (same model, batch, data loader and thread count),
+measured in the same run; also how long each checkpoint blocks training against the full save.
+
+    .venv/bin/python benchmarks/train_overhead.py [--steps 60] [--model Ti/4] [--img-size 32]
+
+The last line is the throughput ratio (vitray images/s / plain images/s); goal: >= 0.9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vitray.data import ShardLoader, prepare_dataset, read_dataset_info
+from vitray.models import create_model
+from vitray.trainers.run_files import RunFiles, latest_complete_checkpoint
+
+
+def plain_loop(data: str, args) -> float:
+    """images/s of forward + backward + AdamW with the same loader, after warm-up."""
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    info = read_dataset_info(data)
+    model = create_model(args.model, num_classes=info.num_classes, img_size=args.img_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    loader = ShardLoader(data, "train", rank=0, world_size=1, batch_size=args.batch, img_size=args.img_size,
+                         train=True, seed=0, num_slots=8, num_workers=1, shuffle_buffer=256)  # fmt: skip
+    batches = iter(loader)
+    started = None
+    for step in range(args.steps):
+        if step == args.warmup:
+            started = time.perf_counter()
+        batch = next(batches)
+        loss = F.cross_entropy(model(batch.images), batch.labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return (args.steps - args.warmup) * args.batch / (time.perf_counter() - started)
+
+
+def vitray_run(data: str, storage: Path, args) -> tuple[float, list[dict]]:
+    log_every = max(1, (args.steps - args.warmup) // 4)
+    sets = [
+        f"data.train={data}", f"run.storage={storage}", "run.name=bench", f"model.name={args.model}",
+        f"model.img_size={args.img_size}", f"train.steps={args.steps}", f"train.batch_size={args.batch}",
+        f"train.micro_batch_size={args.batch}", f"train.log_every={log_every}", "train.warmup_steps=5",
+        f"train.checkpoint_every={args.steps // 2}", "train.zero_stage=1", "cluster.num_workers=1",
+        f"cluster.cpus_per_worker={args.threads}", "data.num_slots=8", "data.num_workers=1", "data.shuffle_buffer=256",
+    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "vitray.cluster.cli", "pretrain", *[a for s in sets for a in ("--set", s)]]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    metrics = RunFiles(str(storage / "bench")).read_metrics()
+    # Windows that start after the warm-up steps, without the one holding a checkpoint save.
+    steady = [m["images_per_s"] for m in metrics if m["step"] > args.warmup + log_every and "checkpoint_blocked_s" not in m]
+    return float(np.mean(steady)), metrics
+
+
+def full_save_seconds(run_dir: str, blocked_write_s: float) -> float:
+    """Local write (measured by the trainer) + copying the folder to the run storage, as the uploader does."""
+    checkpoint = Path(latest_complete_checkpoint(run_dir).path)
+    target = Path(tempfile.mkdtemp()) / "copy"
+    t0 = time.perf_counter()
+    shutil.copytree(checkpoint, target)
+    copy_s = time.perf_counter() - t0
+    shutil.rmtree(target.parent)
+    return blocked_write_s + copy_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="Ti/4")
+    parser.add_argument("--img-size", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = str(Path(tmp) / "digits")
+        prepare_dataset("builtin:digits", data, samples_per_shard=200)
+        plain = plain_loop(data, args)
+        print(f"plain PyTorch loop ({args.threads} threads): {plain:8.1f} images/s")
+        vitray, metrics = vitray_run(data, Path(tmp) / "runs", args)
+        print(f"vitray pretrain (Ray Train + DeepSpeed, 1 worker x {args.threads} CPUs): {vitray:8.1f} images/s")
+        saves = [m for m in metrics if "checkpoint_blocked_s" in m]
+        if saves:
+            blocked = saves[0]["checkpoint_blocked_s"]
+            full = full_save_seconds(str(Path(tmp) / "runs" / "bench"), saves[0]["checkpoint_write_s"])
+            print(f"checkpoint: training blocked {blocked:.3f} s of a {full:.3f} s full save ({blocked / full:.0%})")
+        print(json.dumps({"plain_images_per_s": plain, "vitray_images_per_s": vitray}))
+        print(f"ratio vitray/plain: {vitray / plain:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""`vitray evaluate` over a local Ray: a grid on the digits benchmark (few-shot shots x seeds and a
+fine-tune cell) written cell by cell, killed midway and re-run without redoing finished cells;
+failed cells retried, missing data reported with its prepare command, the report matching the
+table; `--watch` following a run's new checkpoints; the pre-training few-shot hook."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from pretrain_helpers import pretrain_args, run
+from vitray.cluster.cli_evaluation import register_evaluation_commands
+from vitray.cluster.config import load_config
+from vitray.cluster.export import load_checkpoint_model
+from vitray.cluster.transfer import resolve_checkpoints
+from vitray.evaluation.config import GridConfig
+from vitray.evaluation.grid import CheckpointRef, plan_grid
+from vitray.evaluation.report import setting_label, summarize
+from vitray.evaluation.results import ResultsTable
+from vitray.evaluation.transfer import final_top1, fewshot_probe
+from vitray.trainers.checkpoint import IncompleteCheckpointError
+from vitray.trainers.run_files import RunFiles, latest_complete_checkpoint, list_checkpoints
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "vitray.cluster.cli_evaluation"]
+FINETUNE_STEPS = 12
+CIFAR10_PREPARE = "vitray data prepare cifar10:/path/to/cifar-10-batches-py {root}/cifar10"
+
+
+@pytest.fixture(scope="module")
+def pretrained(digits_dataset, tmp_path_factory) -> str:
+    """A Ti/4 pre-trained at 16 px on digits (2 Ray workers, 8 steps): checkpoints at steps 4 and 8."""
+    storage = tmp_path_factory.mktemp("pretrain")
+    run(pretrain_args(str(digits_dataset), str(storage), "pre", "train.steps=8", "train.checkpoint_every=4"))
+    return str(storage / "pre")
+
+
+@pytest.fixture(scope="module")
+def data_root(digits_dataset, tmp_path_factory) -> Path:
+    """A benchmark data root holding only digits (so cifar10 is missing)."""
+    root = tmp_path_factory.mktemp("prepared")
+    (root / "digits").symlink_to(digits_dataset)
+    return root
+
+
+def _write_grid(path: Path, data_root: Path, output: Path) -> Path:
+    grid = {
+        "data_root": str(data_root),
+        "output": str(output),
+        "benchmarks": ["digits", "cifar10"],
+        # 500 shots: more than digits has per class, so those cells fail (and never block the others).
+        "fewshot": {"shots": [1, 5, 500], "seeds": 2},
+        "finetune": {"learning_rates": [0.01], "steps": FINETUNE_STEPS, "batch_size": 16, "warmup_steps": 2,
+                     "resolution": 24, "checkpoint_every": 4},
+    }  # fmt: skip
+    path.write_text(yaml.safe_dump(grid))
+    return path
+
+
+def _complete_finetune_steps(storage: Path) -> list[int]:
+    if not storage.is_dir():
+        return []
+    return [c.step for run_dir in storage.iterdir() for c in list_checkpoints(str(run_dir)) if c.complete]
+
+
+def _kill_when(proc: subprocess.Popen, ready, timeout: float = 400) -> None:
+    """SIGKILL the grid's whole process group (driver, embedded Ray, workers) once `ready()`."""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if ready():
+                return
+            if proc.poll() is not None:
+                raise AssertionError(f"the grid ended before it could be stopped:\n{proc.stderr.read()[-4000:]}")
+            time.sleep(0.2)
+        raise AssertionError("the grid never reached the point to stop it")
+    finally:
+        for _ in range(2):  # Ray daemons re-parented to init stay in the group: kill again
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def killed_and_rerun(pretrained, data_root, tmp_path_factory) -> dict:
+    """Run the grid, SIGKILL it once few-shot rows exist and the fine-tune is half done, re-run it."""
+    work = tmp_path_factory.mktemp("grid")
+    output = work / "eval"
+    config = _write_grid(work / "grid.yaml", data_root, output)
+    cmd = [*CLI, "evaluate", pretrained, "-c", str(config)]
+    table = ResultsTable(str(output / "results"))
+
+    def half_done() -> bool:
+        rows = table.to_table()
+        ok_fewshot = [m == "fewshot" and s == "ok" for m, s in zip(rows["method"].to_pylist(), rows["status"].to_pylist())]
+        steps = _complete_finetune_steps(output / "finetune_runs")
+        return any(ok_fewshot) and any(s < FINETUNE_STEPS for s in steps)
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _kill_when(proc, half_done)
+    after_kill = table.to_table(latest=False).to_pandas()
+    finetune_steps_at_kill = _complete_finetune_steps(output / "finetune_runs")
+
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return {
+        "output": output, "config": config, "cmd": cmd, "after_kill": after_kill,
+        "finetune_steps_at_kill": finetune_steps_at_kill, "rerun": rerun,
+        "final": table.to_table(latest=False).to_pandas(), "latest": table.to_pandas(),
+    }  # fmt: skip
+
+
+def test_rows_were_written_before_the_kill(killed_and_rerun):
+    first = killed_and_rerun["after_kill"]
+    assert set(first[first["method"] == "fewshot"]["status"]) >= {"ok", "failed"}
+    assert (first[first["benchmark"] == "cifar10"]["status"] == "missing").all()
+    assert "finetune" not in set(first[first["status"] == "ok"]["method"])  # killed before it finished
+    assert killed_and_rerun["finetune_steps_at_kill"] and max(killed_and_rerun["finetune_steps_at_kill"]) < FINETUNE_STEPS
+
+
+def test_rerun_skips_finished_cells_and_completes_the_grid(killed_and_rerun):
+    rerun, first, final = killed_and_rerun["rerun"], killed_and_rerun["after_kill"], killed_and_rerun["final"]
+    assert rerun.returncode == 1, rerun.stderr[-3000:]  # failed and missing cells remain
+    assert "vitray evaluation results" in rerun.stdout
+
+    # Cells that finished before the kill were not redone: one ok attempt, with the same timestamp.
+    done_before = first[first["status"] == "ok"]
+    assert len(done_before) >= 2
+    for cell_id, finished_at in zip(done_before["cell_id"], done_before["finished_at"]):
+        attempts = final[final["cell_id"] == cell_id]
+        assert list(attempts["finished_at"]) == [finished_at]
+
+    latest = killed_and_rerun["latest"]
+    digits = latest[latest["benchmark"] == "digits"]
+    shots = digits["settings"].map(lambda s: yaml.safe_load(s).get("shots"))
+    assert (digits[shots.isin([1, 5]) | (digits["method"] == "finetune")]["status"] == "ok").all()
+    assert len(digits[shots.isin([1, 5])]) == 4 and len(digits[digits["method"] == "finetune"]) == 1
+    assert digits[digits["status"] == "ok"]["value"].between(0, 1).all()
+
+
+def test_failed_cells_are_retried_and_keep_their_error(killed_and_rerun):
+    final, latest = killed_and_rerun["final"], killed_and_rerun["latest"]
+    failed = latest[latest["status"] == "failed"]
+    assert len(failed) == 2 and all("500-shot sampling needs at least 500 examples" in e for e in failed["error"])
+    for cell_id in failed["cell_id"]:
+        assert len(final[final["cell_id"] == cell_id]) == 2  # attempted by both runs
+
+
+def test_missing_benchmark_gives_the_prepare_command(killed_and_rerun, data_root):
+    latest = killed_and_rerun["latest"]
+    missing = latest[latest["benchmark"] == "cifar10"]
+    assert len(missing) == 7 and (missing["status"] == "missing").all()  # 3 shots x 2 seeds + 1 fine-tune
+    command = CIFAR10_PREPARE.format(root=data_root)
+    assert all(command in e for e in missing["error"])
+    assert command in killed_and_rerun["rerun"].stdout.replace("\n", "") or command in (
+        killed_and_rerun["output"] / "report" / "report.md").read_text()  # fmt: skip
+
+
+def test_finetune_cell_resumed_its_run_and_reports_its_top1(killed_and_rerun):
+    runs = list((killed_and_rerun["output"] / "finetune_runs").iterdir())
+    assert len(runs) == 1  # the re-run continued the same run (named after the cell), not a new one
+    latest = killed_and_rerun["latest"]
+    (cell,) = [row for _, row in latest.iterrows() if row["method"] == "finetune" and row["benchmark"] == "digits"]
+    assert cell["cell_id"] in runs[0].name
+    assert latest_complete_checkpoint(str(runs[0])).step == FINETUNE_STEPS
+    assert cell["value"] == pytest.approx(final_top1(RunFiles(str(runs[0])).read_metrics(), FINETUNE_STEPS))
+
+
+def test_report_files_match_the_table(killed_and_rerun, data_root):
+    report = killed_and_rerun["output"] / "report"
+    text = (report / "report.md").read_text()
+    summary = summarize(killed_and_rerun["latest"])
+    assert len(summary) == 3  # 1-shot, 5-shot, fine-tune
+    for row in summary.itertuples():
+        assert f"| {row.label} | {row.metric} | {row.mean:.4f} | {row.std:.4f} | {row.seeds} |" in text
+    assert "5 cells ok, 2 failed, 7 missing" in text
+    assert CIFAR10_PREPARE.format(root=data_root) in text
+    for plot in ("accuracy_per_benchmark.png", "fewshot_vs_shots.png"):
+        assert (report / plot).stat().st_size > 1000 and f"]({plot})" in text
+
+
+def test_a_grid_with_nothing_left_to_do_does_not_start_ray(killed_and_rerun):
+    cmd = [*killed_and_rerun["cmd"], "--set", "benchmarks=[digits]", "--set", "fewshot.shots=[1,5]"]
+    started = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "0 ok, 5 already finished, 0 failed, 0 missing" in out.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_pretraining_fewshot_hook_matches_the_grid(killed_and_rerun, pretrained, digits_dataset):
+    model, _ = load_checkpoint_model(pretrained)
+    model.train()
+    metrics = fewshot_probe(model, {"digits": str(digits_dataset)}, shots=(1, 5), seeds=2)
+    assert model.training
+    latest = killed_and_rerun["latest"]
+    grid = summarize(latest[latest["method"] == "fewshot"])
+    expected = {f"fewshot/digits_{yaml.safe_load(s)['shots']}shot": m for s, m in zip(grid["settings"], grid["mean"])}
+    # Same code, same features; only float rounding (other thread counts in the Ray task) could
+    # flip one of the 360 test predictions.
+    assert metrics == pytest.approx(expected, abs=1 / 360 + 1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints of a run: --all-checkpoints, --watch
+# ---------------------------------------------------------------------------------------------
+
+
+def test_checkpoints_of_a_run(pretrained, tmp_path):
+    assert [r.step for r in resolve_checkpoints(pretrained)] == [8]
+    every = resolve_checkpoints(pretrained, all_checkpoints=True)
+    assert [r.step for r in every] == [4, 8] and all(r.target_steps == 8 for r in every)
+    assert resolve_checkpoints(every[0].path) == [every[0]]
+    copy = tmp_path / "run"
+    shutil.copytree(pretrained, copy)
+    newest = Path(list_checkpoints(str(copy))[-1].path)
+    (newest / "complete-rank-0001.json").unlink()  # a checkpoint whose upload never finished
+    assert [r.step for r in resolve_checkpoints(str(copy), all_checkpoints=True)] == [4]
+    with pytest.raises(IncompleteCheckpointError):
+        resolve_checkpoints(str(newest))
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint folder"):
+        resolve_checkpoints(str(tmp_path))
+
+
+def test_watch_evaluates_new_checkpoints_until_the_run_finishes(pretrained, data_root, tmp_path):
+    run_copy = tmp_path / "run"
+    shutil.copytree(pretrained, run_copy)
+    final = Path(list_checkpoints(str(run_copy))[-1].path)
+    held_back = tmp_path / "held-back"
+    final.rename(held_back)  # training "has not reached" step 8 yet
+    output = tmp_path / "eval"
+    cmd = [*CLI, "evaluate", str(run_copy), "--watch", "--poll", "1", "--watch-timeout", "400",
+           "--data-root", str(data_root), "--output", str(output), "--no-progress",
+           "--set", "finetune.enabled=false", "--set", "fewshot.shots=[5]", "--set", "fewshot.seeds=1"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    table = ResultsTable(str(output / "results"))
+    try:
+        deadline = time.monotonic() + 300
+        while table.to_table().num_rows == 0:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.5)
+        shutil.copytree(held_back, run_copy / ".incoming")
+        (run_copy / ".incoming").rename(final)  # the run writes its last checkpoint
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, stderr[-3000:]
+    rows = table.to_pandas()
+    assert sorted(rows["step"]) == [4, 8] and (rows["status"] == "ok").all()
+    assert "steps 4" in stderr and "steps 8" in stderr and "stopped watching" not in stderr
+    assert (output / "report" / "accuracy_vs_step.png").is_file()
+
+
+def test_missing_data_and_report_on_s3(moto_server):
+    from rich.console import Console
+
+    from vitray.cluster.evaluate import report_grid, run_grid
+    from vitray.data import storage
+    from vitray.evaluation.results import Cell
+
+    grid = GridConfig(data_root=moto_server.url("prepared"), output=moto_server.url("eval"), benchmarks=["pets"],
+                      fewshot={"shots": [5], "seeds": 2}, finetune={"learning_rates": [0.01]})  # fmt: skip
+    ref = CheckpointRef(moto_server.url("runs", "r", "checkpoint_1"), 100, {"name": "B/16", "img_size": 224})
+    summary = run_grid(grid, [ref], show_progress=False)  # nothing is prepared: no Ray needed
+    assert (summary.total, summary.missing, summary.ok) == (3, 3, 0)
+    table = ResultsTable(grid.results_path)
+    other = Cell(ref.path, "cifar10", "fewshot", {"shots": 5}, 0, 100)
+    table.append(other.ok({"accuracy": 0.875}, 1.0))
+
+    path = report_grid(grid, Console(file=open(os.devnull, "w")))
+    assert path == moto_server.url("eval", "report", "report.md")
+    text = storage.read_bytes(path).decode()
+    command = f"vitray data prepare imagefolder:/path/to/oxford-iiit-pets {moto_server.url('prepared', 'pets')}"
+    assert "| 0.8750 |" in text and text.count(command) == 3
+    assert storage.exists(moto_server.url("eval", "report", "accuracy_per_benchmark.png"))
+    assert run_grid(grid, [ref], show_progress=False).missing == 3  # missing cells are retried, never skipped
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs and the command line (no Ray)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, benchmarks, cells", [
+    ("grid_digits", 1, 4 * 3 + 2), ("grid_vtab1k", 19, 19), ("grid_paper", 6, 6 * 4 * 3 + 24),
+])  # fmt: skip
+def test_shipped_grid_configs_validate(name, benchmarks, cells):
+    grid = load_config(GridConfig, REPO / "configs" / f"{name}.yaml")
+    ref = CheckpointRef("/runs/r/checkpoint_1", 1, {"name": "B/16", "img_size": 224})
+    assert len(grid.resolved_benchmarks()) == benchmarks and len(plan_grid(grid, [ref])) == cells
+
+
+def test_bad_grid_values_fail_before_ray_with_the_valid_choices(pretrained, tmp_path):
+    def evaluate(*sets):
+        args = [a for s in sets for a in ("--set", s)]
+        return subprocess.run([*CLI, "evaluate", pretrained, "--data-root", str(tmp_path), *args],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    out = evaluate("benchmarks=[digits,imagenet21k]")
+    assert out.returncode == 2 and "unknown benchmark(s) 'imagenet21k'" in out.stderr and "vtab/dtd" in out.stderr
+    out = evaluate("fewshot.shotz=[1]")
+    assert out.returncode == 2 and "did you mean 'fewshot.shots'" in out.stderr
+    out = evaluate("fewshot.shots=[0,5]")
+    assert out.returncode == 2 and "positive integers" in out.stderr
+    out = subprocess.run([*CLI, "evaluate", str(tmp_path), "--data-root", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2 and "neither a checkpoint folder" in out.stderr
+
+
+def test_commands_register_once_on_an_app():
+    app = typer.Typer()
+
+    @app.command()
+    def other():
+        """Another command."""
+
+    register_evaluation_commands(app)
+    register_evaluation_commands(app)  # cli.py and `python -m ...cli_evaluation` may both call it
+    assert sorted(c.name or c.callback.__name__ for c in app.registered_commands) == [
+        "evaluate", "fewshot", "finetune", "other"]  # fmt: skip
+    help_text = CliRunner().invoke(app, ["evaluate", "--help"], env={"COLUMNS": "200"}).output
+    assert "--all-checkpoints" in help_text and "--watch" in help_text
