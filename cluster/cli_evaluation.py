@@ -62,12 +62,20 @@ def _as_list(text: str, kind: type, option: str) -> list:
 
 def fewshot(
     checkpoint: Annotated[str, typer.Argument(help="A checkpoint folder, or a run folder (its latest checkpoint).")],
-    benchmark: Annotated[Optional[list[str]], typer.Option("--benchmark", "-b", help="Benchmark name (repeatable).")] = None,
+    benchmark: Annotated[
+        Optional[list[str]], typer.Option("--benchmark", "-b", help="Benchmark name (repeatable).")
+    ] = None,
     data_root: DataRootOpt = None,
-    shots: Annotated[Optional[str], typer.Option(help="Shots per class, e.g. 1,5,10,25 (the protocol's by default).")] = None,
-    seeds: Annotated[Optional[int], typer.Option(help="Seeds per shots value (the protocol's, 3, by default).", min=1)] = None,
+    shots: Annotated[
+        Optional[str], typer.Option(help="Shots per class, e.g. 1,5,10,25 (the protocol's by default).")
+    ] = None,
+    seeds: Annotated[
+        Optional[int], typer.Option(help="Seeds per shots value (the protocol's, 3, by default).", min=1)
+    ] = None,
     l2: Annotated[Optional[str], typer.Option("--l2", help='Ridge strength (default 1024) or "select".')] = None,
-    img_size: Annotated[Optional[int], typer.Option(help="Probe resolution (the checkpoint's by default).", min=1)] = None,
+    img_size: Annotated[
+        Optional[int], typer.Option(help="Probe resolution (the checkpoint's by default).", min=1)
+    ] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ):
@@ -132,7 +140,9 @@ def finetune(
     ] = None,
     data_root: DataRootOpt = None,
     lr: Annotated[Optional[float], typer.Option(help="Learning rate (with --benchmark; its first by default).")] = None,
-    steps: Annotated[Optional[int], typer.Option(help="Steps (with --benchmark; the protocol's by default).", min=1)] = None,
+    steps: Annotated[
+        Optional[int], typer.Option(help="Steps (with --benchmark; the protocol's by default).", min=1)
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed (with --benchmark).", min=0)] = 0,
     storage: Annotated[str, typer.Option(help="Run storage (with --benchmark): local folder or s3://.")] = "./runs",
     name: Annotated[Optional[str], typer.Option(help="Run name (with --benchmark; derived from the settings).")] = None,
@@ -141,9 +151,8 @@ def finetune(
 ):
     """Fine-tune a checkpoint on one worker group and print the test top-1.
 
-    Either a fine-tune config (a pretrain YAML with init.checkpoint, e.g. configs/finetune_digits.yaml):
-    `vitray finetune -c FILE --set init.checkpoint=PATH`, or from a benchmark's protocol:
-    `vitray finetune CHECKPOINT --benchmark digits --data-root ROOT --lr 0.01`.
+    From a fine-tune config (a pretrain YAML with init.checkpoint): vitray finetune -c configs/finetune_digits.yaml
+    From a benchmark's protocol: vitray finetune CHECKPOINT --benchmark digits --data-root ROOT --lr 0.01
     Re-running the same command resumes the run.
     """
     from vitray.cluster.transfer import validate_recipe
@@ -221,7 +230,7 @@ def evaluate(
     data_root: DataRootOpt = None,
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="Results folder (sets `output`).")] = None,
     all_checkpoints: Annotated[
-        bool, typer.Option("--all-checkpoints", help="Evaluate every complete checkpoint of the run (accuracy vs step).")
+        bool, typer.Option("--all-checkpoints", help="Evaluate every complete checkpoint of the run (vs step).")
     ] = False,
     watch: Annotated[
         bool, typer.Option("--watch", help="Keep evaluating new checkpoints of a training run until it finishes.")
@@ -234,8 +243,8 @@ def evaluate(
 ):
     """Evaluate CHECKPOINT on a grid of benchmarks x few-shot shots / fine-tune lrs x seeds over Ray.
 
-    Results are appended to <output>/results cell by cell; re-running skips finished cells and
-    retries failed ones. Prints the table and writes <output>/report (Markdown + PNG plots).
+    Results are appended to <output>/results cell by cell; a re-run skips finished cells, retries the rest.
+    Prints the table and writes <output>/report (Markdown + PNG plots).
     Exit code 1 when a cell failed or a benchmark's data is missing.
     """
     overrides = ([f"data_root={data_root}"] if data_root else []) + ([f"output={output}"] if output else [])

@@ -11,6 +11,7 @@ The pieces `vitray finetune`, `vitray fewshot` and the grid (`cluster/evaluate.p
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -78,7 +79,7 @@ def validate_recipe(
     a validated PretrainConfig; errors name the key, the value and what is allowed."""
     from pydantic import ValidationError
 
-    data = _deep_copy(raw)
+    data = copy.deepcopy(dict(raw))
     items = overrides.items() if isinstance(overrides, Mapping) else map(_parse_override, overrides)
     for key, value in items:
         _set_dotted(data, key, value)
@@ -86,12 +87,6 @@ def validate_recipe(
         return PretrainConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_describe(err, PretrainConfig, source=source)) from None
-
-
-def _deep_copy(node: Any) -> Any:
-    if isinstance(node, Mapping):
-        return {k: _deep_copy(v) for k, v in node.items()}
-    return list(node) if isinstance(node, list) else node
 
 
 def finetune_config(job: FinetuneJob, grid: GridConfig) -> PretrainConfig:

@@ -25,6 +25,10 @@ class DataConfig(BaseModel):
     )
     num_workers: int = Field(1, ge=0, description="DataLoader worker processes per rank (0: decode in the trainer).")
     shuffle_buffer: int = Field(512, gt=0, description="Samples per shuffle window within a slot.")
+    min_crop_area: float = Field(
+        0.05, gt=0, le=1, description="Smallest inception crop, as a fraction of the image (the paper: 0.05)."
+    )
+    flip: bool = Field(True, description="Random horizontal flips in training.")
     storage_options: dict[str, Any] | None = Field(
         None, description="fsspec options for remote paths (endpoint and credentials default to the AWS environment)."
     )

@@ -35,7 +35,7 @@ from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_o
 from .layout import LabelKind, read_dataset_info, read_manifest
 from .plan import augment_seed, epoch_plan, rank_slots
 from .slots import SlotReader
-from .transforms import eval_transform, train_transform
+from .transforms import TRAIN_CROP_SCALE, eval_transform, train_transform
 
 STATE_VERSION = 1
 
@@ -53,6 +53,8 @@ class _Spec:
     shuffle_buffer: int
     img_size: int
     train: bool
+    min_crop_area: float
+    flip: bool
     label_kind: LabelKind
     num_classes: int
     num_workers: int
@@ -82,7 +84,11 @@ class _TrainStream(IterableDataset):
         local_slots, stride, phase = self._assignment()
         if not local_slots:
             return
-        transform = train_transform(spec.img_size) if spec.train else eval_transform(spec.img_size)
+        transform = (
+            train_transform(spec.img_size, min_crop_area=spec.min_crop_area, flip=spec.flip)
+            if spec.train
+            else eval_transform(spec.img_size)
+        )
         reporter = SkipReporter()
         epoch, position, batch_number = self.epoch, self.position, 0
         while True:
@@ -154,8 +160,12 @@ class ShardLoader:
         shuffle_buffer: int = 512,
         storage_options: dict[str, Any] | None = None,
         float_images: bool = True,
+        min_crop_area: float = TRAIN_CROP_SCALE[0],
+        flip: bool = True,
     ) -> None:
         slots = rank_slots(rank, world_size, num_slots)
+        if not 0 < min_crop_area <= 1:
+            raise ValueError(f"min_crop_area must be in (0, 1], got {min_crop_area}")
         if batch_size < 1 or batch_size % len(slots):
             raise ValueError(
                 f"batch_size={batch_size} must be a positive multiple of the rank's {len(slots)} slots "
@@ -182,6 +192,8 @@ class ShardLoader:
             shuffle_buffer=shuffle_buffer,
             img_size=img_size,
             train=train,
+            min_crop_area=min_crop_area,
+            flip=flip,
             label_kind=self.info.label_kind,
             num_classes=self.info.num_classes,
             num_workers=num_workers,

@@ -37,12 +37,16 @@ class CorruptSample(Exception):
     """A sample that cannot be decoded; the loaders skip it and count it."""
 
 
-def train_transform(img_size: int) -> Transform:
-    """PIL image -> uint8 tensor ``(3, img_size, img_size)``: inception crop and flip."""
+def train_transform(img_size: int, *, min_crop_area: float = TRAIN_CROP_SCALE[0], flip: bool = True) -> Transform:
+    """PIL image -> uint8 tensor ``(3, img_size, img_size)``: inception crop and flip.
+
+    ``min_crop_area`` is the smallest crop as a fraction of the image (the paper's 5%; tiny images
+    such as the 8x8 digits need larger crops to keep their label).
+    """
     return v2.Compose(
         [
-            v2.RandomResizedCrop(img_size, scale=TRAIN_CROP_SCALE, antialias=True),
-            v2.RandomHorizontalFlip(),
+            v2.RandomResizedCrop(img_size, scale=(min_crop_area, 1.0), antialias=True),
+            *([v2.RandomHorizontalFlip()] if flip else []),
             v2.PILToTensor(),
         ]
     )

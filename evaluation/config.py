@@ -32,12 +32,16 @@ class FewShotGrid(_Section):
     """Linear few-shot probes: features extracted once per (checkpoint, benchmark) in a Ray task."""
 
     enabled: bool = True
-    shots: list[int] | None = Field(None, description="Shots per class; the benchmark's protocol (1, 5, 10, 25) when unset.")
+    shots: list[int] | None = Field(
+        None, description="Shots per class; the benchmark's protocol (1, 5, 10, 25) when unset."
+    )
     seeds: int | None = Field(None, gt=0, description="Seeds 0..n-1 per shots value; the protocol's (3) when unset.")
     l2_reg: float | Literal["select"] = Field(
         DEFAULT_L2_REG, description='Ridge strength, or "select" (cross-validated inside each few-shot set).'
     )
-    img_size: int | None = Field(None, gt=0, description="Probe resolution; the checkpoint's model.img_size when unset.")
+    img_size: int | None = Field(
+        None, gt=0, description="Probe resolution; the checkpoint's model.img_size when unset."
+    )
     batch_size: int = Field(256, gt=0, description="Images per forward pass during feature extraction.")
     data_workers: int = Field(1, ge=0, description="DataLoader processes decoding images inside the task.")
     num_cpus: float = Field(1.0, gt=0, description="CPUs the extraction task asks Ray for.")

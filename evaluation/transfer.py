@@ -126,17 +126,16 @@ def run_fewshot_group(
     outcomes = []
     for cell in group.cells:
         t0 = time.perf_counter()
+        metrics, error_message = None, None
         try:
-            score = fewshot_accuracy(
+            (score,) = fewshot_accuracy(
                 train_x, train_y, test_x, test_y, num_classes=benchmark.num_classes,
                 shots=cell.settings["shots"], seeds=[cell.seed], l2_reg=cell.settings["l2_reg"],
-            )[0]  # fmt: skip
-            outcome = CellOutcome(cell, metrics={METRIC: score.accuracy})
-        except Exception as error:  # noqa: BLE001
-            outcome = CellOutcome(cell, error=f"{type(error).__name__}: {error}")
-        outcomes.append(
-            CellOutcome(outcome.cell, outcome.metrics, outcome.error, share + time.perf_counter() - t0)
-        )
+            )  # fmt: skip
+            metrics = {METRIC: score.accuracy}
+        except Exception as error:  # noqa: BLE001 - e.g. fewer examples than shots: this cell only
+            error_message = f"{type(error).__name__}: {error}"
+        outcomes.append(CellOutcome(cell, metrics, error_message, share + time.perf_counter() - t0))
     return outcomes
 
 

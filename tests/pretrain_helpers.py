@@ -19,7 +19,7 @@ BASE = [
     "model.img_size=16",
     "train.batch_size=32",
     "train.micro_batch_size=16",
-    "train.lr=0.002",
+    "train.lr=0.001",
     "train.warmup_steps=3",
     "train.log_every=2",
     "train.keep_checkpoints=2",
@@ -29,6 +29,8 @@ BASE = [
     "data.num_slots=8",
     "data.num_workers=1",
     "data.shuffle_buffer=64",
+    "data.min_crop_area=0.5",  # 8x8 digits: small crops lose the label
+    "data.flip=false",
 ]
 
 

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-
-from vitray.cluster.prepare import prepare_dataset_on_ray  # noqa: E402
-from vitray.data import read_dataset_info  # noqa: E402
+from vitray.cluster.prepare import prepare_dataset_on_ray
+from vitray.data import read_dataset_info
 
 
 @pytest.fixture(scope="module")
 def local_ray():
+    if ray.is_initialized():  # another module's Ray instance: use it, leave it running
+        yield
+        return
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
 
+@pytest.mark.slow
 def test_ray_prepare_equals_serial_prepare(local_ray, digits_dataset, tmp_path, capsys):
     dest = tmp_path / "digits"
     info = prepare_dataset_on_ray("builtin:digits", str(dest), samples_per_shard=100)

@@ -16,8 +16,8 @@ from vitray.trainers.run_files import RunFiles, latest_complete_checkpoint, list
 
 pytestmark = pytest.mark.slow
 
-STEPS = 16
-EVERY = 4
+STEPS = 24
+EVERY = 6
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_run_trains_and_loss_falls(reference):
 def test_checkpoints_are_complete_and_kept(reference):
     checkpoints = list_checkpoints(reference["run_dir"])
     assert all(c.complete for c in checkpoints)
-    assert [c.step for c in checkpoints] == [12, 16]  # train.keep_checkpoints=2
+    assert [c.step for c in checkpoints] == [STEPS - EVERY, STEPS]  # train.keep_checkpoints=2
     state = verify_complete(checkpoints[-1].path)
     assert state["step"] == STEPS and state["world_size"] == 2
 
@@ -118,7 +118,7 @@ def test_half_written_checkpoint_is_never_taken(reference, tmp_path):
     with pytest.raises(IncompleteCheckpointError, match="model.safetensors"):
         verify_complete(newest)
     latest = latest_complete_checkpoint(str(run_dir))
-    assert latest is not None and latest.step == 12
+    assert latest is not None and latest.step == STEPS - EVERY
     (newest / "complete-rank-0001.json").unlink()
     with pytest.raises(IncompleteCheckpointError, match="rank 1"):
         verify_complete(newest)

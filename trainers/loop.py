@@ -68,6 +68,8 @@ class PretrainLoop:
             num_workers=cfg.data.num_workers,
             shuffle_buffer=cfg.data.shuffle_buffer,
             storage_options=cfg.data.storage_options,
+            min_crop_area=cfg.data.min_crop_area,
+            flip=cfg.data.flip,
         )
         self.step = 0
         self.pending_metrics: dict[str, float] = {}
