@@ -18,7 +18,8 @@ from rich.table import Table
 
 from vitray.cluster.config import ConfigError, dump_config, load_config
 
-console = Console(stderr=True)  # progress and messages; results tables go to stdout
+# Progress and messages (never wrapped: paths and commands stay copyable); result tables go to stdout.
+console = Console(stderr=True, soft_wrap=True)
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file.")]
 SetOpt = Annotated[
@@ -30,12 +31,8 @@ DataRootOpt = Annotated[
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's and the workers' logs.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config and exit.")]
 
-EVALUATION_COMMANDS = ("fewshot", "finetune", "evaluate")
-
-
 def _fail(message: str, code: int = 2) -> NoReturn:
-    # soft_wrap: a command in the message (e.g. `vitray data prepare ...`) must stay copyable.
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     raise typer.Exit(code)
 
 
@@ -45,7 +42,8 @@ def _grid(config: Optional[Path], overrides: list[str]):
     try:
         return load_config(GridConfig, config, overrides)
     except ConfigError as err:
-        _fail(str(err))
+        hint = "\n  (data_root: give --data-root ROOT, or `data_root:` in the -c file)" if "data_root:" in str(err) else ""
+        _fail(str(err) + hint)
 
 
 def _as_list(text: str, kind: type, option: str) -> list:
@@ -256,8 +254,10 @@ def evaluate(
 
     if watch:
         try:
+            # The report follows the run: accuracy vs step is up to date after every new checkpoint.
             watched = watch_run(checkpoint, grid, poll_seconds=poll, timeout_seconds=watch_timeout, console=console,
-                                show_progress=progress)  # fmt: skip
+                                show_progress=progress, verbose=verbose,
+                                on_grid=lambda _: report_grid(grid, show=False))  # fmt: skip
         except ValueError as err:
             _fail(str(err))
         summaries = watched.grids

@@ -207,13 +207,14 @@ class _progress:
             self.bar.stop()
 
 
-def report_grid(grid: GridConfig, console: Console | None = None) -> str:
-    """Prints the whole results table and writes `<output>/report` (Markdown + PNG plots, uploaded
-    when the output is remote); returns the path of report.md."""
+def report_grid(grid: GridConfig, console: Console | None = None, *, show: bool = True) -> str:
+    """Writes `<output>/report` (Markdown + PNG plots, uploaded when the output is remote) from the
+    whole results table, printing the table first when `show`; returns the path of report.md."""
     from vitray.evaluation.report import print_table, write_report
 
     table = ResultsTable(grid.results_path, storage_options=grid.storage_options).to_table()
-    print_table(table, console=console or Console())
+    if show:
+        print_table(table, console=console or Console())
     if not storage.is_remote(grid.report_path):
         return str(write_report(table, grid.report_path).markdown)
     with tempfile.TemporaryDirectory() as local:
@@ -243,10 +244,12 @@ def watch_run(
     timeout_seconds: float = 24 * 3600.0,
     console: Console | None = None,
     show_progress: bool = True,
+    verbose: bool = False,
     on_grid: Callable[[GridSummary], None] | None = None,
 ) -> WatchSummary:
     """Evaluates each new complete checkpoint of a run as it appears, until the run's final
-    checkpoint (step == its train.steps) is evaluated or `timeout_seconds` pass."""
+    checkpoint (step == its train.steps) is evaluated or `timeout_seconds` pass. `on_grid` is
+    called after each batch of checkpoints (e.g. to refresh the report)."""
     console = console or Console(stderr=True)
     run_path = absolute(run_path)
     if is_checkpoint(run_path):
@@ -267,7 +270,7 @@ def watch_run(
             done.add(info.path)
         if refs:
             console.print(f"evaluating {len(refs)} new checkpoint(s): steps {', '.join(str(r.step) for r in refs)}")
-            summary = run_grid(grid, refs, console=console, show_progress=show_progress)
+            summary = run_grid(grid, refs, console=console, show_progress=show_progress, verbose=verbose)
             watched.grids.append(summary)
             if on_grid is not None:
                 on_grid(summary)

@@ -1,0 +1,50 @@
+"""Pre-training with data and checkpoints on S3 (moto's server on 127.0.0.1), then listing,
+exporting and re-running against the same storage."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from safetensors.torch import load_file
+
+from pretrain_helpers import pretrain_args, run, vitray_cmd
+from vitray.data import prepare_dataset
+from vitray.trainers.run_files import list_checkpoints
+
+pytestmark = pytest.mark.slow
+
+
+def test_pretrain_on_s3_lists_exports_and_resumes(moto_server, tmp_path):
+    data = moto_server.url("datasets", "digits")
+    storage = moto_server.url("runs")
+    prepare_dataset("builtin:digits", data, samples_per_shard=200)
+    args = pretrain_args(data, storage, "s3run", "train.steps=8", "train.checkpoint_every=4", "train.eval_every=8")
+    run(args)
+
+    run_dir = f"{storage}/s3run"
+    checkpoints = list_checkpoints(run_dir)
+    assert [c.step for c in checkpoints] == [4, 8] and all(c.complete for c in checkpoints)
+
+    listing = run(vitray_cmd("runs", storage))
+    text = " ".join(listing.stdout.split())
+    assert "s3run" in text and "finished" in text
+
+    out = tmp_path / "model.safetensors"
+    run(vitray_cmd("export", run_dir, "--format", "safetensors", "--out", str(out)))
+    weights = load_file(str(out))
+    assert any(name.endswith("pos_embed") or "pos" in name for name in weights)
+
+    # The same command again: the run is already complete, so it resumes at step 8 and stops.
+    again = run(args)
+    assert [c.step for c in list_checkpoints(run_dir)] == [4, 8]
+    assert "latest checkpoint" in again.stderr
+
+
+def test_export_refuses_a_folder_without_checkpoints(tmp_path):
+    out = subprocess.run(
+        vitray_cmd("export", str(tmp_path), "--format", "npz", "--out", str(tmp_path / "m.npz")),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "neither a checkpoint nor a run folder" in " ".join(out.stderr.split())
