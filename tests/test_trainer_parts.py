@@ -1,0 +1,122 @@
+"""The training loop's pieces, and the loop itself in one process (no Ray): schedule, objectives,
+weight-decay groups, EMA, and DeepSpeed ZeRO-2 / bf16 / EMA / mixup / label smoothing together."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from vitray.cluster.config import load_config
+from vitray.models import create_model
+from vitray.trainers import checkpoint as ckpt
+from vitray.trainers.config import PretrainConfig
+from vitray.trainers.context import WorkerContext
+from vitray.trainers.ema import Ema
+from vitray.trainers.objectives import loss_fn, mixup, resolve_objective, targets_from_labels
+from vitray.trainers.optim import param_groups
+from vitray.trainers.schedule import lr_multiplier
+
+
+def test_warmup_then_linear_and_cosine_decay():
+    kw = dict(total_steps=100, warmup_steps=10)
+    assert lr_multiplier(0, decay="linear", **kw) == pytest.approx(0.1)
+    assert lr_multiplier(9, decay="linear", **kw) == pytest.approx(1.0)
+    assert lr_multiplier(55, decay="linear", **kw) == pytest.approx(0.5)
+    assert lr_multiplier(100, decay="linear", **kw) == pytest.approx(0.0)
+    assert lr_multiplier(55, decay="cosine", **kw) == pytest.approx(0.5)
+    assert lr_multiplier(100, decay="cosine", min_ratio=0.1, **kw) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="linear"):
+        lr_multiplier(50, decay="step", **kw)
+
+
+def test_softmax_with_label_smoothing_matches_torch():
+    logits = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 1, 2, 3, 4, 0])
+    ours = loss_fn(logits, targets_from_labels(labels, 5, label_smoothing=0.1), "softmax")
+    reference = torch.nn.functional.cross_entropy(logits, labels, label_smoothing=0.1)
+    assert ours.item() == pytest.approx(reference.item(), rel=1e-6)
+
+
+def test_sigmoid_cross_entropy_sums_classes_for_multi_label():
+    logits = torch.zeros(2, 4)
+    multi_hot = torch.tensor([[1.0, 0, 1, 0], [0, 0, 0, 1]])
+    assert loss_fn(logits, targets_from_labels(multi_hot, 4), "sigmoid").item() == pytest.approx(4 * math.log(2))
+    assert resolve_objective("auto", "multi") == "sigmoid"
+    with pytest.raises(ValueError, match="multi-label"):
+        resolve_objective("softmax", "multi")
+
+
+def test_mixup_is_seeded_and_keeps_targets_normalised():
+    images = torch.randn(4, 3, 8, 8)
+    targets = targets_from_labels(torch.tensor([0, 1, 2, 3]), 4)
+    a = mixup(images, targets, 0.2, np.random.default_rng([1, 2]))
+    b = mixup(images, targets, 0.2, np.random.default_rng([1, 2]))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch.allclose(a[1].sum(1), torch.ones(4))
+    assert not torch.equal(a[0], images)
+
+
+def test_weight_decay_only_on_matrices():
+    model = create_model("Ti/4", num_classes=3, img_size=16)
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(p.ndim >= 2 for p in decay["params"])
+    skipped = {names[id(p)] for p in no_decay["params"]}
+    assert {"pos_embed", "cls_token"} <= skipped and any(n.endswith("bias") for n in skipped)
+
+
+def test_ema_tracks_weights():
+    model = torch.nn.Linear(2, 2)
+    ema = Ema(model, decay=0.5)
+    start = ema.state_dict()["weight"].clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ema.update(model)
+    assert torch.allclose(ema.state_dict()["weight"], start + 0.5)
+
+
+@pytest.fixture
+def single_process_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_loop_in_process_with_zero2_bf16_ema_mixup(single_process_group, digits_dataset, tmp_path):
+    from vitray.trainers.loop import PretrainLoop
+
+    cfg = load_config(
+        PretrainConfig,
+        None,
+        [
+            f"data.train={digits_dataset}", "model.img_size=16", "train.steps=4", "train.batch_size=16",
+            "train.micro_batch_size=8", "train.warmup_steps=1", "train.log_every=2", "train.checkpoint_every=4",
+            "train.zero_stage=2", "train.precision=bf16", "train.ema_decay=0.9", "train.mixup_alpha=0.2",
+            "train.label_smoothing=0.1", "cluster.num_workers=1", "data.num_workers=0", f"run.storage={tmp_path}",
+        ],
+    )  # fmt: skip
+    reports = []
+    ctx = WorkerContext(rank=0, world_size=1, run_dir=str(tmp_path / "run"), report=lambda m, d: reports.append((m, d)))
+    loop = PretrainLoop(cfg, ctx)
+    assert loop.accum == 2 and loop.dtype == torch.bfloat16
+    last = loop.run()
+    assert math.isfinite(last["loss"]) and last["lr"] == pytest.approx(0.0)  # linear decay ends at 0
+    saved = [d for _, d in reports if d is not None]
+    assert len(saved) == 1
+    state = ckpt.verify_complete(saved[0])
+    assert state["step"] == 4 and state["world_size"] == 1
+    ema, weights = load_file(str(Path(saved[0]) / ckpt.EMA_FILE)), load_file(str(Path(saved[0]) / ckpt.MODEL_FILE))
+    assert ema.keys() == weights.keys()
+    assert any(not torch.equal(ema[k], weights[k]) for k in weights)
