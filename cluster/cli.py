@@ -33,7 +33,8 @@ VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's an
 
 
 def _fail(message: str, code: int = 2) -> None:
-    console.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    # soft_wrap: long paths and commands in messages stay copyable when stderr is not a terminal.
+    console.print(f"[bold red]error:[/] {message}", highlight=False, markup=True, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -175,6 +176,12 @@ def demo(
         run_demo(out, overrides=set_ or [], verbose=verbose)
     except ConfigError as err:
         _fail(str(err).replace("[", r"\["))
+
+
+# fewshot, finetune, evaluate
+from vitray.cluster.cli_evaluation import register_evaluation_commands  # noqa: E402
+
+register_evaluation_commands(app)
 
 
 def main() -> None:

@@ -6,7 +6,9 @@ closest valid one -- all before anything heavy (Ray, DeepSpeed) starts.
 
 from __future__ import annotations
 
+import copy
 import difflib
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,17 +22,24 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message lists every problem found."""
 
 
-def load_config(schema: type[M], path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> M:
-    raw: dict[str, Any] = {}
-    if path is not None:
-        raw = _read_yaml(Path(path))
-    for override in overrides:
-        key, value = _parse_override(override)
-        _set_dotted(raw, key, value)
+def load_config(schema: type[M], path: str | Path | None = None, overrides: Sequence[str] = ()) -> M:
+    """A YAML file (or nothing: the defaults) + `key=value` overrides, validated as `schema`."""
+    raw = _read_yaml(Path(path)) if path is not None else {}
+    return validate_config(schema, raw, overrides, source=str(path) if path else "the config")
+
+
+def validate_config(
+    schema: type[M], raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[str] = (), *, source: str
+) -> M:
+    """A config as a dict + dotted overrides (a mapping, or `key=value` strings as from `--set`)."""
+    data = copy.deepcopy(dict(raw))
+    items = overrides.items() if isinstance(overrides, Mapping) else map(_parse_override, overrides)
+    for key, value in items:
+        _set_dotted(data, key, value)
     try:
-        return schema.model_validate(raw)
+        return schema.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_describe(err, schema, source=str(path) if path else "the config")) from None
+        raise ConfigError(_describe(err, schema, source=source)) from None
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

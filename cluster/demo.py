@@ -1,7 +1,8 @@
 """`vitray demo` / `make demo`: the whole path on built-in real data, on this machine.
 
 prepare (scikit-learn's handwritten digits -> webdataset shards) -> pre-train a small ViT on an
-embedded local Ray with 2 workers and DeepSpeed -> held-out top-1 -> transfer table.
+embedded local Ray with 2 workers and DeepSpeed (held-out top-1 and a 10-shot probe as it goes)
+-> an evaluation grid (few-shot probes + fine-tuning at a higher resolution) -> table and report.
 """
 
 from __future__ import annotations
@@ -13,26 +14,43 @@ from pathlib import Path
 from rich.console import Console
 
 from vitray.cluster.config import load_config
+from vitray.cluster.evaluate import report_grid, run_grid
 from vitray.cluster.prepare import prepare_dataset_on_ray
 from vitray.cluster.pretrain import pretrain
 from vitray.cluster.runtime import connect, run_dir
+from vitray.cluster.transfer import resolve_checkpoints
+from vitray.evaluation.config import GridConfig
 from vitray.trainers.config import PretrainConfig
 from vitray.trainers.run_files import RunFiles, latest_complete_checkpoint
 
 console = Console()
 
 
-def demo_config_path() -> Path:
-    return Path(str(resources.files("vitray.configs").joinpath("demo.yaml")))
+# The demo keeps one fine-tune learning rate of the digits grid to stay within a few minutes.
+DEMO_GRID = ["finetune.learning_rates=[0.01]"]
 
 
-def run_demo(out_dir: str = "demo-output", overrides: list[str] | None = None, verbose: bool = False) -> dict:
+def config_path(name: str) -> Path:
+    return Path(str(resources.files("vitray.configs").joinpath(name)))
+
+
+def run_demo(
+    out_dir: str = "demo-output",
+    overrides: list[str] | None = None,
+    grid_overrides: list[str] | None = None,
+    verbose: bool = False,
+) -> dict:
     out = Path(out_dir).absolute()
     data = out / "data" / "digits"
     cfg = load_config(
         PretrainConfig,
-        demo_config_path(),
-        [f"data.train={data}", f"run.storage={out / 'runs'}", *(overrides or [])],
+        config_path("demo.yaml"),
+        [
+            f"data.train={data}",
+            f"run.storage={out / 'runs'}",
+            f"train.fewshot_datasets={{digits: {data}}}",
+            *(overrides or []),
+        ],
     )
     console.rule("[bold]1/3 prepare: builtin:digits -> webdataset shards")
     connect(cfg.cluster.address, num_cpus=os.cpu_count(), verbose=verbose)
@@ -47,10 +65,27 @@ def run_demo(out_dir: str = "demo-output", overrides: list[str] | None = None, v
     top1 = next((m["val/top1"] for m in reversed(metrics) if "val/top1" in m), None)
     checkpoint = latest_complete_checkpoint(run)
 
-    console.rule("[bold]3/3 results")
+    console.rule("[bold]3/3 evaluate: few-shot probes and fine-tuning on digits (vitray evaluate)")
+    grid = load_config(
+        GridConfig,
+        config_path("grid_digits.yaml"),
+        [f"data_root={out / 'data'}", f"output={out / 'eval'}", *(grid_overrides or DEMO_GRID)],
+    )
+    summary = run_grid(grid, resolve_checkpoints(run), console=console)
+    report = report_grid(grid, console=console)
+
+    console.rule("[bold]results")
     if top1 is not None:
         console.print(f"held-out top-1 after {metrics[-1]['step']} steps: [bold]{top1:.3f}[/] (chance: 0.100)")
-    console.print(f"run folder:  {run}")
-    console.print(f"checkpoint:  {checkpoint.path if checkpoint else '-'}")
-    console.print(f"metrics:     {RunFiles(run).metrics_path} (TensorBoard: {RunFiles(run).root}/tensorboard)")
-    return {"top1": top1, "run_dir": run, "checkpoint": checkpoint.path if checkpoint else None}
+    console.print(f"run folder:   {run}")
+    console.print(f"checkpoint:   {checkpoint.path if checkpoint else '-'}")
+    console.print(f"metrics:      {RunFiles(run).metrics_path} (TensorBoard: {RunFiles(run).root}/tensorboard)")
+    console.print(f"evaluation:   {grid.results_path} (parquet)")
+    console.print(f"report/plots: {report}")
+    return {
+        "top1": top1,
+        "run_dir": run,
+        "checkpoint": checkpoint.path if checkpoint else None,
+        "report": report,
+        "grid": summary,
+    }

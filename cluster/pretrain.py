@@ -8,6 +8,7 @@ to the new workers. `FailureConfig(max_failures)` restarts a failed worker group
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,23 @@ def train_worker(loop_config: dict[str, Any]) -> None:
             run_dir=loop_config["run_dir"],
             report=report,
             restore_dir=restore_dir,
+            evaluators=_evaluators(cfg),
         )
         PretrainLoop(cfg, worker).run()
+
+
+def _evaluators(cfg: PretrainConfig) -> list:
+    """The periodic few-shot probe: the same code as `vitray fewshot`, on rank 0."""
+    if not cfg.train.fewshot_datasets:
+        return []
+    from vitray.evaluation.transfer import fewshot_probe
+
+    return [
+        functools.partial(
+            fewshot_probe, datasets=cfg.train.fewshot_datasets, shots=(10,), seeds=1,
+            storage_options=cfg.data.storage_options,
+        )
+    ]  # fmt: skip
 
 
 def build_trainer(cfg: PretrainConfig) -> TorchTrainer:

@@ -11,12 +11,11 @@ The pieces `vitray finetune`, `vitray fewshot` and the grid (`cluster/evaluate.p
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vitray.cluster.config import ConfigError, _describe, _parse_override, _set_dotted
+from vitray.cluster.config import validate_config
 from vitray.data import storage
 from vitray.evaluation.config import FewShotGrid, GridConfig
 from vitray.evaluation.grid import CheckpointRef, FinetuneJob, fewshot_group
@@ -75,18 +74,8 @@ def resolve_checkpoints(path: str, *, all_checkpoints: bool = False) -> list[Che
 def validate_recipe(
     raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[str] = (), *, source: str = "the fine-tune recipe"
 ) -> PretrainConfig:
-    """A recipe dict + dotted overrides (a mapping, or `key=value` strings as from `--set`) ->
-    a validated PretrainConfig; errors name the key, the value and what is allowed."""
-    from pydantic import ValidationError
-
-    data = copy.deepcopy(dict(raw))
-    items = overrides.items() if isinstance(overrides, Mapping) else map(_parse_override, overrides)
-    for key, value in items:
-        _set_dotted(data, key, value)
-    try:
-        return PretrainConfig.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(_describe(err, PretrainConfig, source=source)) from None
+    """A recipe dict + dotted overrides -> a validated PretrainConfig (see `validate_config`)."""
+    return validate_config(PretrainConfig, raw, overrides, source=source)
 
 
 def finetune_config(job: FinetuneJob, grid: GridConfig) -> PretrainConfig:

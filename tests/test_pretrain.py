@@ -29,7 +29,7 @@ def reference(digits_dataset, tmp_path_factory):
         pretrain_args(
             str(digits_dataset), str(root / "runs"), "ref",
             f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", f"train.eval_every={STEPS}",
-            f"debug.record_sample_keys={keys}",
+            f"debug.record_sample_keys={keys}", f"train.fewshot_datasets={{digits: {digits_dataset}}}",
         )
     )  # fmt: skip
     run_dir = str(root / "runs" / "ref")
@@ -42,6 +42,7 @@ def test_run_trains_and_loss_falls(reference):
     first, last = metrics[0]["loss"], metrics[-1]["loss"]
     assert last < first - 0.1, f"loss did not fall: {first} -> {last}"
     assert 0.0 <= metrics[-1]["val/top1"] <= 1.0  # measured on the held-out split (the demo checks the level)
+    assert 0.1 < metrics[-1]["fewshot/digits_10shot"] <= 1.0  # the periodic probe; even random features beat chance
     for key in ("lr", "grad_norm", "images_per_s", "tflops_per_worker", "data_wait_fraction", "skipped_samples"):
         assert key in metrics[-1]
     # Every step trained on one global batch of distinct samples.

@@ -72,6 +72,10 @@ class TrainConfig(_Section):
     log_every: int = Field(50, gt=0)
     eval_every: int | None = Field(None, gt=0, description="Validation top-1 every N steps (and at the end).")
     eval_batch_size: int = Field(256, gt=0)
+    fewshot_datasets: dict[str, str] = Field(
+        default_factory=dict,
+        description="name -> prepared dataset: a 10-shot linear probe of each at eval_every (as `vitray fewshot`).",
+    )
     peak_tflops: float | None = Field(
         None, gt=0, description="Accelerator peak TFLOP/s per worker for MFU; known GPUs are detected."
     )

@@ -5,7 +5,7 @@ Keeping this a plain interface is what keeps `trainers/` free of Ray.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -22,4 +22,5 @@ class WorkerContext:
     run_dir: str  # <storage>/<run name>, local path or s3:// URL
     report: Reporter
     restore_dir: Path | None = None  # a local copy of the checkpoint to resume from
-    attempt_marker: Callable[[str], bool] | None = None  # test hook: returns True the first time a name is seen
+    # Called on rank 0 with the model at every evaluation; each returns metrics (the few-shot probe).
+    evaluators: list[Callable[[Any], dict[str, float]]] = field(default_factory=list)

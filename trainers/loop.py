@@ -111,6 +111,9 @@ class PretrainLoop:
                 self.pending_metrics = {}
             if train.eval_every and (self.step % train.eval_every == 0 or self.step == train.steps):
                 metrics["val/top1"] = self.validate()
+                if self.rank == 0:
+                    for evaluator in self.ctx.evaluators:
+                        metrics.update(evaluator(self.engine.module))
             save = self.step % train.checkpoint_every == 0 or self.step == train.steps
             if metrics and self.metrics is not None:
                 self.metrics.write(self.step, metrics)
