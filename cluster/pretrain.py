@@ -46,7 +46,7 @@ def train_worker(loop_config: dict[str, Any]) -> None:
         restore_dir = None
         checkpoint = ray.train.get_checkpoint()
         if checkpoint is not None:
-            restore_dir = Path(stack.enter_context(checkpoint.as_directory()))
+            restore_dir = _complete_or_fallback(Path(stack.enter_context(checkpoint.as_directory())), loop_config["run_dir"], stack)
         worker = WorkerContext(
             rank=context.get_world_rank(),
             world_size=context.get_world_size(),
@@ -56,6 +56,24 @@ def train_worker(loop_config: dict[str, Any]) -> None:
             evaluators=_evaluators(cfg),
         )
         PretrainLoop(cfg, worker).run()
+
+
+def _complete_or_fallback(restore_dir: Path, run_dir: str, stack: contextlib.ExitStack) -> Path:
+    """Ray's latest checkpoint when it is complete; else the newest complete one in the run folder
+    (a checkpoint whose files were lost or cut short after Ray registered it is never loaded)."""
+    from vitray.trainers.checkpoint import IncompleteCheckpointError, verify_complete
+    from vitray.trainers.run_files import latest_complete_checkpoint
+
+    try:
+        verify_complete(restore_dir)
+        return restore_dir
+    except IncompleteCheckpointError as err:
+        fallback = latest_complete_checkpoint(run_dir)
+        if fallback is None:
+            raise RuntimeError(f"{err}; and the run {run_dir} has no other complete checkpoint") from None
+        print(f"vitray: {err}; resuming from {fallback.path} (step {fallback.step}) instead", flush=True)
+        path, filesystem = ray_storage(fallback.path)
+        return Path(stack.enter_context(ray.train.Checkpoint(path, filesystem=filesystem).as_directory()))
 
 
 def _evaluators(cfg: PretrainConfig) -> list:

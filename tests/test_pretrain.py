@@ -108,10 +108,10 @@ def test_resume_on_one_worker_from_two_worker_checkpoint(digits_dataset, referen
     assert [m["step"] for m in metrics] == list(range(2, STEPS + 1, 2))
 
 
-def test_half_written_checkpoint_is_never_taken(reference, tmp_path):
+def test_half_written_checkpoint_is_never_taken(digits_dataset, reference, tmp_path):
     import shutil
 
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / "runs" / "ref"
     shutil.copytree(reference["run_dir"], run_dir)
     newest = Path(list_checkpoints(str(run_dir))[-1].path)
     weights = newest / "model.safetensors"
@@ -126,3 +126,14 @@ def test_half_written_checkpoint_is_never_taken(reference, tmp_path):
     (newest / "complete-rank-0001.json").unlink()  # rank 1 died before finishing its part
     with pytest.raises(IncompleteCheckpointError, match="rank 1"):
         verify_complete(newest)
+
+    # Re-running the run: Ray hands over its newest checkpoint, which is cut short, so training
+    # resumes from the previous complete one and ends with the uninterrupted run's weights.
+    weights.write_bytes(whole[: len(whole) // 2])
+    run(
+        pretrain_args(
+            str(digits_dataset), str(tmp_path / "runs"), "ref",
+            f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", f"train.eval_every={STEPS}",
+        )
+    )  # fmt: skip
+    assert_same_weights(final_weights(str(run_dir)), reference["weights"])
