@@ -97,3 +97,25 @@ def digits_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _no_instance_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep botocore from probing the cloud instance-metadata address for credentials."""
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.fixture(scope="module")
+def single_thread() -> Iterator[None]:
+    """One torch thread for the module's tests (tiny models; avoids OpenMP contention)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def pretrained(digits_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A Ti/4 pre-trained at 16 px on digits (2 Ray workers, 8 steps, checkpoints at steps 4 and 8);
+    returns the run folder. Treat it as read-only (copy it to change it)."""
+    from pretrain_helpers import pretrain_args, run
+
+    storage = tmp_path_factory.mktemp("pretrain")
+    run(pretrain_args(str(digits_dataset), str(storage), "pre", "train.steps=8", "train.checkpoint_every=4"))
+    return str(storage / "pre")

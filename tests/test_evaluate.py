@@ -18,7 +18,6 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from pretrain_helpers import pretrain_args, run
 from vitray.cluster.cli_evaluation import register_evaluation_commands
 from vitray.cluster.config import load_config
 from vitray.cluster.export import load_checkpoint_model
@@ -37,14 +36,6 @@ REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "vitray.cluster.cli_evaluation"]
 FINETUNE_STEPS = 12
 CIFAR10_PREPARE = "vitray data prepare cifar10:/path/to/cifar-10-batches-py {root}/cifar10"
-
-
-@pytest.fixture(scope="module")
-def pretrained(digits_dataset, tmp_path_factory) -> str:
-    """A Ti/4 pre-trained at 16 px on digits (2 Ray workers, 8 steps): checkpoints at steps 4 and 8."""
-    storage = tmp_path_factory.mktemp("pretrain")
-    run(pretrain_args(str(digits_dataset), str(storage), "pre", "train.steps=8", "train.checkpoint_every=4"))
-    return str(storage / "pre")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import yaml
 from PIL import Image
 from safetensors.torch import load_file
 
-from pretrain_helpers import pretrain_args, run
+from pretrain_helpers import run
 from vitray.cluster.config import ConfigError
 from vitray.cluster.transfer import finetune_config, resolve_checkpoints, validate_recipe
 from vitray.evaluation.config import FinetuneGrid, GridConfig
@@ -34,14 +34,6 @@ REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "vitray.cluster.cli_evaluation"]
 TI_WIDTH = 192
 THREE_CLASSES = ("zero", "one", "two")
-
-
-@pytest.fixture(scope="module")
-def pretrained(digits_dataset, tmp_path_factory) -> str:
-    """A Ti/4 pre-trained at 16 px on digits: 2 Ray workers, 8 steps; returns the run folder."""
-    storage = tmp_path_factory.mktemp("pretrain")
-    run(pretrain_args(str(digits_dataset), str(storage), "pre", "train.steps=8", "train.checkpoint_every=4"))
-    return str(storage / "pre")
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,8 @@ from vitray.models import (
 from vitray.models.io_safetensors import read_safetensors_metadata
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    # These models are tiny: one thread avoids OpenMP contention on a busy 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# These models are tiny: one thread avoids OpenMP contention on a busy 2-core machine.
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def randomized(name: str, seed: int = 0, **kwargs):

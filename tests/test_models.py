@@ -22,13 +22,8 @@ from vitray.models import (
 from vitray.models.resnet import same_padding
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    # These models are tiny: one thread avoids OpenMP contention on a busy 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# These models are tiny: one thread avoids OpenMP contention on a busy 2-core machine.
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

@@ -51,7 +51,7 @@ class PretrainLoop:
             universal_dir = ds.to_universal(ctx.restore_dir, Path(tempfile.mkdtemp(prefix="vitray-universal-")))
 
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        model = self._initial_model(resuming=restore_state is not None)
+        model = self._initial_model()
         self.engine = ds.build_engine(model, cfg, self.world, load_universal=universal_dir is not None)
         self.dtype = next(self.engine.module.parameters()).dtype
         self.ema = Ema(self.engine.module, cfg.train.ema_decay) if cfg.train.ema_decay else None
@@ -155,7 +155,7 @@ class PretrainLoop:
         return float(np.mean(losses)), grad_norm, data_wait, skipped
 
     # -- pieces -----------------------------------------------------------------------------------
-    def _initial_model(self, resuming: bool) -> torch.nn.Module:
+    def _initial_model(self) -> torch.nn.Module:
         """Scratch, or `init.checkpoint`'s weights at this run's resolution with a fresh head
         (when resuming, the run's own checkpoint then replaces these weights)."""
         init = self.cfg.init
