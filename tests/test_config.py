@@ -101,3 +101,8 @@ def test_cli_bad_config_fails_fast_without_ray():
 def test_missing_dataset_is_named():
     with pytest.raises(ConfigError, match=r"data: Field required"):
         load_config(PretrainConfig, None, [])
+
+
+def test_unbuilt_backend_says_so():
+    with pytest.raises(ConfigError, match=r"train.backend.*xla \(TPU\) backend is not built yet"):
+        load_config(PretrainConfig, None, ["data.train=d", "train.backend=xla"])

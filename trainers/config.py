@@ -76,6 +76,13 @@ class TrainConfig(_Section):
         default_factory=dict,
         description="name -> prepared dataset: a 10-shot linear probe of each at eval_every (as `vitray fewshot`).",
     )
+
+    @field_validator("backend")
+    @classmethod
+    def _backend_built(cls, backend: str) -> str:
+        if backend == "xla":
+            raise ValueError("the xla (TPU) backend is not built yet; 'deepspeed' runs on GPUs and CPUs")
+        return backend
     peak_tflops: float | None = Field(
         None, gt=0, description="Accelerator peak TFLOP/s per worker for MFU; known GPUs are detected."
     )
