@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from vitray.cluster.config import ConfigError, dump_config, load_config
 
@@ -34,7 +35,7 @@ VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's an
 
 def _fail(message: str, code: int = 2) -> None:
     # soft_wrap: long paths and commands in messages stay copyable when stderr is not a terminal.
-    console.print(f"[bold red]error:[/] {message}", highlight=False, markup=True, soft_wrap=True)
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -42,7 +43,7 @@ def _load(schema, config: Optional[Path], overrides: Optional[list[str]]):
     try:
         return load_config(schema, config, overrides or [])
     except ConfigError as err:
-        _fail(str(err).replace("[", r"\["))
+        _fail(str(err))
 
 
 @app.command()
@@ -57,12 +58,16 @@ def pretrain(config: ConfigOpt = None, set_: SetOpt = None, dry_run: DryRunOpt =
     if dry_run:
         typer.echo(dump_config(cfg), nl=False)
         return
+    from ray.train import TrainingFailedError
+
     from vitray.cluster.pretrain import pretrain as run_pretrain
     from vitray.cluster.runtime import run_dir
 
-    result = run_pretrain(cfg, verbose=verbose)
-    if result.error:
-        _fail(f"pre-training failed: {result.error}", code=1)
+    try:
+        result = run_pretrain(cfg, verbose=verbose)
+    except TrainingFailedError as err:
+        # Ray's message carries each failed rank's traceback; no driver traceback on top of it.
+        _fail(f"pre-training failed (re-run the same command to resume):\n{err}", code=1)
     console.print(f"run folder: {run_dir(cfg.run.storage, cfg.run.name)}")
     if result.checkpoint is not None:
         console.print(f"latest checkpoint: {result.checkpoint.path}")
@@ -175,7 +180,7 @@ def demo(
     try:
         run_demo(out, overrides=set_ or [], verbose=verbose)
     except ConfigError as err:
-        _fail(str(err).replace("[", r"\["))
+        _fail(str(err))
 
 
 # fewshot, finetune, evaluate
