@@ -2,7 +2,7 @@
 single-process PyTorch loop of the same step (same model, batch, data loader and thread count),
 measured in the same run; also how long each checkpoint blocks training against the full save.
 
-    .venv/bin/python benchmarks/train_overhead.py [--steps 60] [--model Ti/4] [--img-size 32]
+    .venv/bin/python benchmarks/train_overhead.py [--steps 60] [--model Ti/4] [--img-size 32] [--storage s3|local]
 
 The last line is the throughput ratio (vitray images/s / plain images/s); goal: >= 0.9.
 """
@@ -10,8 +10,11 @@ The last line is the throughput ratio (vitray images/s / plain images/s); goal: 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -50,7 +53,7 @@ def plain_loop(data: str, args) -> float:
     return (args.steps - args.warmup) * args.batch / (time.perf_counter() - started)
 
 
-def vitray_run(data: str, storage: Path, args) -> tuple[float, list[dict]]:
+def vitray_run(data: str, storage: str, args) -> tuple[float, list[dict]]:
     log_every = max(1, (args.steps - args.warmup) // 4)
     sets = [
         f"data.train={data}", f"run.storage={storage}", "run.name=bench", f"model.name={args.model}",
@@ -61,21 +64,51 @@ def vitray_run(data: str, storage: Path, args) -> tuple[float, list[dict]]:
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "vitray.cluster.cli", "pretrain", *[a for s in sets for a in ("--set", s)]]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
-    metrics = RunFiles(str(storage / "bench")).read_metrics()
+    metrics = RunFiles(f"{storage}/bench").read_metrics()
     # Windows that start after the warm-up steps, without the one holding a checkpoint save.
     steady = [m["images_per_s"] for m in metrics if m["step"] > args.warmup + log_every and "checkpoint_blocked_s" not in m]
     return float(np.mean(steady)), metrics
 
 
 def full_save_seconds(run_dir: str, blocked_write_s: float) -> float:
-    """Local write (measured by the trainer) + copying the folder to the run storage, as the uploader does."""
-    checkpoint = Path(latest_complete_checkpoint(run_dir).path)
-    target = Path(tempfile.mkdtemp()) / "copy"
+    """Local write (measured by the trainer) + uploading the folder to the run storage again, as
+    Ray's uploader does in the background (a copy for local storage, a PUT per file for S3)."""
+    from vitray.data import storage
+
+    checkpoint = latest_complete_checkpoint(run_dir).path
+    fs, path = storage.filesystem(checkpoint)
+    local = Path(tempfile.mkdtemp()) / "checkpoint"
+    fs.get(path, str(local), recursive=True)
+    target = f"{path.rstrip('/')}-upload-timing"
     t0 = time.perf_counter()
-    shutil.copytree(checkpoint, target)
-    copy_s = time.perf_counter() - t0
-    shutil.rmtree(target.parent)
-    return blocked_write_s + copy_s
+    fs.put(str(local), target, recursive=True)
+    upload_s = time.perf_counter() - t0
+    fs.rm(target, recursive=True)
+    shutil.rmtree(local.parent)
+    return blocked_write_s + upload_s
+
+
+@contextlib.contextmanager
+def run_storage(kind: str, tmp: str):
+    """A local folder, or a bucket on moto's S3 server on 127.0.0.1 (AWS_* set for the children)."""
+    if kind == "local":
+        yield str(Path(tmp) / "runs")
+        return
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_EC2_METADATA_DISABLED="true")  # fmt: skip
+    boto3.client("s3").create_bucket(Bucket="bench")
+    try:
+        yield "s3://bench/runs"
+    finally:
+        server.stop()
 
 
 def main() -> None:
@@ -86,6 +119,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--storage", choices=("local", "s3"), default="s3",
+                        help="run storage for the checkpoint measurement: a local folder or moto's S3 on 127.0.0.1")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -93,13 +128,15 @@ def main() -> None:
         prepare_dataset("builtin:digits", data, samples_per_shard=200)
         plain = plain_loop(data, args)
         print(f"plain PyTorch loop ({args.threads} threads): {plain:8.1f} images/s")
-        vitray, metrics = vitray_run(data, Path(tmp) / "runs", args)
-        print(f"vitray pretrain (Ray Train + DeepSpeed, 1 worker x {args.threads} CPUs): {vitray:8.1f} images/s")
-        saves = [m for m in metrics if "checkpoint_blocked_s" in m]
-        if saves:
-            blocked = saves[0]["checkpoint_blocked_s"]
-            full = full_save_seconds(str(Path(tmp) / "runs" / "bench"), saves[0]["checkpoint_write_s"])
-            print(f"checkpoint: training blocked {blocked:.3f} s of a {full:.3f} s full save ({blocked / full:.0%})")
+        with run_storage(args.storage, tmp) as runs:
+            vitray, metrics = vitray_run(data, runs, args)
+            print(f"vitray pretrain (Ray Train + DeepSpeed, 1 worker x {args.threads} CPUs): {vitray:8.1f} images/s")
+            saves = [m for m in metrics if "checkpoint_blocked_s" in m]
+            if saves:
+                blocked = saves[0]["checkpoint_blocked_s"]
+                full = full_save_seconds(f"{runs}/bench", saves[0]["checkpoint_write_s"])
+                print(f"checkpoint ({args.storage} run storage): training blocked {blocked:.3f} s "
+                      f"of a {full:.3f} s full save ({blocked / full:.0%})")  # fmt: skip
         print(json.dumps({"plain_images_per_s": plain, "vitray_images_per_s": vitray}))
         print(f"ratio vitray/plain: {vitray / plain:.3f}")
 
