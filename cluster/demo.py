@@ -57,11 +57,10 @@ def run_demo(
     prepare_dataset_on_ray("builtin:digits", str(data), samples_per_shard=200)
 
     console.rule(f"[bold]2/3 pretrain {cfg.model.name} at {cfg.model.img_size}px on {cfg.cluster.num_workers} Ray workers (DeepSpeed ZeRO-{cfg.train.zero_stage})")
-    result = pretrain(cfg, verbose=verbose)
-    if result.error:
-        raise RuntimeError(f"pre-training failed: {result.error}")
+    pretrain(cfg, verbose=verbose)  # raises ray.train.TrainingFailedError when the run fails
     run = run_dir(cfg.run.storage, cfg.run.name)
-    metrics = RunFiles(run).read_metrics()
+    files = RunFiles(run)
+    metrics = files.read_metrics()
     top1 = next((m["val/top1"] for m in reversed(metrics) if "val/top1" in m), None)
     checkpoint = latest_complete_checkpoint(run)
 
@@ -79,7 +78,7 @@ def run_demo(
         console.print(f"held-out top-1 after {metrics[-1]['step']} steps: [bold]{top1:.3f}[/] (chance: 0.100)")
     console.print(f"run folder:   {run}")
     console.print(f"checkpoint:   {checkpoint.path if checkpoint else '-'}")
-    console.print(f"metrics:      {RunFiles(run).metrics_path} (TensorBoard: {RunFiles(run).root}/tensorboard)")
+    console.print(f"metrics:      {files.metrics_path} (TensorBoard: {files.root}/tensorboard)")
     console.print(f"evaluation:   {grid.results_path} (parquet)")
     console.print(f"report/plots: {report}")
     return {
