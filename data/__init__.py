@@ -11,6 +11,9 @@ Prepare once, read anywhere::
         ...
     state = loader.state_dict()                                   # resume with load_state_dict
 
+Split arguments may slice a split, TFDS style: ``"train[:98%]"``, ``"train[800:1000]"`` (see
+:mod:`vitray.data.splits`).
+
 This package imports nothing else from vitray and never imports ray.
 """
 
@@ -28,9 +31,11 @@ _EXPORTS = {
     "load_split": "eval_loader",
     "DatasetInfo": "layout",
     "ManifestRow": "layout",
+    "ResolvedSplit": "layout",
     "SplitInfo": "layout",
     "read_dataset_info": "layout",
     "read_manifest": "layout",
+    "read_split": "layout",
     "ShardLoader": "loader",
     "EpochPlan": "plan",
     "ShardRange": "plan",
@@ -44,6 +49,11 @@ _EXPORTS = {
     "ShardTask": "shards",
     "plan_shards": "shards",
     "write_shard": "shards",
+    "SPLIT_SYNTAX": "splits",
+    "SplitSpec": "splits",
+    "parse_split": "splits",
+    "slice_bounds": "splits",
+    "split_extents": "splits",
     "Source": "sources",
     "open_source": "sources",
     "eval_transform": "transforms",
@@ -57,12 +67,13 @@ if TYPE_CHECKING:
     from .batch import Batch
     from .config import DataConfig
     from .eval_loader import EvalLoader, load_split
-    from .layout import DatasetInfo, ManifestRow, SplitInfo, read_dataset_info, read_manifest
+    from .layout import DatasetInfo, ManifestRow, ResolvedSplit, SplitInfo, read_dataset_info, read_manifest, read_split
     from .loader import ShardLoader
     from .plan import EpochPlan, ShardRange, epoch_plan, rank_slots
     from .prepare import begin_prepare, finalize, prepare_dataset
     from .shards import DEFAULT_MAX_SHARD_BYTES, DEFAULT_SAMPLES_PER_SHARD, ShardTask, plan_shards, write_shard
     from .sources import Source, open_source
+    from .splits import SPLIT_SYNTAX, SplitSpec, parse_split, slice_bounds, split_extents
     from .transforms import eval_transform, to_model_range, train_transform
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .layout import DatasetInfo, read_dataset_info
+from .splits import parse_split
 
 __all__ = ["DataConfig", "DatasetInfo", "read_dataset_info"]
 
@@ -17,9 +18,11 @@ class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     train: str = Field(description="Prepared dataset for training: a local folder or s3://bucket/prefix.")
-    train_split: str = "train"
+    train_split: str = Field(
+        "train", description="Split to train on, or a slice of one: train[:98%], train[:800] (see vitray.data.splits)."
+    )
     val: str | None = Field(None, description="Prepared dataset for validation; the training one when unset.")
-    val_split: str = "test"
+    val_split: str = Field("test", description="Split (or slice: train[98%:]) whose top-1 the run reports.")
     num_slots: int = Field(
         8, gt=0, description="Canonical slots of the epoch plan; fixed for a run, divisible by every world size used."
     )
@@ -32,6 +35,12 @@ class DataConfig(BaseModel):
     storage_options: dict[str, Any] | None = Field(
         None, description="fsspec options for remote paths (endpoint and credentials default to the AWS environment)."
     )
+
+    @field_validator("train_split", "val_split")
+    @classmethod
+    def _split_syntax(cls, split: str) -> str:
+        parse_split(split)  # a malformed slice fails with the config, before any worker starts
+        return split
 
     @property
     def val_path(self) -> str:

@@ -1,7 +1,8 @@
 """The evaluation reader: one pass over a split, every sample exactly once across ranks.
 
-The split is read in its stored order (shards in manifest order). Rank ``r`` of ``W`` reads the
-contiguous samples ``[r * N // W, (r + 1) * N // W)``, so ranks differ by at most one sample and
+The split -- or a slice of it, ``test[:1000]`` (see :mod:`vitray.data.splits`) -- is read in its
+stored order (shards in manifest order). Rank ``r`` of ``W`` reads the contiguous samples
+``[r * N // W, (r + 1) * N // W)`` of its ``N``, so ranks differ by at most one sample and
 nothing is dropped; batches are consecutive runs of ``batch_size`` samples of that range (the last
 one may be shorter). Worker ``w`` of ``n`` decodes batches ``w, w + n, ...``; batches come out in
 order. Images get the evaluation transform (resize + central crop, see
@@ -17,9 +18,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from . import storage
 from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_order
-from .layout import LabelKind, read_dataset_info, read_manifest
+from .layout import LabelKind, read_split
 from .plan import ShardRange
 from .reader import SampleStream
 from .transforms import eval_transform
@@ -28,7 +28,7 @@ from .transforms import eval_transform
 @dataclass(frozen=True)
 class _EvalSpec:
     shard_urls: tuple[str, ...]
-    ranges: tuple[ShardRange, ...]  # the whole split, in stored order
+    ranges: tuple[ShardRange, ...]  # the split or its slice, in stored order
     first: int  # this rank's samples: [first, stop)
     stop: int
     batch_size: int
@@ -80,6 +80,7 @@ class _EvalStream(IterableDataset):
 class EvalLoader:
     """One deterministic pass over ``split`` for rank ``rank`` of ``world_size``.
 
+    ``split`` is a name or a slice of one (``"train[98%:]"``, see :mod:`vitray.data.splits`).
     Iterating it again starts a new pass. ``len(loader)`` is this rank's number of batches.
     ``float_images=False`` gives uint8 images, as for :class:`vitray.data.ShardLoader`.
     """
@@ -104,15 +105,13 @@ class EvalLoader:
                 f"batch_size and img_size must be positive and num_workers non-negative; got {batch_size}, "
                 f"{img_size}, {num_workers}"
             )
-        self.info = read_dataset_info(path, storage_options)
-        self.info.split(split)
-        rows = read_manifest(path, split, storage_options)
-        total = sum(r.num_samples for r in rows)
+        source = read_split(path, split, storage_options)
+        self.info, total = source.info, source.num_samples
         self.num_workers, self.float_images = num_workers, float_images
         self._yielded, self._skipped = 0, 0
         self._spec = _EvalSpec(
-            shard_urls=tuple(storage.join(path, r.name) for r in rows),
-            ranges=tuple(ShardRange(i, 0, r.num_samples) for i, r in enumerate(rows)),
+            shard_urls=source.shard_urls,
+            ranges=source.extents,
             first=rank * total // world_size,
             stop=(rank + 1) * total // world_size,
             batch_size=batch_size,
@@ -156,7 +155,7 @@ def load_split(
     num_workers: int = 0,
     storage_options: dict[str, Any] | None = None,
 ) -> Batch:
-    """A whole (small) split decoded into memory with the evaluation transform, in stored order.
+    """A whole (small) split or slice decoded into memory with the evaluation transform, in stored order.
 
     Meant for few-shot probes and small benchmarks; corrupt samples are left out and counted in
     ``num_skipped``.

@@ -22,6 +22,8 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import storage
+from .plan import ShardRange
+from .splits import extents_size, parse_split, split_extents
 
 FORMAT_VERSION = 1
 DATASET_JSON = "dataset.json"
@@ -51,7 +53,7 @@ class DatasetInfo(BaseModel):
     splits: dict[str, SplitInfo]
 
     def split(self, name: str) -> SplitInfo:
-        """The split called ``name``, or an error listing the splits there are."""
+        """The split called ``name`` (a plain name, no slice), or an error listing the splits there are."""
         if name not in self.splits:
             raise KeyError(f"dataset {self.name!r} has no split {name!r}; it has {sorted(self.splits)}")
         return self.splits[name]
@@ -142,3 +144,32 @@ def read_dataset_info(path: str, storage_options: dict[str, Any] | None = None) 
             f"{json_path} has format_version {info.format_version}; this vitray reads version {FORMAT_VERSION}"
         )
     return info
+
+
+@dataclass(frozen=True)
+class ResolvedSplit:
+    """A split string resolved against a prepared dataset: what the readers read, shard by shard."""
+
+    info: DatasetInfo
+    split: str  # as given, e.g. "train[:98%]"
+    shard_urls: tuple[str, ...]  # every shard of the named split, in manifest order
+    extents: tuple[ShardRange, ...]  # the samples to read (shard index into shard_urls)
+
+    @property
+    def num_samples(self) -> int:
+        return extents_size(self.extents)
+
+
+def read_split(path: str, split: str, storage_options: dict[str, Any] | None = None) -> ResolvedSplit:
+    """Resolves ``split`` -- ``NAME`` or ``NAME[start:stop]``, see :mod:`vitray.data.splits` -- on
+    the prepared dataset at ``path``.
+
+    Raises ValueError for a malformed or out-of-range slice (before any I/O when malformed) and
+    KeyError naming the splits there are when the dataset has no such split.
+    """
+    spec = parse_split(split)
+    info = read_dataset_info(path, storage_options)
+    info.split(spec.name)
+    rows = read_manifest(path, spec.name, storage_options)
+    extents = split_extents(spec, [r.num_samples for r in rows])
+    return ResolvedSplit(info, split, tuple(storage.join(path, r.name) for r in rows), extents)

@@ -30,10 +30,9 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from . import storage
 from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_order
-from .layout import LabelKind, read_dataset_info, read_manifest
-from .plan import augment_seed, epoch_plan, rank_slots
+from .layout import LabelKind, read_split
+from .plan import ShardRange, augment_seed, epoch_plan, rank_slots
 from .slots import SlotReader
 from .transforms import TRAIN_CROP_SCALE, eval_transform, train_transform
 
@@ -45,7 +44,7 @@ class _Spec:
     """Everything a worker needs; plain data, so it pickles into worker processes."""
 
     shard_urls: tuple[str, ...]
-    shard_sizes: tuple[int, ...]
+    extents: tuple[ShardRange, ...]  # the split (or its slice) per shard, in manifest order
     slots: tuple[int, ...]  # the rank's slots, in batch order
     per_slot: int  # positions taken from each slot per batch
     num_slots: int
@@ -92,7 +91,7 @@ class _TrainStream(IterableDataset):
         reporter = SkipReporter()
         epoch, position, batch_number = self.epoch, self.position, 0
         while True:
-            plan = epoch_plan(spec.seed, epoch, spec.shard_sizes, spec.num_slots)
+            plan = epoch_plan(spec.seed, epoch, spec.extents, spec.num_slots)
             batches = (plan.slot_size - position) // spec.per_slot
             first_batch, start = batch_number, position
 
@@ -129,7 +128,8 @@ class ShardLoader:
 
     Args:
         path: the prepared dataset (local folder or ``s3://...``).
-        split: the split to read (e.g. ``"train"``).
+        split: the split to read (e.g. ``"train"``), or a slice of it (``"train[:98%]"``, see
+            :mod:`vitray.data.splits`).
         rank, world_size: this rank among the data-parallel ranks; ``num_slots % world_size == 0``.
         batch_size: samples per batch on this rank; a multiple of ``num_slots // world_size``.
         img_size: output resolution.
@@ -177,14 +177,13 @@ class ShardLoader:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if num_workers < 0 or seed < 0:
             raise ValueError(f"num_workers and seed must be non-negative, got {num_workers} and {seed}")
-        self.info = read_dataset_info(path, storage_options)
-        split_info = self.info.split(split)
-        rows = read_manifest(path, split, storage_options)
+        source = read_split(path, split, storage_options)
+        self.info, self.num_samples = source.info, source.num_samples
         self.path, self.split, self.rank, self.world_size = path, split, rank, world_size
         self.batch_size, self.float_images = batch_size, float_images
         self._spec = _Spec(
-            shard_urls=tuple(storage.join(path, r.name) for r in rows),
-            shard_sizes=tuple(r.num_samples for r in rows),
+            shard_urls=source.shard_urls,
+            extents=source.extents,
             slots=tuple(slots),
             per_slot=batch_size // len(slots),
             num_slots=num_slots,
@@ -199,10 +198,10 @@ class ShardLoader:
             num_workers=num_workers,
             storage_options=storage_options,
         )
-        self.slot_size = epoch_plan(seed, 0, self._spec.shard_sizes, num_slots).slot_size
+        self.slot_size = epoch_plan(seed, 0, self._spec.extents, num_slots).slot_size
         if self.steps_per_epoch == 0:
             raise ValueError(
-                f"split {split!r} has {split_info.num_samples} samples: too few for {num_slots} slots of "
+                f"split {split!r} has {self.num_samples} samples: too few for {num_slots} slots of "
                 f"{self._spec.per_slot} samples per batch; use a smaller batch_size or num_slots"
             )
         self._epoch, self._position = 0, 0
@@ -233,7 +232,7 @@ class ShardLoader:
             "seed": spec.seed,
             "num_slots": spec.num_slots,
             "shuffle_buffer": spec.shuffle_buffer,
-            "num_samples": sum(spec.shard_sizes),
+            "num_samples": self.num_samples,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -244,7 +243,7 @@ class ShardLoader:
         """
         spec = self._spec
         mine = {"seed": spec.seed, "num_slots": spec.num_slots, "shuffle_buffer": spec.shuffle_buffer,
-                "num_samples": sum(spec.shard_sizes)}  # fmt: skip
+                "num_samples": self.num_samples}  # fmt: skip
         for key, value in mine.items():
             if state.get(key) != value:
                 raise ValueError(

@@ -1,9 +1,10 @@
 """The epoch plan: which sample each rank reads at each position, as a pure function.
 
-For one epoch, given (seed, epoch, the shard sizes from the manifest, a fixed number of canonical
-slots):
+For one epoch, given (seed, epoch, the extents to read -- per shard of the manifest, all of its
+samples or a split slice's part of them, see :mod:`vitray.data.splits` -- and a fixed number of
+canonical slots):
 
-1. the shards are permuted with ``numpy.random.default_rng([seed, epoch])``;
+1. the extents are permuted with ``numpy.random.default_rng([seed, epoch])``;
 2. the stream of their samples, in that order, is cut into ``num_slots`` contiguous slots of
    ``floor(total / num_slots)`` samples each. The ``total % num_slots`` samples at the end of the
    stream are **dropped for this epoch**; since the shard order changes every epoch, different
@@ -58,24 +59,35 @@ def _check_seed(seed: int, epoch: int) -> None:
         raise ValueError(f"seed and epoch must be non-negative integers, got seed={seed}, epoch={epoch}")
 
 
-def epoch_plan(seed: int, epoch: int, shard_sizes: Sequence[int], num_slots: int) -> EpochPlan:
-    """The slots of ``epoch``: each a list of shard ranges, together ``slot_size`` samples long."""
+def whole_shards(shard_sizes: Sequence[int]) -> tuple[ShardRange, ...]:
+    """The extents of an unsliced split: every shard, all of its samples."""
+    return tuple(ShardRange(i, 0, int(size)) for i, size in enumerate(shard_sizes))
+
+
+def epoch_plan(seed: int, epoch: int, extents: Sequence[ShardRange] | Sequence[int], num_slots: int) -> EpochPlan:
+    """The slots of ``epoch``: each a list of shard ranges, together ``slot_size`` samples long.
+
+    ``extents`` are the samples to plan over, per shard (:class:`ShardRange`, e.g. from
+    :func:`vitray.data.splits.split_extents`); plain integers are whole shards of those sizes.
+    """
     _check_seed(seed, epoch)
     if num_slots < 1:
         raise ValueError(f"num_slots must be at least 1, got {num_slots}")
-    total = int(sum(shard_sizes))
+    extents = tuple(e if isinstance(e, ShardRange) else ShardRange(i, 0, int(e)) for i, e in enumerate(extents))
+    total = sum(len(e) for e in extents)
     slot_size = total // num_slots
     if slot_size == 0:
         raise ValueError(f"the split has {total} samples, fewer than num_slots={num_slots}; use fewer slots")
-    order = np.random.default_rng([seed, epoch]).permutation(len(shard_sizes))
+    order = np.random.default_rng([seed, epoch]).permutation(len(extents))
     slots: list[tuple[ShardRange, ...]] = []
     current: list[ShardRange] = []
     room = slot_size
-    for shard in order.tolist():
-        offset, size = 0, int(shard_sizes[shard])
-        while offset < size and len(slots) < num_slots:
-            take = min(room, size - offset)
-            current.append(ShardRange(shard, offset, offset + take))
+    for index in order.tolist():
+        extent = extents[index]
+        offset = extent.start
+        while offset < extent.stop and len(slots) < num_slots:
+            take = min(room, extent.stop - offset)
+            current.append(ShardRange(extent.shard, offset, offset + take))
             offset += take
             room -= take
             if room == 0:
