@@ -2,15 +2,23 @@
 
 DeepSpeed picks the accelerator itself: CUDA on GPU nodes, the CPU (gloo) elsewhere. The
 process group is the one Ray Train already set up; DeepSpeed joins it instead of making its own.
+
+Checkpoint files are written in the background (:class:`BackgroundCheckpointEngine`): DeepSpeed
+hands each state dict to the engine, which snapshots it to host memory and returns, so training
+goes on while the files are serialised and written.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from torch import nn
 
 from vitray.trainers.config import PretrainConfig
@@ -132,3 +140,104 @@ def to_universal(checkpoint_dir: Path, out_dir: Path) -> Path:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         ds_to_universal(args)
     return target
+
+
+def _host_snapshot(value: Any) -> Any:
+    """A copy of a (nested) state dict that later training steps cannot change: tensors are
+    cloned to host memory (compact, so views do not drag their whole storage along)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return type(value)((k, _host_snapshot(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_host_snapshot(v) for v in value)
+    return copy.deepcopy(value)
+
+
+class BackgroundCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's torch.save engine with the writes moved to a background thread.
+
+    `save` snapshots the state dict and queues the write; `pending()` gives the futures of
+    everything queued since `begin()`. Loading reads with `weights_only=True`, so a checkpoint
+    cannot run code when it is opened.
+    """
+
+    def __init__(self, config_params=None):
+        super().__init__(config_params)
+        self.name = "VitrayBackgroundCheckpointEngine"
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitray-ckpt")
+        self._queued: list[Future] = []
+
+    def preserves_storage_sharing(self) -> bool:
+        return False  # the snapshot already copies every tensor compactly
+
+    def begin(self) -> None:
+        self._queued = []
+
+    def save(self, state_dict, path: str) -> None:
+        snapshot = _host_snapshot(state_dict)
+        self._queued.append(self._writer.submit(torch.save, snapshot, path))
+
+    def load(self, path: str, map_location=None):
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+    def pending(self) -> "_Pending":
+        return _Pending(list(self._queued))
+
+
+class _Pending:
+    def __init__(self, futures: list[Future]):
+        self._futures = futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait(self) -> None:
+        for future in self._futures:
+            future.result()
+
+
+class DeepSpeedBackend:
+    """:class:`vitray.trainers.backend.TrainBackend` on a DeepSpeed engine."""
+
+    name = "deepspeed"
+
+    def __init__(self, cfg: PretrainConfig, model: nn.Module, world_size: int, restore: tuple[Path, dict[str, Any]] | None):
+        self._universal_dir = None
+        if restore is not None and restore[1]["world_size"] != world_size and cfg.train.zero_stage > 0:
+            # Each rank converts privately: no shared local disk is assumed between ranks.
+            self._universal_dir = to_universal(restore[0], Path(tempfile.mkdtemp(prefix="vitray-universal-")))
+        self.engine = build_engine(model, cfg, world_size, load_universal=self._universal_dir is not None)
+        self._checkpoints = BackgroundCheckpointEngine(self.engine._config)
+        self.engine.checkpoint_engine = self._checkpoints
+        self.module = self.engine.module
+        self.device = self.engine.device
+        self.dtype = next(self.module.parameters()).dtype
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    def backward_step(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+        self.engine.step()  # DeepSpeed steps the optimizer only at accumulation boundaries
+
+    def end_step(self) -> None:
+        pass
+
+    def grad_norm(self) -> float:
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return full_state_dict(self.engine)
+
+    def save(self, folder: Path) -> _Pending:
+        self._checkpoints.begin()
+        save(self.engine, folder, client_state={})
+        return self._checkpoints.pending()
+
+    def load(self, folder: Path, state: dict[str, Any]) -> None:
+        load(self.engine, folder, universal_dir=self._universal_dir)

@@ -3,6 +3,12 @@
 Randomness is derived from (seed, step, rank) at every step -- dropout, mixup -- and data
 augmentation from (seed, epoch, slot, position) in the loader, so a resumed run reproduces an
 uninterrupted one exactly without carrying generator states around.
+
+The engine (DeepSpeed or torch-xla) sits behind `vitray.trainers.backend.TrainBackend`.
+Checkpoints are written in the background: at a save step every rank snapshots its state and goes
+on training; the folder is handed to the run (and its asynchronous upload) at the first step at
+which every rank has finished writing, so the checkpoint costs training little more than the
+snapshot.
 """
 
 from __future__ import annotations
@@ -10,7 +16,9 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +29,13 @@ import torch.distributed as dist
 from vitray.data import EvalLoader, ShardLoader, read_dataset_info, storage
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.trainers import checkpoint as ckpt
-from vitray.trainers import deepspeed_backend as ds
+from vitray.trainers.backend import PendingSave, TrainBackend, create_backend
 from vitray.trainers.config import PretrainConfig
 from vitray.trainers.context import WorkerContext
 from vitray.trainers.ema import Ema
 from vitray.trainers.keys import SampleKeyRecorder
 from vitray.trainers.metrics import MetricsWriter, accelerator_peak_tflops, train_flops_per_image
-from vitray.trainers.objectives import loss_fn, mixup, resolve_objective, targets_from_labels
+from vitray.trainers.objectives import build_objective
 from vitray.trainers.run_files import RunFiles, resolve_checkpoint
 
 
@@ -41,20 +49,16 @@ class PretrainLoop:
         self.rank, self.world = ctx.rank, ctx.world_size
         self.accum = cfg.train.batch_size // (cfg.train.micro_batch_size * self.world)
         self.info = read_dataset_info(cfg.data.train, cfg.data.storage_options)
-        self.objective = resolve_objective(cfg.train.objective, self.info.label_kind)
+        self.objective = build_objective(cfg.train, self.info.label_kind, self.info.num_classes)
         self.run_files = RunFiles(ctx.run_dir)
 
         restore_state = ckpt.verify_complete(ctx.restore_dir) if ctx.restore_dir is not None else None
-        universal_dir = None
-        if restore_state is not None and restore_state["world_size"] != self.world and cfg.train.zero_stage > 0:
-            # Each rank converts privately: no shared local disk is assumed between ranks.
-            universal_dir = ds.to_universal(ctx.restore_dir, Path(tempfile.mkdtemp(prefix="vitray-universal-")))
+        restore = (ctx.restore_dir, restore_state) if restore_state is not None else None
 
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         model = self._initial_model()
-        self.engine = ds.build_engine(model, cfg, self.world, load_universal=universal_dir is not None)
-        self.dtype = next(self.engine.module.parameters()).dtype
-        self.ema = Ema(self.engine.module, cfg.train.ema_decay) if cfg.train.ema_decay else None
+        self.backend: TrainBackend = create_backend(cfg, model, self.world, restore)
+        self.ema = Ema(self.backend.module, cfg.train.ema_decay) if cfg.train.ema_decay else None
         self.loader = ShardLoader(
             cfg.data.train,
             cfg.data.train_split,
@@ -73,11 +77,12 @@ class PretrainLoop:
         )
         self.step = 0
         self.pending_metrics: dict[str, float] = {}
-        if restore_state is not None:
-            self._restore(ctx.restore_dir, restore_state, universal_dir)
+        self.in_flight: _CheckpointInFlight | None = None
+        if restore is not None:
+            self._restore(*restore)
         self.keys = None
         if cfg.debug.record_sample_keys:
-            attempt = _broadcast_int(time.time_ns(), device=self.engine.device)  # one id for this attempt's ranks
+            attempt = _broadcast_int(time.time_ns(), device=self.backend.device)  # one id for this attempt's ranks
             self.keys = SampleKeyRecorder(
                 cfg.debug.record_sample_keys, rank=self.rank, start_step=self.step, attempt=attempt
             )
@@ -113,16 +118,18 @@ class PretrainLoop:
                 metrics["val/top1"] = self.validate()
                 if self.rank == 0:
                     for evaluator in self.ctx.evaluators:
-                        metrics.update(evaluator(self.engine.module))
+                        metrics.update(evaluator(self.backend.module))
             save = self.step % train.checkpoint_every == 0 or self.step == train.steps
+            self._finish_checkpoint(wait=save)
             if metrics and self.metrics is not None:
                 self.metrics.write(self.step, metrics)
             if save:
-                self._save(metrics)
+                self._start_checkpoint(metrics)
             elif metrics:
                 self.ctx.report({"step": self.step, **metrics}, None)
             last = metrics or last
             self._maybe_inject_failure()
+        self._finish_checkpoint(wait=True)
         if self.metrics is not None:
             self.metrics.close()
         if self.keys is not None:
@@ -140,19 +147,14 @@ class PretrainLoop:
             skipped += batch.num_skipped
             if self.keys is not None:
                 self.keys.record(self.step, batch.keys)
-            targets = targets_from_labels(batch.labels, self.info.num_classes, self.cfg.train.label_smoothing)
-            images, targets = mixup(batch.images, targets, self.cfg.train.mixup_alpha, rng)
-            images = images.to(self.engine.device, self.dtype)
-            logits = self.engine(images)
-            loss = loss_fn(logits, targets.to(self.engine.device), self.objective)
-            self.engine.backward(loss)
-            self.engine.step()
-            losses.append(loss.item())
+            loss = self.objective.loss(self.backend, batch, rng)
+            self.backend.backward_step(loss)
+            losses.append(loss.detach())
+        self.backend.end_step()
         if self.ema is not None:
-            self.ema.update(self.engine.module)
-        grad_norm = self.engine.get_global_grad_norm()
-        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-        return float(np.mean(losses)), grad_norm, data_wait, skipped
+            self.ema.update(self.backend.module)
+        loss = float(torch.stack(losses).float().mean())
+        return loss, self.backend.grad_norm(), data_wait, skipped
 
     # -- pieces -----------------------------------------------------------------------------------
     def _initial_model(self) -> torch.nn.Module:
@@ -170,14 +172,14 @@ class PretrainLoop:
 
     def _step_metrics(self, window: "_Window", grad_norm: float) -> dict[str, Any]:
         loss, skipped = _all_reduce(
-            [window.loss_sum / window.steps, float(window.skipped)], average=[True, False], device=self.engine.device
+            [window.loss_sum / window.steps, float(window.skipped)], average=[True, False], device=self.backend.device
         )
         elapsed = time.perf_counter() - window.started
         images_per_s = window.steps * self.cfg.train.batch_size / elapsed
         tflops = self.flops_per_image * images_per_s / self.world / 1e12
         metrics = {
             "loss": loss,
-            "lr": self.engine.get_lr()[0],
+            "lr": self.backend.lr(),
             "grad_norm": grad_norm,
             "images_per_s": images_per_s,
             "tflops_per_worker": tflops,
@@ -192,7 +194,7 @@ class PretrainLoop:
         return metrics
 
     def validate(self) -> float:
-        module = self.engine.module
+        module = self.backend.module
         module.eval()
         correct = seen = 0
         loader = EvalLoader(
@@ -207,7 +209,7 @@ class PretrainLoop:
         )
         with torch.no_grad():
             for batch in loader:
-                logits = module(batch.images.to(self.engine.device, self.dtype)).float().cpu()
+                logits = module(batch.images.to(self.backend.device, self.backend.dtype)).float().cpu()
                 labels = batch.labels
                 if labels.ndim == 2:  # multi-label: top-1 is correct when it is one of the labels
                     correct += int(labels.gather(1, logits.argmax(1, keepdim=True)).sum())
@@ -215,43 +217,57 @@ class PretrainLoop:
                     correct += int((logits.argmax(1) == labels).sum())
                 seen += len(labels)
         module.train()
-        correct, seen = _all_reduce([float(correct), float(seen)], average=[False, False], device=self.engine.device)
+        correct, seen = _all_reduce([float(correct), float(seen)], average=[False, False], device=self.backend.device)
         return correct / max(seen, 1.0)
 
-    def _save(self, metrics: dict[str, Any]) -> None:
+    # -- checkpoints --------------------------------------------------------------------------
+    def _start_checkpoint(self, metrics: dict[str, Any]) -> None:
+        """Snapshot this rank's share of the checkpoint and write it in the background."""
         folder = Path(tempfile.mkdtemp(prefix=f"vitray-ckpt-{self.step:08d}-r{self.rank}-"))
         t0 = time.perf_counter()
-        ds.save(self.engine, folder, client_state={})
-        weights = ds.full_state_dict(self.engine)
-        if self.rank == 0:
-            from safetensors.torch import save_file
+        shards = self.backend.save(folder)
+        weights = self.backend.full_state_dict()  # collective: every rank takes part
+        ema = {k: v.clone() for k, v in self.ema.state_dict().items()} if self.ema is not None else None
+        state = {
+            "step": self.step,
+            "world_size": self.world,
+            "backend": self.backend.name,
+            "data": self.loader.state_dict(),
+            "num_classes": self.info.num_classes,
+            "label_kind": self.info.label_kind,
+            "model": self._architecture(),
+            "config": self.cfg.model_dump(mode="json"),
+        }
+        writer = _CheckpointWriter(folder, self.rank, shards, weights if self.rank == 0 else None,
+                                   ema if self.rank == 0 else None, state if self.rank == 0 else None)  # fmt: skip
+        self.in_flight = _CheckpointInFlight(folder, self.step, metrics, writer, snapshot_s=time.perf_counter() - t0)
 
-            save_file(weights, str(folder / ckpt.MODEL_FILE))
-            if self.ema is not None:
-                save_file(self.ema.state_dict(), str(folder / ckpt.EMA_FILE))
-            ckpt.write_state(
-                folder,
-                {
-                    "step": self.step,
-                    "world_size": self.world,
-                    "backend": "deepspeed",
-                    "data": self.loader.state_dict(),
-                    "num_classes": self.info.num_classes,
-                    "label_kind": self.info.label_kind,
-                    "model": self._architecture(),
-                    "config": self.cfg.model_dump(mode="json"),
-                },
-            )
-        ckpt.mark_complete(folder, self.rank, ckpt.files_under(folder))
-        written = time.perf_counter() - t0
-        self.ctx.report({**metrics, "step": self.step, "checkpoint_write_s": written}, folder)
-        # Training was blocked for the local write plus handing the folder to the (asynchronous)
-        # uploader; the next logged step carries it so the driver and benchmarks can see it.
-        self.pending_metrics = {"checkpoint_write_s": written, "checkpoint_blocked_s": time.perf_counter() - t0}
+    def _finish_checkpoint(self, wait: bool) -> None:
+        """Hand the checkpoint in flight to the run once every rank has written its share.
+
+        Whether that is now is decided jointly (one small all-reduce per step while a write is in
+        flight), so all ranks report it at the same step, as Ray Train requires.
+        """
+        flight = self.in_flight
+        if flight is None:
+            return
+        if not wait:
+            done = _all_reduce([float(flight.writer.done())], average=[False], device=self.backend.device)[0]
+            if done < self.world:
+                return
+        t0 = time.perf_counter()
+        flight.writer.wait()
+        blocked = flight.snapshot_s + time.perf_counter() - t0
+        self.in_flight = None
+        written = flight.writer.seconds
+        self.ctx.report({**flight.metrics, "step": flight.step, "checkpoint_write_s": written}, flight.folder)
+        # The next logged step carries what the save cost, so the driver and benchmarks see it:
+        # the background write's duration and how long training actually waited for it.
+        self.pending_metrics = {"checkpoint_write_s": written, "checkpoint_blocked_s": blocked}
 
     def _architecture(self) -> dict[str, Any]:
         """The model as built (fine-tuning changes the head and resolution of `init.checkpoint`'s)."""
-        module = self.engine.module
+        module = self.backend.module
         return {
             **self.cfg.model.model_dump(mode="json"),
             "name": module.name,
@@ -260,8 +276,8 @@ class PretrainLoop:
             "representation_size": module.representation_size,
         }
 
-    def _restore(self, folder: Path, state: dict[str, Any], universal_dir: Path | None) -> None:
-        ds.load(self.engine, folder, universal_dir=universal_dir)
+    def _restore(self, folder: Path, state: dict[str, Any]) -> None:
+        self.backend.load(folder, state)
         if self.ema is not None and (folder / ckpt.EMA_FILE).is_file():
             from safetensors.torch import load_file
 
@@ -275,6 +291,55 @@ class PretrainLoop:
             return
         if self.run_files.claim_once(f"killed-at-step-{at}"):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _CheckpointWriter:
+    """Writes one rank's checkpoint files on a background thread: waits for the backend's
+    shards, writes rank 0's weights and trainer state, and the completion record last."""
+
+    def __init__(self, folder: Path, rank: int, shards: PendingSave, weights, ema, state):
+        self.seconds = 0.0
+        self._error: BaseException | None = None
+        self._args = (folder, rank, shards, weights, ema, state)
+        self._thread = threading.Thread(target=self._run, name=f"vitray-ckpt-r{rank}", daemon=True)
+        self._started = time.perf_counter()
+        self._thread.start()
+
+    def _run(self) -> None:
+        folder, rank, shards, weights, ema, state = self._args
+        try:
+            from safetensors.torch import save_file
+
+            shards.wait()
+            if weights is not None:
+                save_file(weights, str(folder / ckpt.MODEL_FILE))
+            if ema is not None:
+                save_file(ema, str(folder / ckpt.EMA_FILE))
+            if state is not None:
+                ckpt.write_state(folder, state)
+            ckpt.mark_complete(folder, rank, ckpt.files_under(folder))
+        except BaseException as error:  # surfaced by wait() on the training thread
+            self._error = error
+        finally:
+            self.seconds = time.perf_counter() - self._started
+            self._args = None
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(f"writing the checkpoint failed: {self._error}") from self._error
+
+
+@dataclass
+class _CheckpointInFlight:
+    folder: Path
+    step: int
+    metrics: dict[str, Any]
+    writer: _CheckpointWriter
+    snapshot_s: float  # how long the snapshot held training up
 
 
 class _Window:

@@ -12,6 +12,11 @@ import torch.nn.functional as F
 
 
 def resolve_objective(objective: str, label_kind: str) -> str:
+    if label_kind == "none" and objective != "masked_patch":
+        raise ValueError(
+            f"train.objective={objective} needs labelled data, but the training dataset has no labels "
+            "(label_kind 'none'): use train.objective=masked_patch, or prepare the data with its labels"
+        )
     if objective == "auto":
         return "sigmoid" if label_kind == "multi" else "softmax"
     if objective == "softmax" and label_kind == "multi":
@@ -49,3 +54,34 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor, objective: str) -> torc
         # Summed over classes, averaged over the batch (as big_vision's sigmoid_xent).
         return F.binary_cross_entropy_with_logits(logits, targets, reduction="none").sum(-1).mean()
     raise ValueError(f"objective={objective!r}: expected 'softmax' or 'sigmoid'")
+
+
+class SupervisedObjective:
+    """Classification from labels: softmax or sigmoid cross-entropy, label smoothing, mixup.
+
+    An objective turns one micro-batch into a loss through the backend's forward pass; the
+    masked patch prediction objective has the same shape and needs no labels.
+    """
+
+    def __init__(self, kind: str, num_classes: int, *, label_smoothing: float = 0.0, mixup_alpha: float = 0.0):
+        self.kind, self.num_classes = kind, num_classes
+        self.label_smoothing, self.mixup_alpha = label_smoothing, mixup_alpha
+
+    def loss(self, model, batch, rng: np.random.Generator) -> torch.Tensor:
+        """`model` is the training backend (callable, with `.device` and `.dtype`)."""
+        targets = targets_from_labels(batch.labels, self.num_classes, self.label_smoothing)
+        images, targets = mixup(batch.images, targets, self.mixup_alpha, rng)
+        logits = model(images.to(model.device, model.dtype))
+        return loss_fn(logits, targets.to(model.device), self.kind)
+
+
+def build_objective(train_cfg, label_kind: str, num_classes: int):
+    """The objective named by `train.objective` for data with labels of `label_kind`."""
+    kind = resolve_objective(train_cfg.objective, label_kind)
+    if kind == "masked_patch":
+        from vitray.trainers.masked_patch import MaskedPatchObjective
+
+        return MaskedPatchObjective.from_config(train_cfg.masked_patch)
+    return SupervisedObjective(
+        kind, num_classes, label_smoothing=train_cfg.label_smoothing, mixup_alpha=train_cfg.mixup_alpha
+    )

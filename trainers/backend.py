@@ -1,0 +1,80 @@
+"""The seam between the training loop and the engine that runs it (DeepSpeed or torch-xla).
+
+The loop (`trainers/loop.py`) owns the recipe: data, objectives, schedules, metrics, when to
+evaluate and checkpoint. A backend owns what differs per accelerator stack: where the model lives
+and how it is sharded, the optimizer step (with gradient accumulation and clipping), and how its
+share of a checkpoint is written and read back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from vitray.trainers.config import PretrainConfig
+
+
+class PendingSave(Protocol):
+    """A checkpoint write that may still be running in the background."""
+
+    def done(self) -> bool:
+        """True when every file of this rank's share is written and closed."""
+
+    def wait(self) -> None:
+        """Block until `done()`; re-raises the writer's error, if any."""
+
+
+class TrainBackend(Protocol):
+    name: str  # "deepspeed" or "xla"; recorded in trainer_state.json
+    module: nn.Module  # the bare model, for evaluation, EMA and evaluators
+    device: torch.device  # where inputs go
+    dtype: torch.dtype  # the dtype of inputs (bf16 / fp16 / fp32)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The training forward pass (through the engine's wrapper)."""
+
+    def backward_step(self, loss: torch.Tensor) -> None:
+        """Back-propagate one micro-batch's loss; at the end of each accumulation window also clip,
+        step the optimizer and the lr schedule, and zero the gradients."""
+
+    def end_step(self) -> None:
+        """Called once after every optimizer step (XLA cuts and runs its graph here)."""
+
+    def grad_norm(self) -> float:
+        """The global gradient norm of the last optimizer step (before clipping)."""
+
+    def lr(self) -> float:
+        """The learning rate of the last optimizer step."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Consolidated fp32 module weights on the CPU. Collective: every rank calls it."""
+
+    def save(self, folder: Path) -> PendingSave:
+        """Start writing this rank's share of the model, optimizer and schedule state under
+        `folder`. Training may go on at once: the state is snapshotted before this returns."""
+
+    def load(self, folder: Path, state: dict[str, Any]) -> None:
+        """Restore from a complete checkpoint folder (`state` is its trainer_state.json), also one
+        written by another number of workers."""
+
+
+def create_backend(
+    cfg: PretrainConfig, model: nn.Module, world_size: int, restore: tuple[Path, dict[str, Any]] | None
+) -> TrainBackend:
+    """The backend named by `train.backend`, built around `model`.
+
+    `restore` is the checkpoint this run resumes from (folder, trainer state), which a backend
+    may need before building its engine (e.g. to re-shard onto a new world size).
+    """
+    if cfg.train.backend == "deepspeed":
+        from vitray.trainers.deepspeed_backend import DeepSpeedBackend
+
+        return DeepSpeedBackend(cfg, model, world_size, restore)
+    if cfg.train.backend == "xla":
+        from vitray.trainers.xla_backend import XlaBackend
+
+        return XlaBackend(cfg, model, world_size, restore)
+    raise ValueError(f"train.backend={cfg.train.backend!r}: expected 'deepspeed' or 'xla'")
