@@ -120,3 +120,42 @@ def test_loop_in_process_with_zero2_bf16_ema_mixup(single_process_group, digits_
     ema, weights = load_file(str(Path(saved[0]) / ckpt.EMA_FILE)), load_file(str(Path(saved[0]) / ckpt.MODEL_FILE))
     assert ema.keys() == weights.keys()
     assert any(not torch.equal(ema[k], weights[k]) for k in weights)
+    # The checkpoint loads back (ZeRO-2 bf16 optimizer states through weights_only loading).
+    resumed = PretrainLoop(cfg, WorkerContext(rank=0, world_size=1, run_dir=ctx.run_dir, report=ctx.report,
+                                              restore_dir=Path(saved[0])))  # fmt: skip
+    assert resumed.step == 4
+    restored = {k: v.float() for k, v in resumed.backend.module.state_dict().items()}
+    assert all(torch.equal(restored[k], weights[k]) for k in weights)
+
+
+def test_background_checkpoint_writes_the_state_as_it_was_when_saved(tmp_path):
+    from vitray.trainers.deepspeed_backend import BackgroundCheckpointEngine
+
+    engine = BackgroundCheckpointEngine()
+    weights = torch.arange(6, dtype=torch.float32)
+    view = weights[2:4]  # a view must be written compactly, not with its whole storage
+    state = {"module": {"w": weights, "v": view}, "step": 7, "groups": [{"lr": 0.1}]}
+    engine.begin()
+    engine.save(state, str(tmp_path / "state.pt"))
+    weights.add_(100.0)  # training goes on while the file is written
+    state["groups"][0]["lr"] = 0.0
+    pending = engine.pending()
+    pending.wait()
+    assert pending.done()
+    loaded = engine.load(str(tmp_path / "state.pt"))
+    assert torch.equal(loaded["module"]["w"], torch.arange(6, dtype=torch.float32))
+    assert torch.equal(loaded["module"]["v"], torch.tensor([2.0, 3.0]))
+    assert loaded["module"]["v"].untyped_storage().nbytes() == 2 * 4
+    assert loaded["step"] == 7 and loaded["groups"] == [{"lr": 0.1}]
+
+
+def test_checkpoint_loading_refuses_pickled_code(tmp_path):
+    from vitray.trainers.deepspeed_backend import BackgroundCheckpointEngine
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    torch.save({"x": Payload()}, tmp_path / "evil.pt")
+    with pytest.raises(Exception, match="[Ww]eights only load failed"):
+        BackgroundCheckpointEngine().load(str(tmp_path / "evil.pt"))

@@ -179,10 +179,22 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
         self._queued.append(self._writer.submit(torch.save, snapshot, path))
 
     def load(self, path: str, map_location=None):
-        return torch.load(path, map_location=map_location, weights_only=True)
+        with torch.serialization.safe_globals(_deepspeed_checkpoint_classes()):
+            return torch.load(path, map_location=map_location, weights_only=True)
 
     def pending(self) -> "_Pending":
         return _Pending(list(self._queued))
+
+
+def _deepspeed_checkpoint_classes() -> list[type]:
+    """The plain-data classes DeepSpeed pickles into its optimizer states (found with
+    `torch.serialization.get_unsafe_globals_in_checkpoint` for ZeRO 0-3, fp32/bf16/fp16): safe to
+    rebuild, unlike arbitrary globals, which `weights_only=True` keeps refusing."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 class _Pending:
@@ -201,6 +213,7 @@ class DeepSpeedBackend:
     """:class:`vitray.trainers.backend.TrainBackend` on a DeepSpeed engine."""
 
     name = "deepspeed"
+    spmd = False
 
     def __init__(self, cfg: PretrainConfig, model: nn.Module, world_size: int, restore: tuple[Path, dict[str, Any]] | None):
         self._universal_dir = None
@@ -217,6 +230,12 @@ class DeepSpeedBackend:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.engine(*args, **kwargs)
 
+    def device_loader(self, loader):
+        return loader
+
+    def begin_step(self, seed: int) -> None:
+        pass  # the loop's torch.manual_seed covers the CPU and CUDA generators
+
     def backward_step(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
         self.engine.step()  # DeepSpeed steps the optimizer only at accumulation boundaries
@@ -231,8 +250,14 @@ class DeepSpeedBackend:
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.engine)
+
+    def to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.detach().float().cpu().clone() for k, v in tensors.items()}
 
     def save(self, folder: Path) -> _Pending:
         self._checkpoints.begin()
