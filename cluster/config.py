@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from vitray.cluster.redact import redact_at, redacted_config
+
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -76,7 +78,8 @@ def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             prefix = ".".join(parts[: i + 1])
-            raise ConfigError(f"--set {dotted}: {prefix} is a value ({child!r}), not a section")
+            shown = redact_at(parts[: i + 1], child)
+            raise ConfigError(f"--set {dotted}: {prefix} is a value ({shown!r}), not a section")
         node = child
     node[parts[-1]] = value
 
@@ -92,7 +95,8 @@ def _describe(err: ValidationError, schema: type[BaseModel], source: str) -> str
             suggestion = f"; did you mean {'.'.join(loc[:-1] + hint[:1])!r}?" if hint else ""
             lines.append(f"  {key}: unknown key{suggestion} (valid here: {', '.join(sorted(valid))})")
             continue
-        shown = "" if problem["type"] == "missing" else f" (got {problem.get('input')!r})"
+        # Redacted: a bad value under a secret's key (or a whole section holding one) is not printed.
+        shown = "" if problem["type"] == "missing" else f" (got {redact_at(loc, problem.get('input'))!r})"
         lines.append(f"  {key}: {problem['msg']}{shown}")
     return "\n".join(lines)
 
@@ -109,5 +113,5 @@ def _fields_at(schema: type[BaseModel], loc: list[str]) -> list[str]:
 
 
 def dump_config(config: BaseModel) -> str:
-    """The resolved config as YAML (what --dry-run prints and checkpoints store)."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    """The resolved config as YAML (what --dry-run prints), credentials masked (`cluster/redact.py`)."""
+    return yaml.safe_dump(redacted_config(config), sort_keys=False)

@@ -22,9 +22,9 @@ WARN_INTERVAL_S = 60.0
 @dataclass
 class Batch:
     """Decoded samples: ``images`` float32 ``(B, 3, H, W)`` in ``[-1, 1]`` (uint8 in ``[0, 255]``
-    from loaders made with ``float_images=False``); ``labels`` int64 ``(B,)`` or float32 multi-hot
-    ``(B, K)``; ``keys`` the sample keys. Corrupt samples are left out, so B is the requested batch
-    size minus ``num_skipped``."""
+    from loaders made with ``float_images=False``); ``labels`` int64 ``(B,)`` (all -1 for unlabelled
+    data) or float32 multi-hot ``(B, K)``; ``keys`` the sample keys. Corrupt samples are left out,
+    so B is the requested batch size minus ``num_skipped``."""
 
     images: torch.Tensor
     labels: torch.Tensor

@@ -9,7 +9,9 @@ stream yields exactly one result, so positions stay exact even when the data is 
 - a sample that could not be read (truncated shard, missing member): :data:`CORRUPT`.
 
 Transient I/O errors (network) are retried by reopening the shard and seeking back to the same
-sample; a missing shard is an error naming it.
+sample; a missing shard is an error naming it. A shard that is not damaged but hostile -- a member
+name that tries to leave the shard (``../x``, ``/etc/x``) or a member too large to hold in memory --
+is rejected with :class:`UnsafeShardError`, never skipped quietly.
 """
 
 from __future__ import annotations
@@ -42,6 +44,29 @@ CORRUPT: Any = _Corrupt()
 
 _UNREADABLE = (tarfile.TarError, EOFError, ValueError)  # damaged data: deterministic, not retried
 
+# One member (one field of one sample) is read into memory whole; nothing in an image dataset
+# comes near this, so a larger one is an attack or a mistake, not data.
+MAX_MEMBER_BYTES = 1 << 30
+
+
+class UnsafeShardError(ValueError):
+    """A shard whose content would escape its folder or exhaust memory if used; never skipped."""
+
+
+def check_member(url: str, member: tarfile.TarInfo) -> tarfile.TarInfo:
+    """``member`` if it is safe to read, else :class:`UnsafeShardError` naming the shard and why."""
+    name = member.name
+    if name.startswith("/") or "\\" in name or ".." in name.split("/"):
+        raise UnsafeShardError(
+            f"shard {url}: member {name!r} escapes the shard (absolute, '..' or '\\' in its path); "
+            "webdataset member names are relative KEY.EXT paths"
+        )
+    if member.size > MAX_MEMBER_BYTES:
+        raise UnsafeShardError(
+            f"shard {url}: member {name!r} claims {member.size:,} bytes; at most {MAX_MEMBER_BYTES:,} are read per member"
+        )
+    return member
+
 
 def _split_name(name: str) -> tuple[str, str]:
     """webdataset convention: the key is the path up to the first dot of the file name."""
@@ -69,7 +94,9 @@ class ShardCursor:
             self._file = storage.open_file(self.url, "rb", self.storage_options)
             try:
                 self._tar = tarfile.open(fileobj=self._file, mode="r:")
-                self._pending = self._tar.next()
+                self._pending = self._next_member()
+            except UnsafeShardError:
+                raise
             except _UNREADABLE as error:
                 log.warning("shard %s is unreadable from the start: %s", self.url, error)
                 self.broken = True
@@ -93,6 +120,8 @@ class ShardCursor:
         for attempt in range(1, storage.RETRY_ATTEMPTS + 1):
             try:
                 return self._read(want)
+            except UnsafeShardError:
+                raise
             except _UNREADABLE as error:
                 log.warning("shard %s is damaged at sample %d: %s", self.url, start_index, error)
                 self.broken = True
@@ -115,6 +144,11 @@ class ShardCursor:
         while self.index < index:
             self.read(want=False)
 
+    def _next_member(self) -> tarfile.TarInfo | None:
+        assert self._tar is not None
+        member = self._tar.next()
+        return None if member is None else check_member(self.url, member)
+
     def _read(self, want: bool) -> RawSample | None | Any:
         if self._pending is None:  # fewer samples in the shard than its manifest says
             self.index += 1
@@ -128,7 +162,7 @@ class ShardCursor:
                 extracted = self._tar.extractfile(member)
                 assert extracted is not None
                 fields[_split_name(member.name)[1]] = extracted.read()
-            member = self._tar.next()
+            member = self._next_member()
         self._pending = member
         self.index += 1
         return RawSample(key, fields) if want else None

@@ -128,8 +128,15 @@ def _member(name: str, data: bytes) -> tuple[tarfile.TarInfo, IO[bytes]]:
     return info, io.BytesIO(data)
 
 
-def label_member(task: ShardTask, label: int | tuple[int, ...], key: str) -> tuple[str, bytes]:
-    """The label field of a sample: ``.cls`` (decimal text) or ``.json`` ``{"labels": [...]}``."""
+def label_member(task: ShardTask, label: int | tuple[int, ...] | None, key: str) -> tuple[str, bytes] | None:
+    """The label field of a sample: ``.cls`` (decimal text), ``.json`` ``{"labels": [...]}``, or
+    None for unlabelled data (the sample is its image alone)."""
+    if task.label_kind == "none":
+        if label is not None:
+            raise ValueError(f"{key}: unlabelled dataset but the sample has the label {label!r}")
+        return None
+    if label is None:
+        raise ValueError(f"{key}: {task.label_kind}-label dataset but the sample has no label")
     labels = [label] if isinstance(label, int) else list(label)
     if task.label_kind == "single" and not isinstance(label, int):
         raise ValueError(f"{key}: single-label dataset but the label is {label!r}")
@@ -153,9 +160,10 @@ def write_shard(task: ShardTask, dest: str, storage_options: dict[str, Any] | No
             count = 0
             for sample in task.chunk:
                 key = sample_key(task.split, task.first_sample + count, task.key_width)
-                label_ext, label_bytes = label_member(task, sample.label, key)
+                label = label_member(task, sample.label, key)
                 tar.addfile(*_member(f"{key}.{sample.ext}", sample.image))
-                tar.addfile(*_member(f"{key}.{label_ext}", label_bytes))
+                if label is not None:
+                    tar.addfile(*_member(f"{key}.{label[0]}", label[1]))
                 count += 1
         if count != task.num_samples:
             raise RuntimeError(f"{task.name}: the source gave {count} samples, expected {task.num_samples}")

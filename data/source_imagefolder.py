@@ -4,9 +4,12 @@ Layouts::
 
     PATH/CLASS/IMAGE.jpg                      -> one split, "train"
     PATH/{train,val,test}/CLASS/IMAGE.jpg     -> the splits that are present
+    PATH/IMAGE.jpg, PATH/{train,...}/IMAGE.jpg -> unlabelled (no class folders at all)
 
 Classes are the sorted union of class folder names over all splits (so a class index means the
-same in every split). Images may sit in nested folders under their class folder. Hidden files and
+same in every split). Images may sit in nested folders under their class folder. A folder with
+no class folders, only images, is an unlabelled dataset (``label_kind`` "none", for
+self-supervised pre-training); its images are those directly in the (split) folder. Hidden files and
 files that are not images are ignored; GIF/BMP/TIFF/WEBP images are an error (shards hold the
 original PNG/JPEG bytes).
 """
@@ -28,7 +31,7 @@ SPLIT_FOLDERS = ("train", "val", "test")
 
 
 class ImageFolderChunk(SampleChunk):
-    def __init__(self, files: list[tuple[str, int]]) -> None:
+    def __init__(self, files: list[tuple[str, int | None]]) -> None:
         self.files = files
 
     def __iter__(self) -> Iterator[Sample]:
@@ -40,9 +43,11 @@ class ImageFolderChunk(SampleChunk):
 class ImageFolderSource(Source):
     kind = "imagefolder"
 
-    def __init__(self, root: Path, split_files: dict[str, list[tuple[str, int, int]]], classes: list[str]) -> None:
-        super().__init__(f"{self.kind}:{root}", root.name, classes, "single")
-        self.split_files = split_files  # split -> [(path, label, size)]
+    def __init__(
+        self, root: Path, split_files: dict[str, list[tuple[str, int | None, int]]], classes: list[str]
+    ) -> None:
+        super().__init__(f"{self.kind}:{root}", root.name, classes, "single" if classes else "none")
+        self.split_files = split_files  # split -> [(path, label or None when unlabelled, size)]
 
     @classmethod
     def open(cls, location: str) -> ImageFolderSource:
@@ -53,7 +58,13 @@ class ImageFolderSource(Source):
         class_dirs = {split: _class_folders(folder) for split, folder in split_roots.items()}
         classes = sorted({name for names in class_dirs.values() for name in names})
         if not classes:
-            raise ValueError(f"imagefolder source {root} has no class folders (expected PATH/CLASS/IMAGE.jpg)")
+            return cls._unlabelled(root, split_roots)
+        without = sorted(split for split, names in class_dirs.items() if not names)
+        if without:
+            raise ValueError(
+                f"imagefolder source {root}: split folders {without} have no class folders but others do; "
+                "use PATH/SPLIT/CLASS/IMAGE.jpg throughout (or no class folders at all for unlabelled data)"
+            )
         index = {name: i for i, name in enumerate(classes)}
         split_files = {
             split: [
@@ -67,6 +78,19 @@ class ImageFolderSource(Source):
             if not files:
                 raise ValueError(f"imagefolder split {split!r} at {split_roots[split]} has no PNG/JPEG images")
         return cls(root, split_files, classes)
+
+    @classmethod
+    def _unlabelled(cls, root: Path, split_roots: dict[str, Path]) -> ImageFolderSource:
+        split_files: dict[str, list[tuple[str, int | None, int]]] = {}
+        for split, folder in split_roots.items():
+            files = [(path, None, size) for path, size in _image_files(folder, recursive=False)]
+            if not files:
+                raise ValueError(
+                    f"imagefolder source {folder} has neither class folders (PATH/CLASS/IMAGE.jpg) nor PNG/JPEG "
+                    "images (PATH/IMAGE.jpg, an unlabelled dataset)"
+                )
+            split_files[split] = files
+        return cls(root, split_files, [])
 
     def split_sizes(self) -> dict[str, int]:
         return {split: len(files) for split, files in self.split_files.items()}
@@ -83,11 +107,11 @@ def _class_folders(folder: Path) -> list[str]:
     return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
 
 
-def _image_files(class_dir: Path) -> list[tuple[str, int]]:
-    """(path, size) of the images under ``class_dir``, recursively, in sorted path order."""
+def _image_files(class_dir: Path, recursive: bool = True) -> list[tuple[str, int]]:
+    """(path, size) of the images under ``class_dir`` (recursively or not), in sorted path order."""
     found = []
     for dirpath, dirnames, filenames in os.walk(class_dir, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")) if recursive else []
         for name in filenames:
             suffix = os.path.splitext(name)[1].lower()
             if name.startswith(".") or suffix not in IMAGE_SUFFIXES:

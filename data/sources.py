@@ -1,7 +1,8 @@
 """Dataset sources that ``vitray data prepare`` turns into shards.
 
 A source spec is ``KIND:PATH`` (``imagefolder:/data/pets``, ``cifar10:/data/cifar-10-batches-py``,
-``cifar100:PATH``, ``parquet:PATH``) or ``builtin:NAME`` (``builtin:digits``). A :class:`Source`
+``cifar100:PATH``, ``parquet:PATH``) or ``builtin:NAME`` (``builtin:digits``); ``unlabelled:SPEC``
+is any of them without its labels (see :mod:`vitray.data.source_unlabelled`). A :class:`Source`
 knows its splits, classes and label kind, and hands out picklable :class:`SampleChunk` objects for
 any list of sample indices, so that shards can be written in other processes or on other machines.
 """
@@ -32,7 +33,7 @@ class Sample:
 
     image: bytes
     ext: str  # "png" or "jpg"
-    label: int | tuple[int, ...]  # a class index, or class indices for multi-label data
+    label: int | tuple[int, ...] | None  # a class index, class indices (multi-label), None (unlabelled)
 
 
 class SampleChunk(abc.ABC):
@@ -100,8 +101,11 @@ def source_kinds() -> dict[str, type[Source]]:
     from .source_cifar import Cifar10Source, Cifar100Source
     from .source_imagefolder import ImageFolderSource
     from .source_parquet import ParquetSource
+    from .source_unlabelled import UnlabelledSource
 
-    kinds: list[type[Source]] = [ImageFolderSource, Cifar10Source, Cifar100Source, ParquetSource, BuiltinSource]
+    kinds: list[type[Source]] = [
+        ImageFolderSource, Cifar10Source, Cifar100Source, ParquetSource, BuiltinSource, UnlabelledSource,
+    ]  # fmt: skip
     return {k.kind: k for k in kinds}
 
 
@@ -112,6 +116,7 @@ def open_source(spec: str) -> Source:
     if not sep or kind not in kinds or not location:
         raise ValueError(
             f"source {spec!r} is not KIND:PATH; KIND is one of {sorted(kinds)} "
-            "(e.g. imagefolder:/data/pets, cifar10:/data/cifar-10-batches-py, builtin:digits)"
+            "(e.g. imagefolder:/data/pets, cifar10:/data/cifar-10-batches-py, builtin:digits, "
+            "unlabelled:builtin:digits)"
         )
     return kinds[kind].open(location)

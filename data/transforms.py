@@ -29,6 +29,7 @@ from .layout import LabelKind
 EVAL_CROP_FRACTION = 0.875
 TRAIN_CROP_SCALE = (0.05, 1.0)
 IMAGE_FIELDS = ("jpg", "jpeg", "png")
+UNLABELLED = -1  # the label of every sample of an unlabelled dataset
 
 Transform = Callable[[Image.Image], torch.Tensor]
 
@@ -91,7 +92,10 @@ def image_bytes(fields: dict[str, bytes]) -> bytes:
 
 
 def decode_label(fields: dict[str, bytes], label_kind: LabelKind, num_classes: int) -> int | torch.Tensor:
-    """The class index (``.cls``), or a float multi-hot vector of ``num_classes`` (``.json``)."""
+    """The class index (``.cls``), or a float multi-hot vector of ``num_classes`` (``.json``);
+    ``-1`` for unlabelled data (``label_kind`` "none")."""
+    if label_kind == "none":
+        return UNLABELLED
     try:
         if label_kind == "single":
             label = int(fields["cls"])

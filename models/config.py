@@ -21,3 +21,9 @@ class ModelConfig(BaseModel):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout after the embeddings, attention and MLP layers.")
     attn_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the attention probabilities.")
     grad_checkpointing: bool = False
+    masked_patch_outputs: int | None = Field(
+        None,
+        gt=0,
+        description="Predictions per patch of the masked patch predictor; a run config sets it from "
+        "train.objective and train.masked_patch (none for every other objective).",
+    )

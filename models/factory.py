@@ -17,11 +17,15 @@ def create_model(
     dropout: float = 0.0,
     attn_dropout: float = 0.0,
     grad_checkpointing: bool = False,
+    masked_patch_outputs: int | None = None,
 ) -> VisionTransformer:
     """Builds the ViT called ``name`` (see :func:`model_names`) with the authors' initialisation.
 
     ``head`` is "token" (class token) or "gap" (mean of the patch tokens, no class token);
-    ``representation_size`` adds the tanh pre-logits layer used in pre-training.
+    ``representation_size`` adds the tanh pre-logits layer used in pre-training;
+    ``num_classes=0`` builds no classification head (``forward`` returns the representation);
+    ``masked_patch_outputs`` adds the [mask] embedding and a predictor with that many outputs
+    per patch, for masked patch prediction (see :mod:`vitray.models.masked_patch`).
     """
     variant = get_variant(name)
     return VisionTransformer(
@@ -33,6 +37,7 @@ def create_model(
         dropout=dropout,
         attn_dropout=attn_dropout,
         grad_checkpointing=grad_checkpointing,
+        masked_patch_outputs=masked_patch_outputs,
     )
 
 
@@ -47,4 +52,5 @@ def create_model_from_config(cfg: ModelConfig, num_classes: int) -> VisionTransf
         dropout=cfg.dropout,
         attn_dropout=cfg.attn_dropout,
         grad_checkpointing=cfg.grad_checkpointing,
+        masked_patch_outputs=cfg.masked_patch_outputs,
     )

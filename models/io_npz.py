@@ -91,7 +91,11 @@ def to_npz_arrays(model: VisionTransformer) -> dict[str, np.ndarray]:
     state = model.state_dict()
     heads = model.num_heads
     arrays: dict[str, np.ndarray] = {}
-    rows = _layout(model.depth, model.variant.resnet_stages, "cls_token" in state, "pre_logits.weight" in state, True)
+    # A model without a classifier (num_classes=0) is stored without head/*; the layout has no
+    # place for masked patch prediction's [mask] embedding and predictor, which are not stored.
+    rows = _layout(
+        model.depth, model.variant.resnet_stages, "cls_token" in state, "pre_logits.weight" in state, "head.weight" in state
+    )
     for native, npz, kind in rows:
         value = state[native]
         if kind == _CONV:

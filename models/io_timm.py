@@ -4,7 +4,9 @@ vitray's names already follow timm's for the Transformer (``blocks.N.attn.qkv`` 
 patch embedding and the hybrid's ResNet are named differently. A token-head vitray model matches
 ``timm.models.VisionTransformer(class_token=True, global_pool="token")``; a gap model matches
 ``class_token=False, global_pool="avg", fc_norm=False`` (final norm before pooling, as here).
-timm has no pre-logits layer, so models with ``representation_size`` cannot be exported.
+timm has no pre-logits layer, so models with ``representation_size`` cannot be exported; the
+masked patch prediction parts are left out, and a model with ``num_classes=0`` matches timm's
+``num_classes=0`` (no head).
 """
 
 from __future__ import annotations
@@ -57,7 +59,12 @@ def to_timm_state_dict(model: VisionTransformer) -> dict[str, torch.Tensor]:
             f"timm's VisionTransformer has no pre-logits layer, but this model has representation_size="
             f"{model.representation_size}; call reset_head() first, or export with save_npz()"
         )
-    return {_rename(key, _TO_TIMM): value for key, value in model.state_dict().items()}
+    # timm has no masked patch prediction parts; they serve pre-training only.
+    return {
+        _rename(key, _TO_TIMM): value
+        for key, value in model.state_dict().items()
+        if not key.startswith("masked_patch.")
+    }
 
 
 def from_timm_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

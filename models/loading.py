@@ -18,7 +18,8 @@ from .posemb import resample_posemb
 from .variants import find_variant_name
 from .vit import VisionTransformer
 
-HEAD_PREFIXES = ("head.", "pre_logits.")
+# The pre-training heads: the classifier, the pre-logits layer and masked patch prediction's parts.
+HEAD_PREFIXES = ("head.", "pre_logits.", "masked_patch.")
 _BLOCK_KEY = re.compile(r"blocks\.(\d+)\.")
 _STEM_UNIT_KEY = re.compile(r"stem\.stages\.(\d+)\.(\d+)\.conv1\.weight")
 

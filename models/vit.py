@@ -20,6 +20,11 @@ The normal path uses ``scaled_dot_product_attention`` and never materialises att
 probabilities; ``forward_with_attention`` is the (slower) inspection path. With the token head,
 ``forward``/``forward_features`` run the last block for the class token alone (the only token
 the head reads), which is the same function with less work; ``forward_tokens`` runs it fully.
+
+``num_classes=0`` builds no classification head (timm's convention): ``forward`` then returns
+the pre-logits representation. A model built with ``masked_patch_outputs`` also has the parts of
+masked patch prediction (see :mod:`vitray.models.masked_patch`), used through ``forward``'s
+corruption arguments; ``reset_head`` drops them.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .initializers import lecun_normal_, xavier_uniform_square_blocks_
+from .masked_patch import MaskedPatchPrediction
 from .posemb import resample_posemb
 from .resnet import ResNetStem
 from .variants import Variant
@@ -132,6 +138,11 @@ def _check_positive_int(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _check_num_classes(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"num_classes must be a non-negative integer (0: no classification head), got {value!r}")
+
+
 def _check_rate(name: str, value: float) -> None:
     if not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {value!r}")
@@ -143,7 +154,8 @@ class VisionTransformer(nn.Module):
     Attributes: ``name``, ``num_classes``, ``img_size``, ``patch_size`` (pixels per token side;
     for a hybrid the ResNet's stride), ``grid_size`` (tokens per side), ``width``, ``depth``,
     ``num_heads``, ``mlp_dim``, ``head_type`` ("token" | "gap"), ``representation_size``,
-    ``num_features`` (size of :meth:`forward_features`), ``grad_checkpointing``.
+    ``num_features`` (size of :meth:`forward_features`), ``grad_checkpointing``,
+    ``masked_patch_outputs`` (predictions per patch of the masked patch predictor, or None).
     """
 
     def __init__(
@@ -157,15 +169,23 @@ class VisionTransformer(nn.Module):
         dropout: float = 0.0,
         attn_dropout: float = 0.0,
         grad_checkpointing: bool = False,
+        masked_patch_outputs: int | None = None,
     ) -> None:
         super().__init__()
-        _check_positive_int("num_classes", num_classes)
+        _check_num_classes(num_classes)
         if head not in HEAD_TYPES:
             raise ValueError(f"head must be one of {HEAD_TYPES}, got {head!r}")
         if representation_size is not None:
             _check_positive_int("representation_size", representation_size)
         _check_rate("dropout", dropout)
         _check_rate("attn_dropout", attn_dropout)
+        if masked_patch_outputs is not None:
+            _check_positive_int("masked_patch_outputs", masked_patch_outputs)
+            if variant.is_hybrid:
+                raise ValueError(
+                    f"masked patch prediction needs a plain ViT: the ResNet of {variant.name} sees every pixel, "
+                    "including those of the corrupted patches"
+                )
         size = variant.size
         self.variant = variant
         self.name = variant.name
@@ -208,7 +228,11 @@ class VisionTransformer(nn.Module):
             nn.init.zeros_(self.pre_logits.bias)
         self.num_features = representation_size or self.width
         self.num_classes = num_classes
-        self.head = self._zero_linear(self.num_features, num_classes)
+        self.head = self._zero_linear(self.num_features, num_classes) if num_classes else nn.Identity()
+
+        self.masked_patch: MaskedPatchPrediction | None = None
+        if masked_patch_outputs is not None:
+            self.masked_patch = MaskedPatchPrediction(self.width, masked_patch_outputs)
 
     # -- construction helpers -------------------------------------------------------------
 
@@ -232,8 +256,15 @@ class VisionTransformer(nn.Module):
 
     # -- forward paths -------------------------------------------------------------------
 
-    def embed(self, images: torch.Tensor) -> torch.Tensor:
-        """Equation (1): patch (or ResNet-feature) embeddings, class token, position embedding."""
+    @property
+    def masked_patch_outputs(self) -> int | None:
+        return None if self.masked_patch is None else self.masked_patch.outputs
+
+    def embed(
+        self, images: torch.Tensor, patch_source: torch.Tensor | None = None, patch_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Equation (1): patch (or ResNet-feature) embeddings, class token, position embedding;
+        with ``patch_source``/``patch_mask``, the patch embeddings are corrupted first."""
         expected = (3, self.img_size, self.img_size)
         if images.ndim != 4 or tuple(images.shape[1:]) != expected:
             raise ValueError(
@@ -242,6 +273,8 @@ class VisionTransformer(nn.Module):
             )
         x = images if self.stem is None else self.stem(images)
         x = self.patch_embed(x).flatten(2).transpose(1, 2)  # (B, grid*grid, width)
+        if patch_source is not None:
+            x = self.masked_patch(x, patch_source, patch_mask)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         return self.embed_dropout(x + self.pos_embed)
@@ -281,9 +314,43 @@ class VisionTransformer(nn.Module):
         """The pre-logits representation ``(B, num_features)`` used by linear probes."""
         return self._represent(self._pool(images))
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """Logits ``(B, num_classes)``."""
+    def forward(
+        self,
+        images: torch.Tensor,
+        *,
+        patch_source: torch.Tensor | None = None,
+        patch_mask: torch.Tensor | None = None,
+        predict_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``(B, num_classes)`` (the representation when ``num_classes`` is 0).
+
+        With all three corruption arguments, the masked patch predictions instead (see
+        :meth:`predict_masked_patches`); going through ``forward`` lets training engines
+        (DeepSpeed, torch-xla) run masked patch prediction like any forward pass.
+        """
+        corruption = (patch_source, patch_mask, predict_at)
+        if any(arg is not None for arg in corruption):
+            if any(arg is None for arg in corruption):
+                raise ValueError("masked patch prediction needs all of patch_source, patch_mask and predict_at")
+            return self.predict_masked_patches(images, patch_source, patch_mask, predict_at)
         return self.head(self.forward_features(images))
+
+    def predict_masked_patches(
+        self, images: torch.Tensor, patch_source: torch.Tensor, patch_mask: torch.Tensor, predict_at: torch.Tensor
+    ) -> torch.Tensor:
+        """Predictions ``(B, K, masked_patch_outputs)`` for the patches at ``predict_at`` ``(B, K)``
+        of the images whose patch embeddings are corrupted as ``patch_source``/``patch_mask`` say
+        (shapes and meaning: :mod:`vitray.models.masked_patch`)."""
+        if self.masked_patch is None:
+            raise ValueError(
+                f"{self.name} was built without masked patch prediction: create it with masked_patch_outputs=..."
+            )
+        x = self.embed(images, patch_source, patch_mask)
+        for block in self.blocks:
+            x = self._run(block, x)
+        patches = self.norm(x)[:, self.num_prefix_tokens :]
+        chosen = patches.gather(1, predict_at.unsqueeze(-1).expand(-1, -1, self.width))
+        return self.masked_patch.predictor(chosen)
 
     def forward_with_attention(self, images: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits and, per layer, the attention probabilities ``(B, heads, N, N)`` (inspection path)."""
@@ -299,8 +366,10 @@ class VisionTransformer(nn.Module):
     # -- adaptation ------------------------------------------------------------------------
 
     def reset_head(self, num_classes: int) -> None:
-        """Prepares fine-tuning: drops the pre-logits layer and adds a zero-initialised head."""
+        """Prepares fine-tuning: drops the pre-training heads (pre-logits layer, masked patch
+        predictor and [mask] embedding) and adds a zero-initialised head."""
         _check_positive_int("num_classes", num_classes)
+        self.masked_patch = None
         self.pre_logits = None
         self.representation_size = None
         self.num_features = self.width

@@ -389,7 +389,7 @@ def test_resample_posemb_rejects_non_grids():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"num_classes": 0}, "num_classes must be a positive integer"),
+        ({"num_classes": -1}, "num_classes must be a non-negative integer"),
         ({"num_classes": 10, "head": "map"}, r"head must be one of \('token', 'gap'\)"),
         ({"num_classes": 10, "img_size": 30}, "img_size 30 is not divisible by the patch size 4"),
         ({"num_classes": 10, "img_size": 0}, "img_size must be a positive integer"),

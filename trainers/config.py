@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from vitray.data.config import DataConfig
 from vitray.models.config import ModelConfig
+from vitray.models.variants import get_variant
+from vitray.trainers.masked_patch import MaskedPatchTarget, target_outputs
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -43,13 +45,41 @@ class InitConfig(_Section):
     reset_head: bool = Field(True, description="Replace the head with a zero-initialised one (fine-tuning).")
 
 
+class MaskedPatchConfig(_Section):
+    """Masked patch prediction (paper appendix B.1.2), used when train.objective=masked_patch."""
+
+    corrupt_rate: float = Field(0.5, gt=0, le=1, description="Fraction of each image's patches corrupted (rounded).")
+    mask_rate: float = Field(0.8, ge=0, le=1, description="Of the corrupted: replaced by the learnable [mask] embedding.")
+    random_rate: float = Field(0.1, ge=0, le=1, description="Of the corrupted: replaced by another random patch's embedding.")
+    keep_rate: float = Field(0.1, ge=0, le=1, description="Of the corrupted: kept as they are (still predicted).")
+    target: MaskedPatchTarget = Field(
+        "mean_color",
+        description="mean_color: the patch's mean colour (one class of 2^(3 bits)); downsized_4x4: the patch "
+        "downsized to 4x4 (16 such classes); patch_l2: L2 regression on the patch's pixels.",
+    )
+    color_bits: int = Field(3, ge=1, le=8, description="Bits per colour channel of the colour classes (3: 512 classes).")
+
+    @model_validator(mode="after")
+    def _rates_sum_to_one(self) -> "MaskedPatchConfig":
+        total = self.mask_rate + self.random_rate + self.keep_rate
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(
+                f"mask_rate + random_rate + keep_rate must be 1 (they split the corrupted patches), got "
+                f"{self.mask_rate} + {self.random_rate} + {self.keep_rate} = {total:g}"
+            )
+        return self
+
+
 class TrainConfig(_Section):
     backend: Literal["deepspeed", "xla"] = "deepspeed"
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw: pre-training; sgd (momentum): fine-tuning.")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
-    objective: Literal["auto", "softmax", "sigmoid"] = Field(
-        "auto", description="auto: softmax cross-entropy for single-label data, sigmoid for multi-label."
+    objective: Literal["auto", "softmax", "sigmoid", "masked_patch"] = Field(
+        "auto",
+        description="auto: softmax cross-entropy for single-label data, sigmoid for multi-label; masked_patch: "
+        "self-supervised masked patch prediction (train.masked_patch), which needs no labels.",
     )
+    masked_patch: MaskedPatchConfig = Field(default_factory=MaskedPatchConfig)
     steps: int = Field(10_000, gt=0)
     batch_size: int = Field(4096, gt=0, description="Global batch (all workers, one optimizer step).")
     micro_batch_size: int = Field(32, gt=0, description="Samples per worker per forward/backward.")
@@ -138,6 +168,27 @@ class PretrainConfig(_Section):
                 f"train.micro_batch_size={self.train.micro_batch_size} must be a multiple of the data slots per "
                 f"worker (data.num_slots / cluster.num_workers = {slots_per_worker}): every slot advances in lock-step"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _masked_patch_model(self) -> "PretrainConfig":
+        """The model gets masked patch prediction's parts exactly when the objective needs them,
+        so a checkpoint's model section (its architecture) always says whether it has them."""
+        outputs = None
+        if self.train.objective == "masked_patch":
+            for knob in ("label_smoothing", "mixup_alpha"):
+                if getattr(self.train, knob):
+                    raise ValueError(f"train.{knob} acts on labels; train.objective=masked_patch has none: set it to 0")
+            variant = get_variant(self.model.name)
+            if variant.is_hybrid:
+                raise ValueError(
+                    f"train.objective=masked_patch needs a plain ViT; model.name={self.model.name} is a hybrid whose "
+                    "ResNet sees the pixels of the corrupted patches"
+                )
+            masked = self.train.masked_patch
+            outputs = target_outputs(masked.target, masked.color_bits, variant.patch_size)
+        if self.model.masked_patch_outputs != outputs:
+            self.model = self.model.model_copy(update={"masked_patch_outputs": outputs})
         return self
 
     @property

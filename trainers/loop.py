@@ -50,6 +50,11 @@ class PretrainLoop:
         self.accum = cfg.train.batch_size // (cfg.train.micro_batch_size * self.world)
         self.info = read_dataset_info(cfg.data.train, cfg.data.storage_options)
         self.objective = build_objective(cfg.train, self.info.label_kind, self.info.num_classes)
+        # Masked patch prediction trains no classifier: eval_every runs the few-shot probes only.
+        self.validates = cfg.train.objective != "masked_patch"
+        if cfg.train.eval_every and not self.validates and self.rank == 0:
+            print("vitray: train.objective=masked_patch trains no classifier, so no val/top1 is reported; "
+                  "train.fewshot_datasets are probed at every eval_every", flush=True)  # fmt: skip
         self.run_files = RunFiles(ctx.run_dir)
 
         restore_state = ckpt.verify_complete(ctx.restore_dir) if ctx.restore_dir is not None else None
@@ -115,7 +120,8 @@ class PretrainLoop:
                 metrics.update(self.pending_metrics)
                 self.pending_metrics = {}
             if train.eval_every and (self.step % train.eval_every == 0 or self.step == train.steps):
-                metrics["val/top1"] = self.validate()
+                if self.validates:
+                    metrics["val/top1"] = self.validate()
                 if self.rank == 0:
                     for evaluator in self.ctx.evaluators:
                         metrics.update(evaluator(self.backend.module))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-_NO_DECAY_NAMES = ("pos_embed", "cls_token")
+_NO_DECAY_NAMES = ("pos_embed", "cls_token", "mask_token")  # mask_token: masked patch prediction
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

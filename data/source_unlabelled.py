@@ -1,0 +1,51 @@
+"""``unlabelled:SPEC``: any source without its labels, for self-supervised pre-training.
+
+``unlabelled:imagefolder:/data/photos``, ``unlabelled:parquet:/data/table``,
+``unlabelled:builtin:digits``: the images, splits and sample order of the wrapped source, with
+``label_kind`` "none", no classes (``num_classes`` 0) and image-only samples (no ``.cls`` /
+``.json`` member). Readers yield label -1 for every sample. Only objectives that need no labels
+(``train.objective=masked_patch``) train on such a dataset; the supervised ones refuse it.
+
+An image folder without class folders (``PATH/IMAGE.jpg``) is unlabelled by itself, without
+this prefix (see :mod:`vitray.data.source_imagefolder`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from .sources import Sample, SampleChunk, Source, open_source
+
+
+class UnlabelledChunk(SampleChunk):
+    def __init__(self, inner: SampleChunk) -> None:
+        self.inner = inner
+
+    def __iter__(self) -> Iterator[Sample]:
+        for sample in self.inner:
+            yield Sample(sample.image, sample.ext, None)
+
+
+class UnlabelledSource(Source):
+    kind = "unlabelled"
+
+    def __init__(self, inner: Source) -> None:
+        super().__init__(f"{self.kind}:{inner.spec}", inner.name, [], "none")
+        self.inner = inner
+        self.random_access = inner.random_access  # the wrapped source's sample order
+
+    @classmethod
+    def open(cls, location: str) -> UnlabelledSource:
+        inner = open_source(location)
+        return inner if inner.label_kind == "none" else cls(inner)
+
+    def split_sizes(self) -> dict[str, int]:
+        return self.inner.split_sizes()
+
+    def sample_nbytes(self, split: str) -> np.ndarray:
+        return self.inner.sample_nbytes(split)
+
+    def chunk(self, split: str, indices: Sequence[int]) -> UnlabelledChunk:
+        return UnlabelledChunk(self.inner.chunk(split, indices))
