@@ -32,9 +32,18 @@ class TrainBackend(Protocol):
     module: nn.Module  # the bare model, for evaluation, EMA and evaluators
     device: torch.device  # where inputs go
     dtype: torch.dtype  # the dtype of inputs (bf16 / fp16 / fp32)
+    spmd: bool  # one program over all hosts (XLA): per-step randomness must be the same on every rank
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The training forward pass (through the engine's wrapper)."""
+
+    def device_loader(self, loader: Any) -> Any:
+        """The training loader the loop iterates, made from a `ShardLoader`: the loader itself, or
+        (XLA) a wrapper putting batches on the device, sharded along the batch, whose `state_dict()`
+        still counts only the batches handed to the loop."""
+
+    def begin_step(self, seed: int) -> None:
+        """Called before every optimizer step with its seed (XLA seeds its own generator here)."""
 
     def backward_step(self, loss: torch.Tensor) -> None:
         """Back-propagate one micro-batch's loss; at the end of each accumulation window also clip,
@@ -49,8 +58,16 @@ class TrainBackend(Protocol):
     def lr(self) -> float:
         """The learning rate of the last optimizer step."""
 
+    def metrics(self) -> dict[str, float]:
+        """Backend-specific figures for the logged metrics (XLA: `xla/compilations`)."""
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Consolidated fp32 module weights on the CPU. Collective: every rank calls it."""
+        """Consolidated fp32 module weights on the CPU. Collective: every rank calls it; complete on
+        rank 0 (other ranks may get an empty dict)."""
+
+    def to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole fp32 CPU copies of module-shaped device tensors (e.g. the EMA weights), taken now.
+        Collective, like `full_state_dict`."""
 
     def save(self, folder: Path) -> PendingSave:
         """Start writing this rank's share of the model, optimizer and schedule state under

@@ -107,12 +107,12 @@ class TrainConfig(_Section):
         description="name -> prepared dataset: a 10-shot linear probe of each at eval_every (as `vitray fewshot`).",
     )
 
-    @field_validator("backend")
-    @classmethod
-    def _backend_built(cls, backend: str) -> str:
-        if backend == "xla":
-            raise ValueError("the xla (TPU) backend is not built yet; 'deepspeed' runs on GPUs and CPUs")
-        return backend
+    @model_validator(mode="after")
+    def _xla_precision(self) -> "TrainConfig":
+        if self.backend == "xla" and self.precision == "fp16":
+            raise ValueError("train.precision=fp16 is for GPUs; train.backend=xla trains in bf16 (TPUs) or fp32")
+        return self
+
     peak_tflops: float | None = Field(
         None, gt=0, description="Accelerator peak TFLOP/s per worker for MFU; known GPUs are detected."
     )
@@ -127,6 +127,30 @@ class ClusterConfig(_Section):
     gpus_per_worker: float = Field(0.0, ge=0)
     resources_per_worker: dict[str, float] = Field(default_factory=dict)
     max_failures: int = Field(0, ge=-1, description="Worker-group restarts from the latest checkpoint; -1 = unlimited.")
+    tpu: str | None = Field(
+        None, description='A TPU slice, e.g. "v4-32", "v5e-16", "v6e-16" (train.backend=xla): one worker per TPU host.'
+    )
+    tpu_topology: str | None = Field(None, description='The slice\'s topology, e.g. "2x2x4"; default: its usual one.')
+
+    @model_validator(mode="after")
+    def _tpu_slice(self) -> "ClusterConfig":
+        if self.tpu is None:
+            if self.tpu_topology is not None:
+                raise ValueError("cluster.tpu_topology needs cluster.tpu (the slice, e.g. v4-32)")
+            return self
+        from vitray.trainers.xla_slices import tpu_slice
+
+        tpu = tpu_slice(self.tpu, self.tpu_topology)
+        if self.gpus_per_worker:
+            raise ValueError("cluster.gpus_per_worker must be 0 on a TPU slice (cluster.tpu)")
+        if "num_workers" not in self.model_fields_set:
+            self.num_workers = tpu.hosts
+        elif self.num_workers != tpu.hosts:
+            raise ValueError(
+                f"cluster.num_workers={self.num_workers}, but the TPU slice {tpu.name} has {tpu.hosts} host(s) and "
+                "runs one worker per host: leave num_workers out or set it to that"
+            )
+        return self
 
 
 class DebugConfig(_Section):
@@ -147,6 +171,14 @@ class PretrainConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
+
+    @model_validator(mode="after")
+    def _tpu_needs_xla(self) -> "PretrainConfig":
+        if self.cluster.tpu is not None and self.train.backend != "xla":
+            raise ValueError(
+                f"cluster.tpu={self.cluster.tpu} needs train.backend=xla (got {self.train.backend}): TPUs run torch-xla"
+            )
+        return self
 
     @model_validator(mode="after")
     def _batch_divides(self) -> "PretrainConfig":

@@ -64,7 +64,8 @@ class PretrainLoop:
         model = self._initial_model()
         self.backend: TrainBackend = create_backend(cfg, model, self.world, restore)
         self.ema = Ema(self.backend.module, cfg.train.ema_decay) if cfg.train.ema_decay else None
-        self.loader = ShardLoader(
+        # The backend may wrap the loader (XLA: batches put on the device, sharded, by a prefetching loader).
+        self.loader = self.backend.device_loader(ShardLoader(
             cfg.data.train,
             cfg.data.train_split,
             rank=self.rank,
@@ -79,7 +80,7 @@ class PretrainLoop:
             storage_options=cfg.data.storage_options,
             min_crop_area=cfg.data.min_crop_area,
             flip=cfg.data.flip,
-        )
+        ))
         self.step = 0
         self.pending_metrics: dict[str, float] = {}
         self.in_flight: _CheckpointInFlight | None = None
@@ -143,8 +144,12 @@ class PretrainLoop:
         return last
 
     def train_step(self, batches) -> tuple[float, float, float, int]:
-        torch.manual_seed(step_seed(self.cfg.seed, self.step, self.rank))
-        rng = np.random.default_rng([self.cfg.seed, self.step, self.rank])
+        # Under SPMD (XLA) all hosts run one program, so they must draw the same randomness.
+        rng_rank = 0 if self.backend.spmd else self.rank
+        seed = step_seed(self.cfg.seed, self.step, rng_rank)
+        torch.manual_seed(seed)
+        self.backend.begin_step(seed)
+        rng = np.random.default_rng([self.cfg.seed, self.step, rng_rank])
         losses, data_wait, skipped = [], 0.0, 0
         for _ in range(self.accum):
             t0 = time.perf_counter()
@@ -192,6 +197,7 @@ class PretrainLoop:
             "data_wait_fraction": window.data_wait / elapsed,
             "skipped_samples": int(skipped),
             "epoch": self.loader.state_dict()["epoch"],
+            **self.backend.metrics(),
         }
         if self.peak_tflops:
             metrics["mfu"] = tflops / self.peak_tflops
@@ -233,7 +239,7 @@ class PretrainLoop:
         t0 = time.perf_counter()
         shards = self.backend.save(folder)
         weights = self.backend.full_state_dict()  # collective: every rank takes part
-        ema = {k: v.clone() for k, v in self.ema.state_dict().items()} if self.ema is not None else None
+        ema = self.backend.to_host(self.ema.state_dict()) if self.ema is not None else None  # collective
         state = {
             "step": self.step,
             "world_size": self.world,
@@ -368,7 +374,7 @@ class _Window:
 def _all_reduce(values: list[float], average: list[bool], device) -> list[float]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    tensor = torch.tensor(values, dtype=torch.float64, device=_collective_device(device))
     dist.all_reduce(tensor)
     world = dist.get_world_size()
     return [v / world if avg else v for v, avg in zip(tensor.tolist(), average)]
@@ -377,6 +383,11 @@ def _all_reduce(values: list[float], average: list[bool], device) -> list[float]
 def _broadcast_int(value: int, device) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return value
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    tensor = torch.tensor([value], dtype=torch.int64, device=_collective_device(device))
     dist.broadcast(tensor, src=0)
     return int(tensor.item())
+
+
+def _collective_device(device):
+    """NCCL reduces GPU tensors; gloo reduces CPU ones (also in an XLA worker, whose process group is gloo)."""
+    return device if dist.get_backend() == "nccl" else "cpu"
