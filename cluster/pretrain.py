@@ -18,6 +18,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from vitray.cluster.progress import TrainingProgress
 from vitray.cluster.runtime import connect, ray_storage, run_dir
+from vitray.cluster.redact import redacted_config
 from vitray.trainers.config import PretrainConfig
 from vitray.trainers.context import WorkerContext
 
@@ -54,6 +55,7 @@ def train_worker(loop_config: dict[str, Any]) -> None:
             report=report,
             restore_dir=restore_dir,
             evaluators=_evaluators(cfg),
+            recorded_config=redacted_config(cfg),
         )
         PretrainLoop(cfg, worker).run()
 

@@ -23,7 +23,14 @@ def enable_token_auth_if_available() -> None:
 
 
 def connect(address: str | None, *, num_cpus: int | None = None, verbose: bool = False) -> None:
-    """Start or join Ray once per process."""
+    """Start or join Ray once per process.
+
+    With no address, a process that Ray started as a job entrypoint (RAY_ADDRESS set to the
+    cluster's GCS by the job supervisor) joins that cluster; anything else gets a private local
+    instance.
+    """
+    if not address and os.environ.get("RAY_ADDRESS", "").split("://")[0] not in ("", "http", "https"):
+        address = os.environ["RAY_ADDRESS"]
     if address:
         enable_token_auth_if_available()  # before Ray is imported: it reads the auth mode once
     import ray

@@ -248,7 +248,7 @@ class PretrainLoop:
             "num_classes": self.info.num_classes,
             "label_kind": self.info.label_kind,
             "model": self._architecture(),
-            "config": self.cfg.model_dump(mode="json"),
+            "config": self._recorded_config(),
         }
         writer = _CheckpointWriter(folder, self.rank, shards, weights if self.rank == 0 else None,
                                    ema if self.rank == 0 else None, state if self.rank == 0 else None)  # fmt: skip
@@ -276,6 +276,11 @@ class PretrainLoop:
         # The next logged step carries what the save cost, so the driver and benchmarks see it:
         # the background write's duration and how long training actually waited for it.
         self.pending_metrics = {"checkpoint_write_s": written, "checkpoint_blocked_s": blocked}
+
+    def _recorded_config(self) -> dict[str, Any]:
+        if self.ctx.recorded_config is not None:
+            return self.ctx.recorded_config
+        return self.cfg.model_dump(mode="json", exclude={"data": {"storage_options"}})
 
     def _architecture(self) -> dict[str, Any]:
         """The model as built (fine-tuning changes the head and resolution of `init.checkpoint`'s)."""
