@@ -8,6 +8,9 @@
   controller actor (0 CPUs, pinned to the driver's node; it skips its SIGINT handler off the main
   thread), so threads cost no cluster resources, whereas a Ray task wrapping `fit()` would hold a
   CPU for nothing and could starve the workers it waits for.
+- A fine-tune selection cell trains on the train slice, then scores its last checkpoint on the
+  test split in a Ray task with a worker's resources. Where the protocol re-trains the selected
+  learning rate (VTAB-1k), that final run is submitted as soon as its seed's sweep is scored.
 - The driver alone appends to the results table, each cell as soon as it finishes. Finished
   cells are skipped on a re-run; failed and missing ones are retried. Data that is not prepared
   gives "missing" rows whose message is the `vitray data prepare` command.
@@ -19,7 +22,7 @@ import math
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import ray
@@ -27,18 +30,20 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from vitray.cluster.runtime import connect
-from vitray.cluster.transfer import (
-    absolute,
-    checkpoint_ref,
-    finetune_config,
-    is_checkpoint,
-    resolve_checkpoints,
-    run_finetune,
-)
+from vitray.cluster.transfer import absolute, checkpoint_ref, finetune_cell_metrics, is_checkpoint, resolve_checkpoints
 from vitray.data import storage
 from vitray.evaluation.config import GridConfig
-from vitray.evaluation.grid import METRIC, CheckpointRef, FewShotGroup, FinetuneJob, GridPlan, plan_grid
+from vitray.evaluation.grid import (
+    VAL_METRIC,
+    CheckpointRef,
+    FewShotGroup,
+    FinalRun,
+    FinetuneJob,
+    GridPlan,
+    plan_grid,
+)
 from vitray.evaluation.results import ResultsTable
+from vitray.evaluation.selection import select_lr
 from vitray.evaluation.suite import find_missing
 from vitray.evaluation.transfer import CellOutcome, error_text, run_fewshot_group
 from vitray.trainers.run_files import list_checkpoints
@@ -53,6 +58,7 @@ class GridSummary:
     ok: int = 0
     failed: int = 0
     missing: int = 0
+    waiting: int = 0  # final runs not started: a cell of their learning-rate sweep did not succeed
     checkpoints: list[str] = field(default_factory=list)
 
     def add(self, outcome: CellOutcome) -> None:
@@ -93,26 +99,36 @@ def run_grid(
     table = ResultsTable(grid.results_path, storage_options=grid.storage_options)
     plan = plan_grid(grid, checkpoints)
     summary = GridSummary(total=len(plan), checkpoints=[c.path for c in checkpoints])
-    pending = plan.without(table.finished_cell_ids())
-    summary.skipped = summary.total - len(pending)
+    scores = _val_scores(table)
+    pending = plan.without(scores.finished)
+    summary.skipped = len(plan.cells) - len(pending.cells)
     pending = _record_unprepared(pending, grid, table, summary)
-    if not len(pending):
+    finals = _FinalRuns(pending.finals, scores, summary)
+    ready = finals.release()  # sweeps an earlier invocation finished
+    finals.take_closed()  # not part of the progress bar's total
+    if not pending.cells and not ready and not finals.waiting:
         return summary
 
     connect(grid.cluster.address, verbose=verbose)
-    with _progress(console, len(pending), show_progress) as advance:
+    with _progress(console, len(pending.cells) + len(ready) + len(finals.waiting), show_progress) as bar:
         futures: dict[Future, FewShotGroup | FinetuneJob] = {}
         for group in pending.fewshot:
             futures[_submit_fewshot(group, grid)] = group
         pool = ThreadPoolExecutor(max_workers=_finetune_slots(grid), thread_name_prefix="finetune")
         try:
-            for job in pending.finetune:
+            for job in [*pending.finetune, *ready]:
                 futures[pool.submit(_finetune_cell, job, grid, verbose)] = job
-            for future in as_completed(futures):
-                for outcome in _outcomes(future, futures[future]):
-                    table.append(outcome.rows())
-                    summary.add(outcome)
-                    advance(outcome, summary)
+            while futures:
+                done, _ = wait(futures, return_when=FIRST_COMPLETED)
+                for future in done:
+                    for outcome in _outcomes(future, futures.pop(future)):
+                        table.append(outcome.rows())
+                        summary.add(outcome)
+                        scores.add(outcome)
+                        bar.advance(outcome, summary)
+                for job in finals.release():
+                    futures[pool.submit(_finetune_cell, job, grid, verbose)] = job
+            bar.skip(finals.take_closed())
         except BaseException:
             # Ctrl-C (or a results-table error): stop the fine-tunes instead of waiting for them;
             # their runs resume on the next invocation.
@@ -156,10 +172,72 @@ def _submit_fewshot(group: FewShotGroup, grid: GridConfig) -> Future:
 def _finetune_cell(job: FinetuneJob, grid: GridConfig, verbose: bool) -> CellOutcome:
     started = time.perf_counter()
     try:
-        top1 = run_finetune(finetune_config(job, grid), verbose=verbose)
+        metrics = finetune_cell_metrics(job, grid, verbose=verbose)
     except Exception as error:  # noqa: BLE001 - the cell records it; the grid goes on
         return CellOutcome(job.cell, error=error_text(error), seconds=time.perf_counter() - started)
-    return CellOutcome(job.cell, metrics={METRIC: top1}, seconds=time.perf_counter() - started)
+    return CellOutcome(job.cell, metrics=metrics, seconds=time.perf_counter() - started)
+
+
+class _Scores:
+    """Finished cells and the validation top-1 of finished selection cells: the results table's at
+    the start, plus every outcome since."""
+
+    def __init__(self, finished: set[str], val: dict[str, float], failed: set[str]):
+        self.finished, self.val, self.failed = finished, val, failed
+
+    def add(self, outcome: CellOutcome) -> None:
+        cell_id = outcome.cell.cell_id
+        if outcome.ok:
+            self.finished.add(cell_id)
+            self.failed.discard(cell_id)
+            if VAL_METRIC in outcome.metrics:
+                self.val[cell_id] = float(outcome.metrics[VAL_METRIC])
+        else:
+            self.failed.add(cell_id)
+
+
+def _val_scores(table: ResultsTable) -> _Scores:
+    rows = table.to_table().to_pylist()
+    finished = {r["cell_id"] for r in rows if r["status"] == "ok"}
+    val = {r["cell_id"]: float(r["value"]) for r in rows if r["status"] == "ok" and r["metric"] == VAL_METRIC}
+    return _Scores(finished, val, set())
+
+
+class _FinalRuns:
+    """Final runs (VTAB-1k: the selected lr re-trained on train[:1000]) waiting for their sweep.
+
+    :meth:`release` turns every final run whose sweep is scored into its job -- or into a skipped
+    cell when an earlier invocation finished it -- and gives up on those whose sweep has a cell
+    that failed in this invocation (a later one retries the cell, then runs the final)."""
+
+    def __init__(self, finals: tuple[FinalRun, ...], scores: _Scores, summary: GridSummary):
+        self.waiting, self.scores, self.summary = list(finals), scores, summary
+        self._closed = 0  # given up or found finished: no job for the progress bar
+
+    def release(self) -> list[FinetuneJob]:
+        jobs, still = [], []
+        for final in self.waiting:
+            ids = [c.cell_id for c in final.selection]
+            if all(i in self.scores.val for i in ids):
+                lr = select_lr({float(c.settings["lr"]): self.scores.val[c.cell_id] for c in final.selection})
+                job = final.job(lr)
+                if job.cell.cell_id in self.scores.finished:
+                    self.summary.skipped += 1
+                    self._closed += 1
+                else:
+                    jobs.append(job)
+            elif any(i in self.scores.failed for i in ids):
+                self.summary.waiting += 1
+                self._closed += 1
+            else:
+                still.append(final)
+        self.waiting = still
+        return jobs
+
+    def take_closed(self) -> int:
+        """Final runs closed without a job since the last call."""
+        closed, self._closed = self._closed, 0
+        return closed
 
 
 def _outcomes(future: Future, work: FewShotGroup | FinetuneJob) -> list[CellOutcome]:
@@ -193,14 +271,18 @@ class _progress:
                             TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console)  # fmt: skip
         self.task = self.bar.add_task("cells", total=total, status="starting...")
 
-    def __enter__(self) -> Callable[[CellOutcome, GridSummary], None]:
+    def __enter__(self) -> _progress:
         if self.enabled:
             self.bar.start()
-        return self.advance
+        return self
 
     def advance(self, outcome: CellOutcome, summary: GridSummary) -> None:
         status = f"ok {summary.ok}  failed {summary.failed}  last: {outcome.cell.benchmark} {outcome.cell.method}"
         self.bar.update(self.task, advance=1, status=status)
+
+    def skip(self, count: int) -> None:
+        """Counts final runs that needed no run (finished earlier, or their sweep failed)."""
+        self.bar.update(self.task, advance=count)
 
     def __exit__(self, *exc) -> None:
         if self.enabled:

@@ -5,7 +5,8 @@ The pieces `vitray finetune`, `vitray fewshot` and the grid (`cluster/evaluate.p
 - :func:`resolve_checkpoints`: a checkpoint folder, or a run folder's latest / every complete one;
 - :func:`finetune_config` + :func:`run_finetune`: the paper's fine-tune recipe for one cell,
   validated as a PretrainConfig and run as a TorchTrainer (`pretrain`), resumed when the run
-  already exists, skipped when it already finished;
+  already exists, skipped when it already finished; :func:`finetune_cell_metrics` adds the test
+  top-1 of a selection cell's final weights (:func:`top1_on_test_split`, a Ray task);
 - :func:`fewshot_on_checkpoint`: the few-shot probe of one benchmark, in this process.
 """
 
@@ -18,12 +19,19 @@ from typing import Any
 from vitray.cluster.config import validate_config
 from vitray.data import storage
 from vitray.evaluation.config import FewShotGrid, GridConfig
-from vitray.evaluation.grid import CheckpointRef, FinetuneJob, fewshot_group
-from vitray.evaluation.suite import Benchmark, require_prepared
-from vitray.evaluation.transfer import CellOutcome, final_top1, finetune_recipe, finetune_run_name, run_fewshot_group
+from vitray.evaluation.grid import METRIC, VAL_METRIC, CheckpointRef, FinetuneJob, fewshot_group, is_selection
+from vitray.evaluation.suite import Benchmark, locate, require_prepared
+from vitray.evaluation.transfer import (
+    CellOutcome,
+    final_top1,
+    finetune_recipe,
+    finetune_run_name,
+    run_fewshot_group,
+    split_top1,
+)
 from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.config import PretrainConfig
-from vitray.trainers.run_files import RunFiles, list_checkpoints
+from vitray.trainers.run_files import RunFiles, latest_complete_checkpoint, list_checkpoints
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,6 +117,50 @@ def run_finetune(cfg: PretrainConfig, *, show_progress: bool = False, verbose: b
             f"(train.eval_every must divide the run or be unset: the recipe evaluates at the end)"
         )
     return top1
+
+
+def finetune_cell_metrics(job: FinetuneJob, grid: GridConfig, *, verbose: bool = False) -> dict[str, float]:
+    """Runs (or resumes) one fine-tune cell: ``{"val_accuracy": ..., "accuracy": test top-1}`` for a
+    selection cell, ``{"accuracy": test top-1}`` for a final run."""
+    cfg = finetune_config(job, grid)
+    top1 = run_finetune(cfg, verbose=verbose)
+    if not is_selection(job.cell.settings):
+        return {METRIC: top1}
+    test = top1_on_test_split(cfg, job.benchmark, grid.data_root, verbose=verbose)
+    return {VAL_METRIC: top1, METRIC: test}
+
+
+def top1_on_test_split(cfg: PretrainConfig, benchmark: Benchmark, data_root: str, *, verbose: bool = False) -> float:
+    """The test top-1 of a finished fine-tune run's last checkpoint, computed in a Ray task with one
+    of the run's workers' resources (a GPU when its workers have one)."""
+    from vitray.cluster.runtime import connect, run_dir
+
+    path = run_dir(cfg.run.storage, cfg.run.name)
+    checkpoint = latest_complete_checkpoint(path)
+    if checkpoint is None or checkpoint.step != cfg.train.steps:
+        found = "none" if checkpoint is None else f"step {checkpoint.step}"
+        raise RuntimeError(f"fine-tune run {path} has no complete checkpoint at its last step {cfg.train.steps} "
+                           f"(found {found}) to score on the test split")  # fmt: skip
+    connect(cfg.cluster.address, verbose=verbose)  # before Ray is imported (token auth), see runtime.connect
+    import ray
+
+    cluster = cfg.cluster
+    task = ray.remote(num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_worker)(_test_top1_task)
+    ref = task.remote(checkpoint.path, locate(benchmark, data_root), benchmark.test_split, cfg.train.eval_batch_size,
+                      cfg.data.num_workers, cfg.data.storage_options, cluster.gpus_per_worker > 0)  # fmt: skip
+    return float(ray.get(ref))
+
+
+def _test_top1_task(checkpoint: str, path: str, split: str, batch_size: int, data_workers: int,
+                    storage_options: dict[str, Any] | None, use_gpu: bool) -> float:  # fmt: skip
+    import torch
+
+    from vitray.cluster.export import load_checkpoint_model
+
+    model, _ = load_checkpoint_model(checkpoint)
+    device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
+    return split_top1(model, path, split, batch_size=batch_size, num_workers=data_workers,
+                      storage_options=storage_options, device=device)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

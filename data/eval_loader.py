@@ -5,24 +5,28 @@ stored order (shards in manifest order). Rank ``r`` of ``W`` reads the contiguou
 ``[r * N // W, (r + 1) * N // W)`` of its ``N``, so ranks differ by at most one sample and
 nothing is dropped; batches are consecutive runs of ``batch_size`` samples of that range (the last
 one may be shorter). Worker ``w`` of ``n`` decodes batches ``w, w + n, ...``; batches come out in
-order. Images get the evaluation transform (resize + central crop, see
-:mod:`vitray.data.transforms`).
+order. Given ``indices``, only those positions of the split are read and decoded (the others are
+passed over without reading their bytes), e.g. the few-shot examples drawn from a train split
+whose labels :func:`read_labels` read. Images get the evaluation transform (resize + central
+crop, see :mod:`vitray.data.transforms`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_order
 from .layout import LabelKind, read_split
 from .plan import ShardRange
-from .reader import SampleStream
-from .transforms import eval_transform
+from .reader import RawSample, SampleStream
+from .transforms import CorruptSample, decode_label, eval_transform
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class _EvalSpec:
     ranges: tuple[ShardRange, ...]  # the split or its slice, in stored order
     first: int  # this rank's samples: [first, stop)
     stop: int
+    positions: tuple[int, ...] | None  # or only these positions, ascending (``indices``)
     batch_size: int
     img_size: int
     label_kind: LabelKind
@@ -48,23 +53,24 @@ class _EvalStream(IterableDataset):
         spec = self.spec
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        num_batches = -(-(spec.stop - spec.first) // spec.batch_size)
+        positions = range(spec.first, spec.stop) if spec.positions is None else spec.positions
+        num_batches = -(-len(positions) // spec.batch_size)
         mine = range(worker, num_batches, workers)
         if not mine:
             return
         transform, reporter = eval_transform(spec.img_size), SkipReporter()
-        at = spec.first + mine[0] * spec.batch_size
+        at = positions[mine[0] * spec.batch_size]
         stream = SampleStream(spec.shard_urls, spec.ranges, spec.storage_options, start=at)
         try:
             for b in mine:
-                first = spec.first + b * spec.batch_size
-                count = min(spec.batch_size, spec.stop - first)
-                stream.skip(first - at)
-                raws = [stream.read(want=True) for _ in range(count)]
-                at = first + count
+                raws = []
+                for position in positions[b * spec.batch_size : (b + 1) * spec.batch_size]:
+                    stream.skip(position - at)  # within a shard: passes over headers, reads no data
+                    raws.append(stream.read(want=True))
+                    at = position + 1
                 chunk = decode_chunk(
                     raws,
-                    [None] * count,
+                    [None] * len(raws),
                     transform=transform,
                     img_size=spec.img_size,
                     label_kind=spec.label_kind,
@@ -83,6 +89,8 @@ class EvalLoader:
     ``split`` is a name or a slice of one (``"train[98%:]"``, see :mod:`vitray.data.splits`).
     Iterating it again starts a new pass. ``len(loader)`` is this rank's number of batches.
     ``float_images=False`` gives uint8 images, as for :class:`vitray.data.ShardLoader`.
+    ``indices``: read only these positions of the split (or slice), in ascending order; ranks
+    share them out as they share the whole split.
     """
 
     def __init__(
@@ -97,6 +105,7 @@ class EvalLoader:
         num_workers: int = 1,
         storage_options: dict[str, Any] | None = None,
         float_images: bool = True,
+        indices: Sequence[int] | None = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
@@ -109,11 +118,17 @@ class EvalLoader:
         self.info, total = source.info, source.num_samples
         self.num_workers, self.float_images = num_workers, float_images
         self._yielded, self._skipped = 0, 0
+        positions = None
+        if indices is not None:
+            positions = _checked_indices(indices, total, split)
+            total = len(positions)
+        first, stop = rank * total // world_size, (rank + 1) * total // world_size
         self._spec = _EvalSpec(
             shard_urls=source.shard_urls,
             ranges=source.extents,
-            first=rank * total // world_size,
-            stop=(rank + 1) * total // world_size,
+            first=first,
+            stop=stop,
+            positions=None if positions is None else positions[first:stop],
             batch_size=batch_size,
             img_size=img_size,
             label_kind=self.info.label_kind,
@@ -146,6 +161,15 @@ class EvalLoader:
         return {"samples": self._yielded, "skipped": self._skipped}
 
 
+def _checked_indices(indices: Sequence[int], total: int, split: str) -> tuple[int, ...]:
+    positions = tuple(int(i) for i in indices)
+    if any(b <= a for a, b in zip(positions, positions[1:])):
+        raise ValueError("indices must be strictly increasing positions of the split (sorted, no repeats)")
+    if positions and not 0 <= positions[0] <= positions[-1] < total:
+        raise ValueError(f"indices must lie in [0, {total}) for split {split!r}, got {positions[0]}..{positions[-1]}")
+    return positions
+
+
 def load_split(
     path: str,
     split: str,
@@ -168,3 +192,38 @@ def load_split(
         labels = torch.zeros((0, loader.info.num_classes)) if multi else torch.zeros(0, dtype=torch.int64)
         return Batch(torch.zeros((0, 3, img_size, img_size)), labels, [], 0)
     return concat_chunks([Chunk(b.images, b.labels, b.keys, b.num_skipped) for b in batches], epoch=0, step=0)
+
+
+def read_labels(
+    path: str, split: str, *, storage_options: dict[str, Any] | None = None, threads: int = 8
+) -> tuple[list[str], np.ndarray]:
+    """Keys and class ids of every sample of a single-label split (or slice), in stored order.
+
+    No image is decoded: the samples' bytes are read (shards in parallel threads, for remote
+    storage) and only the ``.cls`` member is parsed. A sample whose label cannot be read (damaged
+    data) gets class id -1 and, when its key is unreadable too, the key ``""``.
+    """
+    source = read_split(path, split, storage_options)
+    info = source.info
+    if info.label_kind != "single":
+        raise ValueError(f"read_labels reads single-label splits; {path} holds {info.label_kind}-label data")
+
+    def one_extent(extent: ShardRange) -> list[tuple[str, int]]:
+        stream = SampleStream(source.shard_urls, [extent], storage_options)
+        try:
+            return [_key_and_label(stream.read(want=True), info.num_classes) for _ in range(len(extent))]
+        finally:
+            stream.close()
+
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(source.extents)))) as pool:
+        pairs = [pair for part in pool.map(one_extent, source.extents) for pair in part]
+    return [k for k, _ in pairs], np.array([label for _, label in pairs], dtype=np.int64)
+
+
+def _key_and_label(raw: Any, num_classes: int) -> tuple[str, int]:
+    if not isinstance(raw, RawSample):
+        return "", -1
+    try:
+        return raw.key, int(decode_label(raw.fields, "single", num_classes))
+    except CorruptSample:
+        return raw.key, -1

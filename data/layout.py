@@ -7,6 +7,9 @@ A prepared dataset is a folder (local or ``s3://``)::
     train.manifest.parquet        one row per shard: name, num_samples, bytes, sha256
     test-000000.tar ...
     test.manifest.parquet
+
+Readers take a split string that may slice a split, ``train[:98%]`` or ``train[800:1000]``
+(:mod:`vitray.data.splits`); :func:`read_split` resolves it against the manifest.
 """
 
 from __future__ import annotations

@@ -32,14 +32,16 @@ from vitray.evaluation.suite import (
     require_prepared,
 )
 
-_REPORT_NAMES = {"print_table", "write_report", "summarize", "vtab_group_averages", "ReportFiles"}
+_REPORT_NAMES = {"print_table", "write_report", "summarize", "vtab_group_averages", "fine_tune_sweeps", "ReportFiles"}
+_SELECTION_NAMES = {"select_lr", "selected_finetune"}  # pandas: imported on first use, like the report
 
 
 def __getattr__(name: str):
-    if name in _REPORT_NAMES:
-        from vitray.evaluation import report
+    if name in _REPORT_NAMES or name in _SELECTION_NAMES:
+        import importlib
 
-        return getattr(report, name)
+        module = "report" if name in _REPORT_NAMES else "selection"
+        return getattr(importlib.import_module(f"vitray.evaluation.{module}"), name)
     raise AttributeError(f"module 'vitray.evaluation' has no attribute {name!r}")
 
 
@@ -48,5 +50,5 @@ __all__ = [
     "FinetuneProtocol", "LsrSolution", "MissingDataset", "ResultsTable", "benchmark_names",
     "benchmarks_in_group", "extract_features", "fewshot_accuracy", "find_missing", "get_benchmark",
     "locate", "locate_train", "make_cell_id", "predict", "prepare_command", "require_prepared",
-    "sample_few_shot", "select_l2", "solve_lsr", *sorted(_REPORT_NAMES),
+    "sample_few_shot", "select_l2", "solve_lsr", *sorted(_REPORT_NAMES), *sorted(_SELECTION_NAMES),
 ]

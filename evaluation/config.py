@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from vitray.data.splits import parse_split
 from vitray.evaluation.fewshot import DEFAULT_L2_REG
 from vitray.evaluation.suite import BENCHMARKS, Benchmark, benchmarks_in_group, group_names
 
@@ -73,6 +74,17 @@ class FinetuneGrid(_Section):
     batch_size: int | None = Field(None, gt=0, description="Global batch; the protocol's (512) when unset.")
     warmup_steps: int | None = Field(None, ge=0, description="Linear warm-up steps; the protocol's when unset.")
     resolution: int | None = Field(None, gt=0, description="Fine-tuning resolution (position embeddings resampled).")
+    train_split: str | None = Field(
+        None, description="Split (slice) each learning rate trains on; the protocol's (e.g. train[:98%]) when unset."
+    )
+    val_split: str | None = Field(
+        None, description="Held-out split (slice) that selects the lr; the protocol's (e.g. train[98%:]) when unset."
+    )
+    final_train_split: str | None = Field(
+        None,
+        description="Re-train the selected learning rate on this split and report that run (VTAB-1k: train[:1000]); "
+        "the protocol's when unset.",
+    )
     micro_batch_size: int = Field(32, gt=0, description="Samples per worker per forward/backward (accumulation).")
     checkpoint_every: int | None = Field(
         None, gt=0, description="Checkpoint interval, so a stopped grid resumes a half-done run; steps/4 when unset."
@@ -88,6 +100,13 @@ class FinetuneGrid(_Section):
         default_factory=dict,
         description='Dotted PretrainConfig keys set on every run\'s recipe, e.g. {"train.precision": "bf16"}.',
     )
+
+    @field_validator("train_split", "val_split", "final_train_split")
+    @classmethod
+    def _split_syntax(cls, split: str | None) -> str | None:
+        if split is not None:
+            parse_split(split)
+        return split
 
     @field_validator("learning_rates")
     @classmethod

@@ -271,11 +271,40 @@ def fewshot_accuracy(
     for seed in seed_list:
         idx = sample_few_shot(train_y, shots, seed, num_classes)
         x, y = train_x[idx], train_y[idx]
-        l2 = select_l2(x, y, num_classes) if l2_reg == "select" else _check_l2(l2_reg)
-        predictions = predict(solve_lsr(x, y, num_classes, l2), test_x)
-        accuracy = float(np.sum(correct_fn(predictions)) / num_test)
-        scores.append(FewShotScore(seed, shots, l2, accuracy, num_train=len(idx), num_test=num_test))
+        scores.append(_score(x, y, test_x, correct_fn, num_test, num_classes, shots, seed, l2_reg))
     return scores
+
+
+def score_few_shot_set(
+    train_feats: Any,
+    train_labels: Any,
+    test_feats: Any,
+    test_labels: Any,
+    *,
+    num_classes: int,
+    shots: int,
+    seed: int,
+    l2_reg: float | Literal["select"] = DEFAULT_L2_REG,
+) -> FewShotScore:
+    """Like :func:`fewshot_accuracy` for one seed whose few-shot set is already drawn: the train
+    arrays *are* the set (e.g. the :func:`sample_few_shot` picks of a pool whose features were
+    extracted for those picks only). `shots` and `seed` are recorded, not used to sample."""
+    x = _as_features(train_feats, "train_feats")
+    y = _as_labels(train_labels, num_classes, "train_labels", expected_len=x.shape[0])
+    test_x = _as_features(test_feats, "test_feats")
+    if test_x.shape[1] != x.shape[1]:
+        raise ValueError(f"test_feats have {test_x.shape[1]} dimensions, train_feats {x.shape[1]}")
+    correct_fn, num_test = _scorer(test_labels, num_classes, test_x.shape[0])
+    if isinstance(l2_reg, str) and l2_reg != "select":
+        raise ValueError(f'l2_reg must be a positive number or "select", got {l2_reg!r}')
+    return _score(x, y, test_x, correct_fn, num_test, num_classes, shots, seed, l2_reg)
+
+
+def _score(x, y, test_x, correct_fn, num_test, num_classes, shots, seed, l2_reg) -> FewShotScore:
+    l2 = select_l2(x, y, num_classes) if l2_reg == "select" else _check_l2(l2_reg)
+    predictions = predict(solve_lsr(x, y, num_classes, l2), test_x)
+    accuracy = float(np.sum(correct_fn(predictions)) / num_test)
+    return FewShotScore(seed, shots, l2, accuracy, num_train=len(y), num_test=num_test)
 
 
 def _scorer(test_labels: Any, num_classes: int, num_rows: int):

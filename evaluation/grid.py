@@ -2,7 +2,10 @@
 
 Pure data, no Ray and no I/O: `cluster/evaluate.py` runs the plan. Few-shot cells are grouped
 per (checkpoint, benchmark, resolution) because they share one feature extraction; every
-fine-tune cell is a training run of its own.
+fine-tune cell is a training run of its own. A fine-tune cell per learning rate trains on the
+benchmark's train-minus-validation slice and is scored on the held-out slice and on the test
+split ("selection" cells). Where the protocol re-trains the selected learning rate (VTAB-1k), a
+:class:`FinalRun` per seed becomes a cell once its selection cells are finished.
 
 A cell's settings are the *resolved* values (protocol defaults filled in), so its id -- a hash of
 (checkpoint, benchmark, method, settings, seed) -- changes exactly when what it computes changes,
@@ -19,7 +22,9 @@ from vitray.evaluation.config import FewShotGrid, FinetuneGrid, GridConfig
 from vitray.evaluation.results import Cell
 from vitray.evaluation.suite import Benchmark
 
-METRIC = "accuracy"
+METRIC = "accuracy"  # test top-1: the headline number of every cell
+VAL_METRIC = "val_accuracy"  # top-1 on the held-out split, which selects the fine-tuning lr
+TRAIN_SPLIT, VAL_SPLIT = "train_split", "val_split"
 
 
 @dataclass(frozen=True)
@@ -64,19 +69,43 @@ class FinetuneJob:
 
 
 @dataclass(frozen=True)
+class FinalRun:
+    """The re-run of the learning rate selected by `selection` (one seed's sweep) on `train_split`.
+
+    Its cell is known once the sweep's validation scores are: :meth:`job` builds it for the lr that
+    :func:`vitray.evaluation.selection.select_lr` picks.
+    """
+
+    checkpoint: CheckpointRef
+    benchmark: Benchmark
+    seed: int
+    train_split: str
+    selection: tuple[Cell, ...]
+
+    def job(self, lr: float) -> FinetuneJob:
+        settings = final_settings(self.selection[0].settings, lr, self.train_split)
+        cell = Cell(self.checkpoint.path, self.benchmark.name, "finetune", settings, self.seed, self.checkpoint.step)
+        return FinetuneJob(self.checkpoint, self.benchmark, cell)
+
+
+@dataclass(frozen=True)
 class GridPlan:
     fewshot: tuple[FewShotGroup, ...] = ()
     finetune: tuple[FinetuneJob, ...] = ()
+    finals: tuple[FinalRun, ...] = ()
 
     @property
     def cells(self) -> list[Cell]:
+        """The cells known up front (final runs become cells once their sweep is scored)."""
         return [c for g in self.fewshot for c in g.cells] + [j.cell for j in self.finetune]
 
     def __len__(self) -> int:
-        return len(self.cells)
+        """Every cell the grid runs, final runs included."""
+        return len(self.cells) + len(self.finals)
 
     def without(self, finished: Iterable[str]) -> GridPlan:
-        """The plan minus the cells whose ids are in `finished` (groups left empty are dropped)."""
+        """The plan minus the cells whose ids are in `finished` (groups left empty are dropped;
+        final runs stay: whether theirs is finished is known once their lr is)."""
         done = set(finished)
         groups = []
         for group in self.fewshot:
@@ -84,18 +113,20 @@ class GridPlan:
             if pending:
                 groups.append(FewShotGroup(group.checkpoint, group.benchmark, group.img_size, pending))
         jobs = tuple(j for j in self.finetune if j.cell.cell_id not in done)
-        return GridPlan(tuple(groups), jobs)
+        return GridPlan(tuple(groups), jobs, self.finals)
 
     def for_benchmark(self, name: str) -> GridPlan:
         return GridPlan(
             tuple(g for g in self.fewshot if g.benchmark.name == name),
             tuple(j for j in self.finetune if j.benchmark.name == name),
+            tuple(f for f in self.finals if f.benchmark.name == name),
         )
 
     def without_benchmark(self, name: str) -> GridPlan:
         return GridPlan(
             tuple(g for g in self.fewshot if g.benchmark.name != name),
             tuple(j for j in self.finetune if j.benchmark.name != name),
+            tuple(f for f in self.finals if f.benchmark.name != name),
         )
 
 
@@ -109,8 +140,34 @@ def fewshot_seeds(benchmark: Benchmark, grid: FewShotGrid) -> list[int]:
     return list(range(grid.seeds or benchmark.fewshot.seeds))
 
 
+def finetune_splits(benchmark: Benchmark, grid: FinetuneGrid) -> tuple[str, str, str | None]:
+    """(train, validation, final train) split strings: the grid's where set, else the protocol's."""
+    protocol = benchmark.finetune
+    return (
+        grid.train_split or protocol.train_split,
+        grid.val_split or protocol.val_split,
+        grid.final_train_split or protocol.final_train_split,
+    )
+
+
+def is_selection(settings: Mapping[str, Any]) -> bool:
+    """A selection cell is scored on a held-out split (`val_split`); a final run only on the test split."""
+    return VAL_SPLIT in settings
+
+
+def final_settings(selection: Mapping[str, Any], lr: float, train_split: str) -> dict[str, Any]:
+    """The settings of the final run at `lr` on `train_split` of a selection cell's sweep."""
+    kept = {k: v for k, v in selection.items() if k not in ("lr", TRAIN_SPLIT, VAL_SPLIT)}
+    return {"lr": float(lr), **kept, TRAIN_SPLIT: train_split}
+
+
 def finetune_settings(benchmark: Benchmark, grid: FinetuneGrid) -> list[dict[str, Any]]:
-    """Resolved settings of every fine-tune cell of `benchmark` (one per learning rate)."""
+    """Resolved settings of every fine-tune cell of `benchmark` (one per learning rate).
+
+    Each trains on `train_split` and is scored on `val_split` (and the test split). With a final
+    train split (VTAB-1k) and a single learning rate there is nothing to select: the one cell is
+    the final run itself (`train_split` only, scored on the test split).
+    """
     protocol = benchmark.finetune
     steps = grid.steps or protocol.steps
     warmup = protocol.warmup_steps if grid.warmup_steps is None else grid.warmup_steps
@@ -121,7 +178,11 @@ def finetune_settings(benchmark: Benchmark, grid: FinetuneGrid) -> list[dict[str
         "warmup_steps": int(min(warmup, steps)),
         "resolution": int(grid.resolution or protocol.resolution),
     }
-    return [{"lr": float(lr), **base} for lr in (grid.learning_rates or protocol.learning_rates)]
+    lrs = grid.learning_rates or protocol.learning_rates
+    train, val, final = finetune_splits(benchmark, grid)
+    if final is not None and len(lrs) == 1:
+        return [final_settings(base, lrs[0], final)]
+    return [{"lr": float(lr), **base, TRAIN_SPLIT: train, VAL_SPLIT: val} for lr in lrs]
 
 
 def fewshot_group(checkpoint: CheckpointRef, benchmark: Benchmark, grid: FewShotGrid) -> FewShotGroup:
@@ -136,16 +197,23 @@ def fewshot_group(checkpoint: CheckpointRef, benchmark: Benchmark, grid: FewShot
 
 
 def plan_grid(grid: GridConfig, checkpoints: Iterable[CheckpointRef]) -> GridPlan:
-    """Every cell of `grid` for every checkpoint, few-shot groups first."""
+    """Every cell of `grid` for every checkpoint, few-shot groups first, and the final runs."""
     groups: list[FewShotGroup] = []
     jobs: list[FinetuneJob] = []
+    finals: list[FinalRun] = []
     for checkpoint in checkpoints:
         for benchmark in grid.resolved_benchmarks():
             if grid.fewshot.enabled:
                 groups.append(fewshot_group(checkpoint, benchmark, grid.fewshot))
             if grid.finetune.enabled:
-                for settings in finetune_settings(benchmark, grid.finetune):
-                    for seed in range(grid.finetune.seeds):
-                        cell = Cell(checkpoint.path, benchmark.name, "finetune", settings, seed, checkpoint.step)
-                        jobs.append(FinetuneJob(checkpoint, benchmark, cell))
-    return GridPlan(tuple(groups), tuple(jobs))
+                sweep = finetune_settings(benchmark, grid.finetune)
+                seeds = range(grid.finetune.seeds)
+                cells = {(i, seed): Cell(checkpoint.path, benchmark.name, "finetune", settings, seed, checkpoint.step)
+                         for i, settings in enumerate(sweep) for seed in seeds}  # fmt: skip
+                jobs += [FinetuneJob(checkpoint, benchmark, cell) for cell in cells.values()]
+                final_split = finetune_splits(benchmark, grid.finetune)[2]
+                if final_split is not None and is_selection(sweep[0]):
+                    for seed in seeds:
+                        selection = tuple(cells[i, seed] for i in range(len(sweep)))
+                        finals.append(FinalRun(checkpoint, benchmark, seed, final_split, selection))
+    return GridPlan(tuple(groups), tuple(jobs), tuple(finals))

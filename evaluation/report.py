@@ -1,7 +1,10 @@
 """Reading the results table: a rich console table, and a Markdown report with PNG plots.
 
 Every number shown is the mean (and population std) over a cell group's seeds, where a group is
-(checkpoint, step, benchmark, method, settings, metric) of the "ok" rows. Plots are drawn with
+(checkpoint, step, benchmark, method, settings, metric) of the "ok" rows. Fine-tuning shows one
+row per learning-rate sweep: per seed the test top-1 of the lr with the best validation top-1 (or
+of its final re-run, VTAB-1k), see :mod:`vitray.evaluation.selection`; every lr's validation and
+test top-1 are listed in a section of their own. Plots are drawn with
 matplotlib's object API on the Agg canvas (no pyplot global state, safe in workers):
 
 - `accuracy_per_benchmark.png`: each benchmark's metric for the newest checkpoint of every run;
@@ -23,12 +26,18 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table as RichTable
 
+from vitray.evaluation.grid import METRIC, VAL_METRIC, VAL_SPLIT
 from vitray.evaluation.results import ResultsTable
+from vitray.evaluation.selection import selected_finetune
 from vitray.evaluation.suite import BENCHMARKS, VTAB_GROUPS
 
 GROUP_KEYS = ["checkpoint", "step", "benchmark", "method", "settings", "metric"]
+SUMMARY_COLUMNS = GROUP_KEYS + ["label", "run", "mean", "std", "seeds", "lr"]
+SWEEP_COLUMNS = ["checkpoint", "step", "benchmark", "lr", "train_split", "val_split", "val", "test", "seeds",
+                 "selected"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -69,24 +78,114 @@ def setting_label(method: str, settings: str | dict[str, Any]) -> str:
 def summarize(table: ResultsTable | pa.Table | pd.DataFrame, metric: str | None = None) -> pd.DataFrame:
     """Mean / std / number of seeds of every ok cell group (optionally of one metric only).
 
-    Columns: checkpoint, step, benchmark, method, settings, metric, label, run, mean, std, seeds.
+    Few-shot groups are the cells' own; fine-tuning is summarised per learning-rate sweep: the
+    test top-1 (metric "accuracy") of the lr each seed selected on its validation split (see
+    :func:`fine_tune_sweeps` for every lr's numbers).
+
+    Columns: checkpoint, step, benchmark, method, settings, metric, label, run, mean, std, seeds,
+    lr (the selected learning rate(s) of a fine-tuning row, as text; empty for few-shot rows).
     """
     frame = as_frame(table)
-    ok = frame[frame["status"] == "ok"]
+    ok = frame[(frame["status"] == "ok") & (frame["method"] != "finetune")]
+    parts = []
+    if not ok.empty:
+        grouped = ok.groupby(GROUP_KEYS, dropna=False, sort=True)["value"]
+        part = grouped.agg(mean="mean", std=lambda v: float(np.std(v)), seeds="count").reset_index()
+        part["label"] = [setting_label(m, s) for m, s in zip(part["method"], part["settings"])]
+        part["lr"] = ""
+        parts.append(part)
+    if (frame["method"] == "finetune").any():
+        parts.append(_selected_summary(frame))
+    parts = [p for p in parts if not p.empty]
     if metric is not None:
-        ok = ok[ok["metric"] == metric]
-    columns = GROUP_KEYS + ["label", "run", "mean", "std", "seeds"]
-    if ok.empty:
-        return pd.DataFrame(columns=columns)
-    grouped = ok.groupby(GROUP_KEYS, dropna=False, sort=True)["value"]
-    summary = grouped.agg(mean="mean", std=lambda v: float(np.std(v)), seeds="count").reset_index()
-    summary["label"] = [setting_label(m, s) for m, s in zip(summary["method"], summary["settings"])]
+        parts = [p[p["metric"] == metric] for p in parts]
+    if not parts or all(p.empty for p in parts):
+        return pd.DataFrame(columns=SUMMARY_COLUMNS)
+    summary = pd.concat(parts, ignore_index=True)
     summary["run"] = [run_of(c) for c in summary["checkpoint"]]
     # Order shots numerically (1, 5, 10, 25), not as text.
     summary["_shots"] = [json.loads(s).get("shots", -1) for s in summary["settings"]]
     order = ["checkpoint", "step", "benchmark", "method", "_shots", "settings", "metric"]
     summary = summary.sort_values(order, kind="stable", na_position="first").reset_index(drop=True)
-    return summary[columns]
+    return summary[SUMMARY_COLUMNS]
+
+
+def _selected_summary(frame: pd.DataFrame) -> pd.DataFrame:
+    """Fine-tuning rows of :func:`summarize`: each sweep's selected test top-1, over seeds."""
+    selected = selected_finetune(frame)
+    if selected.empty:
+        return pd.DataFrame(columns=SUMMARY_COLUMNS[:-1])
+    selected = selected.assign(
+        _step=selected["step"].fillna(-1), _lrs=["/".join(f"{lr:g}" for lr in sweep) for sweep in selected["lrs"]],
+        _val=selected["val_split"].fillna(""), _train=selected["train_split"].fillna(""),
+        # Seeds of a sweep may select different lrs and still form one row; runs without a sweep
+        # are told apart by their lr.
+        _own_lr=[-1.0 if pd.notna(v) else lr for v, lr in zip(selected["val_split"], selected["lr"])],
+    )  # fmt: skip
+    rows = []
+    keys = ["checkpoint", "_step", "benchmark", "common", "_val", "_train", "final", "_own_lr"]
+    for _, part in selected.groupby(keys, sort=False):
+        first = part.iloc[0]
+        common = json.loads(first["common"])
+        swept = bool(first["_val"])
+        chosen = "/".join(f"{lr:g}" for lr in sorted(set(part["lr"])))
+        settings = {**common, "lr": chosen if swept else float(first["lr"]), "lrs": first["_lrs"],
+                    "train_split": first["train_split"], VAL_SPLIT: first["val_split"] if swept else None}  # fmt: skip
+        rows.append({
+            "checkpoint": first["checkpoint"], "step": first["step"], "benchmark": first["benchmark"],
+            "method": "finetune", "settings": json.dumps(settings, sort_keys=True), "metric": METRIC,
+            "label": _sweep_label(common, first, swept), "mean": float(part["test"].mean()),
+            "std": float(np.std(part["test"])), "seeds": len(part), "lr": chosen,
+        })  # fmt: skip
+    return pd.DataFrame(rows, columns=SUMMARY_COLUMNS[:-2] + ["seeds", "lr"])
+
+
+def _sweep_label(common: dict[str, Any], row: Any, swept: bool) -> str:
+    """"finetune lr of 0.01/0.03 best on train[90%:], trained on train[:90%] steps=..." (the chosen lr
+    has a column of its own, so that sweeps of every task share one label), or, without a sweep,
+    "finetune lr=0.01 on train[:1000] steps=..."."""
+    rest = " ".join(f"{k}={common[k]}" for k in sorted(common))
+    if not swept:
+        head = f"finetune lr={row['lr']:g}" + (f" on {row['train_split']}" if row["train_split"] else "")
+    else:
+        trained = "re-trained" if row["final"] else "trained"
+        head = f"finetune lr of {row['_lrs']} best on {row['val_split']}, {trained} on {row['train_split']}"
+    return f"{head} {rest}".strip()
+
+
+def fine_tune_sweeps(table: ResultsTable | pa.Table | pd.DataFrame) -> pd.DataFrame:
+    """Every learning rate of every fine-tuning sweep: validation and test top-1 (means over seeds)
+    and in how many seeds it was the one selected.
+
+    Columns: checkpoint, step, benchmark, lr, train_split, val_split, val, test, seeds, selected.
+    """
+    frame = as_frame(table)
+    ok = frame[(frame["method"] == "finetune") & (frame["status"] == "ok")]
+    settings = [json.loads(s) for s in ok["settings"]]
+    sweep = ok.assign(
+        lr=[s.get("lr") for s in settings], train_split=[s.get("train_split") for s in settings],
+        val_split=[s.get(VAL_SPLIT) for s in settings], step_key=ok["step"].fillna(-1),
+    )[[VAL_SPLIT in s for s in settings]]  # fmt: skip
+    if sweep.empty:
+        return pd.DataFrame(columns=SWEEP_COLUMNS)
+    index = ["checkpoint", "step_key", "benchmark", "lr", "train_split", "val_split"]
+    wide = sweep.pivot_table(index=index + ["seed"], columns="metric", values="value", aggfunc="last").reset_index()
+    picks = selected_finetune(frame)
+    picks = picks[picks["val_split"].notna()]
+    picked = {(c, -1 if pd.isna(s) else s, b, sd, lr) for c, s, b, sd, lr in
+              zip(picks["checkpoint"], picks["step"], picks["benchmark"], picks["seed"], picks["lr"])}  # fmt: skip
+    wide["picked"] = [key in picked for key in zip(wide["checkpoint"], wide["step_key"], wide["benchmark"],
+                                                    wide["seed"], wide["lr"])]  # fmt: skip
+    rows = []
+    for key, part in wide.groupby(index, sort=True):
+        checkpoint, step, benchmark, lr, train_split, val_split = key
+        rows.append((checkpoint, None if step == -1 else int(step), benchmark, float(lr), train_split, val_split,
+                     _mean(part, VAL_METRIC), _mean(part, METRIC), len(part), int(part["picked"].sum())))  # fmt: skip
+    return pd.DataFrame(rows, columns=SWEEP_COLUMNS)
+
+
+def _mean(part: pd.DataFrame, metric: str) -> float:
+    return float(part[metric].mean()) if metric in part else float("nan")
 
 
 def run_of(checkpoint: str) -> str:
@@ -137,21 +236,35 @@ def vtab_group_averages(summary: pd.DataFrame) -> pd.DataFrame:
 def print_table(
     table: ResultsTable | pa.Table | pd.DataFrame, *, metric: str | None = None, console: Console | None = None
 ) -> None:
-    """Prints the grid's results (mean ± std over seeds) and any failed / missing cells."""
+    """Prints the grid's results (mean ± std over seeds; fine-tuning: the test top-1 at the lr
+    selected on the validation split, which the `lr` column shows), every lr of the fine-tuning
+    sweeps, and any failed / missing cells."""
     console = console or Console()
     frame = as_frame(table)
     summary = summarize(frame, metric)
     results = RichTable(title="vitray evaluation results", show_lines=False)
     for name, justify in [("checkpoint", "left"), ("step", "right"), ("benchmark", "left"),
                           ("setting", "left"), ("metric", "left"), ("mean", "right"), ("± std", "right"),
-                          ("seeds", "right")]:
+                          ("seeds", "right"), ("lr", "right")]:
         results.add_column(name, justify=justify)
     for row in summary.itertuples():
         results.add_row(
-            _short_checkpoint(row.checkpoint), _step_text(row.step), row.benchmark, row.label, row.metric,
-            f"{row.mean:.4f}", f"{row.std:.4f}", str(row.seeds),
+            escape(_short_checkpoint(row.checkpoint)), _step_text(row.step), escape(row.benchmark),
+            escape(row.label), row.metric, f"{row.mean:.4f}", f"{row.std:.4f}", str(row.seeds), row.lr,
         )
     console.print(results)
+    sweeps = fine_tune_sweeps(frame)
+    if not sweeps.empty:
+        lrs = RichTable(title="fine-tuning: every learning rate (the selected one is reported above)")
+        for name, justify in [("checkpoint", "left"), ("step", "right"), ("benchmark", "left"), ("lr", "right"),
+                              ("val split", "left"), ("val top-1", "right"), ("test top-1", "right"),
+                              ("seeds", "right"), ("selected", "right")]:  # fmt: skip
+            lrs.add_column(name, justify=justify)
+        for row in sweeps.itertuples():
+            lrs.add_row(escape(_short_checkpoint(row.checkpoint)), _step_text(row.step), escape(row.benchmark),
+                        f"{row.lr:g}", escape(row.val_split), f"{row.val:.4f}", f"{row.test:.4f}", str(row.seeds),
+                        f"{row.selected}/{row.seeds}")  # fmt: skip
+        console.print(lrs)
     problems = _problem_cells(frame)
     if not problems.empty:
         failed = RichTable(title="cells not finished", show_lines=True)
@@ -159,8 +272,8 @@ def print_table(
             failed.add_column(name, overflow="fold")
         for row in problems.itertuples():
             style = "yellow" if row.status == "missing" else "red"
-            failed.add_row(row.benchmark, setting_label(row.method, row.settings), str(row.seed),
-                           f"[{style}]{row.status}[/{style}]", _first_lines(row.error, 3))
+            failed.add_row(escape(row.benchmark), escape(setting_label(row.method, row.settings)), str(row.seed),
+                           f"[{style}]{row.status}[/{style}]", escape(_first_lines(row.error, 3)))
         console.print(failed)
 
 
@@ -193,32 +306,48 @@ def write_report(
         plots["accuracy_vs_step"] = _plot_vs_step(over_steps, metric, out / "accuracy_vs_step.png")
 
     markdown = out / "report.md"
-    markdown.write_text(_markdown(frame, summary, vtab_group_averages(summary), plots, metric))
+    markdown.write_text(_markdown(frame, summary, vtab_group_averages(summary), fine_tune_sweeps(frame), plots, metric))
     return ReportFiles(markdown=markdown, plots=plots)
 
 
-def _markdown(frame: pd.DataFrame, summary: pd.DataFrame, vtab: pd.DataFrame, plots: dict[str, Path],
-              metric: str) -> str:
+_SELECTION_NOTE = (
+    " Fine-tuning reports, per seed, the test top-1 of the learning rate (column lr) with the best top-1 on "
+    "the held-out validation split, or of its re-run on the final train split where the protocol has one."
+)
+
+
+def _markdown(frame: pd.DataFrame, summary: pd.DataFrame, vtab: pd.DataFrame, sweeps: pd.DataFrame,
+              plots: dict[str, Path], metric: str) -> str:
     counts = frame.drop_duplicates("cell_id")["status"].value_counts()
     lines = [
         "# vitray evaluation report",
         "",
         f"Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} from {len(frame)} rows: "
         f"{counts.get('ok', 0)} cells ok, {counts.get('failed', 0)} failed, {counts.get('missing', 0)} missing. "
-        "Values are the mean and population std over seeds.",
+        "Values are the mean and population std over seeds."
+        + (_SELECTION_NOTE if (summary["method"] == "finetune").any() else ""),
         "",
         "## Results",
         "",
-        "| checkpoint | step | benchmark | setting | metric | mean | std | seeds |",
-        "| --- | ---: | --- | --- | --- | ---: | ---: | ---: |",
+        "| checkpoint | step | benchmark | setting | metric | mean | std | seeds | lr |",
+        "| --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for row in summary.itertuples():
         lines.append(
             f"| {_cell(row.checkpoint)} | {_step_text(row.step)} | {_cell(row.benchmark)} | {_cell(row.label)} "
-            f"| {_cell(row.metric)} | {row.mean:.4f} | {row.std:.4f} | {row.seeds} |"
+            f"| {_cell(row.metric)} | {row.mean:.4f} | {row.std:.4f} | {row.seeds} | {row.lr} |"
         )
     if summary.empty:
-        lines.append("| (no finished cells) | | | | | | | |")
+        lines.append("| (no finished cells) | | | | | | | | |")
+    if not sweeps.empty:
+        lines += ["", "## Fine-tuning: every learning rate", "",
+                  "| checkpoint | step | benchmark | lr | train split | val split | val top-1 | test top-1 | seeds "
+                  "| selected |",
+                  "| --- | ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        for row in sweeps.itertuples():
+            lines.append(f"| {_cell(row.checkpoint)} | {_step_text(row.step)} | {_cell(row.benchmark)} | {row.lr:g} "
+                         f"| {_cell(row.train_split)} | {_cell(row.val_split)} | {row.val:.4f} | {row.test:.4f} "
+                         f"| {row.seeds} | {row.selected}/{row.seeds} |")  # fmt: skip
     if not vtab.empty:
         lines += ["", "## VTAB-1k group averages", "",
                   "| checkpoint | step | setting | metric | group | mean | tasks |",

@@ -1,15 +1,18 @@
 """Transfer runs without Ray: few-shot probes on a loaded model, and the fine-tune recipe as data.
 
-- :func:`run_fewshot_group` extracts a benchmark's train and test features once (batched, through
-  :class:`vitray.data.EvalLoader`) and solves every (shots, seed) cell of a :class:`FewShotGroup`;
-  a cell that cannot be solved (too few examples for its shots) fails alone.
+- :func:`run_fewshot_group` reads a benchmark's train labels (no image decoded), draws every
+  (shots, seed) cell's few-shot set of a :class:`FewShotGroup`, extracts features once for the
+  drawn examples and for the test split (batched, through :class:`vitray.data.EvalLoader`) and
+  solves every cell; a cell that cannot be solved (too few examples for its shots) fails alone.
 - :func:`fewshot_probe` is the same probe as a hook for the pre-training loop:
   ``{"fewshot/digits_10shot": 0.83}``.
 - :func:`finetune_recipe` is the ViT paper's fine-tuning recipe for one cell as a plain dict in
   the shape of `vitray.trainers.config.PretrainConfig` (SGD momentum 0.9, cosine decay, linear
   warm-up, no weight decay, grad-norm clip 1, zero-initialised head, position embeddings
   resampled to the fine-tuning resolution). `cluster/` validates it with PretrainConfig and runs
-  it; keeping it a dict keeps `evaluation/` free of the trainers.
+  it; keeping it a dict keeps `evaluation/` free of the trainers. A selection cell's run trains
+  on the train slice and reports top-1 on the held-out slice; :func:`split_top1` then scores its
+  final weights on the test split. A final run reports its test top-1 itself.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ import numpy as np
 import torch
 
 from vitray.evaluation.config import FinetuneGrid
-from vitray.evaluation.fewshot import DEFAULT_L2_REG, extract_features, fewshot_accuracy
-from vitray.evaluation.grid import METRIC, FewShotGroup
+from vitray.evaluation.fewshot import DEFAULT_L2_REG, extract_features, sample_few_shot, score_few_shot_set
+from vitray.evaluation.grid import METRIC, TRAIN_SPLIT, VAL_SPLIT, FewShotGroup, is_selection
 from vitray.evaluation.results import Cell
 from vitray.evaluation.suite import Benchmark, locate, locate_train
 
@@ -89,6 +92,67 @@ def extract_split_features(
     return extract_features(model, loader, device=device)
 
 
+@dataclass(frozen=True)
+class FewShotPool:
+    """The examples few-shot sets are drawn from: a train split's labels, read without decoding
+    any image (samples whose label cannot be read are left out). Features are then extracted for
+    the drawn examples only (:func:`sampled_features`)."""
+
+    keys: list[str]
+    labels: np.ndarray  # class ids, pool order = stored order
+    positions: np.ndarray  # each member's position in the split (or slice)
+
+    @classmethod
+    def read(cls, path: str, split: str, storage_options: dict[str, Any] | None = None) -> FewShotPool:
+        from vitray.data import read_labels
+
+        keys, labels = read_labels(path, split, storage_options=storage_options)
+        readable = np.flatnonzero(labels >= 0)
+        return cls([keys[i] for i in readable], labels[readable], readable)
+
+
+def sampled_features(
+    model: Any,
+    path: str,
+    split: str,
+    pool: FewShotPool,
+    picks: Mapping[Any, np.ndarray],
+    *,
+    img_size: int,
+    batch_size: int = 256,
+    num_workers: int = 0,
+    storage_options: dict[str, Any] | None = None,
+    device: Any = "cpu",
+) -> dict[Any, tuple[np.ndarray, np.ndarray]]:
+    """Features and labels of every few-shot set in `picks` (name -> pool indices, e.g. from
+    :func:`vitray.evaluation.fewshot.sample_few_shot`), each picked image extracted once.
+
+    An image that turns out undecodable is left out of the sets that picked it (it is reported
+    by the data layer as a skipped sample).
+    """
+    from vitray.data import EvalLoader
+
+    union = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in picks.values()]))
+    loader = EvalLoader(path, split, batch_size=batch_size, img_size=img_size, num_workers=num_workers,
+                        storage_options=storage_options, indices=pool.positions[union].tolist())  # fmt: skip
+    keys: list[str] = []
+
+    def batches():
+        for batch in loader:
+            keys.extend(batch.keys)
+            yield batch
+
+    features, _ = extract_features(model, batches(), device=device)
+    row_of = {key: row for row, key in enumerate(keys)}
+    sets = {}
+    for name, picked in picks.items():
+        picked = np.asarray(picked, dtype=np.int64)
+        found = [(i, row_of[pool.keys[i]]) for i in picked if pool.keys[i] in row_of]
+        members = np.array([i for i, _ in found], dtype=np.int64)
+        sets[name] = features[[row for _, row in found]], pool.labels[members]
+    return sets
+
+
 def run_fewshot_group(
     model: Any,
     group: FewShotGroup,
@@ -101,40 +165,49 @@ def run_fewshot_group(
 ) -> list[CellOutcome]:
     """Every cell of `group` on `model` (resampled to `group.img_size` in place when it differs).
 
-    Extraction errors fail every cell of the group; a solve error fails its own cell only. A
-    cell's `seconds` is its solve time plus an equal share of the extraction time.
+    The train split's labels are read first (no image decoded); each cell's few-shot set is drawn
+    from them, and features are extracted for the drawn examples only, plus the whole test split.
+    Reading or extraction errors fail every cell of the group; a sampling or solve error (e.g.
+    fewer examples than shots) fails its own cell only. A cell's `seconds` is its solve time plus
+    an equal share of the reading and extraction time.
     """
     benchmark = group.benchmark
     started = time.perf_counter()
+    errors: dict[str, str] = {}
     try:
         if model.img_size != group.img_size:
             model.set_img_size(group.img_size)
-        features = {}
-        for role, path, split in (
-            ("train", locate_train(benchmark, data_root), benchmark.train_split),
-            ("test", locate(benchmark, data_root), benchmark.test_split),
-        ):
-            features[role] = extract_split_features(
-                model, path, split, img_size=group.img_size, batch_size=batch_size, num_workers=num_workers,
-                storage_options=storage_options, device=device,
-            )  # fmt: skip
+        common = dict(img_size=group.img_size, batch_size=batch_size, num_workers=num_workers,
+                      storage_options=storage_options, device=device)  # fmt: skip
+        train_path = locate_train(benchmark, data_root)
+        pool = FewShotPool.read(train_path, benchmark.train_split, storage_options)
+        picks = {}
+        for cell in group.cells:
+            try:
+                picks[cell.cell_id] = sample_few_shot(pool.labels, cell.settings["shots"], cell.seed,
+                                                      benchmark.num_classes)  # fmt: skip
+            except ValueError as error:  # e.g. fewer examples than shots: this cell only
+                errors[cell.cell_id] = f"{type(error).__name__}: {error}"
+        sets = sampled_features(model, train_path, benchmark.train_split, pool, picks, **common) if picks else {}
+        test_x, test_y = extract_split_features(model, locate(benchmark, data_root), benchmark.test_split, **common)
     except Exception as error:  # noqa: BLE001 - recorded as the cells' failure, never lost
         seconds = (time.perf_counter() - started) / len(group.cells)
         return [CellOutcome(cell, error=error_text(error), seconds=seconds) for cell in group.cells]
     share = (time.perf_counter() - started) / len(group.cells)
-    (train_x, train_y), (test_x, test_y) = features["train"], features["test"]
     outcomes = []
     for cell in group.cells:
         t0 = time.perf_counter()
-        metrics, error_message = None, None
-        try:
-            (score,) = fewshot_accuracy(
-                train_x, train_y, test_x, test_y, num_classes=benchmark.num_classes,
-                shots=cell.settings["shots"], seeds=[cell.seed], l2_reg=cell.settings["l2_reg"],
-            )  # fmt: skip
-            metrics = {METRIC: score.accuracy}
-        except Exception as error:  # noqa: BLE001 - e.g. fewer examples than shots: this cell only
-            error_message = f"{type(error).__name__}: {error}"
+        metrics, error_message = None, errors.get(cell.cell_id)
+        if error_message is None:
+            try:
+                train_x, train_y = sets[cell.cell_id]
+                score = score_few_shot_set(
+                    train_x, train_y, test_x, test_y, num_classes=benchmark.num_classes,
+                    shots=cell.settings["shots"], seed=cell.seed, l2_reg=cell.settings["l2_reg"],
+                )  # fmt: skip
+                metrics = {METRIC: score.accuracy}
+            except Exception as error:  # noqa: BLE001 - this cell only
+                error_message = f"{type(error).__name__}: {error}"
         outcomes.append(CellOutcome(cell, metrics, error_message, share + time.perf_counter() - t0))
     return outcomes
 
@@ -167,13 +240,14 @@ def fewshot_probe(
     for name, path in datasets.items():
         common = dict(img_size=model.img_size, batch_size=batch_size, num_workers=num_workers,
                       storage_options=storage_options, device=param.device)  # fmt: skip
-        train_x, train_y = extract_split_features(probe, path, train_split, **common)
-        test_x, test_y = extract_split_features(probe, path, test_split, **common)
         num_classes = _num_classes(path, storage_options)
+        pool = FewShotPool.read(path, train_split, storage_options)
+        picks = {(k, seed): sample_few_shot(pool.labels, k, seed, num_classes) for k in shots for seed in range(seeds)}
+        sets = sampled_features(probe, path, train_split, pool, picks, **common)
+        test_x, test_y = extract_split_features(probe, path, test_split, **common)
         for k in shots:
-            scores = fewshot_accuracy(
-                train_x, train_y, test_x, test_y, num_classes=num_classes, shots=k, seeds=seeds, l2_reg=l2_reg
-            )
+            scores = [score_few_shot_set(*sets[k, seed], test_x, test_y, num_classes=num_classes, shots=k, seed=seed,
+                                         l2_reg=l2_reg) for seed in range(seeds)]  # fmt: skip
             results[f"{prefix}{name}_{k}shot"] = float(np.mean([s.accuracy for s in scores]))
     return results
 
@@ -232,8 +306,11 @@ def finetune_recipe(
 ) -> dict[str, Any]:
     """A fine-tune run as a PretrainConfig-shaped dict.
 
-    `settings` are a cell's resolved settings (lr, steps, batch_size, warmup_steps, resolution;
-    see :func:`vitray.evaluation.grid.finetune_settings`), `model` the checkpoint's model section
+    `settings` are a cell's resolved settings (lr, steps, batch_size, warmup_steps, resolution,
+    train_split and -- for a selection cell -- val_split; see
+    :func:`vitray.evaluation.grid.finetune_settings`). The run trains on `train_split` of the
+    benchmark's train data and reports top-1 at its last step on `val_split` of the same data, or,
+    without `val_split` (a final run), on the test split. `model` the checkpoint's model section
     (its architecture; the resolution becomes `settings["resolution"]`), `options` the grid's
     fine-tune section (workers, micro batch, checkpoint interval). `options.overrides` are not
     applied here: they are dotted keys for the config loader.
@@ -251,9 +328,10 @@ def finetune_recipe(
         "init": {"checkpoint": checkpoint, "reset_head": True},
         "data": {
             "train": locate_train(benchmark, data_root),
-            "train_split": benchmark.train_split,
-            "val": locate(benchmark, data_root),
-            "val_split": benchmark.test_split,
+            "train_split": settings.get(TRAIN_SPLIT, benchmark.train_split),
+            # The held-out slice comes from the train data (ImageNet-ReaL: ImageNet's train split).
+            "val": locate_train(benchmark, data_root) if is_selection(settings) else locate(benchmark, data_root),
+            "val_split": settings[VAL_SPLIT] if is_selection(settings) else benchmark.test_split,
             "num_slots": workers * slots_per_worker,
             "storage_options": storage_options,
         },
@@ -271,7 +349,7 @@ def finetune_recipe(
             "micro_batch_size": micro,
             "label_smoothing": 0.0,
             "mixup_alpha": 0.0,
-            "eval_every": steps,  # top-1 on the test split once, at the end
+            "eval_every": steps,  # top-1 on the val split (or the test split) once, at the end
             "eval_batch_size": options.eval_batch_size,
             "checkpoint_every": options.checkpoint_every or max(1, steps // 4),
             "keep_checkpoints": 1,
@@ -287,9 +365,52 @@ def finetune_recipe(
 
 
 def final_top1(metrics: Iterable[Mapping[str, Any]], steps: int) -> float | None:
-    """The test top-1 a finished fine-tune run logged at its last step, or None if it has not."""
+    """The top-1 on its `data.val_split` a finished fine-tune run logged at its last step (the
+    held-out slice of a selection cell, the test split of a final run), or None if it has not."""
     found = None
     for record in metrics:
         if record.get("step") == steps and "val/top1" in record:
             found = float(record["val/top1"])
     return found
+
+
+def split_top1(
+    model: Any,
+    path: str,
+    split: str,
+    *,
+    batch_size: int = 256,
+    num_workers: int = 0,
+    storage_options: dict[str, Any] | None = None,
+    device: Any = "cpu",
+) -> float:
+    """Top-1 accuracy of a classifier on a prepared split (or slice), at the model's resolution.
+
+    Multi-label data (ImageNet-ReaL): a prediction counts when it is one of the image's labels, and
+    images without any label are left out, as ReaL is scored. The model is evaluated in eval mode
+    and left in the mode it was in.
+    """
+    from vitray.data import EvalLoader
+
+    loader = EvalLoader(path, split, batch_size=batch_size, img_size=model.img_size, num_workers=num_workers,
+                        storage_options=storage_options)  # fmt: skip
+    was_training = model.training
+    model.to(device).eval()
+    correct = seen = 0
+    try:
+        with torch.inference_mode():
+            for batch in loader:
+                predicted = model(batch.images.to(device)).float().argmax(1).cpu()
+                labels = batch.labels
+                if labels.ndim == 2:
+                    labelled = labels.sum(1) > 0
+                    correct += int(labels[labelled].gather(1, predicted[labelled, None]).sum())
+                    seen += int(labelled.sum())
+                else:
+                    correct += int((predicted == labels).sum())
+                    seen += len(labels)
+    finally:
+        model.train(was_training)
+    if seen == 0:
+        raise ValueError(f"split {split!r} of {path} has no labelled sample to score")
+    return correct / seen

@@ -1,7 +1,9 @@
-"""`vitray evaluate` over a local Ray: a grid on the digits benchmark (few-shot shots x seeds and a
-fine-tune cell) written cell by cell, killed midway and re-run without redoing finished cells;
-failed cells retried, missing data reported with its prepare command, the report matching the
-table; `--watch` following a run's new checkpoints; the pre-training few-shot hook."""
+"""`vitray evaluate` over a local Ray: a grid on the digits benchmark (few-shot shots x seeds, and a
+fine-tune sweep of two learning rates on train[:90%] scored on train[90%:] and the test split,
+whose selected lr is then re-trained on train[:1000]) written cell by cell, killed midway and
+re-run without redoing finished cells; failed cells retried, missing data reported with its
+prepare command, the report matching the table; `--watch` following a run's new checkpoints;
+the pre-training few-shot hook."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from vitray.evaluation.config import GridConfig
 from vitray.evaluation.grid import CheckpointRef, plan_grid
 from vitray.evaluation.report import setting_label, summarize
 from vitray.evaluation.results import ResultsTable
-from vitray.evaluation.transfer import final_top1, fewshot_probe
+from vitray.evaluation.transfer import final_top1, fewshot_probe, split_top1
 from vitray.trainers.checkpoint import IncompleteCheckpointError
 from vitray.trainers.run_files import RunFiles, latest_complete_checkpoint, list_checkpoints
 
@@ -35,6 +37,8 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "vitray.cluster.cli_evaluation"]
 FINETUNE_STEPS = 12
+LEARNING_RATES = (0.01, 0.3)
+FINAL_SPLIT = "train[:1000]"
 CIFAR10_PREPARE = "vitray data prepare cifar10:/path/to/cifar-10-batches-py {root}/cifar10"
 
 
@@ -53,8 +57,9 @@ def _write_grid(path: Path, data_root: Path, output: Path) -> Path:
         "benchmarks": ["digits", "cifar10"],
         # 500 shots: more than digits has per class, so those cells fail (and never block the others).
         "fewshot": {"shots": [1, 5, 500], "seeds": 2},
-        "finetune": {"learning_rates": [0.01], "steps": FINETUNE_STEPS, "batch_size": 16, "warmup_steps": 2,
-                     "resolution": 24, "checkpoint_every": 4},
+        # VTAB-1k style: select the lr on the held-out slice, then re-train it on another split.
+        "finetune": {"learning_rates": list(LEARNING_RATES), "steps": FINETUNE_STEPS, "batch_size": 16,
+                     "warmup_steps": 2, "resolution": 24, "checkpoint_every": 4, "final_train_split": FINAL_SPLIT},
     }  # fmt: skip
     path.write_text(yaml.safe_dump(grid))
     return path
@@ -108,7 +113,7 @@ def killed_and_rerun(pretrained, data_root, tmp_path_factory) -> dict:
 
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     return {
-        "output": output, "config": config, "cmd": cmd, "after_kill": after_kill,
+        "output": output, "config": config, "cmd": cmd, "after_kill": after_kill, "data_root": data_root,
         "finetune_steps_at_kill": finetune_steps_at_kill, "rerun": rerun,
         "final": table.to_table(latest=False).to_pandas(), "latest": table.to_pandas(),
     }  # fmt: skip
@@ -138,7 +143,8 @@ def test_rerun_skips_finished_cells_and_completes_the_grid(killed_and_rerun):
     digits = latest[latest["benchmark"] == "digits"]
     shots = digits["settings"].map(lambda s: yaml.safe_load(s).get("shots"))
     assert (digits[shots.isin([1, 5]) | (digits["method"] == "finetune")]["status"] == "ok").all()
-    assert len(digits[shots.isin([1, 5])]) == 4 and len(digits[digits["method"] == "finetune"]) == 1
+    # 2 lrs x (val, test top-1) and the final run's test top-1
+    assert len(digits[shots.isin([1, 5])]) == 4 and len(digits[digits["method"] == "finetune"]) == 5
     assert digits[digits["status"] == "ok"]["value"].between(0, 1).all()
 
 
@@ -153,21 +159,39 @@ def test_failed_cells_are_retried_and_keep_their_error(killed_and_rerun):
 def test_missing_benchmark_gives_the_prepare_command(killed_and_rerun, data_root):
     latest = killed_and_rerun["latest"]
     missing = latest[latest["benchmark"] == "cifar10"]
-    assert len(missing) == 7 and (missing["status"] == "missing").all()  # 3 shots x 2 seeds + 1 fine-tune
+    assert len(missing) == 8 and (missing["status"] == "missing").all()  # 3 shots x 2 seeds + 2 fine-tune lrs
     command = CIFAR10_PREPARE.format(root=data_root)
     assert all(command in e for e in missing["error"])
     assert command in killed_and_rerun["rerun"].stdout.replace("\n", "") or command in (
         killed_and_rerun["output"] / "report" / "report.md").read_text()  # fmt: skip
 
 
-def test_finetune_cell_resumed_its_run_and_reports_its_top1(killed_and_rerun):
-    runs = list((killed_and_rerun["output"] / "finetune_runs").iterdir())
-    assert len(runs) == 1  # the re-run continued the same run (named after the cell), not a new one
+def test_finetune_selects_the_lr_on_val_resumes_its_runs_and_retrains_the_choice(killed_and_rerun):
+    runs = {run.name: run for run in (killed_and_rerun["output"] / "finetune_runs").iterdir()}
+    assert len(runs) == 3  # two lrs and the final run; the re-run continued the killed runs, no new ones
     latest = killed_and_rerun["latest"]
-    (cell,) = [row for _, row in latest.iterrows() if row["method"] == "finetune" and row["benchmark"] == "digits"]
-    assert cell["cell_id"] in runs[0].name
-    assert latest_complete_checkpoint(str(runs[0])).step == FINETUNE_STEPS
-    assert cell["value"] == pytest.approx(final_top1(RunFiles(str(runs[0])).read_metrics(), FINETUNE_STEPS))
+    rows = latest[(latest["method"] == "finetune") & (latest["benchmark"] == "digits")]
+    cells = {}
+    for cell_id, part in rows.groupby("cell_id"):
+        (run,) = [r for name, r in runs.items() if cell_id in name]  # named after its cell
+        assert latest_complete_checkpoint(str(run)).step == FINETUNE_STEPS
+        cells[cell_id] = (yaml.safe_load(part["settings"].iloc[0]), dict(zip(part["metric"], part["value"])), run)
+    sweep = {s["lr"]: (m, run) for s, m, run in cells.values() if "val_split" in s}
+    assert set(sweep) == set(LEARNING_RATES)
+    for lr, (metrics, run) in sweep.items():
+        # The run validated on the held-out slice; the test top-1 came from its last checkpoint.
+        assert metrics["val_accuracy"] == pytest.approx(final_top1(RunFiles(str(run)).read_metrics(), FINETUNE_STEPS))
+        model, _ = load_checkpoint_model(str(run))
+        test = split_top1(model, str(killed_and_rerun["data_root"] / "digits"), "test", batch_size=128)
+        assert metrics["accuracy"] == pytest.approx(test, abs=1.5 / 360)  # at most one prediction flipped by rounding
+    (final,) = [(s, m, run) for s, m, run in cells.values() if "val_split" not in s]
+    settings, metrics, run = final
+    best = max(sorted(sweep), key=lambda lr: sweep[lr][0]["val_accuracy"])
+    assert settings["lr"] == best and settings["train_split"] == FINAL_SPLIT
+    assert metrics == {"accuracy": pytest.approx(final_top1(RunFiles(str(run)).read_metrics(), FINETUNE_STEPS))}
+    summary = summarize(latest)
+    (reported,) = summary[summary["method"] == "finetune"].itertuples()
+    assert reported.mean == metrics["accuracy"] and reported.lr == f"{best:g}"
 
 
 def test_report_files_match_the_table(killed_and_rerun, data_root):
@@ -177,7 +201,8 @@ def test_report_files_match_the_table(killed_and_rerun, data_root):
     assert len(summary) == 3  # 1-shot, 5-shot, fine-tune
     for row in summary.itertuples():
         assert f"| {row.label} | {row.metric} | {row.mean:.4f} | {row.std:.4f} | {row.seeds} |" in text
-    assert "5 cells ok, 2 failed, 7 missing" in text
+    assert "7 cells ok, 2 failed, 8 missing" in text
+    assert "## Fine-tuning: every learning rate" in text and "train[90%:]" in text
     assert CIFAR10_PREPARE.format(root=data_root) in text
     for plot in ("accuracy_per_benchmark.png", "fewshot_vs_shots.png"):
         assert (report / plot).stat().st_size > 1000 and f"]({plot})" in text
@@ -188,7 +213,7 @@ def test_a_grid_with_nothing_left_to_do_does_not_start_ray(killed_and_rerun):
     started = time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "0 ok, 5 already finished, 0 failed, 0 missing" in out.stderr
+    assert "0 ok, 7 already finished, 0 failed, 0 missing" in out.stderr  # the final run's lr found from the table
     assert time.monotonic() - started < 60
 
 

@@ -362,3 +362,42 @@ def test_few_shot_on_prepared_digits_through_the_eval_loader(digits_dataset):
 
     scores = fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes=10, shots=10, seeds=3)
     assert min(s.accuracy for s in scores) > 0.7  # chance: 0.1
+
+
+class _CountingPixels(torch.nn.Module):
+    """`_PooledPixels` with what the pre-training probe needs (a parameter, img_size) and a count
+    of the images it encodes."""
+
+    img_size = 32
+
+    def __init__(self):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+        self.encoded = 0
+
+    def forward_features(self, x):
+        self.encoded += len(x)
+        return torch.nn.functional.avg_pool2d(x, 4).flatten(1)
+
+
+def test_probe_encodes_only_the_sampled_train_images_and_matches_the_whole_split_probe(digits_dataset):
+    from vitray.data import EvalLoader, read_labels
+    from vitray.evaluation.transfer import fewshot_probe
+
+    model = _CountingPixels()
+    probed = fewshot_probe(model, {"digits": str(digits_dataset)}, shots=(1, 5, 10), seeds=2)
+
+    # Reference: every train image encoded, sets drawn from the decoded pool (the former path).
+    def features(split):
+        return extract_features(_PooledPixels(), EvalLoader(str(digits_dataset), split, batch_size=256, img_size=32))
+
+    (train_x, train_y), (test_x, test_y) = features("train"), features("test")
+    for k in (1, 5, 10):
+        scores = fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes=10, shots=k, seeds=2)
+        assert probed[f"fewshot/digits_{k}shot"] == pytest.approx(np.mean([s.accuracy for s in scores]), abs=1e-12)
+
+    keys, labels = read_labels(str(digits_dataset), "train")
+    np.testing.assert_array_equal(labels, train_y)  # the labels read without decoding are the decoded ones
+    assert keys[:2] == ["train_00000000", "train_00000001"]
+    union = {int(i) for k in (1, 5, 10) for seed in range(2) for i in sample_few_shot(labels, k, seed, 10)}
+    assert model.encoded == len(union) + len(test_y) and len(union) < 200  # not the 1437 train images

@@ -82,7 +82,9 @@ def test_recipe_is_the_papers_finetuning_recipe(pretrained, tmp_path):
     assert train.eval_every == 30  # the test top-1 at the end
     assert cfg.init.checkpoint == ref.path and cfg.init.reset_head
     assert cfg.model.name == "Ti/4" and cfg.model.img_size == 24 and cfg.model.representation_size is None
-    assert cfg.data.train == str(tmp_path / "data" / "digits") and cfg.data.val_split == "test"
+    # Trained on the train-minus-validation slice; the run's top-1 is on the held-out slice.
+    assert cfg.data.train == cfg.data.val == str(tmp_path / "data" / "digits")
+    assert (cfg.data.train_split, cfg.data.val_split) == ("train[:90%]", "train[90%:]")
     assert cfg.run.storage == str(tmp_path / "eval" / "finetune_runs")
     assert job.cell.cell_id in cfg.run.name and cfg.cluster.num_workers == 1
 
@@ -124,6 +126,7 @@ def test_benchmark_form_builds_the_protocol_recipe(pretrained, digits_dataset, t
     assert cfg["init"] == {"checkpoint": _pretrained_ref(pretrained).path, "reset_head": True}
     assert cfg["train"]["optimizer"] == "sgd" and cfg["train"]["lr"] == 0.03 and cfg["train"]["steps"] == 50
     assert cfg["model"]["img_size"] == 24 and cfg["data"]["val"] == str(root / "digits")
+    assert (cfg["data"]["train_split"], cfg["data"]["val_split"]) == ("train[:90%]", "train[90%:]")
     assert re.fullmatch(r"digits-lr0\.03-seed0-[0-9a-f]{16}", cfg["run"]["name"])
 
     missing = subprocess.run(
@@ -132,6 +135,59 @@ def test_benchmark_form_builds_the_protocol_recipe(pretrained, digits_dataset, t
     )  # fmt: skip
     assert missing.returncode == 2
     assert f"vitray data prepare cifar10:/path/to/cifar-10-batches-py {root}/cifar10" in missing.stderr
+
+
+def _grid_plan(tmp_path, benchmarks, **finetune):
+    grid = GridConfig(data_root=str(tmp_path), output=str(tmp_path / "eval"), benchmarks=benchmarks,
+                      fewshot={"enabled": False}, finetune={"seeds": 2, **finetune})  # fmt: skip
+    ref = CheckpointRef("/runs/r/checkpoint_1", 1, {"name": "B/16", "img_size": 224})
+    return grid, plan_grid(grid, [ref])
+
+
+def test_each_lr_trains_on_the_train_slice_and_is_scored_on_the_held_out_slice(tmp_path):
+    grid, plan = _grid_plan(tmp_path, ["cifar10"])
+    assert len(plan.finetune) == 4 * 2 and not plan.finals  # 4 lrs x 2 seeds, nothing re-trained
+    for job in plan.finetune:
+        assert (job.cell.settings["train_split"], job.cell.settings["val_split"]) == ("train[:98%]", "train[98%:]")
+        cfg = finetune_config(job, grid)
+        assert (cfg.data.train_split, cfg.data.val_split) == ("train[:98%]", "train[98%:]")
+        assert cfg.data.train == cfg.data.val == str(tmp_path / "cifar10")
+    # ImageNet-ReaL holds out part of ImageNet's train split; its test split is ReaL's.
+    grid, plan = _grid_plan(tmp_path, ["imagenet_real"], learning_rates=[0.01])
+    cfg = finetune_config(plan.finetune[0], grid)
+    assert cfg.data.train == cfg.data.val == str(tmp_path / "imagenet") and cfg.data.val_split == "train[99%:]"
+
+
+def test_vtab_selects_on_800_200_then_retrains_the_chosen_lr_on_1000(tmp_path):
+    # The protocol's single lr: nothing to select, the one run is the final run on all 1000 examples.
+    grid, plan = _grid_plan(tmp_path, ["vtab/dtd"])
+    assert not plan.finals and len(plan.finetune) == 2
+    cfg = finetune_config(plan.finetune[0], grid)
+    settings = plan.finetune[0].cell.settings
+    assert settings["train_split"] == "train[:1000]" and "val_split" not in settings
+    assert (cfg.data.train_split, cfg.data.val_split) == ("train[:1000]", "test")
+    assert cfg.data.val == str(tmp_path / "vtab_dtd")
+
+    # A sweep: every lr on train[:800] scored on train[800:1000], then per seed a final run.
+    grid, plan = _grid_plan(tmp_path, ["vtab/dtd"], learning_rates=[0.003, 0.01, 0.03])
+    assert len(plan.finetune) == 3 * 2 and len(plan.finals) == 2 and len(plan) == 8
+    assert {(j.cell.settings["train_split"], j.cell.settings["val_split"]) for j in plan.finetune} == {
+        ("train[:800]", "train[800:1000]")}  # fmt: skip
+    final = plan.finals[1]
+    assert final.seed == 1 and [c.settings["lr"] for c in final.selection] == [0.003, 0.01, 0.03]
+    assert all(c.seed == 1 for c in final.selection)
+    job = final.job(0.01)
+    assert job.cell.settings == {**{k: v for k, v in final.selection[1].settings.items() if k != "val_split"},
+                                 "train_split": "train[:1000]"}  # fmt: skip
+    _, lone = _grid_plan(tmp_path, ["vtab/dtd"], learning_rates=[0.01])
+    assert job.cell.cell_id == lone.finetune[1].cell.cell_id  # the same run as a grid of that lr alone
+    assert finetune_config(job, grid).data.train_split == "train[:1000]"
+    # The splits can be set per grid, and bad ones fail with the config.
+    _, plan = _grid_plan(tmp_path, ["digits"], train_split="train[:1000]", val_split="train[1000:]",
+                         final_train_split="train")  # fmt: skip
+    assert plan.finetune[0].cell.settings["val_split"] == "train[1000:]" and plan.finals[0].train_split == "train"
+    with pytest.raises(ValueError, match="malformed"):
+        FinetuneGrid(val_split="train[1000]")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,7 +203,7 @@ def test_finetune_resets_head_resamples_posemb_and_reports_top1(pretrained, thre
             "data.shuffle_buffer=64", "model.img_size=24"]  # fmt: skip
     out = run([*CLI, "finetune", "-c", str(REPO / "configs" / "finetune_digits.yaml"),
                *[a for s in sets for a in ("--set", s)]])  # fmt: skip
-    printed = re.search(r"test top-1 \(.*\): ([0-9.]+)", out.stdout)
+    printed = re.search(r"top-1 \(.* split test\): ([0-9.]+)", out.stdout)
     assert printed, out.stdout
 
     run_dir = str(tmp_path / "three")

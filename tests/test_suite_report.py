@@ -53,7 +53,8 @@ def test_vtab_tasks_groups_and_class_counts():
         for b in members:
             assert b.vtab_group == group
             assert (b.finetune.learning_rates, b.finetune.steps, b.finetune.batch_size) == ((0.01,), 2500, 512)
-            assert (b.finetune.train_examples, b.finetune.val_examples) == (1000, 200)
+            assert (b.finetune.train_split, b.finetune.val_split, b.finetune.final_train_split) == (
+                "train[:800]", "train[800:1000]", "train[:1000]")  # fmt: skip
 
 
 def test_paper_benchmarks_follow_the_paper():
@@ -63,7 +64,13 @@ def test_paper_benchmarks_follow_the_paper():
         "imagenet": 1000, "imagenet_real": 1000, "cifar10": 10, "cifar100": 100, "pets": 37, "flowers102": 102}
     assert get_benchmark("imagenet").finetune.steps == 20_000
     assert get_benchmark("cifar10").finetune.learning_rates == (0.003, 0.01, 0.03, 0.06)
-    assert get_benchmark("pets").finetune.steps == 500 and get_benchmark("pets").finetune.val_fraction == 0.1
+    assert get_benchmark("pets").finetune.steps == 500
+    # Held-out validation: the last 1% (ImageNet), 2% (CIFAR), 10% (Pets, Flowers) of train.
+    held_out = {n: (get_benchmark(n).finetune.train_split, get_benchmark(n).finetune.val_split) for n in names}
+    assert held_out["imagenet"] == held_out["imagenet_real"] == ("train[:99%]", "train[99%:]")
+    assert held_out["cifar10"] == held_out["cifar100"] == ("train[:98%]", "train[98%:]")
+    assert held_out["pets"] == held_out["flowers102"] == ("train[:90%]", "train[90%:]")
+    assert all(get_benchmark(n).finetune.final_train_split is None for n in names)
     assert get_benchmark("imagenet_real").label_kind == "multi"
     assert get_benchmark("cifar100").fewshot.shots == (1, 5, 10, 25)
     assert get_benchmark("digits").groups == ("demo",)
@@ -316,7 +323,7 @@ def test_report_numbers_equal_the_table(grid_table, tmp_path):
             raw.setdefault(key, []).append(r["value"])
     rows = _markdown_rows(text, "| checkpoint | step | benchmark |")
     assert len(rows) == len(raw) == 24
-    for checkpoint, step, benchmark, setting, metric, mean, std, seeds in rows:
+    for checkpoint, step, benchmark, setting, metric, mean, std, seeds, lr in rows:
         values = raw[(checkpoint, benchmark, int(setting.split("-shot")[0]))]
         assert (metric, int(seeds), int(step)) == ("accuracy", 3, int(checkpoint[-6:]))
         assert float(mean) == pytest.approx(np.mean(values), abs=5e-5)
@@ -369,8 +376,9 @@ def test_report_only_draws_what_the_data_supports(tmp_path):
     assert set(files.plots) == {"accuracy_per_benchmark"}
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["accuracy_per_benchmark.png", "report.md"]
     rows = _markdown_rows(files.markdown.read_text(), "| checkpoint | step | benchmark |")
+    # Cells from before held-out selection (no splits in their settings) are runs of their own.
     assert rows == [["runs/r2/checkpoint_000050", "50", "cifar10", "finetune lr=0.01", "accuracy", "0.9050",
-                     "0.0050", "2"]]
+                     "0.0050", "2", "0.01"]]
     assert "VTAB" not in files.markdown.read_text()
 
     empty = write_report(ResultsTable(str(tmp_path / "none")), tmp_path / "empty")
@@ -392,3 +400,68 @@ def test_vtab_group_averages_mark_incomplete_groups(grid_table):
     natural = averages[(averages["group"] == "natural") & (averages["step"] == 200)]
     assert set(natural["tasks"]) == {1} and set(natural["total"]) == {7}
     assert set(averages["group"]) == {"natural", "specialized", "structured", "all"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Fine-tuning: the learning rate selected on the held-out split
+# ---------------------------------------------------------------------------------------------
+
+
+def test_select_lr_takes_the_best_val_and_the_smaller_lr_on_ties():
+    from vitray.evaluation.selection import select_lr
+
+    assert select_lr({0.03: 0.5, 0.01: 0.7, 0.1: 0.6}) == 0.01
+    assert select_lr({0.03: 0.7, 0.01: 0.7, 0.001: 0.2}) == 0.01
+    with pytest.raises(ValueError, match="no learning rate"):
+        select_lr({})
+
+
+def test_finetune_reports_the_test_top1_of_the_lr_best_on_val(tmp_path):
+    from vitray.evaluation.report import fine_tune_sweeps
+
+    rng = np.random.default_rng(1)
+    table = ResultsTable(str(tmp_path / "results"))
+    checkpoint, lrs = "runs/r3/checkpoint_000100", (0.003, 0.01, 0.03)
+    common = {"steps": 100, "batch_size": 64, "warmup_steps": 10, "resolution": 32}
+    held_out = {"train_split": "train[:90%]", "val_split": "train[90%:]"}
+    expected, scores = [], {}
+    for seed in range(3):
+        for lr in lrs:
+            val, test = float(rng.uniform()), float(rng.uniform())
+            scores[seed, lr] = (val, test)
+            cell = Cell(checkpoint, "digits", "finetune", {"lr": lr, **common, **held_out}, seed, 100)
+            table.append(cell.ok({"val_accuracy": val, "accuracy": test}, 1.0))
+        best = max(lrs, key=lambda lr: scores[seed, lr][0])
+        expected.append((best, scores[seed, best][1]))
+    # VTAB-1k: a sweep on train[:800] / train[800:1000], then the selected lr re-trained on train[:1000].
+    vtab = {"train_split": "train[:800]", "val_split": "train[800:1000]"}
+    for lr, val in ((0.01, 0.8), (0.03, 0.6)):
+        table.append(Cell(checkpoint, "vtab/dtd", "finetune", {"lr": lr, **common, **vtab}, 0, 100)
+                     .ok({"val_accuracy": val, "accuracy": 0.5}, 1.0))  # fmt: skip
+    table.append(Cell(checkpoint, "vtab/dtd", "finetune", {"lr": 0.01, **common, "train_split": "train[:1000]"}, 0,
+                      100).ok({"accuracy": 0.625}, 1.0))  # fmt: skip
+
+    summary = summarize(table).set_index("benchmark")
+    digits = summary.loc["digits"]
+    assert digits["mean"] == pytest.approx(np.mean([t for _, t in expected]))
+    assert digits["std"] == pytest.approx(np.std([t for _, t in expected])) and digits["seeds"] == 3
+    assert digits["lr"] == "/".join(f"{lr:g}" for lr in sorted({lr for lr, _ in expected}))
+    assert digits["label"].startswith("finetune lr of 0.003/0.01/0.03 best on train[90%:], trained on train[:90%]")
+    dtd = summary.loc["vtab/dtd"]
+    assert (dtd["mean"], dtd["lr"], dtd["seeds"]) == (0.625, "0.01", 1) and "re-trained on train[:1000]" in dtd["label"]
+
+    sweeps = fine_tune_sweeps(table)
+    digit_sweep = sweeps[sweeps["benchmark"] == "digits"].set_index("lr")
+    for lr in lrs:
+        assert digit_sweep.loc[lr, "val"] == pytest.approx(np.mean([scores[s, lr][0] for s in range(3)]))
+        assert digit_sweep.loc[lr, "test"] == pytest.approx(np.mean([scores[s, lr][1] for s in range(3)]))
+        assert digit_sweep.loc[lr, "selected"] == sum(best == lr for best, _ in expected)
+
+    text = write_report(table, tmp_path / "report").markdown.read_text()
+    assert "## Fine-tuning: every learning rate" in text and "the held-out validation split" in text
+    (row,) = [r for r in _markdown_rows(text, "| checkpoint | step | benchmark |") if r[2] == "vtab/dtd"]
+    assert row[5:] == ["0.6250", "0.0000", "1", "0.01"]
+    console = Console(record=True, width=250)
+    print_table(table, console=console)
+    printed = console.export_text()
+    assert "train[800:1000]" in printed and "every learning rate" in printed and "0.6250" in printed
