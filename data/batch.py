@@ -3,20 +3,30 @@
 from __future__ import annotations
 
 import logging
+import math
+import mmap
+import sys
+import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
+from torch.utils.data import get_worker_info
 
 from .layout import LabelKind
 from .reader import CORRUPT, RawSample
-from .transforms import CorruptSample, Transform, apply_seeded, decode_image, decode_label, image_bytes, to_model_range
+from .transforms import CorruptSample, apply_seeded, decode_image, decode_label, image_bytes
 
 log = logging.getLogger(__name__)
 
 WARN_INTERVAL_S = 60.0
+HUGE_PAGE = 2 << 20  # bytes of a transparent huge page on x86-64 and arm64 (4 KiB base pages)
+CONVERT_BLOCK_BYTES = 1 << 20  # float bytes converted per step: stays in the L2 cache
+_SCALE, _ONE = np.float32(2.0 / 255.0), np.float32(1.0)  # to_model_range's arithmetic, in float32
 
 
 @dataclass
@@ -42,7 +52,8 @@ class Chunk:
     """What one worker decodes for one batch (its slots' share, or one evaluation batch).
 
     Images stay uint8 until the batch is put together: a quarter of the bytes to pass between
-    processes, which costs more than the float conversion done once per batch."""
+    processes. In a DataLoader worker they are decoded straight into shared memory, which the
+    main process maps instead of receiving a copy."""
 
     images: torch.Tensor  # uint8 (n, 3, H, W)
     labels: torch.Tensor
@@ -72,15 +83,22 @@ def decode_chunk(
     raws: Sequence[Any],
     seeds: Sequence[int | None],
     *,
-    transform: Transform,
+    transform: Callable[[Image.Image], Image.Image | torch.Tensor],
     img_size: int,
     label_kind: LabelKind,
     num_classes: int,
     reporter: SkipReporter,
     where: str,
 ) -> Chunk:
-    """Decode raw samples (``RawSample`` or ``CORRUPT``) into a chunk, skipping corrupt ones."""
-    images, labels, keys, skipped = [], [], [], 0
+    """Decode raw samples (``RawSample`` or ``CORRUPT``) into a chunk, skipping corrupt ones.
+
+    ``transform`` maps the decoded RGB image to an ``img_size`` square, as a PIL image (e.g.
+    :func:`~vitray.data.transforms.train_augment`; copied plane by plane, the cheapest) or a uint8
+    ``(3, img_size, img_size)`` tensor (e.g. :func:`~vitray.data.transforms.train_transform`).
+    """
+    images = _image_buffer(len(raws), img_size)
+    planes = images.numpy()  # writable view of the same memory
+    labels, keys, skipped = [], [], 0
     for raw, seed in zip(raws, seeds, strict=True):
         try:
             if raw is CORRUPT:
@@ -92,14 +110,35 @@ def decode_chunk(
             skipped += 1
             reporter.skipped(raw.key if isinstance(raw, RawSample) else where, str(error))
             continue
-        images.append(image)
+        _put_image(planes[len(keys)], image)
         labels.append(label)
         keys.append(raw.key)
-    return Chunk(_stack_images(images, img_size), _stack_labels(labels, label_kind, num_classes), keys, skipped)
+    return Chunk(images[: len(keys)], _stack_labels(labels, label_kind, num_classes), keys, skipped)
 
 
-def _stack_images(images: list[torch.Tensor], img_size: int) -> torch.Tensor:
-    return torch.stack(images) if images else torch.zeros((0, 3, img_size, img_size), dtype=torch.uint8)
+def _image_buffer(count: int, img_size: int) -> torch.Tensor:
+    """Uninitialised uint8 ``(count, 3, img_size, img_size)``; in shared memory in a DataLoader worker,
+    where passing a tensor to the main process would otherwise copy it there (as default_collate does)."""
+    shape = (count, 3, img_size, img_size)
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=torch.uint8)
+    storage = torch.UntypedStorage._new_shared(math.prod(shape))
+    return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+
+
+def _put_image(dest: np.ndarray, image: Image.Image | torch.Tensor) -> None:
+    """Copy one transformed image into ``dest`` (uint8 ``(3, H, W)``)."""
+    if isinstance(image, Image.Image):
+        if image.mode != "RGB" or image.size != dest.shape[:0:-1]:
+            raise ValueError(f"the transform gave a {image.mode} {image.size} image; expected RGB {dest.shape[:0:-1]}")
+        # PIL keeps pixels interleaved (H, W, 3); its raw packer extracts one band at a time in C,
+        # a third of the cost of PILToTensor's (H, W, 3) array and transposing copy.
+        for plane, band in zip(dest, "RGB"):
+            plane.reshape(-1)[:] = np.frombuffer(image.tobytes("raw", band), dtype=np.uint8)
+        return
+    if image.dtype != torch.uint8 or tuple(image.shape) != dest.shape:
+        raise ValueError(f"the transform gave a {image.dtype} {tuple(image.shape)} tensor; expected uint8 {dest.shape}")
+    torch.from_numpy(dest).copy_(image)
 
 
 def _stack_labels(labels: list[Any], label_kind: LabelKind, num_classes: int) -> torch.Tensor:
@@ -108,18 +147,102 @@ def _stack_labels(labels: list[Any], label_kind: LabelKind, num_classes: int) ->
     return torch.tensor(labels, dtype=torch.int64)
 
 
-def concat_chunks(chunks: Iterable[Chunk], *, epoch: int, step: int, float_images: bool = True) -> Batch:
-    """One batch from chunks in order; uint8 images become float32 in ``[-1, 1]`` if ``float_images``."""
+def concat_chunks(
+    chunks: Iterable[Chunk], *, epoch: int, step: int, float_images: bool = True, memory: BatchMemory | None = None
+) -> Batch:
+    """One batch from chunks in order; uint8 images become float32 in ``[-1, 1]`` if ``float_images``,
+    with the values of :func:`~vitray.data.transforms.to_model_range`. ``memory`` recycles the
+    memory of earlier batches that nobody holds any more (fresh memory without it)."""
     parts = list(chunks)
-    images = parts[0].images if len(parts) == 1 else torch.cat([c.images for c in parts])
+    memory = memory if memory is not None else BatchMemory(max_regions=0)
+    if float_images:
+        images = _model_range_batch([c.images for c in parts], memory)
+    elif len(parts) == 1:
+        images = parts[0].images  # a worker's shared memory, or this process's own buffer: no copy
+    else:  # numpy: no intra-op threads for a copy
+        images = memory.empty((sum(len(c.images) for c in parts), *parts[0].images.shape[1:]), torch.uint8)
+        np.concatenate([c.images.numpy() for c in parts], out=images.numpy())
     return Batch(
-        images=to_model_range(images) if float_images else images,
+        images=images,
         labels=parts[0].labels if len(parts) == 1 else torch.cat([c.labels for c in parts]),
         keys=[k for c in parts for k in c.keys],
         num_skipped=sum(c.num_skipped for c in parts),
         epoch=epoch,
         step=step,
     )
+
+
+def _model_range_batch(parts: list[torch.Tensor], memory: BatchMemory) -> torch.Tensor:
+    """The uint8 ``parts`` concatenated and converted to float32 in ``[-1, 1]`` in one pass.
+
+    Done in small blocks with numpy, which never starts threads: the conversion is memory-bound,
+    and torch's intra-op threads would only spin beside the training process's own work. The
+    numbers are those of ``x.to(float32).mul_(2 / 255).sub_(1)``, bit for bit.
+    """
+    count = sum(len(p) for p in parts)
+    out = memory.empty((count, *parts[0].shape[1:]), torch.float32)
+    flat = out.numpy()
+    per_image = flat[0].nbytes if count else 1
+    block = max(1, CONVERT_BLOCK_BYTES // per_image)
+    at = 0
+    for part in parts:
+        if part.dtype != torch.uint8:
+            raise TypeError(f"chunk images must be uint8 to convert to the model range, got {part.dtype}")
+        source = part.numpy()
+        for first in range(0, len(source), block):
+            block_source = source[first : first + block]
+            dest = flat[at + first : at + first + len(block_source)]
+            np.multiply(block_source, _SCALE, out=dest, dtype=np.float32)
+            np.subtract(dest, _ONE, out=dest)
+        at += len(source)
+    return out
+
+
+class BatchMemory:
+    """Memory for large batches, recycled once the caller holds no tensor of an earlier batch.
+
+    Each batch is handed to the caller, who keeps it as long as it likes, so each needs its own
+    memory; but fresh memory is expensive at this size: glibc maps allocations over 32 MiB afresh
+    every time, and the kernel then zeroes and faults in every page (~9,400 page faults of 4 KiB
+    for a float batch of 64 at 224 px, more CPU time than converting it). So large batches live in
+    private anonymous mappings, advised for transparent huge pages, that are reused when no tensor
+    uses them any more: every tensor viewing a mapping (views and numpy arrays included) holds a
+    buffer export of it, which holds a reference, so a mapping referenced only by this pool is
+    free. At most ``max_regions`` mappings are kept; beyond that, batches get fresh ones.
+    Thread-safe; small batches use ``torch.empty``.
+    """
+
+    MIN_BYTES = 4 * HUGE_PAGE
+
+    def __init__(self, max_regions: int = 4) -> None:
+        self.max_regions = max_regions
+        self._regions: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous tensor of ``shape`` and ``dtype``."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < self.MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+            return torch.empty(shape, dtype=dtype)
+        raw = torch.frombuffer(self._region(nbytes + HUGE_PAGE), dtype=torch.uint8)  # holds the region
+        offset = -raw.data_ptr() % HUGE_PAGE  # huge pages need 2 MiB-aligned addresses
+        return raw[offset : offset + nbytes].view(dtype).view(shape)
+
+    def _region(self, size: int) -> mmap.mmap:
+        with self._lock:
+            for index in range(len(self._regions)):
+                # 2: the list's reference and getrefcount's argument; any tensor adds its own.
+                if len(self._regions[index]) == size and sys.getrefcount(self._regions[index]) == 2:
+                    return self._regions[index]
+            region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            region.madvise(mmap.MADV_HUGEPAGE)
+            if len(self._regions) >= self.max_regions:  # make room: forget one no tensor uses
+                idle = [i for i in range(len(self._regions)) if sys.getrefcount(self._regions[i]) == 2]
+                if idle:
+                    del self._regions[idle[0]]
+            if len(self._regions) < self.max_regions:
+                self._regions.append(region)
+            return region
 
 
 def in_order(

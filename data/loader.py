@@ -30,11 +30,11 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_order
+from .batch import Batch, BatchMemory, Chunk, SkipReporter, concat_chunks, decode_chunk, in_order
 from .layout import LabelKind, read_split
 from .plan import ShardRange, augment_seed, epoch_plan, rank_slots
 from .slots import SlotReader
-from .transforms import TRAIN_CROP_SCALE, eval_transform, train_transform
+from .transforms import TRAIN_CROP_SCALE, eval_resize, train_augment
 
 STATE_VERSION = 1
 
@@ -83,10 +83,10 @@ class _TrainStream(IterableDataset):
         local_slots, stride, phase = self._assignment()
         if not local_slots:
             return
-        transform = (
-            train_transform(spec.img_size, min_crop_area=spec.min_crop_area, flip=spec.flip)
+        transform = (  # PIL in, PIL out: decode_chunk copies the result straight into the chunk
+            train_augment(spec.img_size, min_crop_area=spec.min_crop_area, flip=spec.flip)
             if spec.train
-            else eval_transform(spec.img_size)
+            else eval_resize(spec.img_size)
         )
         reporter = SkipReporter()
         epoch, position, batch_number = self.epoch, self.position, 0
@@ -276,11 +276,12 @@ class ShardLoader:
         )
         # Every batch comes in one part per working worker (each a block of slots), or one per slot.
         parts = min(max(workers, 1), len(self._spec.slots))
+        memory = BatchMemory()  # the memory of batches the caller has dropped, for the next ones
         for _, chunks in in_order(loader, parts_per_item=parts):
             if generation != self._generation:
                 return  # superseded by a newer iterator or a loaded state; its workers stop with it
             step = self._position // self._spec.per_slot
-            batch = concat_chunks(chunks, epoch=self._epoch, step=step, float_images=self.float_images)
+            batch = concat_chunks(chunks, epoch=self._epoch, step=step, float_images=self.float_images, memory=memory)
             self._position += self._spec.per_slot
             if self._position + self._spec.per_slot > self.slot_size:
                 self._epoch, self._position = self._epoch + 1, 0

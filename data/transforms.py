@@ -8,6 +8,9 @@
   would only lose content;
 - both: RGB (grayscale and palette images are converted); the transforms give uint8 tensors and
   :func:`to_model_range` maps a stacked batch of them to float32 in ``[-1, 1]``.
+  :func:`train_augment` and :func:`eval_resize` are the same transforms without the final
+  conversion to a tensor: the loaders copy their PIL output plane by plane straight into the
+  batch, which costs less than ``PILToTensor`` followed by a stack.
 
 Training randomness comes from a seed per sample (see :func:`vitray.data.plan.augment_seed`), so
 a resumed run crops and flips every sample exactly as the uninterrupted run would have.
@@ -32,14 +35,15 @@ IMAGE_FIELDS = ("jpg", "jpeg", "png")
 UNLABELLED = -1  # the label of every sample of an unlabelled dataset
 
 Transform = Callable[[Image.Image], torch.Tensor]
+Augment = Callable[[Image.Image], Image.Image]
 
 
 class CorruptSample(Exception):
     """A sample that cannot be decoded; the loaders skip it and count it."""
 
 
-def train_transform(img_size: int, *, min_crop_area: float = TRAIN_CROP_SCALE[0], flip: bool = True) -> Transform:
-    """PIL image -> uint8 tensor ``(3, img_size, img_size)``: inception crop and flip.
+def train_augment(img_size: int, *, min_crop_area: float = TRAIN_CROP_SCALE[0], flip: bool = True) -> Augment:
+    """PIL image -> PIL image ``img_size x img_size``: inception crop and flip.
 
     ``min_crop_area`` is the smallest crop as a fraction of the image (the paper's 5%; tiny images
     such as the 8x8 digits need larger crops to keep their label).
@@ -48,20 +52,32 @@ def train_transform(img_size: int, *, min_crop_area: float = TRAIN_CROP_SCALE[0]
         [
             v2.RandomResizedCrop(img_size, scale=(min_crop_area, 1.0), antialias=True),
             *([v2.RandomHorizontalFlip()] if flip else []),
-            v2.PILToTensor(),
         ]
     )
 
 
+def train_transform(img_size: int, *, min_crop_area: float = TRAIN_CROP_SCALE[0], flip: bool = True) -> Transform:
+    """PIL image -> uint8 tensor ``(3, img_size, img_size)``: :func:`train_augment`, then to a tensor."""
+    return v2.Compose([train_augment(img_size, min_crop_area=min_crop_area, flip=flip), v2.PILToTensor()])
+
+
+def eval_resize(img_size: int) -> Augment:
+    """PIL image -> PIL image ``img_size x img_size``: resize (and central crop)."""
+    small = v2.Resize((img_size, img_size), antialias=True)
+    large = v2.Compose([v2.Resize(round(img_size / EVAL_CROP_FRACTION), antialias=True), v2.CenterCrop(img_size)])
+
+    def resize(image: Image.Image) -> Image.Image:
+        return small(image) if min(image.size) <= img_size else large(image)
+
+    return resize
+
+
 def eval_transform(img_size: int) -> Transform:
-    """PIL image -> uint8 tensor ``(3, img_size, img_size)``: resize (and central crop)."""
-    small = v2.Compose([v2.Resize((img_size, img_size), antialias=True), v2.PILToTensor()])
-    large = v2.Compose(
-        [v2.Resize(round(img_size / EVAL_CROP_FRACTION), antialias=True), v2.CenterCrop(img_size), v2.PILToTensor()]
-    )
+    """PIL image -> uint8 tensor ``(3, img_size, img_size)``: :func:`eval_resize`, then to a tensor."""
+    resize, to_tensor = eval_resize(img_size), v2.PILToTensor()
 
     def transform(image: Image.Image) -> torch.Tensor:
-        return small(image) if min(image.size) <= img_size else large(image)
+        return to_tensor(resize(image))
 
     return transform
 
@@ -79,7 +95,8 @@ def decode_image(data: bytes) -> Image.Image:
         image = Image.open(io.BytesIO(data))
         if image.mode == "P" and "transparency" in image.info:
             image = image.convert("RGBA")  # converting straight to RGB warns about the palette alpha
-        return image.convert("RGB")  # convert() forces the full decode, so truncation shows here
+        image.load()  # the full decode, so that truncated data fails here
+        return image if image.mode == "RGB" else image.convert("RGB")  # RGB already: no copy
     except Exception as error:  # noqa: BLE001 - Pillow raises many kinds for bad data
         raise CorruptSample(f"undecodable image: {type(error).__name__}: {error}") from None
 
@@ -112,7 +129,7 @@ def decode_label(fields: dict[str, bytes], label_kind: LabelKind, num_classes: i
         raise CorruptSample(f"bad label: {type(error).__name__}: {error}") from None
 
 
-def apply_seeded(transform: Transform, image: Image.Image, seed: int | None) -> torch.Tensor:
+def apply_seeded(transform: Callable[[Image.Image], Any], image: Image.Image, seed: int | None) -> Any:
     """Run ``transform`` with torch's RNG seeded by ``seed``, leaving the caller's RNG untouched."""
     if seed is None:
         return transform(image)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import itertools
 import logging
+import mmap
 import os
 import shutil
 import tarfile
@@ -19,6 +20,7 @@ from fsspec.implementations.local import LocalFileSystem
 from PIL import Image
 
 import vitray.data.batch as batch_module
+import vitray.data.loader as loader_module
 from vitray.data import (
     DataConfig,
     EvalLoader,
@@ -34,7 +36,15 @@ from vitray.data import (
 from vitray.data.batch import SkipReporter
 from vitray.data.plan import ShardRange
 from vitray.data.reader import SampleStream
-from vitray.data.transforms import eval_transform, to_model_range, train_transform
+from vitray.data.transforms import (
+    apply_seeded,
+    decode_image,
+    eval_resize,
+    eval_transform,
+    to_model_range,
+    train_augment,
+    train_transform,
+)
 
 NUM_SLOTS = 8
 GLOBAL_BATCH = 32  # 4 positions of each of the 8 slots per step; digits train: 179 per slot, 44 steps
@@ -388,3 +398,100 @@ def test_a_new_iterator_supersedes_the_old_one(digits_dataset):
     second = next(new)
     assert second.step == first.step + 1 and not set(first.keys) & set(second.keys)
     assert list(old) == []  # the old iterator ends instead of advancing the shared position
+
+
+# ---------------------------------------------------------------- batch building (speed paths)
+
+JPEG_COUNT, JPEG_SIZE = 96, 128  # float batches of 64 x 128 px: 12.6 MB, in BatchMemory's mappings
+
+
+@pytest.fixture(scope="module")
+def jpeg_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """96 real JPEGs of 150-260 px (smooth gradients plus noise, 3 classes), prepared into shards."""
+    root = tmp_path_factory.mktemp("jpegs")
+    rng = np.random.default_rng(0)
+    for i in range(JPEG_COUNT):
+        h, w = (int(v) for v in rng.integers(150, 260, size=2))
+        ys, xs = np.mgrid[0:h, 0:w]
+        pixels = np.stack([xs * 255 // w, ys * 255 // h, (xs + ys) * 127 // (h + w)], axis=-1)
+        pixels = np.clip(pixels + rng.integers(-40, 40, size=pixels.shape), 0, 255).astype(np.uint8)
+        path = root / "images" / f"class{i % 3}" / f"{i:03d}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(pixels).save(path, quality=85)
+    prepare_dataset(f"imagefolder:{root / 'images'}", str(root / "shards"), samples_per_shard=40)
+    return root / "shards"
+
+
+def jpeg_loader(path: Path, *, workers: int, **kwargs) -> ShardLoader:
+    return ShardLoader(str(path), "train", rank=0, world_size=1, batch_size=64, img_size=JPEG_SIZE, train=True,
+                       seed=5, num_slots=8, num_workers=workers, shuffle_buffer=4, **kwargs)  # fmt: skip
+
+
+def test_float_batches_are_the_uint8_batches_in_model_range_with_any_workers(jpeg_dataset):
+    floats = {w: take(jpeg_loader(jpeg_dataset, workers=w), 2) for w in (0, 2)}
+    uint8 = take(jpeg_loader(jpeg_dataset, workers=2, float_images=False), 2)
+    assert same_batches(floats[0], floats[2])
+    for f, u in zip(floats[2], uint8):
+        assert f.keys == u.keys and u.images.dtype == torch.uint8 and f.images.dtype == torch.float32
+        assert f.images.shape == (64, 3, JPEG_SIZE, JPEG_SIZE) and f.images.is_contiguous()
+        assert torch.equal(f.images, to_model_range(u.images))  # bit for bit
+    assert uint8[0].images.float().std() > 20  # real picture content, not an empty buffer
+
+
+def test_decoding_into_the_chunk_matches_the_tensor_transforms(jpeg_dataset):
+    first_shard = read_manifest(str(jpeg_dataset), "train")[0].name
+    stream = SampleStream([str(jpeg_dataset / first_shard)], [ShardRange(0, 0, 12)])
+    raws = [stream.read(want=True) for _ in range(12)]
+    seeds = list(range(100, 112))
+    common = dict(img_size=48, label_kind="single", num_classes=3, reporter=SkipReporter(), where="test")
+
+    by_plane = batch_module.decode_chunk(raws, seeds, transform=train_augment(48), **common)
+    by_tensor = batch_module.decode_chunk(raws, seeds, transform=train_transform(48), **common)
+    by_hand = torch.stack(
+        [apply_seeded(train_transform(48), decode_image(r.fields["jpg"]), s) for r, s in zip(raws, seeds)]
+    )
+    assert torch.equal(by_plane.images, by_hand) and torch.equal(by_tensor.images, by_hand)
+    assert by_plane.keys == [r.key for r in raws] and by_plane.labels.tolist() == by_tensor.labels.tolist()
+    evaluated = batch_module.decode_chunk(raws, [None] * 12, transform=eval_resize(48), **common)
+    assert torch.equal(evaluated.images, torch.stack([eval_transform(48)(decode_image(r.fields["jpg"])) for r in raws]))
+
+    with pytest.raises(ValueError, match=r"the transform gave a RGB \(40, 40\) image; expected RGB \(48, 48\)"):
+        batch_module.decode_chunk(raws, seeds, transform=train_augment(40), **common)
+
+
+def test_worker_chunks_arrive_in_shared_memory_from_single_threaded_workers(jpeg_dataset, monkeypatch):
+    def recording_decode(*args, **kwargs):
+        chunk = real_decode(*args, **kwargs)
+        chunk.keys = [f"{key}@{torch.get_num_threads()}" for key in chunk.keys]  # travels back with the chunk
+        return chunk
+
+    real_decode = loader_module.decode_chunk
+    monkeypatch.setattr(loader_module, "decode_chunk", recording_decode)  # forked workers inherit it
+    batch = take(jpeg_loader(jpeg_dataset, workers=1, float_images=False), 1)[0]
+    threads_seen = {key.rsplit("@", 1)[1] for key in batch.keys}
+    assert threads_seen == {"1"}  # DataLoader workers run torch on one thread (decoding is per sample)
+    assert batch.images.is_shared()  # decoded into shared memory: handed over without a copy
+
+
+def test_batch_memory_is_reused_only_when_no_tensor_holds_it():
+    memory = batch_module.BatchMemory(max_regions=2)
+    shape = (16, 3, 224, 224)  # 9.6 MB of float32: a pooled mapping
+    small = memory.empty((2, 3, 8, 8), torch.float32)
+    assert small.shape == (2, 3, 8, 8) and small.dtype == torch.float32
+    first = memory.empty(shape, torch.float32)
+    assert first.shape == shape and first.is_contiguous()
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return  # plain torch.empty on this platform
+    assert first.data_ptr() % batch_module.HUGE_PAGE == 0
+    first.fill_(0.5)
+    address = first.data_ptr()
+    held_view = first[3:5].numpy()  # a numpy view of a slice keeps the memory in use
+    del first
+    second = memory.empty(shape, torch.float32)
+    assert second.data_ptr() != address and float(held_view.sum()) == 0.5 * held_view.size
+    del held_view
+    assert memory.empty(shape, torch.float32).data_ptr() == address  # dropped everywhere: reused
+    kept = [memory.empty(shape, torch.float32) for _ in range(3)]  # beyond max_regions: fresh ones
+    assert len({t.data_ptr() for t in [second, *kept]}) == 4 and len(memory._regions) == 2
+    with pytest.raises(TypeError, match="must be uint8"):
+        batch_module.concat_chunks([batch_module.Chunk(second, torch.zeros(16))], epoch=0, step=0)
