@@ -185,8 +185,10 @@ def demo(
 
 # fewshot, finetune, evaluate
 from vitray.cluster.cli_evaluation import register_evaluation_commands  # noqa: E402
+from vitray.cluster.cli_inspect import register_inspect_command  # noqa: E402
 
 register_evaluation_commands(app)
+register_inspect_command(app)
 
 
 def main() -> None:

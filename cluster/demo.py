@@ -2,7 +2,8 @@
 
 prepare (scikit-learn's handwritten digits -> webdataset shards) -> pre-train a small ViT on an
 embedded local Ray with 2 workers and DeepSpeed (held-out top-1 and a 10-shot probe as it goes)
--> an evaluation grid (few-shot probes + fine-tuning at a higher resolution) -> table and report.
+-> an evaluation grid (few-shot probes + fine-tuning at a higher resolution) -> table and report
+-> the paper's inspection figures of the checkpoint (`vitray inspect`), added to the report.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from vitray.cluster.cli_inspect import inspect_checkpoint
 from vitray.cluster.config import load_config
 from vitray.cluster.evaluate import report_grid, run_grid
 from vitray.cluster.prepare import prepare_dataset_on_ray
@@ -28,6 +30,7 @@ console = Console()
 
 # The demo keeps one fine-tune learning rate of the digits grid to stay within a few minutes.
 DEMO_GRID = ["finetune.learning_rates=[0.01]"]
+INSPECTION_DIR = "inspection"  # beside report.md
 
 
 def config_path(name: str) -> Path:
@@ -52,11 +55,11 @@ def run_demo(
             *(overrides or []),
         ],
     )
-    console.rule("[bold]1/3 prepare: builtin:digits -> webdataset shards")
+    console.rule("[bold]1/4 prepare: builtin:digits -> webdataset shards")
     connect(cfg.cluster.address, num_cpus=os.cpu_count(), verbose=verbose)
     prepare_dataset_on_ray("builtin:digits", str(data), samples_per_shard=200)
 
-    console.rule(f"[bold]2/3 pretrain {cfg.model.name} at {cfg.model.img_size}px on {cfg.cluster.num_workers} Ray workers (DeepSpeed ZeRO-{cfg.train.zero_stage})")
+    console.rule(f"[bold]2/4 pretrain {cfg.model.name} at {cfg.model.img_size}px on {cfg.cluster.num_workers} Ray workers (DeepSpeed ZeRO-{cfg.train.zero_stage})")
     pretrain(cfg, verbose=verbose)  # raises ray.train.TrainingFailedError when the run fails
     run = run_dir(cfg.run.storage, cfg.run.name)
     files = RunFiles(run)
@@ -64,7 +67,7 @@ def run_demo(
     top1 = next((m["val/top1"] for m in reversed(metrics) if "val/top1" in m), None)
     checkpoint = latest_complete_checkpoint(run)
 
-    console.rule("[bold]3/3 evaluate: few-shot probes and fine-tuning on digits (vitray evaluate)")
+    console.rule("[bold]3/4 evaluate: few-shot probes and fine-tuning on digits (vitray evaluate)")
     grid = load_config(
         GridConfig,
         config_path("grid_digits.yaml"),
@@ -72,6 +75,9 @@ def run_demo(
     )
     summary = run_grid(grid, resolve_checkpoints(run), console=console)
     report = report_grid(grid, console=console)
+
+    console.rule("[bold]4/4 inspect: the paper's figures of the checkpoint (vitray inspect)")
+    inspection = add_inspection_to_report(checkpoint.path, Path(report)) if checkpoint else None
 
     console.rule("[bold]results")
     if top1 is not None:
@@ -81,10 +87,22 @@ def run_demo(
     console.print(f"metrics:      {files.metrics_path} (TensorBoard: {files.root}/tensorboard)")
     console.print(f"evaluation:   {grid.results_path} (parquet)")
     console.print(f"report/plots: {report}")
+    if inspection is not None:
+        console.print(f"inspection:   {inspection.out_dir} (figures in the report)")
     return {
         "top1": top1,
         "run_dir": run,
         "checkpoint": checkpoint.path if checkpoint else None,
         "report": report,
         "grid": summary,
+        "inspection": inspection,
     }
+
+
+def add_inspection_to_report(checkpoint: str, report: Path):
+    """Writes the inspection figures of `checkpoint` (on its own validation images) next to the
+    report and appends them to `report` (report.md) as a section; returns the InspectionFiles."""
+    files = inspect_checkpoint(checkpoint, str(report.parent / INSPECTION_DIR))
+    with report.open("a") as markdown:
+        markdown.write("\n" + files.markdown(link_prefix=f"{INSPECTION_DIR}/"))
+    return files
