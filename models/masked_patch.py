@@ -9,8 +9,10 @@ dropped by :meth:`VisionTransformer.reset_head`, so transfer sees a plain ViT.
 Which patches are corrupted, and how, is decided by the caller (the training objective) and
 passed in as three tensors of fixed shape, so a compiled graph (XLA) never changes:
 
-- ``patch_source`` ``(B, N)`` int64: the index, into the batch's ``B * N`` patch embeddings in
-  row-major order, of the embedding each position takes (``arange(B * N)`` leaves all as they are);
+- ``patch_source`` ``(B, N)`` int64: the patch (``0 .. N-1``, of the same image) whose embedding
+  each position takes (``arange(N)`` in every row leaves all as they are). Staying within the
+  image keeps every sample's input independent of the others in its batch, and a batch-sharded
+  computation (SPMD) free of communication;
 - ``patch_mask`` ``(B, N)`` bool: positions whose embedding becomes the ``[mask]`` embedding
   (applied after ``patch_source``);
 - ``predict_at`` ``(B, K)`` int64: the patch positions (``0 .. N-1``, raster order) whose output
@@ -52,6 +54,5 @@ class MaskedPatchPrediction(nn.Module):
                 f"patch_source and patch_mask must have shape (batch, patches) = {(batch, tokens)}, "
                 f"got {tuple(patch_source.shape)} and {tuple(patch_mask.shape)}"
             )
-        moved = embeddings.reshape(batch * tokens, width).index_select(0, patch_source.reshape(-1))
-        mask = self.mask_token.to(embeddings.dtype)
-        return torch.where(patch_mask.unsqueeze(-1), mask, moved.view(batch, tokens, width))
+        moved = embeddings.gather(1, patch_source.unsqueeze(-1).expand(-1, -1, width))
+        return torch.where(patch_mask.unsqueeze(-1), self.mask_token.to(embeddings.dtype), moved)

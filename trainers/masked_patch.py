@@ -2,7 +2,7 @@
 
 Per image, ``K = round(corrupt_rate * N)`` of its ``N`` patches are corrupted (the paper: 50%);
 each corrupted patch independently gets the learnable ``[mask]`` embedding (80%), the embedding
-of another random patch of the micro-batch (10%) or keeps its own (10%), as BERT does with words.
+of another random patch of the same image (10%) or keeps its own (10%), as BERT does with words.
 The model then predicts, from the output token of every corrupted patch, one of three targets
 computed from the original pixels (colours in ``[0, 1]``, un-normalised from the model's
 ``[-1, 1]`` input):
@@ -65,7 +65,7 @@ class Corruption:
     """One micro-batch's corruption, in the form the model takes (see
     :mod:`vitray.models.masked_patch`), plus what happened to each predicted patch."""
 
-    patch_source: torch.Tensor  # (B, N) int64 indices into the batch's B * N patch embeddings
+    patch_source: torch.Tensor  # (B, N) int64: the patch of the same image each position takes
     patch_mask: torch.Tensor  # (B, N) bool: given the [mask] embedding
     predict_at: torch.Tensor  # (B, K) int64 positions of the corrupted patches, ascending
     kind: torch.Tensor  # (B, K) int64: MASK, RANDOM or KEEP for each corrupted patch
@@ -98,14 +98,13 @@ def draw_corruption(
     predict_at = np.sort(rng.random((b, n)).argsort(axis=1)[:, :k], axis=1)
     choice = rng.random((b, k))
     kind = np.where(choice < mask_rate, MASK, np.where(choice < mask_rate + random_rate, RANDOM, KEEP))
-    # Another patch of the micro-batch for each random replacement: a uniform draw over the other
-    # B*N - 1 patches (indices at or after the patch itself shift by one to skip it).
-    flat_position = predict_at + n * np.arange(b)[:, None]
-    other = rng.integers(0, max(b * n - 1, 1), size=(b, k))
-    other = other + (other >= flat_position)
-    if b * n == 1:  # no other patch exists: a random replacement keeps the patch
+    # Another patch of the same image for each random replacement: a uniform draw over its other
+    # N - 1 patches (positions at or after the patch itself shift by one to skip it).
+    other = rng.integers(0, max(n - 1, 1), size=(b, k))
+    other = other + (other >= predict_at)
+    if n == 1:  # no other patch exists: a random replacement keeps the patch
         kind = np.where(kind == RANDOM, KEEP, kind)
-    source = np.arange(b * n).reshape(b, n)
+    source = np.tile(np.arange(n), (b, 1))
     rows = np.broadcast_to(np.arange(b)[:, None], (b, k))
     randomised = kind == RANDOM
     source[rows[randomised], predict_at[randomised]] = other[randomised]
