@@ -12,11 +12,13 @@ worker ``w`` of ``N`` decodes
   reading from remote storage.
 
 The main process puts each batch together in slot order from the workers' chunks, so the batches
-do not depend on ``N``. Progress is counted on that consumer side, as ``(epoch, positions consumed
-per slot)``: :meth:`ShardLoader.state_dict` never includes what workers prefetched but did not
-hand over, and :meth:`ShardLoader.load_state_dict` continues the exact sample sequence with any
-world size (keep the global batch ``batch_size * world_size`` to keep the same batches) and any
-number of workers.
+do not depend on ``N``. Workers decode into shared-memory rings the main process made for them
+(:class:`~vitray.data.batch.ChunkRing`), so a chunk crosses between processes as a slot number
+and is copied once, into the batch. Progress is counted on that consumer side, as ``(epoch,
+positions consumed per slot)``: :meth:`ShardLoader.state_dict` never includes what workers
+prefetched but did not hand over, and :meth:`ShardLoader.load_state_dict` continues the exact
+sample sequence with any world size (keep the global batch ``batch_size * world_size`` to keep
+the same batches) and any number of workers.
 
 Positions at the end of a slot that do not fill a whole batch are not used in that epoch
 (fewer than ``batch_size / slots_per_rank`` per slot).
@@ -25,18 +27,20 @@ Positions at the end of a slot that do not fill a whole batch are not used in th
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from .batch import Batch, BatchMemory, Chunk, SkipReporter, concat_chunks, decode_chunk, in_order
+from .batch import Batch, BatchMemory, Chunk, ChunkRing, SkipReporter, concat_chunks, decode_chunk, in_order
 from .layout import LabelKind, read_split
 from .plan import ShardRange, augment_seed, epoch_plan, rank_slots
 from .slots import SlotReader
 from .transforms import TRAIN_CROP_SCALE, eval_resize, train_augment
 
 STATE_VERSION = 1
+PREFETCH = 2  # chunks each worker prepares ahead (DataLoader's prefetch_factor)
 
 
 @dataclass(frozen=True)
@@ -60,27 +64,31 @@ class _Spec:
     storage_options: dict[str, Any] | None
 
 
+def _share(worker: int, workers: int, m: int) -> tuple[list[int], int, int]:
+    """(local slots worker ``worker`` of ``workers`` decodes, batch stride, batch phase) for ``m`` slots."""
+    if workers <= m:  # a contiguous block of slots, so that blocks concatenate in slot order
+        return list(range(worker * m // workers, (worker + 1) * m // workers)), 1, 0
+    stride = workers // m
+    if worker >= stride * m:
+        return [], stride, 0
+    return [worker % m], stride, worker // m
+
+
 class _TrainStream(IterableDataset):
-    """Yields ``(batch_number, {first_local_slot: Chunk})`` for this worker's share, forever."""
+    """Yields ``(batch_number, {first_local_slot: Chunk})`` for this worker's share, forever.
 
-    def __init__(self, spec: _Spec, epoch: int, position: int) -> None:
-        self.spec, self.epoch, self.position = spec, epoch, position
+    With ``rings`` (one per worker, made by the main process), chunks are decoded into the
+    worker's ring and carry its slot number instead of their images."""
 
-    def _assignment(self) -> tuple[list[int], int, int]:
-        """(local slots this worker decodes, batch stride, batch phase) for this worker."""
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        m = len(self.spec.slots)
-        if workers <= m:  # a contiguous block of slots, so that blocks concatenate in slot order
-            return list(range(worker * m // workers, (worker + 1) * m // workers)), 1, 0
-        stride = workers // m
-        if worker >= stride * m:
-            return [], stride, 0
-        return [worker % m], stride, worker // m
+    def __init__(self, spec: _Spec, epoch: int, position: int, rings: list[ChunkRing | None] | None = None) -> None:
+        self.spec, self.epoch, self.position, self.rings = spec, epoch, position, rings
 
     def __iter__(self) -> Iterator[tuple[int, dict[int, Chunk]]]:
         spec = self.spec
-        local_slots, stride, phase = self._assignment()
+        info = get_worker_info()
+        worker = info.id if info else 0
+        local_slots, stride, phase = _share(worker, info.num_workers if info else 1, len(spec.slots))
+        ring = self.rings[worker] if self.rings else None
         if not local_slots:
             return
         transform = (  # PIL in, PIL out: decode_chunk copies the result straight into the chunk
@@ -107,20 +115,29 @@ class _TrainStream(IterableDataset):
                 for b in range(batches):
                     if (first_batch + b) % stride == phase:
                         positions = range(start + b * spec.per_slot, start + (b + 1) * spec.per_slot)
-                        yield first_batch + b, {local_slots[0]: self._decode(readers, epoch, positions, transform, reporter)}
+                        chunk = self._decode(readers, epoch, positions, transform, reporter, ring, worker)
+                        yield first_batch + b, {local_slots[0]: chunk}
             finally:
                 for reader in readers:
                     reader.close()
             batch_number += batches
             epoch, position = epoch + 1, 0
 
-    def _decode(self, readers: list[SlotReader], epoch: int, positions: range, transform: Any, reporter: SkipReporter) -> Chunk:
+    def _decode(
+        self, readers: list[SlotReader], epoch: int, positions: range, transform: Any, reporter: SkipReporter,
+        ring: ChunkRing | None, worker: int,
+    ) -> Chunk:  # fmt: skip
         """The samples at ``positions`` of each of the readers' slots, slot after slot."""
         spec = self.spec
         raws = [reader.take(p) for reader in readers for p in positions]
         seeds = [augment_seed(spec.seed, epoch, r.slot, p) if spec.train else None for r in readers for p in positions]
-        return decode_chunk(raws, seeds, transform=transform, img_size=spec.img_size, label_kind=spec.label_kind,
-                            num_classes=spec.num_classes, reporter=reporter, where=f"epoch {epoch}")  # fmt: skip
+        slot = ring.take() if ring is not None else None
+        chunk = decode_chunk(raws, seeds, transform=transform, img_size=spec.img_size, label_kind=spec.label_kind,
+                             num_classes=spec.num_classes, reporter=reporter, where=f"epoch {epoch}",
+                             out=ring.buffers[slot] if ring is not None else None)  # fmt: skip
+        if ring is None:
+            return chunk
+        return replace(chunk, images=torch.empty(0, dtype=torch.uint8), ring=(worker, slot))
 
 
 class ShardLoader:
@@ -265,26 +282,48 @@ class ShardLoader:
     def _batches(self, generation: int) -> Iterator[Batch]:
         if self._position + self._spec.per_slot > self.slot_size:  # the epoch has no whole batch left
             self._epoch, self._position = self._epoch + 1, 0
-        dataset = _TrainStream(self._spec, self._epoch, self._position)
-        workers = self._spec.num_workers
+        spec, workers = self._spec, self._spec.num_workers
+        rings = self._rings() if workers else None
         loader = DataLoader(
-            dataset,
+            _TrainStream(spec, self._epoch, self._position, rings),
             batch_size=None,
             num_workers=workers,
-            prefetch_factor=2 if workers else None,
+            prefetch_factor=PREFETCH if workers else None,
             persistent_workers=False,
         )
         # Every batch comes in one part per working worker (each a block of slots), or one per slot.
-        parts = min(max(workers, 1), len(self._spec.slots))
+        parts = min(max(workers, 1), len(spec.slots))
         memory = BatchMemory()  # the memory of batches the caller has dropped, for the next ones
-        for _, chunks in in_order(loader, parts_per_item=parts):
-            if generation != self._generation:
-                return  # superseded by a newer iterator or a loaded state; its workers stop with it
-            step = self._position // self._spec.per_slot
-            batch = concat_chunks(chunks, epoch=self._epoch, step=step, float_images=self.float_images, memory=memory)
-            self._position += self._spec.per_slot
-            if self._position + self._spec.per_slot > self.slot_size:
-                self._epoch, self._position = self._epoch + 1, 0
-            self._yielded += len(batch)
-            self._skipped += batch.num_skipped
-            yield batch
+        try:
+            for _, chunks in in_order(loader, parts_per_item=parts):
+                if generation != self._generation:
+                    return  # superseded by a newer iterator or a loaded state; its workers stop with it
+                in_rings = [c.ring for c in chunks if c.ring is not None]
+                if rings is not None:
+                    chunks = [replace(c, images=rings[c.ring[0]].images(c.ring[1], len(c.keys))) for c in chunks]
+                step = self._position // spec.per_slot
+                batch = concat_chunks(chunks, epoch=self._epoch, step=step, float_images=self.float_images,
+                                      memory=memory, copy=rings is not None)  # fmt: skip
+                for worker, _ in in_rings:
+                    rings[worker].release()
+                self._position += spec.per_slot
+                if self._position + spec.per_slot > self.slot_size:
+                    self._epoch, self._position = self._epoch + 1, 0
+                self._yielded += len(batch)
+                self._skipped += batch.num_skipped
+                yield batch
+        finally:
+            for ring in rings or []:
+                if ring is not None:
+                    ring.release(len(ring.buffers))  # a worker waiting for a slot can run on to its end
+
+    def _rings(self) -> list[ChunkRing | None]:
+        """A ChunkRing per worker (None for idle workers) of PREFETCH + 2 slots: the chunks a worker
+        may have sent or be decoding, one waiting here for the other parts of its batch, one spare."""
+        spec, workers = self._spec, self._spec.num_workers
+        rings: list[ChunkRing | None] = []
+        for worker in range(workers):
+            local_slots = _share(worker, workers, len(spec.slots))[0]
+            capacity = len(local_slots) * spec.per_slot
+            rings.append(ChunkRing(PREFETCH + 2, capacity, spec.img_size) if capacity else None)
+        return rings

@@ -428,8 +428,10 @@ def jpeg_loader(path: Path, *, workers: int, **kwargs) -> ShardLoader:
 
 
 def test_float_batches_are_the_uint8_batches_in_model_range_with_any_workers(jpeg_dataset):
-    floats = {w: take(jpeg_loader(jpeg_dataset, workers=w), 2) for w in (0, 2)}
-    uint8 = take(jpeg_loader(jpeg_dataset, workers=2, float_images=False), 2)
+    # 6 batches held at once: more chunks than a worker's ChunkRing has slots, so a batch that
+    # still shared memory with a reused slot (or a recycled BatchMemory mapping) would change.
+    floats = {w: take(jpeg_loader(jpeg_dataset, workers=w), 6) for w in (0, 2)}
+    uint8 = take(jpeg_loader(jpeg_dataset, workers=1, float_images=False), 6)  # one part: no concatenation
     assert same_batches(floats[0], floats[2])
     for f, u in zip(floats[2], uint8):
         assert f.keys == u.keys and u.images.dtype == torch.uint8 and f.images.dtype == torch.float32
@@ -459,18 +461,26 @@ def test_decoding_into_the_chunk_matches_the_tensor_transforms(jpeg_dataset):
         batch_module.decode_chunk(raws, seeds, transform=train_augment(40), **common)
 
 
-def test_worker_chunks_arrive_in_shared_memory_from_single_threaded_workers(jpeg_dataset, monkeypatch):
+def test_worker_chunks_travel_as_ring_slots_from_single_threaded_workers(jpeg_dataset, monkeypatch):
     def recording_decode(*args, **kwargs):
         chunk = real_decode(*args, **kwargs)
         chunk.keys = [f"{key}@{torch.get_num_threads()}" for key in chunk.keys]  # travels back with the chunk
         return chunk
 
-    real_decode = loader_module.decode_chunk
+    def recording_in_order(items, **kwargs):
+        for index, chunks in real_in_order(items, **kwargs):
+            received.extend((c.ring, c.images.numel()) for c in chunks)
+            yield index, chunks
+
+    real_decode, real_in_order, received = loader_module.decode_chunk, loader_module.in_order, []
     monkeypatch.setattr(loader_module, "decode_chunk", recording_decode)  # forked workers inherit it
-    batch = take(jpeg_loader(jpeg_dataset, workers=1, float_images=False), 1)[0]
-    threads_seen = {key.rsplit("@", 1)[1] for key in batch.keys}
+    monkeypatch.setattr(loader_module, "in_order", recording_in_order)
+    batches = take(jpeg_loader(jpeg_dataset, workers=2, float_images=False), 5)
+    threads_seen = {key.rsplit("@", 1)[1] for b in batches for key in b.keys}
     assert threads_seen == {"1"}  # DataLoader workers run torch on one thread (decoding is per sample)
-    assert batch.images.is_shared()  # decoded into shared memory: handed over without a copy
+    # Images stay in each worker's shared ring; the messages carry (worker, slot), slots in turn.
+    assert [ring for ring, _ in received] == [(w, s % 4) for s in range(5) for w in (0, 1)]
+    assert {numel for _, numel in received} == {0}
 
 
 def test_batch_memory_is_reused_only_when_no_tensor_holds_it():
