@@ -92,23 +92,43 @@ def _evaluators(cfg: PretrainConfig) -> list:
     ]  # fmt: skip
 
 
-def build_trainer(cfg: PretrainConfig) -> TorchTrainer:
+def scaling_config(cfg: PretrainConfig) -> ScalingConfig:
+    """GPU/CPU workers, or (cluster.tpu) one worker per host of a TPU slice, placed by Ray Train's
+    TPU support (a slice placement group: all hosts of one slice, reserved together)."""
     cluster = cfg.cluster
-    storage_path, storage_fs = ray_storage(cfg.run.storage)
-    use_gpu = cluster.gpus_per_worker > 0
     resources = {"CPU": cluster.cpus_per_worker, **cluster.resources_per_worker}
+    if cluster.tpu is not None:
+        from vitray.trainers.xla_slices import tpu_slice
+
+        tpu = tpu_slice(cluster.tpu, cluster.tpu_topology)
+        resources.setdefault("TPU", tpu.chips_per_host)
+        return ScalingConfig(
+            num_workers=tpu.hosts, use_tpu=True, topology=tpu.topology, accelerator_type=tpu.accelerator_type,
+            resources_per_worker=resources,
+        )  # fmt: skip
+    use_gpu = cluster.gpus_per_worker > 0
     if use_gpu:
         resources["GPU"] = cluster.gpus_per_worker
+    return ScalingConfig(num_workers=cluster.num_workers, use_gpu=use_gpu, resources_per_worker=resources)
+
+
+def build_trainer(cfg: PretrainConfig) -> TorchTrainer:
+    storage_path, storage_fs = ray_storage(cfg.run.storage)
+    scaling = scaling_config(cfg)
+    # DeepSpeed on GPUs joins an NCCL group. Under XLA the devices talk through XLA itself; the
+    # gloo group only coordinates the hosts (checkpoint writes, metric reductions) on the CPU.
+    # (Ray's TorchXLAConfig is for AWS Neuron, not TPUs.)
+    backend = "nccl" if scaling.use_gpu and cfg.train.backend == "deepspeed" else "gloo"
     return TorchTrainer(
         train_worker,
         train_loop_config={"config": cfg.model_dump(mode="json"), "run_dir": run_dir(cfg.run.storage, cfg.run.name)},
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=cluster.num_workers, use_gpu=use_gpu, resources_per_worker=resources),
+        torch_config=TorchConfig(backend=backend),
+        scaling_config=scaling,
         run_config=RunConfig(
             name=cfg.run.name,
             storage_path=storage_path,
             storage_filesystem=storage_fs,
-            failure_config=FailureConfig(max_failures=cluster.max_failures),
+            failure_config=FailureConfig(max_failures=cfg.cluster.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
         ),
     )

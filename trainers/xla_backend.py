@@ -201,7 +201,7 @@ class XlaBackend:
 
     def metrics(self) -> dict[str, float]:
         count, seconds = compilations()
-        return {"xla/compilations": count, "xla/compile_s": seconds, "xla/devices": self.mesh.size()}
+        return {"xla/compilations": count, "xla/compile_s": seconds, "xla/devices": int(self.mesh.size())}
 
     # -- state ------------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -211,10 +211,9 @@ class XlaBackend:
         """Whole fp32 CPU copies of (sharded) device tensors, assembled from their shards without
         compiling anything. Collective: with several hosts, rank 0 gathers the others' shards and
         gets the whole tensors; the other ranks get an empty dict."""
-        import torch_xla
         from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
 
-        torch_xla.sync()
+        _materialise()
         local = _sharded_cpu_state_dict(dict(tensors))
         pieces = {key: _pieces(value) for key, value in local.items()}
         if self._group is not None and dist.get_world_size(self._group) > 1:
@@ -230,11 +229,10 @@ class XlaBackend:
 
     def save(self, folder: Path) -> _Pending:
         import torch.distributed.checkpoint as dcp
-        import torch_xla
         from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
         from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
 
-        torch_xla.sync()  # the state must be materialised before its shards are copied out
+        _materialise()
         snapshot = _sharded_cpu_state_dict(self._state())  # host copies: training may go on at once
         target = folder / CHECKPOINT_SUBDIR
 
@@ -266,6 +264,15 @@ class XlaBackend:
         self.optimizer.load_state_dict(target["optimizer"])
         self.schedule.load_state_dict(target["schedule"])
         torch_xla.sync()
+
+
+def _materialise() -> None:
+    """Run pending work and wait for it: shards can only be copied out of finished tensors."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    torch_xla.sync()
+    xm.wait_device_ops()
 
 
 def _pieces(value: Any) -> list[tuple[Any, torch.Tensor, torch.Size]]:
