@@ -1,0 +1,258 @@
+"""The torch-xla backend for real, on PJRT's CPU client: 4 CPU devices stand in for a TPU host.
+
+Runs in the XLA environment (`make test-xla`: .venv-xla, PJRT_DEVICE=CPU, CPU_NUM_DEVICES=4); the
+main environment skips these tests. `vitray pretrain --set train.backend=xla` on a local Ray with
+one worker (one "host") trains with parameters sharded over the 4 devices, compiles its graphs
+once, checkpoints with torch.distributed.checkpoint, resumes exactly after a worker is killed,
+resumes on 2 devices from a 4-device checkpoint, and its weights load into the DeepSpeed backend.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+# Before torch-xla starts its runtime (collection imports this module first). XLA's CPU compiler
+# at -O0: these graphs are compiled in every test process and run for a few steps only.
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("CPU_NUM_DEVICES", "4")
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+
+from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run  # noqa: E402
+
+pytestmark = pytest.mark.xla
+
+STEPS = 24
+EVERY = 12
+# One Ray worker (one "host") feeding the 4 devices one batch of 32 per step; uncropped digits,
+# on which this tiny ViT's loss visibly falls within the run.
+XLA = ["train.backend=xla", "cluster.num_workers=1", "train.micro_batch_size=32", "train.warmup_steps=2",
+       "data.min_crop_area=1.0"]  # fmt: skip
+
+
+def _metrics(run_dir: str) -> list[dict]:
+    from vitray.trainers.run_files import RunFiles
+
+    return RunFiles(run_dir).read_metrics()
+
+
+@pytest.fixture(scope="module")
+def reference(digits_dataset, tmp_path_factory):
+    """An uninterrupted XLA run on 4 devices: the yardstick for the resume tests."""
+    from vitray.trainers.keys import collect_keys
+
+    root = tmp_path_factory.mktemp("xla-reference")
+    keys = root / "keys"
+    run(pretrain_args(str(digits_dataset), str(root / "runs"), "ref", *XLA, f"train.steps={STEPS}",
+                      f"train.checkpoint_every={EVERY}", f"debug.record_sample_keys={keys}"))  # fmt: skip
+    run_dir = str(root / "runs" / "ref")
+    return {"run_dir": run_dir, "weights": final_weights(run_dir), "keys": collect_keys(keys)}
+
+
+def test_xla_run_trains_compiles_once_and_checkpoints_with_dcp(reference):
+    from vitray.trainers.checkpoint import verify_complete
+    from vitray.trainers.run_files import list_checkpoints
+
+    metrics = _metrics(reference["run_dir"])
+    assert [m["step"] for m in metrics] == list(range(2, STEPS + 1, 2))
+    assert all(m["xla/devices"] == 4 for m in metrics)
+    first, last = metrics[0]["loss"], metrics[-1]["loss"]
+    assert last < first - 0.1, f"loss did not fall: {first} -> {last}"
+    # Fixed shapes and one graph cut per step: the graphs of the first step (the optimizer
+    # state's creation, the training step, the loss mean) are all it ever compiles.
+    compiled = [m["xla/compilations"] for m in metrics]
+    assert compiled == [3] * len(metrics), compiled
+    keys = reference["keys"]
+    assert sorted(keys) == list(range(STEPS)) and all(len(set(k)) == 32 for k in keys.values())
+
+    checkpoints = list_checkpoints(reference["run_dir"])
+    assert [c.step for c in checkpoints] == [EVERY, STEPS] and all(c.complete for c in checkpoints)
+    folder = Path(checkpoints[-1].path)
+    state = verify_complete(folder)
+    assert state["backend"] == "xla" and state["world_size"] == 1 and state["data"]["consumed_per_slot"] > 0
+    assert (folder / "xla" / ".metadata").is_file() and list((folder / "xla").glob("*.distcp"))
+    listed = (folder / "complete-rank-0000.json").read_text()
+    assert "xla/.metadata" in listed  # the DCP shards count for completeness like every other file
+
+
+def test_parameters_and_optimizer_state_are_sharded_over_the_devices(digits_dataset):
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    from vitray.cluster.config import load_config
+    from vitray.models import create_model
+    from vitray.trainers.config import PretrainConfig
+    from vitray.trainers.xla_backend import XlaBackend
+
+    cfg = load_config(PretrainConfig, None, [f"data.train={digits_dataset}", "model.img_size=16", "train.batch_size=32",
+                                             *XLA])  # fmt: skip
+    torch.manual_seed(0)
+    model = create_model("Ti/4", num_classes=10, img_size=16)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    backend = XlaBackend(cfg, model, world_size=1, restore=None)
+    assert str(backend.device).startswith("xla")
+    xm.wait_device_ops()  # shards are read from finished tensors
+    sharded = 0
+    for name, param in backend.module.named_parameters():
+        spec = torch_xla._XLAC._get_xla_sharding_spec(param)
+        shards = torch_xla._XLAC._get_local_shards([param])[0]
+        assert len(shards) == 4, name
+        largest = max(range(param.ndim), key=lambda d: param.shape[d]) if param.ndim else None
+        if largest is not None and param.shape[largest] >= 4:
+            # Each device holds a quarter of the largest dimension, nothing more.
+            assert spec.startswith("{devices=["), (name, spec)
+            assert shards[0][0].shape[largest] == -(-param.shape[largest] // 4), (name, shards[0][0].shape)
+            sharded += 1
+        exp_avg = backend.optimizer.state[param]["exp_avg"]  # created up front, in the parameter's sharding
+        assert torch_xla._XLAC._get_xla_sharding_spec(exp_avg) == spec, name
+    assert sharded == len(list(backend.module.parameters()))
+    # The consolidated weights are the model's, assembled from the shards (creating the optimizer
+    # state changed nothing).
+    assert_same_weights(backend.full_state_dict(), initial)
+
+
+def test_killed_worker_resumes_exactly(digits_dataset, reference, tmp_path):
+    from vitray.trainers.keys import collect_keys
+
+    keys = tmp_path / "keys"
+    run(pretrain_args(str(digits_dataset), str(tmp_path / "runs"), "ref", *XLA, f"train.steps={STEPS}",
+                      f"train.checkpoint_every={EVERY}", f"debug.record_sample_keys={keys}",
+                      f"debug.kill_worker_at_step={EVERY + 2}", "cluster.max_failures=1"))  # fmt: skip
+    run_dir = str(tmp_path / "runs" / "ref")
+    assert (Path(run_dir) / "vitray" / "markers" / f"killed-at-step-{EVERY + 2}").exists()
+    # Bit for bit: the DCP round trip is exact and every step's graph and inputs are the same.
+    assert_same_weights(final_weights(run_dir), reference["weights"])
+    assert collect_keys(keys) == reference["keys"]
+
+
+def test_checkpoint_from_four_devices_resumes_on_two(digits_dataset, reference, tmp_path):
+    import torch
+
+    from vitray.trainers.keys import collect_keys
+    from vitray.trainers.run_files import list_checkpoints
+
+    run_dir = tmp_path / "runs" / "ref"
+    shutil.copytree(reference["run_dir"], run_dir)
+    keys = tmp_path / "keys"
+    shutil.copytree(Path(reference["run_dir"]).parent.parent / "keys", keys)
+    # Cut the final checkpoint short: re-running resumes from the step-EVERY one (4 devices).
+    newest = Path(list_checkpoints(str(run_dir))[-1].path) / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    run(pretrain_args(str(digits_dataset), str(tmp_path / "runs"), "ref", *XLA, f"train.steps={STEPS}",
+                      f"train.checkpoint_every={EVERY}", f"debug.record_sample_keys={keys}", f"train.eval_every={STEPS}"),
+        env={"CPU_NUM_DEVICES": "2"})  # fmt: skip
+    resumed = [m for m in _metrics(str(run_dir)) if m["step"] > EVERY]
+    assert resumed and all(m["xla/devices"] == 2 for m in resumed)
+    assert 0.0 <= resumed[-1]["val/top1"] <= 1.0  # validation on the XLA device too
+    assert collect_keys(keys) == reference["keys"]  # the same samples, whatever the mesh
+    # The same computation partitioned in halves instead of quarters: equal up to the order of
+    # floating-point sums (measured: losses within 3e-7, weights within 1e-5).
+    logged = {m["step"]: m for m in _metrics(reference["run_dir"])}
+    for m in resumed:
+        assert m["loss"] == pytest.approx(logged[m["step"]]["loss"], abs=1e-5), m["step"]
+        assert m["grad_norm"] == pytest.approx(logged[m["step"]]["grad_norm"], rel=1e-4), m["step"]
+    weights = final_weights(str(run_dir))
+    for name, value in reference["weights"].items():
+        got = weights[name]
+        if name.endswith("attn.qkv.bias"):
+            # The key bias cannot change attention (softmax is shift-invariant), so its gradient
+            # is rounding noise, which Adam scales up to lr-sized steps: compared loosely.
+            width = len(value) // 3
+            torch.testing.assert_close(got[width : 2 * width], value[width : 2 * width], rtol=0, atol=1e-4, msg=name)
+            got, value = torch.cat([got[:width], got[2 * width :]]), torch.cat([value[:width], value[2 * width :]])
+        torch.testing.assert_close(got, value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.fixture
+def single_process_group():
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_exported_weights_give_the_same_logits_on_deepspeed(reference, single_process_group, digits_dataset, tmp_path):
+    import torch
+
+    from vitray.cluster.config import load_config
+    from vitray.cluster.export import export, load_checkpoint_model
+    from vitray.data import EvalLoader
+    from vitray.models import create_model, load_safetensors
+    from vitray.trainers.config import PretrainConfig
+    from vitray.trainers.deepspeed_backend import DeepSpeedBackend
+    from vitray.trainers.xla_backend import XlaBackend
+
+    out = tmp_path / "vit.safetensors"
+    export(reference["run_dir"], "safetensors", str(out))
+    images = next(iter(EvalLoader(str(digits_dataset), "test", rank=0, world_size=1, batch_size=32, img_size=16))).images
+
+    common = [f"data.train={digits_dataset}", "model.img_size=16", "train.batch_size=32", "train.micro_batch_size=32",
+              "cluster.num_workers=1"]  # fmt: skip
+    model = create_model("Ti/4", num_classes=10, img_size=16)
+    load_safetensors(model, out)
+    ds = DeepSpeedBackend(load_config(PretrainConfig, None, common), model, world_size=1, restore=None)
+    ds.module.eval()
+    with torch.no_grad():
+        on_deepspeed = ds(images).float()
+
+    trained, _ = load_checkpoint_model(reference["run_dir"])
+    xla = XlaBackend(load_config(PretrainConfig, None, [*common, "train.backend=xla"]), trained, world_size=1, restore=None)
+    xla.module.eval()
+    with torch.no_grad():
+        on_xla = xla(images.to(xla.device)).float().cpu()
+    torch.testing.assert_close(on_deepspeed, on_xla, rtol=1e-4, atol=1e-4)
+    assert on_xla.argmax(1).tolist() == on_deepspeed.argmax(1).tolist()
+
+
+@pytest.mark.parametrize(
+    ("name", "chips", "hosts", "topology", "accelerator"),
+    [
+        ("v4-8", 4, 1, "2x2x1", "TPU-V4"),
+        ("v4-32", 16, 4, "2x2x4", "TPU-V4"),
+        ("v4-128", 64, 16, "4x4x4", "TPU-V4"),
+        ("v5p-16", 8, 2, "2x2x2", "TPU-V5P"),
+        ("v5e-8", 8, 1, "2x4", "TPU-V5LITEPOD"),
+        ("v5litepod-16", 16, 4, "4x4", "TPU-V5LITEPOD"),
+        ("v6e-16", 16, 4, "4x4", "TPU-V6E"),
+        ("v6e-256", 256, 64, "16x16", "TPU-V6E"),
+    ],
+)
+def test_tpu_slice_names(name, chips, hosts, topology, accelerator):
+    from vitray.trainers.xla_slices import tpu_slice
+
+    tpu = tpu_slice(name)
+    assert (tpu.chips, tpu.hosts, tpu.topology, tpu.accelerator_type) == (chips, hosts, topology, accelerator)
+
+
+def test_tpu_slice_becomes_ray_trains_tpu_scaling_config():
+    from vitray.cluster.config import ConfigError, load_config
+    from vitray.cluster.pretrain import scaling_config
+    from vitray.trainers.config import PretrainConfig
+
+    cfg = load_config(PretrainConfig, None, ["data.train=/data", "train.backend=xla", "cluster.tpu=v4-32",
+                                             "train.batch_size=128", "cluster.cpus_per_worker=8"])  # fmt: skip
+    assert cfg.cluster.num_workers == 4  # one worker per host, from the slice
+    scaling = scaling_config(cfg)
+    assert (scaling.use_tpu, scaling.num_workers, scaling.topology, scaling.accelerator_type) == (True, 4, "2x2x4", "TPU-V4")
+    assert scaling.resources_per_worker == {"CPU": 8.0, "TPU": 4}
+    wrong = {
+        "cluster.num_workers=2": "v4-32 has 4 host",
+        "cluster.tpu=v4-30": "power-of-two number of chips",
+        "cluster.tpu_topology=4x4": "expected 3 dimensions",
+        "train.backend=deepspeed": "needs train.backend=xla",
+        "train.precision=fp16": "bf16",
+    }
+    for override, message in wrong.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config(PretrainConfig, None, ["data.train=/data", "train.backend=xla", "cluster.tpu=v4-32",
+                                               "train.batch_size=128", override])  # fmt: skip
