@@ -16,20 +16,23 @@ samples of
    processes;
 4. the same as 2. over S3 (a moto server on 127.0.0.1: the S3 code path, not a network).
 
-Two figures per reader: samples per second of wall-clock time (after the first batch; best of
-``--repeats``), and samples per CPU-second, summed over the main process and its workers (from
-``getrusage``; worker start-up and the first shuffle windows included, amortised over
-``--samples``). The second hardly changes when other work shares the
-machine, so the last line's CPU ratio, (ShardLoader samples per CPU-s) / (plain loop samples per
-CPU-s), is the steadier measure of what shards, shuffling, seeding and passing batches between
-processes cost; the wall-clock per-core ratio, (ShardLoader samples/s / workers) / (plain loop
-samples/s), is printed beside it and needs an otherwise idle machine with a core per worker plus
-one for the main process.
+Two figures per reader: samples per second of wall-clock time (after the first batch), and
+samples per CPU-second, summed over the main process and its workers (from ``getrusage``; worker
+start-up, the first shuffle windows and the chunks prefetched but never used at the end included,
+amortised over ``--samples``). The readers run in ``--repeats`` rounds, each round every reader in
+turn, and each reader's best run counts: CPU time per sample moves less than wall-clock time when
+other work shares the machine, but on a shared virtual machine it still moves by tens of percent,
+and rounds let every reader meet the same spells of load. The last line's CPU ratio, (ShardLoader
+samples per CPU-s) / (plain loop samples per CPU-s), is the steadier measure of what shards,
+shuffling, seeding and passing batches between processes cost; the wall-clock per-core ratio,
+(ShardLoader samples/s / workers) / (plain loop samples/s), is printed beside it and needs an
+otherwise idle machine with a core per worker plus one for the main process.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import logging
 import os
@@ -37,6 +40,7 @@ import resource
 import socket
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,7 +137,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def s3_run(root: Path, args: argparse.Namespace) -> Rate:
+@contextlib.contextmanager
+def s3_shards(root: Path, args: argparse.Namespace) -> Iterator[str]:
+    """The JPEGs prepared into shards on an S3 endpoint (moto on 127.0.0.1) while the block runs."""
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
@@ -149,8 +155,7 @@ def s3_run(root: Path, args: argparse.Namespace) -> Rate:
         t = time.perf_counter()
         prepare_dataset(f"imagefolder:{root / 'jpegs'}", "s3://bench/shards", samples_per_shard=500)
         print(f"prepare (serial) to S3:            {args.images / (time.perf_counter() - t):7.0f} images/s")
-        return best([loader_run("s3://bench/shards", workers=args.workers, img_size=args.img_size,
-                                batch_size=args.batch_size, samples=args.samples) for _ in range(args.repeats)])  # fmt: skip
+        yield "s3://bench/shards"
     finally:
         server.stop()
 
@@ -163,7 +168,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--samples", type=int, default=6000,
                         help="samples per ShardLoader run (several epochs, so worker start-up is amortised)")
-    parser.add_argument("--repeats", type=int, default=2, help="best of this many runs (the machine may be busy)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="rounds of every reader; each reader's best run counts (the machine may be busy)")
     parser.add_argument("--skip-s3", action="store_true", help="measure local shards only")
     args = parser.parse_args()
 
@@ -176,21 +182,32 @@ def main() -> None:
         t = time.perf_counter()
         prepare_dataset(f"imagefolder:{root / 'jpegs'}", str(root / "shards"), samples_per_shard=500)
         print(f"prepare (serial) to local disk:    {args.images / (time.perf_counter() - t):7.0f} images/s")
+        sizes = dict(img_size=args.img_size, batch_size=args.batch_size, samples=args.samples)
 
-        plain = best([plain_loop(paths, args.img_size) for _ in range(args.repeats)])
+        with contextlib.ExitStack() as stack:
+            remote_path = None if args.skip_s3 else stack.enter_context(s3_shards(root, args))
+            local_path = str(root / "shards")
+            readers: dict[str, Callable[[], Rate]] = {
+                "plain": lambda: plain_loop(paths, args.img_size),
+                "local": lambda: loader_run(local_path, workers=args.workers, **sizes),
+                "uint8": lambda: loader_run(local_path, workers=args.workers, floats=False, **sizes),
+                "inline": lambda: loader_run(local_path, workers=0, **sizes),
+            }
+            if remote_path is not None:
+                readers["s3"] = lambda: loader_run(remote_path, workers=args.workers, **sizes)
+            # Round after round of every reader, so that each sees the same spells of load from other
+            # work on the machine; then the best run of each.
+            runs: dict[str, list[Rate]] = {name: [] for name in readers}
+            for _ in range(args.repeats):
+                for name, measure in readers.items():
+                    runs[name].append(measure())
+        plain, local, uint8, inline = (best(runs[name]) for name in ("plain", "local", "uint8", "inline"))
         show("plain loop, 1 process", plain)
-        local = best([loader_run(str(root / "shards"), workers=args.workers, img_size=args.img_size,
-                                 batch_size=args.batch_size, samples=args.samples) for _ in range(args.repeats)])  # fmt: skip
         show(f"ShardLoader local, {args.workers} workers", local, args.workers)
-        uint8 = best([loader_run(str(root / "shards"), workers=args.workers, img_size=args.img_size,
-                                 batch_size=args.batch_size, samples=args.samples, floats=False)
-                      for _ in range(args.repeats)])  # fmt: skip
         show("  the same, uint8 batches", uint8, args.workers)
-        inline = best([loader_run(str(root / "shards"), workers=0, img_size=args.img_size,
-                                  batch_size=args.batch_size, samples=args.samples) for _ in range(args.repeats)])  # fmt: skip
         show("ShardLoader local, no workers", inline)
-        if not args.skip_s3:
-            remote = s3_run(root, args)
+        if "s3" in runs:
+            remote = best(runs["s3"])
             show(f"ShardLoader S3 (moto), {args.workers} workers", remote, args.workers)
             print(f"S3 / local: {remote.per_second / local.per_second:.2f} (wall), "
                   f"{remote.per_cpu_second / local.per_cpu_second:.2f} (per CPU-s)")  # fmt: skip
