@@ -140,9 +140,7 @@ class ClusterConfig(_Section):
             return self
         from vitray.trainers.xla_slices import tpu_slice
 
-        tpu = tpu_slice(self.tpu, self.tpu_topology)
-        if self.gpus_per_worker:
-            raise ValueError("cluster.gpus_per_worker must be 0 on a TPU slice (cluster.tpu)")
+        tpu = tpu_slice(self.tpu, self.tpu_topology)  # gpus_per_worker is not used on a TPU slice
         if "num_workers" not in self.model_fields_set:
             self.num_workers = tpu.hosts
         elif self.num_workers != tpu.hosts:
