@@ -6,8 +6,9 @@ It writes ``--images`` JPEGs of about 256x256 (random crops of scikit-learn's tw
 which ship with the package), prepares them into local shards, and measures decoded + augmented
 samples of
 
-1. a plain single-process loop over the JPEG files: read, decode, the same training transform,
-   the same conversion to float in [-1, 1], torch on one thread;
+1. a plain single-process loop over the JPEG files (``--samples`` of them, passing over the files
+   again like the loaders over their epochs): read, decode, the same training transform, the same
+   conversion to float in [-1, 1], torch on one thread;
 2. ``ShardLoader`` with ``--workers`` DataLoader workers over the local shards (batches of
    ``--batch-size``, the default 8 slots, 512-sample shuffle windows), with float32 batches and
    with uint8 batches (``float_images=False``: no conversion in the main process);
@@ -86,20 +87,23 @@ def write_jpegs(root: Path, count: int, classes: int = 10, seed: int = 0) -> lis
     return paths
 
 
-def plain_loop(paths: list[Path], img_size: int) -> Rate:
-    """Read, decode and augment the files one by one in this process, torch on one thread (as in
-    DataLoader workers; more threads only contend on small images)."""
+def plain_loop(paths: list[Path], img_size: int, samples: int) -> Rate:
+    """Read, decode and augment ``samples`` files one by one in this process (passing over the
+    files again as the loaders do over their epochs, so that both are timed over as long a
+    stretch), torch on one thread (as in DataLoader workers; more threads only contend on small
+    images)."""
     transform = train_transform(img_size)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         cpu, start = cpu_seconds(), time.perf_counter()
-        for i, path in enumerate(paths):
-            to_model_range(apply_seeded(transform, decode_image(path.read_bytes()), seed=i)[None])
+        for i in range(samples):
+            image = decode_image(paths[i % len(paths)].read_bytes())
+            to_model_range(apply_seeded(transform, image, seed=i)[None])
         wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu
     finally:
         torch.set_num_threads(threads)
-    return Rate(len(paths) / wall, len(paths) / cpu)
+    return Rate(samples / wall, samples / cpu)
 
 
 def loader_run(path: str, *, workers: int, img_size: int, batch_size: int, samples: int, floats: bool = True) -> Rate:
@@ -167,7 +171,7 @@ def main() -> None:
     parser.add_argument("--img-size", type=int, default=224)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--samples", type=int, default=6000,
-                        help="samples per ShardLoader run (several epochs, so worker start-up is amortised)")
+                        help="samples per run of each reader (several epochs, so worker start-up is amortised)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="rounds of every reader; each reader's best run counts (the machine may be busy)")
     parser.add_argument("--skip-s3", action="store_true", help="measure local shards only")
@@ -188,7 +192,7 @@ def main() -> None:
             remote_path = None if args.skip_s3 else stack.enter_context(s3_shards(root, args))
             local_path = str(root / "shards")
             readers: dict[str, Callable[[], Rate]] = {
-                "plain": lambda: plain_loop(paths, args.img_size),
+                "plain": lambda: plain_loop(paths, args.img_size, args.samples),
                 "local": lambda: loader_run(local_path, workers=args.workers, **sizes),
                 "uint8": lambda: loader_run(local_path, workers=args.workers, floats=False, **sizes),
                 "inline": lambda: loader_run(local_path, workers=0, **sizes),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import itertools
 import logging
@@ -464,7 +465,8 @@ def test_decoding_into_the_chunk_matches_the_tensor_transforms(jpeg_dataset):
 def test_worker_chunks_travel_as_ring_slots_from_single_threaded_workers(jpeg_dataset, monkeypatch):
     def recording_decode(*args, **kwargs):
         chunk = real_decode(*args, **kwargs)
-        chunk.keys = [f"{key}@{torch.get_num_threads()}" for key in chunk.keys]  # travels back with the chunk
+        state = f"{torch.get_num_threads()},{gc.get_freeze_count() > 0}"
+        chunk.keys = [f"{key}@{state}" for key in chunk.keys]  # travels back with the chunk
         return chunk
 
     def recording_in_order(items, **kwargs):
@@ -476,8 +478,10 @@ def test_worker_chunks_travel_as_ring_slots_from_single_threaded_workers(jpeg_da
     monkeypatch.setattr(loader_module, "decode_chunk", recording_decode)  # forked workers inherit it
     monkeypatch.setattr(loader_module, "in_order", recording_in_order)
     batches = take(jpeg_loader(jpeg_dataset, workers=2, float_images=False), 5)
-    threads_seen = {key.rsplit("@", 1)[1] for b in batches for key in b.keys}
-    assert threads_seen == {"1"}  # DataLoader workers run torch on one thread (decoding is per sample)
+    worker_states = {key.rsplit("@", 1)[1] for b in batches for key in b.keys}
+    # DataLoader workers run torch on one thread (decoding is per sample), and they were forked with
+    # the parent's objects frozen, out of their garbage collections; the parent's are unfrozen.
+    assert worker_states == {"1,True"} and gc.get_freeze_count() == 0
     # Images stay in each worker's shared ring; the messages carry (worker, slot), slots in turn.
     assert [ring for ring, _ in received] == [(w, s % 4) for s in range(5) for w in (0, 1)]
     assert {numel for _, numel in received} == {0}
