@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import socket
 import uuid
 from collections.abc import Iterator
@@ -110,6 +111,24 @@ def digits_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _no_instance_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep botocore from probing the cloud instance-metadata address for credentials."""
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.fixture(scope="session")
+def process_group() -> Iterator[None]:
+    """A one-rank gloo process group for running the training loop in the test process.
+
+    One per session: DeepSpeed caches its groups globally, so an engine built after the group was
+    destroyed and re-created would find stale ones.
+    """
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -103,6 +103,11 @@ def test_missing_dataset_is_named():
         load_config(PretrainConfig, None, [])
 
 
-def test_unbuilt_backend_says_so():
-    with pytest.raises(ConfigError, match=r"train.backend.*xla \(TPU\) backend is not built yet"):
-        load_config(PretrainConfig, None, ["data.train=d", "train.backend=xla"])
+def test_backend_choices_and_their_rules():
+    assert load_config(PretrainConfig, None, ["data.train=d", "train.backend=xla"]).train.backend == "xla"
+    with pytest.raises(ConfigError, match=r"train.backend.*'deepspeed' or 'xla'"):
+        load_config(PretrainConfig, None, ["data.train=d", "train.backend=tpu"])
+    with pytest.raises(ConfigError, match=r"fp16 is for GPUs"):
+        load_config(PretrainConfig, None, ["data.train=d", "train.backend=xla", "train.precision=fp16"])
+    with pytest.raises(ConfigError, match=r"cluster.tpu=v4-32 needs train.backend=xla"):
+        load_config(PretrainConfig, None, ["data.train=d", "cluster.tpu=v4-32", "cluster.gpus_per_worker=0"])

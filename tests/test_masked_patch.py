@@ -6,14 +6,12 @@ checkpoint (few-shot probe and fine-tuning), plus the B/16 recipe's dry run."""
 from __future__ import annotations
 
 import os
-import socket
 import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import yaml
 from PIL import Image
 
@@ -262,17 +260,6 @@ def test_unlabelled_shards_hold_images_only_and_read_as_label_minus_one(unlabell
 
 
 # -- pre-training and transfer in one process -------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _run_loop(overrides: list[str], run_dir: Path) -> list[tuple[dict, str | None]]:

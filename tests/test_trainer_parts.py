@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 
 from vitray.cluster.config import load_config
@@ -83,18 +81,7 @@ def test_ema_tracks_weights():
     assert torch.allclose(ema.state_dict()["weight"], start + 0.5)
 
 
-@pytest.fixture
-def single_process_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def test_loop_in_process_with_zero2_bf16_ema_mixup(single_process_group, digits_dataset, tmp_path):
+def test_loop_in_process_with_zero2_bf16_ema_mixup(process_group, digits_dataset, tmp_path):
     from vitray.trainers.loop import PretrainLoop
 
     cfg = load_config(
