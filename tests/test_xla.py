@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -168,20 +167,7 @@ def test_checkpoint_from_four_devices_resumes_on_two(digits_dataset, reference, 
         torch.testing.assert_close(got, value, rtol=1e-4, atol=1e-5, msg=name)
 
 
-@pytest.fixture
-def single_process_group():
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def test_exported_weights_give_the_same_logits_on_deepspeed(reference, single_process_group, digits_dataset, tmp_path):
+def test_exported_weights_give_the_same_logits_on_deepspeed(reference, process_group, digits_dataset, tmp_path):
     import torch
 
     from vitray.cluster.config import load_config
