@@ -138,7 +138,10 @@ def main() -> None:
                 blocked = saves[0]["checkpoint_blocked_s"]
                 full = full_save_seconds(f"{runs}/bench", saves[0]["checkpoint_write_s"])
                 print(f"checkpoint ({args.storage} run storage): training blocked {blocked:.3f} s "
-                      f"of a {full:.3f} s full save ({blocked / full:.0%})")  # fmt: skip
+                      f"of a {full:.3f} s full save ({blocked / full:.0%}): snapshot "
+                      f"{saves[0].get('checkpoint_snapshot_s', float('nan')):.3f} s, waiting for the writer "
+                      f"{saves[0].get('checkpoint_wait_s', float('nan')):.3f} s, handing over "
+                      f"{saves[0].get('checkpoint_report_s', float('nan')):.3f} s")  # fmt: skip
         print(json.dumps({"plain_images_per_s": plain, "vitray_images_per_s": vitray}))
         print(f"ratio vitray/plain: {vitray / plain:.3f}")
 

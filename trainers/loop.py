@@ -269,13 +269,21 @@ class PretrainLoop:
                 return
         t0 = time.perf_counter()
         flight.writer.wait()
-        blocked = flight.snapshot_s + time.perf_counter() - t0
+        waited = time.perf_counter() - t0
         self.in_flight = None
         written = flight.writer.seconds
         self.ctx.report({**flight.metrics, "step": flight.step, "checkpoint_write_s": written}, flight.folder)
+        handed_over = time.perf_counter() - t0 - waited
         # The next logged step carries what the save cost, so the driver and benchmarks see it:
-        # the background write's duration and how long training actually waited for it.
-        self.pending_metrics = {"checkpoint_write_s": written, "checkpoint_blocked_s": blocked}
+        # the background write's duration and how long training actually stood still for it
+        # (the snapshot, any wait for the writer, and handing the folder to the uploader).
+        self.pending_metrics = {
+            "checkpoint_write_s": written,
+            "checkpoint_blocked_s": flight.snapshot_s + waited + handed_over,
+            "checkpoint_snapshot_s": flight.snapshot_s,
+            "checkpoint_wait_s": waited,
+            "checkpoint_report_s": handed_over,
+        }
 
     def _recorded_config(self) -> dict[str, Any]:
         if self.ctx.recorded_config is not None:
