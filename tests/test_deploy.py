@@ -45,7 +45,6 @@ CRD_SHA256 = {
     "ray.io_rayclusters.yaml": "1d51d8c4ce065b22c2069af0ebd72ae25f4a6968e5c5f93a3106ba6fc35bcc1d",
     "ray.io_rayjobs.yaml": "ecae45d9a5dc1be68f1074ba784c495ef9d439d295253b61e1bd51f7b08522f5",
 }
-XLA_SKIP = "train.backend=xla is refused by config validation until the TPU backend lands (issue #6)"
 
 
 def yaml_docs(path: Path) -> list[dict[str, Any]]:
@@ -365,6 +364,7 @@ def test_jobs_name_their_runs_so_that_a_restarted_job_resumes():
 
 def test_runs_fit_the_worker_groups_that_carry_them():
     from vitray.cluster.config import load_config
+    from vitray.cluster.pretrain import scaling_config
     from vitray.trainers.config import PretrainConfig
 
     clusters = by_name("RayCluster")
@@ -373,7 +373,6 @@ def test_runs_fit_the_worker_groups_that_carry_them():
         if args[1] != "pretrain":
             continue
         sets = overrides(args)
-        sets.pop("train.backend", None)  # checked below without it while xla does not validate (issue #6)
         cfg = load_config(PretrainConfig, REPO / args[args.index("-c") + 1], [f"{k}={json.dumps(v)}" for k, v in sets.items()])
         (group,) = clusters["vitray-tpu" if "tpu" in name else "vitray-gpu"]["spec"]["workerGroupSpecs"]
         (container,) = group["template"]["spec"]["containers"]
@@ -385,7 +384,9 @@ def test_runs_fit_the_worker_groups_that_carry_them():
             topology = group["template"]["spec"]["nodeSelector"]["cloud.google.com/gke-tpu-topology"]
             hosts = functools.reduce(lambda a, b: a * b, map(int, topology.split("x"))) / chips
             assert group["numOfHosts"] == hosts and workers == pods_at_most, "one Ray worker per TPU host"
-            assert cfg.cluster.resources_per_worker == {"TPU": chips} and cfg.cluster.gpus_per_worker == 0
+            assert cfg.train.backend == "xla" and cfg.cluster.tpu is not None
+            resources = scaling_config(cfg).resources_per_worker
+            assert resources["TPU"] == chips, "each worker asks for its host's chips"
             assert cfg.cluster.cpus_per_worker <= per_pod["cpu"]
         else:
             per_node = per_pod["nvidia.com/gpu"] // cfg.cluster.gpus_per_worker
@@ -579,18 +580,6 @@ def command_lines() -> list[tuple[str, list[str]]]:
     return found
 
 
-@functools.cache
-def xla_validates() -> bool:
-    from vitray.cluster.config import ConfigError, validate_config
-    from vitray.trainers.config import PretrainConfig
-
-    try:
-        validate_config(PretrainConfig, {"data": {"train": "x"}}, ["train.backend=xla"], source="probe")
-        return True
-    except ConfigError:
-        return False
-
-
 def parse_with_the_cli(args: list[str]) -> None:
     """What the CLI does with `args` up to running the command: an unknown command or option, a
     missing argument or a badly typed value raises the CLI's UsageError (Typer's click)."""
@@ -632,8 +621,6 @@ def test_every_command_line_runs_as_written(where, args):
         parse_with_the_cli(args)
     if args[0] not in ("pretrain", "evaluate", "finetune"):
         return  # no config to resolve (runs, export, data prepare): parsed above
-    if "train.backend=xla" in args and not xla_validates():
-        pytest.skip(XLA_SKIP)
     config = args[args.index("-c") + 1] if "-c" in args else None
     assert config is None or (REPO / config).is_file(), f"{where}: {config} is not in the repository"
     result = CliRunner().invoke(app, [*args, "--dry-run"])
