@@ -44,7 +44,11 @@ def pretrain_args(dataset: str, storage: str, name: str, *extra: str) -> list[st
 
 
 def run(cmd: list[str], timeout: float = 480, env: dict | None = None) -> subprocess.CompletedProcess:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    except subprocess.TimeoutExpired as stuck:  # show where it stood, not just that it took too long
+        tail = [(t.decode(errors="replace") if isinstance(t, bytes) else t or "")[-4000:] for t in (stuck.stdout, stuck.stderr)]
+        raise AssertionError(f"{' '.join(cmd)} still running after {timeout:.0f} s:\n{tail[0]}\n{tail[1]}") from None
     assert out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
     return out
 
