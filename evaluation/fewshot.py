@@ -255,14 +255,9 @@ def fewshot_accuracy(
     meaning seeds 0..n-1 (the authors use 3). `l2_reg` is a fixed value or "select" (see
     :func:`select_l2`).
     """
-    train_x = _as_features(train_feats, "train_feats")
-    train_y = _as_labels(train_labels, num_classes, "train_labels", expected_len=train_x.shape[0])
-    test_x = _as_features(test_feats, "test_feats")
-    if test_x.shape[1] != train_x.shape[1]:
-        raise ValueError(f"test_feats have {test_x.shape[1]} dimensions, train_feats {train_x.shape[1]}")
-    correct_fn, num_test = _scorer(test_labels, num_classes, test_x.shape[0])
-    if isinstance(l2_reg, str) and l2_reg != "select":
-        raise ValueError(f'l2_reg must be a positive number or "select", got {l2_reg!r}')
+    train_x, train_y, test_x, correct_fn, num_test = _checked_problem(
+        train_feats, train_labels, test_feats, test_labels, num_classes, l2_reg
+    )
     seed_list = list(range(seeds)) if isinstance(seeds, (int, np.integer)) else [int(s) for s in seeds]
     if not seed_list:
         raise ValueError("seeds is empty: give at least one seed (or a count such as 3)")
@@ -289,6 +284,15 @@ def score_few_shot_set(
     """Like :func:`fewshot_accuracy` for one seed whose few-shot set is already drawn: the train
     arrays *are* the set (e.g. the :func:`sample_few_shot` picks of a pool whose features were
     extracted for those picks only). `shots` and `seed` are recorded, not used to sample."""
+    x, y, test_x, correct_fn, num_test = _checked_problem(
+        train_feats, train_labels, test_feats, test_labels, num_classes, l2_reg
+    )
+    return _score(x, y, test_x, correct_fn, num_test, num_classes, shots, seed, l2_reg)
+
+
+def _checked_problem(train_feats, train_labels, test_feats, test_labels, num_classes, l2_reg):
+    """Validated arrays of a few-shot problem: (train x, train y, test x, scorer, number of test
+    images scored)."""
     x = _as_features(train_feats, "train_feats")
     y = _as_labels(train_labels, num_classes, "train_labels", expected_len=x.shape[0])
     test_x = _as_features(test_feats, "test_feats")
@@ -297,7 +301,7 @@ def score_few_shot_set(
     correct_fn, num_test = _scorer(test_labels, num_classes, test_x.shape[0])
     if isinstance(l2_reg, str) and l2_reg != "select":
         raise ValueError(f'l2_reg must be a positive number or "select", got {l2_reg!r}')
-    return _score(x, y, test_x, correct_fn, num_test, num_classes, shots, seed, l2_reg)
+    return x, y, test_x, correct_fn, num_test
 
 
 def _score(x, y, test_x, correct_fn, num_test, num_classes, shots, seed, l2_reg) -> FewShotScore:
