@@ -18,7 +18,6 @@ from vitray.cluster.runtime import enable_token_auth_if_available
 WORKING_DIR_EXCLUDES = [
     ".git",
     ".venv",
-    ".venv-xla",
     "**/__pycache__",
     "*.egg-info",
     ".pytest_cache",

@@ -15,11 +15,11 @@ import pytest
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`xla` tests need torch-xla, which lives in its own environment (.venv-xla; `make test` runs
-    them there): skip them where it is not installed."""
+    """`xla` tests need torch-xla (the `xla` extra, which `make install` includes): skip them
+    where it is not installed."""
     if importlib.util.find_spec("torch_xla") is not None:
         return
-    skip = pytest.mark.skip(reason="needs torch-xla: run in .venv-xla (make test-xla)")
+    skip = pytest.mark.skip(reason="needs torch-xla: pip install -e '.[xla]' (make install does)")
     for item in items:
         if "xla" in item.keywords:
             item.add_marker(skip)

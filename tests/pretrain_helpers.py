@@ -44,13 +44,46 @@ def pretrain_args(dataset: str, storage: str, name: str, *extra: str) -> list[st
 
 
 def run(cmd: list[str], timeout: float = 480, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` to its end; one that outlives ``timeout`` fails with what it printed and where
+    each of its Python processes (driver, Ray workers) stood, then is stopped with its embedded Ray."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True)  # fmt: skip
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
-    except subprocess.TimeoutExpired as stuck:  # show where it stood, not just that it took too long
-        tail = [(t.decode(errors="replace") if isinstance(t, bytes) else t or "")[-4000:] for t in (stuck.stdout, stuck.stderr)]
-        raise AssertionError(f"{' '.join(cmd)} still running after {timeout:.0f} s:\n{tail[0]}\n{tail[1]}") from None
-    assert out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
-    return out
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stacks = python_stacks(proc.pid)
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(
+            f"{' '.join(cmd)} still running after {timeout:.0f} s:\n{stdout[-4000:]}\n{stderr[-4000:]}\n"
+            f"where its processes stood:\n{stacks}"
+        ) from None
+    finally:
+        _stop_leftover_ray(proc.pid)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def python_stacks(pid: int, limit: int = 30000) -> str:
+    """Every thread's stack in ``pid`` and its Python descendants, by py-spy (which ships with
+    ray[default]), for a run that hangs."""
+    import psutil
+
+    py_spy = Path(sys.executable).with_name("py-spy")
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return "(the run had already ended)"
+    dumps = []
+    for p in procs:
+        try:
+            if "python" not in p.name() and not p.name().startswith("ray::"):
+                continue
+            out = subprocess.run([str(py_spy), "dump", "--pid", str(p.pid)], capture_output=True, text=True, timeout=30)
+            dumps.append(f"--- {p.pid} {' '.join(p.cmdline())[:160]}\n{out.stdout or out.stderr}")
+        except (psutil.Error, subprocess.SubprocessError, OSError) as error:
+            dumps.append(f"--- {p.pid}: no stack ({error})")
+    return "\n".join(dumps)[-limit:]
 
 
 def run_until_checkpoint(cmd: list[str], run_dir: str, min_step: int, timeout: float = 480) -> int:

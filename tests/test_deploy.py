@@ -324,7 +324,7 @@ def image_tag(kind: str) -> str:
 
 def test_manifests_run_the_images_the_dockerfiles_build_with_the_ray_they_pin():
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-    locks = {"gpu": lock_versions(REPO / "requirements.lock"), "tpu": lock_versions(REPO / "requirements-xla.lock")}
+    locks = {"gpu": lock_versions(REPO / "requirements.lock"), "tpu": lock_versions(REPO / "requirements.lock")}
     for kind in ("gpu", "tpu"):
         assert image_tag(kind).endswith(f"/vitray:{version}-{kind}")
     for name, spec in cluster_specs():
@@ -494,7 +494,7 @@ def test_dockerfiles_install_pinned_from_the_repository_and_run_unprivileged(kin
                 copied.add(Path(source).name)
     installs = [args for _, keyword, args in steps if keyword == "RUN" and "pip install" in args]
     assert installs and all(s == 0 for s, k, a in steps if k == "RUN" and "pip install" in a), "pip only at build"
-    expected_locks = {"gpu": ["requirements.lock"], "tpu": ["requirements-xla.lock", "requirements-tpu-host.lock"]}[kind]
+    expected_locks = {"gpu": ["requirements.lock"], "tpu": ["requirements.lock", "requirements-tpu-host.lock"]}[kind]
     pins = {}
     for lock in expected_locks:
         assert lock in copied, f"{lock} is not copied into the build"
