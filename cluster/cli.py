@@ -61,10 +61,12 @@ def pretrain(config: ConfigOpt = None, set_: SetOpt = None, dry_run: DryRunOpt =
     from ray.train import TrainingFailedError
 
     from vitray.cluster.pretrain import pretrain as run_pretrain
-    from vitray.cluster.runtime import run_dir
+    from vitray.cluster.runtime import NotEnoughResources, run_dir
 
     try:
         result = run_pretrain(cfg, verbose=verbose)
+    except NotEnoughResources as err:
+        _fail(str(err))
     except TrainingFailedError as err:
         # Ray's message carries each failed rank's traceback; no driver traceback on top of it.
         _fail(f"pre-training failed (re-run the same command to resume):\n{err}", code=1)

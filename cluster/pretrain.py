@@ -17,7 +17,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from vitray.cluster.progress import TrainingProgress
-from vitray.cluster.runtime import connect, ray_storage, run_dir
+from vitray.cluster.runtime import check_local_resources, connect, ray_storage, run_dir
 from vitray.cluster.redact import redacted_config
 from vitray.trainers.config import PretrainConfig
 from vitray.trainers.context import WorkerContext
@@ -92,6 +92,10 @@ def _evaluators(cfg: PretrainConfig) -> list:
     ]  # fmt: skip
 
 
+# The config keys behind each resource a worker asks for (for error messages).
+RESOURCE_SETTINGS = {"CPU": "cluster.cpus_per_worker", "GPU": "cluster.gpus_per_worker", "TPU": "cluster.tpu"}
+
+
 def scaling_config(cfg: PretrainConfig) -> ScalingConfig:
     """GPU/CPU workers, or (cluster.tpu) one worker per host of a TPU slice, placed by Ray Train's
     TPU support (a slice placement group: all hosts of one slice, reserved together)."""
@@ -138,6 +142,8 @@ def pretrain(cfg: PretrainConfig, *, show_progress: bool = True, verbose: bool =
     """Run (or resume) the pre-training run described by `cfg`; returns Ray Train's Result."""
     connect(cfg.cluster.address, verbose=verbose)
     trainer = build_trainer(cfg)
+    scaling = scaling_config(cfg)
+    check_local_resources(scaling.num_workers, scaling.resources_per_worker, RESOURCE_SETTINGS)
     progress = TrainingProgress(run_dir(cfg.run.storage, cfg.run.name), total_steps=cfg.train.steps)
     with progress if show_progress else contextlib.nullcontext():
         return trainer.fit()

@@ -15,6 +15,13 @@ from vitray.data import storage
 
 AUTH_TOKEN_FILE = Path.home() / ".ray" / "auth_token"
 
+# Whether this process's Ray is a private instance `connect` started (one node, no autoscaler).
+_started_local = False
+
+
+class NotEnoughResources(ValueError):
+    """The work asks for more than the local Ray instance has, so it would wait forever."""
+
 
 def enable_token_auth_if_available() -> None:
     """Use the cluster token when there is one; must run before `ray` is first imported."""
@@ -39,11 +46,39 @@ def connect(address: str | None, *, num_cpus: int | None = None, verbose: bool =
         return
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    global _started_local
     if address:
         ray.init(address=address, log_to_driver=verbose)
     else:
         # address="local" always starts a private instance, never joins a `ray start` cluster by accident.
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=verbose, logging_level="info" if verbose else "warning")
+        _started_local = True
+
+
+def check_local_resources(workers: int, per_worker: dict[str, float], settings: dict[str, str]) -> None:
+    """Fail at once when `workers` x `per_worker` exceeds the private local instance.
+
+    A cluster may grow (its autoscaler adds nodes), so there Ray Train waits for resources; the
+    local instance never grows, and Ray Train would retry placing the workers forever in silence.
+    `settings` names the config keys behind each resource, for the message.
+    """
+    if not _started_local:
+        return
+    import ray
+
+    have = ray.cluster_resources()
+    missing = {name: amount * workers for name, amount in per_worker.items()
+               if amount and amount * workers > have.get(name, 0)}  # fmt: skip
+    if missing:
+        asked = "; ".join(
+            f"{need:g} {name} ({settings.get(name, f'cluster.resources_per_worker[{name}]')} x {workers} workers) but it has "
+            f"{have.get(name, 0):g}" for name, need in missing.items()
+        )  # fmt: skip
+        raise NotEnoughResources(
+            f"the local Ray instance this command started (this machine) cannot place the workers: the run "
+            f"needs {asked}. Lower cluster.num_workers or the per-worker resources, or set cluster.address to a "
+            f"cluster that has them"
+        )
 
 
 def ray_storage(storage_path: str):

@@ -4,6 +4,7 @@ exact resume after a pre-emption and after a worker is killed, re-sharding onto 
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -140,3 +141,24 @@ def test_half_written_checkpoint_is_never_taken(digits_dataset, reference, tmp_p
         )
     )  # fmt: skip
     assert_same_weights(final_weights(str(run_dir)), reference["weights"])
+
+
+def test_more_workers_than_the_local_instance_has_fails_at_once(digits_dataset, tmp_path):
+    """Ray Train would retry placing them forever, in silence: the local instance never grows."""
+    import os
+    import subprocess
+    import time
+
+    cpus = os.cpu_count()
+    args = pretrain_args(str(digits_dataset), str(tmp_path), "too-big", "train.steps=2",
+                         f"cluster.num_workers={2 * cpus}", f"data.num_slots={2 * cpus}",
+                         f"train.batch_size={32 * cpus}")  # fmt: skip
+    started = time.monotonic()
+    out = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
+    message = " ".join(out.stderr.split())
+    found = re.search(rf"needs {2 * cpus} CPU \(cluster.cpus_per_worker x {2 * cpus} workers\) but it has (\d+)", message)
+    assert found and int(found[1]) < 2 * cpus, message
+    assert "cluster.address" in message
+    assert time.monotonic() - started < 120
+    assert not (tmp_path / "too-big").exists() or not list_checkpoints(str(tmp_path / "too-big"))
