@@ -30,6 +30,7 @@ _EXPORTS = {
     "EvalLoader": "eval_loader",
     "load_split": "eval_loader",
     "read_labels": "eval_loader",
+    "top1_hits": "eval_loader",
     "DatasetInfo": "layout",
     "ManifestRow": "layout",
     "ResolvedSplit": "layout",
@@ -67,7 +68,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from .batch import Batch
     from .config import DataConfig
-    from .eval_loader import EvalLoader, load_split, read_labels
+    from .eval_loader import EvalLoader, load_split, read_labels, top1_hits
     from .layout import DatasetInfo, ManifestRow, ResolvedSplit, SplitInfo, read_dataset_info, read_manifest, read_split
     from .loader import ShardLoader
     from .plan import EpochPlan, ShardRange, epoch_plan, rank_slots

@@ -161,6 +161,20 @@ class EvalLoader:
         return {"samples": self._yielded, "skipped": self._skipped}
 
 
+def top1_hits(predicted: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
+    """(correct, scored) for class predictions against a batch's labels.
+
+    Single-label rows count one each. Multi-label rows (ImageNet-ReaL style, multi-hot) count a
+    prediction as correct when it is one of the image's labels, and rows without any label are
+    left out, as ReaL is scored.
+    """
+    predicted = predicted.cpu()
+    if labels.ndim == 2:
+        labelled = labels.sum(1) > 0
+        return int(labels[labelled].gather(1, predicted[labelled, None]).sum()), int(labelled.sum())
+    return int((predicted == labels).sum()), len(labels)
+
+
 def _checked_indices(indices: Sequence[int], total: int, split: str) -> tuple[int, ...]:
     positions = tuple(int(i) for i in indices)
     if any(b <= a for a, b in zip(positions, positions[1:])):

@@ -390,7 +390,7 @@ def split_top1(
     images without any label are left out, as ReaL is scored. The model is evaluated in eval mode
     and left in the mode it was in.
     """
-    from vitray.data import EvalLoader
+    from vitray.data import EvalLoader, top1_hits
 
     loader = EvalLoader(path, split, batch_size=batch_size, img_size=model.img_size, num_workers=num_workers,
                         storage_options=storage_options)  # fmt: skip
@@ -400,15 +400,8 @@ def split_top1(
     try:
         with torch.inference_mode():
             for batch in loader:
-                predicted = model(batch.images.to(device)).float().argmax(1).cpu()
-                labels = batch.labels
-                if labels.ndim == 2:
-                    labelled = labels.sum(1) > 0
-                    correct += int(labels[labelled].gather(1, predicted[labelled, None]).sum())
-                    seen += int(labelled.sum())
-                else:
-                    correct += int((predicted == labels).sum())
-                    seen += len(labels)
+                hits, scored = top1_hits(model(batch.images.to(device)).float().argmax(1), batch.labels)
+                correct, seen = correct + hits, seen + scored
     finally:
         model.train(was_training)
     if seen == 0:

@@ -33,6 +33,7 @@ from vitray.data import (
     read_dataset_info,
     read_manifest,
     storage,
+    top1_hits,
 )
 from vitray.data.batch import SkipReporter
 from vitray.data.plan import ShardRange
@@ -509,3 +510,10 @@ def test_batch_memory_is_reused_only_when_no_tensor_holds_it():
     assert len({t.data_ptr() for t in [second, *kept]}) == 4 and len(memory._regions) == 2
     with pytest.raises(TypeError, match="must be uint8"):
         batch_module.concat_chunks([batch_module.Chunk(second, torch.zeros(16))], epoch=0, step=0)
+
+
+def test_top1_hits_single_and_multi_label():
+    assert top1_hits(torch.tensor([1, 2, 0]), torch.tensor([1, 0, 0])) == (2, 3)
+    # Multi-hot rows (ImageNet-ReaL): any of the labels counts; a row with none is not scored.
+    labels = torch.tensor([[0, 1, 1], [1, 0, 0], [0, 0, 0]])
+    assert top1_hits(torch.tensor([2, 1, 0]), labels) == (1, 2)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from vitray.data import EvalLoader, ShardLoader, read_dataset_info, storage
+from vitray.data import EvalLoader, ShardLoader, read_dataset_info, storage, top1_hits
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.backend import PendingSave, TrainBackend, create_backend
@@ -221,13 +221,9 @@ class PretrainLoop:
         )
         with torch.no_grad():
             for batch in loader:
-                logits = module(batch.images.to(self.backend.device, self.backend.dtype)).float().cpu()
-                labels = batch.labels
-                if labels.ndim == 2:  # multi-label: top-1 is correct when it is one of the labels
-                    correct += int(labels.gather(1, logits.argmax(1, keepdim=True)).sum())
-                else:
-                    correct += int((logits.argmax(1) == labels).sum())
-                seen += len(labels)
+                logits = module(batch.images.to(self.backend.device, self.backend.dtype))
+                hits, scored = top1_hits(logits.float().argmax(1), batch.labels)
+                correct, seen = correct + hits, seen + scored
         module.train()
         correct, seen = _all_reduce([float(correct), float(seen)], average=[False, False], device=self.backend.device)
         return correct / max(seen, 1.0)
