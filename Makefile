@@ -6,8 +6,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # One environment for everything, torch-xla included: torch-xla 2.9 (its last release) needs
 # torch 2.9, so the whole project is pinned to torch 2.9.1. (Two environments, one per torch, took
-# about 15 GB of disk; one takes about 8.) No pip cache: the wheels are not kept twice.
-PIP_INSTALL := $(BIN)/python -m pip install --no-cache-dir --progress-bar off
+# about 15 GB of disk; one takes about 8.) No pip cache: the wheels are not kept twice. pip holds
+# every downloaded wheel (about 4 GB) until the install ends; where /dev/shm is writable they wait
+# there, in memory, so that the disk's peak is the environment alone.
+PIP_TMPDIR := $(shell [ -d /dev/shm ] && [ -w /dev/shm ] && echo /dev/shm || echo $${TMPDIR:-/tmp})
+PIP_INSTALL := TMPDIR=$(PIP_TMPDIR) $(BIN)/python -m pip install --no-cache-dir --progress-bar off
 # The XLA tests run the backend for real on PJRT's CPU client, with 4 devices standing in for a
 # TPU host's chips; they need their own process (PJRT's client is made once per process).
 XLA_TEST_ENV := PJRT_DEVICE=CPU CPU_NUM_DEVICES=4
