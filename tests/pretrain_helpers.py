@@ -71,7 +71,8 @@ def python_stacks(pid: int, limit: int = 30000) -> str:
 
     py_spy = Path(sys.executable).with_name("py-spy")
     try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        run = psutil.Process(pid)
+        procs = [run, *run.children(recursive=True)]
     except psutil.NoSuchProcess:
         return "(the run had already ended)"
     dumps = []
