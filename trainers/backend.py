@@ -8,6 +8,7 @@ share of a checkpoint is written and read back.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -17,14 +18,21 @@ from torch import nn
 from vitray.trainers.config import PretrainConfig
 
 
-class PendingSave(Protocol):
-    """A checkpoint write that may still be running in the background."""
+class PendingSave:
+    """A checkpoint write that may still be running in the background: the futures of the
+    background writes of this rank's share (a backend's `save` returns one)."""
+
+    def __init__(self, futures: list[Future]):
+        self._futures = futures
 
     def done(self) -> bool:
         """True when every file of this rank's share is written and closed."""
+        return all(f.done() for f in self._futures)
 
     def wait(self) -> None:
         """Block until `done()`; re-raises the writer's error, if any."""
+        for future in self._futures:
+            future.result()
 
 
 class TrainBackend(Protocol):

@@ -21,20 +21,21 @@ import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from torch import nn
 
+from vitray.trainers.backend import PendingSave
 from vitray.trainers.config import PretrainConfig
 from vitray.trainers.optim import build_optimizer
-from vitray.trainers.schedule import lr_multiplier
+from vitray.trainers.schedule import build_lr_schedule
 
 CHECKPOINT_SUBDIR = "deepspeed"
 CHECKPOINT_TAG = "state"
 
 
-def deepspeed_config(cfg: PretrainConfig, world_size: int, *, load_universal: bool = False) -> dict[str, Any]:
+def deepspeed_config(cfg: PretrainConfig, *, load_universal: bool = False) -> dict[str, Any]:
     train = cfg.train
     return {
         "train_batch_size": train.batch_size,
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
-        "gradient_accumulation_steps": train.batch_size // (train.micro_batch_size * world_size),
+        "gradient_accumulation_steps": cfg.grad_accumulation,
         "gradient_clipping": train.grad_clip,
         "zero_optimization": {"stage": train.zero_stage},
         # A checkpoint from another number of workers is converted to DeepSpeed's universal
@@ -48,30 +49,19 @@ def deepspeed_config(cfg: PretrainConfig, world_size: int, *, load_universal: bo
     }
 
 
-def build_engine(model: nn.Module, cfg: PretrainConfig, world_size: int, *, load_universal: bool = False):
-    """Returns the DeepSpeed engine; its lr scheduler follows `lr_multiplier`."""
+def build_engine(model: nn.Module, cfg: PretrainConfig, *, load_universal: bool = False):
+    """Returns the DeepSpeed engine; its lr scheduler is `build_lr_schedule`'s."""
     import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
-    train = cfg.train
-    optimizer = build_optimizer(model, train)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: lr_multiplier(
-            step,
-            total_steps=train.steps,
-            warmup_steps=train.warmup_steps,
-            decay=train.decay,
-            min_ratio=train.min_lr / train.lr,
-        ),
-    )
+    optimizer = build_optimizer(model, cfg.train)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
-        lr_scheduler=schedule,
-        config=deepspeed_config(cfg, world_size, load_universal=load_universal),
+        lr_scheduler=build_lr_schedule(optimizer, cfg),
+        config=deepspeed_config(cfg, load_universal=load_universal),
         dist_init_required=False,
     )
     return engine
@@ -182,8 +172,8 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
         with torch.serialization.safe_globals(_deepspeed_checkpoint_classes()):
             return torch.load(path, map_location=map_location, weights_only=True)
 
-    def pending(self) -> "_Pending":
-        return _Pending(list(self._queued))
+    def pending(self) -> PendingSave:
+        return PendingSave(list(self._queued))
 
 
 def _deepspeed_checkpoint_classes() -> list[type]:
@@ -197,18 +187,6 @@ def _deepspeed_checkpoint_classes() -> list[type]:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
-class _Pending:
-    def __init__(self, futures: list[Future]):
-        self._futures = futures
-
-    def done(self) -> bool:
-        return all(f.done() for f in self._futures)
-
-    def wait(self) -> None:
-        for future in self._futures:
-            future.result()
-
-
 class DeepSpeedBackend:
     """:class:`vitray.trainers.backend.TrainBackend` on a DeepSpeed engine."""
 
@@ -220,7 +198,7 @@ class DeepSpeedBackend:
         if restore is not None and restore[1]["world_size"] != world_size and cfg.train.zero_stage > 0:
             # Each rank converts privately: no shared local disk is assumed between ranks.
             self._universal_dir = to_universal(restore[0], Path(tempfile.mkdtemp(prefix="vitray-universal-")))
-        self.engine = build_engine(model, cfg, world_size, load_universal=self._universal_dir is not None)
+        self.engine = build_engine(model, cfg, load_universal=self._universal_dir is not None)
         self._checkpoints = BackgroundCheckpointEngine(self.engine._config)
         self.engine.checkpoint_engine = self._checkpoints
         self.module = self.engine.module
@@ -259,7 +237,7 @@ class DeepSpeedBackend:
     def to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.detach().float().cpu().clone() for k, v in tensors.items()}
 
-    def save(self, folder: Path) -> _Pending:
+    def save(self, folder: Path) -> PendingSave:
         self._checkpoints.begin()
         save(self.engine, folder, client_state={})
         return self._checkpoints.pending()

@@ -4,11 +4,10 @@ Randomness is derived from (seed, step, rank) at every step -- dropout, mixup --
 augmentation from (seed, epoch, slot, position) in the loader, so a resumed run reproduces an
 uninterrupted one exactly without carrying generator states around.
 
-The engine (DeepSpeed or torch-xla) sits behind `vitray.trainers.backend.TrainBackend`.
-Checkpoints are written in the background: at a save step every rank snapshots its state and goes
-on training; the folder is handed to the run (and its asynchronous upload) at the first step at
-which every rank has finished writing, so the checkpoint costs training little more than the
-snapshot.
+The loop is made of components that own their state: the engine (DeepSpeed or torch-xla) behind
+`vitray.trainers.backend.TrainBackend`, the data loader, the EMA, and the
+`vitray.trainers.checkpointer.Checkpointer` that saves and restores them all, writing in the
+background so that a checkpoint costs training little more than a snapshot.
 """
 
 from __future__ import annotations
@@ -16,20 +15,20 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from vitray.data import EvalLoader, ShardLoader, read_dataset_info, storage, top1_hits
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.trainers import checkpoint as ckpt
-from vitray.trainers.backend import PendingSave, TrainBackend, create_backend
+from vitray.trainers.backend import TrainBackend, create_backend
+from vitray.trainers.checkpointer import Checkpointer
+from vitray.trainers.collectives import all_reduce as _all_reduce
+from vitray.trainers.collectives import broadcast_int as _broadcast_int
 from vitray.trainers.config import PretrainConfig
 from vitray.trainers.context import WorkerContext
 from vitray.trainers.ema import Ema
@@ -47,7 +46,7 @@ class PretrainLoop:
     def __init__(self, cfg: PretrainConfig, ctx: WorkerContext):
         self.cfg, self.ctx = cfg, ctx
         self.rank, self.world = ctx.rank, ctx.world_size
-        self.accum = cfg.train.batch_size // (cfg.train.micro_batch_size * self.world)
+        self.accum = cfg.grad_accumulation
         self.info = read_dataset_info(cfg.data.train, cfg.data.storage_options)
         self.objective = build_objective(cfg.train, self.info.label_kind, self.info.num_classes)
         # Masked patch prediction trains no classifier: eval_every runs the few-shot probes only.
@@ -81,11 +80,23 @@ class PretrainLoop:
             min_crop_area=cfg.data.min_crop_area,
             flip=cfg.data.flip,
         ))
-        self.step = 0
-        self.pending_metrics: dict[str, float] = {}
-        self.in_flight: _CheckpointInFlight | None = None
-        if restore is not None:
-            self._restore(*restore)
+        self.checkpointer = Checkpointer(
+            self.backend,
+            rank=self.rank,
+            world_size=self.world,
+            every=cfg.train.checkpoint_every,
+            last_step=cfg.train.steps,
+            report=ctx.report,
+            states={"data": self.loader},
+            weights={ckpt.EMA_FILE: self.ema} if self.ema is not None else {},
+            record={
+                "num_classes": self.info.num_classes,
+                "label_kind": self.info.label_kind,
+                "model": self._architecture(),
+                "config": self._recorded_config(),
+            },
+        )
+        self.step = self.checkpointer.restore(*restore) if restore is not None else 0
         self.keys = None
         if cfg.debug.record_sample_keys:
             attempt = _broadcast_int(time.time_ns(), device=self.backend.device)  # one id for this attempt's ranks
@@ -115,28 +126,25 @@ class PretrainLoop:
             window.add(loss, data_wait, skipped)
             metrics: dict[str, Any] = {}
             if self.step % train.log_every == 0 or self.step == train.steps:
-                metrics = self._step_metrics(window, grad_norm)
+                metrics = {**self._step_metrics(window, grad_norm), **self.checkpointer.take_costs()}
                 window = _Window()
-            if metrics and self.pending_metrics:
-                metrics.update(self.pending_metrics)
-                self.pending_metrics = {}
             if train.eval_every and (self.step % train.eval_every == 0 or self.step == train.steps):
                 if self.validates:
                     metrics["val/top1"] = self.validate()
                 if self.rank == 0:
                     for evaluator in self.ctx.evaluators:
                         metrics.update(evaluator(self.backend.module))
-            save = self.step % train.checkpoint_every == 0 or self.step == train.steps
-            self._finish_checkpoint(wait=save)
+            save = self.checkpointer.due(self.step)
+            self.checkpointer.finish(wait=save)
             if metrics and self.metrics is not None:
                 self.metrics.write(self.step, metrics)
             if save:
-                self._start_checkpoint(metrics)
+                self.checkpointer.save(self.step, metrics)
             elif metrics:
                 self.ctx.report({"step": self.step, **metrics}, None)
             last = metrics or last
             self._maybe_inject_failure()
-        self._finish_checkpoint(wait=True)
+        self.checkpointer.finish(wait=True)
         if self.metrics is not None:
             self.metrics.close()
         if self.keys is not None:
@@ -228,59 +236,6 @@ class PretrainLoop:
         correct, seen = _all_reduce([float(correct), float(seen)], average=[False, False], device=self.backend.device)
         return correct / max(seen, 1.0)
 
-    # -- checkpoints --------------------------------------------------------------------------
-    def _start_checkpoint(self, metrics: dict[str, Any]) -> None:
-        """Snapshot this rank's share of the checkpoint and write it in the background."""
-        folder = Path(tempfile.mkdtemp(prefix=f"vitray-ckpt-{self.step:08d}-r{self.rank}-"))
-        t0 = time.perf_counter()
-        shards = self.backend.save(folder)
-        weights = self.backend.full_state_dict()  # collective: every rank takes part
-        ema = self.backend.to_host(self.ema.state_dict()) if self.ema is not None else None  # collective
-        state = {
-            "step": self.step,
-            "world_size": self.world,
-            "backend": self.backend.name,
-            "data": self.loader.state_dict(),
-            "num_classes": self.info.num_classes,
-            "label_kind": self.info.label_kind,
-            "model": self._architecture(),
-            "config": self._recorded_config(),
-        }
-        writer = _CheckpointWriter(folder, self.rank, shards, weights if self.rank == 0 else None,
-                                   ema if self.rank == 0 else None, state if self.rank == 0 else None)  # fmt: skip
-        self.in_flight = _CheckpointInFlight(folder, self.step, metrics, writer, snapshot_s=time.perf_counter() - t0)
-
-    def _finish_checkpoint(self, wait: bool) -> None:
-        """Hand the checkpoint in flight to the run once every rank has written its share.
-
-        Whether that is now is decided jointly (one small all-reduce per step while a write is in
-        flight), so all ranks report it at the same step, as Ray Train requires.
-        """
-        flight = self.in_flight
-        if flight is None:
-            return
-        if not wait:
-            done = _all_reduce([float(flight.writer.done())], average=[False], device=self.backend.device)[0]
-            if done < self.world:
-                return
-        t0 = time.perf_counter()
-        flight.writer.wait()
-        waited = time.perf_counter() - t0
-        self.in_flight = None
-        written = flight.writer.seconds
-        self.ctx.report({**flight.metrics, "step": flight.step, "checkpoint_write_s": written}, flight.folder)
-        handed_over = time.perf_counter() - t0 - waited
-        # The next logged step carries what the save cost, so the driver and benchmarks see it:
-        # the background write's duration and how long training actually stood still for it
-        # (the snapshot, any wait for the writer, and handing the folder to the uploader).
-        self.pending_metrics = {
-            "checkpoint_write_s": written,
-            "checkpoint_blocked_s": flight.snapshot_s + waited + handed_over,
-            "checkpoint_snapshot_s": flight.snapshot_s,
-            "checkpoint_wait_s": waited,
-            "checkpoint_report_s": handed_over,
-        }
-
     def _recorded_config(self) -> dict[str, Any]:
         if self.ctx.recorded_config is not None:
             return self.ctx.recorded_config
@@ -297,70 +252,12 @@ class PretrainLoop:
             "representation_size": module.representation_size,
         }
 
-    def _restore(self, folder: Path, state: dict[str, Any]) -> None:
-        self.backend.load(folder, state)
-        if self.ema is not None and (folder / ckpt.EMA_FILE).is_file():
-            from safetensors.torch import load_file
-
-            self.ema.load_state_dict(load_file(str(folder / ckpt.EMA_FILE)))
-        self.loader.load_state_dict(state["data"])
-        self.step = int(state["step"])
-
     def _maybe_inject_failure(self) -> None:
         at = self.cfg.debug.kill_worker_at_step
         if at != self.step or self.rank != self.world - 1:
             return
         if self.run_files.claim_once(f"killed-at-step-{at}"):
             os.kill(os.getpid(), signal.SIGKILL)
-
-
-class _CheckpointWriter:
-    """Writes one rank's checkpoint files on a background thread: waits for the backend's
-    shards, writes rank 0's weights and trainer state, and the completion record last."""
-
-    def __init__(self, folder: Path, rank: int, shards: PendingSave, weights, ema, state):
-        self.seconds = 0.0
-        self._error: BaseException | None = None
-        self._args = (folder, rank, shards, weights, ema, state)
-        self._thread = threading.Thread(target=self._run, name=f"vitray-ckpt-r{rank}", daemon=True)
-        self._started = time.perf_counter()
-        self._thread.start()
-
-    def _run(self) -> None:
-        folder, rank, shards, weights, ema, state = self._args
-        try:
-            from safetensors.torch import save_file
-
-            shards.wait()
-            if weights is not None:
-                save_file(weights, str(folder / ckpt.MODEL_FILE))
-            if ema is not None:
-                save_file(ema, str(folder / ckpt.EMA_FILE))
-            if state is not None:
-                ckpt.write_state(folder, state)
-            ckpt.mark_complete(folder, rank, ckpt.files_under(folder))
-        except BaseException as error:  # surfaced by wait() on the training thread
-            self._error = error
-        finally:
-            self.seconds = time.perf_counter() - self._started
-            self._args = None
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def wait(self) -> None:
-        self._thread.join()
-        if self._error is not None:
-            raise RuntimeError(f"writing the checkpoint failed: {self._error}") from self._error
-
-
-@dataclass
-class _CheckpointInFlight:
-    folder: Path
-    step: int
-    metrics: dict[str, Any]
-    writer: _CheckpointWriter
-    snapshot_s: float  # how long the snapshot held training up
 
 
 class _Window:
@@ -378,25 +275,3 @@ class _Window:
         self.loss_sum += loss
         self.data_wait += data_wait
         self.skipped += skipped
-
-
-def _all_reduce(values: list[float], average: list[bool], device) -> list[float]:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=_collective_device(device))
-    dist.all_reduce(tensor)
-    world = dist.get_world_size()
-    return [v / world if avg else v for v, avg in zip(tensor.tolist(), average)]
-
-
-def _broadcast_int(value: int, device) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    tensor = torch.tensor([value], dtype=torch.int64, device=_collective_device(device))
-    dist.broadcast(tensor, src=0)
-    return int(tensor.item())
-
-
-def _collective_device(device):
-    """NCCL reduces GPU tensors; gloo reduces CPU ones (also in an XLA worker, whose process group is gloo)."""
-    return device if dist.get_backend() == "nccl" else "cpu"

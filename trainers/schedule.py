@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 
 def lr_multiplier(step: int, *, total_steps: int, warmup_steps: int, decay: str, min_ratio: float = 0.0) -> float:
     """Factor applied to the base learning rate at optimizer step `step` (0-based).
@@ -23,3 +25,16 @@ def lr_multiplier(step: int, *, total_steps: int, warmup_steps: int, decay: str,
     else:
         raise ValueError(f"decay={decay!r}: expected 'linear' or 'cosine'")
     return min_ratio + (1.0 - min_ratio) * shape
+
+
+def build_lr_schedule(optimizer: torch.optim.Optimizer, cfg) -> torch.optim.lr_scheduler.LambdaLR:
+    """The run's schedule (`cfg`: the training config) on `optimizer`, stepped once per optimizer step."""
+    train = cfg.train
+    # A plain function (not a callable object), so the schedule's state_dict holds no lambda state.
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_multiplier(
+            step, total_steps=train.steps, warmup_steps=train.warmup_steps, decay=train.decay,
+            min_ratio=train.min_lr / train.lr,
+        ),
+    )  # fmt: skip

@@ -23,7 +23,7 @@ read. A checkpoint of one backend is not resumed by the other: weights move betw
 from __future__ import annotations
 
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vitray.trainers.backend import PendingSave
 from vitray.trainers.config import PretrainConfig
 from vitray.trainers.optim import build_optimizer
-from vitray.trainers.schedule import lr_multiplier
+from vitray.trainers.schedule import build_lr_schedule
 from vitray.trainers.xla_loader import DeviceLoader
 
 CHECKPOINT_SUBDIR = "xla"
@@ -71,17 +72,6 @@ def compilations() -> tuple[int, float]:
     return (int(data[0]), data[1] / 1e9) if data else (0, 0.0)
 
 
-class _Pending:
-    def __init__(self, future: Future):
-        self._future = future
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def wait(self) -> None:
-        self._future.result()
-
-
 class XlaBackend:
     """:class:`vitray.trainers.backend.TrainBackend` on torch-xla SPMD."""
 
@@ -112,19 +102,13 @@ class XlaBackend:
         self.dtype = torch.float32  # inputs; bf16 compute comes from autocast
         self._autocast = train.precision == "bf16"
         self._batch_size = train.micro_batch_size
-        self.accum = train.batch_size // (train.micro_batch_size * world_size)
+        self.accum = cfg.grad_accumulation
         self._clip = train.grad_clip
 
         self.wrapped = SpmdFullyShardedDataParallel(model, mesh=self.mesh)
         self.module = self.wrapped.module
         self.optimizer = build_optimizer(self.module, train)
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda step: lr_multiplier(
-                step, total_steps=train.steps, warmup_steps=train.warmup_steps, decay=train.decay,
-                min_ratio=train.min_lr / train.lr,
-            ),
-        )  # fmt: skip
+        self.schedule = build_lr_schedule(self.optimizer, cfg)
         self._create_optimizer_state()
         self._micro = 0
         self._norm: torch.Tensor | None = None
@@ -227,7 +211,7 @@ class XlaBackend:
     def _state(self) -> dict[str, Any]:
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict()}
 
-    def save(self, folder: Path) -> _Pending:
+    def save(self, folder: Path) -> PendingSave:
         import torch.distributed.checkpoint as dcp
         from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
         from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
@@ -241,7 +225,7 @@ class XlaBackend:
             dcp.save(snapshot, storage_writer=dcp.FileSystemWriter(str(target)), planner=SPMDSavePlanner(),
                      process_group=self._group)  # fmt: skip
 
-        return _Pending(self._writer.submit(write))
+        return PendingSave([self._writer.submit(write)])
 
     def load(self, folder: Path, state: dict[str, Any]) -> None:
         import torch.distributed.checkpoint as dcp

@@ -1,0 +1,181 @@
+"""One rank's side of the run's checkpoints: when to save, the background write, the hand-over
+to the run, and restoring.
+
+The checkpointer collects state from the components that own it, each with `state_dict()` /
+`load_state_dict()`: small state (the data loader's position) goes into `trainer_state.json`
+under its name, tensor state (the EMA weights) into a safetensors file of its own. The backend
+writes and reads its shards itself (DeepSpeed and XLA each have their own format); the checkpointer
+adds the consolidated weights (`model.safetensors`) and the trainer's step. The folder layout is
+`vitray.trainers.checkpoint`'s.
+
+Saving costs training little more than a snapshot: at a save step every rank snapshots its share
+and goes on training while a background thread writes the files and, last, the rank's completion
+record. The folder is handed to the run (`report`, which uploads it) at the first step at which
+every rank has finished writing. Whether that is now is decided jointly (one small all-reduce per
+step while a write is in flight), so all ranks report it at the same step, as Ray Train requires.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from vitray.trainers import checkpoint as ckpt
+from vitray.trainers.backend import PendingSave, TrainBackend
+from vitray.trainers.collectives import all_reduce
+from vitray.trainers.context import Reporter
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Checkpointer:
+    """Saves every `every` steps and at `last_step`; restores from a complete checkpoint folder.
+
+    `states`: name in `trainer_state.json` -> component (JSON-able state); `weights`: file name ->
+    component (tensor state, module-shaped, gathered to rank 0 with `backend.to_host`); `record`:
+    what `trainer_state.json` also says about the run (classes, architecture, config).
+    """
+
+    def __init__(
+        self,
+        backend: TrainBackend,
+        *,
+        rank: int,
+        world_size: int,
+        every: int,
+        last_step: int,
+        report: Reporter,
+        states: dict[str, Stateful],
+        weights: dict[str, Stateful],
+        record: dict[str, Any],
+    ):
+        self.backend, self.rank, self.world = backend, rank, world_size
+        self.every, self.last_step = every, last_step
+        self.report = report
+        self.states, self.weights, self.record = states, weights, record
+        self._in_flight: _InFlight | None = None
+        self._costs: dict[str, float] = {}
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.last_step
+
+    def save(self, step: int, metrics: dict[str, Any]) -> None:
+        """Snapshot this rank's share of the checkpoint at `step` and write it in the background;
+        `metrics` go to the run with the folder when it is handed over."""
+        folder = Path(tempfile.mkdtemp(prefix=f"vitray-ckpt-{step:08d}-r{self.rank}-"))
+        t0 = time.perf_counter()
+        shards = self.backend.save(folder)
+        # Collectives: every rank takes part; rank 0 gets the whole tensors.
+        files = {ckpt.MODEL_FILE: self.backend.full_state_dict()}
+        files.update((name, self.backend.to_host(part.state_dict())) for name, part in self.weights.items())
+        state = {
+            "step": step,
+            "world_size": self.world,
+            "backend": self.backend.name,
+            **{name: part.state_dict() for name, part in self.states.items()},
+            **self.record,
+        }
+        lead = self.rank == 0
+        writer = _Writer(folder, self.rank, shards, files if lead else {}, state if lead else None)
+        self._in_flight = _InFlight(folder, step, metrics, writer, snapshot_s=time.perf_counter() - t0)
+
+    def finish(self, wait: bool) -> None:
+        """Hand the checkpoint in flight to the run once every rank has written its share
+        (`wait`: block until then). Call it on every rank at every step."""
+        flight = self._in_flight
+        if flight is None:
+            return
+        if not wait:
+            done = all_reduce([float(flight.writer.done())], average=[False], device=self.backend.device)[0]
+            if done < self.world:
+                return
+        t0 = time.perf_counter()
+        flight.writer.wait()
+        waited = time.perf_counter() - t0
+        self._in_flight = None
+        written = flight.writer.seconds
+        self.report({**flight.metrics, "step": flight.step, "checkpoint_write_s": written}, flight.folder)
+        handed_over = time.perf_counter() - t0 - waited
+        # What the save cost, for the next logged step (the driver and benchmarks read it): the
+        # background write's duration and how long training actually stood still for it (the
+        # snapshot, any wait for the writer, and handing the folder to the uploader).
+        self._costs = {
+            "checkpoint_write_s": written,
+            "checkpoint_blocked_s": flight.snapshot_s + waited + handed_over,
+            "checkpoint_snapshot_s": flight.snapshot_s,
+            "checkpoint_wait_s": waited,
+            "checkpoint_report_s": handed_over,
+        }
+
+    def take_costs(self) -> dict[str, float]:
+        """The cost of the last checkpoint handed over, once (empty until the next one)."""
+        costs, self._costs = self._costs, {}
+        return costs
+
+    def restore(self, folder: Path, state: dict[str, Any]) -> int:
+        """Load every component from a complete checkpoint (`state`: its trainer_state.json);
+        returns the step to go on from."""
+        from safetensors.torch import load_file
+
+        self.backend.load(folder, state)
+        for name, part in self.weights.items():
+            if (folder / name).is_file():
+                part.load_state_dict(load_file(str(folder / name)))
+        for name, part in self.states.items():
+            part.load_state_dict(state[name])
+        return int(state["step"])
+
+
+class _Writer:
+    """Writes one rank's checkpoint files on a background thread: waits for the backend's shards,
+    writes rank 0's weight files and trainer state, and the completion record last."""
+
+    def __init__(self, folder: Path, rank: int, shards: PendingSave, files: dict[str, dict], state: dict | None):
+        self.seconds = 0.0
+        self._error: BaseException | None = None
+        self._args = (folder, rank, shards, files, state)
+        self._thread = threading.Thread(target=self._run, name=f"vitray-ckpt-r{rank}", daemon=True)
+        self._started = time.perf_counter()
+        self._thread.start()
+
+    def _run(self) -> None:
+        folder, rank, shards, files, state = self._args
+        try:
+            from safetensors.torch import save_file
+
+            shards.wait()
+            for name, tensors in files.items():
+                save_file(tensors, str(folder / name))
+            if state is not None:
+                ckpt.write_state(folder, state)
+            ckpt.mark_complete(folder, rank, ckpt.files_under(folder))
+        except BaseException as error:  # surfaced by wait() on the training thread
+            self._error = error
+        finally:
+            self.seconds = time.perf_counter() - self._started
+            self._args = None
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(f"writing the checkpoint failed: {self._error}") from self._error
+
+
+@dataclass
+class _InFlight:
+    folder: Path
+    step: int
+    metrics: dict[str, Any]
+    writer: _Writer
+    snapshot_s: float  # how long the snapshot held training up

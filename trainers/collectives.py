@@ -1,0 +1,33 @@
+"""The few small collectives the loop and its components use (metric averages, "every rank done?").
+
+Each is a no-op without a process group (tests, one process), so components can call them freely.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def all_reduce(values: list[float], average: list[bool], device) -> list[float]:
+    """Sums `values` over the ranks; those flagged in `average` are divided by the world size."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=collective_device(device))
+    dist.all_reduce(tensor)
+    world = dist.get_world_size()
+    return [v / world if avg else v for v, avg in zip(tensor.tolist(), average)]
+
+
+def broadcast_int(value: int, device) -> int:
+    """Rank 0's `value` on every rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=collective_device(device))
+    dist.broadcast(tensor, src=0)
+    return int(tensor.item())
+
+
+def collective_device(device):
+    """NCCL reduces GPU tensors; gloo reduces CPU ones (also in an XLA worker, whose process group is gloo)."""
+    return device if dist.get_backend() == "nccl" else "cpu"
