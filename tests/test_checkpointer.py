@@ -16,7 +16,9 @@ from vitray.trainers.backend import PendingSave
 from vitray.trainers.checkpointer import Checkpointer
 from vitray.trainers.ema import Ema
 
-COSTS = {"checkpoint_write_s", "checkpoint_blocked_s", "checkpoint_snapshot_s", "checkpoint_wait_s", "checkpoint_report_s"}
+COSTS = {
+    "checkpoint_write_s", "checkpoint_blocked_s", "checkpoint_snapshot_s", "checkpoint_wait_s", "checkpoint_report_s"
+}  # fmt: skip
 
 
 class FakeBackend:
