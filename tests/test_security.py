@@ -239,6 +239,6 @@ def test_weights_loading_refuses_a_pickle_that_runs_code(tmp_path):
     evil = tmp_path / "evil.pth"
     torch.save({"state_dict": RunsCode()}, evil, pickle_module=pickle)
     model = create_model("Ti/16", num_classes=10, img_size=32)
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         load_weights(model, evil)
     assert not marker.exists()
