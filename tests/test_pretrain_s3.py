@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from pretrain_helpers import pretrain_args, run, vitray_cmd
 from vitray.data import prepare_dataset
-from vitray.trainers.run_files import list_checkpoints
+from vitray.trainers.checkpoint import find_checkpoints
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def test_pretrain_on_s3_lists_exports_and_resumes(moto_server, tmp_path):
     run(args)
 
     run_dir = f"{storage}/s3run"
-    checkpoints = list_checkpoints(run_dir)
+    checkpoints = find_checkpoints(run_dir)
     assert [c.step for c in checkpoints] == [4, 8] and all(c.complete for c in checkpoints)
 
     listing = run(vitray_cmd("runs", storage))
@@ -37,7 +37,7 @@ def test_pretrain_on_s3_lists_exports_and_resumes(moto_server, tmp_path):
 
     # The same command again: the run is already complete, so it resumes at step 8 and stops.
     again = run(args)
-    assert [c.step for c in list_checkpoints(run_dir)] == [4, 8]
+    assert [c.step for c in find_checkpoints(run_dir)] == [4, 8]
     assert "latest checkpoint" in again.stderr
 
 
@@ -47,4 +47,4 @@ def test_export_refuses_a_folder_without_checkpoints(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 2
-    assert "neither a checkpoint nor a run folder" in " ".join(out.stderr.split())
+    assert "neither a checkpoint folder" in " ".join(out.stderr.split())
