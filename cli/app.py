@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.markup import escape
 
-from vitray.common.config import ConfigError, load_config
+from vitray.common.config import ConfigError, dump_config, load_config
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -60,3 +60,8 @@ def load(schema: type[M], config: Optional[Path], overrides: Optional[list[str]]
     except ConfigError as err:
         hints = "".join(f"\n  ({key}: {hint})" for key, hint in OPTION_HINTS.items() if f"{key}:" in str(err))
         fail(str(err) + hints)
+
+
+def print_config(config: BaseModel) -> None:
+    """What `--dry-run` prints: the resolved config as YAML, credentials masked."""
+    typer.echo(dump_config(config), nl=False)

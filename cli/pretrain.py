@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import typer
-
-from vitray.cli.app import ConfigOpt, DryRunOpt, SetOpt, VerboseOpt, app, console, fail, load
-from vitray.common.config import dump_config
+from vitray.cli.app import ConfigOpt, DryRunOpt, SetOpt, VerboseOpt, app, console, fail, load, print_config
 
 
 @app.command()
@@ -18,7 +15,7 @@ def pretrain(config: ConfigOpt = None, set_: SetOpt = None, dry_run: DryRunOpt =
 
     cfg = load(PretrainConfig, config, set_)
     if dry_run:
-        typer.echo(dump_config(cfg), nl=False)
+        print_config(cfg)
         return
     from vitray.cluster.pretrain import TrainingFailedError, pretrain as run_pretrain
     from vitray.cluster.runtime import NotEnoughResources, run_dir

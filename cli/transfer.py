@@ -25,8 +25,9 @@ from vitray.cli.app import (
     console,
     fail,
     load,
+    print_config,
 )
-from vitray.common.config import ConfigError, dump_config
+from vitray.common.config import ConfigError
 
 if TYPE_CHECKING:
     from vitray.evaluation.config import FewShotGrid
@@ -180,7 +181,7 @@ def finetune(
         if cfg.train.eval_every is None:
             cfg.train.eval_every = cfg.train.steps  # the test top-1 this command reports, at the end
     if dry_run:
-        typer.echo(dump_config(cfg), nl=False)
+        print_config(cfg)
         return
     from vitray.cluster.runtime import run_dir
     from vitray.cluster.transfer import run_finetune, top1_on_test_split
@@ -255,7 +256,7 @@ def evaluate(
     overrides = ([f"data_root={data_root}"] if data_root else []) + ([f"output={output}"] if output else [])
     grid = _grid(config, overrides + list(set_ or []))
     if dry_run:
-        typer.echo(dump_config(grid), nl=False)
+        print_config(grid)
         return
     from vitray.cluster.evaluate import report_grid, run_grid, watch_run
     from vitray.cluster.transfer import resolve_checkpoints
