@@ -244,7 +244,7 @@ class PretrainLoop:
             "num_classes": self.info.num_classes,
             "label_kind": self.info.label_kind,
             "model": self._architecture(),
-            "config": self._recorded_config(),
+            "config": redacted_config(self.cfg),  # credentials masked
         }
         writer = _CheckpointWriter(folder, self.rank, shards, weights if self.rank == 0 else None,
                                    ema if self.rank == 0 else None, state if self.rank == 0 else None)  # fmt: skip
@@ -280,11 +280,6 @@ class PretrainLoop:
             "checkpoint_wait_s": waited,
             "checkpoint_report_s": handed_over,
         }
-
-    def _recorded_config(self) -> dict[str, Any]:
-        if self.ctx.recorded_config is not None:
-            return self.ctx.recorded_config
-        return redacted_config(self.cfg)
 
     def _architecture(self) -> dict[str, Any]:
         """The model as built (fine-tuning changes the head and resolution of `init.checkpoint`'s)."""
