@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 from vitray.data import ShardLoader, prepare_dataset, read_dataset_info
 from vitray.models import create_model
-from vitray.trainers.run_files import RunFiles, latest_complete_checkpoint
+from vitray.trainers.checkpoint import latest_complete_checkpoint
+from vitray.trainers.run_files import RunFiles
 
 
 def plain_loop(data: str, args) -> float:
@@ -67,7 +68,7 @@ def vitray_run(data: str, storage: str, args) -> tuple[float, list[dict]]:
         f"train.checkpoint_every={args.steps // 2}", "train.zero_stage=1", "cluster.num_workers=1",
         f"cluster.cpus_per_worker={args.threads}", "data.num_slots=8", "data.num_workers=1", "data.shuffle_buffer=256",
     ]  # fmt: skip
-    cmd = [sys.executable, "-m", "vitray.cluster.cli", "pretrain", *[a for s in sets for a in ("--set", s)]]
+    cmd = [sys.executable, "-m", "vitray.cli", "pretrain", *[a for s in sets for a in ("--set", s)]]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     metrics = RunFiles(f"{storage}/bench").read_metrics()
     # Windows that start after the warm-up steps, without the one holding a checkpoint save.

@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from vitray.cluster.runtime import connect
-from vitray.cluster.transfer import absolute, checkpoint_ref, finetune_cell_metrics, is_checkpoint, resolve_checkpoints
+from vitray.cluster.transfer import absolute, checkpoint_ref, finetune_cell_metrics
 from vitray.data import storage
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.grid import (
@@ -46,7 +46,7 @@ from vitray.evaluation.results import ResultsTable
 from vitray.evaluation.selection import select_lr
 from vitray.evaluation.suite import find_missing
 from vitray.evaluation.transfer import CellOutcome, error_text, run_fewshot_group
-from vitray.trainers.run_files import list_checkpoints
+from vitray.trainers.checkpoint import find_checkpoints, is_checkpoint, load_checkpoint
 
 
 @dataclass
@@ -74,10 +74,8 @@ def _fewshot_task(group: FewShotGroup, data_root: str, batch_size: int, data_wor
     """In a Ray worker: load the checkpoint's model, extract features once, solve every cell."""
     import torch
 
-    from vitray.cluster.export import load_checkpoint_model
-
     try:
-        model, _ = load_checkpoint_model(group.checkpoint.path)
+        model, _ = load_checkpoint(group.checkpoint.path)
     except Exception as error:  # noqa: BLE001 - every cell of the group records it
         return [CellOutcome(cell, error=error_text(error)) for cell in group.cells]
     device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
@@ -342,7 +340,7 @@ def watch_run(
     watched = WatchSummary()
     deadline = time.monotonic() + timeout_seconds
     while True:
-        new = [c for c in list_checkpoints(run_path) if c.complete and c.path not in done]
+        new = [c for c in find_checkpoints(run_path) if c.complete and c.path not in done]
         refs = []
         for info in new:
             try:
@@ -364,4 +362,4 @@ def watch_run(
         time.sleep(poll_seconds)
 
 
-__all__ = ["GridSummary", "WatchSummary", "report_grid", "resolve_checkpoints", "run_grid", "watch_run"]
+__all__ = ["GridSummary", "WatchSummary", "report_grid", "run_grid", "watch_run"]

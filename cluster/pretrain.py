@@ -13,14 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import ray.train
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from vitray.cluster.progress import TrainingProgress
 from vitray.cluster.runtime import check_local_resources, connect, ray_storage, run_dir
-from vitray.cluster.redact import redacted_config
 from vitray.trainers.config import PretrainConfig
 from vitray.trainers.context import WorkerContext
+from vitray.trainers.progress import TrainingProgress
+
+# What `pretrain` raises when the run fails for good (each failed rank's traceback in its message).
+__all__ = ["RESOURCE_SETTINGS", "TrainingFailedError", "build_trainer", "pretrain", "scaling_config", "train_worker"]
 
 
 def train_worker(loop_config: dict[str, Any]) -> None:
@@ -55,7 +57,6 @@ def train_worker(loop_config: dict[str, Any]) -> None:
             report=report,
             restore_dir=restore_dir,
             evaluators=_evaluators(cfg),
-            recorded_config=redacted_config(cfg),
         )
         PretrainLoop(cfg, worker).run()
 
@@ -63,8 +64,7 @@ def train_worker(loop_config: dict[str, Any]) -> None:
 def _complete_or_fallback(restore_dir: Path, run_dir: str, stack: contextlib.ExitStack) -> Path:
     """Ray's latest checkpoint when it is complete; else the newest complete one in the run folder
     (a checkpoint whose files were lost or cut short after Ray registered it is never loaded)."""
-    from vitray.trainers.checkpoint import IncompleteCheckpointError, verify_complete
-    from vitray.trainers.run_files import latest_complete_checkpoint
+    from vitray.trainers.checkpoint import IncompleteCheckpointError, latest_complete_checkpoint, verify_complete
 
     try:
         verify_complete(restore_dir)

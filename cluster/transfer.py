@@ -2,7 +2,8 @@
 
 The pieces `vitray finetune`, `vitray fewshot` and the grid (`cluster/evaluate.py`) share:
 
-- :func:`resolve_checkpoints`: a checkpoint folder, or a run folder's latest / every complete one;
+- :func:`resolve_checkpoints`: a checkpoint folder, or a run folder's latest / every complete one,
+  as grid inputs (found and opened by :mod:`vitray.trainers.checkpoint`);
 - :func:`finetune_config` + :func:`run_finetune`: the paper's fine-tune recipe for one cell,
   validated as a PretrainConfig and run as a TorchTrainer (`pretrain`), resumed when the run
   already exists, skipped when it already finished; :func:`finetune_cell_metrics` adds the test
@@ -16,22 +17,15 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vitray.cluster.config import validate_config
+from vitray.common.config import validate_config
 from vitray.data import storage
-from vitray.evaluation.config import FewShotGrid, GridConfig
-from vitray.evaluation.grid import METRIC, VAL_METRIC, CheckpointRef, FinetuneJob, fewshot_group, is_selection
-from vitray.evaluation.suite import Benchmark, locate, require_prepared
-from vitray.evaluation.transfer import (
-    CellOutcome,
-    final_top1,
-    finetune_recipe,
-    finetune_run_name,
-    run_fewshot_group,
-    split_top1,
-)
+from vitray.evaluation.config import GridConfig
+from vitray.evaluation.grid import METRIC, VAL_METRIC, CheckpointRef, FinetuneJob, is_selection
+from vitray.evaluation.suite import Benchmark, locate
+from vitray.evaluation.transfer import final_top1, finetune_recipe, finetune_run_name, split_top1
 from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.config import PretrainConfig
-from vitray.trainers.run_files import RunFiles, latest_complete_checkpoint, list_checkpoints
+from vitray.trainers.run_files import RunFiles
 
 
 # ---------------------------------------------------------------------------------------------
@@ -44,16 +38,10 @@ def absolute(path: str) -> str:
     return str(path).rstrip("/") if storage.is_remote(path) else os.path.abspath(path)
 
 
-def is_checkpoint(path: str) -> bool:
-    fs, fs_path = storage.filesystem(path)
-    return fs.isfile(f"{fs_path.rstrip('/')}/{ckpt.STATE_FILE}")
-
-
 def checkpoint_ref(path: str) -> CheckpointRef:
     """A complete checkpoint folder as a grid input (raises IncompleteCheckpointError otherwise)."""
     path = absolute(path)
-    fs, fs_path = storage.filesystem(path)
-    state = ckpt.verify_complete(fs_path, fs)
+    state = ckpt.checkpoint_state(path)
     target = state.get("config", {}).get("train", {}).get("steps")
     return CheckpointRef(path, int(state["step"]), dict(state["model"]), int(target) if target else None)
 
@@ -62,16 +50,11 @@ def resolve_checkpoints(path: str, *, all_checkpoints: bool = False) -> list[Che
     """The checkpoint folder `path`, or the latest (`all_checkpoints`: every) complete checkpoint
     of the run folder `path`, oldest first. Local or s3://."""
     path = absolute(path)
-    if is_checkpoint(path):
-        return [checkpoint_ref(path)]
-    complete = [c for c in list_checkpoints(path) if c.complete]
-    if not complete:
-        raise FileNotFoundError(
-            f"{path} is neither a checkpoint folder (no {ckpt.STATE_FILE}) nor a run folder with a complete "
-            "checkpoint (see `vitray runs STORAGE`)"
-        )
-    chosen = complete if all_checkpoints else complete[-1:]
-    return [checkpoint_ref(c.path) for c in chosen]
+    if all_checkpoints and not ckpt.is_checkpoint(path):
+        complete = [c.path for c in ckpt.find_checkpoints(path) if c.complete]
+        if complete:
+            return [checkpoint_ref(c) for c in complete]
+    return [checkpoint_ref(ckpt.resolve_checkpoint(path))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,7 +119,7 @@ def top1_on_test_split(cfg: PretrainConfig, benchmark: Benchmark, data_root: str
     from vitray.cluster.runtime import connect, run_dir
 
     path = run_dir(cfg.run.storage, cfg.run.name)
-    checkpoint = latest_complete_checkpoint(path)
+    checkpoint = ckpt.latest_complete_checkpoint(path)
     if checkpoint is None or checkpoint.step != cfg.train.steps:
         found = "none" if checkpoint is None else f"step {checkpoint.step}"
         raise RuntimeError(f"fine-tune run {path} has no complete checkpoint at its last step {cfg.train.steps} "
@@ -155,39 +138,7 @@ def _test_top1_task(checkpoint: str, path: str, split: str, batch_size: int, dat
                     storage_options: dict[str, Any] | None, use_gpu: bool) -> float:  # fmt: skip
     import torch
 
-    from vitray.cluster.export import load_checkpoint_model
-
-    model, _ = load_checkpoint_model(checkpoint)
+    model, _ = ckpt.load_checkpoint(checkpoint)
     device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
     return split_top1(model, path, split, batch_size=batch_size, num_workers=data_workers,
                       storage_options=storage_options, device=device)  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# Few-shot in this process
-# ---------------------------------------------------------------------------------------------
-
-
-def fewshot_on_checkpoint(
-    checkpoint: CheckpointRef,
-    benchmark: Benchmark,
-    data_root: str,
-    settings: FewShotGrid,
-    *,
-    storage_options: dict[str, Any] | None = None,
-    device: Any = "cpu",
-) -> list[CellOutcome]:
-    """Every (shots, seed) few-shot cell of one benchmark on one checkpoint, without Ray.
-
-    Raises :class:`vitray.evaluation.suite.MissingDataset` (whose message is the prepare
-    command) when the benchmark's data is not prepared.
-    """
-    from vitray.cluster.export import load_checkpoint_model
-
-    require_prepared(benchmark, data_root, storage_options=storage_options)
-    group = fewshot_group(checkpoint, benchmark, settings)
-    model, _ = load_checkpoint_model(checkpoint.path)
-    return run_fewshot_group(
-        model, group, data_root, batch_size=settings.batch_size, num_workers=settings.data_workers,
-        storage_options=storage_options, device=device,
-    )  # fmt: skip

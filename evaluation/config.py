@@ -11,7 +11,7 @@ one or more checkpoints. Unset settings fall back to each benchmark's protocol i
     finetune: {enabled: false}
 
 Plain data, validated by pydantic (unknown keys are errors naming the valid ones); loaded with
-the one config loader, `vitray.cluster.config.load_config(GridConfig, path, overrides)`.
+the one config loader, `vitray.common.config.load_config(GridConfig, path, overrides)`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from vitray.trainers.run_files import latest_complete_checkpoint, list_checkpoints
+from vitray.trainers.checkpoint import find_checkpoints, latest_complete_checkpoint
 
 # A small, quick recipe: Ti/4 at 16 px on digits, 2 CPU workers, fp32, ZeRO-1.
 BASE = [
@@ -35,7 +35,7 @@ BASE = [
 
 
 def vitray_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "vitray.cluster.cli", *args]
+    return [sys.executable, "-m", "vitray.cli", *args]
 
 
 def pretrain_args(dataset: str, storage: str, name: str, *extra: str) -> list[str]:
@@ -120,7 +120,7 @@ def _stop_leftover_ray(session_id: int) -> None:
 
 def final_weights(run_dir: str) -> dict:
     latest = latest_complete_checkpoint(run_dir)
-    assert latest is not None, f"no complete checkpoint in {run_dir}: {list_checkpoints(run_dir)}"
+    assert latest is not None, f"no complete checkpoint in {run_dir}: {find_checkpoints(run_dir)}"
     return load_file(str(Path(latest.path) / "model.safetensors"))
 
 

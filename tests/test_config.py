@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vitray.cluster.config import ConfigError, load_config
+from vitray.common.config import ConfigError, load_config
 from vitray.trainers.config import PretrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,7 +91,7 @@ def leaves(tree: dict, prefix: tuple[str, ...] = ()):
 
 def _vitray(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "vitray.cluster.cli", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "vitray.cli", *args], capture_output=True, text=True, timeout=120
     )
 
 

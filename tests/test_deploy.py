@@ -377,7 +377,7 @@ def test_jobs_name_their_runs_so_that_a_restarted_job_resumes():
 
 
 def test_runs_fit_the_worker_groups_that_carry_them():
-    from vitray.cluster.config import load_config
+    from vitray.common.config import load_config
     from vitray.cluster.pretrain import scaling_config
     from vitray.trainers.config import PretrainConfig
     from vitray.trainers.xla_slices import tpu_slice
@@ -604,7 +604,7 @@ def parse_with_the_cli(args: list[str]) -> None:
     missing argument or a badly typed value raises the CLI's UsageError (Typer's click)."""
     import typer
 
-    from vitray.cluster.cli import app
+    from vitray.cli.main import app
 
     command, name, rest, parent = typer.main.get_command(app), "vitray", list(args), None
     while hasattr(command, "get_command"):  # a group (`vitray`, `vitray data`): pick its command
@@ -642,7 +642,7 @@ def test_the_readme_and_deploy_hold_command_lines():
 def test_every_command_line_runs_as_written(where, args):
     from typer.testing import CliRunner
 
-    from vitray.cluster.cli import app
+    from vitray.cli.main import app
 
     parse_with_the_cli(args)
     if args[0] == "submit":

@@ -16,13 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
-import typer
 import yaml
 from typer.testing import CliRunner
 
-from vitray.cluster.cli_evaluation import register_evaluation_commands
-from vitray.cluster.config import load_config
-from vitray.cluster.export import load_checkpoint_model
+from vitray.common.config import load_config
+from vitray.trainers.checkpoint import load_checkpoint
 from vitray.cluster.transfer import resolve_checkpoints
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.grid import CheckpointRef, plan_grid
@@ -30,12 +28,13 @@ from vitray.evaluation.report import setting_label, summarize
 from vitray.evaluation.results import ResultsTable
 from vitray.evaluation.transfer import final_top1, fewshot_probe, split_top1
 from vitray.trainers.checkpoint import IncompleteCheckpointError
-from vitray.trainers.run_files import RunFiles, latest_complete_checkpoint, list_checkpoints
+from vitray.trainers.checkpoint import find_checkpoints, latest_complete_checkpoint
+from vitray.trainers.run_files import RunFiles
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "vitray.cluster.cli_evaluation"]
+CLI = [sys.executable, "-m", "vitray.cli"]
 FINETUNE_STEPS = 12
 LEARNING_RATES = (0.01, 0.3)
 FINAL_SPLIT = "train[:1000]"
@@ -68,7 +67,7 @@ def _write_grid(path: Path, data_root: Path, output: Path) -> Path:
 def _complete_finetune_steps(storage: Path) -> list[int]:
     if not storage.is_dir():
         return []
-    return [c.step for run_dir in storage.iterdir() for c in list_checkpoints(str(run_dir)) if c.complete]
+    return [c.step for run_dir in storage.iterdir() for c in find_checkpoints(str(run_dir)) if c.complete]
 
 
 def _kill_when(proc: subprocess.Popen, ready, timeout: float = 400) -> None:
@@ -181,7 +180,7 @@ def test_finetune_selects_the_lr_on_val_resumes_its_runs_and_retrains_the_choice
     for lr, (metrics, run) in sweep.items():
         # The run validated on the held-out slice; the test top-1 came from its last checkpoint.
         assert metrics["val_accuracy"] == pytest.approx(final_top1(RunFiles(str(run)).read_metrics(), FINETUNE_STEPS))
-        model, _ = load_checkpoint_model(str(run))
+        model, _ = load_checkpoint(str(run))
         test = split_top1(model, str(killed_and_rerun["data_root"] / "digits"), "test", batch_size=128)
         assert metrics["accuracy"] == pytest.approx(test, abs=1.5 / 360)  # at most one prediction flipped by rounding
     (final,) = [(s, m, run) for s, m, run in cells.values() if "val_split" not in s]
@@ -218,7 +217,7 @@ def test_a_grid_with_nothing_left_to_do_does_not_start_ray(killed_and_rerun):
 
 
 def test_pretraining_fewshot_hook_matches_the_grid(killed_and_rerun, pretrained, digits_dataset):
-    model, _ = load_checkpoint_model(pretrained)
+    model, _ = load_checkpoint(pretrained)
     model.train()
     metrics = fewshot_probe(model, {"digits": str(digits_dataset)}, shots=(1, 5), seeds=2)
     assert model.training
@@ -242,7 +241,7 @@ def test_checkpoints_of_a_run(pretrained, tmp_path):
     assert resolve_checkpoints(every[0].path) == [every[0]]
     copy = tmp_path / "run"
     shutil.copytree(pretrained, copy)
-    newest = Path(list_checkpoints(str(copy))[-1].path)
+    newest = Path(find_checkpoints(str(copy))[-1].path)
     (newest / "complete-rank-0001.json").unlink()  # a checkpoint whose upload never finished
     assert [r.step for r in resolve_checkpoints(str(copy), all_checkpoints=True)] == [4]
     with pytest.raises(IncompleteCheckpointError, match=rf"checkpoint \S*{newest.name}: rank 1 never finished writing it"):
@@ -254,7 +253,7 @@ def test_checkpoints_of_a_run(pretrained, tmp_path):
 def test_watch_evaluates_new_checkpoints_until_the_run_finishes(pretrained, data_root, tmp_path):
     run_copy = tmp_path / "run"
     shutil.copytree(pretrained, run_copy)
-    final = Path(list_checkpoints(str(run_copy))[-1].path)
+    final = Path(find_checkpoints(str(run_copy))[-1].path)
     held_back = tmp_path / "held-back"
     final.rename(held_back)  # training "has not reached" step 8 yet
     output = tmp_path / "eval"
@@ -338,16 +337,11 @@ def test_bad_grid_values_fail_before_ray_with_the_valid_choices(pretrained, tmp_
     assert out.returncode == 2 and "neither a checkpoint folder" in out.stderr
 
 
-def test_commands_register_once_on_an_app():
-    app = typer.Typer()
+def test_the_transfer_commands_are_registered_once_on_the_app():
+    from vitray.cli.main import app
 
-    @app.command()
-    def other():
-        """Another command."""
-
-    register_evaluation_commands(app)
-    register_evaluation_commands(app)  # cli.py and `python -m ...cli_evaluation` may both call it
-    assert sorted(c.name or c.callback.__name__ for c in app.registered_commands) == [
-        "evaluate", "fewshot", "finetune", "other"]  # fmt: skip
+    names = [c.name or c.callback.__name__ for c in app.registered_commands]
+    assert sorted(n for n in names if n in ("evaluate", "fewshot", "finetune")) == ["evaluate", "fewshot", "finetune"]
+    assert len(names) == len(set(names))
     help_text = CliRunner().invoke(app, ["evaluate", "--help"], env={"COLUMNS": "200"}).output
     assert "--all-checkpoints" in help_text and "--watch" in help_text

@@ -18,7 +18,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from pretrain_helpers import run
-from vitray.cluster.config import ConfigError
+from vitray.common.config import ConfigError
 from vitray.cluster.transfer import finetune_config, resolve_checkpoints, validate_recipe
 from vitray.evaluation.config import FinetuneGrid, GridConfig
 from vitray.evaluation.grid import CheckpointRef, finetune_settings, plan_grid
@@ -26,12 +26,13 @@ from vitray.evaluation.suite import get_benchmark
 from vitray.evaluation.transfer import finetune_recipe
 from vitray.models import resample_posemb
 from vitray.trainers.checkpoint import read_state
-from vitray.trainers.run_files import RunFiles, latest_complete_checkpoint
+from vitray.trainers.checkpoint import latest_complete_checkpoint
+from vitray.trainers.run_files import RunFiles
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "vitray.cluster.cli_evaluation"]
+CLI = [sys.executable, "-m", "vitray.cli"]
 TI_WIDTH = 192
 THREE_CLASSES = ("zero", "one", "two")
 

@@ -17,9 +17,9 @@ from PIL import Image
 from sklearn.decomposition import PCA
 from typer.testing import CliRunner
 
-from vitray.cluster.cli import app
-from vitray.cluster.cli_inspect import InspectionInputError, validation_images
-from vitray.cluster.export import load_checkpoint_model
+from vitray.cli.main import app
+from vitray.cli.inspection import InspectionInputError, validation_images
+from vitray.trainers.checkpoint import load_checkpoint
 from vitray.evaluation.inspect import (
     attention_rollout,
     attention_statistics,
@@ -274,7 +274,7 @@ def test_cli_inspects_a_checkpoint_on_its_own_validation_images(pretrained, tmp_
     assert result.exit_code == 0, result.output
     _assert_every_figure(out)
 
-    model, state = load_checkpoint_model(pretrained)
+    model, state = load_checkpoint(pretrained)
     summary = json.loads((out / "inspection.json").read_text())
     assert summary["checkpoint"] == state["checkpoint"] and summary["step"] == 8
     assert "40 images of" in summary["images"] and "split test" in summary["images"]
@@ -330,7 +330,7 @@ def test_cli_inspects_given_image_files(pretrained, tmp_path):
 
 def test_cli_refuses_a_folder_without_checkpoints(tmp_path):
     result = CliRunner().invoke(app, ["inspect", str(tmp_path), "--out", str(tmp_path / "out")])
-    assert result.exit_code == 2 and "neither a checkpoint nor a run folder" in result.output
+    assert result.exit_code == 2 and "neither a checkpoint folder" in result.output
 
 
 def test_validation_data_that_cannot_be_found_asks_for_images(tmp_path):
@@ -342,7 +342,7 @@ def test_validation_data_that_cannot_be_found_asks_for_images(tmp_path):
 
 @pytest.mark.slow
 def test_demo_report_gets_the_inspection_figures(pretrained, tmp_path):
-    from vitray.cluster.demo import INSPECTION_DIR, add_inspection_to_report
+    from vitray.cli.demo import INSPECTION_DIR, add_inspection_to_report
 
     report = tmp_path / "report" / "report.md"
     report.parent.mkdir()

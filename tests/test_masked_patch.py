@@ -15,7 +15,7 @@ import torch
 import yaml
 from PIL import Image
 
-from vitray.cluster.config import ConfigError, load_config
+from vitray.common.config import ConfigError, load_config
 from vitray.data import ShardLoader, prepare_dataset, read_dataset_info, to_model_range
 from vitray.models import create_model, load_safetensors, save_npz, save_safetensors
 from vitray.trainers import checkpoint as ckpt
@@ -362,7 +362,7 @@ def test_masked_patch_pretraining_on_the_xla_backend(process_group, unlabelled_d
 def test_b16_recipe_dry_run():
     from typer.testing import CliRunner
 
-    from vitray.cluster.cli import app
+    from vitray.cli.main import app
 
     result = CliRunner().invoke(app, ["pretrain", "-c", str(RECIPE), "--dry-run"])
     assert result.exit_code == 0, result.output

@@ -13,7 +13,8 @@ import pytest
 from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run, run_until_checkpoint
 from vitray.trainers.checkpoint import IncompleteCheckpointError, verify_complete
 from vitray.trainers.keys import collect_keys
-from vitray.trainers.run_files import RunFiles, latest_complete_checkpoint, list_checkpoints
+from vitray.trainers.checkpoint import find_checkpoints, latest_complete_checkpoint
+from vitray.trainers.run_files import RunFiles
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +58,7 @@ def test_run_trains_and_loss_falls(reference):
 
 
 def test_checkpoints_are_complete_and_kept(reference):
-    checkpoints = list_checkpoints(reference["run_dir"])
+    checkpoints = find_checkpoints(reference["run_dir"])
     assert all(c.complete for c in checkpoints)
     assert [c.step for c in checkpoints] == [STEPS - EVERY, STEPS]  # train.keep_checkpoints=2
     state = verify_complete(checkpoints[-1].path)
@@ -117,7 +118,7 @@ def test_half_written_checkpoint_is_never_taken(digits_dataset, reference, tmp_p
 
     run_dir = tmp_path / "runs" / "ref"
     shutil.copytree(reference["run_dir"], run_dir)
-    newest = Path(list_checkpoints(str(run_dir))[-1].path)
+    newest = Path(find_checkpoints(str(run_dir))[-1].path)
     weights = newest / "model.safetensors"
     whole = weights.read_bytes()
     weights.write_bytes(whole[: len(whole) // 2])  # an upload cut short
@@ -161,4 +162,4 @@ def test_more_workers_than_the_local_instance_has_fails_at_once(digits_dataset, 
     assert found and int(found[1]) < 2 * cpus, message
     assert "cluster.address" in message
     assert time.monotonic() - started < 120
-    assert not (tmp_path / "too-big").exists() or not list_checkpoints(str(tmp_path / "too-big"))
+    assert not (tmp_path / "too-big").exists() or not find_checkpoints(str(tmp_path / "too-big"))

@@ -13,7 +13,7 @@ from vitray.data import prepare_dataset
 from vitray.data.storage import read_bytes
 from vitray.models.io_safetensors import read_safetensors_metadata
 from vitray.trainers import checkpoint as ckpt
-from vitray.trainers.run_files import list_checkpoints
+from vitray.trainers.checkpoint import find_checkpoints
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ def test_pretrain_on_s3_lists_exports_and_resumes(moto_server, tmp_path):
     run(args)
 
     run_dir = f"{storage}/s3run"
-    checkpoints = list_checkpoints(run_dir)
+    checkpoints = find_checkpoints(run_dir)
     assert [c.step for c in checkpoints] == [4, 8] and all(c.complete for c in checkpoints)
 
     listing = run(vitray_cmd("runs", storage))
@@ -42,7 +42,7 @@ def test_pretrain_on_s3_lists_exports_and_resumes(moto_server, tmp_path):
 
     # The same command again: the run is already complete, so it resumes at step 8 and stops.
     again = run(args)
-    assert [c.step for c in list_checkpoints(run_dir)] == [4, 8]
+    assert [c.step for c in find_checkpoints(run_dir)] == [4, 8]
     assert "latest checkpoint" in again.stderr
 
 
@@ -52,4 +52,4 @@ def test_export_refuses_a_folder_without_checkpoints(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 2
-    assert "neither a checkpoint nor a run folder" in " ".join(out.stderr.split())
+    assert "neither a checkpoint folder" in " ".join(out.stderr.split())

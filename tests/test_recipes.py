@@ -15,12 +15,13 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from vitray.cluster.cli import app
-from vitray.cluster.config import load_config
+from vitray.cli.main import app
+from vitray.common.config import load_config
 from vitray.evaluation.config import GridConfig
 from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.config import PretrainConfig
-from vitray.trainers.run_files import RunFiles, latest_complete_checkpoint
+from vitray.trainers.checkpoint import latest_complete_checkpoint
+from vitray.trainers.run_files import RunFiles
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER = REPO / "configs" / "paper"

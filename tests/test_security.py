@@ -1,6 +1,6 @@
 """Credentials stay out of what vitray writes, and nothing vitray loads runs pickled code.
 
-- `vitray.cluster.redact`: secret-looking keys at any depth, passwords in URLs and the values of
+- `vitray.common.redact`: secret-looking keys at any depth, passwords in URLs and the values of
   secret environment variables are masked; ordinary configs pass unchanged.
 - The CLI: `--dry-run` and config errors never print a planted secret.
 - End to end: a real `vitray pretrain` with a secret in `data.storage_options` and in the
@@ -19,8 +19,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from vitray.cluster.config import ConfigError, dump_config, load_config
-from vitray.cluster.redact import (
+from vitray.common.config import ConfigError, dump_config, load_config
+from vitray.common.redact import (
     MASK,
     RedactingFilter,
     environment_secrets,
@@ -127,7 +127,7 @@ def test_ordinary_configs_are_written_unchanged(recipe):
 
 
 def _cli(*args: str):
-    from vitray.cluster.cli import app
+    from vitray.cli.main import app
 
     return CliRunner().invoke(app, list(args))
 

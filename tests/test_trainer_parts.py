@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vitray.cluster.config import load_config
+from vitray.common.config import load_config
 from vitray.models import create_model
 from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.config import PretrainConfig

@@ -54,7 +54,7 @@ def reference(digits_dataset, tmp_path_factory):
 
 def test_xla_run_trains_compiles_once_and_checkpoints_with_dcp(reference):
     from vitray.trainers.checkpoint import verify_complete
-    from vitray.trainers.run_files import list_checkpoints
+    from vitray.trainers.checkpoint import find_checkpoints
 
     metrics = _metrics(reference["run_dir"])
     assert [m["step"] for m in metrics] == list(range(2, STEPS + 1, 2))
@@ -68,7 +68,7 @@ def test_xla_run_trains_compiles_once_and_checkpoints_with_dcp(reference):
     keys = reference["keys"]
     assert sorted(keys) == list(range(STEPS)) and all(len(set(k)) == 32 for k in keys.values())
 
-    checkpoints = list_checkpoints(reference["run_dir"])
+    checkpoints = find_checkpoints(reference["run_dir"])
     assert [c.step for c in checkpoints] == [EVERY, STEPS] and all(c.complete for c in checkpoints)
     folder = Path(checkpoints[-1].path)
     state = verify_complete(folder)
@@ -85,7 +85,7 @@ def test_parameters_and_optimizer_state_are_sharded_over_the_devices(digits_data
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    from vitray.cluster.config import load_config
+    from vitray.common.config import load_config
     from vitray.models import create_model
     from vitray.trainers.config import PretrainConfig
     from vitray.trainers.xla_backend import XlaBackend
@@ -135,14 +135,14 @@ def test_checkpoint_from_four_devices_resumes_on_two(digits_dataset, reference, 
     import torch
 
     from vitray.trainers.keys import collect_keys
-    from vitray.trainers.run_files import list_checkpoints
+    from vitray.trainers.checkpoint import find_checkpoints
 
     run_dir = tmp_path / "runs" / "ref"
     shutil.copytree(reference["run_dir"], run_dir)
     keys = tmp_path / "keys"
     shutil.copytree(Path(reference["run_dir"]).parent.parent / "keys", keys)
     # Cut the final checkpoint short: re-running resumes from the step-EVERY one (4 devices).
-    newest = Path(list_checkpoints(str(run_dir))[-1].path) / "model.safetensors"
+    newest = Path(find_checkpoints(str(run_dir))[-1].path) / "model.safetensors"
     newest.write_bytes(newest.read_bytes()[:1000])
     run(pretrain_args(str(digits_dataset), str(tmp_path / "runs"), "ref", *XLA, f"train.steps={STEPS}",
                       f"train.checkpoint_every={EVERY}", f"debug.record_sample_keys={keys}", f"train.eval_every={STEPS}"),
@@ -171,8 +171,9 @@ def test_checkpoint_from_four_devices_resumes_on_two(digits_dataset, reference, 
 def test_exported_weights_give_the_same_logits_on_deepspeed(reference, process_group, digits_dataset, tmp_path):
     import torch
 
-    from vitray.cluster.config import load_config
-    from vitray.cluster.export import export, load_checkpoint_model
+    from vitray.common.config import load_config
+    from vitray.trainers.checkpoint import load_checkpoint
+    from vitray.trainers.export import export
     from vitray.data import EvalLoader
     from vitray.models import create_model, load_safetensors
     from vitray.trainers.config import PretrainConfig
@@ -192,7 +193,7 @@ def test_exported_weights_give_the_same_logits_on_deepspeed(reference, process_g
     with torch.no_grad():
         on_deepspeed = ds(images).float()
 
-    trained, _ = load_checkpoint_model(reference["run_dir"])
+    trained, _ = load_checkpoint(reference["run_dir"])
     xla = XlaBackend(load_config(PretrainConfig, None, [*common, "train.backend=xla"]), trained, world_size=1, restore=None)
     xla.module.eval()
     with torch.no_grad():
@@ -222,7 +223,7 @@ def test_tpu_slice_names(name, chips, hosts, topology, accelerator):
 
 
 def test_tpu_slice_becomes_ray_trains_tpu_scaling_config():
-    from vitray.cluster.config import ConfigError, load_config
+    from vitray.common.config import ConfigError, load_config
     from vitray.cluster.pretrain import scaling_config
     from vitray.trainers.config import PretrainConfig
 

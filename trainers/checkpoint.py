@@ -9,16 +9,24 @@ Layout of a checkpoint folder:
 
 A checkpoint counts only when every rank's completion record is there and every file it lists
 has the recorded size, so a half-written or half-uploaded checkpoint is never loaded.
+
+Finding and opening checkpoints (local or s3://), the one way every command does it:
+:func:`find_checkpoints` (a run's checkpoint folders, oldest first), :func:`latest_complete_checkpoint`,
+:func:`resolve_checkpoint` (a checkpoint folder, or a run folder's latest complete one) and
+:func:`load_checkpoint` (its model and trainer state).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import fsspec
+
+from vitray.data import storage
 
 STATE_FILE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
@@ -90,3 +98,74 @@ def load_model(folder: str, fs=None):
     with fs.open(f"{str(folder).rstrip('/')}/{MODEL_FILE}", "rb") as f:
         model.load_state_dict(load(f.read()), strict=True)
     return model, state
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding and opening checkpoints by path (local or s3://)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CheckpointInfo:
+    path: str
+    step: int | None
+    complete: bool
+    problem: str = ""
+
+
+def is_checkpoint(path: str) -> bool:
+    """True for a checkpoint folder (complete or not), False for anything else (e.g. a run folder)."""
+    fs, fs_path = storage.filesystem(path)
+    return fs.isfile(f"{fs_path.rstrip('/')}/{STATE_FILE}")
+
+
+def checkpoint_state(path: str) -> dict[str, Any]:
+    """The trainer state of the complete checkpoint folder `path` (IncompleteCheckpointError otherwise)."""
+    fs, fs_path = storage.filesystem(path)
+    return verify_complete(fs_path, fs)
+
+
+def find_checkpoints(run_dir: str) -> list[CheckpointInfo]:
+    """The run's checkpoint folders (Ray Train names them checkpoint_<time>), complete or not,
+    oldest first."""
+    fs, root = storage.filesystem(run_dir)
+    protocol_root = str(run_dir).rstrip("/")
+    found = []
+    for name in storage.list_names(run_dir):
+        if not name.startswith("checkpoint_") or not fs.isdir(f"{root}/{name}"):
+            continue
+        path = storage.join(protocol_root, name)
+        try:
+            state = verify_complete(f"{root}/{name}", fs)
+            found.append(CheckpointInfo(path, int(state["step"]), True))
+        except (IncompleteCheckpointError, KeyError, ValueError) as err:
+            found.append(CheckpointInfo(path, None, False, str(err)))
+    return sorted(found, key=lambda c: (c.step is None, c.step or 0, c.path))
+
+
+def latest_complete_checkpoint(run_dir: str) -> CheckpointInfo | None:
+    complete = [c for c in find_checkpoints(run_dir) if c.complete]
+    return complete[-1] if complete else None
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A complete checkpoint folder as given, or the latest complete checkpoint of a run folder."""
+    if is_checkpoint(path):
+        checkpoint_state(path)
+        return path
+    latest = latest_complete_checkpoint(path)
+    if latest is None:
+        raise FileNotFoundError(
+            f"{path} is neither a checkpoint folder (no {STATE_FILE}) nor a run folder with a complete "
+            "checkpoint (see `vitray runs STORAGE`)"
+        )
+    return latest.path
+
+
+def load_checkpoint(path: str):
+    """The model of a checkpoint (or of a run's latest complete one) and its trainer state, with
+    the checkpoint folder it came from under ``"checkpoint"``."""
+    checkpoint = resolve_checkpoint(path)
+    fs, fs_path = storage.filesystem(checkpoint)
+    model, state = load_model(fs_path, fs)
+    return model, {**state, "checkpoint": checkpoint}

@@ -24,6 +24,3 @@ class WorkerContext:
     restore_dir: Path | None = None  # a local copy of the checkpoint to resume from
     # Called on rank 0 with the model at every evaluation; each returns metrics (the few-shot probe).
     evaluators: list[Callable[[Any], dict[str, float]]] = field(default_factory=list)
-    # The config as it may be written down (secrets masked); checkpoints record it. When unset,
-    # the loop records the config without `data.storage_options`, where credentials would be.
-    recorded_config: dict[str, Any] | None = None

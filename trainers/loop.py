@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vitray.data import EvalLoader, ShardLoader, read_dataset_info, storage, top1_hits
+from vitray.common.redact import redacted_config
+from vitray.data import EvalLoader, ShardLoader, read_dataset_info, top1_hits
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.backend import TrainBackend, create_backend
@@ -35,7 +36,7 @@ from vitray.trainers.ema import Ema
 from vitray.trainers.keys import SampleKeyRecorder
 from vitray.trainers.metrics import MetricsWriter, accelerator_peak_tflops, train_flops_per_image
 from vitray.trainers.objectives import build_objective
-from vitray.trainers.run_files import RunFiles, resolve_checkpoint
+from vitray.trainers.run_files import RunFiles
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -93,7 +94,7 @@ class PretrainLoop:
                 "num_classes": self.info.num_classes,
                 "label_kind": self.info.label_kind,
                 "model": self._architecture(),
-                "config": self._recorded_config(),
+                "config": redacted_config(self.cfg),  # credentials masked
             },
         )
         self.step = self.checkpointer.restore(*restore) if restore is not None else 0
@@ -182,8 +183,7 @@ class PretrainLoop:
         init = self.cfg.init
         if init.checkpoint is None:
             return create_model_from_config(self.cfg.model, self.info.num_classes)
-        fs, path = storage.filesystem(resolve_checkpoint(init.checkpoint))
-        model, _ = ckpt.load_model(path, fs)
+        model, _ = ckpt.load_checkpoint(init.checkpoint)
         if init.reset_head or model.num_classes != self.info.num_classes:
             model.reset_head(self.info.num_classes)
         model.set_img_size(self.cfg.model.img_size)
@@ -236,10 +236,6 @@ class PretrainLoop:
         correct, seen = _all_reduce([float(correct), float(seen)], average=[False, False], device=self.backend.device)
         return correct / max(seen, 1.0)
 
-    def _recorded_config(self) -> dict[str, Any]:
-        if self.ctx.recorded_config is not None:
-            return self.ctx.recorded_config
-        return self.cfg.model_dump(mode="json", exclude={"data": {"storage_options"}})
 
     def _architecture(self) -> dict[str, Any]:
         """The model as built (fine-tuning changes the head and resolution of `init.checkpoint`'s)."""

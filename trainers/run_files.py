@@ -4,17 +4,17 @@
   <storage>/<run name>/vitray/metrics.jsonl    one JSON object per logged step
   <storage>/<run name>/vitray/tensorboard/     TensorBoard events
   <storage>/<run name>/vitray/markers/         one-shot markers (fault-injection in tests)
+
+The checkpoint_* folders are found and opened by :mod:`vitray.trainers.checkpoint`.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vitray.data import storage
-from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.metrics import METRICS_FILE
 
 VITRAY_DIR = "vitray"
@@ -62,45 +62,3 @@ class RunFiles:
             return False
         storage.write_bytes_atomic(marker, b"")
         return True
-
-
-@dataclass
-class CheckpointInfo:
-    path: str
-    step: int | None
-    complete: bool
-    problem: str = ""
-
-
-def list_checkpoints(run_dir: str) -> list[CheckpointInfo]:
-    """The run's checkpoint folders (Ray Train names them checkpoint_<time>), oldest first."""
-    fs, root = storage.filesystem(run_dir)
-    protocol_root = str(run_dir).rstrip("/")
-    found = []
-    for name in storage.list_names(run_dir):
-        if not name.startswith("checkpoint_") or not fs.isdir(f"{root}/{name}"):
-            continue
-        path = storage.join(protocol_root, name)
-        try:
-            state = ckpt.verify_complete(f"{root}/{name}", fs)
-            found.append(CheckpointInfo(path, int(state["step"]), True))
-        except (ckpt.IncompleteCheckpointError, KeyError, ValueError) as err:
-            found.append(CheckpointInfo(path, None, False, str(err)))
-    return sorted(found, key=lambda c: (c.step is None, c.step or 0, c.path))
-
-
-def latest_complete_checkpoint(run_dir: str) -> CheckpointInfo | None:
-    complete = [c for c in list_checkpoints(run_dir) if c.complete]
-    return complete[-1] if complete else None
-
-
-def resolve_checkpoint(path: str) -> str:
-    """A complete checkpoint folder as given, or the latest complete checkpoint of a run folder."""
-    fs, fs_path = storage.filesystem(path)
-    if fs.isfile(f"{fs_path.rstrip('/')}/{ckpt.STATE_FILE}"):
-        ckpt.verify_complete(fs_path, fs)
-        return path
-    latest = latest_complete_checkpoint(path)
-    if latest is None:
-        raise FileNotFoundError(f"{path} is neither a checkpoint nor a run folder with a complete checkpoint")
-    return latest.path

@@ -8,18 +8,9 @@ import tempfile
 import torch
 
 from vitray.data import storage
-from vitray.trainers import checkpoint as ckpt
-from vitray.trainers.run_files import resolve_checkpoint
+from vitray.trainers.checkpoint import load_checkpoint
 
 FORMATS = ("npz", "safetensors", "timm")
-
-
-def load_checkpoint_model(path: str) -> tuple[torch.nn.Module, dict]:
-    """The model of a checkpoint (or of a run's latest one) and its trainer state."""
-    checkpoint = resolve_checkpoint(path)
-    fs, fs_path = storage.filesystem(checkpoint)
-    model, state = ckpt.load_model(fs_path, fs)
-    return model, {**state, "checkpoint": checkpoint}
 
 
 def export(path: str, fmt: str, out: str) -> str:
@@ -27,7 +18,7 @@ def export(path: str, fmt: str, out: str) -> str:
         raise ValueError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
     from vitray.models import save_npz, save_safetensors, to_timm_state_dict
 
-    model, state = load_checkpoint_model(path)
+    model, state = load_checkpoint(path)
     with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, os.path.basename(out) or "weights")
         if fmt == "npz":

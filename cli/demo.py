@@ -11,19 +11,13 @@ from __future__ import annotations
 import os
 from importlib import resources
 from pathlib import Path
+from typing import Annotated
 
+import typer
 from rich.console import Console
 
-from vitray.cluster.cli_inspect import inspect_checkpoint
-from vitray.cluster.config import load_config
-from vitray.cluster.evaluate import report_grid, run_grid
-from vitray.cluster.prepare import prepare_dataset_on_ray
-from vitray.cluster.pretrain import pretrain
-from vitray.cluster.runtime import connect, run_dir
-from vitray.cluster.transfer import resolve_checkpoints
-from vitray.evaluation.config import GridConfig
-from vitray.trainers.config import PretrainConfig
-from vitray.trainers.run_files import RunFiles, latest_complete_checkpoint
+from vitray.cli.app import SetOpt, VerboseOpt, app, fail
+from vitray.common.config import ConfigError, load_config
 
 console = Console()
 
@@ -43,6 +37,16 @@ def run_demo(
     grid_overrides: list[str] | None = None,
     verbose: bool = False,
 ) -> dict:
+    from vitray.cluster.evaluate import report_grid, run_grid
+    from vitray.cluster.prepare import prepare_dataset_on_ray
+    from vitray.cluster.pretrain import pretrain
+    from vitray.cluster.runtime import connect, run_dir
+    from vitray.cluster.transfer import resolve_checkpoints
+    from vitray.evaluation.config import GridConfig
+    from vitray.trainers.checkpoint import latest_complete_checkpoint
+    from vitray.trainers.config import PretrainConfig
+    from vitray.trainers.run_files import RunFiles
+
     out = Path(out_dir).absolute()
     data = out / "data" / "digits"
     cfg = load_config(
@@ -60,7 +64,7 @@ def run_demo(
     prepare_dataset_on_ray("builtin:digits", str(data), samples_per_shard=200)
 
     console.rule(f"[bold]2/4 pretrain {cfg.model.name} at {cfg.model.img_size}px on {cfg.cluster.num_workers} Ray workers (DeepSpeed ZeRO-{cfg.train.zero_stage})")
-    pretrain(cfg, verbose=verbose)  # raises ray.train.TrainingFailedError when the run fails
+    pretrain(cfg, verbose=verbose)  # raises TrainingFailedError when the run fails
     run = run_dir(cfg.run.storage, cfg.run.name)
     files = RunFiles(run)
     metrics = files.read_metrics()
@@ -102,7 +106,22 @@ def run_demo(
 def add_inspection_to_report(checkpoint: str, report: Path):
     """Writes the inspection figures of `checkpoint` (on its own validation images) next to the
     report and appends them to `report` (report.md) as a section; returns the InspectionFiles."""
+    from vitray.cli.inspection import inspect_checkpoint
+
     files = inspect_checkpoint(checkpoint, str(report.parent / INSPECTION_DIR))
     with report.open("a") as markdown:
         markdown.write("\n" + files.markdown(link_prefix=f"{INSPECTION_DIR}/"))
     return files
+
+
+@app.command()
+def demo(
+    out: Annotated[str, typer.Option(help="Where the data, runs and report go.")] = "demo-output",
+    set_: SetOpt = None,
+    verbose: VerboseOpt = False,
+):
+    """The whole pipeline on built-in data: prepare -> pretrain -> evaluate -> report."""
+    try:
+        run_demo(out, overrides=set_ or [], verbose=verbose)
+    except ConfigError as err:
+        fail(str(err))

@@ -1,56 +1,52 @@
 """The transfer commands of the `vitray` CLI: `fewshot`, `finetune` and `evaluate`.
 
-`cluster/cli.py` adds them with one call, `register_evaluation_commands(app)`. Until then (and in
-tests) `python -m vitray.cluster.cli_evaluation ARGS...` runs the full `vitray` app with them.
 Like every vitray command they take `--config/-c FILE.yaml` and `--set dotted.key=value`; a bad
-value fails before any Ray resources are taken.
+value fails before any Ray resources are taken. `fewshot` runs in this process
+(:func:`fewshot_on_checkpoint`); `finetune` and `evaluate` run on Ray (`cluster/`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
-from vitray.cluster.config import ConfigError, dump_config, load_config
+from vitray.cli.app import (
+    CheckpointArg,
+    ConfigOpt,
+    DataRootOpt,
+    DryRunOpt,
+    SetOpt,
+    VerboseOpt,
+    app,
+    console,
+    fail,
+    load,
+    print_config,
+)
+from vitray.common.config import ConfigError
 
-# Progress and messages (never wrapped: paths and commands stay copyable); result tables go to stdout.
-console = Console(stderr=True, soft_wrap=True)
-
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file.")]
-SetOpt = Annotated[
-    Optional[list[str]], typer.Option("--set", help="Override a config value: --set fewshot.seeds=5 (repeatable).")
-]
-DataRootOpt = Annotated[
-    Optional[str], typer.Option("--data-root", help="Folder (local or s3://) with the prepared benchmark datasets.")
-]
-VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's and the workers' logs.")]
-DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config and exit.")]
-
-def _fail(message: str, code: int = 2) -> NoReturn:
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
-    raise typer.Exit(code)
+if TYPE_CHECKING:
+    from vitray.evaluation.config import FewShotGrid
+    from vitray.evaluation.grid import CheckpointRef
+    from vitray.evaluation.suite import Benchmark
+    from vitray.evaluation.transfer import CellOutcome
 
 
 def _grid(config: Optional[Path], overrides: list[str]):
     from vitray.evaluation.config import GridConfig
 
-    try:
-        return load_config(GridConfig, config, overrides)
-    except ConfigError as err:
-        hint = "\n  (data_root: give --data-root ROOT, or `data_root:` in the -c file)" if "data_root:" in str(err) else ""
-        _fail(str(err) + hint)
+    return load(GridConfig, config, overrides)
 
 
 def _as_list(text: str, kind: type, option: str) -> list:
     try:
         return [kind(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        _fail(f"{option} {text!r}: expected comma-separated {kind.__name__}s, e.g. 1,5,10,25")
+        fail(f"{option} {text!r}: expected comma-separated {kind.__name__}s, e.g. 1,5,10,25")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,8 +54,9 @@ def _as_list(text: str, kind: type, option: str) -> list:
 # ---------------------------------------------------------------------------------------------
 
 
+@app.command()
 def fewshot(
-    checkpoint: Annotated[str, typer.Argument(help="A checkpoint folder, or a run folder (its latest checkpoint).")],
+    checkpoint: CheckpointArg,
     benchmark: Annotated[
         Optional[list[str]], typer.Option("--benchmark", "-b", help="Benchmark name (repeatable).")
     ] = None,
@@ -93,14 +90,14 @@ def fewshot(
         overrides.append(f"fewshot.img_size={img_size}")
     grid = _grid(config, overrides + list(set_ or []))
 
-    from vitray.cluster.transfer import fewshot_on_checkpoint, resolve_checkpoints
+    from vitray.cluster.transfer import resolve_checkpoints
     from vitray.evaluation.suite import MissingDataset
     from vitray.evaluation.transfer import summarize_scores
 
     try:
         (ref,) = resolve_checkpoints(checkpoint)
     except (FileNotFoundError, ValueError, RuntimeError) as err:
-        _fail(str(err))
+        fail(str(err))
     table = Table(title=f"few-shot linear probe: {ref.path} (step {ref.step})")
     for name, justify in [("benchmark", "left"), ("shots", "right"), ("accuracy", "right"), ("± std", "right"),
                           ("seeds", "right")]:  # fmt: skip
@@ -119,7 +116,7 @@ def fewshot(
                      for o in outcomes if not o.ok]  # fmt: skip
     Console().print(table)
     if problems:
-        _fail("\n".join(problems), code=1)
+        fail("\n".join(problems), code=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,6 +124,7 @@ def fewshot(
 # ---------------------------------------------------------------------------------------------
 
 
+@app.command()
 def finetune(
     checkpoint: Annotated[
         Optional[str], typer.Argument(help="Checkpoint (or run folder) to start from; sets init.checkpoint.")
@@ -162,31 +160,28 @@ def finetune(
     bench = None
     if benchmark is not None:
         if config is not None:
-            _fail("give either -c FILE (a fine-tune config) or --benchmark (the protocol's recipe), not both")
+            fail("give either -c FILE (a fine-tune config) or --benchmark (the protocol's recipe), not both")
         if checkpoint is None or data_root is None:
-            _fail("--benchmark needs the CHECKPOINT argument and --data-root")
+            fail("--benchmark needs the CHECKPOINT argument and --data-root")
         try:
             raw, source, bench = _benchmark_recipe(checkpoint, benchmark, data_root, lr, steps, seed, storage, name)
             cfg = validate_recipe(raw, overrides, source=source)
         except ConfigError as err:
-            _fail(str(err))
+            fail(str(err))
         except (FileNotFoundError, ValueError, RuntimeError) as err:
-            _fail(str(err))
+            fail(str(err))
     else:
         if checkpoint is not None:
             overrides.insert(0, f"init.checkpoint={checkpoint}")
         from vitray.trainers.config import PretrainConfig
 
-        try:
-            cfg = load_config(PretrainConfig, config, overrides)
-        except ConfigError as err:
-            _fail(str(err))
+        cfg = load(PretrainConfig, config, overrides)
         if cfg.init.checkpoint is None:
-            _fail("fine-tuning starts from a checkpoint: give CHECKPOINT or --set init.checkpoint=PATH")
+            fail("fine-tuning starts from a checkpoint: give CHECKPOINT or --set init.checkpoint=PATH")
         if cfg.train.eval_every is None:
             cfg.train.eval_every = cfg.train.steps  # the test top-1 this command reports, at the end
     if dry_run:
-        typer.echo(dump_config(cfg), nl=False)
+        print_config(cfg)
         return
     from vitray.cluster.runtime import run_dir
     from vitray.cluster.transfer import run_finetune, top1_on_test_split
@@ -198,7 +193,7 @@ def finetune(
         held_out = bench is not None and cfg.data.val_split != bench.test_split
         test = top1_on_test_split(cfg, bench, data_root, verbose=verbose) if held_out else None
     except Exception as err:  # noqa: BLE001 - Ray Train's TrainingFailedError and friends
-        _fail(f"fine-tuning failed: {err}", code=1)
+        fail(f"fine-tuning failed: {err}", code=1)
     console.print(f"run folder: {run_dir(cfg.run.storage, cfg.run.name)}")
     if test is not None:
         typer.echo(f"val top-1 ({cfg.data.val_path} split {cfg.data.val_split}): {top1:.4f}")
@@ -233,6 +228,7 @@ def _benchmark_recipe(checkpoint: str, benchmark: str, data_root: str, lr: Optio
 # ---------------------------------------------------------------------------------------------
 
 
+@app.command()
 def evaluate(
     checkpoint: Annotated[str, typer.Argument(help="A checkpoint folder or a run folder (local or s3://).")],
     config: ConfigOpt = None,
@@ -260,9 +256,10 @@ def evaluate(
     overrides = ([f"data_root={data_root}"] if data_root else []) + ([f"output={output}"] if output else [])
     grid = _grid(config, overrides + list(set_ or []))
     if dry_run:
-        typer.echo(dump_config(grid), nl=False)
+        print_config(grid)
         return
-    from vitray.cluster.evaluate import report_grid, resolve_checkpoints, run_grid, watch_run
+    from vitray.cluster.evaluate import report_grid, run_grid, watch_run
+    from vitray.cluster.transfer import resolve_checkpoints
 
     if watch:
         try:
@@ -271,7 +268,7 @@ def evaluate(
                                 show_progress=progress, verbose=verbose,
                                 on_grid=lambda _: report_grid(grid, show=False))  # fmt: skip
         except ValueError as err:
-            _fail(str(err))
+            fail(str(err))
         summaries = watched.grids
         if not watched.finished:
             console.print(f"[yellow]stopped watching after {watch_timeout:g} s: the run has not finished[/]")
@@ -279,7 +276,7 @@ def evaluate(
         try:
             refs = resolve_checkpoints(checkpoint, all_checkpoints=all_checkpoints)
         except (FileNotFoundError, ValueError, RuntimeError) as err:
-            _fail(str(err))
+            fail(str(err))
         summaries = [run_grid(grid, refs, console=console, show_progress=progress, verbose=verbose)]
     files = report_grid(grid, Console())
     failed, missing = sum(s.failed for s in summaries), sum(s.missing for s in summaries)
@@ -294,18 +291,33 @@ def evaluate(
 
 
 # ---------------------------------------------------------------------------------------------
+# Few-shot in this process (what `vitray fewshot` runs)
+# ---------------------------------------------------------------------------------------------
 
 
-def register_evaluation_commands(app: typer.Typer) -> None:
-    """Adds `fewshot`, `finetune` and `evaluate` to the `vitray` app (again: no-op)."""
-    present = {info.name or getattr(info.callback, "__name__", None) for info in app.registered_commands}
-    for command in (fewshot, finetune, evaluate):
-        if command.__name__ not in present:
-            app.command(command.__name__)(command)
+def fewshot_on_checkpoint(
+    checkpoint: CheckpointRef,
+    benchmark: Benchmark,
+    data_root: str,
+    settings: FewShotGrid,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    device: Any = "cpu",
+) -> list[CellOutcome]:
+    """Every (shots, seed) few-shot cell of one benchmark on one checkpoint, without Ray.
 
+    Raises :class:`vitray.evaluation.suite.MissingDataset` (whose message is the prepare
+    command) when the benchmark's data is not prepared.
+    """
+    from vitray.evaluation.grid import fewshot_group
+    from vitray.evaluation.suite import require_prepared
+    from vitray.evaluation.transfer import run_fewshot_group
+    from vitray.trainers.checkpoint import load_checkpoint
 
-if __name__ == "__main__":
-    from vitray.cluster.cli import app, main
-
-    register_evaluation_commands(app)
-    main()
+    require_prepared(benchmark, data_root, storage_options=storage_options)
+    group = fewshot_group(checkpoint, benchmark, settings)
+    model, _ = load_checkpoint(checkpoint.path)
+    return run_fewshot_group(
+        model, group, data_root, batch_size=settings.batch_size, num_workers=settings.data_workers,
+        storage_options=storage_options, device=device,
+    )  # fmt: skip

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from vitray.cluster.redact import redact_at, redacted_config
+from vitray.common.redact import redact_at, redacted_config
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -113,5 +113,5 @@ def _fields_at(schema: type[BaseModel], loc: list[str]) -> list[str]:
 
 
 def dump_config(config: BaseModel) -> str:
-    """The resolved config as YAML (what --dry-run prints), credentials masked (`cluster/redact.py`)."""
+    """The resolved config as YAML (what --dry-run prints), credentials masked (`common/redact.py`)."""
     return yaml.safe_dump(redacted_config(config), sort_keys=False)

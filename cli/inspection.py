@@ -6,32 +6,25 @@ numbers behind it (see :mod:`vitray.evaluation.inspect_plots`). The attention co
 model's own inspection path. Without IMAGES the checkpoint's own validation data is used (its
 config's ``data.val`` or ``data.train``, split ``data.val_split``).
 
-`cluster/cli.py` adds the command with `register_inspect_command(app)`; :func:`inspect_checkpoint`
-is the same thing as a function (the demo uses it). Nothing here needs Ray.
+:func:`inspect_checkpoint` is the same thing as a function (the demo uses it). Nothing here needs Ray.
 """
 
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, Optional
+from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
-console = Console(stderr=True, soft_wrap=True)
+from vitray.cli.app import CheckpointArg, app, console, fail
 
 DEFAULT_NUM_IMAGES = 128  # the paper's Fig. 11 averages over 128 images
 
 
 class InspectionInputError(ValueError):
     """Images for the inspection cannot be found or read; the message says what to give instead."""
-
-
-def _fail(message: str, code: int = 2) -> NoReturn:
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
-    raise typer.Exit(code)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,11 +102,11 @@ def inspect_checkpoint(
     """Writes the inspection figures of ``checkpoint`` (a checkpoint or run folder, local or
     s3://) into ``out`` (local or s3://); returns :class:`InspectionFiles` (local paths; for a
     remote ``out`` those of the temporary copy, already uploaded)."""
-    from vitray.cluster.export import load_checkpoint_model
     from vitray.data import storage
     from vitray.evaluation.inspect_plots import inspect_model
+    from vitray.trainers.checkpoint import load_checkpoint
 
-    model, state = load_checkpoint_model(checkpoint)
+    model, state = load_checkpoint(checkpoint)
     if images:
         pixels, captions = load_image_files(images, model.img_size)
         source = f"{len(images)} given image(s)"
@@ -139,8 +132,9 @@ def inspect_checkpoint(
 # ---------------------------------------------------------------------------------------------
 
 
+@app.command("inspect")
 def inspect(
-    checkpoint: Annotated[str, typer.Argument(help="A checkpoint folder, or a run folder (its latest complete checkpoint).")],
+    checkpoint: CheckpointArg,
     images: Annotated[
         Optional[list[str]], typer.Argument(help="Image files (PNG/JPEG); the checkpoint's validation images when none.")
     ] = None,
@@ -160,23 +154,10 @@ def inspect(
         files = inspect_checkpoint(checkpoint, out, images, num_images=num_images, rollout_images=rollout_images,
                                    num_components=components, batch_size=batch_size)  # fmt: skip
     except (InspectionInputError, FileNotFoundError, IncompleteCheckpointError, ValueError) as err:
-        _fail(str(err))
+        fail(str(err))
     for name, reason in files.skipped.items():
         console.print(f"[yellow]skipped {name}:[/] {escape(reason)}")
     for name, path in files.figures.items():
         console.print(f"{name}: {path.name} + {files.numbers[name].name}")
     console.print(f"written to {out}")
 
-
-def register_inspect_command(app: typer.Typer) -> None:
-    """Adds `inspect` to the `vitray` app (again: no-op)."""
-    present = {info.name or getattr(info.callback, "__name__", None) for info in app.registered_commands}
-    if "inspect" not in present:
-        app.command("inspect")(inspect)
-
-
-if __name__ == "__main__":
-    from vitray.cluster.cli import app, main
-
-    register_inspect_command(app)
-    main()

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vitray.data import storage
-from vitray.trainers.run_files import RunFiles, list_checkpoints
+from vitray.trainers.checkpoint import find_checkpoints, read_state
+from vitray.trainers.run_files import RunFiles
 
 
 @dataclass
@@ -21,7 +22,7 @@ def list_runs(storage_root: str) -> list[RunSummary]:
     runs = []
     for name in storage.list_names(storage_root):
         run_dir = storage.join(storage_root, name)
-        checkpoints = list_checkpoints(run_dir)
+        checkpoints = find_checkpoints(run_dir)
         files = RunFiles(run_dir)
         if not checkpoints and not storage.exists(files.root):
             continue  # not a vitray run
@@ -44,8 +45,6 @@ def list_runs(storage_root: str) -> list[RunSummary]:
 
 
 def _target_steps(checkpoint_path: str) -> int | None:
-    from vitray.trainers.checkpoint import read_state
-
     fs, path = storage.filesystem(checkpoint_path)
     try:
         return int(read_state(path, fs)["config"]["train"]["steps"])

@@ -1,0 +1,3 @@
+from vitray.cli.main import main
+
+main()

@@ -1,0 +1,27 @@
+"""`vitray`: the app with every command (each command module adds its own when imported)."""
+
+from __future__ import annotations
+
+import sys
+
+# In `vitray --help` order; importing a command module adds its commands to `app`.
+from vitray.cli import pretrain, data, runs, submit, demo, transfer, inspection  # noqa: F401, I001
+from vitray.cli.app import app, console
+
+__all__ = ["app", "main"]
+
+
+def main() -> None:
+    from vitray.cluster.runtime import enable_token_auth_if_available
+
+    # Ray reads its auth mode when first imported, so this comes before any command runs.
+    enable_token_auth_if_available()
+    try:
+        app()
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

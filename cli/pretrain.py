@@ -1,0 +1,32 @@
+"""`vitray pretrain`."""
+
+from __future__ import annotations
+
+from vitray.cli.app import ConfigOpt, DryRunOpt, SetOpt, VerboseOpt, app, console, fail, load, print_config
+
+
+@app.command()
+def pretrain(config: ConfigOpt = None, set_: SetOpt = None, dry_run: DryRunOpt = False, verbose: VerboseOpt = False):
+    """Pre-train a ViT on a Ray cluster (an embedded local Ray when cluster.address is empty).
+
+    Re-running with the same run.name and run.storage resumes from the latest complete checkpoint.
+    """
+    from vitray.trainers.config import PretrainConfig
+
+    cfg = load(PretrainConfig, config, set_)
+    if dry_run:
+        print_config(cfg)
+        return
+    from vitray.cluster.pretrain import TrainingFailedError, pretrain as run_pretrain
+    from vitray.cluster.runtime import NotEnoughResources, run_dir
+
+    try:
+        result = run_pretrain(cfg, verbose=verbose)
+    except NotEnoughResources as err:
+        fail(str(err))
+    except TrainingFailedError as err:
+        # Ray's message carries each failed rank's traceback; no driver traceback on top of it.
+        fail(f"pre-training failed (re-run the same command to resume):\n{err}", code=1)
+    console.print(f"run folder: {run_dir(cfg.run.storage, cfg.run.name)}")
+    if result.checkpoint is not None:
+        console.print(f"latest checkpoint: {result.checkpoint.path}")

@@ -1,0 +1,44 @@
+"""`vitray runs` and `vitray export`: what is in a run folder, read from the files alone (no Ray)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from vitray.cli.app import CheckpointArg, app, console, fail
+
+
+@app.command()
+def runs(storage: Annotated[str, typer.Argument(help="A run storage folder (local or s3://).")]):
+    """List the runs under STORAGE with their latest step, checkpoints and status."""
+    from rich.table import Table
+
+    from vitray.trainers.run_listing import list_runs
+
+    table = Table("run", "latest step", "checkpoints", "latest complete checkpoint", "status")
+    found = list_runs(storage)
+    for run in found:
+        table.add_row(run.name, str(run.latest_step or "-"), str(run.num_checkpoints), run.latest_checkpoint or "-", run.status)
+    Console().print(table)
+    if not found:
+        console.print(f"no runs under {storage}")
+
+
+@app.command()
+def export(
+    checkpoint: CheckpointArg,
+    format_: Annotated[str, typer.Option("--format", "-f", help="npz | safetensors | timm")] = "npz",
+    out: Annotated[str, typer.Option("--out", "-o", help="Output file (local or s3://).")] = "model.npz",
+):
+    """Write consolidated model weights: the original ViT .npz layout, safetensors or a timm state dict."""
+    from vitray.trainers.export import FORMATS, export as run_export
+
+    if format_ not in FORMATS:
+        fail(f"--format {format_!r} is not supported; expected one of: {', '.join(FORMATS)}")
+    try:
+        source = run_export(checkpoint, format_, out)
+    except (FileNotFoundError, ValueError) as err:
+        fail(str(err))
+    console.print(f"wrote {out} ({format_}) from {source}")

@@ -1,0 +1,36 @@
+"""`vitray submit -- ARGS...`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from vitray.cli.app import app, fail
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def submit(
+    ctx: typer.Context,
+    address: Annotated[
+        str, typer.Option("--address", envvar="RAY_ADDRESS", help="Ray dashboard / Jobs API address, e.g. http://HOST:8265.")
+    ],
+    working_dir: Annotated[
+        Optional[str], typer.Option("--working-dir", help="Folder uploaded as the job's working dir (default: none).")
+    ] = None,
+    env: Annotated[Optional[list[str]], typer.Option("--env", help="NAME=VALUE for the job (repeatable).")] = None,
+    no_follow: Annotated[bool, typer.Option("--no-follow", help="Print the job id and return.")] = False,
+):
+    """Submit `vitray ARGS...` as a Ray job: vitray submit --address http://HOST:8265 -- pretrain -c run.yaml"""
+    from vitray.cluster.submit import submit as run_submit
+
+    args = list(ctx.args)
+    if not args:
+        fail("nothing to submit: give the vitray command after --, e.g. -- pretrain -c configs/demo.yaml")
+    env_vars = {}
+    for item in env or []:
+        name, sep, value = item.partition("=")
+        if not sep:
+            fail(f"--env {item!r}: expected NAME=VALUE")
+        env_vars[name] = value
+    run_submit(address, args, working_dir=working_dir, env=env_vars, follow=not no_follow)
