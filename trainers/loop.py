@@ -236,7 +236,6 @@ class PretrainLoop:
         correct, seen = _all_reduce([float(correct), float(seen)], average=[False, False], device=self.backend.device)
         return correct / max(seen, 1.0)
 
-
     def _architecture(self) -> dict[str, Any]:
         """The model as built (fine-tuning changes the head and resolution of `init.checkpoint`'s)."""
         module = self.backend.module
