@@ -52,9 +52,9 @@ def pretrain(config: ConfigOpt = None, set_: SetOpt = None, dry_run: DryRunOpt =
 
     Re-running with the same run.name and run.storage resumes from the latest complete checkpoint.
     """
-    from vitray.trainers.config import PretrainConfig
+    from vitray.trainers.config import TrainingConfig
 
-    cfg = _load(PretrainConfig, config, set_)
+    cfg = _load(TrainingConfig, config, set_)
     if dry_run:
         typer.echo(dump_config(cfg), nl=False)
         return

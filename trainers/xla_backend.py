@@ -8,7 +8,7 @@ of all hosts, with one axis, `fsdp`:
   sharding, so it is sharded the same way;
 - each host feeds its part of the global batch, sharded along the batch dimension, through
   torch-xla's parallel loader (`vitray.trainers.xla_loader`);
-- `train.precision=bf16` computes in bfloat16 under autocast, with fp32 weights and optimizer state;
+- `precision.dtype=bf16` computes in bfloat16 under autocast, with fp32 weights and optimizer state;
 - every batch has the same shape and each optimizer step ends in one `torch_xla.sync()`, so the
   graphs compiled in the first steps are reused from then on: `xla/compilations` in the metrics
   counts them and stays constant after warm-up.
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vitray.trainers.config import PretrainConfig
+from vitray.trainers.config import TrainingConfig
 from vitray.trainers.optim import build_optimizer
 from vitray.trainers.schedule import lr_multiplier
 from vitray.trainers.xla_loader import DeviceLoader
@@ -88,7 +88,7 @@ class XlaBackend:
     name = "xla"
     spmd = True  # one program on all hosts: per-step randomness must not depend on the rank
 
-    def __init__(self, cfg: PretrainConfig, model: nn.Module, world_size: int, restore: tuple[Path, dict[str, Any]] | None):
+    def __init__(self, cfg: TrainingConfig, model: nn.Module, world_size: int, restore: tuple[Path, dict[str, Any]] | None):
         import torch_xla
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
@@ -97,8 +97,8 @@ class XlaBackend:
         _quiet_warnings()
         start_spmd()
         train = cfg.train
-        if train.precision == "fp16":
-            raise ValueError("train.precision=fp16 is not supported by train.backend=xla: use bf16 (TPUs) or fp32")
+        if cfg.precision.dtype == "fp16":
+            raise ValueError("precision.dtype=fp16 is not supported by train.backend=xla: use bf16 (TPUs) or fp32")
         local_devices = xr.addressable_runtime_device_count()
         if train.micro_batch_size % local_devices:
             raise ValueError(
@@ -110,19 +110,19 @@ class XlaBackend:
         xs.set_global_mesh(self.mesh)
         self.device = torch_xla.device()
         self.dtype = torch.float32  # inputs; bf16 compute comes from autocast
-        self._autocast = train.precision == "bf16"
+        self._autocast = cfg.precision.dtype == "bf16"
         self._batch_size = train.micro_batch_size
         self.accum = train.batch_size // (train.micro_batch_size * world_size)
-        self._clip = train.grad_clip
+        self._clip = cfg.optim.grad_clip
 
         self.wrapped = SpmdFullyShardedDataParallel(model, mesh=self.mesh)
         self.module = self.wrapped.module
-        self.optimizer = build_optimizer(self.module, train)
+        self.optimizer = build_optimizer(self.module, cfg.optim)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda step: lr_multiplier(
-                step, total_steps=train.steps, warmup_steps=train.warmup_steps, decay=train.decay,
-                min_ratio=train.min_lr / train.lr,
+                step, total_steps=train.steps, warmup_steps=cfg.schedule.warmup_steps, decay=cfg.schedule.decay,
+                min_ratio=cfg.schedule.min_lr / cfg.optim.lr,
             ),
         )  # fmt: skip
         self._create_optimizer_state()
