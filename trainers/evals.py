@@ -18,10 +18,13 @@ from __future__ import annotations
 import importlib
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+if TYPE_CHECKING:  # the config imports this module for its `evals:` section
+    from vitray.trainers.config import TrainingConfig
 
 EVAL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -94,7 +97,7 @@ class Evaluator:
     """One named evaluator. Subclasses implement :meth:`evaluate` (bare metric names); calling the
     evaluator names its metrics ``<name>/<metric>``."""
 
-    def __init__(self, name: str, config: _EvalSection, training: Any):
+    def __init__(self, name: str, config: _EvalSection, training: TrainingConfig):
         self.name, self.config, self.training = name, config, training
         self.every = config.every
 
@@ -157,6 +160,6 @@ def import_by_name(dotted: str) -> Any:
     return getattr(importlib.import_module(module), attribute)
 
 
-def build_evaluators(training: Any) -> list[Evaluator]:
+def build_evaluators(training: TrainingConfig) -> list[Evaluator]:
     """The evaluators of a `TrainingConfig`'s `evals:` section, in the order given."""
     return [import_by_name(EVALUATORS[ev.type])(name, ev, training) for name, ev in training.evals.items()]

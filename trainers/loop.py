@@ -1,4 +1,4 @@
-"""The training loop (pre-training and fine-tuning) run by every worker: build, restore, loop over `train_step`, save.
+"""The training loop run by every worker: build, restore, loop over `train_step`, save.
 
 Randomness is derived from (seed, step, rank) at every step -- dropout, mixup -- and data
 augmentation from (seed, epoch, slot, position) in the loader, so a resumed run reproduces an
@@ -32,8 +32,8 @@ from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.backend import PendingSave, TrainBackend, create_backend
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
-from vitray.trainers.evals import EvalEnv, build_evaluators
 from vitray.trainers.ema import Ema
+from vitray.trainers.evals import EvalEnv, build_evaluators
 from vitray.trainers.keys import SampleKeyRecorder
 from vitray.trainers.metrics import MetricsWriter, accelerator_peak_tflops, train_flops_per_image
 from vitray.trainers.objectives import build_objective
