@@ -4,7 +4,8 @@
   (shots, seed) cell's few-shot set of a :class:`FewShotGroup`, extracts features once for the
   drawn examples and for the test split (batched, through :class:`vitray.data.EvalLoader`) and
   solves every cell; a cell that cannot be solved (too few examples for its shots) fails alone.
-- :func:`fewshot_probe` is the same probe as a hook for the pre-training loop:
+- :func:`fewshot_probe` is the same probe on the model being trained, run by the training loop's
+  evaluators of type ``fewshot`` (`vitray.trainers.evals`, which import it by name):
   ``{"fewshot/digits_10shot": 0.83}``.
 - :func:`finetune_recipe` is the ViT paper's fine-tuning recipe for one cell as plain data in
   the shape of `vitray.trainers.config.TrainingConfig` (SGD momentum 0.9, cosine decay, linear
