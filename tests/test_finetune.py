@@ -124,7 +124,7 @@ def test_benchmark_form_builds_the_protocol_recipe(pretrained, digits_dataset, t
     assert out.returncode == 0, out.stderr
     cfg = yaml.safe_load(out.stdout)
     assert cfg["init"] == {"checkpoint": _pretrained_ref(pretrained).path, "reset_head": True}
-    assert cfg["train"]["optimizer"] == "sgd" and cfg["train"]["lr"] == 0.03 and cfg["train"]["steps"] == 50
+    assert cfg["optim"]["name"] == "sgd" and cfg["optim"]["lr"] == 0.03 and cfg["train"]["steps"] == 50
     assert cfg["model"]["img_size"] == 24 and cfg["data"]["val"] == str(root / "digits")
     assert (cfg["data"]["train_split"], cfg["data"]["val_split"]) == ("train[:90%]", "train[90%:]")
     assert re.fullmatch(r"digits-lr0\.03-seed0-[0-9a-f]{16}", cfg["run"]["name"])
