@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 import subprocess
 import sys
 import time
@@ -82,7 +84,19 @@ def test_malformed_override():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_configs_validate(path):
-    assert load_config(TrainingConfig, path) is not None
+    cfg = load_config(TrainingConfig, path)
+    assert type(cfg) is TrainingConfig
+    resolved = cfg.model_dump(mode="json")
+    for key, value in leaves(yaml.safe_load(path.read_text())):  # each value set is the value the run gets
+        assert functools.reduce(operator.getitem, key, resolved) == value, ".".join(key)
+
+
+def leaves(tree: dict, prefix: tuple[str, ...] = ()):
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            yield from leaves(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
 
 
 def _vitray(*args: str) -> subprocess.CompletedProcess:
@@ -96,7 +110,8 @@ def test_cli_dry_run_prints_resolved_config():
     assert out.returncode == 0, out.stderr
     resolved = yaml.safe_load(out.stdout)
     assert resolved["train"]["steps"] == 3
-    assert resolved["model"]["name"]
+    assert resolved["model"]["name"] == "Ti/4"
+    assert resolved == load_config(TrainingConfig, REPO / "configs" / "demo.yaml", ["train.steps=3"]).model_dump(mode="json")
 
 
 def test_cli_bad_config_fails_fast_without_ray():

@@ -78,8 +78,8 @@ def test_epoch_plan_is_a_pure_function_with_equal_slots():
     assert all(sum(len(r) for r in slot) == plan.slot_size for slot in plan.slots)
     covered = [(r.shard, i) for slot in plan.slots for r in slot for i in range(r.start, r.stop)]
     assert len(covered) == len(set(covered)) == 342 - plan.dropped
-    orders = {tuple(dict.fromkeys(r.shard for slot in epoch_plan(7, e, sizes, 8).slots for r in slot)) for e in range(6)}
-    assert len(orders) > 1  # the shard order changes from epoch to epoch
+    orders = [tuple(dict.fromkeys(r.shard for slot in epoch_plan(7, e, sizes, 8).slots for r in slot)) for e in range(6)]
+    assert all(a != b for a, b in zip(orders, orders[1:])), orders  # the shard order changes from epoch to epoch
 
 
 def test_rank_slots_and_bad_divisions():
@@ -269,7 +269,7 @@ def test_corrupt_images_and_truncated_shards_are_skipped_and_counted(tmp_path, c
     assert same_batches(*runs)
     assert [b.num_skipped for b in runs[0]] == [b.num_skipped for b in runs[1]]
     per_epoch = [sum(b.num_skipped for b in runs[0] if b.epoch == e) for e in (0, 1)]
-    assert sum(per_epoch) > 0
+    assert all(0 < skipped <= 61 - len(expected) for skipped in per_epoch), per_epoch  # every epoch meets them again
     assert train[0].stats["skipped"] == sum(per_epoch)
     assert {k for b in runs[0] for k in b.keys} <= expected
     assert all(len(b) == 8 - b.num_skipped for b in runs[0])
@@ -374,7 +374,8 @@ def test_transient_read_errors_are_retried_transparently(digits_dataset, monkeyp
     url = f"flaky://{digits_dataset}"
     with caplog.at_level(logging.WARNING, logger="vitray.data"):
         flaky = [k for b in EvalLoader(url, "test", batch_size=64, img_size=8, num_workers=0) for k in b.keys]
-    assert len(FlakyFileSystem.failed) >= 4  # the dataset.json, manifest and shards each failed once
+    read = ["dataset.json", "test.manifest.parquet", *(row.name for row in read_manifest(str(digits_dataset), "test"))]
+    assert FlakyFileSystem.failed == {f"{digits_dataset}/{name}" for name in read}  # each failed once, was re-read
     assert any("reopening at sample" in r.getMessage() for r in caplog.records)
     local = [k for b in EvalLoader(str(digits_dataset), "test", batch_size=64, img_size=8, num_workers=0) for k in b.keys]
     assert flaky == local and len(local) == 360

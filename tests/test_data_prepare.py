@@ -296,7 +296,7 @@ def test_interrupted_prepare_is_not_taken_as_finished_and_a_rerun_completes(tmp_
                 raise KeyboardInterrupt("simulated crash")
             yield fn(task)
 
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt, match="simulated crash"):
         prepare_dataset(src, str(dest), samples_per_shard=5, map_fn=crash_after_two)
     assert sorted(p.name for p in dest.iterdir()) == ["train-000000.tar", "train-000001.tar"]  # no temp files
     (dest / ".train-000002.tar.abc.tmp").write_bytes(b"half a shard")  # as a killed process leaves it
@@ -334,19 +334,20 @@ def test_shard_tasks_pickle(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("spec", "message"),
+    ("spec", "error", "message"),
     [
-        ("nonsense", "is not KIND:PATH"),
-        ("webp:/x", "is not KIND:PATH"),
-        ("builtin:mnist", "built-in datasets: \\['digits'\\]"),
-        ("imagefolder:/does/not/exist", "is not a folder"),
-        ("cifar10:/does/not/exist", "lacks"),
-        ("parquet:/does/not/exist", "no .parquet files"),
+        ("nonsense", ValueError, "source 'nonsense' is not KIND:PATH; KIND is one of \\['builtin', "),
+        ("webp:/x", ValueError, "source 'webp:/x' is not KIND:PATH"),
+        ("builtin:mnist", ValueError, "no built-in dataset 'mnist'; built-in datasets: \\['digits'\\]"),
+        ("imagefolder:/does/not/exist", FileNotFoundError, "imagefolder source /does/not/exist is not a folder"),
+        ("cifar10:/does/not/exist", FileNotFoundError, "cifar10 source /does/not/exist lacks \\['batches.meta', "),
+        ("parquet:/does/not/exist", FileNotFoundError, "parquet source /does/not/exist: no .parquet files"),
     ],
 )
-def test_bad_sources_are_named(spec, message):
-    with pytest.raises((ValueError, FileNotFoundError), match=message):
+def test_bad_sources_are_named(spec, error, message):
+    with pytest.raises(error, match=message) as raised:
         open_source(spec)
+    assert type(raised.value) is error
 
 
 def test_unsupported_images_and_tables_are_rejected(tmp_path):

@@ -29,6 +29,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from typer._click.exceptions import MissingParameter, NoSuchOption, UsageError
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -203,22 +204,35 @@ def test_kubernetes_manifests_validate_against_their_schemas(name, doc):
 
 def test_schema_validation_catches_mistakes():
     cluster = by_name("RayCluster")["vitray-gpu"]
-    mistakes = {
-        "unknown field (typo)": lambda c: c["spec"]["workerGroupSpecs"][0].update(minReplica=0),
-        "wrong type": lambda c: c["spec"]["workerGroupSpecs"][0].update(maxReplicas="four"),
-        "bad enum": lambda c: c["spec"]["authOptions"].update(mode="open"),
-        "misplaced pod field": lambda c: c["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0].update(
-            nodeSelector={"a": "b"}
+    mistakes = {  # what -> (the mistake, the error it must give)
+        "unknown field (typo)": (
+            lambda c: c["spec"]["workerGroupSpecs"][0].update(minReplica=0),
+            "spec.workerGroupSpecs.0: Additional properties are not allowed ('minReplica' was unexpected)",
         ),
-        "bad metadata": lambda c: c["metadata"].update(labels={"part-of": 3}),
+        "wrong type": (
+            lambda c: c["spec"]["workerGroupSpecs"][0].update(maxReplicas="four"),
+            "spec.workerGroupSpecs.0.maxReplicas: 'four' is not of type 'integer'",
+        ),
+        "bad enum": (
+            lambda c: c["spec"]["authOptions"].update(mode="open"),
+            "spec.authOptions.mode: 'open' is not one of ['disabled', 'token']",
+        ),
+        "misplaced pod field": (
+            lambda c: c["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0].update(nodeSelector={"a": "b"}),
+            "spec.headGroupSpec.template.spec.containers.0: Additional properties are not allowed ('nodeSelector' was unexpected)",
+        ),
+        "bad metadata": (
+            lambda c: c["metadata"].update(labels={"part-of": 3}),
+            "metadata.labels.part-of: 3 is not of type 'string', 'null'",
+        ),
     }
-    for what, mutate in mistakes.items():
+    for what, (mutate, error) in mistakes.items():
         broken = copy.deepcopy(cluster)
         mutate(broken)
-        assert schema_errors(broken), f"{what} was not caught"
+        assert schema_errors(broken) == [error], what
     policy = copy.deepcopy(yaml_docs(KUBERAY / "networkpolicy.yaml")[0])
     policy["spec"]["ingress"][0]["form"] = policy["spec"]["ingress"][0].pop("from")
-    assert schema_errors(policy)
+    assert schema_errors(policy) == ["spec.ingress.0: Additional properties are not allowed ('form' was unexpected)"]
     job = copy.deepcopy(by_name("RayJob")["vitray-pretrain-b16"])
     job["spec"]["rayClusterSpec"]["rayVersion"] = "2.49.0"
     job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["minReplicas"] = 9
@@ -366,6 +380,7 @@ def test_runs_fit_the_worker_groups_that_carry_them():
     from vitray.cluster.config import load_config
     from vitray.cluster.pretrain import scaling_config
     from vitray.trainers.config import TrainingConfig
+    from vitray.trainers.xla_slices import tpu_slice
 
     clusters = by_name("RayCluster")
     for name, job in by_name("RayJob").items():
@@ -384,7 +399,11 @@ def test_runs_fit_the_worker_groups_that_carry_them():
             topology = group["template"]["spec"]["nodeSelector"]["cloud.google.com/gke-tpu-topology"]
             hosts = functools.reduce(lambda a, b: a * b, map(int, topology.split("x"))) / chips
             assert group["numOfHosts"] == hosts and workers == pods_at_most, "one Ray worker per TPU host"
-            assert cfg.train.backend == "xla" and cfg.cluster.tpu is not None
+            assert cfg.train.backend == "xla"
+            accelerator = group["template"]["spec"]["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"]
+            tpu = tpu_slice(cfg.cluster.tpu, cfg.cluster.tpu_topology)
+            assert tpu.accelerator_type == "TPU-" + accelerator.removeprefix("tpu-").removesuffix("-slice").upper()
+            assert (tpu.topology, tpu.hosts, tpu.chips_per_host) == (topology, hosts, chips), "the run's slice is the pod's"
             resources = scaling_config(cfg).resources_per_worker
             assert resources["TPU"] == chips, "each worker asks for its host's chips"
             assert cfg.cluster.cpus_per_worker <= per_pod["cpu"]
@@ -417,7 +436,7 @@ def test_ray_up_yamls_pass_rays_own_preparation_and_schema(path):
     assert prepared["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
     if prepared["provider"]["type"] == "aws":
         assert prepared["provider"]["cache_stopped_nodes"] is False  # idle nodes go, with their disks
-    with pytest.raises(jsonschema.ValidationError):
+    with pytest.raises(jsonschema.ValidationError, match=r"\('max_worker' was unexpected\)"):
         validate_config({**prepared, "max_worker": 3})  # a typo'd key is an error, so the check is real
 
 
@@ -591,22 +610,32 @@ def parse_with_the_cli(args: list[str]) -> None:
     while hasattr(command, "get_command"):  # a group (`vitray`, `vitray data`): pick its command
         parent = command.context_class(command, info_name=name, parent=parent)
         assert rest, f"{name} needs a command"
-        name, *rest = rest
-        command = command.get_command(parent, name)
-        assert command is not None, f"vitray has no command {name!r}"
+        name, command, rest = command.resolve_command(parent, rest)  # UsageError if there is none
     command.make_context(name, rest, parent=parent)
 
 
-def test_the_cli_parse_check_rejects_bad_lines():
+@pytest.mark.parametrize(
+    ("line", "error", "message"),
+    [
+        (["runs"], MissingParameter, "Missing parameter: storage"),
+        (["pretrain", "--sett", "a=1"], NoSuchOption, "No such option: --sett"),
+        (["nosuch"], UsageError, "No such command 'nosuch'"),
+        (["data", "prepare", "builtin:digits"], MissingParameter, "Missing parameter: dest"),
+    ],
+)
+def test_the_cli_parse_check_rejects_bad_lines(line, error, message):
     parse_with_the_cli(["submit", "--address", "http://h:8265", "--", "runs", "s3://b/runs"])
-    for bad in (["runs"], ["pretrain", "--sett", "a=1"], ["nosuch"], ["data", "prepare", "builtin:digits"]):
-        with pytest.raises(Exception):
-            parse_with_the_cli(bad)
+    with pytest.raises(error, match=message) as raised:
+        parse_with_the_cli(line)
+    assert type(raised.value) is error
 
 
 def test_the_readme_and_deploy_hold_command_lines():
-    where = [w for w, _ in command_lines()]
-    assert any(w.startswith("README") for w in where) and any("entrypoint" in w for w in where)
+    lines = command_lines()
+    rayjobs = {path.name for path in KUBERAY.glob("*.yaml") if any(d["kind"] == "RayJob" for d in yaml_docs(path))}
+    assert {w.removesuffix(": entrypoint") for w, _ in lines if w.endswith(": entrypoint")} == rayjobs
+    # The README's cluster walk-through: prepare the data, submit the jobs, list the runs.
+    assert {"data", "submit", "runs"} <= {args[0] for w, args in lines if w.startswith("README")}
 
 
 @pytest.mark.parametrize("where, args", command_lines(), ids=[w for w, _ in command_lines()])

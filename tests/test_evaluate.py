@@ -246,7 +246,7 @@ def test_checkpoints_of_a_run(pretrained, tmp_path):
     newest = Path(list_checkpoints(str(copy))[-1].path)
     (newest / "complete-rank-0001.json").unlink()  # a checkpoint whose upload never finished
     assert [r.step for r in resolve_checkpoints(str(copy), all_checkpoints=True)] == [4]
-    with pytest.raises(IncompleteCheckpointError):
+    with pytest.raises(IncompleteCheckpointError, match=rf"checkpoint \S*{newest.name}: rank 1 never finished writing it"):
         resolve_checkpoints(str(newest))
     with pytest.raises(FileNotFoundError, match="neither a checkpoint folder"):
         resolve_checkpoints(str(tmp_path))

@@ -255,7 +255,7 @@ class NotWeights:
 def test_load_weights_refuses_unsafe_pickles_and_unknown_formats(tmp_path):
     model = create_model("Ti/4", num_classes=10, img_size=32)
     torch.save({"model": model.state_dict(), "extra": NotWeights()}, tmp_path / "unsafe.pt")
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         load_weights(model, tmp_path / "unsafe.pt")
     torch.save([1, 2, 3], tmp_path / "list.pt")
     with pytest.raises(ValueError, match="does not hold a state dict"):

@@ -6,10 +6,13 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file
 
-from pretrain_helpers import pretrain_args, run, vitray_cmd
+from pretrain_helpers import assert_same_weights, pretrain_args, run, vitray_cmd
 from vitray.data import prepare_dataset
+from vitray.data.storage import read_bytes
+from vitray.models.io_safetensors import read_safetensors_metadata
+from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.run_files import list_checkpoints
 
 pytestmark = pytest.mark.slow
@@ -33,7 +36,9 @@ def test_pretrain_on_s3_lists_exports_and_resumes(moto_server, tmp_path):
     out = tmp_path / "model.safetensors"
     run(vitray_cmd("export", run_dir, "--format", "safetensors", "--out", str(out)))
     weights = load_file(str(out))
-    assert any(name.endswith("pos_embed") or "pos" in name for name in weights)
+    assert read_safetensors_metadata(out) == {"format": "vitray", "name": "Ti/4", "img_size": "16", "head": "token",
+                                              "num_classes": "10", "representation_size": ""}  # fmt: skip
+    assert_same_weights(weights, load(read_bytes(f"{checkpoints[-1].path}/{ckpt.MODEL_FILE}")))  # step 8's
 
     # The same command again: the run is already complete, so it resumes at step 8 and stops.
     again = run(args)
