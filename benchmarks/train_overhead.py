@@ -64,8 +64,8 @@ def vitray_run(data: str, storage: str, args) -> tuple[float, list[dict]]:
     sets = [
         f"data.train={data}", f"run.storage={storage}", "run.name=bench", f"model.name={args.model}",
         f"model.img_size={args.img_size}", f"train.steps={args.steps}", f"train.batch_size={args.batch}",
-        f"train.micro_batch_size={args.batch}", f"train.log_every={log_every}", "train.warmup_steps=5",
-        f"train.checkpoint_every={args.steps // 2}", "train.zero_stage=1", "cluster.num_workers=1",
+        f"train.micro_batch_size={args.batch}", f"log.every={log_every}", "schedule.warmup_steps=5",
+        f"checkpoint.every={args.steps // 2}", "train.zero_stage=1", "cluster.num_workers=1",
         f"cluster.cpus_per_worker={args.threads}", "data.num_slots=8", "data.num_workers=1", "data.shuffle_buffer=256",
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "vitray.cli", "pretrain", *[a for s in sets for a in ("--set", s)]]

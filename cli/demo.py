@@ -44,18 +44,19 @@ def run_demo(
     from vitray.cluster.transfer import resolve_checkpoints
     from vitray.evaluation.config import GridConfig
     from vitray.trainers.checkpoint import latest_complete_checkpoint
-    from vitray.trainers.config import PretrainConfig
+    from vitray.trainers.config import TrainingConfig
+    from vitray.trainers.evals import VAL_TOP1
     from vitray.trainers.run_files import RunFiles
 
     out = Path(out_dir).absolute()
     data = out / "data" / "digits"
     cfg = load_config(
-        PretrainConfig,
+        TrainingConfig,
         config_path("demo.yaml"),
         [
             f"data.train={data}",
             f"run.storage={out / 'runs'}",
-            f"train.fewshot_datasets={{digits: {data}}}",
+            f"evals.fewshot={{type: fewshot, every: 100, datasets: {{digits: {data}}}}}",
             *(overrides or []),
         ],
     )
@@ -68,7 +69,7 @@ def run_demo(
     run = run_dir(cfg.run.storage, cfg.run.name)
     files = RunFiles(run)
     metrics = files.read_metrics()
-    top1 = next((m["val/top1"] for m in reversed(metrics) if "val/top1" in m), None)
+    top1 = next((m[VAL_TOP1] for m in reversed(metrics) if VAL_TOP1 in m), None)
     checkpoint = latest_complete_checkpoint(run)
 
     console.rule("[bold]3/4 evaluate: few-shot probes and fine-tuning on digits (vitray evaluate)")

@@ -11,9 +11,9 @@ def pretrain(config: ConfigOpt = None, set_: SetOpt = None, dry_run: DryRunOpt =
 
     Re-running with the same run.name and run.storage resumes from the latest complete checkpoint.
     """
-    from vitray.trainers.config import PretrainConfig
+    from vitray.trainers.config import TrainingConfig
 
-    cfg = load(PretrainConfig, config, set_)
+    cfg = load(TrainingConfig, config, set_)
     if dry_run:
         print_config(cfg)
         return

@@ -154,8 +154,6 @@ def finetune(
     the test split (VTAB-1k: trains on train[:1000], prints the test top-1).
     Re-running the same command resumes the run.
     """
-    from vitray.cluster.transfer import validate_recipe
-
     overrides = list(set_ or [])
     bench = None
     if benchmark is not None:
@@ -164,8 +162,7 @@ def finetune(
         if checkpoint is None or data_root is None:
             fail("--benchmark needs the CHECKPOINT argument and --data-root")
         try:
-            raw, source, bench = _benchmark_recipe(checkpoint, benchmark, data_root, lr, steps, seed, storage, name)
-            cfg = validate_recipe(raw, overrides, source=source)
+            cfg, bench = _benchmark_recipe(checkpoint, benchmark, data_root, lr, steps, seed, storage, name, overrides)
         except ConfigError as err:
             fail(str(err))
         except (FileNotFoundError, ValueError, RuntimeError) as err:
@@ -173,13 +170,14 @@ def finetune(
     else:
         if checkpoint is not None:
             overrides.insert(0, f"init.checkpoint={checkpoint}")
-        from vitray.trainers.config import PretrainConfig
+        from vitray.trainers.config import TrainingConfig
+        from vitray.trainers.evals import VAL, ValEvalConfig
 
-        cfg = load(PretrainConfig, config, overrides)
+        cfg = load(TrainingConfig, config, overrides)
         if cfg.init.checkpoint is None:
             fail("fine-tuning starts from a checkpoint: give CHECKPOINT or --set init.checkpoint=PATH")
-        if cfg.train.eval_every is None:
-            cfg.train.eval_every = cfg.train.steps  # the test top-1 this command reports, at the end
+        if VAL not in cfg.evals:  # the test top-1 this command reports, at the end
+            cfg.evals = {**cfg.evals, VAL: ValEvalConfig(type="val", every=cfg.train.steps)}
     if dry_run:
         print_config(cfg)
         return
@@ -203,13 +201,13 @@ def finetune(
 
 
 def _benchmark_recipe(checkpoint: str, benchmark: str, data_root: str, lr: Optional[float], steps: Optional[int],
-                      seed: int, storage: str, name: Optional[str]) -> tuple[dict[str, Any], str, Any]:  # fmt: skip
-    from vitray.cluster.transfer import resolve_checkpoints
+                      seed: int, storage: str, name: Optional[str], overrides: list[str]) -> tuple[Any, Any]:  # fmt: skip
+    from vitray.cluster.transfer import finetune_training_config, resolve_checkpoints
     from vitray.evaluation.config import FinetuneGrid
     from vitray.evaluation.grid import finetune_settings
     from vitray.evaluation.results import Cell
     from vitray.evaluation.suite import get_benchmark, require_prepared
-    from vitray.evaluation.transfer import finetune_recipe, finetune_run_name
+    from vitray.evaluation.transfer import finetune_run_name
 
     bench = get_benchmark(benchmark)
     options = FinetuneGrid(learning_rates=[lr] if lr else None, steps=steps)
@@ -217,10 +215,10 @@ def _benchmark_recipe(checkpoint: str, benchmark: str, data_root: str, lr: Optio
     (ref,) = resolve_checkpoints(checkpoint)
     require_prepared(bench, data_root)
     cell = Cell(ref.path, bench.name, "finetune", settings, seed, ref.step)
-    raw = finetune_recipe(bench, settings, checkpoint=ref.path, model=ref.model, data_root=data_root,
-                          run_name=name or finetune_run_name(cell), run_storage=storage, seed=seed,
-                          options=options)  # fmt: skip
-    return raw, f"the {bench.name} fine-tune recipe", bench
+    cfg = finetune_training_config(bench, settings, overrides=overrides, checkpoint=ref.path, model=ref.model,
+                                   data_root=data_root, run_name=name or finetune_run_name(cell), run_storage=storage,
+                                   seed=seed, options=options)  # fmt: skip
+    return cfg, bench
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ to the new workers. `FailureConfig(max_failures)` restarts a failed worker group
 from __future__ import annotations
 
 import contextlib
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig,
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from vitray.cluster.runtime import check_local_resources, connect, ray_storage, run_dir
-from vitray.trainers.config import PretrainConfig
+from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
 from vitray.trainers.progress import TrainingProgress
 
@@ -29,9 +28,9 @@ def train_worker(loop_config: dict[str, Any]) -> None:
     """Runs in every Ray Train worker."""
     from ray.train import CheckpointUploadMode
 
-    from vitray.trainers.loop import PretrainLoop
+    from vitray.trainers.loop import TrainingLoop
 
-    cfg = PretrainConfig.model_validate(loop_config["config"])
+    cfg = TrainingConfig.model_validate(loop_config["config"])
     context = ray.train.get_context()
 
     def report(metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
@@ -56,9 +55,8 @@ def train_worker(loop_config: dict[str, Any]) -> None:
             run_dir=loop_config["run_dir"],
             report=report,
             restore_dir=restore_dir,
-            evaluators=_evaluators(cfg),
         )
-        PretrainLoop(cfg, worker).run()
+        TrainingLoop(cfg, worker).run()
 
 
 def _complete_or_fallback(restore_dir: Path, run_dir: str, stack: contextlib.ExitStack) -> Path:
@@ -78,25 +76,11 @@ def _complete_or_fallback(restore_dir: Path, run_dir: str, stack: contextlib.Exi
         return Path(stack.enter_context(ray.train.Checkpoint(path, filesystem=filesystem).as_directory()))
 
 
-def _evaluators(cfg: PretrainConfig) -> list:
-    """The periodic few-shot probe: the same code as `vitray fewshot`, on rank 0."""
-    if not cfg.train.fewshot_datasets:
-        return []
-    from vitray.evaluation.transfer import fewshot_probe
-
-    return [
-        functools.partial(
-            fewshot_probe, datasets=cfg.train.fewshot_datasets, shots=(10,), seeds=1,
-            storage_options=cfg.data.storage_options,
-        )
-    ]  # fmt: skip
-
-
 # The config keys behind each resource a worker asks for (for error messages).
 RESOURCE_SETTINGS = {"CPU": "cluster.cpus_per_worker", "GPU": "cluster.gpus_per_worker", "TPU": "cluster.tpu"}
 
 
-def scaling_config(cfg: PretrainConfig) -> ScalingConfig:
+def scaling_config(cfg: TrainingConfig) -> ScalingConfig:
     """GPU/CPU workers, or (cluster.tpu) one worker per host of a TPU slice, placed by Ray Train's
     TPU support (a slice placement group: all hosts of one slice, reserved together)."""
     cluster = cfg.cluster
@@ -116,7 +100,7 @@ def scaling_config(cfg: PretrainConfig) -> ScalingConfig:
     return ScalingConfig(num_workers=cluster.num_workers, use_gpu=use_gpu, resources_per_worker=resources)
 
 
-def build_trainer(cfg: PretrainConfig) -> TorchTrainer:
+def build_trainer(cfg: TrainingConfig) -> TorchTrainer:
     storage_path, storage_fs = ray_storage(cfg.run.storage)
     scaling = scaling_config(cfg)
     # DeepSpeed on GPUs joins an NCCL group. Under XLA the devices talk through XLA itself; the
@@ -133,12 +117,12 @@ def build_trainer(cfg: PretrainConfig) -> TorchTrainer:
             storage_path=storage_path,
             storage_filesystem=storage_fs,
             failure_config=FailureConfig(max_failures=cfg.cluster.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
         ),
     )
 
 
-def pretrain(cfg: PretrainConfig, *, show_progress: bool = True, verbose: bool = False):
+def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool = False):
     """Run (or resume) the pre-training run described by `cfg`; returns Ray Train's Result."""
     connect(cfg.cluster.address, verbose=verbose)
     trainer = build_trainer(cfg)

@@ -4,8 +4,8 @@ The pieces `vitray finetune`, `vitray fewshot` and the grid (`cluster/evaluate.p
 
 - :func:`resolve_checkpoints`: a checkpoint folder, or a run folder's latest / every complete one,
   as grid inputs (found and opened by :mod:`vitray.trainers.checkpoint`);
-- :func:`finetune_config` + :func:`run_finetune`: the paper's fine-tune recipe for one cell,
-  validated as a PretrainConfig and run as a TorchTrainer (`pretrain`), resumed when the run
+- :func:`finetune_training_config` / :func:`finetune_config` + :func:`run_finetune`: the paper's
+  fine-tune recipe for one cell, validated as a TrainingConfig and run as a TorchTrainer (`pretrain`), resumed when the run
   already exists, skipped when it already finished; :func:`finetune_cell_metrics` adds the test
   top-1 of a selection cell's final weights (:func:`top1_on_test_split`, a Ray task);
 - :func:`fewshot_on_checkpoint`: the few-shot probe of one benchmark, in this process.
@@ -24,7 +24,8 @@ from vitray.evaluation.grid import METRIC, VAL_METRIC, CheckpointRef, FinetuneJo
 from vitray.evaluation.suite import Benchmark, locate
 from vitray.evaluation.transfer import final_top1, finetune_recipe, finetune_run_name, split_top1
 from vitray.trainers import checkpoint as ckpt
-from vitray.trainers.config import PretrainConfig
+from vitray.trainers.config import TrainingConfig
+from vitray.trainers.evals import VAL, VAL_TOP1
 from vitray.trainers.run_files import RunFiles
 
 
@@ -64,23 +65,38 @@ def resolve_checkpoints(path: str, *, all_checkpoints: bool = False) -> list[Che
 
 def validate_recipe(
     raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[str] = (), *, source: str = "the fine-tune recipe"
-) -> PretrainConfig:
-    """A recipe dict + dotted overrides -> a validated PretrainConfig (see `validate_config`)."""
-    return validate_config(PretrainConfig, raw, overrides, source=source)
+) -> TrainingConfig:
+    """A recipe dict + dotted overrides -> a validated TrainingConfig (see `validate_config`)."""
+    return validate_config(TrainingConfig, raw, overrides, source=source)
 
 
-def finetune_config(job: FinetuneJob, grid: GridConfig) -> PretrainConfig:
+def finetune_training_config(
+    benchmark: Benchmark,
+    settings: Mapping[str, Any],
+    *,
+    overrides: Mapping[str, Any] | Sequence[str] = (),
+    source: str | None = None,
+    **recipe: Any,
+) -> TrainingConfig:
+    """The paper's fine-tune recipe for one cell (`vitray.evaluation.transfer.finetune_recipe`, whose
+    keyword arguments `recipe` takes) + dotted overrides, as a validated TrainingConfig whose `val`
+    evaluator reports the run's top-1 at its last step."""
+    raw = finetune_recipe(benchmark, settings, val_evaluator=VAL, **recipe)
+    return validate_recipe(raw, overrides, source=source or f"the {benchmark.name} fine-tune recipe")
+
+
+def finetune_config(job: FinetuneJob, grid: GridConfig) -> TrainingConfig:
     """The fine-tune run of one grid cell; its run lives under `<output>/finetune_runs`."""
-    raw = finetune_recipe(
-        job.benchmark, job.cell.settings, checkpoint=job.checkpoint.path, model=job.checkpoint.model,
-        data_root=grid.data_root, run_name=finetune_run_name(job.cell), run_storage=grid.finetune_storage,
-        seed=job.cell.seed, options=grid.finetune, address=grid.cluster.address,
+    return finetune_training_config(
+        job.benchmark, job.cell.settings, overrides=grid.finetune.overrides,
+        source=f"fine-tune recipe of {job.benchmark.name}", checkpoint=job.checkpoint.path,
+        model=job.checkpoint.model, data_root=grid.data_root, run_name=finetune_run_name(job.cell),
+        run_storage=grid.finetune_storage, seed=job.cell.seed, options=grid.finetune, address=grid.cluster.address,
         storage_options=grid.storage_options,
     )  # fmt: skip
-    return validate_recipe(raw, grid.finetune.overrides, source=f"fine-tune recipe of {job.benchmark.name}")
 
 
-def run_finetune(cfg: PretrainConfig, *, show_progress: bool = False, verbose: bool = False) -> float:
+def run_finetune(cfg: TrainingConfig, *, show_progress: bool = False, verbose: bool = False) -> float:
     """Runs (or resumes) a fine-tune run and returns its test top-1 at the last step.
 
     A run that already logged its final top-1 is not started again; one that stopped halfway
@@ -90,14 +106,14 @@ def run_finetune(cfg: PretrainConfig, *, show_progress: bool = False, verbose: b
     from vitray.cluster.runtime import run_dir
 
     files = RunFiles(run_dir(cfg.run.storage, cfg.run.name))
-    top1 = final_top1(files.read_metrics(), cfg.train.steps)
+    top1 = final_top1(files.read_metrics(), cfg.train.steps, VAL_TOP1)
     if top1 is None:
         pretrain(cfg, show_progress=show_progress, verbose=verbose)  # raises TrainingFailedError on failure
-        top1 = final_top1(files.read_metrics(), cfg.train.steps)
+        top1 = final_top1(files.read_metrics(), cfg.train.steps, VAL_TOP1)
     if top1 is None:
         raise RuntimeError(
-            f"fine-tune run {files.run_dir} ended without a test top-1 at step {cfg.train.steps} "
-            f"(train.eval_every must divide the run or be unset: the recipe evaluates at the end)"
+            f"fine-tune run {files.run_dir} ended without {VAL_TOP1} at step {cfg.train.steps} "
+            f"(it needs an evaluator named {VAL!r} of type val: it always runs at the last step)"
         )
     return top1
 
@@ -113,7 +129,7 @@ def finetune_cell_metrics(job: FinetuneJob, grid: GridConfig, *, verbose: bool =
     return {VAL_METRIC: top1, METRIC: test}
 
 
-def top1_on_test_split(cfg: PretrainConfig, benchmark: Benchmark, data_root: str, *, verbose: bool = False) -> float:
+def top1_on_test_split(cfg: TrainingConfig, benchmark: Benchmark, data_root: str, *, verbose: bool = False) -> float:
     """The test top-1 of a finished fine-tune run's last checkpoint, computed in a Ray task with one
     of the run's workers' resources (a GPU when its workers have one)."""
     from vitray.cluster.runtime import connect, run_dir
@@ -129,7 +145,7 @@ def top1_on_test_split(cfg: PretrainConfig, benchmark: Benchmark, data_root: str
 
     cluster = cfg.cluster
     task = ray.remote(num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_worker)(_test_top1_task)
-    ref = task.remote(checkpoint.path, locate(benchmark, data_root), benchmark.test_split, cfg.train.eval_batch_size,
+    ref = task.remote(checkpoint.path, locate(benchmark, data_root), benchmark.test_split, cfg.evals[VAL].batch_size,
                       cfg.data.num_workers, cfg.data.storage_options, cluster.gpus_per_worker > 0)  # fmt: skip
     return float(ray.get(ref))
 

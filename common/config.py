@@ -38,10 +38,27 @@ def validate_config(
     items = overrides.items() if isinstance(overrides, Mapping) else map(_parse_override, overrides)
     for key, value in items:
         _set_dotted(data, key, value)
+    _refuse_moved_keys(schema, data, source)
     try:
         return schema.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_describe(err, schema, source=source)) from None
+
+
+def _refuse_moved_keys(schema: type[BaseModel], data: Mapping[str, Any], source: str) -> None:
+    """Keys the schema has moved (its `MOVED_KEYS`: old dotted key -> hint) fail with the hint."""
+    found = []
+    for dotted, hint in getattr(schema, "MOVED_KEYS", {}).items():
+        node: Any = data
+        for part in dotted.split("."):
+            node = node.get(part, _MISSING) if isinstance(node, Mapping) else _MISSING
+        if node is not _MISSING:
+            found.append(f"  {dotted}: {hint}")
+    if found:
+        raise ConfigError("\n".join([f"invalid config ({source}):", *found]))
+
+
+_MISSING = object()
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

@@ -98,7 +98,7 @@ class FinetuneGrid(_Section):
     )
     overrides: dict[str, Any] = Field(
         default_factory=dict,
-        description='Dotted PretrainConfig keys set on every run\'s recipe, e.g. {"train.precision": "bf16"}.',
+        description='Dotted TrainingConfig keys set on every run\'s recipe, e.g. {"precision.dtype": "bf16"}.',
     )
 
     @field_validator("train_split", "val_split", "final_train_split")

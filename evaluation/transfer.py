@@ -4,13 +4,15 @@
   (shots, seed) cell's few-shot set of a :class:`FewShotGroup`, extracts features once for the
   drawn examples and for the test split (batched, through :class:`vitray.data.EvalLoader`) and
   solves every cell; a cell that cannot be solved (too few examples for its shots) fails alone.
-- :func:`fewshot_probe` is the same probe as a hook for the pre-training loop:
+- :func:`fewshot_probe` is the same probe on the model being trained, run by the training loop's
+  evaluators of type ``fewshot`` (`vitray.trainers.evals`, which import it by name):
   ``{"fewshot/digits_10shot": 0.83}``.
-- :func:`finetune_recipe` is the ViT paper's fine-tuning recipe for one cell as a plain dict in
-  the shape of `vitray.trainers.config.PretrainConfig` (SGD momentum 0.9, cosine decay, linear
+- :func:`finetune_recipe` is the ViT paper's fine-tuning recipe for one cell as plain data in
+  the shape of `vitray.trainers.config.TrainingConfig` (SGD momentum 0.9, cosine decay, linear
   warm-up, no weight decay, grad-norm clip 1, zero-initialised head, position embeddings
-  resampled to the fine-tuning resolution). `cluster/` validates it with PretrainConfig and runs
-  it; keeping it a dict keeps `evaluation/` free of the trainers. A selection cell's run trains
+  resampled to the fine-tuning resolution). `cluster/transfer.py` makes it a TrainingConfig
+  (`finetune_training_config`) and runs it; keeping it data keeps `evaluation/` free of the
+  trainers. A selection cell's run trains
   on the train slice and reports top-1 on the held-out slice; :func:`split_top1` then scores its
   final weights on the test split. A final run reports its test top-1 itself.
 """
@@ -35,7 +37,7 @@ from vitray.evaluation.results import Cell
 from vitray.evaluation.suite import Benchmark, locate, locate_train
 
 # Slots of the data plan per fine-tuning worker, at most: every slot advances in lock-step, so the
-# micro batch must be a multiple of it (see PretrainConfig's checks).
+# micro batch must be a multiple of it (see TrainingConfig's checks).
 MAX_SLOTS_PER_WORKER = 8
 
 
@@ -303,8 +305,11 @@ def finetune_recipe(
     options: FinetuneGrid | None = None,
     address: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    val_evaluator: str,
 ) -> dict[str, Any]:
-    """A fine-tune run as a PretrainConfig-shaped dict.
+    """A fine-tune run as plain data in the shape of `vitray.trainers.config.TrainingConfig`
+    (`cluster.transfer.finetune_training_config` validates it into one; this package does not
+    import the trainers).
 
     `settings` are a cell's resolved settings (lr, steps, batch_size, warmup_steps, resolution,
     train_split and -- for a selection cell -- val_split; see
@@ -313,7 +318,8 @@ def finetune_recipe(
     without `val_split` (a final run), on the test split. `model` the checkpoint's model section
     (its architecture; the resolution becomes `settings["resolution"]`), `options` the grid's
     fine-tune section (workers, micro batch, checkpoint interval). `options.overrides` are not
-    applied here: they are dotted keys for the config loader.
+    applied here: they are dotted keys for the config loader. `val_evaluator` names the evaluator
+    that reports the run's top-1 (`vitray.trainers.evals.VAL`).
     """
     options = options or FinetuneGrid()
     steps, batch = int(settings["steps"]), int(settings["batch_size"])
@@ -336,25 +342,18 @@ def finetune_recipe(
             "storage_options": storage_options,
         },
         "train": {
-            "optimizer": "sgd",
-            "momentum": 0.9,
-            "decay": "cosine",
-            "weight_decay": 0.0,
-            "grad_clip": 1.0,
-            "lr": float(settings["lr"]),
-            "min_lr": 0.0,
             "steps": steps,
-            "warmup_steps": int(settings["warmup_steps"]),
             "batch_size": batch,
             "micro_batch_size": micro,
             "label_smoothing": 0.0,
             "mixup_alpha": 0.0,
-            "eval_every": steps,  # top-1 on the val split (or the test split) once, at the end
-            "eval_batch_size": options.eval_batch_size,
-            "checkpoint_every": options.checkpoint_every or max(1, steps // 4),
-            "keep_checkpoints": 1,
-            "log_every": max(1, min(50, steps // 4)),
         },
+        "optim": {"name": "sgd", "lr": float(settings["lr"]), "weight_decay": 0.0, "momentum": 0.9, "grad_clip": 1.0},
+        "schedule": {"warmup_steps": int(settings["warmup_steps"]), "decay": "cosine", "min_lr": 0.0},
+        "checkpoint": {"every": options.checkpoint_every or max(1, steps // 4), "keep": 1},
+        "log": {"every": max(1, min(50, steps // 4))},
+        # Top-1 on the val split (or the test split) once, at the end: the evaluator `val_evaluator` names.
+        "evals": {val_evaluator: {"type": "val", "every": steps, "batch_size": options.eval_batch_size}},
         "cluster": {
             "address": address,
             "num_workers": workers,
@@ -364,13 +363,14 @@ def finetune_recipe(
     }
 
 
-def final_top1(metrics: Iterable[Mapping[str, Any]], steps: int) -> float | None:
-    """The top-1 on its `data.val_split` a finished fine-tune run logged at its last step (the
-    held-out slice of a selection cell, the test split of a final run), or None if it has not."""
+def final_top1(metrics: Iterable[Mapping[str, Any]], steps: int, metric: str) -> float | None:
+    """The top-1 on its `data.val_split` a finished fine-tune run logged at its last step as
+    `metric` (`vitray.trainers.evals.VAL_TOP1`; the held-out slice of a selection cell, the test
+    split of a final run), or None if it has not."""
     found = None
     for record in metrics:
-        if record.get("step") == steps and "val/top1" in record:
-            found = float(record["val/top1"])
+        if record.get("step") == steps and metric in record:
+            found = float(record[metric])
     return found
 
 

@@ -149,5 +149,5 @@ def pretrained(digits_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -
     from pretrain_helpers import pretrain_args, run
 
     storage = tmp_path_factory.mktemp("pretrain")
-    run(pretrain_args(str(digits_dataset), str(storage), "pre", "train.steps=8", "train.checkpoint_every=4"))
+    run(pretrain_args(str(digits_dataset), str(storage), "pre", "train.steps=8", "checkpoint.every=4"))
     return str(storage / "pre")

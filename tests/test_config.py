@@ -13,7 +13,17 @@ import pytest
 import yaml
 
 from vitray.common.config import ConfigError, load_config
-from vitray.trainers.config import PretrainConfig
+from vitray.trainers.config import MOVED_KEYS, TrainingConfig
+from vitray.trainers.evals import (
+    VAL_TOP1,
+    Evaluator,
+    FewshotEvalConfig,
+    FewshotEvaluator,
+    ValEvalConfig,
+    ValEvaluator,
+    build_evaluators,
+    metric_name,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 # Run recipes (pre-training and fine-tuning); grid_*.yaml are evaluation grids, checked in test_evaluate.
@@ -22,44 +32,44 @@ CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml") if not p.name.star
 
 def test_yaml_and_overrides_are_typed(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({"train": {"steps": 7, "lr": 0.5}, "run": {"name": "a"}, "data": {"train": "d"}}))
-    cfg = load_config(PretrainConfig, path, ["train.lr=1e-4", "run.name=b", "train.ema_decay=0.99", "seed=3"])
+    path.write_text(yaml.safe_dump({"train": {"steps": 7}, "optim": {"lr": 0.5}, "run": {"name": "a"}, "data": {"train": "d"}}))
+    cfg = load_config(TrainingConfig, path, ["optim.lr=1e-4", "run.name=b", "optim.ema_decay=0.99", "seed=3"])
     assert cfg.train.steps == 7
-    assert cfg.train.lr == pytest.approx(1e-4)
+    assert cfg.optim.lr == pytest.approx(1e-4)
     assert cfg.run.name == "b"
-    assert cfg.train.ema_decay == pytest.approx(0.99)
+    assert cfg.optim.ema_decay == pytest.approx(0.99)
     assert cfg.seed == 3
 
 
 def test_typo_suggests_the_closest_key():
     with pytest.raises(ConfigError) as err:
-        load_config(PretrainConfig, None, ["train.setps=5"])
+        load_config(TrainingConfig, None, ["train.setps=5"])
     message = str(err.value)
     assert "train.setps" in message and "did you mean 'train.steps'" in message
 
 
 def test_typo_in_section_name():
     with pytest.raises(ConfigError, match=r"did you mean 'train'"):
-        load_config(PretrainConfig, None, ["trian.steps=5"])
+        load_config(TrainingConfig, None, ["trian.steps=5"])
 
 
 def test_bad_value_names_key_value_and_what_is_allowed():
     with pytest.raises(ConfigError) as err:
-        load_config(PretrainConfig, None, ["train.precision=fp8"])
+        load_config(TrainingConfig, None, ["precision.dtype=fp8"])
     message = str(err.value)
-    assert "train.precision" in message and "'fp8'" in message
+    assert "precision.dtype" in message and "'fp8'" in message
     assert "fp32" in message and "bf16" in message
 
 
 def test_wrong_type():
     with pytest.raises(ConfigError, match=r"train\.steps.*'many'"):
-        load_config(PretrainConfig, None, ["train.steps=many"])
+        load_config(TrainingConfig, None, ["train.steps=many"])
 
 
 def test_batch_must_divide_into_micro_batches_and_workers():
     with pytest.raises(ConfigError, match=r"train.batch_size=100 must be a multiple"):
         load_config(
-            PretrainConfig,
+            TrainingConfig,
             None,
             ["data.train=d", "train.batch_size=100", "train.micro_batch_size=16", "cluster.num_workers=2"],
         )
@@ -67,15 +77,15 @@ def test_batch_must_divide_into_micro_batches_and_workers():
 
 def test_malformed_override():
     with pytest.raises(ConfigError, match="expected dotted.key=value"):
-        load_config(PretrainConfig, None, ["train.steps"])
+        load_config(TrainingConfig, None, ["train.steps"])
     with pytest.raises(ConfigError, match="is a value"):
-        load_config(PretrainConfig, None, ["seed=1", "seed.x=1"])
+        load_config(TrainingConfig, None, ["seed=1", "seed.x=1"])
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_configs_validate(path):
-    cfg = load_config(PretrainConfig, path)
-    assert type(cfg) is PretrainConfig
+    cfg = load_config(TrainingConfig, path)
+    assert type(cfg) is TrainingConfig
     resolved = cfg.model_dump(mode="json")
     for key, value in leaves(yaml.safe_load(path.read_text())):  # each value set is the value the run gets
         assert functools.reduce(operator.getitem, key, resolved) == value, ".".join(key)
@@ -101,7 +111,7 @@ def test_cli_dry_run_prints_resolved_config():
     resolved = yaml.safe_load(out.stdout)
     assert resolved["train"]["steps"] == 3
     assert resolved["model"]["name"] == "Ti/4"
-    assert resolved == load_config(PretrainConfig, REPO / "configs" / "demo.yaml", ["train.steps=3"]).model_dump(mode="json")
+    assert resolved == load_config(TrainingConfig, REPO / "configs" / "demo.yaml", ["train.steps=3"]).model_dump(mode="json")
 
 
 def test_cli_bad_config_fails_fast_without_ray():
@@ -115,14 +125,96 @@ def test_cli_bad_config_fails_fast_without_ray():
 
 def test_missing_dataset_is_named():
     with pytest.raises(ConfigError, match=r"data: Field required"):
-        load_config(PretrainConfig, None, [])
+        load_config(TrainingConfig, None, [])
 
 
 def test_backend_choices_and_their_rules():
-    assert load_config(PretrainConfig, None, ["data.train=d", "train.backend=xla"]).train.backend == "xla"
+    assert load_config(TrainingConfig, None, ["data.train=d", "train.backend=xla"]).train.backend == "xla"
     with pytest.raises(ConfigError, match=r"train.backend.*'deepspeed' or 'xla'"):
-        load_config(PretrainConfig, None, ["data.train=d", "train.backend=tpu"])
+        load_config(TrainingConfig, None, ["data.train=d", "train.backend=tpu"])
     with pytest.raises(ConfigError, match=r"fp16 is for GPUs"):
-        load_config(PretrainConfig, None, ["data.train=d", "train.backend=xla", "train.precision=fp16"])
+        load_config(TrainingConfig, None, ["data.train=d", "train.backend=xla", "precision.dtype=fp16"])
     with pytest.raises(ConfigError, match=r"cluster.tpu=v4-32 needs train.backend=xla"):
-        load_config(PretrainConfig, None, ["data.train=d", "cluster.tpu=v4-32", "cluster.gpus_per_worker=0"])
+        load_config(TrainingConfig, None, ["data.train=d", "cluster.tpu=v4-32", "cluster.gpus_per_worker=0"])
+
+
+# -- the sections split by concern: old keys refused with the new one ---------------------------
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_KEYS))
+def test_an_old_key_is_refused_naming_the_new_one(old, tmp_path):
+    hint = MOVED_KEYS[old]
+    new = hint.split()[2]  # "moved to optim.lr" / "moved to evals.<name>.every (...)" / "... an evaluator ..."
+    if new.startswith(("optim.", "schedule.", "precision.", "checkpoint.", "log.")):
+        section, key = new.split(".")
+        assert key in TrainingConfig.model_fields[section].annotation.model_fields, new  # the hint names a real key
+    for source in ("set", "yaml"):
+        section, key = old.split(".")
+        path = tmp_path / f"{key}.yaml"
+        path.write_text(yaml.safe_dump({"data": {"train": "d"}, section: {key: 1} if source == "yaml" else {}}))
+        with pytest.raises(ConfigError) as err:
+            load_config(TrainingConfig, path, [f"{old}=1"] if source == "set" else [])
+        assert f"  {old}: {hint}" in str(err.value).splitlines()
+
+
+def test_moved_key_hints_say_where_and_show_evals():
+    with pytest.raises(ConfigError) as err:
+        load_config(TrainingConfig, None, ["data.train=d", "train.lr=0.1", "train.eval_every=100", "train.steps=5"])
+    lines = str(err.value).splitlines()
+    assert lines[1:] == [
+        "  train.lr: moved to optim.lr",
+        "  train.eval_every: moved to evals.<name>.every (e.g. evals: {val: {type: val, every: 100, batch_size: 256}})",
+    ]
+    example = lines[2].split("e.g. ", 1)[1].rstrip(")")
+    cfg = load_config(TrainingConfig, None, ["data.train=d", example.replace(": ", "=", 1)])
+    assert cfg.evals == {"val": ValEvalConfig(type="val", every=100, batch_size=256)}
+
+
+# -- evaluators by name ---------------------------------------------------------------------------
+
+
+def test_evals_are_typed_by_name_and_type():
+    cfg = load_config(TrainingConfig, None, [
+        "data.train=d", "evals.val={type: val, every: 10}",
+        "evals.probe={type: fewshot, every: 50, datasets: {digits: /d}, shots: [1, 5], seeds: 2}",
+    ])  # fmt: skip
+    assert list(cfg.evals) == ["val", "probe"]
+    assert cfg.evals["val"] == ValEvalConfig(type="val", every=10, batch_size=256)
+    assert cfg.evals["probe"] == FewshotEvalConfig(type="fewshot", every=50, datasets={"digits": "/d"}, shots=[1, 5],
+                                                   seeds=2, batch_size=256)  # fmt: skip
+    evaluators = build_evaluators(cfg)
+    assert [(type(e), e.name, e.every) for e in evaluators] == [(ValEvaluator, "val", 10), (FewshotEvaluator, "probe", 50)]
+    assert load_config(TrainingConfig, None, ["data.train=d"]).evals == {}
+
+
+@pytest.mark.parametrize("bad, expected", [
+    ("evals.val={type: top5, every: 10}", r"evals\.val: Input tag 'top5'.*expected tags: 'val', 'fewshot'"),
+    ("evals.val={type: val}", r"evals\.val\.val\.every: Field required"),
+    ("evals.val={type: val, every: 0}", r"evals\.val\.val\.every: Input should be greater than 0"),
+    ("evals.val={type: val, every: 5, shots: [1]}", r"evals\.val\.val\.shots: unknown key"),
+    ("evals.probe={type: fewshot, every: 5, datasets: {}}", r"evals\.probe\.fewshot\.datasets: .*at least 1"),
+    ("evals.probe={type: fewshot, every: 5, datasets: {d: /d}, shots: [0]}", r"must be positive"),
+    ("evals={a/b: {type: val, every: 5}}", r"evaluator name 'a/b' must start with"),
+])  # fmt: skip
+def test_bad_evals_are_refused(bad, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(TrainingConfig, None, ["data.train=d", bad])
+
+
+def test_masked_patch_refuses_a_val_evaluator():
+    base = ["data.train=d", "train.objective=masked_patch"]
+    with pytest.raises(ConfigError, match=r"evals\.val \(type val\) scores a classifier, but train\.objective=masked_patch"):
+        load_config(TrainingConfig, None, [*base, "evals.val={type: val, every: 10}"])
+    assert load_config(TrainingConfig, None, [*base, "evals.probe={type: fewshot, every: 10, datasets: {d: /d}}"])
+
+
+def test_evaluator_metric_names_are_made_in_one_place():
+    assert metric_name("val", "top1") == VAL_TOP1 == "val/top1"
+
+    class Constant(Evaluator):
+        def evaluate(self, module, env):
+            return {"a": 1.0, "b_10shot": 0.5}
+
+    ev = Constant("probe", ValEvalConfig(type="val", every=4), None)
+    assert ev(None, None) == {"probe/a": 1.0, "probe/b_10shot": 0.5}
+    assert [s for s in range(1, 11) if ev.due(s, last_step=10)] == [4, 8, 10]

@@ -379,7 +379,7 @@ def test_jobs_name_their_runs_so_that_a_restarted_job_resumes():
 def test_runs_fit_the_worker_groups_that_carry_them():
     from vitray.common.config import load_config
     from vitray.cluster.pretrain import scaling_config
-    from vitray.trainers.config import PretrainConfig
+    from vitray.trainers.config import TrainingConfig
     from vitray.trainers.xla_slices import tpu_slice
 
     clusters = by_name("RayCluster")
@@ -388,7 +388,7 @@ def test_runs_fit_the_worker_groups_that_carry_them():
         if args[1] != "pretrain":
             continue
         sets = overrides(args)
-        cfg = load_config(PretrainConfig, REPO / args[args.index("-c") + 1], [f"{k}={json.dumps(v)}" for k, v in sets.items()])
+        cfg = load_config(TrainingConfig, REPO / args[args.index("-c") + 1], [f"{k}={json.dumps(v)}" for k, v in sets.items()])
         (group,) = clusters["vitray-tpu" if "tpu" in name else "vitray-gpu"]["spec"]["workerGroupSpecs"]
         (container,) = group["template"]["spec"]["containers"]
         per_pod = {k: float(str(v).removesuffix("Gi")) for k, v in container["resources"]["limits"].items()}

@@ -29,6 +29,7 @@ from vitray.evaluation.results import ResultsTable
 from vitray.evaluation.transfer import final_top1, fewshot_probe, split_top1
 from vitray.trainers.checkpoint import IncompleteCheckpointError
 from vitray.trainers.checkpoint import find_checkpoints, latest_complete_checkpoint
+from vitray.trainers.evals import VAL_TOP1
 from vitray.trainers.run_files import RunFiles
 
 pytestmark = pytest.mark.slow
@@ -179,7 +180,7 @@ def test_finetune_selects_the_lr_on_val_resumes_its_runs_and_retrains_the_choice
     assert set(sweep) == set(LEARNING_RATES)
     for lr, (metrics, run) in sweep.items():
         # The run validated on the held-out slice; the test top-1 came from its last checkpoint.
-        assert metrics["val_accuracy"] == pytest.approx(final_top1(RunFiles(str(run)).read_metrics(), FINETUNE_STEPS))
+        assert metrics["val_accuracy"] == pytest.approx(final_top1(RunFiles(str(run)).read_metrics(), FINETUNE_STEPS, VAL_TOP1))
         model, _ = load_checkpoint(str(run))
         test = split_top1(model, str(killed_and_rerun["data_root"] / "digits"), "test", batch_size=128)
         assert metrics["accuracy"] == pytest.approx(test, abs=1.5 / 360)  # at most one prediction flipped by rounding
@@ -187,7 +188,7 @@ def test_finetune_selects_the_lr_on_val_resumes_its_runs_and_retrains_the_choice
     settings, metrics, run = final
     best = max(sorted(sweep), key=lambda lr: sweep[lr][0]["val_accuracy"])
     assert settings["lr"] == best and settings["train_split"] == FINAL_SPLIT
-    assert metrics == {"accuracy": pytest.approx(final_top1(RunFiles(str(run)).read_metrics(), FINETUNE_STEPS))}
+    assert metrics == {"accuracy": pytest.approx(final_top1(RunFiles(str(run)).read_metrics(), FINETUNE_STEPS, VAL_TOP1))}
     summary = summarize(latest)
     (reported,) = summary[summary["method"] == "finetune"].itertuples()
     assert reported.mean == metrics["accuracy"] and reported.lr == f"{best:g}"

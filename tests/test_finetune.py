@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from pretrain_helpers import run
 from vitray.common.config import ConfigError
-from vitray.cluster.transfer import finetune_config, resolve_checkpoints, validate_recipe
+from vitray.cluster.transfer import finetune_config, finetune_training_config, resolve_checkpoints, validate_recipe
 from vitray.evaluation.config import FinetuneGrid, GridConfig
 from vitray.evaluation.grid import CheckpointRef, finetune_settings, plan_grid
 from vitray.evaluation.suite import get_benchmark
@@ -27,6 +27,7 @@ from vitray.evaluation.transfer import finetune_recipe
 from vitray.models import resample_posemb
 from vitray.trainers.checkpoint import read_state
 from vitray.trainers.checkpoint import latest_complete_checkpoint
+from vitray.trainers.evals import VAL, ValEvalConfig
 from vitray.trainers.run_files import RunFiles
 
 pytestmark = pytest.mark.slow
@@ -74,13 +75,13 @@ def test_recipe_is_the_papers_finetuning_recipe(pretrained, tmp_path):
                       finetune={"resolution": 24, "steps": 30})  # fmt: skip
     (job, *_) = plan_grid(grid, [ref]).finetune
     cfg = finetune_config(job, grid)
-    train = cfg.train
-    assert (train.optimizer, train.momentum, train.decay, train.weight_decay, train.grad_clip) == (
+    train, optim, schedule = cfg.train, cfg.optim, cfg.schedule
+    assert (optim.name, optim.momentum, schedule.decay, optim.weight_decay, optim.grad_clip) == (
         "sgd", 0.9, "cosine", 0.0, 1.0)  # fmt: skip
     digits = get_benchmark("digits").finetune
-    assert (train.lr, train.steps, train.batch_size, train.warmup_steps) == (
+    assert (optim.lr, train.steps, train.batch_size, schedule.warmup_steps) == (
         digits.learning_rates[0], 30, digits.batch_size, digits.warmup_steps)  # fmt: skip
-    assert train.eval_every == 30  # the test top-1 at the end
+    assert cfg.evals[VAL] == ValEvalConfig(type="val", every=30)  # the test top-1 at the end
     assert cfg.init.checkpoint == ref.path and cfg.init.reset_head
     assert cfg.model.name == "Ti/4" and cfg.model.img_size == 24 and cfg.model.representation_size is None
     # Trained on the train-minus-validation slice; the run's top-1 is on the held-out slice.
@@ -94,9 +95,8 @@ def test_recipe_is_the_papers_finetuning_recipe(pretrained, tmp_path):
 def test_recipe_validates_for_any_worker_count(workers, micro, batch, tmp_path):
     options = FinetuneGrid(num_workers=workers, micro_batch_size=micro, batch_size=batch)
     settings = finetune_settings(get_benchmark("cifar10"), options)[0]
-    raw = finetune_recipe(get_benchmark("cifar10"), settings, checkpoint="/ckpt", model={"name": "B/16"},
-                          data_root=str(tmp_path), run_name="r", run_storage=str(tmp_path), options=options)  # fmt: skip
-    cfg = validate_recipe(raw)
+    cfg = finetune_training_config(get_benchmark("cifar10"), settings, checkpoint="/ckpt", model={"name": "B/16"},
+                                   data_root=str(tmp_path), run_name="r", run_storage=str(tmp_path), options=options)  # fmt: skip
     assert cfg.train.batch_size == batch and cfg.cluster.num_workers == workers
     assert cfg.train.micro_batch_size * workers * cfg.grad_accumulation == batch
 
@@ -104,13 +104,13 @@ def test_recipe_validates_for_any_worker_count(workers, micro, batch, tmp_path):
 def test_recipe_overrides_are_validated_with_clear_errors(tmp_path):
     settings = finetune_settings(get_benchmark("digits"), FinetuneGrid())[0]
     raw = finetune_recipe(get_benchmark("digits"), settings, checkpoint="/ckpt", model={"name": "Ti/4"},
-                          data_root=str(tmp_path), run_name="r", run_storage=str(tmp_path))  # fmt: skip
-    assert validate_recipe(raw, {"train.precision": "bf16"}).train.precision == "bf16"
-    assert validate_recipe(raw, ["train.lr=0.5"]).train.lr == 0.5
-    with pytest.raises(ConfigError, match=r"train\.precison: unknown key; did you mean 'train\.precision'"):
-        validate_recipe(raw, {"train.precison": "bf16"})
-    with pytest.raises(ConfigError, match=r"train\.lr.*greater than 0"):
-        validate_recipe(raw, ["train.lr=-1"])
+                          data_root=str(tmp_path), run_name="r", run_storage=str(tmp_path), val_evaluator=VAL)  # fmt: skip
+    assert validate_recipe(raw, {"precision.dtype": "bf16"}).precision.dtype == "bf16"
+    assert validate_recipe(raw, ["optim.lr=0.5"]).optim.lr == 0.5
+    with pytest.raises(ConfigError, match=r"precision\.dtpye: unknown key; did you mean 'precision\.dtype'"):
+        validate_recipe(raw, {"precision.dtpye": "bf16"})
+    with pytest.raises(ConfigError, match=r"optim\.lr.*greater than 0"):
+        validate_recipe(raw, ["optim.lr=-1"])
 
 
 def test_benchmark_form_builds_the_protocol_recipe(pretrained, digits_dataset, tmp_path):
@@ -125,7 +125,7 @@ def test_benchmark_form_builds_the_protocol_recipe(pretrained, digits_dataset, t
     assert out.returncode == 0, out.stderr
     cfg = yaml.safe_load(out.stdout)
     assert cfg["init"] == {"checkpoint": _pretrained_ref(pretrained).path, "reset_head": True}
-    assert cfg["train"]["optimizer"] == "sgd" and cfg["train"]["lr"] == 0.03 and cfg["train"]["steps"] == 50
+    assert cfg["optim"]["name"] == "sgd" and cfg["optim"]["lr"] == 0.03 and cfg["train"]["steps"] == 50
     assert cfg["model"]["img_size"] == 24 and cfg["data"]["val"] == str(root / "digits")
     assert (cfg["data"]["train_split"], cfg["data"]["val_split"]) == ("train[:90%]", "train[90%:]")
     assert re.fullmatch(r"digits-lr0\.03-seed0-[0-9a-f]{16}", cfg["run"]["name"])
@@ -200,7 +200,7 @@ def test_finetune_resets_head_resamples_posemb_and_reports_top1(pretrained, thre
     steps = 6
     sets = [f"init.checkpoint={pretrained}", f"data.train={three_digits}", f"run.storage={tmp_path}",
             "run.name=three", f"train.steps={steps}", "train.batch_size=16", "train.micro_batch_size=16",
-            "train.warmup_steps=2", "train.log_every=1", "train.checkpoint_every=3", f"train.eval_every={steps}",
+            "schedule.warmup_steps=2", "log.every=1", "checkpoint.every=3", f"evals.val.every={steps}",
             "data.shuffle_buffer=64", "model.img_size=24"]  # fmt: skip
     out = run([*CLI, "finetune", "-c", str(REPO / "configs" / "finetune_digits.yaml"),
                *[a for s in sets for a in ("--set", s)]])  # fmt: skip

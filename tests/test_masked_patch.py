@@ -19,7 +19,7 @@ from vitray.common.config import ConfigError, load_config
 from vitray.data import ShardLoader, prepare_dataset, read_dataset_info, to_model_range
 from vitray.models import create_model, load_safetensors, save_npz, save_safetensors
 from vitray.trainers import checkpoint as ckpt
-from vitray.trainers.config import PretrainConfig
+from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
 from vitray.trainers.masked_patch import (
     KEEP,
@@ -202,11 +202,11 @@ def test_config_gives_the_model_its_predictor_only_for_masked_patch_prediction()
     base = ["data.train=/data", "model.name=B/16", "model.img_size=224"]
     sizes = {"mean_color": 512, "downsized_4x4": 16 * 512, "patch_l2": 3 * 16 * 16}
     for target, outputs in sizes.items():
-        cfg = load_config(PretrainConfig, None, [*base, "train.objective=masked_patch",
+        cfg = load_config(TrainingConfig, None, [*base, "train.objective=masked_patch",
                                                  f"train.masked_patch.target={target}"])  # fmt: skip
         assert cfg.model.masked_patch_outputs == outputs
     # A fine-tune config that copies a masked-patch checkpoint's model section drops the predictor.
-    cfg = load_config(PretrainConfig, None, [*base, "model.masked_patch_outputs=512"])
+    cfg = load_config(TrainingConfig, None, [*base, "model.masked_patch_outputs=512"])
     assert cfg.model.masked_patch_outputs is None
     for bad, message in [
         ("train.masked_patch.keep_rate=0.2", "must be 1"),
@@ -215,15 +215,15 @@ def test_config_gives_the_model_its_predictor_only_for_masked_patch_prediction()
         ("train.masked_patch.target=rgb", "mean_color"),
     ]:
         with pytest.raises(ConfigError, match=message):
-            load_config(PretrainConfig, None, [*base, "train.objective=masked_patch", bad])
+            load_config(TrainingConfig, None, [*base, "train.objective=masked_patch", bad])
 
 
 def test_supervised_objectives_refuse_unlabelled_data():
     for objective in ("auto", "softmax", "sigmoid"):
-        cfg = load_config(PretrainConfig, None, ["data.train=/data", f"train.objective={objective}"])
+        cfg = load_config(TrainingConfig, None, ["data.train=/data", f"train.objective={objective}"])
         with pytest.raises(ValueError, match="needs labelled data.*train.objective=masked_patch"):
             build_objective(cfg.train, "none", 0)
-    cfg = load_config(PretrainConfig, None, ["data.train=/data", "train.objective=masked_patch"])
+    cfg = load_config(TrainingConfig, None, ["data.train=/data", "train.objective=masked_patch"])
     assert isinstance(build_objective(cfg.train, "none", 0), MaskedPatchObjective)
 
 
@@ -263,26 +263,26 @@ def test_unlabelled_shards_hold_images_only_and_read_as_label_minus_one(unlabell
 
 
 def _run_loop(overrides: list[str], run_dir: Path) -> list[tuple[dict, str | None]]:
-    from vitray.trainers.loop import PretrainLoop
+    from vitray.trainers.loop import TrainingLoop
 
-    cfg = load_config(PretrainConfig, None, overrides)
+    cfg = load_config(TrainingConfig, None, overrides)
     reports: list[tuple[dict, str | None]] = []
     ctx = WorkerContext(rank=0, world_size=1, run_dir=str(run_dir), report=lambda m, d: reports.append((m, d)))
-    PretrainLoop(cfg, ctx).run()
+    TrainingLoop(cfg, ctx).run()
     return reports
 
 
 @pytest.fixture(scope="module")
-def mpp_checkpoint(process_group, unlabelled_digits, tmp_path_factory, single_thread) -> tuple[str, list[dict]]:
+def mpp_checkpoint(process_group, unlabelled_digits, digits_dataset, tmp_path_factory, single_thread) -> tuple[str, list[dict]]:
     """20 steps of masked patch prediction (mean colour, 3 bits) of a Ti/4 at 16 px on unlabelled
     digits, ZeRO-2 with 2 accumulated micro-batches; (final checkpoint, reported metrics)."""
     storage = tmp_path_factory.mktemp("mpp")
     reports = _run_loop(
         [
             f"data.train={unlabelled_digits}", "model.img_size=16", "train.objective=masked_patch",
-            "train.steps=20", "train.batch_size=32", "train.micro_batch_size=16", "train.lr=0.002",
-            "train.warmup_steps=4", "train.decay=cosine", "train.log_every=4", "train.checkpoint_every=20",
-            "train.eval_every=20", "train.zero_stage=2", "train.precision=fp32", "cluster.num_workers=1",
+            "train.steps=20", "train.batch_size=32", "train.micro_batch_size=16", "optim.lr=0.002",
+            "schedule.warmup_steps=4", "schedule.decay=cosine", "log.every=4", "checkpoint.every=20",
+            f"evals.probe={{type: fewshot, every: 20, datasets: {{digits: {digits_dataset}}}}}", "train.zero_stage=2", "precision.dtype=fp32", "cluster.num_workers=1",
             "data.num_workers=0", "data.min_crop_area=0.5", "data.flip=false", f"run.storage={storage}",
         ],
         storage / "run",
@@ -295,7 +295,7 @@ def mpp_checkpoint(process_group, unlabelled_digits, tmp_path_factory, single_th
 def test_masked_patch_pretraining_loss_falls(mpp_checkpoint):
     folder, reports = mpp_checkpoint
     losses = [m["loss"] for m in reports if "loss" in m]
-    assert not any("val/top1" in m for m in reports)  # eval_every is set, but there is no classifier
+    assert not any("val/top1" in m for m in reports)  # an evaluator runs, but there is no classifier
     assert len(losses) == 5 and all(np.isfinite(losses))
     # Starts near the uniform distribution over 512 colours (ln 512 = 6.24) and must fall well below.
     assert losses[0] > 4.0 and losses[-1] < losses[0] - 2.0 and losses[-1] < 2.5, losses
@@ -319,9 +319,9 @@ def test_masked_patch_checkpoint_transfers_to_fewshot_and_finetuning(
     # Fine-tuning on labelled digits from the checkpoint: a plain ViT with a 10-class head comes out.
     reports = _run_loop(
         [
-            f"data.train={digits_dataset}", f"init.checkpoint={folder}", "model.img_size=16", "train.optimizer=sgd",
-            "train.steps=2", "train.batch_size=16", "train.micro_batch_size=16", "train.warmup_steps=1",
-            "train.checkpoint_every=2", "cluster.num_workers=1", "data.num_workers=0", f"run.storage={tmp_path}",
+            f"data.train={digits_dataset}", f"init.checkpoint={folder}", "model.img_size=16", "optim.name=sgd",
+            "train.steps=2", "train.batch_size=16", "train.micro_batch_size=16", "schedule.warmup_steps=1",
+            "checkpoint.every=2", "cluster.num_workers=1", "data.num_workers=0", f"run.storage={tmp_path}",
         ],
         tmp_path / "finetune",
     )  # fmt: skip
@@ -341,9 +341,9 @@ def test_masked_patch_pretraining_on_the_xla_backend(process_group, unlabelled_d
     reports = _run_loop(
         [
             f"data.train={unlabelled_digits}", "model.img_size=16", "train.objective=masked_patch",
-            "train.backend=xla", "train.precision=bf16", "train.steps=6", "train.batch_size=64",
-            "train.micro_batch_size=32", "train.lr=0.003", "train.warmup_steps=2", "train.decay=cosine",
-            "train.log_every=2", "train.checkpoint_every=6", "cluster.num_workers=1", "data.num_workers=0",
+            "train.backend=xla", "precision.dtype=bf16", "train.steps=6", "train.batch_size=64",
+            "train.micro_batch_size=32", "optim.lr=0.003", "schedule.warmup_steps=2", "schedule.decay=cosine",
+            "log.every=2", "checkpoint.every=6", "cluster.num_workers=1", "data.num_workers=0",
             "data.min_crop_area=0.5", "data.flip=false", f"run.storage={tmp_path}",
         ],
         tmp_path / "run",
@@ -366,12 +366,12 @@ def test_b16_recipe_dry_run():
 
     result = CliRunner().invoke(app, ["pretrain", "-c", str(RECIPE), "--dry-run"])
     assert result.exit_code == 0, result.output
-    cfg = load_config(PretrainConfig, RECIPE, [])
+    cfg = load_config(TrainingConfig, RECIPE, [])
     assert yaml.safe_load(result.stdout) == cfg.model_dump(mode="json")
-    train, masked = cfg.train, cfg.train.masked_patch
+    train, optim, schedule, masked = cfg.train, cfg.optim, cfg.schedule, cfg.train.masked_patch
     assert (cfg.model.name, cfg.model.img_size, cfg.model.masked_patch_outputs) == ("B/16", 224, 512)
-    assert (train.objective, train.steps, train.batch_size, train.lr) == ("masked_patch", 1_000_000, 4096, 2e-4)
-    assert (train.warmup_steps, train.decay, train.optimizer) == (10_000, "cosine", "adamw")
+    assert (train.objective, train.steps, train.batch_size, optim.lr) == ("masked_patch", 1_000_000, 4096, 2e-4)
+    assert (schedule.warmup_steps, schedule.decay, optim.name) == (10_000, "cosine", "adamw")
     assert (masked.corrupt_rate, masked.mask_rate, masked.random_rate, masked.keep_rate) == (0.5, 0.8, 0.1, 0.1)
     assert (masked.target, masked.color_bits) == ("mean_color", 3)
     assert RECIPE.read_text().startswith("# Reproduces:") and "79.9 %" in RECIPE.read_text()

@@ -33,8 +33,8 @@ def reference(digits_dataset, tmp_path_factory):
     run(
         pretrain_args(
             str(digits_dataset), str(root / "runs"), "ref",
-            f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", WHOLE_DIGITS, f"train.eval_every={STEPS}",
-            f"debug.record_sample_keys={keys}", f"train.fewshot_datasets={{digits: {digits_dataset}}}",
+            f"train.steps={STEPS}", f"checkpoint.every={EVERY}", WHOLE_DIGITS, f"evals.val={{type: val, every: {STEPS}}}",
+            f"debug.record_sample_keys={keys}", f"evals.fewshot={{type: fewshot, every: {STEPS}, datasets: {{digits: {digits_dataset}}}}}",
         )
     )  # fmt: skip
     run_dir = str(root / "runs" / "ref")
@@ -60,7 +60,7 @@ def test_run_trains_and_loss_falls(reference):
 def test_checkpoints_are_complete_and_kept(reference):
     checkpoints = find_checkpoints(reference["run_dir"])
     assert all(c.complete for c in checkpoints)
-    assert [c.step for c in checkpoints] == [STEPS - EVERY, STEPS]  # train.keep_checkpoints=2
+    assert [c.step for c in checkpoints] == [STEPS - EVERY, STEPS]  # checkpoint.keep=2
     state = verify_complete(checkpoints[-1].path)
     assert state["step"] == STEPS and state["world_size"] == 2
 
@@ -70,7 +70,7 @@ def test_stop_and_rerun_resumes_exactly(digits_dataset, reference, tmp_path):
     keys = tmp_path / "keys"
     args = pretrain_args(
         str(digits_dataset), storage, "ref",
-        f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", WHOLE_DIGITS, f"train.eval_every={STEPS}",
+        f"train.steps={STEPS}", f"checkpoint.every={EVERY}", WHOLE_DIGITS, f"evals.val={{type: val, every: {STEPS}}}",
         f"debug.record_sample_keys={keys}",
     )  # fmt: skip
     stopped_at = run_until_checkpoint(args, str(tmp_path / "runs" / "ref"), min_step=EVERY)
@@ -85,7 +85,7 @@ def test_killed_worker_is_restarted_and_run_finishes_identically(digits_dataset,
     run(
         pretrain_args(
             str(digits_dataset), str(tmp_path / "runs"), "ref",
-            f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", WHOLE_DIGITS, f"train.eval_every={STEPS}",
+            f"train.steps={STEPS}", f"checkpoint.every={EVERY}", WHOLE_DIGITS, f"evals.val={{type: val, every: {STEPS}}}",
             f"debug.record_sample_keys={keys}", "debug.kill_worker_at_step=6", "cluster.max_failures=1",
         )
     )  # fmt: skip
@@ -98,7 +98,7 @@ def test_killed_worker_is_restarted_and_run_finishes_identically(digits_dataset,
 def test_resume_on_one_worker_from_two_worker_checkpoint(digits_dataset, reference, tmp_path):
     storage = str(tmp_path / "runs")
     keys = tmp_path / "keys"
-    common = [f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", WHOLE_DIGITS, f"debug.record_sample_keys={keys}"]
+    common = [f"train.steps={STEPS}", f"checkpoint.every={EVERY}", WHOLE_DIGITS, f"debug.record_sample_keys={keys}"]
     stopped_at = run_until_checkpoint(
         pretrain_args(str(digits_dataset), storage, "ref", *common), str(tmp_path / "runs" / "ref"), min_step=EVERY
     )
@@ -138,7 +138,7 @@ def test_half_written_checkpoint_is_never_taken(digits_dataset, reference, tmp_p
     run(
         pretrain_args(
             str(digits_dataset), str(tmp_path / "runs"), "ref",
-            f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}", WHOLE_DIGITS, f"train.eval_every={STEPS}",
+            f"train.steps={STEPS}", f"checkpoint.every={EVERY}", WHOLE_DIGITS, f"evals.val={{type: val, every: {STEPS}}}",
         )
     )  # fmt: skip
     assert_same_weights(final_weights(str(run_dir)), reference["weights"])

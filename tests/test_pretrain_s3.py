@@ -22,7 +22,7 @@ def test_pretrain_on_s3_lists_exports_and_resumes(moto_server, tmp_path):
     data = moto_server.url("datasets", "digits")
     storage = moto_server.url("runs")
     prepare_dataset("builtin:digits", data, samples_per_shard=200)
-    args = pretrain_args(data, storage, "s3run", "train.steps=8", "train.checkpoint_every=4", "train.eval_every=8")
+    args = pretrain_args(data, storage, "s3run", "train.steps=8", "checkpoint.every=4", "evals.val={type: val, every: 8}")
     run(args)
 
     run_dir = f"{storage}/s3run"

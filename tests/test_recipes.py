@@ -19,7 +19,7 @@ from vitray.cli.main import app
 from vitray.common.config import load_config
 from vitray.evaluation.config import GridConfig
 from vitray.trainers import checkpoint as ckpt
-from vitray.trainers.config import PretrainConfig
+from vitray.trainers.config import TrainingConfig
 from vitray.trainers.checkpoint import latest_complete_checkpoint
 from vitray.trainers.run_files import RunFiles
 
@@ -39,7 +39,7 @@ def family(recipe: Path) -> str:
 
 
 def load(recipe: Path):
-    return load_config(GridConfig if family(recipe) == "grid" else PretrainConfig, recipe)
+    return load_config(GridConfig if family(recipe) == "grid" else TrainingConfig, recipe)
 
 
 def test_every_family_has_recipes():
@@ -150,8 +150,9 @@ def test_pretraining_recipes_are_table_3(name):
     cfg = load(PAPER / f"{name}.yaml")
     lr, wd, dropout, epochs, decay, clip = TABLE_3[name]
     t = cfg.train
-    assert (t.optimizer, t.b1, t.b2, t.batch_size, t.warmup_steps) == ("adamw", 0.9, 0.999, 4096, 10_000)
-    assert (t.lr, t.weight_decay, cfg.model.dropout, t.decay, t.grad_clip) == (lr, wd, dropout, decay, clip)
+    o, s = cfg.optim, cfg.schedule
+    assert (o.name, o.b1, o.b2, t.batch_size, s.warmup_steps) == ("adamw", 0.9, 0.999, 4096, 10_000)
+    assert (o.lr, o.weight_decay, cfg.model.dropout, s.decay, o.grad_clip) == (lr, wd, dropout, decay, clip)
     assert cfg.model.img_size == 224 and cfg.model.head == "token" and cfg.model.attn_dropout == 0.0
     size, patch = cfg.model.name.split("/")
     assert cfg.model.representation_size == WIDTH[size] and name.split("_")[1] == f"{size.lower()}{patch}"
@@ -166,8 +167,9 @@ def test_finetuning_recipes_are_table_4(dataset):
     cfg = load(PAPER / f"finetune_{dataset}_384.yaml")
     steps, sweep = TABLE_4[dataset]
     t = cfg.train
-    assert (t.optimizer, t.momentum, t.batch_size, t.weight_decay, t.grad_clip, t.decay) == ("sgd", 0.9, 512, 0.0, 1.0, "cosine")
-    assert t.steps == steps and t.lr in sweep and t.eval_every == steps
+    o, s = cfg.optim, cfg.schedule
+    assert (o.name, o.momentum, t.batch_size, o.weight_decay, o.grad_clip, s.decay) == ("sgd", 0.9, 512, 0.0, 1.0, "cosine")
+    assert t.steps == steps and o.lr in sweep and cfg.evals["val"].every == steps
     assert cfg.model.img_size == 384 and cfg.init.reset_head and cfg.init.checkpoint
     assert cfg.data.train.endswith(f"/{dataset}") and cfg.data.val_path.endswith(f"/{dataset}")
 
@@ -187,9 +189,9 @@ def test_grid_recipes_follow_the_protocols():
 # ---------------------------------------------------------------------------------------------
 
 SMALL_TRAIN = [
-    "train.steps=4", "train.batch_size=16", "train.micro_batch_size=16", "train.warmup_steps=1",
-    "train.checkpoint_every=4", "train.keep_checkpoints=1", "train.eval_every=4", "train.log_every=2",
-    "train.eval_batch_size=128", "train.precision=fp32",
+    "train.steps=4", "train.batch_size=16", "train.micro_batch_size=16", "schedule.warmup_steps=1",
+    "checkpoint.every=4", "checkpoint.keep=1", "evals.val={type: val, every: 4, batch_size: 128}", "log.every=2",
+    "precision.dtype=fp32",
     "cluster.num_workers=1", "cluster.cpus_per_worker=1", "cluster.gpus_per_worker=0", "cluster.max_failures=0",
     "data.num_slots=8", "data.num_workers=0", "data.shuffle_buffer=64", "data.min_crop_area=0.5", "data.flip=false",
     "data.val_split=test",
@@ -221,11 +223,11 @@ def _finished_state(run_dir: Path, steps: int) -> dict:
     "recipe, kept",
     [
         # the JFT-style family: sigmoid cross-entropy, linear decay, Table 3's JFT lr / weight decay, no dropout
-        ("pretrain_b16_jft", {"train.objective": "sigmoid", "train.decay": "linear", "train.lr": 8e-4,
-                              "train.weight_decay": 0.1, "model.dropout": 0.0}),
+        ("pretrain_b16_jft", {"train.objective": "sigmoid", "schedule.decay": "linear", "optim.lr": 8e-4,
+                              "optim.weight_decay": 0.1, "model.dropout": 0.0}),
         # ImageNet-1k from scratch: the paper's stronger regularisation
-        ("pretrain_b16_imagenet1k", {"train.decay": "cosine", "train.weight_decay": 0.3, "model.dropout": 0.1,
-                                     "train.grad_clip": 1.0, "train.lr": 3e-3}),
+        ("pretrain_b16_imagenet1k", {"schedule.decay": "cosine", "optim.weight_decay": 0.3, "model.dropout": 0.1,
+                                     "optim.grad_clip": 1.0, "optim.lr": 3e-3}),
     ],
     ids=["jft-style", "imagenet1k-from-scratch"],
 )  # fmt: skip
@@ -251,8 +253,8 @@ def test_scaled_down_finetuning_recipe_runs(pretrained, digits_dataset, tmp_path
     state = _finished_state(tmp_path / "small-ft", 4)
     assert state["model"]["name"] == "Ti/4" and state["model"]["img_size"] == 24  # from the checkpoint, resampled
     assert state["model"]["representation_size"] is None  # the pre-logits went with the head
-    train = state["config"]["train"]
-    assert (train["optimizer"], train["momentum"], train["weight_decay"], train["decay"]) == ("sgd", 0.9, 0.0, "cosine")
+    optim, schedule = state["config"]["optim"], state["config"]["schedule"]
+    assert (optim["name"], optim["momentum"], optim["weight_decay"], schedule["decay"]) == ("sgd", 0.9, 0.0, "cosine")
 
 
 @pytest.fixture(scope="module")
@@ -274,7 +276,7 @@ def test_scaled_down_vtab_recipe_runs(pretrained, data_root, tmp_path):
                 *_sets("benchmarks=[digits]", f"data_root={data_root}", f"output={tmp_path}", "finetune.steps=4",
                        "finetune.batch_size=16", "finetune.micro_batch_size=16", "finetune.warmup_steps=1",
                        "finetune.resolution=24", "finetune.cpus_per_worker=1", "finetune.gpus_per_worker=0",
-                       "finetune.overrides={train.precision: fp32, data.num_workers: 0}"))  # fmt: skip
+                       "finetune.overrides={precision.dtype: fp32, data.num_workers: 0}"))  # fmt: skip
     results = _results(tmp_path)
     assert set(results["method"]) == {"finetune"} and set(results["status"]) == {"ok"}
     settings = [json.loads(s) for s in results["settings"]]

@@ -113,9 +113,9 @@ def test_logging_filter_masks_records(monkeypatch, caplog):
                                     "configs/grid_paper.yaml"])  # fmt: skip
 def test_ordinary_configs_are_written_unchanged(recipe):
     from vitray.evaluation.config import GridConfig
-    from vitray.trainers.config import PretrainConfig
+    from vitray.trainers.config import TrainingConfig
 
-    schema = GridConfig if "grid" in recipe else PretrainConfig
+    schema = GridConfig if "grid" in recipe else TrainingConfig
     config = load_config(schema, REPO / recipe)
     assert redacted_config(config) == config.model_dump(mode="json")
     assert yaml.safe_load(dump_config(config)) == config.model_dump(mode="json")
@@ -145,14 +145,14 @@ def test_dry_run_prints_the_config_with_its_secrets_masked(monkeypatch):
 
 
 def test_config_errors_do_not_echo_secrets():
-    from vitray.trainers.config import PretrainConfig
+    from vitray.trainers.config import TrainingConfig
 
     # storage_options must be a mapping: the error quotes the bad value, masked.
     with pytest.raises(ConfigError) as err:
-        load_config(PretrainConfig, REPO / "configs/demo.yaml", [f"data.storage_options={CONFIG_SECRET}"])
+        load_config(TrainingConfig, REPO / "configs/demo.yaml", [f"data.storage_options={CONFIG_SECRET}"])
     assert "data.storage_options" in str(err.value) and CONFIG_SECRET not in str(err.value)
     with pytest.raises(ConfigError) as err:
-        load_config(PretrainConfig, REPO / "configs/demo.yaml",
+        load_config(TrainingConfig, REPO / "configs/demo.yaml",
                     [f"data.storage_options={{token: {CONFIG_SECRET}}}", "data.storage_options.token.inner=1"])  # fmt: skip
     assert "is a value" in str(err.value) and CONFIG_SECRET not in str(err.value)
 
@@ -171,7 +171,7 @@ def test_a_planted_secret_is_in_no_file_or_output_of_a_real_run(digits_dataset, 
     storage = tmp_path / "runs"
     options = f"data.storage_options={{key: {KEY_ID}, secret: {CONFIG_SECRET}}}"  # fsspec ignores them locally
     out = run(pretrain_args(str(digits_dataset), str(storage), "planted", options, "cluster.num_workers=1",
-                            "train.steps=2", "train.checkpoint_every=2", "train.log_every=1", "train.eval_every=2"))  # fmt: skip
+                            "train.steps=2", "checkpoint.every=2", "log.every=1", "evals.val={type: val, every: 2}"))  # fmt: skip
     files = [p for p in storage.rglob("*") if p.is_file()]
     names = {p.name for p in files}
     # The run wrote what a run writes: a checkpoint with its config, metrics and TensorBoard events.

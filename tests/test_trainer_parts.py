@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from vitray.common.config import load_config
 from vitray.models import create_model
 from vitray.trainers import checkpoint as ckpt
-from vitray.trainers.config import PretrainConfig
+from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
 from vitray.trainers.ema import Ema
 from vitray.trainers.objectives import loss_fn, mixup, resolve_objective, targets_from_labels
@@ -83,21 +83,21 @@ def test_ema_tracks_weights():
 
 
 def test_loop_in_process_with_zero2_bf16_ema_mixup(process_group, digits_dataset, tmp_path):
-    from vitray.trainers.loop import PretrainLoop
+    from vitray.trainers.loop import TrainingLoop
 
     cfg = load_config(
-        PretrainConfig,
+        TrainingConfig,
         None,
         [
             f"data.train={digits_dataset}", "model.img_size=16", "train.steps=4", "train.batch_size=16",
-            "train.micro_batch_size=8", "train.warmup_steps=1", "train.log_every=2", "train.checkpoint_every=4",
-            "train.zero_stage=2", "train.precision=bf16", "train.ema_decay=0.9", "train.mixup_alpha=0.2",
+            "train.micro_batch_size=8", "schedule.warmup_steps=1", "log.every=2", "checkpoint.every=4",
+            "train.zero_stage=2", "precision.dtype=bf16", "optim.ema_decay=0.9", "train.mixup_alpha=0.2",
             "train.label_smoothing=0.1", "cluster.num_workers=1", "data.num_workers=0", f"run.storage={tmp_path}",
         ],
     )  # fmt: skip
     reports = []
     ctx = WorkerContext(rank=0, world_size=1, run_dir=str(tmp_path / "run"), report=lambda m, d: reports.append((m, d)))
-    loop = PretrainLoop(cfg, ctx)
+    loop = TrainingLoop(cfg, ctx)
     assert loop.accum == 2 and loop.backend.dtype == torch.bfloat16
     last = loop.run()
     assert math.isfinite(last["loss"]) and last["lr"] == pytest.approx(0.0)  # linear decay ends at 0
@@ -109,7 +109,7 @@ def test_loop_in_process_with_zero2_bf16_ema_mixup(process_group, digits_dataset
     assert ema.keys() == weights.keys()
     assert any(not torch.equal(ema[k], weights[k]) for k in weights)
     # The checkpoint loads back (ZeRO-2 bf16 optimizer states through weights_only loading).
-    resumed = PretrainLoop(cfg, WorkerContext(rank=0, world_size=1, run_dir=ctx.run_dir, report=ctx.report,
+    resumed = TrainingLoop(cfg, WorkerContext(rank=0, world_size=1, run_dir=ctx.run_dir, report=ctx.report,
                                               restore_dir=Path(saved[0])))  # fmt: skip
     assert resumed.step == 4
     restored = {k: v.float() for k, v in resumed.backend.module.state_dict().items()}

@@ -29,7 +29,7 @@ STEPS = 24
 EVERY = 12
 # One Ray worker (one "host") feeding the 4 devices one batch of 32 per step; uncropped digits,
 # on which this tiny ViT's loss visibly falls within the run.
-XLA = ["train.backend=xla", "cluster.num_workers=1", "train.micro_batch_size=32", "train.warmup_steps=2",
+XLA = ["train.backend=xla", "cluster.num_workers=1", "train.micro_batch_size=32", "schedule.warmup_steps=2",
        "data.min_crop_area=1.0"]  # fmt: skip
 
 
@@ -47,7 +47,7 @@ def reference(digits_dataset, tmp_path_factory):
     root = tmp_path_factory.mktemp("xla-reference")
     keys = root / "keys"
     run(pretrain_args(str(digits_dataset), str(root / "runs"), "ref", *XLA, f"train.steps={STEPS}",
-                      f"train.checkpoint_every={EVERY}", f"debug.record_sample_keys={keys}"))  # fmt: skip
+                      f"checkpoint.every={EVERY}", f"debug.record_sample_keys={keys}"))  # fmt: skip
     run_dir = str(root / "runs" / "ref")
     return {"run_dir": run_dir, "weights": final_weights(run_dir), "keys": collect_keys(keys)}
 
@@ -87,10 +87,10 @@ def test_parameters_and_optimizer_state_are_sharded_over_the_devices(digits_data
 
     from vitray.common.config import load_config
     from vitray.models import create_model
-    from vitray.trainers.config import PretrainConfig
+    from vitray.trainers.config import TrainingConfig
     from vitray.trainers.xla_backend import XlaBackend
 
-    cfg = load_config(PretrainConfig, None, [f"data.train={digits_dataset}", "model.img_size=16", "train.batch_size=32",
+    cfg = load_config(TrainingConfig, None, [f"data.train={digits_dataset}", "model.img_size=16", "train.batch_size=32",
                                              *XLA])  # fmt: skip
     torch.manual_seed(0)
     model = create_model("Ti/4", num_classes=10, img_size=16)
@@ -122,7 +122,7 @@ def test_killed_worker_resumes_exactly(digits_dataset, reference, tmp_path):
 
     keys = tmp_path / "keys"
     run(pretrain_args(str(digits_dataset), str(tmp_path / "runs"), "ref", *XLA, f"train.steps={STEPS}",
-                      f"train.checkpoint_every={EVERY}", f"debug.record_sample_keys={keys}",
+                      f"checkpoint.every={EVERY}", f"debug.record_sample_keys={keys}",
                       f"debug.kill_worker_at_step={EVERY + 2}", "cluster.max_failures=1"))  # fmt: skip
     run_dir = str(tmp_path / "runs" / "ref")
     assert (Path(run_dir) / "vitray" / "markers" / f"killed-at-step-{EVERY + 2}").exists()
@@ -145,7 +145,7 @@ def test_checkpoint_from_four_devices_resumes_on_two(digits_dataset, reference, 
     newest = Path(find_checkpoints(str(run_dir))[-1].path) / "model.safetensors"
     newest.write_bytes(newest.read_bytes()[:1000])
     run(pretrain_args(str(digits_dataset), str(tmp_path / "runs"), "ref", *XLA, f"train.steps={STEPS}",
-                      f"train.checkpoint_every={EVERY}", f"debug.record_sample_keys={keys}", f"train.eval_every={STEPS}"),
+                      f"checkpoint.every={EVERY}", f"debug.record_sample_keys={keys}", f"evals.val={{type: val, every: {STEPS}}}"),
         env={"CPU_NUM_DEVICES": "2"})  # fmt: skip
     resumed = [m for m in _metrics(str(run_dir)) if m["step"] > EVERY]
     assert resumed and all(m["xla/devices"] == 2 for m in resumed)
@@ -176,7 +176,7 @@ def test_exported_weights_give_the_same_logits_on_deepspeed(reference, process_g
     from vitray.trainers.export import export
     from vitray.data import EvalLoader
     from vitray.models import create_model, load_safetensors
-    from vitray.trainers.config import PretrainConfig
+    from vitray.trainers.config import TrainingConfig
     from vitray.trainers.deepspeed_backend import DeepSpeedBackend
     from vitray.trainers.xla_backend import XlaBackend
 
@@ -188,13 +188,13 @@ def test_exported_weights_give_the_same_logits_on_deepspeed(reference, process_g
               "cluster.num_workers=1"]  # fmt: skip
     model = create_model("Ti/4", num_classes=10, img_size=16)
     load_safetensors(model, out)
-    ds = DeepSpeedBackend(load_config(PretrainConfig, None, common), model, world_size=1, restore=None)
+    ds = DeepSpeedBackend(load_config(TrainingConfig, None, common), model, world_size=1, restore=None)
     ds.module.eval()
     with torch.no_grad():
         on_deepspeed = ds(images).float()
 
     trained, _ = load_checkpoint(reference["run_dir"])
-    xla = XlaBackend(load_config(PretrainConfig, None, [*common, "train.backend=xla"]), trained, world_size=1, restore=None)
+    xla = XlaBackend(load_config(TrainingConfig, None, [*common, "train.backend=xla"]), trained, world_size=1, restore=None)
     xla.module.eval()
     with torch.no_grad():
         on_xla = xla(images.to(xla.device)).float().cpu()
@@ -225,9 +225,9 @@ def test_tpu_slice_names(name, chips, hosts, topology, accelerator):
 def test_tpu_slice_becomes_ray_trains_tpu_scaling_config():
     from vitray.common.config import ConfigError, load_config
     from vitray.cluster.pretrain import scaling_config
-    from vitray.trainers.config import PretrainConfig
+    from vitray.trainers.config import TrainingConfig
 
-    cfg = load_config(PretrainConfig, None, ["data.train=/data", "train.backend=xla", "cluster.tpu=v4-32",
+    cfg = load_config(TrainingConfig, None, ["data.train=/data", "train.backend=xla", "cluster.tpu=v4-32",
                                              "train.batch_size=128", "cluster.cpus_per_worker=8"])  # fmt: skip
     assert cfg.cluster.num_workers == 4  # one worker per host, from the slice
     scaling = scaling_config(cfg)
@@ -238,9 +238,9 @@ def test_tpu_slice_becomes_ray_trains_tpu_scaling_config():
         "cluster.tpu=v4-30": "power-of-two number of chips",
         "cluster.tpu_topology=4x4": "expected 3 dimensions",
         "train.backend=deepspeed": "needs train.backend=xla",
-        "train.precision=fp16": "bf16",
+        "precision.dtype=fp16": "bf16",
     }
     for override, message in wrong.items():
         with pytest.raises(ConfigError, match=message):
-            load_config(PretrainConfig, None, ["data.train=/data", "train.backend=xla", "cluster.tpu=v4-32",
+            load_config(TrainingConfig, None, ["data.train=/data", "train.backend=xla", "cluster.tpu=v4-32",
                                                "train.batch_size=128", override])  # fmt: skip

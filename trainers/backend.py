@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from vitray.trainers.config import PretrainConfig
+from vitray.trainers.config import TrainingConfig
 
 
 class PendingSave:
@@ -87,7 +87,7 @@ class TrainBackend(Protocol):
 
 
 def create_backend(
-    cfg: PretrainConfig, model: nn.Module, world_size: int, restore: tuple[Path, dict[str, Any]] | None
+    cfg: TrainingConfig, model: nn.Module, world_size: int, restore: tuple[Path, dict[str, Any]] | None
 ) -> TrainBackend:
     """The backend named by `train.backend`, built around `model`.
 

@@ -1,4 +1,5 @@
-"""The pre-training config tree. Each component owns its section; this module composes them.
+"""The training config tree (pre-training and fine-tuning): each component owns its section and
+this module composes them.
 
 Defaults follow the paper's pre-training recipe (Adam b1=0.9, b2=0.999, weight decay 0.1,
 batch 4096, 10k warm-up steps then linear decay, grad-norm clip 1.0); `configs/demo.yaml`
@@ -8,13 +9,14 @@ scales it down to one CPU machine.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vitray.data.config import DataConfig
 from vitray.models.config import ModelConfig
 from vitray.models.variants import get_variant
+from vitray.trainers.evals import EVAL_NAME, EvalConfig
 from vitray.trainers.masked_patch import MaskedPatchTarget, target_outputs
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -71,9 +73,9 @@ class MaskedPatchConfig(_Section):
 
 
 class TrainConfig(_Section):
+    """What is trained and how much: the backend, the objective, the batch and its accumulation."""
+
     backend: Literal["deepspeed", "xla"] = "deepspeed"
-    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw: pre-training; sgd (momentum): fine-tuning.")
-    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
     objective: Literal["auto", "softmax", "sigmoid", "masked_patch"] = Field(
         "auto",
         description="auto: softmax cross-entropy for single-label data, sigmoid for multi-label; masked_patch: "
@@ -83,36 +85,44 @@ class TrainConfig(_Section):
     steps: int = Field(10_000, gt=0)
     batch_size: int = Field(4096, gt=0, description="Global batch (all workers, one optimizer step).")
     micro_batch_size: int = Field(32, gt=0, description="Samples per worker per forward/backward.")
-    lr: float = Field(1e-3, gt=0)
-    min_lr: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(10_000, ge=0)
-    decay: Literal["linear", "cosine"] = "linear"
+    zero_stage: int = Field(1, ge=0, le=3)
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    mixup_alpha: float = Field(0.0, ge=0, description="Mixup Beta(alpha, alpha); 0 disables it.")
+
+
+class OptimConfig(_Section):
+    """The optimizer, with the authors' weight-decay rule (`trainers/optim.py`), and weight averaging."""
+
+    name: Literal["adamw", "sgd"] = Field("adamw", description="adamw: pre-training; sgd (momentum): fine-tuning.")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate (after warm-up).")
     weight_decay: float = Field(0.1, ge=0)
     b1: float = Field(0.9, ge=0, lt=1)
     b2: float = Field(0.999, ge=0, lt=1)
     eps: float = Field(1e-8, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
     grad_clip: float = Field(1.0, ge=0, description="Global grad-norm clip; 0 disables it.")
-    label_smoothing: float = Field(0.0, ge=0, lt=1)
-    mixup_alpha: float = Field(0.0, ge=0, description="Mixup Beta(alpha, alpha); 0 disables it.")
     ema_decay: float | None = Field(None, gt=0, lt=1, description="Polyak/EMA weight averaging decay.")
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    zero_stage: int = Field(1, ge=0, le=3)
-    checkpoint_every: int = Field(1000, gt=0)
-    keep_checkpoints: int = Field(3, gt=0)
-    log_every: int = Field(50, gt=0)
-    eval_every: int | None = Field(None, gt=0, description="Validation top-1 every N steps (and at the end).")
-    eval_batch_size: int = Field(256, gt=0)
-    fewshot_datasets: dict[str, str] = Field(
-        default_factory=dict,
-        description="name -> prepared dataset: a 10-shot linear probe of each at eval_every (as `vitray fewshot`).",
-    )
 
-    @model_validator(mode="after")
-    def _xla_precision(self) -> "TrainConfig":
-        if self.backend == "xla" and self.precision == "fp16":
-            raise ValueError("train.precision=fp16 is for GPUs; train.backend=xla trains in bf16 (TPUs) or fp32")
-        return self
 
+class ScheduleConfig(_Section):
+    """Learning rate: linear warm-up, then linear or cosine decay to `min_lr` at `train.steps`."""
+
+    warmup_steps: int = Field(10_000, ge=0)
+    decay: Literal["linear", "cosine"] = "linear"
+    min_lr: float = Field(0.0, ge=0)
+
+
+class PrecisionConfig(_Section):
+    dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Training precision (DeepSpeed mixed precision; XLA: bf16 autocast).")
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(1000, gt=0, description="Checkpoint every N steps (and at the end).")
+    keep: int = Field(3, gt=0, description="Complete checkpoints kept; older ones are deleted.")
+
+
+class LogConfig(_Section):
+    every: int = Field(50, gt=0, description="Training metrics every N steps (and at the end).")
     peak_tflops: float | None = Field(
         None, gt=0, description="Accelerator peak TFLOP/s per worker for MFU; known GPUs are detected."
     )
@@ -160,18 +170,89 @@ class DebugConfig(_Section):
     )
 
 
-class PretrainConfig(_Section):
+_EVALS_EXAMPLE = "e.g. evals: {val: {type: val, every: 100, batch_size: 256}}"
+
+# Keys of the one flat `train:` section of old, and where they live now. The config loader
+# (`load_config` / `validate_config`) refuses them with this hint instead of "unknown key".
+MOVED_KEYS: dict[str, str] = {
+    "train.optimizer": "moved to optim.name",
+    "train.lr": "moved to optim.lr",
+    "train.weight_decay": "moved to optim.weight_decay",
+    "train.b1": "moved to optim.b1",
+    "train.b2": "moved to optim.b2",
+    "train.eps": "moved to optim.eps",
+    "train.momentum": "moved to optim.momentum",
+    "train.grad_clip": "moved to optim.grad_clip",
+    "train.ema_decay": "moved to optim.ema_decay",
+    "train.warmup_steps": "moved to schedule.warmup_steps",
+    "train.decay": "moved to schedule.decay",
+    "train.min_lr": "moved to schedule.min_lr",
+    "train.precision": "moved to precision.dtype",
+    "train.checkpoint_every": "moved to checkpoint.every",
+    "train.keep_checkpoints": "moved to checkpoint.keep",
+    "train.log_every": "moved to log.every",
+    "train.peak_tflops": "moved to log.peak_tflops",
+    "train.eval_every": f"moved to evals.<name>.every ({_EVALS_EXAMPLE})",
+    "train.eval_batch_size": f"moved to evals.<name>.batch_size ({_EVALS_EXAMPLE})",
+    "train.fewshot_datasets": "moved to an evaluator of type fewshot (e.g. evals: {fewshot: {type: fewshot, "
+    "every: 1000, datasets: {digits: PATH}, shots: [10], seeds: 1}})",
+}
+
+
+class TrainingConfig(_Section):
+    """One training run -- pre-training from scratch or fine-tuning from `init.checkpoint`."""
+
+    MOVED_KEYS: ClassVar[dict[str, str]] = MOVED_KEYS
+
     seed: int = Field(0, ge=0)
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     init: InitConfig = Field(default_factory=InitConfig)
     data: DataConfig
     train: TrainConfig = Field(default_factory=TrainConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    evals: dict[str, EvalConfig] = Field(
+        default_factory=dict,
+        description="name -> evaluator run during training; its metrics are named <name>/<metric> "
+        f"({_EVALS_EXAMPLE}; see vitray.trainers.evals).",
+    )
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
 
+    @field_validator("evals")
+    @classmethod
+    def _eval_names(cls, evals: dict[str, Any]) -> dict[str, Any]:
+        for name in evals:
+            if not EVAL_NAME.match(name):
+                raise ValueError(
+                    f"evaluator name {name!r} must start with a letter or digit and contain only letters, digits, "
+                    "'_', '.', '-' (it prefixes the evaluator's metric names)"
+                )
+        return evals
+
     @model_validator(mode="after")
-    def _tpu_needs_xla(self) -> "PretrainConfig":
+    def _xla_precision(self) -> "TrainingConfig":
+        if self.train.backend == "xla" and self.precision.dtype == "fp16":
+            raise ValueError("precision.dtype=fp16 is for GPUs; train.backend=xla trains in bf16 (TPUs) or fp32")
+        return self
+
+    @model_validator(mode="after")
+    def _val_needs_classifier(self) -> "TrainingConfig":
+        if self.train.objective == "masked_patch":
+            for name, ev in self.evals.items():
+                if ev.type == "val":
+                    raise ValueError(
+                        f"evals.{name} (type val) scores a classifier, but train.objective=masked_patch trains none: "
+                        "remove it (a type fewshot evaluator probes the features)"
+                    )
+        return self
+
+    @model_validator(mode="after")
+    def _tpu_needs_xla(self) -> "TrainingConfig":
         if self.cluster.tpu is not None and self.train.backend != "xla":
             raise ValueError(
                 f"cluster.tpu={self.cluster.tpu} needs train.backend=xla (got {self.train.backend}): TPUs run torch-xla"
@@ -179,7 +260,7 @@ class PretrainConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _batch_divides(self) -> "PretrainConfig":
+    def _batch_divides(self) -> "TrainingConfig":
         per_step = self.train.micro_batch_size * self.cluster.num_workers
         if self.train.batch_size % per_step:
             raise ValueError(
@@ -201,7 +282,7 @@ class PretrainConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _masked_patch_model(self) -> "PretrainConfig":
+    def _masked_patch_model(self) -> "TrainingConfig":
         """The model gets masked patch prediction's parts exactly when the objective needs them,
         so a checkpoint's model section (its architecture) always says whether it has them."""
         outputs = None

@@ -5,9 +5,9 @@ Keeping this a plain interface is what keeps `trainers/` free of Ray.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 
 class Reporter(Protocol):
@@ -22,5 +22,3 @@ class WorkerContext:
     run_dir: str  # <storage>/<run name>, local path or s3:// URL
     report: Reporter
     restore_dir: Path | None = None  # a local copy of the checkpoint to resume from
-    # Called on rank 0 with the model at every evaluation; each returns metrics (the few-shot probe).
-    evaluators: list[Callable[[Any], dict[str, float]]] = field(default_factory=list)

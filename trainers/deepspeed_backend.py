@@ -22,7 +22,7 @@ from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from torch import nn
 
 from vitray.trainers.backend import PendingSave
-from vitray.trainers.config import PretrainConfig
+from vitray.trainers.config import TrainingConfig
 from vitray.trainers.optim import build_optimizer
 from vitray.trainers.schedule import build_lr_schedule
 
@@ -30,33 +30,33 @@ CHECKPOINT_SUBDIR = "deepspeed"
 CHECKPOINT_TAG = "state"
 
 
-def deepspeed_config(cfg: PretrainConfig, *, load_universal: bool = False) -> dict[str, Any]:
+def deepspeed_config(cfg: TrainingConfig, *, load_universal: bool = False) -> dict[str, Any]:
     train = cfg.train
     return {
         "train_batch_size": train.batch_size,
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accumulation,
-        "gradient_clipping": train.grad_clip,
+        "gradient_clipping": cfg.optim.grad_clip,
         "zero_optimization": {"stage": train.zero_stage},
         # A checkpoint from another number of workers is converted to DeepSpeed's universal
         # format first (see `to_universal`), which re-partitions the optimizer state on load.
         "checkpoint": {"load_universal": load_universal},
-        "bf16": {"enabled": train.precision == "bf16"},
-        "fp16": {"enabled": train.precision == "fp16", "initial_scale_power": 16},
+        "bf16": {"enabled": cfg.precision.dtype == "bf16"},
+        "fp16": {"enabled": cfg.precision.dtype == "fp16", "initial_scale_power": 16},
         "steps_per_print": 10**12,  # vitray logs its own metrics
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
     }
 
 
-def build_engine(model: nn.Module, cfg: PretrainConfig, *, load_universal: bool = False):
+def build_engine(model: nn.Module, cfg: TrainingConfig, *, load_universal: bool = False):
     """Returns the DeepSpeed engine; its lr scheduler is `build_lr_schedule`'s."""
     import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
-    optimizer = build_optimizer(model, cfg.train)
+    optimizer = build_optimizer(model, cfg.optim)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
@@ -193,7 +193,7 @@ class DeepSpeedBackend:
     name = "deepspeed"
     spmd = False
 
-    def __init__(self, cfg: PretrainConfig, model: nn.Module, world_size: int, restore: tuple[Path, dict[str, Any]] | None):
+    def __init__(self, cfg: TrainingConfig, model: nn.Module, world_size: int, restore: tuple[Path, dict[str, Any]] | None):
         self._universal_dir = None
         if restore is not None and restore[1]["world_size"] != world_size and cfg.train.zero_stage > 0:
             # Each rank converts privately: no shared local disk is assumed between ranks.

@@ -1,4 +1,4 @@
-"""The pre-training loop run by every worker: build, restore, loop over `train_step`, save.
+"""The training loop run by every worker: build, restore, loop over `train_step`, save.
 
 Randomness is derived from (seed, step, rank) at every step -- dropout, mixup -- and data
 augmentation from (seed, epoch, slot, position) in the loader, so a resumed run reproduces an
@@ -23,16 +23,17 @@ import numpy as np
 import torch
 
 from vitray.common.redact import redacted_config
-from vitray.data import EvalLoader, ShardLoader, read_dataset_info, top1_hits
+from vitray.data import ShardLoader, read_dataset_info
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.backend import TrainBackend, create_backend
 from vitray.trainers.checkpointer import Checkpointer
 from vitray.trainers.collectives import all_reduce as _all_reduce
 from vitray.trainers.collectives import broadcast_int as _broadcast_int
-from vitray.trainers.config import PretrainConfig
+from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
 from vitray.trainers.ema import Ema
+from vitray.trainers.evals import EvalEnv, build_evaluators
 from vitray.trainers.keys import SampleKeyRecorder
 from vitray.trainers.metrics import MetricsWriter, accelerator_peak_tflops, train_flops_per_image
 from vitray.trainers.objectives import build_objective
@@ -43,18 +44,14 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
 
 
-class PretrainLoop:
-    def __init__(self, cfg: PretrainConfig, ctx: WorkerContext):
+class TrainingLoop:
+    def __init__(self, cfg: TrainingConfig, ctx: WorkerContext):
         self.cfg, self.ctx = cfg, ctx
         self.rank, self.world = ctx.rank, ctx.world_size
         self.accum = cfg.grad_accumulation
         self.info = read_dataset_info(cfg.data.train, cfg.data.storage_options)
         self.objective = build_objective(cfg.train, self.info.label_kind, self.info.num_classes)
-        # Masked patch prediction trains no classifier: eval_every runs the few-shot probes only.
-        self.validates = cfg.train.objective != "masked_patch"
-        if cfg.train.eval_every and not self.validates and self.rank == 0:
-            print("vitray: train.objective=masked_patch trains no classifier, so no val/top1 is reported; "
-                  "train.fewshot_datasets are probed at every eval_every", flush=True)  # fmt: skip
+        self.evaluators = build_evaluators(cfg)
         self.run_files = RunFiles(ctx.run_dir)
 
         restore_state = ckpt.verify_complete(ctx.restore_dir) if ctx.restore_dir is not None else None
@@ -63,7 +60,7 @@ class PretrainLoop:
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         model = self._initial_model()
         self.backend: TrainBackend = create_backend(cfg, model, self.world, restore)
-        self.ema = Ema(self.backend.module, cfg.train.ema_decay) if cfg.train.ema_decay else None
+        self.ema = Ema(self.backend.module, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
         # The backend may wrap the loader (XLA: batches put on the device, sharded, by a prefetching loader).
         self.loader = self.backend.device_loader(ShardLoader(
             cfg.data.train,
@@ -85,7 +82,7 @@ class PretrainLoop:
             self.backend,
             rank=self.rank,
             world_size=self.world,
-            every=cfg.train.checkpoint_every,
+            every=cfg.checkpoint.every,
             last_step=cfg.train.steps,
             report=ctx.report,
             states={"data": self.loader},
@@ -108,7 +105,7 @@ class PretrainLoop:
             lambda: create_model_from_config(ModelConfig(**self._architecture()), self.info.num_classes),
             cfg.model.img_size,
         )
-        self.peak_tflops = accelerator_peak_tflops(cfg.train.peak_tflops)
+        self.peak_tflops = accelerator_peak_tflops(cfg.log.peak_tflops)
         self.metrics = None
         if self.rank == 0:
             local_metrics = Path(tempfile.mkdtemp(prefix="vitray-metrics-"))
@@ -126,15 +123,12 @@ class PretrainLoop:
             self.step += 1
             window.add(loss, data_wait, skipped)
             metrics: dict[str, Any] = {}
-            if self.step % train.log_every == 0 or self.step == train.steps:
+            if self.step % self.cfg.log.every == 0 or self.step == train.steps:
                 metrics = {**self._step_metrics(window, grad_norm), **self.checkpointer.take_costs()}
                 window = _Window()
-            if train.eval_every and (self.step % train.eval_every == 0 or self.step == train.steps):
-                if self.validates:
-                    metrics["val/top1"] = self.validate()
-                if self.rank == 0:
-                    for evaluator in self.ctx.evaluators:
-                        metrics.update(evaluator(self.backend.module))
+            for evaluator in self.evaluators:
+                if evaluator.due(self.step, train.steps):
+                    metrics.update(evaluator(self.backend.module, self._eval_env()))
             save = self.checkpointer.due(self.step)
             self.checkpointer.finish(wait=save)
             if metrics and self.metrics is not None:
@@ -213,28 +207,10 @@ class PretrainLoop:
             raise FloatingPointError(f"loss is {loss} at step {self.step}: stopping instead of training on NaNs")
         return metrics
 
-    def validate(self) -> float:
-        module = self.backend.module
-        module.eval()
-        correct = seen = 0
-        loader = EvalLoader(
-            self.cfg.data.val_path,
-            self.cfg.data.val_split,
-            rank=self.rank,
-            world_size=self.world,
-            batch_size=self.cfg.train.eval_batch_size,
-            img_size=self.cfg.model.img_size,
-            num_workers=self.cfg.data.num_workers,
-            storage_options=self.cfg.data.storage_options,
-        )
-        with torch.no_grad():
-            for batch in loader:
-                logits = module(batch.images.to(self.backend.device, self.backend.dtype))
-                hits, scored = top1_hits(logits.float().argmax(1), batch.labels)
-                correct, seen = correct + hits, seen + scored
-        module.train()
-        correct, seen = _all_reduce([float(correct), float(seen)], average=[False, False], device=self.backend.device)
-        return correct / max(seen, 1.0)
+    def _eval_env(self) -> EvalEnv:
+        device = self.backend.device
+        return EvalEnv(self.rank, self.world, device, self.backend.dtype,
+                       lambda values: _all_reduce(values, average=[False] * len(values), device=device))  # fmt: skip
 
     def _architecture(self) -> dict[str, Any]:
         """The model as built (fine-tuning changes the head and resolution of `init.checkpoint`'s)."""

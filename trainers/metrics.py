@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-# Dense bf16/fp16 peak TFLOP/s per device, for MFU. Others: set train.peak_tflops.
+# Dense bf16/fp16 peak TFLOP/s per device, for MFU. Others: set log.peak_tflops.
 _PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0, "V100": 125.0, "B200": 2250.0}
 
 METRICS_FILE = "metrics.jsonl"

@@ -24,9 +24,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, train) -> torch.optim.Optimizer:
-    """AdamW for pre-training, SGD with momentum for fine-tuning (both from `TrainConfig`)."""
-    groups = param_groups(model, train.weight_decay)
-    if train.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=train.lr, momentum=train.momentum)
-    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.b1, train.b2), eps=train.eps)
+def build_optimizer(model: nn.Module, optim) -> torch.optim.Optimizer:
+    """AdamW for pre-training, SGD with momentum for fine-tuning (both from `OptimConfig`)."""
+    groups = param_groups(model, optim.weight_decay)
+    if optim.name == "sgd":
+        return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum)
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.b1, optim.b2), eps=optim.eps)

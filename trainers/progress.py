@@ -6,6 +6,7 @@ import threading
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from vitray.trainers.evals import VAL_TOP1
 from vitray.trainers.run_files import RunFiles
 
 
@@ -53,6 +54,6 @@ class TrainingProgress:
             return
         last = records[-1]
         status = f"loss {last.get('loss', float('nan')):.4f}  {last.get('images_per_s', 0):.1f} img/s"
-        if "val/top1" in last:
-            status += f"  val top-1 {last['val/top1']:.3f}"
+        if VAL_TOP1 in last:
+            status += f"  val top-1 {last[VAL_TOP1]:.3f}"
         self._progress.update(self._task, completed=min(last.get("step", 0), self.total), status=status)

@@ -29,12 +29,12 @@ def lr_multiplier(step: int, *, total_steps: int, warmup_steps: int, decay: str,
 
 def build_lr_schedule(optimizer: torch.optim.Optimizer, cfg) -> torch.optim.lr_scheduler.LambdaLR:
     """The run's schedule (`cfg`: the training config) on `optimizer`, stepped once per optimizer step."""
-    train = cfg.train
+    schedule = cfg.schedule
     # A plain function (not a callable object), so the schedule's state_dict holds no lambda state.
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: lr_multiplier(
-            step, total_steps=train.steps, warmup_steps=train.warmup_steps, decay=train.decay,
-            min_ratio=train.min_lr / train.lr,
+            step, total_steps=cfg.train.steps, warmup_steps=schedule.warmup_steps, decay=schedule.decay,
+            min_ratio=schedule.min_lr / cfg.optim.lr,
         ),
     )  # fmt: skip

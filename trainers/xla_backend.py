@@ -8,7 +8,7 @@ of all hosts, with one axis, `fsdp`:
   sharding, so it is sharded the same way;
 - each host feeds its part of the global batch, sharded along the batch dimension, through
   torch-xla's parallel loader (`vitray.trainers.xla_loader`);
-- `train.precision=bf16` computes in bfloat16 under autocast, with fp32 weights and optimizer state;
+- `precision.dtype=bf16` computes in bfloat16 under autocast, with fp32 weights and optimizer state;
 - every batch has the same shape and each optimizer step ends in one `torch_xla.sync()`, so the
   graphs compiled in the first steps are reused from then on: `xla/compilations` in the metrics
   counts them and stays constant after warm-up.
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vitray.trainers.backend import PendingSave
-from vitray.trainers.config import PretrainConfig
+from vitray.trainers.config import TrainingConfig
 from vitray.trainers.optim import build_optimizer
 from vitray.trainers.schedule import build_lr_schedule
 from vitray.trainers.xla_loader import DeviceLoader
@@ -78,7 +78,7 @@ class XlaBackend:
     name = "xla"
     spmd = True  # one program on all hosts: per-step randomness must not depend on the rank
 
-    def __init__(self, cfg: PretrainConfig, model: nn.Module, world_size: int, restore: tuple[Path, dict[str, Any]] | None):
+    def __init__(self, cfg: TrainingConfig, model: nn.Module, world_size: int, restore: tuple[Path, dict[str, Any]] | None):
         import torch_xla
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
@@ -87,8 +87,8 @@ class XlaBackend:
         _quiet_warnings()
         start_spmd()
         train = cfg.train
-        if train.precision == "fp16":
-            raise ValueError("train.precision=fp16 is not supported by train.backend=xla: use bf16 (TPUs) or fp32")
+        if cfg.precision.dtype == "fp16":
+            raise ValueError("precision.dtype=fp16 is not supported by train.backend=xla: use bf16 (TPUs) or fp32")
         local_devices = xr.addressable_runtime_device_count()
         if train.micro_batch_size % local_devices:
             raise ValueError(
@@ -100,14 +100,14 @@ class XlaBackend:
         xs.set_global_mesh(self.mesh)
         self.device = torch_xla.device()
         self.dtype = torch.float32  # inputs; bf16 compute comes from autocast
-        self._autocast = train.precision == "bf16"
+        self._autocast = cfg.precision.dtype == "bf16"
         self._batch_size = train.micro_batch_size
         self.accum = cfg.grad_accumulation
-        self._clip = train.grad_clip
+        self._clip = cfg.optim.grad_clip
 
         self.wrapped = SpmdFullyShardedDataParallel(model, mesh=self.mesh)
         self.module = self.wrapped.module
-        self.optimizer = build_optimizer(self.module, train)
+        self.optimizer = build_optimizer(self.module, cfg.optim)
         self.schedule = build_lr_schedule(self.optimizer, cfg)
         self._create_optimizer_state()
         self._micro = 0

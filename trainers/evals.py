@@ -1,0 +1,165 @@
+"""Evaluators by name (big_vision's pattern): the config's `evals:` section names each one and its
+type; the loop builds them once and runs whichever is due.
+
+    evals:
+      val:   {type: val, every: 100, batch_size: 256}            # top-1 on data.val_path / data.val_split
+      probe: {type: fewshot, every: 1000, datasets: {digits: /data/digits}, shots: [10], seeds: 1}
+
+An evaluator's metrics are named ``<name>/<metric>`` (:func:`metric_name`): the evaluator named
+``val`` reports ``val/top1`` (:data:`VAL_TOP1`, what the fine-tune recipe and the progress bar
+read). Implementations are found by dotted name (:data:`EVALUATORS`), so adding one is adding a
+config model here and a class anywhere below `cluster/`; the few-shot probe itself lives in
+`vitray.evaluation.transfer` and is imported by name when a run uses it, never when this module
+is imported (`trainers/` and `evaluation/` do not import each other).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Union
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+if TYPE_CHECKING:  # the config imports this module for its `evals:` section
+    from vitray.trainers.config import TrainingConfig
+
+EVAL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def metric_name(evaluator: str, metric: str) -> str:
+    """The one place metric names are made: ``<evaluator name>/<metric>``."""
+    return f"{evaluator}/{metric}"
+
+
+VAL = "val"  # the evaluator whose top-1 a fine-tune run reports
+VAL_TOP1 = metric_name(VAL, "top1")
+
+
+# -- config ------------------------------------------------------------------------------------
+class _EvalSection(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    every: int = Field(gt=0, description="Run every N steps (and at the last step).")
+
+
+class ValEvalConfig(_EvalSection):
+    """Top-1 of the model being trained on `data.val_path` / `data.val_split`, on every rank (all-reduced)."""
+
+    type: Literal["val"]
+    batch_size: int = Field(256, gt=0, description="Samples per worker per forward.")
+
+
+class FewshotEvalConfig(_EvalSection):
+    """A closed-form linear probe on frozen features (as `vitray fewshot`), on rank 0:
+    metrics ``<name>/<dataset>_<k>shot`` (mean over seeds)."""
+
+    type: Literal["fewshot"]
+    datasets: dict[str, str] = Field(
+        min_length=1, description="name -> prepared dataset (local or s3://), e.g. {digits: /data/digits}."
+    )
+    shots: list[int] = Field(default_factory=lambda: [10], min_length=1, description="Examples per class.")
+    seeds: int = Field(1, gt=0, description="Few-shot sets drawn per shots value (seeds 0..n-1).")
+    batch_size: int = Field(256, gt=0, description="Samples per forward when extracting features.")
+
+    @field_validator("shots")
+    @classmethod
+    def _positive_shots(cls, shots: list[int]) -> list[int]:
+        if any(k <= 0 for k in shots):
+            raise ValueError(f"must be positive numbers of examples per class, got {shots}")
+        return shots
+
+
+EvalConfig = Annotated[Union[ValEvalConfig, FewshotEvalConfig], Field(discriminator="type")]
+
+# type -> implementation, by dotted name (imported when a run builds its evaluators).
+EVALUATORS: dict[str, str] = {
+    "val": "vitray.trainers.evals:ValEvaluator",
+    "fewshot": "vitray.trainers.evals:FewshotEvaluator",
+}
+
+
+# -- running -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EvalEnv:
+    """What an evaluator may use of the worker it runs in."""
+
+    rank: int
+    world_size: int
+    device: Any
+    dtype: torch.dtype
+    sum_over_ranks: Callable[[list[float]], list[float]]
+
+
+class Evaluator:
+    """One named evaluator. Subclasses implement :meth:`evaluate` (bare metric names); calling the
+    evaluator names its metrics ``<name>/<metric>``."""
+
+    def __init__(self, name: str, config: _EvalSection, training: TrainingConfig):
+        self.name, self.config, self.training = name, config, training
+        self.every = config.every
+
+    def due(self, step: int, last_step: int) -> bool:
+        return step % self.every == 0 or step == last_step
+
+    def __call__(self, module: torch.nn.Module, env: EvalEnv) -> dict[str, float]:
+        return {metric_name(self.name, metric): value for metric, value in self.evaluate(module, env).items()}
+
+    def evaluate(self, module: torch.nn.Module, env: EvalEnv) -> dict[str, float]:
+        raise NotImplementedError
+
+
+class ValEvaluator(Evaluator):
+    """``top1`` on the validation split; every rank scores its share, the counts are summed."""
+
+    def evaluate(self, module: torch.nn.Module, env: EvalEnv) -> dict[str, float]:
+        from vitray.data import EvalLoader, top1_hits
+
+        data = self.training.data
+        module.eval()
+        correct = seen = 0
+        loader = EvalLoader(
+            data.val_path,
+            data.val_split,
+            rank=env.rank,
+            world_size=env.world_size,
+            batch_size=self.config.batch_size,
+            img_size=self.training.model.img_size,
+            num_workers=data.num_workers,
+            storage_options=data.storage_options,
+        )
+        with torch.no_grad():
+            for batch in loader:
+                logits = module(batch.images.to(env.device, env.dtype))
+                hits, scored = top1_hits(logits.float().argmax(1), batch.labels)
+                correct, seen = correct + hits, seen + scored
+        module.train()
+        correct, seen = env.sum_over_ranks([float(correct), float(seen)])
+        return {"top1": correct / max(seen, 1.0)}
+
+
+class FewshotEvaluator(Evaluator):
+    """``<dataset>_<k>shot`` for every dataset and shots value, on rank 0 (the other ranks go on)."""
+
+    PROBE = "vitray.evaluation.transfer:fewshot_probe"
+
+    def evaluate(self, module: torch.nn.Module, env: EvalEnv) -> dict[str, float]:
+        if env.rank != 0:
+            return {}
+        probe = import_by_name(self.PROBE)
+        cfg = self.config
+        return probe(module, cfg.datasets, shots=tuple(cfg.shots), seeds=cfg.seeds, batch_size=cfg.batch_size,
+                     storage_options=self.training.data.storage_options, prefix="")  # fmt: skip
+
+
+def import_by_name(dotted: str) -> Any:
+    """``"package.module:attribute"`` -> the attribute."""
+    module, _, attribute = dotted.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def build_evaluators(training: TrainingConfig) -> list[Evaluator]:
+    """The evaluators of a `TrainingConfig`'s `evals:` section, in the order given."""
+    return [import_by_name(EVALUATORS[ev.type])(name, ev, training) for name, ev in training.evals.items()]
