@@ -8,7 +8,6 @@ scales it down to one CPU machine.
 
 from __future__ import annotations
 
-import re
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -19,7 +18,8 @@ from vitray.models.variants import get_variant
 from vitray.trainers.evals import EVAL_NAME, EvalConfig
 from vitray.trainers.masked_patch import MaskedPatchTarget, target_outputs
 
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# Run and evaluator names become folder names and metric prefixes: the same safe alphabet.
+_RUN_NAME = EVAL_NAME
 
 
 class _Section(BaseModel):
