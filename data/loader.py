@@ -13,7 +13,7 @@ worker ``w`` of ``N`` decodes
 
 The main process puts each batch together in slot order from the workers' chunks, so the batches
 do not depend on ``N``. Workers decode into shared-memory rings the main process made for them
-(:class:`~vitray.data.batch.ChunkRing`), so a chunk crosses between processes as a slot number
+(:class:`~vitray.data.shared_memory.ChunkRing`), so a chunk crosses between processes as a slot number
 and is copied once, into the batch. Progress is counted on that consumer side, as ``(epoch,
 positions consumed per slot)``: :meth:`ShardLoader.state_dict` never includes what workers
 prefetched but did not hand over, and :meth:`ShardLoader.load_state_dict` continues the exact
@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from .batch import Batch, BatchMemory, Chunk, ChunkRing, SkipReporter, concat_chunks, decode_chunk, in_order
+from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_order
+from .shared_memory import BatchMemory, ChunkRing
 from .layout import LabelKind, read_split
 from .plan import ShardRange, augment_seed, epoch_plan, rank_slots
 from .slots import SlotReader

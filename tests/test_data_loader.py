@@ -21,6 +21,7 @@ from fsspec.implementations.local import LocalFileSystem
 from PIL import Image
 
 import vitray.data.batch as batch_module
+import vitray.data.shared_memory as shared_memory
 import vitray.data.loader as loader_module
 from vitray.data import (
     DataConfig,
@@ -490,7 +491,7 @@ def test_worker_chunks_travel_as_ring_slots_from_single_threaded_workers(jpeg_da
 
 
 def test_batch_memory_is_reused_only_when_no_tensor_holds_it():
-    memory = batch_module.BatchMemory(max_regions=2)
+    memory = shared_memory.BatchMemory(max_regions=2)
     shape = (16, 3, 224, 224)  # 9.6 MB of float32: a pooled mapping
     small = memory.empty((2, 3, 8, 8), torch.float32)
     assert small.shape == (2, 3, 8, 8) and small.dtype == torch.float32
@@ -498,7 +499,7 @@ def test_batch_memory_is_reused_only_when_no_tensor_holds_it():
     assert first.shape == shape and first.is_contiguous()
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return  # plain torch.empty on this platform
-    assert first.data_ptr() % batch_module.HUGE_PAGE == 0
+    assert first.data_ptr() % shared_memory.HUGE_PAGE == 0
     first.fill_(0.5)
     address = first.data_ptr()
     held_view = first[3:5].numpy()  # a numpy view of a slice keeps the memory in use
