@@ -8,7 +8,8 @@ resolution). Nothing here downloads data: a benchmark whose data is not prepared
 
 Sources of the settings: the ViT paper (Dosovitskiy et al. 2021, appendix B.1.1 and Table 4),
 VTAB (Zhai et al. 2019) for the 19 tasks and their class counts, big_vision's few-shot config
-(shots 1/5/10/25, 3 seeds, l2 2**10, resize 256 + central crop 224).
+(shots 1/5/10/25, 3 seeds, l2 2**10; images at the checkpoint's resolution through the evaluation
+transform: for 224 px, the shorter side resized to 256 and a central 224 crop).
 """
 
 from __future__ import annotations
@@ -27,13 +28,12 @@ SMALL_DATASET_LRS = (0.001, 0.003, 0.01, 0.03)
 
 @dataclass(frozen=True)
 class FewShotProtocol:
-    """Linear few-shot probe settings (big_vision's defaults)."""
+    """Linear few-shot probe settings (big_vision's defaults). The resolution is not a protocol
+    setting: probes run at the checkpoint's own resolution (or the grid's `fewshot.img_size`)."""
 
     shots: tuple[int, ...] = (1, 5, 10, 25)
     seeds: int = 3
     l2_reg: float = 2.0**10
-    resize: int = 256
-    crop: int = 224
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ def _build_registry() -> dict[str, Benchmark]:
         Benchmark(
             name="digits", title="scikit-learn digits (demo)", num_classes=10, dataset="digits",
             train_split="train", test_split="test", prepare_source="builtin:digits", groups=("demo",),
-            fewshot=FewShotProtocol(shots=(1, 5, 10, 25), seeds=3, resize=32, crop=32),
+            fewshot=FewShotProtocol(shots=(1, 5, 10, 25), seeds=3),
             finetune=FinetuneProtocol(steps=200, learning_rates=(0.01, 0.03), batch_size=64, warmup_steps=20,
                                       resolution=32, **_held_out(10)),
             notes="8x8 handwritten digits shipped with scikit-learn; CPU-sized settings for the demo and tests",

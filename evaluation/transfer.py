@@ -329,8 +329,10 @@ def finetune_recipe(
     return {
         "seed": int(seed),
         "run": {"name": run_name, "storage": run_storage},
-        # Fine-tuning drops the pre-logits layer (reset_head), as the paper does.
-        "model": {**dict(model), "img_size": int(settings["resolution"]), "representation_size": None},
+        # Fine-tuning drops the pre-logits layer (reset_head) and starts from a zero head (weights
+        # and bias, whatever the pre-training head's bias was), as the paper does.
+        "model": {**dict(model), "img_size": int(settings["resolution"]), "representation_size": None,
+                  "head_bias_init": 0.0},
         "init": {"checkpoint": checkpoint, "reset_head": True},
         "data": {
             "train": locate_train(benchmark, data_root),

@@ -21,6 +21,12 @@ class ModelConfig(BaseModel):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout after the embeddings, attention and MLP layers.")
     attn_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the attention probabilities.")
     grad_checkpointing: bool = False
+    head_bias_init: float = Field(
+        0.0,
+        allow_inf_nan=False,
+        description="Initial bias of the (zero-weight) head: -10 for sigmoid pre-training on many classes, "
+        "as in the authors' configs; fine-tuning heads always start at zero.",
+    )
     masked_patch_outputs: int | None = Field(
         None,
         gt=0,

@@ -18,6 +18,7 @@ def create_model(
     attn_dropout: float = 0.0,
     grad_checkpointing: bool = False,
     masked_patch_outputs: int | None = None,
+    head_bias_init: float = 0.0,
 ) -> VisionTransformer:
     """Builds the ViT called ``name`` (see :func:`model_names`) with the authors' initialisation.
 
@@ -25,7 +26,9 @@ def create_model(
     ``representation_size`` adds the tanh pre-logits layer used in pre-training;
     ``num_classes=0`` builds no classification head (``forward`` returns the representation);
     ``masked_patch_outputs`` adds the [mask] embedding and a predictor with that many outputs
-    per patch, for masked patch prediction (see :mod:`vitray.models.masked_patch`).
+    per patch, for masked patch prediction (see :mod:`vitray.models.masked_patch`);
+    ``head_bias_init`` is the head's initial bias (its weights start at zero): -10 for sigmoid
+    pre-training, as in the authors' configs (big_vision ``config.init_head_bias``).
     """
     variant = get_variant(name)
     return VisionTransformer(
@@ -38,6 +41,7 @@ def create_model(
         attn_dropout=attn_dropout,
         grad_checkpointing=grad_checkpointing,
         masked_patch_outputs=masked_patch_outputs,
+        head_bias_init=head_bias_init,
     )
 
 
@@ -53,4 +57,5 @@ def create_model_from_config(cfg: ModelConfig, num_classes: int) -> VisionTransf
         attn_dropout=cfg.attn_dropout,
         grad_checkpointing=cfg.grad_checkpointing,
         masked_patch_outputs=cfg.masked_patch_outputs,
+        head_bias_init=cfg.head_bias_init,
     )

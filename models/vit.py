@@ -12,7 +12,9 @@ Choices that follow the authors' code (google-research/vision_transformer, ``mod
   big_vision's gap models do.
 * LayerNorm epsilon 1e-6 (Flax's default); initialisation as in Flax: LeCun-normal patch
   embedding and pre-logits, Xavier-uniform attention and MLP kernels, MLP biases N(0, 1e-6),
-  class token zero, position embedding N(0, 0.02), zero head.
+  class token zero, position embedding N(0, 0.02), zero head weights; the head bias is
+  ``head_bias_init`` (0; the authors' sigmoid pre-training configs use -10, so that every one of
+  the thousands of classes starts at probability ~4.5e-5 instead of 0.5).
 * GELU is the exact (erf) form, as in PyTorch ports of the released checkpoints (timm); the
   JAX code's default tanh approximation differs by < 1e-3 per activation.
 
@@ -170,6 +172,7 @@ class VisionTransformer(nn.Module):
         attn_dropout: float = 0.0,
         grad_checkpointing: bool = False,
         masked_patch_outputs: int | None = None,
+        head_bias_init: float = 0.0,
     ) -> None:
         super().__init__()
         _check_num_classes(num_classes)
@@ -228,7 +231,7 @@ class VisionTransformer(nn.Module):
             nn.init.zeros_(self.pre_logits.bias)
         self.num_features = representation_size or self.width
         self.num_classes = num_classes
-        self.head = self._zero_linear(self.num_features, num_classes) if num_classes else nn.Identity()
+        self.head = self._zero_linear(self.num_features, num_classes, head_bias_init) if num_classes else nn.Identity()
 
         self.masked_patch: MaskedPatchPrediction | None = None
         if masked_patch_outputs is not None:
@@ -247,11 +250,11 @@ class VisionTransformer(nn.Module):
         self.img_size = img_size
         self.grid_size = img_size // self.patch_size
 
-    def _zero_linear(self, in_features: int, out_features: int) -> nn.Linear:
+    def _zero_linear(self, in_features: int, out_features: int, bias: float = 0.0) -> nn.Linear:
         reference = self.norm.weight  # new layers follow the model's current device and dtype
         layer = nn.Linear(in_features, out_features, device=reference.device, dtype=reference.dtype)
         nn.init.zeros_(layer.weight)
-        nn.init.zeros_(layer.bias)
+        nn.init.constant_(layer.bias, bias)
         return layer
 
     # -- forward paths -------------------------------------------------------------------

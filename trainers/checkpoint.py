@@ -85,9 +85,13 @@ def verify_complete(folder: str | Path, fs=None) -> dict[str, Any]:
     return state
 
 
-def load_model(folder: str, fs=None):
+def load_model(folder: str, fs=None, *, ema: bool = True):
     """The trained model stored in a complete checkpoint folder (built from its own config), and
-    the checkpoint's trainer state."""
+    the checkpoint's trainer state, with the weights file read under ``"weights_file"``.
+
+    With ``ema`` (the default) a run trained with ``optim.ema_decay`` gives its EMA weights, as the
+    authors evaluate and fine-tune from the Polyak-averaged weights; ``ema=False`` (or a run
+    without EMA) gives the raw weights."""
     from safetensors.torch import load
 
     from vitray.models import ModelConfig, create_model_from_config
@@ -95,9 +99,10 @@ def load_model(folder: str, fs=None):
     fs = fs or fsspec.filesystem("file")
     state = verify_complete(folder, fs)
     model = create_model_from_config(ModelConfig.model_validate(state["model"]), int(state["num_classes"]))
-    with fs.open(f"{str(folder).rstrip('/')}/{MODEL_FILE}", "rb") as f:
+    name = EMA_FILE if ema and fs.isfile(f"{str(folder).rstrip('/')}/{EMA_FILE}") else MODEL_FILE
+    with fs.open(f"{str(folder).rstrip('/')}/{name}", "rb") as f:
         model.load_state_dict(load(f.read()), strict=True)
-    return model, state
+    return model, {**state, "weights_file": name}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,10 +167,11 @@ def resolve_checkpoint(path: str) -> str:
     return latest.path
 
 
-def load_checkpoint(path: str):
+def load_checkpoint(path: str, *, ema: bool = True):
     """The model of a checkpoint (or of a run's latest complete one) and its trainer state, with
-    the checkpoint folder it came from under ``"checkpoint"``."""
+    the checkpoint folder it came from under ``"checkpoint"``; its EMA weights when it has them
+    and ``ema`` is true (see :func:`load_model`)."""
     checkpoint = resolve_checkpoint(path)
     fs, fs_path = storage.filesystem(checkpoint)
-    model, state = load_model(fs_path, fs)
+    model, state = load_model(fs_path, fs, ema=ema)
     return model, {**state, "checkpoint": checkpoint}

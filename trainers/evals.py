@@ -7,7 +7,10 @@ type; the loop builds them once and runs whichever is due.
 
 An evaluator's metrics are named ``<name>/<metric>`` (:func:`metric_name`): the evaluator named
 ``val`` reports ``val/top1`` (:data:`VAL_TOP1`, what the fine-tune recipe and the progress bar
-read). Implementations are found by dotted name (:data:`EVALUATORS`), so adding one is adding a
+read). When the run keeps an EMA of the weights (``optim.ema_decay``), evaluators score the EMA
+weights, as the authors report them (``weights: live`` in an evaluator's section scores the raw
+weights instead); the raw weights are put back before training goes on.
+Implementations are found by dotted name (:data:`EVALUATORS`), so adding one is adding a
 config model here and a class anywhere below `cluster/`; the few-shot probe itself lives in
 `vitray.evaluation.transfer` and is imported by name when a run uses it, never when this module
 is imported (`trainers/` and `evaluation/` do not import each other).
@@ -15,8 +18,10 @@ is imported (`trainers/` and `evaluation/` do not import each other).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Union
 
@@ -43,6 +48,9 @@ class _EvalSection(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     every: int = Field(gt=0, description="Run every N steps (and at the last step).")
+    weights: Literal["ema", "live"] = Field(
+        "ema", description="ema: score the EMA weights when optim.ema_decay is set (else the live ones); live: always the live ones."
+    )
 
 
 class ValEvalConfig(_EvalSection):
@@ -91,11 +99,31 @@ class EvalEnv:
     device: Any
     dtype: torch.dtype
     sum_over_ranks: Callable[[list[float]], list[float]]
+    ema: Any = None  # the run's vitray.trainers.ema.Ema, when optim.ema_decay is set
+
+
+@contextlib.contextmanager
+def ema_weights(module: torch.nn.Module, ema: Any) -> Iterator[torch.nn.Module]:
+    """``module`` with the EMA weights copied in, its own weights restored on exit (bit for bit)."""
+    state = module.state_dict()
+    saved = {key: value.detach().clone() for key, value in state.items()}
+    with torch.no_grad():
+        for key, value in state.items():
+            value.copy_(ema.shadow[key])
+    try:
+        yield module
+    finally:
+        with torch.no_grad():
+            for key, value in state.items():
+                value.copy_(saved[key])
 
 
 class Evaluator:
     """One named evaluator. Subclasses implement :meth:`evaluate` (bare metric names); calling the
-    evaluator names its metrics ``<name>/<metric>``."""
+    evaluator names its metrics ``<name>/<metric>`` and scores the EMA weights when the run keeps
+    them (and the section does not ask for ``weights: live``)."""
+
+    rank0_only = False  # evaluators that run on rank 0 alone leave the other ranks' weights alone
 
     def __init__(self, name: str, config: _EvalSection, training: TrainingConfig):
         self.name, self.config, self.training = name, config, training
@@ -105,7 +133,14 @@ class Evaluator:
         return step % self.every == 0 or step == last_step
 
     def __call__(self, module: torch.nn.Module, env: EvalEnv) -> dict[str, float]:
-        return {metric_name(self.name, metric): value for metric, value in self.evaluate(module, env).items()}
+        if self.rank0_only and env.rank != 0:
+            return {}
+        if env.ema is not None and self.config.weights == "ema":
+            with ema_weights(module, env.ema):
+                metrics = self.evaluate(module, env)
+        else:
+            metrics = self.evaluate(module, env)
+        return {metric_name(self.name, metric): value for metric, value in metrics.items()}
 
     def evaluate(self, module: torch.nn.Module, env: EvalEnv) -> dict[str, float]:
         raise NotImplementedError
@@ -144,6 +179,7 @@ class FewshotEvaluator(Evaluator):
     """``<dataset>_<k>shot`` for every dataset and shots value, on rank 0 (the other ranks go on)."""
 
     PROBE = "vitray.evaluation.transfer:fewshot_probe"
+    rank0_only = True
 
     def evaluate(self, module: torch.nn.Module, env: EvalEnv) -> dict[str, float]:
         if env.rank != 0:

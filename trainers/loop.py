@@ -210,7 +210,8 @@ class TrainingLoop:
     def _eval_env(self) -> EvalEnv:
         device = self.backend.device
         return EvalEnv(self.rank, self.world, device, self.backend.dtype,
-                       lambda values: _all_reduce(values, average=[False] * len(values), device=device))  # fmt: skip
+                       lambda values: _all_reduce(values, average=[False] * len(values), device=device),
+                       ema=self.ema)  # fmt: skip
 
     def _architecture(self) -> dict[str, Any]:
         """The model as built (fine-tuning changes the head and resolution of `init.checkpoint`'s)."""

@@ -1,0 +1,153 @@
+"""The README's fidelity table, row by row: each protocol setting vitray takes from the paper or the
+authors' code is pinned here (head bias for sigmoid pre-training, EMA weights for evaluation and
+fine-tuning, the fine-tuning pre-processing, label smoothing, the few-shot resolution)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+from safetensors.torch import save_file
+
+from vitray.common.config import load_config
+from vitray.data.transforms import EVAL_CROP_FRACTION, TRAIN_CROP_SCALE
+from vitray.evaluation.suite import get_benchmark
+from vitray.evaluation.transfer import finetune_recipe
+from vitray.models import ModelConfig, create_model
+from vitray.trainers import checkpoint as ckpt
+from vitray.trainers.config import TrainingConfig
+from vitray.trainers.ema import Ema
+from vitray.trainers.evals import EvalEnv, Evaluator, FewshotEvalConfig, ValEvalConfig, ema_weights
+
+REPO = Path(__file__).resolve().parents[1]
+PAPER = REPO / "configs" / "paper"
+
+
+# -- head bias of sigmoid pre-training ----------------------------------------------------------
+def test_head_bias_init_sets_the_bias_and_fine_tuning_heads_start_at_zero():
+    model = create_model("Ti/16", num_classes=50, img_size=32, head_bias_init=-10.0)
+    assert torch.all(model.head.bias == -10.0) and torch.all(model.head.weight == 0)
+    # Every class starts at sigmoid(-10) ~ 4.5e-5, so the untrained multi-label loss is small.
+    probs = torch.sigmoid(model(torch.zeros(2, 3, 32, 32)))
+    assert torch.allclose(probs, torch.full_like(probs, 1 / (1 + math.exp(10))))
+    model.reset_head(7)
+    assert torch.all(model.head.bias == 0) and torch.all(model.head.weight == 0)
+    assert torch.all(create_model("Ti/16", num_classes=5, img_size=32).head.bias == 0)
+    with pytest.raises(ValidationError, match="head_bias_init"):
+        ModelConfig(head_bias_init=float("nan"))
+
+
+@pytest.mark.parametrize("recipe", sorted(PAPER.glob("pretrain_*.yaml")), ids=lambda p: p.stem)
+def test_sigmoid_recipes_start_the_head_bias_at_minus_10(recipe):
+    cfg = load_config(TrainingConfig, recipe)
+    expected = -10.0 if cfg.train.objective == "sigmoid" else 0.0
+    assert cfg.model.head_bias_init == expected, recipe.name
+
+
+def test_fine_tune_recipe_resets_the_head_bias():
+    model = {"name": "Ti/16", "img_size": 32, "representation_size": 192, "head_bias_init": -10.0}
+    recipe = finetune_recipe(
+        get_benchmark("digits"), {"lr": 0.01, "steps": 10, "batch_size": 8, "warmup_steps": 1, "resolution": 32},
+        checkpoint="/ckpt", model=model, data_root="/data", run_name="r", run_storage="/runs", val_evaluator="val",
+    )  # fmt: skip
+    assert recipe["model"]["head_bias_init"] == 0.0 and recipe["init"]["reset_head"] is True
+
+
+# -- EMA weights for evaluation and fine-tuning ---------------------------------------------------
+class _WeightSum(Evaluator):
+    """Reports the sum of the head's weights it is given: which weights were scored."""
+
+    def evaluate(self, module, env):
+        return {"sum": float(module.head.weight.sum())}
+
+
+def _env(ema=None) -> EvalEnv:
+    return EvalEnv(0, 1, "cpu", torch.float32, lambda values: values, ema=ema)
+
+
+def test_evaluators_score_the_ema_weights_and_put_the_live_ones_back():
+    model = create_model("Ti/16", num_classes=3, img_size=32)
+    ema = Ema(model, decay=0.5)  # the shadow holds zero head weights
+    with torch.no_grad():
+        model.head.weight.fill_(1.0)
+    live = {k: v.clone() for k, v in model.state_dict().items()}
+    training = None  # these evaluators read nothing of the run's config
+    on_ema = _WeightSum("val", ValEvalConfig(type="val", every=1), training)
+    assert on_ema(model, _env(ema)) == {"val/sum": 0.0}
+    assert all(torch.equal(v, live[k]) for k, v in model.state_dict().items())  # restored bit for bit
+    assert on_ema(model, _env(None)) == {"val/sum": 3 * 192}  # no EMA kept: the live weights
+    on_live = _WeightSum("raw", ValEvalConfig(type="val", every=1, weights="live"), training)
+    assert on_live(model, _env(ema)) == {"raw/sum": 3 * 192}
+    with pytest.raises(ValidationError, match="weights"):
+        FewshotEvalConfig(type="fewshot", every=1, datasets={"d": "/d"}, weights="average")
+
+
+def test_ema_weights_are_restored_when_the_evaluation_fails():
+    model = create_model("Ti/16", num_classes=3, img_size=32)
+    ema = Ema(model, decay=0.5)
+    with torch.no_grad():
+        model.head.weight.fill_(2.0)
+    with pytest.raises(RuntimeError, match="boom"), ema_weights(model, ema):
+        assert float(model.head.weight.sum()) == 0.0
+        raise RuntimeError("boom")
+    assert float(model.head.weight.sum()) == 2.0 * 3 * 192
+
+
+def _checkpoint(folder: Path, model: torch.nn.Module, ema_state: dict | None) -> Path:
+    folder.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / ckpt.MODEL_FILE))
+    if ema_state is not None:
+        save_file(ema_state, str(folder / ckpt.EMA_FILE))
+    state = {"step": 1, "world_size": 1, "num_classes": 3,
+             "model": {"name": "Ti/16", "img_size": 32}}  # fmt: skip
+    ckpt.write_state(folder, state)
+    ckpt.mark_complete(folder, 0, ckpt.files_under(folder))
+    return folder
+
+
+def test_checkpoints_load_their_ema_weights_when_they_have_them(tmp_path):
+    model = create_model("Ti/16", num_classes=3, img_size=32)
+    ema = {k: v.clone() + 1.0 for k, v in model.state_dict().items()}
+    with_ema = _checkpoint(tmp_path / "with", model, ema)
+    loaded, state = ckpt.load_checkpoint(str(with_ema))
+    assert state["weights_file"] == ckpt.EMA_FILE
+    assert torch.equal(loaded.state_dict()["head.bias"], ema["head.bias"])
+    raw, state = ckpt.load_checkpoint(str(with_ema), ema=False)
+    assert state["weights_file"] == ckpt.MODEL_FILE and torch.equal(raw.head.bias, model.head.bias)
+    without = _checkpoint(tmp_path / "without", model, None)
+    plain, state = ckpt.load_checkpoint(str(without))
+    assert state["weights_file"] == ckpt.MODEL_FILE and torch.equal(plain.head.bias, model.head.bias)
+
+
+# -- pre-processing and regularisation ------------------------------------------------------------
+def test_fine_tuning_uses_the_authors_inception_crop_and_resize_eval():
+    # vision_transformer vit_jax/input_pipeline.py: every fine-tuning dataset (CIFAR included)
+    # trains on sample_distorted_bounding_box(area_range=(0.05, 1)) + flip.
+    recipe = finetune_recipe(
+        get_benchmark("cifar10"), {"lr": 0.01, "steps": 10, "batch_size": 8, "warmup_steps": 1, "resolution": 384},
+        checkpoint="/ckpt", model={"name": "B/16", "img_size": 224}, data_root="/data", run_name="r",
+        run_storage="/runs", val_evaluator="val",
+    )  # fmt: skip
+    cfg = TrainingConfig.model_validate({**recipe, "cluster": {**recipe["cluster"], "num_workers": 1}})
+    assert cfg.data.min_crop_area == TRAIN_CROP_SCALE[0] == 0.05 and cfg.data.flip is True
+    assert cfg.train.label_smoothing == 0.0 and cfg.train.mixup_alpha == 0.0
+
+
+def test_few_shot_probes_at_the_checkpoint_resolution_with_a_256_to_224_crop():
+    # big_vision configs/common_fewshot.py: resize(256)|central_crop(224) for a 224 px model.
+    assert round(224 / EVAL_CROP_FRACTION) == 256
+    from vitray.evaluation.config import FewShotGrid
+    from vitray.evaluation.grid import CheckpointRef, fewshot_group
+
+    checkpoint = CheckpointRef(path="/ckpt", step=1, model={"name": "B/16", "img_size": 224})
+    group = fewshot_group(checkpoint, get_benchmark("pets"), FewShotGrid())
+    assert group.img_size == 224
+
+
+def test_imagenet_1k_from_scratch_has_no_label_smoothing_as_table_3():
+    cfg = load_config(TrainingConfig, PAPER / "pretrain_b16_imagenet1k.yaml")
+    assert cfg.train.label_smoothing == 0.0
+    assert cfg.optim.weight_decay == 0.3 and cfg.model.dropout == 0.1 and cfg.optim.grad_clip == 1.0
