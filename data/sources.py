@@ -1,7 +1,8 @@
 """Dataset sources that ``vitray data prepare`` turns into shards.
 
 A source spec is ``KIND:PATH`` (``imagefolder:/data/pets``, ``cifar10:/data/cifar-10-batches-py``,
-``cifar100:PATH``, ``parquet:PATH``) or ``builtin:NAME`` (``builtin:digits``); ``unlabelled:SPEC``
+``cifar100:PATH``, ``parquet:PATH``, ``tfds:DATA_DIR/NAME/VERSION``, ``vtab:TASK:DATA_DIR/NAME/VERSION``)
+or ``builtin:NAME`` (``builtin:digits``); ``unlabelled:SPEC``
 is any of them without its labels (see :mod:`vitray.data.source_unlabelled`). A :class:`Source`
 knows its splits, classes and label kind, and hands out picklable :class:`SampleChunk` objects for
 any list of sample indices, so that shards can be written in other processes or on other machines.
@@ -101,10 +102,13 @@ def source_kinds() -> dict[str, type[Source]]:
     from .source_cifar import Cifar10Source, Cifar100Source
     from .source_imagefolder import ImageFolderSource
     from .source_parquet import ParquetSource
+    from .source_tfds import TfdsSource
     from .source_unlabelled import UnlabelledSource
+    from .source_vtab import VtabSource
 
     kinds: list[type[Source]] = [
-        ImageFolderSource, Cifar10Source, Cifar100Source, ParquetSource, BuiltinSource, UnlabelledSource,
+        ImageFolderSource, Cifar10Source, Cifar100Source, ParquetSource, TfdsSource, VtabSource, BuiltinSource,
+        UnlabelledSource,
     ]  # fmt: skip
     return {k.kind: k for k in kinds}
 
@@ -116,7 +120,7 @@ def open_source(spec: str) -> Source:
     if not sep or kind not in kinds or not location:
         raise ValueError(
             f"source {spec!r} is not KIND:PATH; KIND is one of {sorted(kinds)} "
-            "(e.g. imagefolder:/data/pets, cifar10:/data/cifar-10-batches-py, builtin:digits, "
-            "unlabelled:builtin:digits)"
+            "(e.g. imagefolder:/data/pets, cifar10:/data/cifar-10-batches-py, tfds:~/tensorflow_datasets/dtd/3.0.1, "
+            "vtab:dtd:~/tensorflow_datasets/dtd/3.0.1, builtin:digits, unlabelled:builtin:digits)"
         )
     return kinds[kind].open(location)

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from vitray.data import storage
 from vitray.data.layout import DatasetInfo, read_dataset_info
+from vitray.data.source_vtab import VTAB_TASKS
 
 VTAB_GROUPS = ("natural", "specialized", "structured")
 # The fine-tuning sweeps of the paper's Table 4: ImageNet's, and the one of CIFAR, Pets and Flowers.
@@ -148,12 +149,14 @@ _VTAB_TASKS = (
 
 def _vtab(name: str, title: str, num_classes: int, group: str, tfds: str) -> Benchmark:
     dataset = f"vtab_{name}"
+    build = f"/path/to/tensorflow_datasets/{VTAB_TASKS[name].tfds_name}/VERSION"
     return Benchmark(
         name=f"vtab/{name}", title=f"VTAB {title}", num_classes=num_classes, dataset=dataset,
-        train_split="train", test_split="test", prepare_source=f"imagefolder:/path/to/{dataset}",
+        train_split="train", test_split="test", prepare_source=f"vtab:{name}:{build}",
         finetune=_VTAB_FINETUNE, groups=("vtab", f"vtab/{group}"),
-        notes=(f"VTAB-1k task from TFDS {tfds}: split `train` must hold exactly the 1000 train800val200 "
-               "examples, split `test` the full test set"),
+        notes=(f"VTAB-1k task from TFDS {tfds}: split `train` holds exactly the 1000 train800val200 "
+               "examples (train800 first), split `test` the full test set; `vitray data prepare vtab:...` "
+               "cuts them from the TFDS build as VTAB does"),
     )
 
 
