@@ -31,8 +31,9 @@ from .sources import Sample, SampleChunk, Source, image_ext
 class ParquetChunk(SampleChunk):
     """Rows ``[start, stop)`` of the concatenation of ``files``."""
 
-    def __init__(self, files: list[str], offsets: list[int], start: int, stop: int) -> None:
-        self.files, self.offsets, self.start, self.stop = files, offsets, start, stop
+    def __init__(self, files: list[str], offsets: list[int], start: int, stop: int,
+                 columns: tuple[str, str] = ("image", "label")) -> None:  # fmt: skip
+        self.files, self.offsets, self.start, self.stop, self.columns = files, offsets, start, stop, columns
 
     def __iter__(self) -> Iterator[Sample]:
         for file_no, path in enumerate(self.files):
@@ -40,19 +41,20 @@ class ParquetChunk(SampleChunk):
             file_rows = pq.ParquetFile(path).metadata.num_rows
             lo, hi = max(self.start - file_start, 0), min(self.stop - file_start, file_rows)
             if lo < hi:
-                yield from _read_rows(path, lo, hi)
+                yield from _read_rows(path, lo, hi, self.columns)
 
 
-def _read_rows(path: str, lo: int, hi: int) -> Iterator[Sample]:
+def _read_rows(path: str, lo: int, hi: int, columns: tuple[str, str]) -> Iterator[Sample]:
+    image_col, label_col = columns
     reader = pq.ParquetFile(path)
     first = 0
     for group in range(reader.num_row_groups):
         rows = reader.metadata.row_group(group).num_rows
         if first < hi and first + rows > lo:
-            table = reader.read_row_group(group, columns=["image", "label"])
+            table = reader.read_row_group(group, columns=[image_col, label_col])
             for row in range(max(lo - first, 0), min(hi - first, rows)):
-                image = table.column("image")[row].as_py()
-                label = table.column("label")[row].as_py()
+                image = table.column(image_col)[row].as_py()
+                label = table.column(label_col)[row].as_py()
                 where = f"{path} row {first + row}"
                 if not image or image.get("bytes") is None:
                     raise ValueError(f"{where} has no image bytes (images must be embedded, not referenced by path)")
@@ -67,28 +69,33 @@ class ParquetSource(Source):
     kind = "parquet"
     random_access = False
 
-    def __init__(self, root: Path, classes: list[str], multi: bool, files: dict[str, list[str]]) -> None:
-        super().__init__(f"{self.kind}:{root}", root.stem if root.is_file() else root.name, classes,
+    def __init__(self, root: Path, classes: list[str], multi: bool, files: dict[str, list[str]],
+                 columns: tuple[str, str] = ("image", "label"), spec: str | None = None) -> None:  # fmt: skip
+        super().__init__(spec or f"{self.kind}:{root}", root.stem if root.is_file() else root.name, classes,
                          "multi" if multi else "single")
-        self.files = files
+        self.files, self.columns = files, columns
         self.rows = {split: [pq.ParquetFile(f).metadata.num_rows for f in paths] for split, paths in files.items()}
 
     @classmethod
     def open(cls, location: str) -> ParquetSource:
-        root = Path(location).expanduser().resolve()
+        return cls.from_files(Path(location).expanduser().resolve())
+
+    @classmethod
+    def from_files(cls, root: Path, columns: tuple[str, str] = ("image", "label"),
+                   card_classes: list[str] | None = None, spec: str | None = None) -> ParquetSource:  # fmt: skip
         paths = [root] if root.is_file() else sorted(root.rglob("*.parquet"))
         if not paths:
-            raise FileNotFoundError(f"parquet source {root}: no .parquet files there")
+            raise FileNotFoundError(f"{cls.kind} source {root}: no .parquet files there")
         files: dict[str, list[str]] = defaultdict(list)
         for path in paths:
             files[check_split_name(path.name.split(".")[0].split("-")[0], str(path))].append(str(path))
         schema = pq.read_schema(paths[0])
-        multi = _check_schema(schema, paths[0])
+        multi = _check_schema(schema, paths[0], columns)
         for path in paths[1:]:
-            if _check_schema(pq.read_schema(path), path) != multi:
+            if _check_schema(pq.read_schema(path), path, columns) != multi:
                 raise ValueError(f"{path}: label type differs from {paths[0]} (single- vs multi-label)")
-        classes = _class_names(schema) or _numbered_classes(paths, multi)
-        return cls(root, classes, multi, dict(files))
+        classes = _class_names(schema, columns[1]) or card_classes or _numbered_classes(paths, multi, columns[1])
+        return cls(root, classes, multi, dict(files), columns, spec)
 
     def split_sizes(self) -> dict[str, int]:
         return {split: sum(rows) for split, rows in self.rows.items()}
@@ -101,7 +108,8 @@ class ParquetSource(Source):
             meta = pq.ParquetFile(path).metadata
             for group in range(meta.num_row_groups):
                 rg = meta.row_group(group)
-                column = next(rg.column(c) for c in range(rg.num_columns) if rg.column(c).path_in_schema == "image.bytes")
+                column = next(rg.column(c) for c in range(rg.num_columns)
+                              if rg.column(c).path_in_schema == f"{self.columns[0]}.bytes")  # fmt: skip
                 sizes.append(np.full(rg.num_rows, column.total_uncompressed_size // max(rg.num_rows, 1)))
         return np.concatenate(sizes).astype(np.int64) if sizes else np.zeros(0, np.int64)
 
@@ -110,40 +118,43 @@ class ParquetSource(Source):
         if stop - start != len(indices) or any(int(b) - int(a) != 1 for a, b in zip(indices, indices[1:])):
             raise ValueError("parquet sources read contiguous ascending index ranges only")
         offsets = [0, *np.cumsum(self.rows[split]).tolist()[:-1]]
-        return ParquetChunk(self.files[split], offsets, start, stop)
+        return ParquetChunk(self.files[split], offsets, start, stop, self.columns)
 
 
-def _check_schema(schema: pa.Schema, path: Path) -> bool:
+def _check_schema(schema: pa.Schema, path: Path, columns: tuple[str, str] = ("image", "label")) -> bool:
     """Validate the Hugging Face image layout; True when labels are lists (multi-label)."""
     names = schema.names
-    if "image" not in names or "label" not in names:
-        raise ValueError(f"{path}: expected columns 'image' (struct of bytes, path) and 'label'; found {names}")
-    image = schema.field("image").type
+    image_col, label_col = columns
+    if image_col not in names or label_col not in names:
+        raise ValueError(
+            f"{path}: expected columns {image_col!r} (struct of bytes, path) and {label_col!r}; found {names}"
+        )
+    image = schema.field(image_col).type
     if not pa.types.is_struct(image) or image.get_field_index("bytes") < 0:
-        raise ValueError(f"{path}: column 'image' must be a struct with a 'bytes' field, not {image}")
-    label = schema.field("label").type
+        raise ValueError(f"{path}: column {image_col!r} must be a struct with a 'bytes' field, not {image}")
+    label = schema.field(label_col).type
     if pa.types.is_integer(label):
         return False
     if (pa.types.is_list(label) or pa.types.is_large_list(label)) and pa.types.is_integer(label.value_type):
         return True
-    raise ValueError(f"{path}: column 'label' must be an integer or a list of integers, not {label}")
+    raise ValueError(f"{path}: column {label_col!r} must be an integer or a list of integers, not {label}")
 
 
-def _class_names(schema: pa.Schema) -> list[str] | None:
+def _class_names(schema: pa.Schema, label_col: str = "label") -> list[str] | None:
     meta = (schema.metadata or {}).get(b"huggingface")
     if not meta:
         return None
-    feature: Any = json.loads(meta).get("info", {}).get("features", {}).get("label", {})
+    feature: Any = json.loads(meta).get("info", {}).get("features", {}).get(label_col, {})
     if feature.get("_type") in ("Sequence", "List", "LargeList"):
         feature = feature.get("feature", {})
     names = feature.get("names") if feature.get("_type") == "ClassLabel" else None
     return [str(n) for n in names] if names else None
 
 
-def _numbered_classes(paths: list[Path], multi: bool) -> list[str]:
+def _numbered_classes(paths: list[Path], multi: bool, label_col: str = "label") -> list[str]:
     largest = -1
     for path in paths:
-        labels = pq.read_table(path, columns=["label"]).column("label")
+        labels = pq.read_table(path, columns=[label_col]).column(label_col)
         if multi:
             labels = pc.list_flatten(labels)
         if len(labels):

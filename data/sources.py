@@ -1,7 +1,7 @@
 """Dataset sources that ``vitray data prepare`` turns into shards.
 
 A source spec is ``KIND:PATH`` (``imagefolder:/data/pets``, ``cifar10:/data/cifar-10-batches-py``,
-``cifar100:PATH``, ``parquet:PATH``, ``tfds:DATA_DIR/NAME/VERSION``, ``vtab:TASK:DATA_DIR/NAME/VERSION``)
+``cifar100:PATH``, ``parquet:PATH``, ``hf:PATH``, ``tfds:DATA_DIR/NAME/VERSION``, ``vtab:TASK:DATA_DIR/NAME/VERSION``)
 or ``builtin:NAME`` (``builtin:digits``); ``unlabelled:SPEC``
 is any of them without its labels (see :mod:`vitray.data.source_unlabelled`). A :class:`Source`
 knows its splits, classes and label kind, and hands out picklable :class:`SampleChunk` objects for
@@ -100,6 +100,7 @@ def source_kinds() -> dict[str, type[Source]]:
     """Source kinds by spec prefix."""
     from .source_builtin import BuiltinSource
     from .source_cifar import Cifar10Source, Cifar100Source
+    from .source_hf import HfSource
     from .source_imagefolder import ImageFolderSource
     from .source_parquet import ParquetSource
     from .source_tfds import TfdsSource
@@ -107,8 +108,8 @@ def source_kinds() -> dict[str, type[Source]]:
     from .source_vtab import VtabSource
 
     kinds: list[type[Source]] = [
-        ImageFolderSource, Cifar10Source, Cifar100Source, ParquetSource, TfdsSource, VtabSource, BuiltinSource,
-        UnlabelledSource,
+        ImageFolderSource, Cifar10Source, Cifar100Source, ParquetSource, HfSource, TfdsSource, VtabSource,
+        BuiltinSource, UnlabelledSource,
     ]  # fmt: skip
     return {k.kind: k for k in kinds}
 
