@@ -1,7 +1,8 @@
 """Dataset sources that ``vitray data prepare`` turns into shards.
 
 A source spec is ``KIND:PATH`` (``imagefolder:/data/pets``, ``cifar10:/data/cifar-10-batches-py``,
-``cifar100:PATH``, ``parquet:PATH``, ``hf:PATH``, ``tfds:DATA_DIR/NAME/VERSION``, ``vtab:TASK:DATA_DIR/NAME/VERSION``)
+``cifar100:PATH``, ``parquet:PATH``, ``hf:PATH``, ``tfds:DATA_DIR/NAME/VERSION``, ``vtab:TASK:DATA_DIR/NAME/VERSION``, the original
+archives ``pets:DIR`` and ``flowers102:DIR``)
 or ``builtin:NAME`` (``builtin:digits``); ``unlabelled:SPEC``
 is any of them without its labels (see :mod:`vitray.data.source_unlabelled`). A :class:`Source`
 knows its splits, classes and label kind, and hands out picklable :class:`SampleChunk` objects for
@@ -98,6 +99,7 @@ def image_ext(data: bytes, name: str = "") -> str:
 
 def source_kinds() -> dict[str, type[Source]]:
     """Source kinds by spec prefix."""
+    from .source_archives import Flowers102Source, PetsSource
     from .source_builtin import BuiltinSource
     from .source_cifar import Cifar10Source, Cifar100Source
     from .source_hf import HfSource
@@ -109,7 +111,7 @@ def source_kinds() -> dict[str, type[Source]]:
 
     kinds: list[type[Source]] = [
         ImageFolderSource, Cifar10Source, Cifar100Source, ParquetSource, HfSource, TfdsSource, VtabSource,
-        BuiltinSource, UnlabelledSource,
+        PetsSource, Flowers102Source, BuiltinSource, UnlabelledSource,
     ]  # fmt: skip
     return {k.kind: k for k in kinds}
 

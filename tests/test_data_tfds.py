@@ -225,7 +225,8 @@ def test_grid_runs_on_a_prepared_vtab_task(pretrained, tmp_path):
     prepared = subprocess.run([*cli, "data", "prepare", f"vtab:dtd:{build}", str(data_root / "vtab_dtd"), "--serial"],
                               capture_output=True, text=True, timeout=300)  # fmt: skip
     assert prepared.returncode == 0, prepared.stderr[-3000:]
-    assert "train: 1000 samples" in prepared.stdout and "test: 94 samples" in prepared.stdout
+    said = prepared.stdout + prepared.stderr  # the CLI's console writes to stderr
+    assert "train: 1000 samples" in said and "test: 94 samples" in said
     grid = {
         "data_root": str(data_root), "output": str(tmp_path / "eval"), "benchmarks": ["vtab/dtd"],
         "fewshot": {"shots": [1, 5], "seeds": 1},
@@ -242,5 +243,8 @@ def test_grid_runs_on_a_prepared_vtab_task(pretrained, tmp_path):
     assert (rows["status"] == "ok").all(), rows[["method", "status", "error"]].to_string()
     assert set(rows["method"]) == {"fewshot", "finetune"}
     # VTAB's single lr: no selection, one final run trained on all 1000 examples.
-    finetune = rows[rows["method"] == "finetune"]
-    assert len(finetune) == 1 and 0.0 <= float(finetune["accuracy"].iloc[0]) <= 1.0
+    finetune = rows[(rows["method"] == "finetune") & (rows["metric"] == "accuracy")]
+    assert len(finetune) == 1 and 0.0 <= float(finetune["value"].iloc[0]) <= 1.0
+    assert '"train_split": "train[:1000]"' in finetune["settings"].iloc[0].replace("'", '"')
+    fewshot = rows[(rows["method"] == "fewshot") & (rows["metric"] == "accuracy")]
+    assert len(fewshot) == 2 and fewshot["value"].between(0.0, 1.0).all()
