@@ -12,7 +12,11 @@ from vitray.cli.app import console, data_app, fail
 @data_app.command("prepare")
 def data_prepare(
     source: Annotated[
-        str, typer.Argument(help="imagefolder:PATH | cifar10:PATH | cifar100:PATH | parquet:PATH | builtin:digits")
+        str,
+        typer.Argument(
+            help="imagefolder:PATH | cifar10:PATH | cifar100:PATH | parquet:PATH | hf:PATH[?image=COL&label=COL] | "
+            "tfds:DATA_DIR/NAME/VERSION | vtab:TASK:DATA_DIR/NAME/VERSION | pets:DIR | flowers102:DIR | builtin:digits"
+        ),
     ],
     dest: Annotated[str, typer.Argument(help="Output folder: a local path or s3://bucket/prefix.")],
     samples_per_shard: Annotated[int, typer.Option(help="Samples per tar shard.", min=1)] = 1000,

@@ -39,7 +39,7 @@ CLI = [sys.executable, "-m", "vitray.cli"]
 FINETUNE_STEPS = 12
 LEARNING_RATES = (0.01, 0.3)
 FINAL_SPLIT = "train[:1000]"
-CIFAR10_PREPARE = "vitray data prepare cifar10:/path/to/cifar-10-batches-py {root}/cifar10"
+CIFAR10_PREPARE = "vitray data prepare cifar10:/path/to/cifar-10-binary.tar.gz {root}/cifar10"
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +301,7 @@ def test_missing_data_and_report_on_s3(moto_server):
     path = report_grid(grid, Console(file=open(os.devnull, "w")))
     assert path == moto_server.url("eval", "report", "report.md")
     text = storage.read_bytes(path).decode()
-    command = f"vitray data prepare imagefolder:/path/to/oxford-iiit-pets {moto_server.url('prepared', 'pets')}"
+    command = f"vitray data prepare pets:/path/to/oxford-iiit-pet {moto_server.url('prepared', 'pets')}"
     assert "| 0.8750 |" in text and text.count(command) == 3
     assert storage.exists(moto_server.url("eval", "report", "accuracy_per_benchmark.png"))
     assert run_grid(grid, [ref], show_progress=False).missing == 3  # missing cells are retried, never skipped

@@ -61,7 +61,7 @@ class _WeightSum(Evaluator):
     """Reports the sum of the head's weights it is given: which weights were scored."""
 
     def evaluate(self, module, env):
-        return {"sum": float(module.head.weight.sum())}
+        return {"sum": float(module.head.weight.detach().sum())}
 
 
 def _env(ema=None) -> EvalEnv:

@@ -135,7 +135,7 @@ def test_benchmark_form_builds_the_protocol_recipe(pretrained, digits_dataset, t
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert missing.returncode == 2
-    assert f"vitray data prepare cifar10:/path/to/cifar-10-batches-py {root}/cifar10" in missing.stderr
+    assert f"vitray data prepare cifar10:/path/to/cifar-10-binary.tar.gz {root}/cifar10" in missing.stderr
 
 
 def _grid_plan(tmp_path, benchmarks, **finetune):

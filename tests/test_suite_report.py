@@ -105,8 +105,8 @@ def test_missing_dataset_message_is_the_prepare_command(tmp_path):
     assert missing.command == f"vitray data prepare builtin:digits {tmp_path}/digits"
     with pytest.raises(MissingDataset, match=re.escape(f"vitray data prepare builtin:digits {tmp_path}/digits")):
         require_prepared("digits", str(tmp_path))
-    assert "cifar10:/path/to/cifar-10-batches-py" in str(find_missing("cifar10", str(tmp_path)))
-    assert "imagefolder:/path/to/oxford-iiit-pets" in str(find_missing("pets", str(tmp_path)))
+    assert "cifar10:/path/to/cifar-10-binary.tar.gz" in str(find_missing("cifar10", str(tmp_path)))
+    assert "pets:/path/to/oxford-iiit-pet" in str(find_missing("pets", str(tmp_path)))
 
     # A folder that is still being written (shards, no dataset.json yet) is not prepared either.
     (tmp_path / "digits").mkdir()
