@@ -99,6 +99,7 @@ def test_loop_in_process_with_zero2_bf16_ema_mixup(process_group, digits_dataset
     ctx = WorkerContext(rank=0, world_size=1, run_dir=str(tmp_path / "run"), report=lambda m, d: reports.append((m, d)))
     loop = TrainingLoop(cfg, ctx)
     assert loop.accum == 2 and loop.backend.dtype == torch.bfloat16
+    assert loop._eval_env().ema is loop.ema is not None  # evaluators get the EMA weights to score
     last = loop.run()
     assert math.isfinite(last["loss"]) and last["lr"] == pytest.approx(0.0)  # linear decay ends at 0
     saved = [d for _, d in reports if d is not None]
