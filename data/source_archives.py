@@ -112,7 +112,9 @@ class PetsSource(_ArchiveSource):
                     continue
                 match = _PETS_LINE.match(line.strip())
                 if not match:
-                    raise ValueError(f"annotations/{split} line {number}: {line!r} is not 'NAME CLASS_ID SPECIES BREED_ID'")
+                    raise ValueError(
+                        f"annotations/{split} line {number}: {line!r} is not 'NAME CLASS_ID SPECIES BREED_ID'"
+                    )
                 class_id = int(match["class_id"])
                 breeds.setdefault(class_id, match["name"].rsplit("_", 1)[0])
                 items.append((f"images/{match['name']}.jpg", class_id - 1))

@@ -55,6 +55,10 @@ def _class_label(feature: dict[str, Any]) -> dict[str, Any] | None:
     return dtype.get("class_label") if isinstance(dtype, dict) and "class_label" in dtype else None
 
 
+def _is_class_label(feature: dict[str, Any]) -> bool:
+    return _class_label(feature) is not None
+
+
 def _card_names(feature: dict[str, Any] | None) -> list[str] | None:
     label = _class_label(feature or {}) or {}
     names = label.get("names")
@@ -78,10 +82,9 @@ class HfSource(ParquetSource):
             raise FileNotFoundError(f"hf source {root} does not exist")
         features = read_card_features(root)
         image = options.get("image") or _pick(features, _is_image, "image", "image", root)
-        label = options.get("label") or _pick(features, lambda f: _class_label(f) is not None, "class_label", "label", root)
+        label = options.get("label") or _pick(features, _is_class_label, "class_label", "label", root)
         card_feature = next((f for f in features if f["name"] == label), None)
-        source = cls.from_files(root, (image, label), _card_names(card_feature), f"{cls.kind}:{location}")
-        return source
+        return cls.from_files(root, (image, label), _card_names(card_feature), f"{cls.kind}:{location}")
 
 
 def _pick(features: list[dict[str, Any]], want: Any, what: str, default: str, root: Path) -> str:

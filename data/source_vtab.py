@@ -223,12 +223,16 @@ class VtabSource(Source):
         task = VTAB_TASKS[task_name]
         build = TfdsBuild.open(Path(path).expanduser().resolve())
         if build.name != task.tfds_name:
-            raise ValueError(f"vtab task {task_name!r} reads the TFDS dataset {task.tfds_name!r}; {build.folder} holds {build.name!r}")
+            raise ValueError(
+                f"vtab task {task_name!r} reads the TFDS dataset {task.tfds_name!r}; {build.folder} holds {build.name!r}"
+            )
         sizes = {name: split.size for name, split in build.splits.items()}
         try:
             train800, val200, test = task.splits(sizes)
         except KeyError as missing:
-            raise ValueError(f"vtab task {task_name!r} needs the TFDS split {missing}; {build.folder} has {sorted(sizes)}") from None
+            raise ValueError(
+                f"vtab task {task_name!r} needs the TFDS split {missing}; {build.folder} has {sorted(sizes)}"
+            ) from None
         segments = {"train": [cls._segment(build, *train800), cls._segment(build, *val200)],
                     "test": [cls._segment(build, *test)]}  # fmt: skip
         names = build.class_names(task.label_feature) if task.label_feature else None
@@ -238,7 +242,9 @@ class VtabSource(Source):
     @staticmethod
     def _segment(build: TfdsBuild, split: str, start: int, stop: int) -> Segment:
         if split not in build.splits:
-            raise ValueError(f"{build.folder}: VTAB needs the TFDS split {split!r}; the build has {sorted(build.splits)}")
+            raise ValueError(
+                f"{build.folder}: VTAB needs the TFDS split {split!r}; the build has {sorted(build.splits)}"
+            )
         whole = build.splits[split]
         if not 0 <= start < stop <= whole.size:
             raise ValueError(

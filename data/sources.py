@@ -1,8 +1,8 @@
 """Dataset sources that ``vitray data prepare`` turns into shards.
 
-A source spec is ``KIND:PATH`` (``imagefolder:/data/pets``, ``cifar10:/data/cifar-10-batches-py``,
-``cifar100:PATH``, ``parquet:PATH``, ``hf:PATH``, ``tfds:DATA_DIR/NAME/VERSION``, ``vtab:TASK:DATA_DIR/NAME/VERSION``, the original
-archives ``pets:DIR`` and ``flowers102:DIR``)
+A source spec is ``KIND:PATH`` (``imagefolder:/data/pets``, ``cifar10:/data/cifar-10-binary.tar.gz``,
+``cifar100:PATH``, ``parquet:PATH``, ``hf:PATH``, ``tfds:DATA_DIR/NAME/VERSION``,
+``vtab:TASK:DATA_DIR/NAME/VERSION``, the original archives ``pets:DIR`` and ``flowers102:DIR``)
 or ``builtin:NAME`` (``builtin:digits``); ``unlabelled:SPEC``
 is any of them without its labels (see :mod:`vitray.data.source_unlabelled`). A :class:`Source`
 knows its splits, classes and label kind, and hands out picklable :class:`SampleChunk` objects for

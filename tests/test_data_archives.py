@@ -159,3 +159,11 @@ def test_cifar100_binary_uses_the_fine_label(tmp_path):
     prepare_dataset(source, str(tmp_path / "out"))
     assert sorted(read_labels(str(tmp_path / "out"), "train")[1].tolist()) == sorted((i * 7) % 100 for i in range(6))
     assert sorted(read_labels(str(tmp_path / "out"), "test")[1].tolist()) == [42, 99]
+
+
+def test_archive_chunks_pickle_for_the_ray_tasks_that_write_shards(tmp_path):
+    import pickle
+
+    folder, _ = _flowers(tmp_path / "flowers")
+    chunk = open_source(f"flowers102:{folder}").chunk("test", [0, 2, 4])
+    assert [(s.image, s.label) for s in pickle.loads(pickle.dumps(chunk))] == [(s.image, s.label) for s in chunk]

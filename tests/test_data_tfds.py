@@ -248,3 +248,14 @@ def test_grid_runs_on_a_prepared_vtab_task(pretrained, tmp_path):
     assert json.loads(finetune["settings"].iloc[0])["train_split"] == "train[:1000]"
     fewshot = rows[(rows["method"] == "fewshot") & (rows["metric"] == "accuracy")]
     assert len(fewshot) == 2 and fewshot["value"].between(0.0, 1.0).all()
+
+
+def test_chunks_pickle_for_the_ray_tasks_that_write_shards(tmp_path):
+    import pickle
+
+    build = _dtd_like(tmp_path / "tfds")
+    for spec, split, indices in ((f"vtab:dtd:{build}", "train", range(795, 805)), (f"tfds:{build}", "validation", range(3))):
+        chunk = open_source(spec).chunk(split, list(indices))
+        assert [(s.image, s.label) for s in pickle.loads(pickle.dumps(chunk))] == [(s.image, s.label) for s in chunk]
+    assert [s.label for s in open_source(f"vtab:dtd:{build}").chunk("train", list(range(798, 802)))] == [
+        _train_label(798), _train_label(799), _val_label(0), _val_label(1)]  # train800 ends, val200 begins
