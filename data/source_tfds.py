@@ -11,9 +11,12 @@ PATH is a version folder of a TFDS data dir, ``DATA_DIR/NAME/VERSION`` (or
 Every TFDS split becomes a split of the same name (``train``, ``validation``, ``test``), in TFDS's
 own order (shard by shard, record by record), so the slices of :mod:`vitray.data.splits` select the
 same examples as TFDS's ``train[:800]``. Images are kept as stored (the encoded PNG/JPEG bytes of the
-``image`` feature); the label is the ``label`` ClassLabel feature. ``tfds:PATH?image=KEY&label=KEY``
-names other features. Builds in the ``array_record`` format are refused: no reader for it is
-installed here (rebuild with ``file_format="tfrecord"``). For VTAB-1k's tasks, with their 800/200
+``image`` feature); the label is the ``label`` ClassLabel feature, or a Sequence of ClassLabel
+(multi-label, e.g. ImageNet-ReaL's ``real_label``). Options, after ``?`` and joined by ``&``:
+``image=KEY`` and ``label=KEY`` name other features; ``split=TFDS_NAME:NAME`` renames a split
+(``split=validation:val``: ImageNet's validation set as the benchmark's ``val``). Builds in the
+``array_record`` format are refused: no reader for it is installed here (rebuild with
+``file_format="tfrecord"``). For VTAB-1k's tasks, with their 800/200
 splits and derived labels, see ``vtab:TASK:PATH`` (:mod:`vitray.data.source_vtab`).
 """
 
@@ -95,9 +98,13 @@ class TfdsBuild:
         names_file = self.folder / f"{label}.labels.txt"
         if names_file.is_file():
             return [line for line in names_file.read_text().splitlines() if line]
-        spec = self.features.get(label, {})
+        spec = _class_label_spec(self.features.get(label, {}))
         count = spec.get("classLabel", {}).get("numClasses") or spec.get("content", {}).get("num_classes")
         return [str(i) for i in range(int(count))] if count else None
+
+    def is_sequence(self, label: str) -> bool:
+        """True when ``label`` is a Sequence of ClassLabel (several labels per example)."""
+        return _type_of(self.features.get(label, {})).endswith("Sequence")
 
     def image_feature(self) -> str:
         images = [name for name, spec in self.features.items() if _type_of(spec).endswith("Image")]
@@ -115,6 +122,13 @@ def _read_features(folder: Path) -> dict[str, dict[str, Any]]:
 
 def _type_of(spec: dict[str, Any]) -> str:
     return str(spec.get("pythonClassName") or spec.get("type") or "")
+
+
+def _class_label_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """The ClassLabel inside a Sequence feature (newer ``sequence.feature``, older ``content.feature``)."""
+    if _type_of(spec).endswith("Sequence"):
+        return spec.get("sequence", {}).get("feature") or spec.get("content", {}).get("feature") or {}
+    return spec
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,13 +210,17 @@ def segment_nbytes(segments: Sequence[Segment]) -> np.ndarray:
 
 @dataclass(frozen=True)
 class _PlainSample:
-    """Picklable example -> sample: the stored image bytes and an integer label feature."""
+    """Picklable example -> sample: the stored image bytes and an integer label feature (all of
+    its values, as a tuple, for a multi-label Sequence)."""
 
     image: str
     label: str
+    multi: bool = False
 
     def __call__(self, example: Example, where: str) -> Sample:
         data = example_image(example, self.image, where)
+        if self.multi:
+            return Sample(data, image_ext(data), tuple(int(v) for v in example.get(self.label, [])))
         return Sample(data, image_ext(data), example_int(example, self.label, where))
 
 
@@ -213,34 +231,52 @@ class TfdsSource(Source):
     kind = "tfds"
     random_access = False  # TFDS order is what its slices (train[:800]) refer to: keep it
 
-    def __init__(self, build: TfdsBuild, image: str, label: str, classes: list[str]) -> None:
-        super().__init__(f"{self.kind}:{build.folder}", build.name, classes, "single")
-        self.build, self.to_sample = build, _PlainSample(image, label)
+    def __init__(self, build: TfdsBuild, image: str, label: str, classes: list[str],
+                 renames: dict[str, str] | None = None, spec: str | None = None) -> None:  # fmt: skip
+        multi = build.is_sequence(label)
+        super().__init__(spec or f"{self.kind}:{build.folder}", build.name, classes, "multi" if multi else "single")
+        self.build, self.to_sample = build, _PlainSample(image, label, multi)
+        self.names = {ours: tfds for tfds, ours in (renames or {}).items()}  # our split name -> TFDS's
+        self.names.update({tfds: tfds for tfds in build.splits if tfds not in (renames or {})})
 
     @classmethod
     def open(cls, location: str) -> TfdsSource:
         match = _OPTIONS.match(location)
         if not match:
-            raise ValueError(f"tfds source {location!r} is not PATH or PATH?image=KEY&label=KEY")
-        options = {k: v[-1] for k, v in parse_qs(match["query"] or "").items()}
-        unknown = sorted(set(options) - {"image", "label"})
+            raise ValueError(f"tfds source {location!r} is not PATH or PATH?image=KEY&label=KEY&split=FROM:TO")
+        query = parse_qs(match["query"] or "")
+        options = {k: v[-1] for k, v in query.items()}
+        unknown = sorted(set(options) - {"image", "label", "split"})
         if unknown:
-            raise ValueError(f"tfds source options {unknown} are not known; allowed: image=KEY, label=KEY")
+            raise ValueError(
+                f"tfds source options {unknown} are not known; allowed: image=KEY, label=KEY, split=TFDS_NAME:NAME"
+            )
         build = TfdsBuild.open(Path(match["path"]).expanduser().resolve())
+        renames = {}
+        for rename in (r for value in query.get("split", []) for r in value.split(",")):
+            old, sep, new = rename.partition(":")
+            if not sep or old not in build.splits:
+                raise ValueError(
+                    f"tfds source option split={rename!r} is not TFDS_NAME:NAME with TFDS_NAME one of {sorted(build.splits)}"
+                )
+            if new in build.splits and new not in {old, *renames}:
+                raise ValueError(f"tfds source option split={rename!r}: the build already has a split {new!r}")
+            renames[old] = check_split_name(new, f"split={rename}")
         label = options.get("label", "label")
         if build.features and label not in build.features:
             raise ValueError(f"tfds source {build.folder} has no feature {label!r}; features: {sorted(build.features)}")
         classes = build.class_names(label)
         if classes is None:
             raise ValueError(f"tfds source {build.folder}: feature {label!r} is not a ClassLabel (no class count)")
-        return cls(build, options.get("image") or build.image_feature(), label, classes)
+        image = options.get("image") or build.image_feature()
+        return cls(build, image, label, classes, renames, f"{cls.kind}:{location}")
 
     def _segments(self, split: str) -> list[Segment]:
-        whole = self.build.splits[split]
+        whole = self.build.splits[self.names[split]]
         return [Segment(whole, 0, whole.size)]
 
     def split_sizes(self) -> dict[str, int]:
-        return {name: split.size for name, split in self.build.splits.items()}
+        return {ours: self.build.splits[tfds].size for ours, tfds in self.names.items()}
 
     def sample_nbytes(self, split: str) -> np.ndarray:
         return segment_nbytes(self._segments(split))

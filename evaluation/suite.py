@@ -14,6 +14,7 @@ transform: for 224 px, the shorter side resized to 256 and a central 224 crop).
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -22,6 +23,9 @@ from vitray.data.layout import DatasetInfo, read_dataset_info
 from vitray.data.source_vtab import VTAB_TASKS
 
 VTAB_GROUPS = ("natural", "specialized", "structured")
+# ImageNet from its TFDS builds (TFDS names the validation split `validation`; the benchmarks read `val`).
+IMAGENET_SOURCE = "tfds:/path/to/tensorflow_datasets/imagenet2012/5.1.0?split=validation:val"
+IMAGENET_REAL_SOURCE = "tfds:/path/to/tensorflow_datasets/imagenet2012_real/1.0.0?label=real_label&split=validation:val"
 # The fine-tuning sweeps of the paper's Table 4: ImageNet's, and the one of CIFAR, Pets and Flowers.
 PAPER_LRS = (0.003, 0.01, 0.03, 0.06)
 SMALL_DATASET_LRS = (0.001, 0.003, 0.01, 0.03)
@@ -162,11 +166,10 @@ def _vtab(name: str, title: str, num_classes: int, group: str, tfds: str) -> Ben
 
 def _build_registry() -> dict[str, Benchmark]:
     entries = [
-        _paper("imagenet", "ImageNet", 1000, "imagefolder:/path/to/imagenet", 20_000, PAPER_LRS, 500, 1,
-               test_split="val", notes="ILSVRC-2012; split `val` is the 50k validation set"),
-        _paper("imagenet_real", "ImageNet-ReaL", 1000, "parquet:/path/to/imagenet-real", 20_000, PAPER_LRS, 500,
-               1, test_split="val", label_kind="multi", train_dataset="imagenet",
-               train_prepare_source="imagefolder:/path/to/imagenet",
+        _paper("imagenet", "ImageNet", 1000, IMAGENET_SOURCE, 20_000, PAPER_LRS, 500, 1,
+               test_split="val", notes="ILSVRC-2012; split `val` is the 50k validation set (TFDS `validation`)"),
+        _paper("imagenet_real", "ImageNet-ReaL", 1000, IMAGENET_REAL_SOURCE, 20_000, PAPER_LRS, 500,
+               1, test_split="val", label_kind="multi", train_dataset="imagenet", train_prepare_source=IMAGENET_SOURCE,
                notes="ImageNet validation images with the ReaL label sets (multi-label); trains on ImageNet"),
         _paper("cifar10", "CIFAR-10", 10, "cifar10:/path/to/cifar-10-binary.tar.gz", 10_000, SMALL_DATASET_LRS, 500,
                2),
@@ -247,7 +250,7 @@ def prepare_command(benchmark: Benchmark | str, data_root: str, *, train: bool =
     b = _resolve(benchmark)
     source = b.train_prepare_source if train and b.train_dataset else b.prepare_source
     dest = locate_train(b, data_root) if train else locate(b, data_root)
-    return f"vitray data prepare {source} {dest}"
+    return f"vitray data prepare {shlex.quote(source)} {shlex.quote(dest)}"
 
 
 def find_missing(

@@ -259,3 +259,28 @@ def test_chunks_pickle_for_the_ray_tasks_that_write_shards(tmp_path):
         assert [(s.image, s.label) for s in pickle.loads(pickle.dumps(chunk))] == [(s.image, s.label) for s in chunk]
     assert [s.label for s in open_source(f"vtab:dtd:{build}").chunk("train", list(range(798, 802)))] == [
         _train_label(798), _train_label(799), _val_label(0), _val_label(1)]  # train800 ends, val200 begins
+
+
+def test_tfds_multi_label_sequences_and_split_renames(tmp_path):
+    # ImageNet-ReaL's shape: only a validation split, `real_label` a Sequence of ClassLabel (may be empty).
+    real = [[1], [0, 2], [], [3]]
+    examples = [{"image": png(i), "original_label": i % 4, "real_label": labels} for i, labels in enumerate(real)]
+    build = write_tfds_build(tmp_path / "imagenet2012_real" / "1.0.0", "imagenet2012_real", {"validation": examples},
+                             shards=1, num_classes={"original_label": 4})  # fmt: skip
+    spec = json.loads((build / "features.json").read_text())
+    spec["featuresDict"]["features"]["real_label"] = {
+        "pythonClassName": "tensorflow_datasets.core.features.sequence_feature.Sequence",
+        "sequence": {"feature": {"pythonClassName": "tensorflow_datasets.core.features.class_label_feature.ClassLabel",
+                                 "classLabel": {"numClasses": "4"}}, "length": "-1"},
+    }  # fmt: skip
+    (build / "features.json").write_text(json.dumps(spec))
+    source = open_source(f"tfds:{build}?label=real_label&split=validation:val")
+    assert source.label_kind == "multi" and source.classes == ["0", "1", "2", "3"]
+    assert source.split_sizes() == {"val": 4}
+    assert [s.label for s in source.chunk("val", range(4))] == [(1,), (0, 2), (), (3,)]
+    info = prepare_dataset(source, str(tmp_path / "out"))
+    assert info.label_kind == "multi" and info.splits["val"].num_samples == 4
+    single = open_source(f"tfds:{build}?label=original_label")
+    assert single.label_kind == "single" and single.split_sizes() == {"validation": 4}
+    with pytest.raises(ValueError, match=r"TFDS_NAME one of \['validation'\]"):
+        open_source(f"tfds:{build}?label=real_label&split=valid:val")

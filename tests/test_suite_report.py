@@ -138,7 +138,9 @@ def test_prepared_but_wrong_data_is_reported(tmp_path):
         find_missing("imagenet_real", str(tmp_path))
     _write_dataset_json(tmp_path / "imagenet_real", splits=("val",), num_classes=1000, label_kind="multi")
     missing = find_missing("imagenet_real", str(tmp_path))
-    assert missing.command == f"vitray data prepare imagefolder:/path/to/imagenet {tmp_path}/imagenet"
+    assert missing.command == (
+        f"vitray data prepare 'tfds:/path/to/tensorflow_datasets/imagenet2012/5.1.0?split=validation:val' {tmp_path}/imagenet"
+    )  # quoted: the source has a `?`
     _write_dataset_json(tmp_path / "imagenet", splits=("train", "val"), num_classes=1000)
     assert find_missing("imagenet_real", str(tmp_path)) is None
 
