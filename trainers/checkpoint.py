@@ -89,9 +89,9 @@ def load_model(folder: str, fs=None, *, ema: bool = True):
     """The trained model stored in a complete checkpoint folder (built from its own config), and
     the checkpoint's trainer state, with the weights file read under ``"weights_file"``.
 
-    With ``ema`` (the default) a run trained with ``optim.ema_decay`` gives its EMA weights, as the
-    authors evaluate and fine-tune from the Polyak-averaged weights; ``ema=False`` (or a run
-    without EMA) gives the raw weights."""
+    With ``ema`` (the default) a run trained with ``optim.ema_decay`` gives its EMA weights -- the
+    averaged weights are the model, as the paper reports its Polyak-averaged models; ``ema=False``
+    (or a run without EMA) gives the raw weights."""
     from safetensors.torch import load
 
     from vitray.models import ModelConfig, create_model_from_config
