@@ -61,6 +61,7 @@ class TfdsBuild:
     name: str
     splits: dict[str, TfdsSplit]
     features: dict[str, dict[str, Any]]  # top-level feature name -> its features.json entry
+    config: str | None = None  # the builder config (dataset_info.json's configName), if any
 
     @classmethod
     def open(cls, folder: Path) -> TfdsBuild:
@@ -91,7 +92,7 @@ class TfdsBuild:
             splits[split] = TfdsSplit(split, files, lengths, int(entry.get("numBytes", 0) or 0))
         if not splits:
             raise ValueError(f"tfds source {folder}: dataset_info.json lists no splits with shardLengths")
-        return cls(folder, name, splits, _read_features(folder))
+        return cls(folder, name, splits, _read_features(folder), info.get("configName") or None)
 
     def class_names(self, label: str) -> list[str] | None:
         """Names of the ClassLabel feature ``label`` (its ``LABEL.labels.txt``), or numbered ones."""

@@ -156,6 +156,7 @@ class VtabTask:
     label: Callable[[Example, str], int]
     label_feature: str | None = None  # class names come from this ClassLabel feature's labels.txt
     scale_binary_images: bool = False
+    tfds_config: str | None = None  # the builder config VTAB reads, when the dataset has several
 
 
 VTAB_TASKS: dict[str, VtabTask] = {
@@ -164,12 +165,13 @@ VTAB_TASKS: dict[str, VtabTask] = {
     "dtd": VtabTask("dtd", 47, _official_validation, _Feature("label"), "label"),
     "flowers102": VtabTask("oxford_flowers102", 102, _official_validation, _Feature("label"), "label"),
     "pets": VtabTask("oxford_iiit_pet", 37, _held_out_of_train(80), _Feature("label"), "label"),
-    "sun397": VtabTask("sun397", 397, _official_validation, _Feature("label"), "label"),
+    "sun397": VtabTask("sun397", 397, _official_validation, _Feature("label"), "label", tfds_config="tfds"),
     "svhn": VtabTask("svhn_cropped", 10, _held_out_of_train(90), _Feature("label"), "label"),
     "patch_camelyon": VtabTask("patch_camelyon", 2, _official_validation, _Feature("label"), "label"),
     "eurosat": VtabTask("eurosat", 10, _three_way_of_train(60, 20), _Feature("label"), "label"),
     "resisc45": VtabTask("resisc45", 45, _three_way_of_train(60, 20), _Feature("label"), "label"),
-    "retinopathy": VtabTask("diabetic_retinopathy_detection", 5, _official_validation, _Feature("label"), "label"),
+    "retinopathy": VtabTask("diabetic_retinopathy_detection", 5, _official_validation, _Feature("label"), "label",
+                            tfds_config="btgraham-300"),
     "clevr_count": VtabTask("clevr", 8, _held_out_of_train(90, test="validation"), _ClevrCount()),
     "clevr_dist": VtabTask("clevr", 6, _held_out_of_train(90, test="validation"),
                            _ClevrClosest((0.0, 8.0, 8.5, 9.0, 9.5, 10.0, 100.0))),
@@ -225,6 +227,11 @@ class VtabSource(Source):
         if build.name != task.tfds_name:
             raise ValueError(
                 f"vtab task {task_name!r} reads the TFDS dataset {task.tfds_name!r}; {build.folder} holds {build.name!r}"
+            )
+        if task.tfds_config and build.config != task.tfds_config:
+            raise ValueError(
+                f"vtab task {task_name!r} reads the {task.tfds_name}/{task.tfds_config} config; {build.folder} is "
+                f"config {build.config!r}"
             )
         sizes = {name: split.size for name, split in build.splits.items()}
         try:

@@ -153,7 +153,8 @@ _VTAB_TASKS = (
 
 def _vtab(name: str, title: str, num_classes: int, group: str, tfds: str) -> Benchmark:
     dataset = f"vtab_{name}"
-    build = f"/path/to/tensorflow_datasets/{VTAB_TASKS[name].tfds_name}/VERSION"
+    task = VTAB_TASKS[name]
+    build = f"/path/to/tensorflow_datasets/{task.tfds_name}/{task.tfds_config + '/' if task.tfds_config else ''}VERSION"
     return Benchmark(
         name=f"vtab/{name}", title=f"VTAB {title}", num_classes=num_classes, dataset=dataset,
         train_split="train", test_split="test", prepare_source=f"vtab:{name}:{build}",

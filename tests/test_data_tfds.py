@@ -284,3 +284,15 @@ def test_tfds_multi_label_sequences_and_split_renames(tmp_path):
     assert single.label_kind == "single" and single.split_sizes() == {"validation": 4}
     with pytest.raises(ValueError, match=r"TFDS_NAME one of \['validation'\]"):
         open_source(f"tfds:{build}?label=real_label&split=valid:val")
+
+
+def test_vtab_checks_the_builder_config_where_vtab_names_one(tmp_path):
+    examples = {split: [{"image": png(i), "label": i % 5} for i in range(n)]
+                for split, n in (("train", 810), ("validation", 205), ("test", 7))}  # fmt: skip
+    original = write_tfds_build(tmp_path / "diabetic_retinopathy_detection" / "original" / "3.0.0",
+                                "diabetic_retinopathy_detection", examples, num_classes={"label": 5}, config="original")
+    with pytest.raises(ValueError, match="btgraham-300 config"):
+        open_source(f"vtab:retinopathy:{original}")
+    graham = write_tfds_build(tmp_path / "diabetic_retinopathy_detection" / "btgraham-300" / "3.0.0",
+                              "diabetic_retinopathy_detection", examples, num_classes={"label": 5}, config="btgraham-300")
+    assert open_source(f"vtab:retinopathy:{graham}").split_sizes() == {"train": 1000, "test": 7}

@@ -36,6 +36,7 @@ def write_tfds_build(
     class_names: Mapping[str, Sequence[str]] | None = None,
     num_classes: Mapping[str, int] | None = None,
     file_format: str = "tfrecord",
+    config: str | None = None,
 ) -> Path:
     """A TFDS version folder holding ``splits`` ({split: [feature dict per example]}), each split cut
     into ``shards`` tfrecord files; ``class_names`` become ``LABEL.labels.txt`` files."""
@@ -53,6 +54,8 @@ def write_tfds_build(
                             "filepathTemplate": "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}"})  # fmt: skip
     info = {"name": name, "version": folder.name, "fileFormat": file_format, "splits": info_splits,
             "moduleName": f"tensorflow_datasets.image_classification.{name}"}  # fmt: skip
+    if config:
+        info["configName"] = config
     (folder / "dataset_info.json").write_text(json.dumps(info, indent=2))
     features: dict[str, Any] = {
         "image": {"pythonClassName": "tensorflow_datasets.core.features.image_feature.Image",
