@@ -135,8 +135,9 @@ class Evaluator:
     def __call__(self, module: torch.nn.Module, env: EvalEnv) -> dict[str, float]:
         if self.rank0_only and env.rank != 0:
             return {}
-        if env.ema is not None and self.config.weights == "ema":
-            with ema_weights(module, env.ema):
+        ema = getattr(env, "ema", None)
+        if ema is not None and self.config.weights == "ema":
+            with ema_weights(module, ema):
                 metrics = self.evaluate(module, env)
         else:
             metrics = self.evaluate(module, env)
