@@ -4,6 +4,7 @@ where a re-run resumes (with the reason for skipping a newer checkpoint)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -230,3 +231,44 @@ def test_runs_lists_attempts_and_marks_a_vanished_one_lost(tmp_path):
         assert run.status.startswith(f"running ({lease.owner} (host {socket.gethostname()}, pid {os.getpid()})")
     finally:
         lease.release()
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 4 MiB tmpfs filled to the last byte (mounting it needs root)."""
+    mount = tmp_path / "staging"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a small tmpfs needs root: {done.stderr.decode().strip()}")
+    try:
+        with open(mount / "filler", "wb") as f:
+            with pytest.raises(OSError) as full:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+        assert full.value.errno == errno.ENOSPC
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_staging_disk_raises_what_to_free_and_leaves_no_partial_files(full_disk):
+    import torch
+
+    from test_checkpointer import FakeBackend, FakeLoader
+    from vitray.trainers.checkpointer import Checkpointer, CheckpointDiskFull
+
+    reports = []
+    saver = Checkpointer(FakeBackend(), rank=0, world_size=1, every=2, last_step=4, report=lambda m, d: reports.append(d),
+                         states={"data": FakeLoader()}, weights={}, record={}, staging_dir=str(full_disk))  # fmt: skip
+    saver.backend.module = torch.nn.Linear(64, 64)
+    saver.save(2, {})
+    with pytest.raises(CheckpointDiskFull) as stopped:
+        saver.finish(wait=True)
+    message = str(stopped.value)
+    assert stopped.value.errno == errno.ENOSPC and "No space left on device" in message
+    assert f"checkpoint of step 2 to its staging folder {full_disk}" in message
+    assert f"Free space in {full_disk}" in message and "checkpoint.staging_dir" in message
+    assert reports == []  # nothing handed to the run
+    assert [p.name for p in full_disk.iterdir()] == ["filler"]  # the partial folder is gone
