@@ -18,6 +18,7 @@ step while a write is in flight), so all ranks report it at the same step, as Ra
 from __future__ import annotations
 
 import errno
+import hashlib
 import shutil
 import tempfile
 import threading
@@ -75,12 +76,19 @@ class Checkpointer:
         weights: dict[str, Stateful],
         record: dict[str, Any],
         staging_dir: str | None = None,
+        run_dir: str = "",
     ):
         self.backend, self.rank, self.world = backend, rank, world_size
         self.every, self.last_step = every, last_step
         self.report = report
         self.states, self.weights, self.record = states, weights, record
         self.staging_dir = staging_dir
+        # Staging folders carry a digest of the run folder, so that this run can find its own
+        # leftovers (the run folder has one driver at a time: its lease) and no other run's.
+        digest = hashlib.sha1(run_dir.encode()).hexdigest()[:10] if run_dir else ""
+        self._prefix = f"vitray-ckpt-{digest}-" if digest else "vitray-ckpt-"
+        if digest:
+            self._remove_staged(f"{self._prefix}*")  # left by an attempt that was killed (one driver per run: the lease)
         self._in_flight: _InFlight | None = None
         self._costs: dict[str, float] = {}
 
@@ -94,7 +102,7 @@ class Checkpointer:
             Path(self.staging_dir).mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         try:
-            folder = Path(tempfile.mkdtemp(prefix=f"vitray-ckpt-{step:08d}-r{self.rank}-", dir=self.staging_dir))
+            folder = Path(tempfile.mkdtemp(prefix=f"{self._prefix}{step:08d}-r{self.rank}-", dir=self.staging_dir))
             shards = self.backend.save(folder)
         except OSError as error:
             self._raise_if_disk_full(error, step, locals().get("folder"))
@@ -155,6 +163,8 @@ class Checkpointer:
             return
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
+        # The other ranks on this host share the disk and may be stopped before they clean up.
+        self._remove_staged(f"{self._prefix}{step:08d}-r*")
         where = self.staging_dir or tempfile.gettempdir()
         usage = shutil.disk_usage(where)
         raise CheckpointDiskFull(
@@ -165,6 +175,10 @@ class Checkpointer:
             f"resumes from it. Free space in {where} (each worker needs room for one checkpoint's share there; "
             "vitray-ckpt-* folders are removed once uploaded) or point checkpoint.staging_dir at a larger disk",
         ) from error
+
+    def _remove_staged(self, pattern: str) -> None:
+        for stale in Path(self.staging_dir or tempfile.gettempdir()).glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
 
     def take_costs(self) -> dict[str, float]:
         """The cost of the last checkpoint handed over, once (empty until the next one)."""

@@ -87,6 +87,7 @@ class TrainingLoop:
             last_step=cfg.train.steps,
             report=ctx.report,
             staging_dir=cfg.checkpoint.staging_dir,
+            run_dir=ctx.run_dir,
             states={"data": self.loader},
             weights={ckpt.EMA_FILE: self.ema} if self.ema is not None else {},
             record={
