@@ -95,9 +95,11 @@ def _complete_or_fallback(restore_dir: Path, run_dir: str, stack: contextlib.Exi
 def _older_than(restore_dir: Path | None, checkpoint_path: str) -> bool:
     from vitray.trainers.checkpoint import checkpoint_state, verify_complete
 
-    if restore_dir is None:
-        return True
-    return int(verify_complete(restore_dir)["step"]) < int(checkpoint_state(checkpoint_path)["step"])
+    try:
+        announced = int(checkpoint_state(checkpoint_path)["step"])
+    except (OSError, ValueError, KeyError, RuntimeError):  # rotated away since (checkpoint.keep): Ray's is newer
+        return False
+    return restore_dir is None or int(verify_complete(restore_dir)["step"]) < announced
 
 
 def _open(checkpoint_path: str, stack: contextlib.ExitStack) -> Path:

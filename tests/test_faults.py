@@ -273,22 +273,3 @@ def test_a_full_staging_disk_raises_what_to_free_and_leaves_no_partial_files(ful
     assert reports == []  # nothing handed to the run
     assert [p.name for p in full_disk.iterdir()] == ["filler"]  # the partial folder is gone
 
-
-def test_a_restarted_run_removes_only_its_own_leftover_staging_folders(tmp_path):
-    from test_checkpointer import FakeBackend, FakeLoader
-    from vitray.trainers.checkpointer import Checkpointer
-
-    def saver(run_dir: str) -> Checkpointer:
-        return Checkpointer(FakeBackend(), rank=0, world_size=1, every=2, last_step=4, report=lambda m, d: None,
-                            states={"data": FakeLoader()}, weights={}, record={}, staging_dir=str(tmp_path),
-                            run_dir=run_dir)  # fmt: skip
-
-    saver("s3://b/runs/a").save(2, {})
-    saver("s3://b/runs/b").save(2, {})
-    time.sleep(0.5)  # let the background writes end
-    assert len(list(tmp_path.glob("vitray-ckpt-*"))) == 2
-    saver("s3://b/runs/a")  # run a's next attempt starts
-    (left,) = tmp_path.glob("vitray-ckpt-*")
-    import hashlib
-
-    assert left.name.startswith(f"vitray-ckpt-{hashlib.sha1(b's3://b/runs/b').hexdigest()[:10]}-00000002-r0-")

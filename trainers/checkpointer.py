@@ -83,12 +83,10 @@ class Checkpointer:
         self.report = report
         self.states, self.weights, self.record = states, weights, record
         self.staging_dir = staging_dir
-        # Staging folders carry a digest of the run folder, so that this run can find its own
-        # leftovers (the run folder has one driver at a time: its lease) and no other run's.
+        # Staging folders carry a digest of the run folder, so that on a full disk this run removes
+        # its own partial files (every rank's on this host) and no other run's.
         digest = hashlib.sha1(run_dir.encode()).hexdigest()[:10] if run_dir else ""
         self._prefix = f"vitray-ckpt-{digest}-" if digest else "vitray-ckpt-"
-        if digest:
-            self._remove_staged(f"{self._prefix}*")  # left by an attempt that was killed (one driver per run: the lease)
         self._in_flight: _InFlight | None = None
         self._costs: dict[str, float] = {}
 
