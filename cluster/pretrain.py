@@ -175,7 +175,7 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
     from vitray.trainers.run_files import RunFiles
 
     folder = run_dir(cfg.run.storage, cfg.run.name)
-    lease = RunLease(folder, timeout_s=cfg.run.lease_timeout_s, force=force)
+    lease = RunLease(folder, timeout_s=cfg.run.lease_timeout_s, force=force, on_lost=_lease_lost)
     warning = lease.acquire()  # before any Ray resources are taken
     files = RunFiles(folder)
     attempt = None
@@ -210,6 +210,13 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
         raise
     finally:
         lease.release()
+
+
+def _lease_lost(holder) -> None:
+    # Only `--force` (or a heartbeat stalled past the timeout) gets here; this driver is not stopped
+    # (a stop notice in the run folder would stop the new holder's workers too), but it says so.
+    print(f"vitray: WARNING: {holder.describe()} took over this run's lease; two drivers may now write its "
+          "checkpoints: stop one of them", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _last_step(folder: str) -> dict:
