@@ -231,9 +231,10 @@ def test_sigterm_to_a_worker_restarts_the_group_and_the_run_finishes_identically
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _wait_for(lambda: latest_complete_checkpoint(run_dir) is not None, proc, "the first checkpoint")
+        # The Ray Train workers themselves (their DataLoader processes are named pt_data_worker).
         workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "RayTrainWorker" in " ".join(p.cmdline())]  # fmt: skip
-        assert len(workers) == 2, [" ".join(p.cmdline())[:80] for p in workers]
+                   if p.name().startswith("ray::RayTrainWorker")]  # fmt: skip
+        assert len(workers) == 2, [p.name() for p in workers]
         workers[-1].send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=300)
     finally:
@@ -244,3 +245,28 @@ def test_sigterm_to_a_worker_restarts_the_group_and_the_run_finishes_identically
     assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
     assert not workers[-1].is_running()
     assert_same_weights(final_weights(run_dir), reference["weights"])
+
+
+def test_when_the_grace_period_runs_out_the_driver_exits_without_a_new_checkpoint(digits_dataset, tmp_path):
+    """Workers that do not reach a check step in time (here: checks every 1000 steps) do not hold
+    the driver past `run.preemption_grace_s`; the previous complete checkpoint is what remains."""
+    storage = tmp_path / "runs"
+    run_dir = str(storage / "ref")
+    args = pretrain_args(str(digits_dataset), str(storage), "ref", "train.steps=200", "checkpoint.every=4",
+                         "checkpoint.preemption_check_every=1000", "run.preemption_grace_s=3")  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: latest_complete_checkpoint(run_dir) is not None, proc, "the first checkpoint")
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=120)
+        waited = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        _stop_leftover_ray(proc.pid)
+    assert proc.returncode == 128 + signal.SIGTERM, stdout[-2000:] + stderr[-4000:]
+    assert "grace period of 3 s over before the workers stopped" in _flat(stderr)
+    assert 3 <= waited < 30
+    assert all(c.complete for c in find_checkpoints(run_dir))
