@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import typer
+
 from vitray.cli.app import ConfigOpt, DryRunOpt, SetOpt, VerboseOpt, app, console, fail, load, print_config
 
 
 @app.command()
-def pretrain(config: ConfigOpt = None, set_: SetOpt = None, dry_run: DryRunOpt = False, verbose: VerboseOpt = False):
+def pretrain(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    dry_run: DryRunOpt = False,
+    verbose: VerboseOpt = False,
+    force: Annotated[bool, typer.Option("--force", help="Take over the run's lease even if its holder's heartbeat is fresh.")] = False,
+):
     """Pre-train a ViT on a Ray cluster (an embedded local Ray when cluster.address is empty).
 
     Re-running with the same run.name and run.storage resumes from the latest complete checkpoint.
+    A second start of a run that is running refuses (the run's lease); SIGTERM checkpoints and stops.
     """
     from vitray.trainers.config import TrainingConfig
 
@@ -17,13 +28,22 @@ def pretrain(config: ConfigOpt = None, set_: SetOpt = None, dry_run: DryRunOpt =
     if dry_run:
         print_config(cfg)
         return
-    from vitray.cluster.pretrain import TrainingFailedError, pretrain as run_pretrain
+    from vitray.cluster.pretrain import Preempted, TrainingFailedError, pretrain as run_pretrain
     from vitray.cluster.runtime import NotEnoughResources, run_dir
+    from vitray.trainers.lease import RunLeaseHeld
 
     try:
-        result = run_pretrain(cfg, verbose=verbose)
-    except NotEnoughResources as err:
+        result = run_pretrain(cfg, verbose=verbose, force=force)
+    except (NotEnoughResources, RunLeaseHeld) as err:
         fail(str(err))
+    except Preempted as stopped:
+        from vitray.trainers.checkpoint import latest_complete_checkpoint
+
+        latest = latest_complete_checkpoint(run_dir(cfg.run.storage, cfg.run.name))
+        where = f"step {latest.step} ({latest.path})" if latest else "no checkpoint"
+        console.print(f"stopped on a pre-emption notice ({stopped}); latest complete checkpoint: {where}; "
+                      "re-run the same command to resume")  # fmt: skip
+        return
     except TrainingFailedError as err:
         # Ray's message carries each failed rank's traceback; no driver traceback on top of it.
         fail(f"pre-training failed (re-run the same command to resume):\n{err}", code=1)

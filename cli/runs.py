@@ -17,10 +17,11 @@ def runs(storage: Annotated[str, typer.Argument(help="A run storage folder (loca
 
     from vitray.trainers.run_listing import list_runs
 
-    table = Table("run", "latest step", "checkpoints", "latest complete checkpoint", "status")
+    table = Table("run", "latest step", "checkpoints", "latest complete checkpoint", "status", "attempts")
     found = list_runs(storage)
     for run in found:
-        table.add_row(run.name, str(run.latest_step or "-"), str(run.num_checkpoints), run.latest_checkpoint or "-", run.status)
+        table.add_row(run.name, str(run.latest_step or "-"), str(run.num_checkpoints), run.latest_checkpoint or "-",
+                      run.status, run.attempts_summary)  # fmt: skip
     Console().print(table)
     if not found:
         console.print(f"no runs under {storage}")

@@ -11,8 +11,10 @@
 - A fine-tune selection cell trains on the train slice, then scores its last checkpoint on the
   test split in a Ray task with a worker's resources. Where the protocol re-trains the selected
   learning rate (VTAB-1k), that final run is submitted as soon as its seed's sweep is scored.
-- The driver alone appends to the results table, each cell as soon as it finishes. Finished
-  cells are skipped on a re-run; failed and missing ones are retried. Data that is not prepared
+- The driver alone appends to the results table, each cell as soon as it finishes. A cell that
+  fails (an error, or its Ray worker crashed) is tried again up to `retries` times in the same
+  invocation, then recorded as failed with its last error while the rest of the grid goes on.
+  Finished cells are skipped on a re-run; failed and missing ones are retried. Data that is not prepared
   gives "missing" rows whose message is the `vitray data prepare` command.
 """
 
@@ -23,7 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
 from rich.console import Console
@@ -108,6 +110,7 @@ def run_grid(
         return summary
 
     connect(grid.cluster.address, verbose=verbose)
+    retries = _Retries(grid.retries)
     with _progress(console, len(pending.cells) + len(ready) + len(finals.waiting), show_progress) as bar:
         futures: dict[Future, FewShotGroup | FinetuneJob] = {}
         for group in pending.fewshot:
@@ -119,7 +122,14 @@ def run_grid(
             while futures:
                 done, _ = wait(futures, return_when=FIRST_COMPLETED)
                 for future in done:
-                    for outcome in _outcomes(future, futures.pop(future)):
+                    work = futures.pop(future)
+                    outcomes = _outcomes(future, work)
+                    retry = retries.failed_again(work, outcomes)
+                    if retry is not None:  # resubmitted; its failed cells are recorded after the last try
+                        futures[_resubmit(retry, grid, pool, verbose)] = retry
+                        outcomes = [o for o in outcomes if o.ok]
+                    for outcome in outcomes:
+                        outcome = retries.annotate(outcome)
                         table.append(outcome.rows())
                         summary.add(outcome)
                         scores.add(outcome)
@@ -165,6 +175,40 @@ def _submit_fewshot(group: FewShotGroup, grid: GridConfig) -> Future:
     ref = task.remote(group, grid.data_root, settings.batch_size, settings.data_workers,
                       grid.storage_options, settings.num_gpus > 0)  # fmt: skip
     return ref.future()
+
+
+class _Retries:
+    """Re-runs failed work up to `retries` more times in this invocation (a crashed Ray worker,
+    a flaky read); a cell that still fails is recorded as failed, saying how often it was tried,
+    and the rest of the grid goes on."""
+
+    def __init__(self, retries: int):
+        self.retries = retries
+        self.tries: dict[str, int] = {}  # cell_id -> attempts so far
+
+    def failed_again(self, work: FewShotGroup | FinetuneJob, outcomes: list[CellOutcome]) -> FewShotGroup | FinetuneJob | None:
+        """The work to submit again (only its failed cells), or None when it succeeded or is out of tries."""
+        failed = [o.cell for o in outcomes if not o.ok]
+        for cell in (o.cell for o in outcomes):
+            self.tries[cell.cell_id] = self.tries.get(cell.cell_id, 0) + 1
+        again = [c for c in failed if self.tries[c.cell_id] <= self.retries]
+        if not again:
+            return None
+        if isinstance(work, FewShotGroup):
+            return replace(work, cells=tuple(again))
+        return work
+
+    def annotate(self, outcome: CellOutcome) -> CellOutcome:
+        tries = self.tries.get(outcome.cell.cell_id, 1)
+        if outcome.ok or tries <= 1:
+            return outcome
+        return replace(outcome, error=f"failed {tries} times (grid retries={self.retries}); last error: {outcome.error}")
+
+
+def _resubmit(work: FewShotGroup | FinetuneJob, grid: GridConfig, pool: ThreadPoolExecutor, verbose: bool) -> Future:
+    if isinstance(work, FewShotGroup):
+        return _submit_fewshot(work, grid)
+    return pool.submit(_finetune_cell, work, grid, verbose)
 
 
 def _finetune_cell(job: FinetuneJob, grid: GridConfig, verbose: bool) -> CellOutcome:

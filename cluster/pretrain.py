@@ -3,11 +3,21 @@
 `RunConfig(name=run.name, storage_path=run.storage)` is what makes re-submitting the same run
 resume: Ray Train finds the run's checkpoint snapshot and hands the latest committed checkpoint
 to the new workers. `FailureConfig(max_failures)` restarts a failed worker group the same way.
+
+Around `fit()` the driver holds the run's lease (one driver per run, `vitray.trainers.lease`),
+records the attempt in the run folder (what `vitray runs` lists), says where it resumes from and
+why when it falls back, and turns a SIGTERM into a pre-emption notice for the workers
+(`vitray.trainers.preemption`): checkpoint at the next agreed step, stop, exit 0.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import sys
+import threading
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +31,8 @@ from vitray.trainers.context import WorkerContext
 from vitray.trainers.progress import TrainingProgress
 
 # What `pretrain` raises when the run fails for good (each failed rank's traceback in its message).
-__all__ = ["RESOURCE_SETTINGS", "TrainingFailedError", "build_trainer", "pretrain", "scaling_config", "train_worker"]
+__all__ = ["RESOURCE_SETTINGS", "Preempted", "TrainingFailedError", "build_trainer", "pretrain", "scaling_config",
+           "train_worker"]  # fmt: skip
 
 
 def train_worker(loop_config: dict[str, Any]) -> None:
@@ -49,6 +60,12 @@ def train_worker(loop_config: dict[str, Any]) -> None:
         checkpoint = ray.train.get_checkpoint()
         if checkpoint is not None:
             restore_dir = _complete_or_fallback(Path(stack.enter_context(checkpoint.as_directory())), loop_config["run_dir"], stack)
+        announced = loop_config.get("resume_from")
+        if announced and _older_than(restore_dir, announced):
+            # The newest complete checkpoint on storage, which the driver announced, is newer than
+            # Ray's latest (a kill between the upload and Ray's bookkeeping): take it. After a
+            # restart inside this run Ray's is the newer one.
+            restore_dir = _open(announced, stack)
         worker = WorkerContext(
             rank=context.get_world_rank(),
             world_size=context.get_world_size(),
@@ -72,8 +89,23 @@ def _complete_or_fallback(restore_dir: Path, run_dir: str, stack: contextlib.Exi
         if fallback is None:
             raise RuntimeError(f"{err}; and the run {run_dir} has no other complete checkpoint") from None
         print(f"vitray: {err}; resuming from {fallback.path} (step {fallback.step}) instead", flush=True)
-        path, filesystem = ray_storage(fallback.path)
-        return Path(stack.enter_context(ray.train.Checkpoint(path, filesystem=filesystem).as_directory()))
+        return _open(fallback.path, stack)
+
+
+def _older_than(restore_dir: Path | None, checkpoint_path: str) -> bool:
+    from vitray.trainers.checkpoint import checkpoint_state, verify_complete
+
+    try:
+        announced = int(checkpoint_state(checkpoint_path)["step"])
+    except (OSError, ValueError, KeyError, RuntimeError):  # rotated away since (checkpoint.keep): Ray's is newer
+        return False
+    return restore_dir is None or int(verify_complete(restore_dir)["step"]) < announced
+
+
+def _open(checkpoint_path: str, stack: contextlib.ExitStack) -> Path:
+    """A local copy of a checkpoint folder on the run's storage."""
+    path, filesystem = ray_storage(checkpoint_path)
+    return Path(stack.enter_context(ray.train.Checkpoint(path, filesystem=filesystem).as_directory()))
 
 
 # The config keys behind each resource a worker asks for (for error messages).
@@ -100,7 +132,7 @@ def scaling_config(cfg: TrainingConfig) -> ScalingConfig:
     return ScalingConfig(num_workers=cluster.num_workers, use_gpu=use_gpu, resources_per_worker=resources)
 
 
-def build_trainer(cfg: TrainingConfig) -> TorchTrainer:
+def build_trainer(cfg: TrainingConfig, resume_from: str | None = None) -> TorchTrainer:
     storage_path, storage_fs = ray_storage(cfg.run.storage)
     scaling = scaling_config(cfg)
     # DeepSpeed on GPUs joins an NCCL group. Under XLA the devices talk through XLA itself; the
@@ -109,7 +141,8 @@ def build_trainer(cfg: TrainingConfig) -> TorchTrainer:
     backend = "nccl" if scaling.use_gpu and cfg.train.backend == "deepspeed" else "gloo"
     return TorchTrainer(
         train_worker,
-        train_loop_config={"config": cfg.model_dump(mode="json"), "run_dir": run_dir(cfg.run.storage, cfg.run.name)},
+        train_loop_config={"config": cfg.model_dump(mode="json"), "run_dir": run_dir(cfg.run.storage, cfg.run.name),
+                           "resume_from": resume_from},  # fmt: skip
         torch_config=TorchConfig(backend=backend),
         scaling_config=scaling,
         run_config=RunConfig(
@@ -122,12 +155,116 @@ def build_trainer(cfg: TrainingConfig) -> TorchTrainer:
     )
 
 
-def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool = False):
-    """Run (or resume) the pre-training run described by `cfg`; returns Ray Train's Result."""
-    connect(cfg.cluster.address, verbose=verbose)
-    trainer = build_trainer(cfg)
-    scaling = scaling_config(cfg)
-    check_local_resources(scaling.num_workers, scaling.resources_per_worker, RESOURCE_SETTINGS)
-    progress = TrainingProgress(run_dir(cfg.run.storage, cfg.run.name), total_steps=cfg.train.steps)
-    with progress if show_progress else contextlib.nullcontext():
-        return trainer.fit()
+class Preempted(Exception):
+    """The run stopped on a pre-emption notice (SIGTERM); `result` is Ray Train's Result."""
+
+    def __init__(self, result, reason: str):
+        super().__init__(reason)
+        self.result = result
+
+
+def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool = False, force: bool = False):
+    """Run (or resume) the pre-training run described by `cfg`; returns Ray Train's Result.
+
+    Raises RunLeaseHeld when another driver runs it, and Preempted after a SIGTERM once the
+    workers have checkpointed and stopped.
+    """
+    from vitray.trainers.checkpoint import describe_resume, resume_point
+    from vitray.trainers.lease import RunLease
+    from vitray.trainers.preemption import clear_stop
+    from vitray.trainers.run_files import RunFiles
+
+    folder = run_dir(cfg.run.storage, cfg.run.name)
+    lease = RunLease(folder, timeout_s=cfg.run.lease_timeout_s, force=force, on_lost=_lease_lost)
+    warning = lease.acquire()  # before any Ray resources are taken
+    files = RunFiles(folder)
+    attempt = None
+    try:
+        if warning:
+            print(f"vitray: {warning}", file=sys.stderr, flush=True)
+        clear_stop(folder)
+        chosen, skipped = resume_point(folder)
+        print(describe_resume(cfg.run.name, chosen, skipped), file=sys.stderr, flush=True)
+        attempt = files.new_attempt(lease.owner, resumed_from_step=chosen.step if chosen else None,
+                                    resumed_from=chosen.path if chosen else None,
+                                    skipped=[f"{c.path}: {c.problem}" for c in skipped])  # fmt: skip
+        connect(cfg.cluster.address, verbose=verbose)
+        trainer = build_trainer(cfg, resume_from=chosen.path if chosen else None)
+        scaling = scaling_config(cfg)
+        check_local_resources(scaling.num_workers, scaling.resources_per_worker, RESOURCE_SETTINGS)
+        progress = TrainingProgress(folder, total_steps=cfg.train.steps)
+        with _SigtermToStop(folder, cfg.run.preemption_grace_s) as sigterm:
+            with progress if show_progress else contextlib.nullcontext():
+                result = trainer.fit()
+        if sigterm.reason is not None:
+            files.end_attempt(attempt, "stopped", sigterm.reason, **_last_step(folder))
+            raise Preempted(result, sigterm.reason)
+        files.end_attempt(attempt, "finished", **_last_step(folder))
+        return result
+    except Preempted:
+        raise
+    except BaseException as error:
+        if attempt is not None:
+            files.end_attempt(attempt, "failed", "".join(traceback.format_exception_only(error)).strip()[-4000:],
+                              **_last_step(folder))  # fmt: skip
+        raise
+    finally:
+        lease.release()
+
+
+def _lease_lost(holder) -> None:
+    # Only `--force` (or a heartbeat stalled past the timeout) gets here; this driver is not stopped
+    # (a stop notice in the run folder would stop the new holder's workers too), but it says so.
+    print(f"vitray: WARNING: {holder.describe()} took over this run's lease; two drivers may now write its "
+          "checkpoints: stop one of them", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _last_step(folder: str) -> dict:
+    from vitray.trainers.checkpoint import latest_complete_checkpoint
+
+    try:
+        latest = latest_complete_checkpoint(folder)
+    except Exception:  # noqa: BLE001 - the record is informative; storage trouble must not hide the run's outcome
+        return {}
+    return {"checkpoint_step": latest.step if latest else None}
+
+
+class _SigtermToStop:
+    """While training: SIGTERM writes a pre-emption notice for the workers, and if they have not
+    stopped when the grace period is over, the driver exits (143) without a new checkpoint."""
+
+    def __init__(self, folder: str, grace_s: float):
+        self.folder, self.grace_s = folder, grace_s
+        self.reason: str | None = None
+
+    def __enter__(self) -> "_SigtermToStop":
+        # Only a main thread may take signals (`vitray evaluate` runs fine-tunes from a thread pool).
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+        if getattr(self, "_timer", None) is not None:
+            self._timer.cancel()
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.reason is not None:
+            return
+        self.reason = f"SIGTERM to the driver (pid {os.getpid()})"
+        print(f"vitray: {self.reason}: the workers checkpoint at their next check step and stop "
+              f"(grace {self.grace_s:g} s, run.preemption_grace_s)", file=sys.stderr, flush=True)  # fmt: skip
+        from vitray.trainers.preemption import request_stop
+
+        # Storage writes do not belong in a signal handler's frame (it may interrupt one).
+        threading.Thread(target=request_stop, args=(self.folder, self.reason, self.grace_s), daemon=True).start()
+        self._timer = threading.Timer(self.grace_s, self._out_of_time)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _out_of_time(self) -> None:
+        print(f"vitray: grace period of {self.grace_s:g} s over before the workers stopped: exiting without a new "
+              "checkpoint (a re-run resumes from the latest complete one)", file=sys.stderr, flush=True)  # fmt: skip
+        os._exit(128 + signal.SIGTERM)

@@ -57,6 +57,9 @@ def _write_grid(path: Path, data_root: Path, output: Path) -> Path:
         "benchmarks": ["digits", "cifar10"],
         # 500 shots: more than digits has per class, so those cells fail (and never block the others).
         "fewshot": {"shots": [1, 5, 500], "seeds": 2},
+        # No retries within one invocation (test_faults_pretrain covers them): the failed rows must
+        # be written before the kill below, and each invocation writes one row per failed cell.
+        "retries": 0,
         # VTAB-1k style: select the lr on the held-out slice, then re-train it on another split.
         "finetune": {"learning_rates": list(LEARNING_RATES), "steps": FINETUNE_STEPS, "batch_size": 16,
                      "warmup_steps": 2, "resolution": 24, "checkpoint_every": 4, "final_train_split": FINAL_SPLIT},

@@ -153,6 +153,34 @@ def latest_complete_checkpoint(run_dir: str) -> CheckpointInfo | None:
     return complete[-1] if complete else None
 
 
+def resume_point(run_dir: str) -> tuple[CheckpointInfo | None, list[CheckpointInfo]]:
+    """Where a re-run of the run resumes: its newest complete checkpoint (None: from scratch), and
+    the checkpoints newer than that which are not complete, each with what is wrong with it (an
+    unfinished write or a cut-short upload), so that a fall back to an older one says why."""
+    found = find_checkpoints(run_dir)
+    complete = [c for c in found if c.complete]
+    chosen = complete[-1] if complete else None
+    # Incomplete folders carry no readable step: newer means a later folder name (Ray names them
+    # checkpoint_<date-time>), which sorts in time order.
+    skipped = [c for c in found if not c.complete and (chosen is None or _folder_name(c.path) > _folder_name(chosen.path))]
+    return chosen, skipped
+
+
+def describe_resume(run_name: str, chosen: CheckpointInfo | None, skipped: list[CheckpointInfo]) -> str:
+    """The line a (re-)started run prints: where it resumes and, on a fall back, why."""
+    if chosen is None:
+        line = f"starting {run_name} from scratch (no complete checkpoint)"
+    else:
+        line = f"resuming {run_name} from step {chosen.step} ({chosen.path})"
+    for c in skipped:
+        line += f"\n  skipped newer checkpoint {c.path}: {c.problem}"
+    return line
+
+
+def _folder_name(path: str) -> str:
+    return str(path).rstrip("/").rsplit("/", 1)[-1]
+
+
 def resolve_checkpoint(path: str) -> str:
     """A complete checkpoint folder as given, or the latest complete checkpoint of a run folder."""
     if is_checkpoint(path):

@@ -17,6 +17,9 @@ step while a write is in flight), so all ranks report it at the same step, as Ra
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import shutil
 import tempfile
 import threading
 import time
@@ -34,6 +37,22 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+# Errors that mean "the staging disk cannot take the checkpoint" (full, over quota, over a file-size limit).
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+class CheckpointDiskFull(OSError):
+    """The local staging folder could not hold this rank's share of a checkpoint."""
+
+
+def _disk_error(error: BaseException) -> OSError | None:
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in _NO_SPACE:
+            return error
+        error = error.__cause__ or error.__context__
+    return None
 
 
 class Checkpointer:
@@ -56,11 +75,18 @@ class Checkpointer:
         states: dict[str, Stateful],
         weights: dict[str, Stateful],
         record: dict[str, Any],
+        staging_dir: str | None = None,
+        run_dir: str = "",
     ):
         self.backend, self.rank, self.world = backend, rank, world_size
         self.every, self.last_step = every, last_step
         self.report = report
         self.states, self.weights, self.record = states, weights, record
+        self.staging_dir = staging_dir
+        # Staging folders carry a digest of the run folder, so that on a full disk this run removes
+        # its own partial files (every rank's on this host) and no other run's.
+        digest = hashlib.sha1(run_dir.encode()).hexdigest()[:10] if run_dir else ""
+        self._prefix = f"vitray-ckpt-{digest}-" if digest else "vitray-ckpt-"
         self._in_flight: _InFlight | None = None
         self._costs: dict[str, float] = {}
 
@@ -70,9 +96,15 @@ class Checkpointer:
     def save(self, step: int, metrics: dict[str, Any]) -> None:
         """Snapshot this rank's share of the checkpoint at `step` and write it in the background;
         `metrics` go to the run with the folder when it is handed over."""
-        folder = Path(tempfile.mkdtemp(prefix=f"vitray-ckpt-{step:08d}-r{self.rank}-"))
+        if self.staging_dir is not None:
+            Path(self.staging_dir).mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        shards = self.backend.save(folder)
+        try:
+            folder = Path(tempfile.mkdtemp(prefix=f"{self._prefix}{step:08d}-r{self.rank}-", dir=self.staging_dir))
+            shards = self.backend.save(folder)
+        except OSError as error:
+            self._raise_if_disk_full(error, step, locals().get("folder"))
+            raise
         # Collectives: every rank takes part; rank 0 gets the whole tensors.
         files = {ckpt.MODEL_FILE: self.backend.full_state_dict()}
         files.update((name, self.backend.to_host(part.state_dict())) for name, part in self.weights.items())
@@ -98,7 +130,12 @@ class Checkpointer:
             if done < self.world:
                 return
         t0 = time.perf_counter()
-        flight.writer.wait()
+        try:
+            flight.writer.wait()
+        except RuntimeError as error:
+            self._in_flight = None
+            self._raise_if_disk_full(error, flight.step, flight.folder)
+            raise
         waited = time.perf_counter() - t0
         self._in_flight = None
         written = flight.writer.seconds
@@ -114,6 +151,32 @@ class Checkpointer:
             "checkpoint_wait_s": waited,
             "checkpoint_report_s": handed_over,
         }
+
+    def _raise_if_disk_full(self, error: BaseException, step: int, folder: Path | None) -> None:
+        """A full staging disk: remove this save's partial files (so the disk is not left full) and
+        stop with what to free. Nothing of it was handed to the run, so the run's latest complete
+        checkpoint is untouched and a re-run resumes from it."""
+        cause = _disk_error(error)
+        if cause is None:
+            return
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        # The other ranks on this host share the disk and may be stopped before they clean up.
+        self._remove_staged(f"{self._prefix}{step:08d}-r*")
+        where = self.staging_dir or tempfile.gettempdir()
+        usage = shutil.disk_usage(where)
+        raise CheckpointDiskFull(
+            cause.errno,
+            f"rank {self.rank} could not write the checkpoint of step {step} to its staging folder {where} "
+            f"({cause.strerror or cause}; {usage.free / 2**20:.0f} MiB free of {usage.total / 2**20:.0f} MiB). "
+            "Training stops here; the run's latest complete checkpoint is intact and re-running the same command "
+            f"resumes from it. Free space in {where} (each worker needs room for one checkpoint's share there; "
+            "vitray-ckpt-* folders are removed once uploaded) or point checkpoint.staging_dir at a larger disk",
+        ) from error
+
+    def _remove_staged(self, pattern: str) -> None:
+        for stale in Path(self.staging_dir or tempfile.gettempdir()).glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
 
     def take_costs(self) -> dict[str, float]:
         """The cost of the last checkpoint handed over, once (empty until the next one)."""

@@ -29,6 +29,14 @@ class _Section(BaseModel):
 class RunConfig(_Section):
     name: str = Field("vitray-run", description="Run id; re-running with the same name and storage resumes.")
     storage: str = Field("./runs", description="Where runs live: a local folder or s3://bucket/prefix.")
+    lease_timeout_s: float = Field(
+        120.0, gt=0, description="A second driver of the same run refuses while the first's lease heartbeat is "
+        "younger than this; an older lease is taken over (vitray.trainers.lease)."
+    )
+    preemption_grace_s: float = Field(
+        30.0, gt=0, description="After SIGTERM to the driver: how long the workers have to write a checkpoint "
+        "and stop before the driver exits without one."
+    )
 
     @field_validator("name")
     @classmethod
@@ -119,6 +127,13 @@ class PrecisionConfig(_Section):
 class CheckpointConfig(_Section):
     every: int = Field(1000, gt=0, description="Checkpoint every N steps (and at the end).")
     keep: int = Field(3, gt=0, description="Complete checkpoints kept; older ones are deleted.")
+    staging_dir: str | None = Field(
+        None, description="Local folder where each worker writes a checkpoint before it is uploaded; the "
+        "system's temporary folder when unset."
+    )
+    preemption_check_every: int = Field(
+        5, gt=0, description="Steps between checks for a pre-emption notice (one small broadcast each)."
+    )
 
 
 class LogConfig(_Section):

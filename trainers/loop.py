@@ -37,6 +37,7 @@ from vitray.trainers.evals import EvalEnv, build_evaluators
 from vitray.trainers.keys import SampleKeyRecorder
 from vitray.trainers.metrics import MetricsWriter, accelerator_peak_tflops, train_flops_per_image
 from vitray.trainers.objectives import build_objective
+from vitray.trainers.preemption import PreemptionWatch
 from vitray.trainers.run_files import RunFiles
 
 
@@ -85,6 +86,8 @@ class TrainingLoop:
             every=cfg.checkpoint.every,
             last_step=cfg.train.steps,
             report=ctx.report,
+            staging_dir=cfg.checkpoint.staging_dir,
+            run_dir=ctx.run_dir,
             states={"data": self.loader},
             weights={ckpt.EMA_FILE: self.ema} if self.ema is not None else {},
             record={
@@ -95,6 +98,8 @@ class TrainingLoop:
             },
         )
         self.step = self.checkpointer.restore(*restore) if restore is not None else 0
+        self.preemption = PreemptionWatch(ctx.run_dir, rank=self.rank, every=cfg.checkpoint.preemption_check_every,
+                                          device=self.backend.device)  # fmt: skip
         self.keys = None
         if cfg.debug.record_sample_keys:
             attempt = _broadcast_int(time.time_ns(), device=self.backend.device)  # one id for this attempt's ranks
@@ -139,6 +144,9 @@ class TrainingLoop:
                 self.ctx.report({"step": self.step, **metrics}, None)
             last = metrics or last
             self._maybe_inject_failure()
+            if (stop := self.preemption.check(self.step)) is not None:
+                self.preemption.stop(stop, self.checkpointer, metrics)
+                break
         self.checkpointer.finish(wait=True)
         if self.metrics is not None:
             self.metrics.close()

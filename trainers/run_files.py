@@ -4,6 +4,9 @@
   <storage>/<run name>/vitray/metrics.jsonl    one JSON object per logged step
   <storage>/<run name>/vitray/tensorboard/     TensorBoard events
   <storage>/<run name>/vitray/markers/         one-shot markers (fault-injection in tests)
+  <storage>/<run name>/vitray/lease.json       the driver that holds the run (`vitray.trainers.lease`)
+  <storage>/<run name>/vitray/attempts/        one JSON record per `vitray pretrain` of the run
+  <storage>/<run name>/vitray/stop.json        a pre-emption notice for the workers (`vitray.trainers.preemption`)
 
 The checkpoint_* folders are found and opened by :mod:`vitray.trainers.checkpoint`.
 """
@@ -11,6 +14,7 @@ The checkpoint_* folders are found and opened by :mod:`vitray.trainers.checkpoin
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,47 @@ class RunFiles:
                 target = f"{root}/{path.relative_to(local_dir).as_posix()}"
                 fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
                 storage.with_retries(lambda p=path, t=target: fs.put_file(str(p), t), what=f"uploading {path.name}")
+
+    @property
+    def lease_path(self) -> str:
+        return storage.join(self.root, "lease.json")
+
+    @property
+    def stop_path(self) -> str:
+        return storage.join(self.root, "stop.json")
+
+    # -- attempts: what each `vitray pretrain` of this run did ----------------------------------
+    def write_attempt(self, record: dict[str, Any]) -> None:
+        """Create or update this attempt's record (`record["id"]`, `record["started"]` name it)."""
+        name = f"{int(record['started'] * 1000):015d}-{record['id']}.json"
+        storage.write_bytes_atomic(storage.join(self.root, "attempts", name), json.dumps(record, indent=1).encode())
+
+    def read_attempts(self) -> list[dict[str, Any]]:
+        """Every attempt's record, oldest first."""
+        folder = storage.join(self.root, "attempts")
+        if not storage.exists(folder):
+            return []
+        records = []
+        for name in sorted(storage.list_names(folder)):
+            if name.endswith(".json"):
+                try:
+                    records.append(json.loads(storage.read_bytes(storage.join(folder, name))))
+                except (ValueError, FileNotFoundError):
+                    continue
+        return records
+
+    def new_attempt(self, attempt_id: str, **fields: Any) -> dict[str, Any]:
+        import os
+        import socket
+
+        record = {"id": attempt_id, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
+                  "status": "running", **fields}  # fmt: skip
+        self.write_attempt(record)
+        return record
+
+    def end_attempt(self, record: dict[str, Any], status: str, error: str | None = None, **fields: Any) -> None:
+        record.update(status=status, ended=time.time(), error=error, **fields)
+        self.write_attempt(record)
 
     def read_metrics(self) -> list[dict[str, Any]]:
         if not storage.exists(self.metrics_path):

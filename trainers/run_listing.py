@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from vitray.data import storage
 from vitray.trainers.checkpoint import find_checkpoints, read_state
+from vitray.trainers.lease import read_lease
 from vitray.trainers.run_files import RunFiles
 
 
@@ -16,6 +18,21 @@ class RunSummary:
     num_checkpoints: int
     latest_checkpoint: str | None
     status: str
+    attempts: list[dict] = field(default_factory=list)  # each `vitray pretrain` of the run, oldest first
+
+    @property
+    def attempts_summary(self) -> str:
+        """E.g. "3: 1 finished, 1 stopped, 1 failed (last failure: RuntimeError: ...)"."""
+        if not self.attempts:
+            return "-"
+        counts: dict[str, int] = {}
+        for a in self.attempts:
+            counts[a["status"]] = counts.get(a["status"], 0) + 1
+        text = f"{len(self.attempts)}: " + ", ".join(f"{n} {status}" for status, n in counts.items())
+        failures = [a for a in self.attempts if a["status"] in ("failed", "lost")]
+        if failures:
+            text += f" (last failure: {failures[-1].get('error') or 'no record'})"
+        return text
 
 
 def list_runs(storage_root: str) -> list[RunSummary]:
@@ -38,8 +55,12 @@ def list_runs(storage_root: str) -> list[RunSummary]:
             status = "no complete checkpoint yet"
         if len(complete) < len(checkpoints):
             status += f" ({len(checkpoints) - len(complete)} incomplete checkpoint(s) ignored)"
+        lease = read_lease(files.lease_path)
+        attempts = _attempts(files, lease)
+        if lease is not None and lease.fresh():
+            status = f"running ({lease.describe()}, heartbeat {lease.age():.0f} s ago); " + status
         runs.append(
-            RunSummary(name, latest_step, len(complete), complete[-1].path if complete else None, status)
+            RunSummary(name, latest_step, len(complete), complete[-1].path if complete else None, status, attempts)
         )
     return runs
 
@@ -50,3 +71,16 @@ def _target_steps(checkpoint_path: str) -> int | None:
         return int(read_state(path, fs)["config"]["train"]["steps"])
     except (KeyError, FileNotFoundError, ValueError):
         return None
+
+
+def _attempts(files: RunFiles, lease) -> list[dict]:
+    """The run's attempts; one still marked running that no longer holds the lease, or whose
+    lease heartbeat stopped, was killed without a chance to say so: "lost"."""
+    attempts = files.read_attempts()
+    for a in attempts:
+        if a["status"] != "running":
+            continue
+        if lease is None or lease.owner != a["id"] or not lease.fresh():
+            a["status"] = "lost"
+            a["error"] = f"killed or lost without a record (started {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(a['started']))} UTC)"
+    return attempts

@@ -1,0 +1,275 @@
+"""Faults that need no training run: the run lease against a real second process (local and on a
+moto S3 server), two drivers racing for one run, a results-table writer killed mid-write, and
+where a re-run resumes (with the reason for skipping a newer checkpoint)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from vitray.trainers.lease import LeaseRecord, RunLease, RunLeaseHeld, read_lease
+from vitray.trainers.run_files import RunFiles
+
+HOLD = textwrap.dedent(
+    """
+    import sys, time
+    from vitray.trainers.lease import RunLease
+    lease = RunLease(sys.argv[1], timeout_s=float(sys.argv[2]))
+    lease.acquire()
+    print(lease.owner, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _holder(run_dir: str, timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """A real second process that takes the lease and keeps it alive."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, run_dir, str(timeout_s)], stdout=subprocess.PIPE, text=True)
+    owner = proc.stdout.readline().strip()
+    assert owner, "the holder process did not take the lease"
+    return proc, owner
+
+
+def test_a_second_driver_refuses_while_the_first_holds_the_run(tmp_path):
+    run_dir = str(tmp_path / "run")
+    proc, owner = _holder(run_dir)
+    try:
+        with pytest.raises(RunLeaseHeld) as refused:
+            RunLease(run_dir, timeout_s=60).acquire()
+        message = str(refused.value)
+        assert "already running" in message and owner in message and f"pid {proc.pid}" in message
+        assert "--force" in message and "run.lease_timeout_s" in message
+        age = float(message.split("last heartbeat ")[1].split(" s ago")[0])
+        assert 0 <= age < 60
+        assert read_lease(RunFiles(run_dir).lease_path).owner == owner  # untouched
+    finally:
+        proc.kill()
+        proc.wait()
+    # kill -9: the holder is gone from this host, so its lease is taken over at once, with a warning.
+    lease = RunLease(run_dir, timeout_s=60)
+    warning = lease.acquire()
+    try:
+        assert "process is gone" in warning and owner in warning
+        assert read_lease(lease.path).owner == lease.owner
+    finally:
+        lease.release()
+    assert read_lease(lease.path) is None  # released
+
+
+def _foreign_lease(path: Path, age_s: float, timeout_s: float = 60.0) -> LeaseRecord:
+    """A lease held by a driver on another host, last heartbeat `age_s` ago."""
+    now = time.time()
+    record = LeaseRecord("otherdriver1", "other-host", 4242, 0.0, now - age_s - 10, now - age_s, timeout_s)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record.__dict__))
+    return record
+
+
+def test_a_stale_lease_is_taken_over_and_a_fresh_one_needs_force(tmp_path):
+    run_dir = str(tmp_path / "run")
+    path = Path(RunFiles(run_dir).lease_path)
+    _foreign_lease(path, age_s=5)
+    with pytest.raises(RunLeaseHeld, match=r"otherdriver1 \(host other-host, pid 4242\).*heartbeat 5 s ago"):
+        RunLease(run_dir, timeout_s=60).acquire()
+
+    forced = RunLease(run_dir, timeout_s=60, force=True)
+    assert "--force" in forced.acquire()
+    forced.release()
+
+    _foreign_lease(path, age_s=90)
+    stale = RunLease(run_dir, timeout_s=60)
+    warning = stale.acquire()
+    stale.release()
+    assert "heartbeat is 90 s old" in warning and "run.lease_timeout_s=60" in warning
+
+
+def test_the_heartbeat_keeps_the_lease_fresh_and_notices_a_take_over(tmp_path):
+    run_dir = str(tmp_path / "run")
+    lost = threading.Event()
+    lease = RunLease(run_dir, timeout_s=0.8, on_lost=lambda holder: lost.set())
+    lease.acquire()
+    first = read_lease(lease.path).heartbeat
+    time.sleep(0.6)
+    assert read_lease(lease.path).heartbeat > first  # refreshed every timeout/4
+    with pytest.raises(RunLeaseHeld):
+        RunLease(run_dir, timeout_s=0.8).acquire()  # never stale while it beats
+    thief = RunLease(run_dir, timeout_s=60, force=True)
+    thief.acquire()
+    assert lost.wait(5) and lease.lost
+    lease.release()  # does not remove the new holder's lease
+    assert read_lease(lease.path).owner == thief.owner
+    thief.release()
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_two_drivers_starting_at_once_one_goes_on(where, tmp_path, request):
+    """Racing for a stale lease: both write, both read back; exactly one still sees its own."""
+    if where == "s3":
+        endpoint = request.getfixturevalue("moto_server")
+        run_dir = endpoint.url("runs", "race")
+    else:
+        run_dir = str(tmp_path / "race")
+    start = threading.Barrier(2)
+    outcomes: list[str] = []
+
+    def start_driver() -> None:
+        lease = RunLease(run_dir, timeout_s=60, settle_s=1.0)
+        start.wait()
+        try:
+            lease.acquire()
+            outcomes.append("won")
+        except RunLeaseHeld as refused:
+            outcomes.append(str(refused))
+
+    threads = [threading.Thread(target=start_driver) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outcomes.count("won") == 1, outcomes
+    loser = next(o for o in outcomes if o != "won")
+    assert "two runs started at once" in loser or "already running" in loser
+
+
+def test_lease_on_s3_refuses_a_second_driver(moto_server):
+    run_dir = moto_server.url("runs", "shared")
+    first = RunLease(run_dir, timeout_s=60)
+    first.acquire()
+    try:
+        with pytest.raises(RunLeaseHeld, match="already running"):
+            RunLease(run_dir, timeout_s=60).acquire()
+    finally:
+        first.release()
+    second = RunLease(run_dir, timeout_s=60)
+    assert second.acquire() is None  # released: no take-over needed
+    second.release()
+
+
+KILLED_WRITER = textwrap.dedent(
+    """
+    import os, signal, sys
+    import pyarrow.parquet as pq
+    from vitray.evaluation.results import Cell, ResultsTable
+
+    table = ResultsTable(sys.argv[1])
+    table.append(Cell("ckpt", "digits", "fewshot", {"shots": 1}).ok({"top1": 0.5}, 1.0))
+    real_write = pq.write_table
+
+    def write_half_then_die(t, sink, **kw):
+        real_write(t.slice(0, 1), sink, **kw)
+        sink.flush()
+        os.kill(os.getpid(), signal.SIGKILL)  # the process dies in the middle of the part
+
+    pq.write_table = write_half_then_die
+    table.append(Cell("ckpt", "digits", "fewshot", {"shots": 5}).ok({"top1": 0.7, "top5": 0.9}, 1.0))
+    """
+)
+
+
+def test_a_results_writer_killed_mid_part_leaves_no_half_written_parquet(tmp_path):
+    from vitray.evaluation.results import ResultsTable
+
+    results = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(results)], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    leftovers = [p.name for p in results.iterdir()]
+    assert len(leftovers) == 2, leftovers  # the finished part and the dead writer's temp file
+    table = ResultsTable(str(results))
+    assert len(table.part_files()) == 1
+    rows = table.to_table().to_pylist()
+    assert [(r["settings"], r["metric"], r["value"]) for r in rows] == [('{"shots":1}', "top1", 0.5)]
+
+
+def test_resume_point_names_the_newer_checkpoints_it_skips_and_why(tmp_path):
+    from vitray.trainers import checkpoint as ckpt
+
+    run_dir = tmp_path / "run"
+    for name, step in (("checkpoint_2026-01-01_00-00-00.000001", 6), ("checkpoint_2026-01-01_00-01-00.000001", 12)):
+        folder = run_dir / name
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 100)
+        ckpt.write_state(folder, {"step": step, "world_size": 1})
+        ckpt.mark_complete(folder, 0, ckpt.files_under(folder))
+    newest = run_dir / "checkpoint_2026-01-01_00-01-00.000001" / "model.safetensors"
+    newest.write_bytes(b"x" * 50)  # cut short
+    chosen, skipped = ckpt.resume_point(str(run_dir))
+    assert chosen.step == 6 and [Path(c.path).name for c in skipped] == [newest.parent.name]
+    line = ckpt.describe_resume("r", chosen, skipped)
+    assert line.startswith(f"resuming r from step 6 ({chosen.path})")
+    assert f"skipped newer checkpoint {newest.parent}: " in line and "model.safetensors is missing or truncated" in line
+    assert ckpt.describe_resume("r", None, []) == "starting r from scratch (no complete checkpoint)"
+
+
+def test_runs_lists_attempts_and_marks_a_vanished_one_lost(tmp_path):
+    from vitray.trainers.run_listing import list_runs
+
+    files = RunFiles(str(tmp_path / "run"))
+    done = files.new_attempt("a1")
+    files.end_attempt(done, "failed", "RuntimeError: boom")
+    files.new_attempt("a2")  # never ended, and holds no lease: killed
+    (run,) = list_runs(str(tmp_path))
+    assert [a["status"] for a in run.attempts] == ["failed", "lost"]
+    assert run.attempts_summary.startswith("2: 1 failed, 1 lost (last failure: killed or lost")
+    # Held by a live driver on this host: running, not lost.
+    lease = RunLease(files.run_dir, timeout_s=60)
+    lease.acquire()
+    try:
+        files.new_attempt(lease.owner)
+        (run,) = list_runs(str(tmp_path))
+        assert run.attempts[-1]["status"] == "running"
+        assert run.status.startswith(f"running ({lease.owner} (host {socket.gethostname()}, pid {os.getpid()})")
+    finally:
+        lease.release()
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 4 MiB tmpfs filled to the last byte (mounting it needs root)."""
+    mount = tmp_path / "staging"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a small tmpfs needs root: {done.stderr.decode().strip()}")
+    try:
+        with open(mount / "filler", "wb") as f:
+            with pytest.raises(OSError) as full:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+        assert full.value.errno == errno.ENOSPC
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_staging_disk_raises_what_to_free_and_leaves_no_partial_files(full_disk):
+    import torch
+
+    from test_checkpointer import FakeBackend, FakeLoader
+    from vitray.trainers.checkpointer import Checkpointer, CheckpointDiskFull
+
+    reports = []
+    saver = Checkpointer(FakeBackend(), rank=0, world_size=1, every=2, last_step=4, report=lambda m, d: reports.append(d),
+                         states={"data": FakeLoader()}, weights={}, record={}, staging_dir=str(full_disk))  # fmt: skip
+    saver.backend.module = torch.nn.Linear(64, 64)
+    saver.save(2, {})
+    with pytest.raises(CheckpointDiskFull) as stopped:
+        saver.finish(wait=True)
+    message = str(stopped.value)
+    assert stopped.value.errno == errno.ENOSPC and "No space left on device" in message
+    assert f"checkpoint of step 2 to its staging folder {full_disk}" in message
+    assert f"Free space in {full_disk}" in message and "checkpoint.staging_dir" in message
+    assert reports == []  # nothing handed to the run
+    assert [p.name for p in full_disk.iterdir()] == ["filler"]  # the partial folder is gone
+

@@ -1,0 +1,272 @@
+"""Faults injected into real pre-training runs (local Ray, 2 CPU workers, DeepSpeed):
+
+- a second `vitray pretrain` of a running run refuses (the run's lease);
+- SIGTERM to the driver: a checkpoint at the next check step, exit 0, and the re-run resumes
+  from it (saying so) and ends with the uninterrupted run's weights;
+- the checkpoint staging disk (a small tmpfs) fills up: a clear error, the previous checkpoint
+  intact, and the re-run resumes from it to the uninterrupted run's weights;
+- an evaluation grid cell that fails every time is retried, then recorded as failed, and the
+  rest of the grid completes.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pretrain_helpers import _stop_leftover_ray, assert_same_weights, final_weights, pretrain_args, run, vitray_cmd
+from vitray.trainers.checkpoint import find_checkpoints, latest_complete_checkpoint, verify_complete
+from vitray.trainers.lease import read_lease
+from vitray.trainers.run_files import RunFiles
+
+pytestmark = pytest.mark.slow
+
+STEPS = 30
+EVERY = 10
+CHECK_EVERY = 2
+COMMON = (f"train.steps={STEPS}", "data.min_crop_area=1.0", f"checkpoint.preemption_check_every={CHECK_EVERY}")
+
+
+def _args(dataset, storage, *extra: str) -> list[str]:
+    return pretrain_args(str(dataset), str(storage), "ref", *COMMON, *extra)
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())  # rich wraps long lines
+
+
+@pytest.fixture(scope="module")
+def reference(digits_dataset, tmp_path_factory):
+    """The uninterrupted run every faulted one must end up equal to."""
+    storage = tmp_path_factory.mktemp("reference")
+    run(_args(digits_dataset, storage, f"checkpoint.every={EVERY}"))
+    run_dir = str(storage / "ref")
+    return {"run_dir": run_dir, "weights": final_weights(run_dir)}
+
+
+def _wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before {what}:\n{proc.stderr.read()[-4000:]}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _logged_step(run_dir: str) -> int:
+    metrics = RunFiles(run_dir).read_metrics()
+    return metrics[-1]["step"] if metrics else 0
+
+
+@pytest.fixture(scope="module")
+def preempted(digits_dataset, reference, tmp_path_factory):
+    """Start a run; start it again while it runs (refused); SIGTERM its driver mid-run; re-run it."""
+    storage = tmp_path_factory.mktemp("preempted")
+    run_dir = str(storage / "ref")
+    args = _args(digits_dataset, storage, f"checkpoint.every={EVERY}")
+    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: read_lease(RunFiles(run_dir).lease_path) is not None, first, "the run took its lease")
+        second = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        assert first.poll() is None, "the first run must still be running when the second starts"
+        _wait_for(lambda: _logged_step(run_dir) >= 2, first, "step 2 was logged")
+        signalled_at = _logged_step(run_dir)
+        first.send_signal(signal.SIGTERM)  # the driver only, as Kubernetes does
+        stdout, stderr = first.communicate(timeout=240)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+        _stop_leftover_ray(first.pid)
+    stopped = latest_complete_checkpoint(run_dir)
+    stopped_state = verify_complete(stopped.path) if stopped else None
+    runs_while_stopped = subprocess.run(vitray_cmd("runs", str(storage)), capture_output=True, text=True, timeout=120)
+    rerun = run(args)
+    return {
+        "run_dir": run_dir, "storage": storage, "second": second, "signalled_at": signalled_at,
+        "first": (first.returncode, stdout, stderr), "stopped": stopped, "stopped_state": stopped_state,
+        "runs_while_stopped": runs_while_stopped, "rerun": rerun,
+    }  # fmt: skip
+
+
+def test_a_second_start_of_a_running_run_refuses(preempted):
+    second = preempted["second"]
+    message = _flat(second.stderr)
+    assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-3000:]
+    assert "is already running" in message and "holds" in message and "last heartbeat" in message
+    assert "--force" in message
+    # It took nothing: no attempt of its own, and the first run went on to its notice.
+    assert len(RunFiles(preempted["run_dir"]).read_attempts()) == 2  # the first run and the re-run
+
+
+def test_sigterm_checkpoints_at_the_next_check_step_and_exits_cleanly(preempted):
+    code, stdout, stderr = preempted["first"]
+    assert code == 0, stdout[-2000:] + stderr[-4000:]
+    assert "SIGTERM to the driver" in stderr and "stopped on a pre-emption notice" in _flat(stderr)
+    step = preempted["stopped"].step
+    # The notice is read every CHECK_EVERY steps: the checkpoint is at the first check step after it.
+    assert preempted["signalled_at"] < step < STEPS and step % CHECK_EVERY == 0, (preempted["signalled_at"], step)
+    assert preempted["stopped_state"]["world_size"] == 2
+    attempts = RunFiles(preempted["run_dir"]).read_attempts()
+    assert attempts[0]["status"] == "stopped" and "SIGTERM" in attempts[0]["error"]
+    assert "1 stopped" in _flat(preempted["runs_while_stopped"].stdout)
+
+
+def test_the_rerun_resumes_from_the_preemption_checkpoint_exactly(preempted, reference):
+    stopped = preempted["stopped"]
+    assert f"resuming ref from step {stopped.step} ({stopped.path})" in _flat(preempted["rerun"].stderr)
+    assert_same_weights(final_weights(preempted["run_dir"]), reference["weights"])
+    attempts = RunFiles(preempted["run_dir"]).read_attempts()
+    assert [a["status"] for a in attempts] == ["stopped", "finished"]
+    assert attempts[1]["resumed_from_step"] == stopped.step
+    assert read_lease(RunFiles(preempted["run_dir"]).lease_path) is None  # released at the end
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 MiB tmpfs: a real file system that runs out of space (mounting it needs root)."""
+    mount = tmp_path / "staging"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a small tmpfs needs root: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _fill(folder: Path) -> Path:
+    """What another process on the machine does: write until the disk is full."""
+    filler = folder / "filler"
+    block = b"\0" * (1 << 20)
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(block)
+                f.flush()
+        except OSError as error:
+            assert error.errno == errno.ENOSPC
+    return filler
+
+
+def test_a_full_staging_disk_stops_with_what_to_free_and_loses_nothing(digits_dataset, reference, small_disk, tmp_path):
+    storage = tmp_path / "runs"
+    run_dir = str(storage / "ref")
+    args = _args(digits_dataset, storage, f"checkpoint.every={EVERY}", f"checkpoint.staging_dir={small_disk}")
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        # Once the first checkpoint is uploaded (and its staging copy removed), fill the disk.
+        _wait_for(lambda: latest_complete_checkpoint(run_dir) is not None and not list(small_disk.glob("vitray-ckpt-*")),
+                  proc, "the first checkpoint was uploaded")  # fmt: skip
+        filler = _fill(small_disk)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        _stop_leftover_ray(proc.pid)
+    message = _flat(stdout + stderr)
+    assert proc.returncode == 1, message[-4000:]
+    assert f"to its staging folder {small_disk}" in message and "No space left on device" in message
+    assert f"Free space in {small_disk}" in message and "checkpoint.staging_dir" in message
+    # Nothing lost: every checkpoint in the run folder is complete; the last is the one before the fault.
+    checkpoints = find_checkpoints(run_dir)
+    assert checkpoints and all(c.complete for c in checkpoints), checkpoints
+    kept = checkpoints[-1].step
+    assert kept < STEPS and f"checkpoint of step {kept + EVERY}" in message
+    assert not list(small_disk.glob("vitray-ckpt-*"))  # the partial staging files were removed
+    assert RunFiles(run_dir).read_attempts()[-1]["status"] == "failed"
+
+    filler.unlink()  # the operator frees space, and re-runs the same command
+    rerun = run(args)
+    assert f"resuming ref from step {kept} (" in _flat(rerun.stderr)
+    assert_same_weights(final_weights(run_dir), reference["weights"])
+
+
+def test_a_grid_cell_failing_every_time_is_retried_then_recorded_and_the_rest_completes(reference, digits_dataset, tmp_path):
+    from vitray.evaluation.results import ResultsTable
+
+    data_root = tmp_path / "prepared"
+    data_root.mkdir()
+    (data_root / "digits").symlink_to(digits_dataset)
+    grid = tmp_path / "grid.yaml"
+    # 500 shots: more examples per class than digits has, so that cell fails on every try.
+    grid.write_text(yaml.safe_dump({
+        "data_root": str(data_root), "output": str(tmp_path / "eval"), "benchmarks": ["digits"],
+        "fewshot": {"shots": [1, 5, 500], "seeds": 1}, "finetune": {"enabled": False}, "retries": 2,
+    }))  # fmt: skip
+    out = subprocess.run(vitray_cmd("evaluate", reference["run_dir"], "-c", str(grid)),
+                         capture_output=True, text=True, timeout=400)  # fmt: skip
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]  # a failed cell remains
+    table = ResultsTable(str(tmp_path / "eval" / "results"))
+    rows = table.to_table().to_pylist()
+    shots = lambda r: json.loads(r["settings"])["shots"]  # noqa: E731
+    ok = {shots(r) for r in rows if r["status"] == "ok"}
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert ok == {1, 5}
+    assert len(failed) == 1 and shots(failed[0]) == 500
+    assert failed[0]["error"].startswith("failed 3 times (grid retries=2); last error: ")
+    assert "500-shot sampling needs at least 500 examples" in failed[0]["error"]
+    # Every part file is whole (each written under a temporary name, then renamed).
+    assert len(table.part_files()) == len(list((tmp_path / "eval" / "results").glob("part-*.parquet")))
+
+
+def test_sigterm_to_a_worker_restarts_the_group_and_the_run_finishes_identically(digits_dataset, reference, tmp_path):
+    """Ray's worker turns SIGTERM into an immediate exit; Ray Train restarts the group from the
+    latest complete checkpoint (cluster.max_failures), so nothing is lost."""
+    import psutil
+
+    storage = tmp_path / "runs"
+    run_dir = str(storage / "ref")
+    args = _args(digits_dataset, storage, f"checkpoint.every={EVERY}", "cluster.max_failures=1")
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: latest_complete_checkpoint(run_dir) is not None, proc, "the first checkpoint")
+        # The Ray Train workers themselves (their DataLoader processes are named pt_data_worker).
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if p.name().startswith("ray::RayTrainWorker")]  # fmt: skip
+        assert len(workers) == 2, [p.name() for p in workers]
+        workers[-1].send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        _stop_leftover_ray(proc.pid)
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    assert not workers[-1].is_running()
+    assert_same_weights(final_weights(run_dir), reference["weights"])
+
+
+def test_when_the_grace_period_runs_out_the_driver_exits_without_a_new_checkpoint(digits_dataset, tmp_path):
+    """Workers that do not reach a check step in time (here: checks every 1000 steps) do not hold
+    the driver past `run.preemption_grace_s`; the previous complete checkpoint is what remains."""
+    storage = tmp_path / "runs"
+    run_dir = str(storage / "ref")
+    args = pretrain_args(str(digits_dataset), str(storage), "ref", "train.steps=200", "checkpoint.every=4",
+                         "checkpoint.preemption_check_every=1000", "run.preemption_grace_s=3")  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: latest_complete_checkpoint(run_dir) is not None, proc, "the first checkpoint")
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=120)
+        waited = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        _stop_leftover_ray(proc.pid)
+    assert proc.returncode == 128 + signal.SIGTERM, stdout[-2000:] + stderr[-4000:]
+    assert "grace period of 3 s over before the workers stopped" in _flat(stderr)
+    assert 3 <= waited < 30
+    assert all(c.complete for c in find_checkpoints(run_dir))

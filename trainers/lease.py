@@ -1,0 +1,193 @@
+"""One driver per run: a lease object in the run folder, refreshed by a heartbeat.
+
+`<run>/vitray/lease.json` names the driver that holds the run (owner id, host, pid, when it
+started, its last heartbeat). A second `vitray pretrain` of the same run name and storage reads
+it first and refuses while the heartbeat is fresh, naming the holder and the heartbeat's age, so
+two drivers never write one run's checkpoints. A lease whose heartbeat is older than
+`run.lease_timeout_s`, or whose holder was on this host and its process is gone (a kill -9), is
+taken over with a warning; `--force` takes over a fresh one.
+
+What is guaranteed, plainly:
+- Local storage: the first lease is created with a hard link, which fails when the file exists
+  (an atomic create-if-absent); a take-over replaces it atomically. Then every acquirer reads the
+  lease back after `settle_s` and gives up unless it is still its own, so of two drivers racing
+  for a stale lease exactly one goes on.
+- Object storage (S3, through fsspec): there is no create-if-absent in S3's API as s3fs and moto
+  speak it, so both writes are plain (whole-object) PUTs and the read-back after `settle_s` is the
+  whole protection: with read-after-write consistency (S3 has it since 2020), two drivers that
+  start more than `settle_s` apart never both run; two that write within the same `settle_s`
+  window both see the later writer's lease, so the earlier one refuses. What is not covered: a
+  writer whose PUT takes longer than `settle_s` to land.
+- Ages compare wall clocks of different hosts, so clocks must agree to well under the timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from vitray.data import storage
+
+LEASE_FILE = "lease.json"
+
+
+class RunLeaseHeld(RuntimeError):
+    """Another driver holds the run (fresh heartbeat)."""
+
+
+@dataclass
+class LeaseRecord:
+    owner: str
+    host: str
+    pid: int
+    pid_started: float  # the process's start time: a reused pid is not the holder
+    started: float
+    heartbeat: float
+    timeout_s: float = 120.0  # the holder's run.lease_timeout_s: older heartbeats mean it is gone
+
+    def fresh(self) -> bool:
+        return self.age() <= self.timeout_s and not self.gone_from_this_host()
+
+    def age(self, now: float | None = None) -> float:
+        return (now or time.time()) - self.heartbeat
+
+    def describe(self) -> str:
+        return f"{self.owner} (host {self.host}, pid {self.pid})"
+
+    def gone_from_this_host(self) -> bool:
+        """The holder ran on this host and its process no longer exists (killed, crashed)."""
+        if self.host != socket.gethostname():
+            return False
+        import psutil
+
+        try:
+            return abs(psutil.Process(self.pid).create_time() - self.pid_started) > 1.0
+        except psutil.NoSuchProcess:
+            return True
+
+
+def read_lease(path: str) -> LeaseRecord | None:
+    if not storage.exists(path):
+        return None
+    try:
+        return LeaseRecord(**json.loads(storage.read_bytes(path)))
+    except (ValueError, TypeError, FileNotFoundError):
+        return None  # deleted meanwhile, or not a lease this version wrote: treated as absent
+
+
+class RunLease:
+    """Holds `<run_dir>/vitray/lease.json` from `acquire()` to `release()`, refreshing it every
+    `timeout_s / 4` on a background thread. `on_lost` is called (once, from that thread) when
+    another driver took the lease over."""
+
+    def __init__(self, run_dir: str, *, timeout_s: float, force: bool = False, settle_s: float | None = None,
+                 on_lost: Callable[[LeaseRecord], None] | None = None):  # fmt: skip
+        from vitray.trainers.run_files import RunFiles
+
+        self.path = RunFiles(run_dir).lease_path
+        self.run_dir = run_dir
+        self.timeout_s, self.force = timeout_s, force
+        self.settle_s = settle_s if settle_s is not None else (2.0 if storage.is_remote(run_dir) else 0.2)
+        self.on_lost = on_lost
+        import psutil
+
+        now = time.time()
+        self.record = LeaseRecord(uuid.uuid4().hex[:12], socket.gethostname(), os.getpid(),
+                                  psutil.Process().create_time(), now, now, timeout_s)  # fmt: skip
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lost = False
+
+    @property
+    def owner(self) -> str:
+        return self.record.owner
+
+    def acquire(self) -> str | None:
+        """Take the lease or raise RunLeaseHeld; returns a warning when a lease was taken over."""
+        held = read_lease(self.path)
+        warning = None
+        if held is not None:
+            warning = self._may_take_over(held)
+        self.record.heartbeat = time.time()
+        self._write(create=held is None)
+        time.sleep(self.settle_s)
+        now_held = read_lease(self.path)
+        if now_held is None or now_held.owner != self.owner:
+            other = f"{now_held.describe()}" if now_held else "another driver (it has since released it)"
+            raise RunLeaseHeld(
+                f"run {self.run_dir} was taken by {other} while this driver was taking it: two runs started at "
+                f"once; this one stops so that only one writes the run's checkpoints"
+            )
+        self._thread = threading.Thread(target=self._heartbeat, name="vitray-lease", daemon=True)
+        self._thread.start()
+        return warning
+
+    def _may_take_over(self, held: LeaseRecord) -> str | None:
+        age = held.age()
+        if held.owner == self.owner:
+            return None
+        if age > self.timeout_s:
+            return (f"taking over the lease of {held.describe()}: its last heartbeat is {age:.0f} s old "
+                    f"(run.lease_timeout_s={self.timeout_s:g})")  # fmt: skip
+        if held.gone_from_this_host():
+            return f"taking over the lease of {held.describe()}: that process is gone from this host"
+        if self.force:
+            return (f"--force: taking over the lease of {held.describe()} although its heartbeat is only "
+                    f"{age:.0f} s old; make sure that run is stopped")  # fmt: skip
+        raise RunLeaseHeld(
+            f"run {self.run_dir} is already running: {held.describe()} holds {self.path}, last heartbeat "
+            f"{age:.0f} s ago. Two runs must not write one run's checkpoints. Wait for it to end or stop it; if it "
+            f"is gone, the lease expires {self.timeout_s:g} s after its last heartbeat (run.lease_timeout_s), or "
+            "re-run with --force to take it over now"
+        )
+
+    def _write(self, create: bool) -> None:
+        data = json.dumps(asdict(self.record), indent=1).encode()
+        if create and not storage.is_remote(self.path):
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            tmp = f"{self.path}.{self.owner}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            try:
+                os.link(tmp, self.path)  # fails if another driver created it first
+            except FileExistsError:
+                pass  # the read-back in acquire() names the winner
+            finally:
+                os.unlink(tmp)
+            return
+        storage.write_bytes_atomic(self.path, data)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.timeout_s / 4):
+            try:
+                held = read_lease(self.path)
+                if held is not None and held.owner != self.owner:
+                    self.lost = True
+                    if self.on_lost is not None:
+                        self.on_lost(held)
+                    return
+                self.record.heartbeat = time.time()
+                self._write(create=False)
+            except Exception as error:  # noqa: BLE001 - a missed beat is retried; the timeout allows 3
+                print(f"vitray: lease heartbeat failed ({error}); retrying", flush=True)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        held = read_lease(self.path)
+        if held is not None and held.owner == self.owner:
+            storage.remove(self.path)
+
+    def __enter__(self) -> "RunLease":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

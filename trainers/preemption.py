@@ -1,0 +1,92 @@
+"""Pre-emption notices: checkpoint at the next agreed step, then stop cleanly.
+
+How a notice reaches the workers: the driver (`vitray pretrain`, the process Kubernetes or a spot
+instance sends SIGTERM to) writes `<run>/vitray/stop.json` with the reason and a deadline (now +
+`run.preemption_grace_s`). The workers cannot each act on their own reading of that file: ranks
+that saw it at different steps would disagree on whether to checkpoint and hang in the
+checkpoint's collectives. So rank 0 reads it only every `checkpoint.preemption_check_every` steps
+and broadcasts its decision (one 8-byte broadcast): a host sync every N steps rather than every
+step, costing at most N steps of the grace period. At that step every rank writes a checkpoint
+(unless one was just written, or the deadline has passed), waits until it is handed to the run,
+and the loop ends; the driver then exits 0 and a re-run resumes from that checkpoint.
+
+A SIGTERM sent to a worker process itself is not seen here: Ray's worker turns it into an
+immediate exit, which Ray Train handles as a worker failure (restart from the latest complete
+checkpoint under `cluster.max_failures`, or the run fails and a re-run resumes).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from vitray.data import storage
+from vitray.trainers.collectives import broadcast_int
+
+_NONE, _SAVE_AND_STOP, _STOP = 0, 1, 2
+
+
+def request_stop(run_dir: str, reason: str, grace_s: float) -> None:
+    """Driver side: ask the run's workers to checkpoint and stop before `grace_s` is over."""
+    from vitray.trainers.run_files import RunFiles
+
+    now = time.time()
+    record = {"reason": reason, "requested": now, "deadline": now + grace_s}
+    storage.write_bytes_atomic(RunFiles(run_dir).stop_path, json.dumps(record).encode())
+
+
+def clear_stop(run_dir: str) -> None:
+    """Driver side, before a run starts: an old notice must not stop the new attempt."""
+    from vitray.trainers.run_files import RunFiles
+
+    path = RunFiles(run_dir).stop_path
+    if storage.exists(path):
+        storage.remove(path)
+
+
+@dataclass
+class StopDecision:
+    step: int
+    save: bool  # False: the grace period was already over when the workers saw the notice
+
+
+class PreemptionWatch:
+    """Worker side: `check(step)` on every rank at every step returns a StopDecision, the same on
+    every rank, at the first check step after a notice, else None."""
+
+    def __init__(self, run_dir: str, *, rank: int, every: int, device):
+        from vitray.trainers.run_files import RunFiles
+
+        self.path = RunFiles(run_dir).stop_path
+        self.rank, self.every, self.device = rank, every, device
+
+    def check(self, step: int) -> StopDecision | None:
+        if step % self.every:
+            return None
+        decision = _NONE
+        if self.rank == 0:
+            decision = self._read()
+        decision = broadcast_int(decision, device=self.device)
+        if decision == _NONE:
+            return None
+        return StopDecision(step, save=decision == _SAVE_AND_STOP)
+
+    def _read(self) -> int:
+        try:
+            if not storage.exists(self.path):
+                return _NONE
+            notice = json.loads(storage.read_bytes(self.path))
+        except (OSError, ValueError):  # unreadable this time: the next check tries again
+            return _NONE
+        return _SAVE_AND_STOP if time.time() < float(notice.get("deadline", 0)) else _STOP
+
+    @staticmethod
+    def stop(decision: StopDecision, checkpointer, metrics: dict) -> None:
+        """Write (unless just written or too late) and hand over the checkpoint at the stop step."""
+        checkpointer.finish(wait=True)
+        if decision.save and not checkpointer.due(decision.step):
+            checkpointer.save(decision.step, metrics)
+            checkpointer.finish(wait=True)
+        where = "checkpoint written" if decision.save else "grace period over: no new checkpoint"
+        print(f"vitray: pre-emption notice: stopping at step {decision.step} ({where})", flush=True)
