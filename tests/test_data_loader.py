@@ -40,6 +40,7 @@ from vitray.data.batch import SkipReporter
 from vitray.data.plan import ShardRange
 from vitray.data.reader import SampleStream
 from vitray.data.transforms import (
+    TrainCrop,
     apply_seeded,
     decode_image,
     eval_resize,
@@ -172,12 +173,12 @@ def test_batches_are_normalised_rgb_and_shuffled(digits_dataset):
 def test_resume_decodes_only_what_it_yields(digits_dataset, monkeypatch):
     decoded = []
 
-    def counting_decode(data):
+    def counting_decode(self, data, seed):
         decoded.append(data)
-        return real_decode(data)
+        return real_decode(self, data, seed)
 
-    real_decode = batch_module.decode_image
-    monkeypatch.setattr(batch_module, "decode_image", counting_decode)
+    real_decode = TrainCrop.from_bytes
+    monkeypatch.setattr(TrainCrop, "from_bytes", counting_decode)
     resumed = loader(digits_dataset)
     resumed.load_state_dict({**resumed.state_dict(), "consumed_per_slot": 160})
     take(resumed, 1)
@@ -456,13 +457,99 @@ def test_decoding_into_the_chunk_matches_the_tensor_transforms(jpeg_dataset):
     by_hand = torch.stack(
         [apply_seeded(train_transform(48), decode_image(r.fields["jpg"]), s) for r, s in zip(raws, seeds)]
     )
-    assert torch.equal(by_plane.images, by_hand) and torch.equal(by_tensor.images, by_hand)
+    assert torch.equal(by_tensor.images, by_hand)  # the PIL transforms, copied into the chunk
+    # The loaders' path (TrainCrop.from_bytes: reduced JPEG decodes, torch's resize): the same
+    # crops, so the same picture up to resampling (pixel noise of +-40 averages out differently).
+    assert (by_plane.images.float() - by_hand.float()).abs().mean() < 6
     assert by_plane.keys == [r.key for r in raws] and by_plane.labels.tolist() == by_tensor.labels.tolist()
     evaluated = batch_module.decode_chunk(raws, [None] * 12, transform=eval_resize(48), **common)
     assert torch.equal(evaluated.images, torch.stack([eval_transform(48)(decode_image(r.fields["jpg"])) for r in raws]))
 
     with pytest.raises(ValueError, match=r"the transform gave a RGB \(40, 40\) image; expected RGB \(48, 48\)"):
+        batch_module.decode_chunk(raws, seeds, transform=eval_resize(40), **common)
+    with pytest.raises(ValueError, match=r"gave a torch.uint8 \(3, 40, 40\) tensor; expected uint8 \(3, 48, 48\)"):
         batch_module.decode_chunk(raws, seeds, transform=train_augment(40), **common)
+
+
+def _jpeg(width: int, height: int, quality: int = 90) -> bytes:
+    """A smooth photo-like JPEG (gradients and a few edges), not noise: what DCT scaling is for."""
+    ys, xs = np.mgrid[0:height, 0:width]
+    pixels = np.stack([xs * 255 // width, ys * 255 // height, ((xs // 37 + ys // 23) % 2) * 200], axis=-1)
+    out = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(out, format="JPEG", quality=quality)
+    return out.getvalue()
+
+
+def test_train_crop_draws_torchvisions_crops_from_the_sample_seed():
+    from torchvision.transforms import v2
+
+    crop, flip = v2.RandomResizedCrop(32, scale=(0.05, 1.0), antialias=True), v2.RandomHorizontalFlip()
+    train_crop = TrainCrop(32)
+    for seed, (width, height) in itertools.product(range(40), [(500, 375), (40, 300), (300, 20), (7, 7)]):
+        image = Image.new("RGB", (width, height))
+
+        def torchvision_draws(_):
+            params = crop.make_params([image])
+            return params["top"], params["left"], params["height"], params["width"], bool(torch.rand(1) < 0.5)
+
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        assert train_crop.params(width, height, generator) == apply_seeded(torchvision_draws, image, seed)
+    no_flip = TrainCrop(32, flip=False).params(500, 375, torch.Generator().manual_seed(1))
+    assert no_flip[:4] == train_crop.params(500, 375, torch.Generator().manual_seed(1))[:4] and not no_flip[4]
+
+
+def test_train_crop_from_bytes_matches_the_pil_path_and_decodes_large_crops_reduced(monkeypatch):
+    from PIL import JpegImagePlugin
+
+    scales = []
+    real_draft = JpegImagePlugin.JpegImageFile.draft
+
+    def recording_draft(self, mode, size):
+        width = self.size[0]
+        result = real_draft(self, mode, size)
+        scales.append(width // self.size[0])  # the reduction the decoder was set to
+        return result
+
+    train_crop, pil_path = TrainCrop(64), train_augment(64)
+    # Small photos: no crop reaches 2 x 64 in both directions often enough to matter; whatever the
+    # path, the pixels are PIL's to within one level (torch's uint8 antialiased resize).
+    for data in (_jpeg(100, 90), _png_bytes(120, 80)):
+        for seed in range(20):
+            expected = torch.from_numpy(np.array(apply_seeded(pil_path, decode_image(data), seed))).permute(2, 0, 1)
+            got = train_crop.from_bytes(data, seed)
+            if max(train_crop.params(*decode_image(data).size, torch.Generator().manual_seed(seed))[2:4]) < 128:
+                assert (got.int() - expected.int()).abs().max() <= 1, seed
+    # A large photo: crops of 128+ px decode at 1/2, 1/4 or 1/8 of the size, and look the same.
+    monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", recording_draft)
+    data, reduced = _jpeg(1024, 768), 0
+    for seed in range(20):
+        before = len(scales)
+        top, left, h, w, _ = train_crop.params(1024, 768, torch.Generator().manual_seed(seed))
+        got = train_crop.from_bytes(data, seed)
+        expected = torch.from_numpy(np.array(apply_seeded(pil_path, decode_image(data), seed))).permute(2, 0, 1)
+        assert got.shape == (3, 64, 64)
+        assert (got.float() - expected.float()).abs().mean() < 4, seed
+        drafted = scales[before:]
+        assert drafted == ([train_crop.draft_scale(w, h)] if train_crop.draft_scale(w, h) > 1 else [])
+        reduced += bool(drafted)
+    assert reduced >= 15  # most crops of a 1024x768 photo are 4x+ the output: decoded reduced
+    assert [train_crop.draft_scale(w, h) for w, h in [(127, 500), (128, 128), (300, 260), (600, 520)]] == [1, 2, 4, 8]
+
+
+def test_train_crop_from_bytes_reports_undecodable_images():
+    from vitray.data.transforms import CorruptSample
+
+    data = _jpeg(200, 150)
+    for bad in (data[: len(data) // 2], b"not an image", data[:2] + b"\x00" * 64):
+        with pytest.raises(CorruptSample, match="undecodable image"):
+            TrainCrop(32).from_bytes(bad, 0)
+
+
+def _png_bytes(width: int, height: int) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (height, width), dtype=np.uint8)).save(out, format="PNG")
+    return out.getvalue()
 
 
 def test_worker_chunks_travel_as_ring_slots_from_single_threaded_workers(jpeg_dataset, monkeypatch):
