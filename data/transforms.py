@@ -120,17 +120,18 @@ class TrainCrop:
             generator = torch.Generator()
             generator.manual_seed(seed)
         try:
-            image = Image.open(io.BytesIO(data))  # reads the header only
-            width, height = image.size
+            size = jpeg_size(data)  # a few markers: cheaper than PIL's parse of the whole header
+            image = Image.open(io.BytesIO(data)) if size is None else None
+            width, height = size or image.size  # type: ignore[union-attr]
             top, left, h, w, flip = self.params(width, height, generator)
             pixels, scale = None, 1.0
-            if image.format == "JPEG":
-                reduce = self.draft_scale(w, h)
-                if reduce > 1:
-                    drafted = image.draft("RGB", (width // reduce, height // reduce))
-                    scale = width / drafted[1][2] if drafted else 1.0
-                else:
-                    pixels = _decode_jpeg(data)
+            reduce = self.draft_scale(w, h) if size or image.format == "JPEG" else 1  # type: ignore[union-attr]
+            if reduce > 1:
+                image = image or Image.open(io.BytesIO(data))
+                drafted = image.draft("RGB", (width // reduce, height // reduce))
+                scale = width / drafted[1][2] if drafted else 1.0
+            elif size is not None:
+                pixels = _decode_jpeg(data)
             if pixels is None:
                 image = _loaded_rgb(image)
                 if scale == 1:
@@ -193,6 +194,34 @@ def to_model_range(images: torch.Tensor) -> torch.Tensor:
     one vectorised op instead of a per-image ``ToDtype`` + ``Normalize``, which cost more than the
     crop itself."""
     return images.to(torch.float32).mul_(2.0 / 255.0).sub_(1.0)
+
+
+_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # start-of-frame: they hold the size
+_STANDALONE_MARKERS = frozenset([0x01, *range(0xD0, 0xD9)])  # markers without a length field
+
+
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from a JPEG's start-of-frame marker; None if ``data`` is not a JPEG whose
+    frame header comes before any image data (then PIL reads the header)."""
+    if data[:2] != b"\xff\xd8":
+        return None
+    at, end = 2, len(data) - 9
+    while at < end:
+        if data[at] != 0xFF:
+            return None
+        marker = data[at + 1]
+        if marker == 0xFF:  # fill byte
+            at += 1
+        elif marker in _SOF_MARKERS:
+            height, width = int.from_bytes(data[at + 5 : at + 7], "big"), int.from_bytes(data[at + 7 : at + 9], "big")
+            return (width, height) if width and height else None
+        elif marker in _STANDALONE_MARKERS:
+            at += 2
+        elif marker == 0xDA:  # start of scan before any frame header: not a JPEG to trust
+            return None
+        else:
+            at += 2 + int.from_bytes(data[at + 2 : at + 4], "big")
+    return None
 
 
 def _decode_jpeg(data: bytes) -> torch.Tensor:

@@ -200,6 +200,38 @@ def test_stream_skips_whole_shards_without_opening_them(digits_dataset, tmp_path
         SampleStream(urls, ranges).read(want=True)
 
 
+@pytest.mark.parametrize("tar_format", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_shard_cursor_reads_what_tarfile_reads(tmp_path, tar_format, monkeypatch):
+    from vitray.data.reader import ShardCursor
+
+    # Long keys (GNU long-name members, pax path records, a ustar prefix) and data of a 512-byte
+    # multiple: the cursor's own header parser must see what tarfile sees.
+    keys = ["k0", "sub/" + "d" * 120 + "/k1", "e" * 90 + "/k2", "k3"]
+    path = tmp_path / "s.tar"
+    with tarfile.open(path, "w", format=tar_format) as tar:
+        for i, key in enumerate(keys):
+            for ext, data in (("jpg", bytes([i]) * (512 * i + 7 * (i % 2))), ("cls", str(i).encode())):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    expected: dict[str, dict[str, bytes]] = {}
+    with tarfile.open(path) as tar:
+        for member in tar:
+            key, ext = member.name.rsplit(".", 1)
+            expected.setdefault(key, {})[ext] = tar.extractfile(member).read()
+    opened = []
+    real_open = storage.open_file
+    monkeypatch.setattr(storage, "open_file", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
+    cursor = ShardCursor(str(path))
+    assert {r.key: r.fields for r in (cursor.read(want=True) for _ in keys)} == expected
+    assert list(expected) == keys
+    # Going back seeks by the member index built while reading: no second open, no walk.
+    cursor.skip_to(1)
+    assert cursor.read(want=True).key == keys[1] and cursor.read(want=False) is None
+    assert cursor.read(want=True).key == keys[3] and len(opened) == 1
+    cursor.close()
+
+
 def test_incompatible_state_is_refused(digits_dataset):
     state = loader(digits_dataset).state_dict()
     with pytest.raises(ValueError, match="saved seed=3 but this loader has seed=4"):
