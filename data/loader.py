@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,11 +38,11 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_order
 from .shared_memory import BatchMemory, ChunkRing
 from .layout import LabelKind, read_split
-from .plan import ShardRange, augment_seed, epoch_plan, rank_slots
+from .plan import ShardRange, augment_seed, epoch_plan, rank_slots, window_offset
 from .slots import SlotReader
 from .transforms import TRAIN_CROP_SCALE, eval_resize, train_augment
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: staggered shuffle windows (a version-1 state resumes with unstaggered ones)
 PREFETCH = 2  # chunks each worker prepares ahead (DataLoader's prefetch_factor)
 
 
@@ -64,6 +65,7 @@ class _Spec:
     num_classes: int
     num_workers: int
     storage_options: dict[str, Any] | None
+    staggered: bool = True  # shuffle windows staggered across slots (see plan.window_offset)
 
 
 def _start_workers(loader: DataLoader) -> Iterable[Any]:
@@ -117,30 +119,66 @@ class _TrainStream(IterableDataset):
         )
         reporter = SkipReporter()
         epoch, position, batch_number = self.epoch, self.position, 0
-        while True:
-            plan = epoch_plan(spec.seed, epoch, spec.extents, spec.num_slots)
-            batches = (plan.slot_size - position) // spec.per_slot
-            first_batch, start = batch_number, position
+        # One thread reads the next shuffle windows of this worker's slots while it decodes.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitray-windows") as background:
+            yield from self._chunks(spec, epoch, position, batch_number, local_slots, stride, phase, background,
+                                    transform, reporter, ring, worker)  # fmt: skip
 
-            def wanted(p: int) -> bool:
-                return (first_batch + (p - start) // spec.per_slot) % stride == phase
-
-            readers = [
-                SlotReader(spec.shard_urls, plan, spec.slots[i], shuffle_buffer=spec.shuffle_buffer, start=start,
-                           stop=start + batches * spec.per_slot, wanted=wanted, storage_options=spec.storage_options)
-                for i in local_slots
-            ]  # fmt: skip
-            try:
+    def _chunks(
+        self, spec: _Spec, epoch: int, position: int, batch_number: int, local_slots: list[int], stride: int,
+        phase: int, background: ThreadPoolExecutor, transform: Any, reporter: SkipReporter, ring: ChunkRing | None,
+        worker: int,
+    ) -> Iterator[tuple[int, dict[int, Chunk]]]:  # fmt: skip
+        readers, batches = self._open_epoch(spec, epoch, position, batch_number, local_slots, stride, phase, background)
+        # The next epoch's readers start reading their first windows about one window before this
+        # epoch ends, so that the epoch boundary does not stall either.
+        lead = -(-spec.shuffle_buffer // spec.per_slot)
+        upcoming: tuple[list[SlotReader], int] | None = None
+        try:
+            while True:
                 for b in range(batches):
-                    if (first_batch + b) % stride == phase:
-                        positions = range(start + b * spec.per_slot, start + (b + 1) * spec.per_slot)
+                    if b >= batches - lead and upcoming is None:
+                        upcoming = self._open_epoch(spec, epoch + 1, 0, batch_number + batches, local_slots, stride,
+                                                    phase, background)  # fmt: skip
+                    if (batch_number + b) % stride == phase:
+                        positions = range(position + b * spec.per_slot, position + (b + 1) * spec.per_slot)
                         chunk = self._decode(readers, epoch, positions, transform, reporter, ring, worker)
-                        yield first_batch + b, {local_slots[0]: chunk}
-            finally:
+                        yield batch_number + b, {local_slots[0]: chunk}
                 for reader in readers:
                     reader.close()
-            batch_number += batches
-            epoch, position = epoch + 1, 0
+                if upcoming is None:  # an epoch of no batches from here
+                    upcoming = self._open_epoch(spec, epoch + 1, 0, batch_number + batches, local_slots, stride, phase,
+                                                background)  # fmt: skip
+                (readers, next_batches), upcoming = upcoming, None
+                batch_number += batches
+                epoch, position, batches = epoch + 1, 0, next_batches
+        finally:
+            for reader in readers + (upcoming[0] if upcoming else []):
+                reader.close()
+
+    @staticmethod
+    def _open_epoch(
+        spec: _Spec, epoch: int, start: int, first_batch: int, local_slots: list[int], stride: int, phase: int,
+        background: ThreadPoolExecutor,
+    ) -> tuple[list[SlotReader], int]:  # fmt: skip
+        """Readers of this worker's slots of ``epoch`` from position ``start`` on, their first windows
+        already being read in the background; and the number of batches left in the epoch."""
+        plan = epoch_plan(spec.seed, epoch, spec.extents, spec.num_slots)
+        batches = (plan.slot_size - start) // spec.per_slot
+
+        def wanted(p: int) -> bool:
+            return (first_batch + (p - start) // spec.per_slot) % stride == phase
+
+        readers = [
+            SlotReader(spec.shard_urls, plan, spec.slots[i], shuffle_buffer=spec.shuffle_buffer, start=start,
+                       stop=start + batches * spec.per_slot, wanted=wanted, storage_options=spec.storage_options,
+                       window_offset=window_offset(spec.slots[i], spec.num_slots, spec.shuffle_buffer, spec.staggered),
+                       executor=background)
+            for i in local_slots
+        ]  # fmt: skip
+        for reader in readers:
+            reader.read_ahead()
+        return readers, batches
 
     def _decode(
         self, readers: list[SlotReader], epoch: int, positions: range, transform: Any, reporter: SkipReporter,
@@ -268,6 +306,7 @@ class ShardLoader:
             "seed": spec.seed,
             "num_slots": spec.num_slots,
             "shuffle_buffer": spec.shuffle_buffer,
+            "staggered_windows": spec.staggered,
             "num_samples": self.num_samples,
         }
 
@@ -290,6 +329,8 @@ class ShardLoader:
         if epoch < 0 or not 0 <= position <= self.slot_size:
             raise ValueError(f"bad loader state: epoch={epoch}, consumed_per_slot={position}")
         self._epoch, self._position = epoch, position
+        # States saved before windows were staggered (version 1) continue with their own windows.
+        self._spec = replace(spec, staggered=bool(state.get("staggered_windows", False)))
         self._generation += 1
 
     def __iter__(self) -> Iterator[Batch]:

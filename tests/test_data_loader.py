@@ -148,6 +148,89 @@ def test_resume_on_another_world_size_visits_every_sample_once(digits_dataset, b
     assert len(keys) == len(set(keys)) == steps_per_epoch * GLOBAL_BATCH
 
 
+def _stream_keys(plan, slot: int) -> list[str]:
+    """Keys of a slot's stream, in stream order (digits: 100 samples per shard, keys by index)."""
+    return [f"train_{r.shard * 100 + i:08d}" for r in plan.slots[slot] for i in range(r.start, r.stop)]
+
+
+def test_staggered_windows_partition_each_slot_and_switch_at_different_steps(digits_dataset):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vitray.data.plan import window_bounds, window_of, window_offset
+    from vitray.data.slots import SlotReader
+
+    rows = read_manifest(str(digits_dataset), "train")
+    urls = [str(digits_dataset / r.name) for r in rows]
+    plan, buffer = epoch_plan(3, 0, [r.num_samples for r in rows], NUM_SLOTS), 48
+    offsets = [window_offset(slot, NUM_SLOTS, buffer) for slot in range(NUM_SLOTS)]
+    assert offsets == [0, 6, 12, 18, 24, 30, 36, 42] and window_offset(5, NUM_SLOTS, buffer, staggered=False) == 0
+    switches = {slot: {p for p in range(1, plan.slot_size) if window_of(p, offsets[slot], buffer)
+                       != window_of(p - 1, offsets[slot], buffer)} for slot in range(NUM_SLOTS)}  # fmt: skip
+    assert all(a.isdisjoint(b) for a, b in itertools.combinations(switches.values(), 2))
+    with ThreadPoolExecutor(1) as background:
+        for slot in (0, 5):
+            windows = [window_bounds(w, offsets[slot], buffer, plan.slot_size) for w in range(5)]
+            assert [p for first, last in windows for p in range(first, last)] == list(range(plan.slot_size))
+            stream = _stream_keys(plan, slot)
+            reads = {}
+            for executor in (None, background):
+                reader = SlotReader(urls, plan, slot, shuffle_buffer=buffer, start=0, stop=plan.slot_size,
+                                    window_offset=offsets[slot], executor=executor)  # fmt: skip
+                reads[executor] = [reader.take(p).key for p in range(plan.slot_size)]
+                reader.close()
+            assert reads[None] == reads[background] and sorted(reads[None]) == sorted(stream)
+            for first, last in windows:  # shuffled within each window, never across
+                assert sorted(reads[None][first:last]) == sorted(stream[first:last])
+
+
+def test_the_next_window_is_read_in_the_background(digits_dataset, monkeypatch):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vitray.data.slots import SlotReader
+
+    readers_threads = []
+    real_read = SampleStream.read
+    monkeypatch.setattr(SampleStream, "read", lambda self, want: readers_threads.append(
+        threading.current_thread().name) or real_read(self, want))  # fmt: skip
+    rows = read_manifest(str(digits_dataset), "train")
+    plan = epoch_plan(3, 0, [r.num_samples for r in rows], 2)
+    with ThreadPoolExecutor(1, thread_name_prefix="background") as background:
+        reader = SlotReader([str(digits_dataset / r.name) for r in rows], plan, 1, shuffle_buffer=100, start=0,
+                            stop=plan.slot_size, window_offset=50, executor=background)  # fmt: skip
+        reader.take(0)  # the first (short) window is read here, the second starts in the background
+        for position in range(1, 150):
+            reader.take(position)
+        assert reader._next[0] == 2
+        reader._next[1].result()  # window 2 ([150, 250)) was requested when window 1 began
+        main = threading.current_thread().name
+        assert readers_threads.count(main) == 50  # window 0: [0, 50)
+        assert len(readers_threads) == 250 and all(t.startswith("background") for t in readers_threads if t != main)
+        reader.close()
+
+
+def test_states_saved_before_staggering_resume_with_their_windows(digits_dataset):
+    old_state = {**loader(digits_dataset).state_dict(), "version": 1}
+    del old_state["staggered_windows"]
+    unstaggered = loader(digits_dataset)
+    unstaggered.load_state_dict(old_state)
+    first = take(unstaggered, 3)
+    assert unstaggered.state_dict()["staggered_windows"] is False
+    # Version 1 order: windows of 512 (the whole 179-sample slot) from position 0, permuted by the plan.
+    plan = epoch_plan(3, 0, [r.num_samples for r in read_manifest(str(digits_dataset), "train")], NUM_SLOTS)
+    from vitray.data.plan import window_order
+
+    per_slot = GLOBAL_BATCH // NUM_SLOTS
+    expected = [_stream_keys(plan, slot)[int(window_order(3, 0, slot, 0, plan.slot_size)[p])]
+                for slot in range(NUM_SLOTS) for p in range(per_slot)]  # fmt: skip
+    assert first[0].keys == expected
+    resumed = loader(digits_dataset, workers=2)
+    resumed.load_state_dict({**old_state, "consumed_per_slot": per_slot})
+    assert same_batches(take(resumed, 2), first[1:])
+    staggered = take(loader(digits_dataset), 1)[0]
+    assert staggered.keys != first[0].keys  # slot 1+ windows start early now: another order
+
+
 def test_every_rank_yields_the_same_number_of_batches_per_epoch(digits_dataset):
     ranks = [loader(digits_dataset, rank=r, world_size=4, batch_size=8) for r in range(4)]
     assert len({r.steps_per_epoch for r in ranks}) == 1
