@@ -27,6 +27,7 @@ Positions at the end of a slot that do not fill a whole batch are not used in th
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -40,6 +41,7 @@ from .shared_memory import BatchMemory, ChunkRing
 from .layout import LabelKind, read_split
 from .plan import ShardRange, augment_seed, epoch_plan, rank_slots, window_offset
 from .slots import SlotReader
+from .storage import ShardCache
 from .transforms import TRAIN_CROP_SCALE, eval_resize, train_augment
 
 STATE_VERSION = 2  # 2: staggered shuffle windows (a version-1 state resumes with unstaggered ones)
@@ -66,6 +68,8 @@ class _Spec:
     num_workers: int
     storage_options: dict[str, Any] | None
     staggered: bool = True  # shuffle windows staggered across slots (see plan.window_offset)
+    shard_cache: str | None = None  # local folder for whole remote shards (storage.ShardCache)
+    shard_cache_bytes: int = 0
 
 
 def _start_workers(loader: DataLoader) -> Iterable[Any]:
@@ -165,6 +169,7 @@ class _TrainStream(IterableDataset):
         already being read in the background; and the number of batches left in the epoch."""
         plan = epoch_plan(spec.seed, epoch, spec.extents, spec.num_slots)
         batches = (plan.slot_size - start) // spec.per_slot
+        cache = ShardCache(spec.shard_cache, spec.shard_cache_bytes) if spec.shard_cache else None
 
         def wanted(p: int) -> bool:
             return (first_batch + (p - start) // spec.per_slot) % stride == phase
@@ -173,7 +178,7 @@ class _TrainStream(IterableDataset):
             SlotReader(spec.shard_urls, plan, spec.slots[i], shuffle_buffer=spec.shuffle_buffer, start=start,
                        stop=start + batches * spec.per_slot, wanted=wanted, storage_options=spec.storage_options,
                        window_offset=window_offset(spec.slots[i], spec.num_slots, spec.shuffle_buffer, spec.staggered),
-                       executor=background)
+                       executor=background, cache=cache)
             for i in local_slots
         ]  # fmt: skip
         for reader in readers:
@@ -213,6 +218,11 @@ class ShardLoader:
         num_workers: DataLoader worker processes reading and decoding (0: in this process).
         shuffle_buffer: samples per shuffle window within a slot.
         storage_options: fsspec options for remote paths.
+        shard_cache: a local folder (one per node, shared by its processes) into which whole remote
+            shards are fetched with parallel range reads before they are read; default: the
+            ``VITRAY_SHARD_CACHE`` environment variable, else none (shards are streamed).
+        shard_cache_gb: the cache's size bound in GiB (least recently used shards are evicted);
+            default: ``VITRAY_SHARD_CACHE_GB``, else 100.
         float_images: float32 images in [-1, 1]; False gives uint8 images in [0, 255], a quarter
             of the bytes to copy, for converting later with :func:`vitray.data.to_model_range`
             (e.g. on the accelerator, which spares the training process the conversion).
@@ -236,6 +246,8 @@ class ShardLoader:
         float_images: bool = True,
         min_crop_area: float = TRAIN_CROP_SCALE[0],
         flip: bool = True,
+        shard_cache: str | None = None,
+        shard_cache_gb: float | None = None,
     ) -> None:
         slots = rank_slots(rank, world_size, num_slots)
         if not 0 < min_crop_area <= 1:
@@ -271,7 +283,11 @@ class ShardLoader:
             num_classes=self.info.num_classes,
             num_workers=num_workers,
             storage_options=storage_options,
+            shard_cache=shard_cache or os.environ.get("VITRAY_SHARD_CACHE") or None,
+            shard_cache_bytes=int(float(shard_cache_gb or os.environ.get("VITRAY_SHARD_CACHE_GB") or 100) * 2**30),
         )
+        if self._spec.shard_cache and self._spec.shard_cache_bytes < 1:
+            raise ValueError(f"shard_cache_gb must be positive, got {shard_cache_gb}")
         self.slot_size = epoch_plan(seed, 0, self._spec.extents, num_slots).slot_size
         if self.steps_per_epoch == 0:
             raise ValueError(

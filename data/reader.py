@@ -125,8 +125,10 @@ class ShardCursor:
     second pass -- seeks straight to it instead of walking the shard again.
     """
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
-        self.url, self.storage_options = url, storage_options
+    def __init__(
+        self, url: str, storage_options: dict[str, Any] | None = None, cache: storage.ShardCache | None = None
+    ) -> None:
+        self.url, self.storage_options, self.cache = url, storage_options, cache
         self.index = 0  # next sample index
         self.broken = False  # the rest of the shard is unreadable (truncated or damaged)
         self._file: IO[bytes] | None = None
@@ -141,7 +143,10 @@ class ShardCursor:
         def open_tar() -> None:
             self.close()
             self.index, self.broken = index, False
-            self._file = storage.open_file(self.url, "rb", self.storage_options)
+            if self.cache is not None:
+                self._file = self.cache.open(self.url, self.storage_options)
+            else:
+                self._file = storage.open_file(self.url, "rb", self.storage_options)
             try:
                 if index:
                     self._file.seek(self._sample_offsets[index])
@@ -284,8 +289,10 @@ class SampleStream:
         ranges: Sequence[ShardRange],
         storage_options: dict[str, Any] | None = None,
         start: int = 0,
+        cache: storage.ShardCache | None = None,
     ) -> None:
         self.shard_urls, self.ranges, self.storage_options = shard_urls, list(ranges), storage_options
+        self.cache = cache  # whole remote shards are read through this local cache
         self._range_no, self._offset_in_range = 0, 0
         self._cursor: ShardCursor | None = None
         self._advance_ranges(start)
@@ -309,7 +316,7 @@ class SampleStream:
             raise IndexError("read past the end of the stream")
         shard_range = self.ranges[self._range_no]
         if self._cursor is None:
-            self._cursor = ShardCursor(self.shard_urls[shard_range.shard], self.storage_options)
+            self._cursor = ShardCursor(self.shard_urls[shard_range.shard], self.storage_options, self.cache)
         self._cursor.skip_to(shard_range.start + self._offset_in_range)
         result = self._cursor.read(want)
         self._offset_in_range += 1

@@ -16,6 +16,7 @@ from typing import Any
 
 from .plan import EpochPlan, window_bounds, window_of, window_order
 from .reader import SampleStream
+from .storage import ShardCache
 
 
 class _Cancelled(Exception):
@@ -46,6 +47,7 @@ class SlotReader:
         storage_options: dict[str, Any] | None = None,
         window_offset: int = 0,
         executor: Executor | None = None,
+        cache: ShardCache | None = None,
     ) -> None:
         if shuffle_buffer < 1:
             raise ValueError(f"shuffle_buffer must be at least 1, got {shuffle_buffer}")
@@ -55,7 +57,7 @@ class SlotReader:
         self.start, self.stop, self.wanted = start, min(stop, plan.slot_size), wanted
         self._executor = executor
         self._stream_at = self._bounds(window_of(start, window_offset, shuffle_buffer))[0]
-        self._stream = SampleStream(shard_urls, plan.slots[slot], storage_options, start=self._stream_at)
+        self._stream = SampleStream(shard_urls, plan.slots[slot], storage_options, start=self._stream_at, cache=cache)
         self._window = -1
         self._raw: dict[int, Any] = {}  # stream offset -> raw sample, for the current window
         self._order: Any = None
