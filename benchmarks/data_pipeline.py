@@ -18,7 +18,9 @@ into local shards and measures samples per CPU-second of
    network; moto's own CPU time is not counted).
 
 CPU time is summed over the main process and its workers (``getrusage``; worker start-up, the
-shuffle windows and the chunks prefetched but never used included, amortised over ``--samples``).
+shuffle windows and the chunks prefetched but never used included, amortised over ``--samples``);
+"steady" counts only the CPU time after the first batch (the workers' from ``/proc``), what a long
+run pays per sample.
 The readers run in ``--repeats`` rounds, every reader once per round, and each reader's best run
 counts: CPU time per sample is the steady measure on a machine shared with other work; wall-clock
 rates are printed too but depend on that load.
@@ -26,7 +28,7 @@ rates are printed too but depend on that load.
 The stall probe then reads batches with 2 slots of ``--probe-window``-sample shuffle windows (a
 window switch every few batches), one worker per slot, and reports the median and the longest gap
 between two consecutive batches, and the longest gap at a window switch. The last line prints the
-ratios: loader / plain loop per CPU-second for both sets, and the longest gap / the median gap.
+ratios: loader / plain loop per CPU-second for both sets, and the longest gap at a switch / the median.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ SETS = {"256": ((224, 320), (224, 320)), "imagenet": ((450, 550), (330, 420))}  
 class Rate:
     per_second: float  # samples per wall-clock second
     per_cpu_second: float  # samples per CPU-second of this process and its (finished) children
+    steady_per_cpu_second: float = 0.0  # the same after the first batch (no start-up, no first windows)
 
 
 def cpu_seconds() -> float:
@@ -68,6 +71,20 @@ def cpu_seconds() -> float:
     for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
         usage = resource.getrusage(who)
         total += usage.ru_utime + usage.ru_stime
+    return total
+
+
+def live_children_cpu_seconds() -> float:
+    """CPU time of this process's running children (DataLoader workers), from /proc."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            pids = f.read().split()
+        for pid in pids:
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
     return total
 
 
@@ -107,7 +124,7 @@ def plain_loop(paths: list[Path], samples: int) -> Rate:
         wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu
     finally:
         torch.set_num_threads(threads)
-    return Rate(samples / wall, samples / cpu)
+    return Rate(samples / wall, samples / cpu, samples / cpu)
 
 
 def make_loader(path: str, *, workers: int, batch_size: int, floats: bool = False, **kwargs) -> ShardLoader:
@@ -123,39 +140,53 @@ def loader_run(path: str, *, workers: int, batch_size: int, samples: int, floats
     cpu, start = cpu_seconds(), time.perf_counter()
     iterator = iter(data_loader)
     count = len(next(iterator))
-    first = time.perf_counter()
+    first, cpu_first = time.perf_counter(), cpu_seconds() + live_children_cpu_seconds()
     steady = sum(len(b) for b in itertools.islice(iterator, max(1, samples // batch_size - 1)))
     wall = time.perf_counter() - first
+    steady_cpu = cpu_seconds() + live_children_cpu_seconds() - cpu_first
     iterator.close()  # joins the workers, so that their CPU time is counted
     torch.set_num_threads(threads)
-    return Rate(steady / wall, (count + steady) / (cpu_seconds() - cpu))
+    return Rate(steady / wall, (count + steady) / (cpu_seconds() - cpu), steady / steady_cpu)
 
 
-def stall_probe(path: str, *, window: int, batch_size: int, batches: int) -> tuple[float, float, float]:
-    """(median gap, longest gap, longest gap at a window switch) between batches, in seconds."""
+def stall_probe(path: str, *, window: int, batch_size: int, batches: int) -> tuple[float, float, float, int]:
+    """(median gap, longest gap, longest gap at a window switch, switches seen) between batches, in
+    seconds. A batch is at a switch when one of its slots' windows (staggered or not) or the epoch
+    begins within its positions."""
+    try:
+        from vitray.data.plan import window_offset
+    except ImportError:  # the loader of before windows were staggered
+
+        def window_offset(slot: int, num_slots: int, shuffle_buffer: int, staggered: bool = True) -> int:
+            return 0
+
     data_loader = make_loader(path, workers=2, batch_size=batch_size, num_slots=2, shuffle_buffer=window)
     per_slot = batch_size // 2
+    offsets = {window_offset(slot, 2, window) for slot in range(2)}
     iterator = iter(data_loader)
     next(iterator)  # worker start-up and the first windows are not a stall of the running stream
     gaps, at_switch, last = [], [], time.perf_counter()
     for batch in itertools.islice(iterator, batches):
         now = time.perf_counter()
         gaps.append(now - last)
-        first, stop = batch.step * per_slot, (batch.step + 1) * per_slot
-        if first // window != (stop - 1) // window or first % window == 0:  # this batch crossed or began a window
+        first = batch.step * per_slot
+        if first == 0 or any((p + o) % window == 0 for o in offsets for p in range(first, first + per_slot)):
             at_switch.append(now - last)
         last = now
     iterator.close()
-    return statistics.median(gaps), max(gaps), max(at_switch, default=float("nan"))
+    return statistics.median(gaps), max(gaps), max(at_switch, default=float("nan")), len(at_switch)
 
 
 def best(runs: list[Rate]) -> Rate:
-    return Rate(max(r.per_second for r in runs), max(r.per_cpu_second for r in runs))
+    return Rate(max(r.per_second for r in runs), max(r.per_cpu_second for r in runs),
+                max(r.steady_per_cpu_second for r in runs))  # fmt: skip
 
 
 def show(name: str, rate: Rate, reference: Rate | None = None) -> None:
-    ratio = f"  ({rate.per_cpu_second / reference.per_cpu_second:.2f}x the plain loop)" if reference else ""
-    print(f"  {name:<36} {rate.per_second:6.0f} samples/s; {rate.per_cpu_second:5.0f} per CPU-s{ratio}")
+    ratio = (f"  ({rate.per_cpu_second / reference.per_cpu_second:.2f}x the plain loop; steady "
+             f"{rate.steady_per_cpu_second:4.0f}, {rate.steady_per_cpu_second / reference.per_cpu_second:.2f}x)"
+             if reference else "")  # fmt: skip
+    print(f"  {name:<44} {rate.per_second:6.0f} samples/s; {rate.per_cpu_second:5.0f} per CPU-s{ratio}")
 
 
 def free_port() -> int:
@@ -194,7 +225,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4000, help="samples per run of each reader")
     parser.add_argument("--repeats", type=int, default=2, help="rounds of every reader; each reader's best counts")
     parser.add_argument("--probe-window", type=int, default=256, help="shuffle window of the stall probe")
-    parser.add_argument("--probe-batches", type=int, default=60)
+    parser.add_argument("--probe-batches", type=int, default=90)
     parser.add_argument("--skip-s3", action="store_true", help="measure local shards only")
     args = parser.parse_args()
 
@@ -232,14 +263,15 @@ def main() -> None:
             for name, rate in rates.items():
                 show(name, rate, None if rate is plain else plain)
             loader = rates[f"ShardLoader, {args.workers} workers, uint8"]
-            summary.append(f"{kind} {loader.per_cpu_second / plain.per_cpu_second:.2f}")
+            summary.append(f"{kind} {loader.per_cpu_second / plain.per_cpu_second:.2f} "
+                           f"(steady {loader.steady_per_cpu_second / plain.per_cpu_second:.2f})")  # fmt: skip
             if kind == args.sets.split(",")[0]:
-                median, longest, switch = stall_probe(local, window=args.probe_window, batch_size=args.batch_size,
-                                                      batches=args.probe_batches)  # fmt: skip
+                median, longest, switch, switches = stall_probe(
+                    local, window=args.probe_window, batch_size=args.batch_size, batches=args.probe_batches)
                 print(f"  stall probe ({args.probe_window}-sample windows, 2 slots, 2 workers, {args.probe_batches} "
-                      f"batches): median gap {median * 1e3:.0f} ms, longest {longest * 1e3:.0f} ms, longest at a "
-                      f"window switch {switch * 1e3:.0f} ms")  # fmt: skip
-                summary.append(f"longest / median gap {longest / median:.2f}")
+                      f"batches, {switches} at a window switch): median gap {median * 1e3:.0f} ms, longest "
+                      f"{longest * 1e3:.0f} ms, longest at a window switch {switch * 1e3:.0f} ms")  # fmt: skip
+                summary.append(f"longest gap at a window switch / median gap {switch / median:.2f}")
     print("ratios: loader (uint8, workers) / plain loop per CPU-second: " + ", ".join(summary))
 
 
