@@ -27,6 +27,7 @@ Positions at the end of a slot that do not fill a whole batch are not used in th
 from __future__ import annotations
 
 import gc
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -40,9 +41,11 @@ from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_o
 from .shared_memory import BatchMemory, ChunkRing
 from .layout import LabelKind, read_split
 from .plan import ShardRange, augment_seed, epoch_plan, rank_slots, window_offset
-from .slots import SlotReader
+from .slots import READ_AHEAD, SlotReader
 from .storage import ShardCache
 from .transforms import TRAIN_CROP_SCALE, eval_resize, train_augment
+
+log = logging.getLogger(__name__)
 
 STATE_VERSION = 2  # 2: staggered shuffle windows (a version-1 state resumes with unstaggered ones)
 PREFETCH = 2  # chunks each worker prepares ahead (DataLoader's prefetch_factor)
@@ -134,9 +137,9 @@ class _TrainStream(IterableDataset):
         worker: int,
     ) -> Iterator[tuple[int, dict[int, Chunk]]]:  # fmt: skip
         readers, batches = self._open_epoch(spec, epoch, position, batch_number, local_slots, stride, phase, background)
-        # The next epoch's readers start reading their first windows about one window before this
-        # epoch ends, so that the epoch boundary does not stall either.
-        lead = -(-spec.shuffle_buffer // spec.per_slot)
+        # The next epoch's readers start reading their first windows as the last READ_AHEAD of a
+        # window before this epoch ends, so that the epoch boundary does not stall either.
+        lead = -(-max(1, int(spec.shuffle_buffer * READ_AHEAD)) // spec.per_slot)
         upcoming: tuple[list[SlotReader], int] | None = None
         try:
             while True:
@@ -288,6 +291,12 @@ class ShardLoader:
         )
         if self._spec.shard_cache and self._spec.shard_cache_bytes < 1:
             raise ValueError(f"shard_cache_gb must be positive, got {shard_cache_gb}")
+        if num_workers > len(slots):
+            log.warning(
+                "num_workers=%d exceeds this rank's %d slot(s) (num_slots=%d / world_size=%d): several workers "
+                "read the same slot and each decodes a share of it; num_slots=%d would give every worker its own",
+                num_workers, len(slots), num_slots, world_size, world_size * num_workers,
+            )  # fmt: skip
         self.slot_size = epoch_plan(seed, 0, self._spec.extents, num_slots).slot_size
         if self.steps_per_epoch == 0:
             raise ValueError(

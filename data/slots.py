@@ -1,10 +1,12 @@
 """Reading one slot of an epoch plan, position by position, through its shuffle windows.
 
 The raw bytes of a window are read before its first position is handed out. With an executor
-(one thread per loader worker), the next window is read in the background while the current one
-is consumed, so a window switch costs no more than any other step; the reader then holds at most
-two windows of raw samples. Reads of one slot stay in stream order: window ``w + 1`` is only
-requested once window ``w`` is in.
+(one thread per loader worker), the next window is read in the background once the last
+:data:`READ_AHEAD` of the current one is being consumed, so a window switch costs no more than
+any other step. Raw samples are dropped as they are handed out, so a slot holds on average about
+``0.5 + READ_AHEAD`` windows of raw bytes (at most ``1 + READ_AHEAD``); slots switch at staggered
+steps, so a worker's slots do not peak together. Reads of one slot stay in stream order: window
+``w + 1`` is only requested once window ``w`` is in.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ from typing import Any
 from .plan import EpochPlan, window_bounds, window_of, window_order
 from .reader import SampleStream
 from .storage import ShardCache
+
+# The fraction of a window left to consume when the next one starts being read: time enough to
+# read it (a quarter window is many steps: each step takes only a few positions of each slot),
+# memory little more than one window per slot.
+READ_AHEAD = 0.25
 
 
 class _Cancelled(Exception):
@@ -63,6 +70,7 @@ class SlotReader:
         self._order: Any = None
         self._first = 0  # the current window's first position
         self._next: tuple[int, Future] | None = None  # the window being read in the background
+        self._read_ahead_at = 0  # the position from which the next window is read in the background
         self._closed = threading.Event()
 
     def _bounds(self, window: int) -> tuple[int, int]:
@@ -75,6 +83,11 @@ class SlotReader:
         window = window_of(position, self.offset, self.buffer_size)
         if window != self._window:
             self._switch(window)
+        if position >= self._read_ahead_at and self._next is None and self._executor is not None:
+            following = window + 1
+            if self._bounds(following)[0] < self.stop:
+                self._next = (following, self._executor.submit(self._read, following))
+            self._read_ahead_at = self.stop  # once per window
         return self._raw.pop(self._first + int(self._order[position - self._first]))
 
     def read_ahead(self) -> None:
@@ -91,10 +104,8 @@ class SlotReader:
             if pending is not None:
                 pending[1].result()  # let it finish with the stream first (positions go forward only)
             self._raw, self._order = self._read(window)
-        self._window, self._first = window, self._bounds(window)[0]
-        following = window + 1
-        if self._executor is not None and self._bounds(following)[0] < self.stop:
-            self._next = (following, self._executor.submit(self._read, following))
+        self._window, (self._first, last) = window, self._bounds(window)
+        self._read_ahead_at = last - max(1, int(self.buffer_size * READ_AHEAD))
 
     def _read(self, window: int) -> tuple[dict[int, Any], Any]:
         """The raw samples of ``window`` (by stream offset) and its permutation."""

@@ -226,10 +226,13 @@ class ShardCache:
             return open_file(url, "rb", storage_options)
         path = self.path_for(url)
         try:
-            os.utime(path)  # recently used: evicted last
-            return open(path, "rb")  # noqa: SIM115 - the caller closes it
+            cached = open(path, "rb")  # noqa: SIM115 - the caller closes it
         except FileNotFoundError:
             pass
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(path)  # recently used: evicted last
+            return cached
         fs, fs_path = filesystem(url, storage_options)
         try:
             size = with_retries(lambda: fs.info(fs_path)["size"], what=f"asking the size of {url}")
@@ -240,10 +243,14 @@ class ShardCache:
                         url, size, self.max_bytes)  # fmt: skip
             return open_file(url, "rb", storage_options)
         self._make_room(size)
-        self._fetch(fs, fs_path, url, size, path)
-        return open(path, "rb")  # noqa: SIM115 - the caller closes it
+        fetched = self._fetch(fs, fs_path, url, size, path)
+        # Processes that missed shards at the same time each made room for their own only.
+        self._make_room(0)
+        return fetched
 
-    def _fetch(self, fs: fsspec.AbstractFileSystem, fs_path: str, url: str, size: int, path: str) -> None:
+    def _fetch(self, fs: fsspec.AbstractFileSystem, fs_path: str, url: str, size: int, path: str) -> IO[bytes]:
+        """The shard fetched into ``path``, opened before it is renamed there (so that eviction by
+        another process cannot take it away between the two)."""
         fd, tmp = tempfile.mkstemp(prefix=".", suffix=".part", dir=self.folder)
         try:
             with os.fdopen(fd, "wb") as out:
@@ -263,7 +270,9 @@ class ShardCache:
                         out.write(part)
             if os.path.getsize(tmp) != size:
                 raise OSError(f"fetched {os.path.getsize(tmp)} bytes of {url}, expected {size}")
+            fetched = open(tmp, "rb")  # noqa: SIM115 - the caller closes it
             os.replace(tmp, path)
+            return fetched
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)

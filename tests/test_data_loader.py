@@ -198,13 +198,17 @@ def test_the_next_window_is_read_in_the_background(digits_dataset, monkeypatch):
     with ThreadPoolExecutor(1, thread_name_prefix="background") as background:
         reader = SlotReader([str(digits_dataset / r.name) for r in rows], plan, 1, shuffle_buffer=100, start=0,
                             stop=plan.slot_size, window_offset=50, executor=background)  # fmt: skip
-        reader.take(0)  # the first (short) window is read here, the second starts in the background
-        for position in range(1, 150):
+        for position in range(25):  # window 0 is [0, 50): read here, in this thread
             reader.take(position)
-        assert reader._next[0] == 2
-        reader._next[1].result()  # window 2 ([150, 250)) was requested when window 1 began
+        assert reader._next is None  # not before the last quarter of the window
+        reader.take(25)
+        assert reader._next[0] == 1  # [50, 150), read in the background from now on
+        for position in range(26, 150):
+            reader.take(position)
+        assert reader._next[0] == 2  # [150, 250), requested at position 125
+        reader._next[1].result()
         main = threading.current_thread().name
-        assert readers_threads.count(main) == 50  # window 0: [0, 50)
+        assert readers_threads.count(main) == 50
         assert len(readers_threads) == 250 and all(t.startswith("background") for t in readers_threads if t != main)
         reader.close()
 

@@ -72,7 +72,7 @@ def test_shard_cache_fetches_whole_shards_in_parallel_ranges_and_stays_bounded(m
                                   seed=0, num_workers=workers, shuffle_buffer=64, **kwargs)  # fmt: skip
         return list(itertools.islice(data_loader, steps))
 
-    # Bounded to about two shards: the slots' shards come and go, the folder never holds more.
+    # Bounded to about two and a half shards: the slots' shards come and go, the folder never holds more.
     bound_gb = 2.5 * largest / 2**30
     cached = batches(dest, 2, 30, shard_cache=str(cache_dir), shard_cache_gb=bound_gb)
     local = batches(digits_dataset, 0, 30)
@@ -80,7 +80,8 @@ def test_shard_cache_fetches_whole_shards_in_parallel_ranges_and_stays_bounded(m
     assert all(torch.equal(c.images, lo.images) for c, lo in zip(cached, local))
     files = list(cache_dir.iterdir())
     assert files and all(not f.name.startswith(".") for f in files)  # no partial copy left behind
-    assert sum(f.stat().st_size for f in files) <= bound_gb * 2**30 and len(files) <= 2
+    assert sum(f.stat().st_size for f in files) <= bound_gb * 2**30  # the 8 slots read 10+ shards: some were evicted
+    assert len(files) <= bound_gb * 2**30 // min(r.bytes for r in rows) < len(rows)
 
     # What the cache holds is the object, byte for byte; with the bucket emptied, reads are served
     # from the cache alone (environment variables configure it too).
