@@ -78,8 +78,11 @@ def live_children_cpu_seconds() -> float:
     """CPU time of this process's running children (DataLoader workers), from /proc."""
     total, tick = 0.0, os.sysconf("SC_CLK_TCK")
     for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            pids = f.read().split()
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids = f.read().split()
+        except FileNotFoundError:  # a thread that has just ended
+            continue
         for pid in pids:
             with contextlib.suppress(FileNotFoundError, ProcessLookupError):
                 with open(f"/proc/{pid}/stat") as f:
