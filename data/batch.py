@@ -92,11 +92,14 @@ def decode_chunk(
 
     ``transform`` maps the decoded RGB image to an ``img_size`` square, as a PIL image (e.g.
     :func:`~vitray.data.transforms.train_augment`; copied plane by plane, the cheapest) or a uint8
-    ``(3, img_size, img_size)`` tensor (e.g. :func:`~vitray.data.transforms.train_transform`).
+    ``(3, img_size, img_size)`` tensor (e.g. :func:`~vitray.data.transforms.train_transform`). A
+    transform with a ``from_bytes(data, seed)`` method (:class:`~vitray.data.transforms.TrainCrop`)
+    gets the encoded bytes instead, so that it can decode at a reduced scale.
     ``out``: uint8 memory for at least ``len(raws)`` images to decode into (e.g. a ChunkRing slot).
     """
     images = _image_buffer(len(raws), img_size) if out is None else out[: len(raws)]
     planes = images.numpy()  # writable view of the same memory
+    from_bytes = getattr(transform, "from_bytes", None)  # e.g. TrainCrop: decode + crop in one step
     labels, keys, skipped = [], [], 0
     for raw, seed in zip(raws, seeds, strict=True):
         try:
@@ -104,7 +107,10 @@ def decode_chunk(
                 raise CorruptSample("unreadable tar data (truncated or damaged shard)")
             assert isinstance(raw, RawSample)
             label = decode_label(raw.fields, label_kind, num_classes)
-            image = apply_seeded(transform, decode_image(image_bytes(raw.fields)), seed)
+            if from_bytes is not None:  # decodes only as much of the image as the crop needs
+                image = from_bytes(image_bytes(raw.fields), seed)
+            else:
+                image = apply_seeded(transform, decode_image(image_bytes(raw.fields)), seed)
         except CorruptSample as error:
             skipped += 1
             reporter.skipped(raw.key if isinstance(raw, RawSample) else where, str(error))

@@ -24,7 +24,10 @@ class DataConfig(BaseModel):
     val: str | None = Field(None, description="Prepared dataset for validation; the training one when unset.")
     val_split: str = Field("test", description="Split (or slice: train[98%:]) whose top-1 the run reports.")
     num_slots: int = Field(
-        8, gt=0, description="Canonical slots of the epoch plan; fixed for a run, divisible by every world size used."
+        8,
+        gt=0,
+        description="Canonical slots of the epoch plan; fixed for a run, divisible by every world size used. "
+        "Best a multiple of world size x num_workers: each loader worker then streams its own slots.",
     )
     num_workers: int = Field(1, ge=0, description="DataLoader worker processes per rank (0: decode in the trainer).")
     shuffle_buffer: int = Field(512, gt=0, description="Samples per shuffle window within a slot.")

@@ -27,7 +27,10 @@ Positions at the end of a slot that do not fill a whole batch are not used in th
 from __future__ import annotations
 
 import gc
+import logging
+import os
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,11 +40,14 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_order
 from .shared_memory import BatchMemory, ChunkRing
 from .layout import LabelKind, read_split
-from .plan import ShardRange, augment_seed, epoch_plan, rank_slots
-from .slots import SlotReader
+from .plan import ShardRange, augment_seed, epoch_plan, rank_slots, window_offset
+from .slots import READ_AHEAD, SlotReader
+from .storage import ShardCache
 from .transforms import TRAIN_CROP_SCALE, eval_resize, train_augment
 
-STATE_VERSION = 1
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 2  # 2: staggered shuffle windows (a version-1 state resumes with unstaggered ones)
 PREFETCH = 2  # chunks each worker prepares ahead (DataLoader's prefetch_factor)
 
 
@@ -64,6 +70,9 @@ class _Spec:
     num_classes: int
     num_workers: int
     storage_options: dict[str, Any] | None
+    staggered: bool = True  # shuffle windows staggered across slots (see plan.window_offset)
+    shard_cache: str | None = None  # local folder for whole remote shards (storage.ShardCache)
+    shard_cache_bytes: int = 0
 
 
 def _start_workers(loader: DataLoader) -> Iterable[Any]:
@@ -117,30 +126,67 @@ class _TrainStream(IterableDataset):
         )
         reporter = SkipReporter()
         epoch, position, batch_number = self.epoch, self.position, 0
-        while True:
-            plan = epoch_plan(spec.seed, epoch, spec.extents, spec.num_slots)
-            batches = (plan.slot_size - position) // spec.per_slot
-            first_batch, start = batch_number, position
+        # One thread reads the next shuffle windows of this worker's slots while it decodes.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitray-windows") as background:
+            yield from self._chunks(spec, epoch, position, batch_number, local_slots, stride, phase, background,
+                                    transform, reporter, ring, worker)  # fmt: skip
 
-            def wanted(p: int) -> bool:
-                return (first_batch + (p - start) // spec.per_slot) % stride == phase
-
-            readers = [
-                SlotReader(spec.shard_urls, plan, spec.slots[i], shuffle_buffer=spec.shuffle_buffer, start=start,
-                           stop=start + batches * spec.per_slot, wanted=wanted, storage_options=spec.storage_options)
-                for i in local_slots
-            ]  # fmt: skip
-            try:
+    def _chunks(
+        self, spec: _Spec, epoch: int, position: int, batch_number: int, local_slots: list[int], stride: int,
+        phase: int, background: ThreadPoolExecutor, transform: Any, reporter: SkipReporter, ring: ChunkRing | None,
+        worker: int,
+    ) -> Iterator[tuple[int, dict[int, Chunk]]]:  # fmt: skip
+        readers, batches = self._open_epoch(spec, epoch, position, batch_number, local_slots, stride, phase, background)
+        # The next epoch's readers start reading their first windows as the last READ_AHEAD of a
+        # window before this epoch ends, so that the epoch boundary does not stall either.
+        lead = -(-max(1, int(spec.shuffle_buffer * READ_AHEAD)) // spec.per_slot)
+        upcoming: tuple[list[SlotReader], int] | None = None
+        try:
+            while True:
                 for b in range(batches):
-                    if (first_batch + b) % stride == phase:
-                        positions = range(start + b * spec.per_slot, start + (b + 1) * spec.per_slot)
+                    if b >= batches - lead and upcoming is None:
+                        upcoming = self._open_epoch(spec, epoch + 1, 0, batch_number + batches, local_slots, stride,
+                                                    phase, background)  # fmt: skip
+                    if (batch_number + b) % stride == phase:
+                        positions = range(position + b * spec.per_slot, position + (b + 1) * spec.per_slot)
                         chunk = self._decode(readers, epoch, positions, transform, reporter, ring, worker)
-                        yield first_batch + b, {local_slots[0]: chunk}
-            finally:
+                        yield batch_number + b, {local_slots[0]: chunk}
                 for reader in readers:
                     reader.close()
-            batch_number += batches
-            epoch, position = epoch + 1, 0
+                if upcoming is None:  # an epoch of no batches from here
+                    upcoming = self._open_epoch(spec, epoch + 1, 0, batch_number + batches, local_slots, stride, phase,
+                                                background)  # fmt: skip
+                (readers, next_batches), upcoming = upcoming, None
+                batch_number += batches
+                epoch, position, batches = epoch + 1, 0, next_batches
+        finally:
+            for reader in readers + (upcoming[0] if upcoming else []):
+                reader.close()
+
+    @staticmethod
+    def _open_epoch(
+        spec: _Spec, epoch: int, start: int, first_batch: int, local_slots: list[int], stride: int, phase: int,
+        background: ThreadPoolExecutor,
+    ) -> tuple[list[SlotReader], int]:  # fmt: skip
+        """Readers of this worker's slots of ``epoch`` from position ``start`` on, their first windows
+        already being read in the background; and the number of batches left in the epoch."""
+        plan = epoch_plan(spec.seed, epoch, spec.extents, spec.num_slots)
+        batches = (plan.slot_size - start) // spec.per_slot
+        cache = ShardCache(spec.shard_cache, spec.shard_cache_bytes) if spec.shard_cache else None
+
+        def wanted(p: int) -> bool:
+            return (first_batch + (p - start) // spec.per_slot) % stride == phase
+
+        readers = [
+            SlotReader(spec.shard_urls, plan, spec.slots[i], shuffle_buffer=spec.shuffle_buffer, start=start,
+                       stop=start + batches * spec.per_slot, wanted=wanted, storage_options=spec.storage_options,
+                       window_offset=window_offset(spec.slots[i], spec.num_slots, spec.shuffle_buffer, spec.staggered),
+                       executor=background, cache=cache)
+            for i in local_slots
+        ]  # fmt: skip
+        for reader in readers:
+            reader.read_ahead()
+        return readers, batches
 
     def _decode(
         self, readers: list[SlotReader], epoch: int, positions: range, transform: Any, reporter: SkipReporter,
@@ -175,6 +221,11 @@ class ShardLoader:
         num_workers: DataLoader worker processes reading and decoding (0: in this process).
         shuffle_buffer: samples per shuffle window within a slot.
         storage_options: fsspec options for remote paths.
+        shard_cache: a local folder (one per node, shared by its processes) into which whole remote
+            shards are fetched with parallel range reads before they are read; default: the
+            ``VITRAY_SHARD_CACHE`` environment variable, else none (shards are streamed).
+        shard_cache_gb: the cache's size bound in GiB (least recently used shards are evicted);
+            default: ``VITRAY_SHARD_CACHE_GB``, else 100.
         float_images: float32 images in [-1, 1]; False gives uint8 images in [0, 255], a quarter
             of the bytes to copy, for converting later with :func:`vitray.data.to_model_range`
             (e.g. on the accelerator, which spares the training process the conversion).
@@ -198,6 +249,8 @@ class ShardLoader:
         float_images: bool = True,
         min_crop_area: float = TRAIN_CROP_SCALE[0],
         flip: bool = True,
+        shard_cache: str | None = None,
+        shard_cache_gb: float | None = None,
     ) -> None:
         slots = rank_slots(rank, world_size, num_slots)
         if not 0 < min_crop_area <= 1:
@@ -233,7 +286,17 @@ class ShardLoader:
             num_classes=self.info.num_classes,
             num_workers=num_workers,
             storage_options=storage_options,
+            shard_cache=shard_cache or os.environ.get("VITRAY_SHARD_CACHE") or None,
+            shard_cache_bytes=int(float(shard_cache_gb or os.environ.get("VITRAY_SHARD_CACHE_GB") or 100) * 2**30),
         )
+        if self._spec.shard_cache and self._spec.shard_cache_bytes < 1:
+            raise ValueError(f"shard_cache_gb must be positive, got {shard_cache_gb}")
+        if num_workers > len(slots):
+            log.warning(
+                "num_workers=%d exceeds this rank's %d slot(s) (num_slots=%d / world_size=%d): several workers "
+                "read the same slot and each decodes a share of it; num_slots=%d would give every worker its own",
+                num_workers, len(slots), num_slots, world_size, world_size * num_workers,
+            )  # fmt: skip
         self.slot_size = epoch_plan(seed, 0, self._spec.extents, num_slots).slot_size
         if self.steps_per_epoch == 0:
             raise ValueError(
@@ -268,6 +331,7 @@ class ShardLoader:
             "seed": spec.seed,
             "num_slots": spec.num_slots,
             "shuffle_buffer": spec.shuffle_buffer,
+            "staggered_windows": spec.staggered,
             "num_samples": self.num_samples,
         }
 
@@ -290,6 +354,8 @@ class ShardLoader:
         if epoch < 0 or not 0 <= position <= self.slot_size:
             raise ValueError(f"bad loader state: epoch={epoch}, consumed_per_slot={position}")
         self._epoch, self._position = epoch, position
+        # States saved before windows were staggered (version 1) continue with their own windows.
+        self._spec = replace(spec, staggered=bool(state.get("staggered_windows", False)))
         self._generation += 1
 
     def __iter__(self) -> Iterator[Batch]:

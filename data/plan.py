@@ -11,7 +11,11 @@ canonical slots):
    samples are dropped each time, and none systematically;
 3. within a slot, consecutive windows of ``shuffle_buffer`` samples are permuted with
    ``default_rng([seed, epoch, slot, window])``, so the sample at any position of a slot is known
-   without reading anything before its window (resuming needs no history);
+   without reading anything before its window (resuming needs no history). Window boundaries are
+   staggered: slot ``s``'s windows start ``window_offset(s)`` positions early (its first window is
+   that much shorter), so that the slots a reader holds switch windows at different steps and the
+   reading of their next windows spreads over the steps instead of landing on one
+   (:func:`window_bounds`; runs saved before staggering keep unstaggered windows);
 4. rank ``r`` of ``W`` owns slots ``r, r + W, r + 2W, ...`` (``num_slots`` must be divisible by
    ``W``), and all slots advance in lock-step.
 
@@ -109,9 +113,25 @@ def rank_slots(rank: int, world_size: int, num_slots: int) -> list[int]:
     return list(range(rank, num_slots, world_size))
 
 
+def window_offset(slot: int, num_slots: int, shuffle_buffer: int, staggered: bool = True) -> int:
+    """How many positions early slot ``slot``'s windows start: slots spread evenly over one window."""
+    return slot * shuffle_buffer // num_slots if staggered else 0
+
+
+def window_of(position: int, offset: int, shuffle_buffer: int) -> int:
+    """The window that holds ``position`` of a slot whose windows start ``offset`` early."""
+    return (position + offset) // shuffle_buffer
+
+
+def window_bounds(window: int, offset: int, shuffle_buffer: int, slot_size: int) -> tuple[int, int]:
+    """Positions ``[first, last)`` of ``window`` (see :func:`window_offset`)."""
+    first = max(0, window * shuffle_buffer - offset)
+    return first, max(first, min(slot_size, (window + 1) * shuffle_buffer - offset))
+
+
 def window_order(seed: int, epoch: int, slot: int, window: int, length: int) -> np.ndarray:
-    """Permutation of one shuffle window: position ``window_start + i`` reads stream offset
-    ``window_start + window_order(...)[i]``."""
+    """Permutation of one shuffle window: position ``first + i`` reads stream offset
+    ``first + window_order(...)[i]`` (``first`` from :func:`window_bounds`)."""
     return np.random.default_rng([seed, epoch, slot, window]).permutation(length)
 
 

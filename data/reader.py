@@ -17,7 +17,6 @@ is rejected with :class:`UnsafeShardError`, never skipped quietly.
 from __future__ import annotations
 
 import logging
-import tarfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ class _Corrupt:
 
 CORRUPT: Any = _Corrupt()
 
-_UNREADABLE = (tarfile.TarError, EOFError, ValueError)  # damaged data: deterministic, not retried
+_UNREADABLE = (EOFError, ValueError)  # damaged data (incl. _Damaged): deterministic, not retried
 
 # One member (one field of one sample) is read into memory whole; nothing in an image dataset
 # comes near this, so a larger one is an attack or a mistake, not data.
@@ -53,7 +52,7 @@ class UnsafeShardError(ValueError):
     """A shard whose content would escape its folder or exhaust memory if used; never skipped."""
 
 
-def check_member(url: str, member: tarfile.TarInfo) -> tarfile.TarInfo:
+def check_member(url: str, member: Member) -> Member:
     """``member`` if it is safe to read, else :class:`UnsafeShardError` naming the shard and why."""
     name = member.name
     if name.startswith("/") or "\\" in name or ".." in name.split("/"):
@@ -75,30 +74,87 @@ def _split_name(name: str) -> tuple[str, str]:
     return (f"{folder}/{stem}" if folder else stem), ext
 
 
-class ShardCursor:
-    """Sequential access to the samples of one shard, starting at any sample index."""
+@dataclass(frozen=True)
+class Member:
+    """One tar member as its header describes it: where its data starts and how long it is."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
-        self.url, self.storage_options = url, storage_options
+    name: str
+    size: int
+    offset: int  # of its first header block (a long name or pax record comes before its own header)
+    offset_data: int
+    regular: bool  # a file (not a folder, link or device)
+
+
+BLOCK = 512  # tar headers and data are laid out in blocks of this size
+_REGULAR = (b"0", b"\0", b"7")  # typeflags of regular files (7: contiguous file)
+
+
+class _Damaged(ValueError):
+    """Data that is not a tar archive where one should be (bad checksum, cut short)."""
+
+
+def _octal(field: bytes) -> int:
+    if field[:1] == b"\x80":  # GNU base-256 for numbers too large for octal digits
+        return int.from_bytes(field[1:], "big")
+    digits = field.split(b"\0", 1)[0].strip(b" ")
+    try:
+        return int(digits, 8) if digits else 0
+    except ValueError:
+        raise _Damaged(f"bad number field {field!r} in a tar header") from None
+
+
+def _pax_records(data: bytes) -> dict[str, str]:
+    """``LENGTH KEY=VALUE\n`` records of a POSIX pax extended header."""
+    records, at = {}, 0
+    while at < len(data) and data[at:at + 1] != b"\0":
+        length_text, _, _ = data[at:at + 20].partition(b" ")
+        length = int(length_text)
+        key, _, value = data[at + len(length_text) + 1 : at + length - 1].partition(b"=")
+        records[key.decode("utf-8")] = value.decode("utf-8", "surrogateescape")
+        at += length
+    return records
+
+
+class ShardCursor:
+    """Sequential access to the samples of one shard, starting at any sample index.
+
+    Tar headers are parsed here (ustar, GNU long names and pax paths and sizes: what tarfile and
+    webdataset's writers produce) instead of by :mod:`tarfile`, whose member objects cost more than
+    decoding a small JPEG. The header offset of every sample met is kept (the shard's member index,
+    built while reading), so that going back to a sample -- a retry after a network error, or a
+    second pass -- seeks straight to it instead of walking the shard again.
+    """
+
+    def __init__(
+        self, url: str, storage_options: dict[str, Any] | None = None, cache: storage.ShardCache | None = None
+    ) -> None:
+        self.url, self.storage_options, self.cache = url, storage_options, cache
         self.index = 0  # next sample index
         self.broken = False  # the rest of the shard is unreadable (truncated or damaged)
         self._file: IO[bytes] | None = None
-        self._tar: tarfile.TarFile | None = None
-        self._pending: tarfile.TarInfo | None = None  # first member of the next sample
+        self._pending: Member | None = None  # first member of the next sample
+        self._sample_offsets: list[int] = []  # header offset of sample i's first member
+        self._end_offset: int | None = None  # where the members end, once met
         self._open()
 
-    def _open(self) -> None:
+    def _open(self, index: int = 0) -> None:
+        """(Re)open the shard positioned at sample ``index``, which must be 0 or one already met."""
+
         def open_tar() -> None:
             self.close()
-            self.index, self.broken = 0, False
-            self._file = storage.open_file(self.url, "rb", self.storage_options)
+            self.index, self.broken = index, False
+            if self.cache is not None:
+                self._file = self.cache.open(self.url, self.storage_options)
+            else:
+                self._file = storage.open_file(self.url, "rb", self.storage_options)
             try:
-                self._tar = tarfile.open(fileobj=self._file, mode="r:")
+                if index:
+                    self._file.seek(self._sample_offsets[index])
                 self._pending = self._next_member()
             except UnsafeShardError:
                 raise
             except _UNREADABLE as error:
-                log.warning("shard %s is unreadable from the start: %s", self.url, error)
+                log.warning("shard %s is unreadable from sample %d: %s", self.url, index, error)
                 self.broken = True
 
         try:
@@ -109,7 +165,7 @@ class ShardCursor:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
-        self._file = self._tar = self._pending = None
+        self._file = self._pending = None
 
     def read(self, want: bool) -> RawSample | None | Any:
         """The next sample: its bytes if ``want``, else None without reading them; CORRUPT if unreadable."""
@@ -133,35 +189,91 @@ class ShardCursor:
                 delay = storage.backoff_delay(attempt)
                 log.warning("reading %s failed (%s); reopening at sample %d in %.1fs", self.url, error, start_index, delay)
                 time.sleep(delay)
-                self._open()
+                self._open(start_index if start_index < len(self._sample_offsets) else 0)
                 self.skip_to(start_index)
         raise AssertionError("unreachable")
 
     def skip_to(self, index: int) -> None:
-        """Move to sample ``index`` without reading the data of the samples passed over."""
-        if index < self.index:
-            self._open()
+        """Move to sample ``index`` without reading the data of the samples passed over: by the
+        index where the sample was met before, else by walking the headers from the last one met."""
+        if index != self.index and (index < self.index or index < len(self._sample_offsets)):
+            known = min(index, len(self._sample_offsets) - 1) if self._sample_offsets else 0
+            if self._file is None or self.broken or known == 0:
+                self._open(known)
+            else:
+                try:
+                    self._file.seek(self._sample_offsets[known])
+                    self._pending, self.index = self._next_member(), known
+                except UnsafeShardError:
+                    raise
+                except Exception:  # noqa: BLE001 - a read error: reopening there handles (and retries) it
+                    self._open(known)
         while self.index < index:
             self.read(want=False)
 
-    def _next_member(self) -> tarfile.TarInfo | None:
-        assert self._tar is not None
-        member = self._tar.next()
-        return None if member is None else check_member(self.url, member)
+    def _read_exactly(self, size: int) -> bytes:
+        assert self._file is not None
+        data = self._file.read(size)
+        if len(data) != size:
+            raise _Damaged(f"unexpected end of data: {len(data)} of {size} bytes")
+        return data
+
+    def _next_member(self) -> Member | None:
+        """The next member's header (long names and pax records applied), None at the end."""
+        assert self._file is not None
+        name: str | None = None
+        size: int | None = None
+        first = self._file.tell()
+        while True:
+            offset = self._file.tell()
+            header = self._file.read(BLOCK)
+            if len(header) < BLOCK or header == bytes(BLOCK):  # end of the archive (or of the file)
+                if header and len(header) < BLOCK:
+                    raise _Damaged(f"a tar header cut short at byte {offset}")
+                self._end_offset = offset
+                return None
+            stored = _octal(header[148:156])
+            unsigned = sum(header[:148]) + 8 * 32 + sum(header[156:])
+            if stored != unsigned and stored != unsigned - 2 * sum(v for v in header[148:156] if v > 127):
+                raise _Damaged(f"bad tar header checksum at byte {offset}")
+            typeflag = header[156:157]
+            member_size = _octal(header[124:136])
+            if typeflag in (b"L", b"x", b"g"):  # metadata for the member that follows
+                if member_size > MAX_MEMBER_BYTES:
+                    raise UnsafeShardError(f"shard {self.url}: a tar metadata block of {member_size:,} bytes")
+                data = self._read_exactly(member_size)
+                self._file.seek(-member_size % BLOCK, 1)
+                if typeflag == b"L":
+                    name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+                elif typeflag == b"x":
+                    records = _pax_records(data)
+                    name = records.get("path", name)
+                    size = int(records["size"]) if "size" in records else size
+                continue
+            if name is None:
+                name = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+                if header[257:263] == b"ustar\0" and header[345:346] != b"\0":  # POSIX: a path prefix
+                    name = header[345:500].split(b"\0", 1)[0].decode("utf-8", "surrogateescape") + "/" + name
+            member = Member(name, member_size if size is None else size, first, offset + BLOCK, typeflag in _REGULAR)
+            return check_member(self.url, member)
 
     def _read(self, want: bool) -> RawSample | None | Any:
         if self._pending is None:  # fewer samples in the shard than its manifest says
             self.index += 1
             return CORRUPT
-        assert self._tar is not None
+        assert self._file is not None
+        if self.index == len(self._sample_offsets):
+            self._sample_offsets.append(self._pending.offset)
         key, _ = _split_name(self._pending.name)
         fields: dict[str, bytes] = {}
-        member: tarfile.TarInfo | None = self._pending
+        member: Member | None = self._pending
         while member is not None and _split_name(member.name)[0] == key:
-            if want and member.isfile():
-                extracted = self._tar.extractfile(member)
-                assert extracted is not None
-                fields[_split_name(member.name)[1]] = extracted.read()
+            padded = member.size + (-member.size % BLOCK)
+            if want and member.regular:
+                fields[_split_name(member.name)[1]] = self._read_exactly(member.size)
+                self._file.seek(padded - member.size, 1)
+            else:
+                self._file.seek(padded, 1)
             member = self._next_member()
         self._pending = member
         self.index += 1
@@ -177,8 +289,10 @@ class SampleStream:
         ranges: Sequence[ShardRange],
         storage_options: dict[str, Any] | None = None,
         start: int = 0,
+        cache: storage.ShardCache | None = None,
     ) -> None:
         self.shard_urls, self.ranges, self.storage_options = shard_urls, list(ranges), storage_options
+        self.cache = cache  # whole remote shards are read through this local cache
         self._range_no, self._offset_in_range = 0, 0
         self._cursor: ShardCursor | None = None
         self._advance_ranges(start)
@@ -202,7 +316,7 @@ class SampleStream:
             raise IndexError("read past the end of the stream")
         shard_range = self.ranges[self._range_no]
         if self._cursor is None:
-            self._cursor = ShardCursor(self.shard_urls[shard_range.shard], self.storage_options)
+            self._cursor = ShardCursor(self.shard_urls[shard_range.shard], self.storage_options, self.cache)
         self._cursor.skip_to(shard_range.start + self._offset_in_range)
         result = self._cursor.read(want)
         self._offset_in_range += 1

@@ -40,6 +40,7 @@ from vitray.data.batch import SkipReporter
 from vitray.data.plan import ShardRange
 from vitray.data.reader import SampleStream
 from vitray.data.transforms import (
+    TrainCrop,
     apply_seeded,
     decode_image,
     eval_resize,
@@ -147,6 +148,93 @@ def test_resume_on_another_world_size_visits_every_sample_once(digits_dataset, b
     assert len(keys) == len(set(keys)) == steps_per_epoch * GLOBAL_BATCH
 
 
+def _stream_keys(plan, slot: int) -> list[str]:
+    """Keys of a slot's stream, in stream order (digits: 100 samples per shard, keys by index)."""
+    return [f"train_{r.shard * 100 + i:08d}" for r in plan.slots[slot] for i in range(r.start, r.stop)]
+
+
+def test_staggered_windows_partition_each_slot_and_switch_at_different_steps(digits_dataset):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vitray.data.plan import window_bounds, window_of, window_offset
+    from vitray.data.slots import SlotReader
+
+    rows = read_manifest(str(digits_dataset), "train")
+    urls = [str(digits_dataset / r.name) for r in rows]
+    plan, buffer = epoch_plan(3, 0, [r.num_samples for r in rows], NUM_SLOTS), 48
+    offsets = [window_offset(slot, NUM_SLOTS, buffer) for slot in range(NUM_SLOTS)]
+    assert offsets == [0, 6, 12, 18, 24, 30, 36, 42] and window_offset(5, NUM_SLOTS, buffer, staggered=False) == 0
+    switches = {slot: {p for p in range(1, plan.slot_size) if window_of(p, offsets[slot], buffer)
+                       != window_of(p - 1, offsets[slot], buffer)} for slot in range(NUM_SLOTS)}  # fmt: skip
+    assert all(a.isdisjoint(b) for a, b in itertools.combinations(switches.values(), 2))
+    with ThreadPoolExecutor(1) as background:
+        for slot in (0, 5):
+            windows = [window_bounds(w, offsets[slot], buffer, plan.slot_size) for w in range(5)]
+            assert [p for first, last in windows for p in range(first, last)] == list(range(plan.slot_size))
+            stream = _stream_keys(plan, slot)
+            reads = {}
+            for executor in (None, background):
+                reader = SlotReader(urls, plan, slot, shuffle_buffer=buffer, start=0, stop=plan.slot_size,
+                                    window_offset=offsets[slot], executor=executor)  # fmt: skip
+                reads[executor] = [reader.take(p).key for p in range(plan.slot_size)]
+                reader.close()
+            assert reads[None] == reads[background] and sorted(reads[None]) == sorted(stream)
+            for first, last in windows:  # shuffled within each window, never across
+                assert sorted(reads[None][first:last]) == sorted(stream[first:last])
+
+
+def test_the_next_window_is_read_in_the_background(digits_dataset, monkeypatch):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vitray.data.slots import SlotReader
+
+    readers_threads = []
+    real_read = SampleStream.read
+    monkeypatch.setattr(SampleStream, "read", lambda self, want: readers_threads.append(
+        threading.current_thread().name) or real_read(self, want))  # fmt: skip
+    rows = read_manifest(str(digits_dataset), "train")
+    plan = epoch_plan(3, 0, [r.num_samples for r in rows], 2)
+    with ThreadPoolExecutor(1, thread_name_prefix="background") as background:
+        reader = SlotReader([str(digits_dataset / r.name) for r in rows], plan, 1, shuffle_buffer=100, start=0,
+                            stop=plan.slot_size, window_offset=50, executor=background)  # fmt: skip
+        for position in range(25):  # window 0 is [0, 50): read here, in this thread
+            reader.take(position)
+        assert reader._next is None  # not before the last quarter of the window
+        reader.take(25)
+        assert reader._next[0] == 1  # [50, 150), read in the background from now on
+        for position in range(26, 150):
+            reader.take(position)
+        assert reader._next[0] == 2  # [150, 250), requested at position 125
+        reader._next[1].result()
+        main = threading.current_thread().name
+        assert readers_threads.count(main) == 50
+        assert len(readers_threads) == 250 and all(t.startswith("background") for t in readers_threads if t != main)
+        reader.close()
+
+
+def test_states_saved_before_staggering_resume_with_their_windows(digits_dataset):
+    old_state = {**loader(digits_dataset).state_dict(), "version": 1}
+    del old_state["staggered_windows"]
+    unstaggered = loader(digits_dataset)
+    unstaggered.load_state_dict(old_state)
+    first = take(unstaggered, 3)
+    assert unstaggered.state_dict()["staggered_windows"] is False
+    # Version 1 order: windows of 512 (the whole 179-sample slot) from position 0, permuted by the plan.
+    plan = epoch_plan(3, 0, [r.num_samples for r in read_manifest(str(digits_dataset), "train")], NUM_SLOTS)
+    from vitray.data.plan import window_order
+
+    per_slot = GLOBAL_BATCH // NUM_SLOTS
+    expected = [_stream_keys(plan, slot)[int(window_order(3, 0, slot, 0, plan.slot_size)[p])]
+                for slot in range(NUM_SLOTS) for p in range(per_slot)]  # fmt: skip
+    assert first[0].keys == expected
+    resumed = loader(digits_dataset, workers=2)
+    resumed.load_state_dict({**old_state, "consumed_per_slot": per_slot})
+    assert same_batches(take(resumed, 2), first[1:])
+    staggered = take(loader(digits_dataset), 1)[0]
+    assert staggered.keys != first[0].keys  # slot 1+ windows start early now: another order
+
+
 def test_every_rank_yields_the_same_number_of_batches_per_epoch(digits_dataset):
     ranks = [loader(digits_dataset, rank=r, world_size=4, batch_size=8) for r in range(4)]
     assert len({r.steps_per_epoch for r in ranks}) == 1
@@ -172,12 +260,12 @@ def test_batches_are_normalised_rgb_and_shuffled(digits_dataset):
 def test_resume_decodes_only_what_it_yields(digits_dataset, monkeypatch):
     decoded = []
 
-    def counting_decode(data):
+    def counting_decode(self, data, seed):
         decoded.append(data)
-        return real_decode(data)
+        return real_decode(self, data, seed)
 
-    real_decode = batch_module.decode_image
-    monkeypatch.setattr(batch_module, "decode_image", counting_decode)
+    real_decode = TrainCrop.from_bytes
+    monkeypatch.setattr(TrainCrop, "from_bytes", counting_decode)
     resumed = loader(digits_dataset)
     resumed.load_state_dict({**resumed.state_dict(), "consumed_per_slot": 160})
     take(resumed, 1)
@@ -197,6 +285,38 @@ def test_stream_skips_whole_shards_without_opening_them(digits_dataset, tmp_path
     assert stream.read(want=True).key == "train_00000306"
     with pytest.raises(FileNotFoundError, match="train-000000.tar is missing"):
         SampleStream(urls, ranges).read(want=True)
+
+
+@pytest.mark.parametrize("tar_format", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_shard_cursor_reads_what_tarfile_reads(tmp_path, tar_format, monkeypatch):
+    from vitray.data.reader import ShardCursor
+
+    # Long keys (GNU long-name members, pax path records, a ustar prefix) and data of a 512-byte
+    # multiple: the cursor's own header parser must see what tarfile sees.
+    keys = ["k0", "sub/" + "d" * 120 + "/k1", "e" * 90 + "/k2", "k3"]
+    path = tmp_path / "s.tar"
+    with tarfile.open(path, "w", format=tar_format) as tar:
+        for i, key in enumerate(keys):
+            for ext, data in (("jpg", bytes([i]) * (512 * i + 7 * (i % 2))), ("cls", str(i).encode())):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    expected: dict[str, dict[str, bytes]] = {}
+    with tarfile.open(path) as tar:
+        for member in tar:
+            key, ext = member.name.rsplit(".", 1)
+            expected.setdefault(key, {})[ext] = tar.extractfile(member).read()
+    opened = []
+    real_open = storage.open_file
+    monkeypatch.setattr(storage, "open_file", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
+    cursor = ShardCursor(str(path))
+    assert {r.key: r.fields for r in (cursor.read(want=True) for _ in keys)} == expected
+    assert list(expected) == keys
+    # Going back seeks by the member index built while reading: no second open, no walk.
+    cursor.skip_to(1)
+    assert cursor.read(want=True).key == keys[1] and cursor.read(want=False) is None
+    assert cursor.read(want=True).key == keys[3] and len(opened) == 1
+    cursor.close()
 
 
 def test_incompatible_state_is_refused(digits_dataset):
@@ -456,13 +576,99 @@ def test_decoding_into_the_chunk_matches_the_tensor_transforms(jpeg_dataset):
     by_hand = torch.stack(
         [apply_seeded(train_transform(48), decode_image(r.fields["jpg"]), s) for r, s in zip(raws, seeds)]
     )
-    assert torch.equal(by_plane.images, by_hand) and torch.equal(by_tensor.images, by_hand)
+    assert torch.equal(by_tensor.images, by_hand)  # the PIL transforms, copied into the chunk
+    # The loaders' path (TrainCrop.from_bytes: reduced JPEG decodes, torch's resize): the same
+    # crops, so the same picture up to resampling (pixel noise of +-40 averages out differently).
+    assert (by_plane.images.float() - by_hand.float()).abs().mean() < 6
     assert by_plane.keys == [r.key for r in raws] and by_plane.labels.tolist() == by_tensor.labels.tolist()
     evaluated = batch_module.decode_chunk(raws, [None] * 12, transform=eval_resize(48), **common)
     assert torch.equal(evaluated.images, torch.stack([eval_transform(48)(decode_image(r.fields["jpg"])) for r in raws]))
 
     with pytest.raises(ValueError, match=r"the transform gave a RGB \(40, 40\) image; expected RGB \(48, 48\)"):
+        batch_module.decode_chunk(raws, seeds, transform=eval_resize(40), **common)
+    with pytest.raises(ValueError, match=r"gave a torch.uint8 \(3, 40, 40\) tensor; expected uint8 \(3, 48, 48\)"):
         batch_module.decode_chunk(raws, seeds, transform=train_augment(40), **common)
+
+
+def _jpeg(width: int, height: int, quality: int = 90) -> bytes:
+    """A smooth photo-like JPEG (gradients and a few edges), not noise: what DCT scaling is for."""
+    ys, xs = np.mgrid[0:height, 0:width]
+    pixels = np.stack([xs * 255 // width, ys * 255 // height, ((xs // 37 + ys // 23) % 2) * 200], axis=-1)
+    out = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(out, format="JPEG", quality=quality)
+    return out.getvalue()
+
+
+def test_train_crop_draws_torchvisions_crops_from_the_sample_seed():
+    from torchvision.transforms import v2
+
+    crop, flip = v2.RandomResizedCrop(32, scale=(0.05, 1.0), antialias=True), v2.RandomHorizontalFlip()
+    train_crop = TrainCrop(32)
+    for seed, (width, height) in itertools.product(range(40), [(500, 375), (40, 300), (300, 20), (7, 7)]):
+        image = Image.new("RGB", (width, height))
+
+        def torchvision_draws(_):
+            params = crop.make_params([image])
+            return params["top"], params["left"], params["height"], params["width"], bool(torch.rand(1) < 0.5)
+
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        assert train_crop.params(width, height, generator) == apply_seeded(torchvision_draws, image, seed)
+    no_flip = TrainCrop(32, flip=False).params(500, 375, torch.Generator().manual_seed(1))
+    assert no_flip[:4] == train_crop.params(500, 375, torch.Generator().manual_seed(1))[:4] and not no_flip[4]
+
+
+def test_train_crop_from_bytes_matches_the_pil_path_and_decodes_large_crops_reduced(monkeypatch):
+    from PIL import JpegImagePlugin
+
+    scales = []
+    real_draft = JpegImagePlugin.JpegImageFile.draft
+
+    def recording_draft(self, mode, size):
+        width = self.size[0]
+        result = real_draft(self, mode, size)
+        scales.append(width // self.size[0])  # the reduction the decoder was set to
+        return result
+
+    train_crop, pil_path = TrainCrop(64), train_augment(64)
+    # Small photos: no crop reaches 2 x 64 in both directions often enough to matter; whatever the
+    # path, the pixels are PIL's to within one level (torch's uint8 antialiased resize).
+    for data in (_jpeg(100, 90), _png_bytes(120, 80)):
+        for seed in range(20):
+            expected = torch.from_numpy(np.array(apply_seeded(pil_path, decode_image(data), seed))).permute(2, 0, 1)
+            got = train_crop.from_bytes(data, seed)
+            if max(train_crop.params(*decode_image(data).size, torch.Generator().manual_seed(seed))[2:4]) < 128:
+                assert (got.int() - expected.int()).abs().max() <= 1, seed
+    # A large photo: crops of 128+ px decode at 1/2, 1/4 or 1/8 of the size, and look the same.
+    monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", recording_draft)
+    data, reduced = _jpeg(1024, 768), 0
+    for seed in range(20):
+        before = len(scales)
+        top, left, h, w, _ = train_crop.params(1024, 768, torch.Generator().manual_seed(seed))
+        got = train_crop.from_bytes(data, seed)
+        expected = torch.from_numpy(np.array(apply_seeded(pil_path, decode_image(data), seed))).permute(2, 0, 1)
+        assert got.shape == (3, 64, 64)
+        assert (got.float() - expected.float()).abs().mean() < 4, seed
+        drafted = scales[before:]
+        assert drafted == ([train_crop.draft_scale(w, h)] if train_crop.draft_scale(w, h) > 1 else [])
+        reduced += bool(drafted)
+    assert reduced >= 15  # most crops of a 1024x768 photo are 4x+ the output: decoded reduced
+    assert [train_crop.draft_scale(w, h) for w, h in [(127, 500), (128, 128), (300, 260), (600, 520)]] == [1, 2, 4, 8]
+
+
+def test_train_crop_from_bytes_reports_undecodable_images():
+    from vitray.data.transforms import CorruptSample
+
+    data = _jpeg(200, 150)
+    for bad in (data[: len(data) // 2], b"not an image", data[:2] + b"\x00" * 64):
+        with pytest.raises(CorruptSample, match="undecodable image"):
+            TrainCrop(32).from_bytes(bad, 0)
+
+
+def _png_bytes(width: int, height: int) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (height, width), dtype=np.uint8)).save(out, format="PNG")
+    return out.getvalue()
 
 
 def test_worker_chunks_travel_as_ring_slots_from_single_threaded_workers(jpeg_dataset, monkeypatch):

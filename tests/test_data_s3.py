@@ -56,3 +56,56 @@ def test_explicit_storage_options_reach_the_store(moto_server, monkeypatch):
     storage.write_bytes_atomic(path, b"payload", moto_server.storage_options)
     assert storage.read_bytes(path, moto_server.storage_options) == b"payload"
     assert storage.exists(path, moto_server.storage_options)
+
+
+def test_shard_cache_fetches_whole_shards_in_parallel_ranges_and_stays_bounded(moto_server, digits_dataset,
+                                                                                tmp_path, monkeypatch):  # fmt: skip
+    dest = moto_server.url("datasets", "digits")
+    prepare_dataset("builtin:digits", dest, samples_per_shard=100)
+    rows = read_manifest(dest, "train")
+    largest = max(r.bytes for r in rows)
+    monkeypatch.setattr(storage, "CACHE_PART_BYTES", 4096)  # many ranges per shard, several groups of them
+    cache_dir = tmp_path / "cache"
+
+    def batches(path, workers, steps, **kwargs):
+        data_loader = ShardLoader(str(path), "train", rank=0, world_size=1, batch_size=16, img_size=8, train=True,
+                                  seed=0, num_workers=workers, shuffle_buffer=64, **kwargs)  # fmt: skip
+        return list(itertools.islice(data_loader, steps))
+
+    # Bounded to about two and a half shards: the slots' shards come and go, the folder never holds more.
+    bound_gb = 2.5 * largest / 2**30
+    cached = batches(dest, 2, 30, shard_cache=str(cache_dir), shard_cache_gb=bound_gb)
+    local = batches(digits_dataset, 0, 30)
+    assert [b.keys for b in cached] == [b.keys for b in local]
+    assert all(torch.equal(c.images, lo.images) for c, lo in zip(cached, local))
+    files = list(cache_dir.iterdir())
+    assert files and all(not f.name.startswith(".") for f in files)  # no partial copy left behind
+    assert sum(f.stat().st_size for f in files) <= bound_gb * 2**30  # the 8 slots read 10+ shards: some were evicted
+    assert len(files) <= bound_gb * 2**30 // min(r.bytes for r in rows) < len(rows)
+
+    # What the cache holds is the object, byte for byte; with the bucket emptied, reads are served
+    # from the cache alone (environment variables configure it too).
+    s3 = boto3.client("s3", endpoint_url=moto_server.endpoint_url)
+    cache = storage.ShardCache(str(cache_dir), 2**30)
+    for row in rows[:3]:
+        url = storage.join(dest, row.name)
+        with cache.open(url) as f:
+            assert f.read() == (digits_dataset / row.name).read_bytes()
+    monkeypatch.setenv("VITRAY_SHARD_CACHE", str(cache_dir))
+    monkeypatch.setenv("VITRAY_SHARD_CACHE_GB", "1")
+    whole = batches(dest, 0, 8)  # caches every shard these batches read
+    for row in rows:
+        s3.delete_object(Bucket=moto_server.bucket, Key=f"datasets/digits/{row.name}")
+    assert [b.keys for b in batches(dest, 0, 8)] == [b.keys for b in whole]
+
+
+def test_s3_slowdown_and_server_errors_are_retried():
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    for code in ("SlowDown", "ServiceUnavailable", "InternalError", "503"):
+        error = translate_boto_error(ClientError({"Error": {"Code": code, "Message": "slow"}}, "GetObject"))
+        assert storage.is_transient(error), code
+    for code in ("NoSuchKey", "AccessDenied"):
+        error = translate_boto_error(ClientError({"Error": {"Code": code, "Message": "no"}}, "GetObject"))
+        assert not storage.is_transient(error), code
