@@ -209,7 +209,9 @@ class DeepSpeedBackend:
         return self.engine(*args, **kwargs)
 
     def device_loader(self, loader):
-        return loader
+        from vitray.trainers.feed import DeviceFeed
+
+        return DeviceFeed(loader, self.device)
 
     def begin_step(self, seed: int) -> None:
         pass  # the loop's torch.manual_seed covers the CPU and CUDA generators
@@ -221,9 +223,10 @@ class DeepSpeedBackend:
     def end_step(self) -> None:
         pass
 
-    def grad_norm(self) -> float:
+    def grad_norm(self) -> torch.Tensor | float:
+        # ZeRO 1-2 keep the norm as a device tensor: handed on as is, read by the loop on log steps.
         norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        return norm if norm is not None else float("nan")
 
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
