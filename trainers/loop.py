@@ -103,11 +103,13 @@ class TrainingLoop:
             self.keys = SampleKeyRecorder(
                 cfg.debug.record_sample_keys, rank=self.rank, start_step=self.step, attempt=attempt
             )
-        self.flops_per_image = train_flops_per_image(
-            lambda: create_model_from_config(ModelConfig(**self._architecture()), self.info.num_classes),
+        self.flops_per_image = train_flops_per_image(  # model FLOPs: counted without activation checkpointing
+            lambda: create_model_from_config(
+                ModelConfig(**{**self._architecture(), "grad_checkpointing": False}), self.info.num_classes
+            ),
             cfg.model.img_size,
         )
-        self.peak_tflops = accelerator_peak_tflops(cfg.log.peak_tflops)
+        self.peak_tflops = accelerator_peak_tflops(cfg.log.peak_tflops, cfg.precision.dtype)
         self.metrics = None
         if self.rank == 0:
             local_metrics = Path(tempfile.mkdtemp(prefix="vitray-metrics-"))
