@@ -141,3 +141,18 @@ def test_batches_cross_as_uint8_and_become_model_inputs_after_the_copy(process_g
         assert batch.images.dtype == torch.uint8 and batch.images.device == loop.backend.device
         assert given.dtype == torch.bfloat16
         assert torch.equal(given, to_model_range(batch.images).to(torch.bfloat16))
+
+
+def test_gpu_step_benchmark_runs_tiny_on_the_cpu(process_group, capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_step.py"
+    spec = importlib.util.spec_from_file_location("gpu_step", path)
+    gpu_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_step)
+    result = gpu_step.main(["--model", "Ti/16", "--img-size", "32", "--batch", "4", "--steps", "2", "--warmup", "1"])
+    printed = capsys.readouterr().out
+    assert result["vitray_images_per_s"] > 0 and result["reference_images_per_s"] > 0
+    assert result["ratio"] == pytest.approx(result["vitray_images_per_s"] / result["reference_images_per_s"])
+    assert result["mfu"] is None  # no peak for a CPU
+    assert "vitray/reference:" in printed and "img/s" in printed

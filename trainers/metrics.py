@@ -89,3 +89,33 @@ def vit_forward_flops(*, width: int, depth: int, mlp_dim: int, patch_size: int, 
     head_in = representation_size or width
     head = (2 * width * representation_size if representation_size else 0) + 2 * head_in * num_classes
     return float(embed + (depth - 1) * block + last + head)
+
+
+class MetricsWriter:
+    """Appends one JSON object per log step; TensorBoard scalars beside it."""
+
+    def __init__(self, local_dir: Path, mirror=None):
+        self.local_dir = local_dir
+        self.local_dir.mkdir(parents=True, exist_ok=True)
+        self._mirror = mirror  # callable(local_dir) that copies the files to the run folder
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._tb = SummaryWriter(str(local_dir / "tensorboard"))
+        self._jsonl = open(local_dir / METRICS_FILE, "a", encoding="utf-8")
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, "time": time.time(), **metrics}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)):
+                self._tb.add_scalar(key, value, step)
+        self._tb.flush()
+        if self._mirror is not None:
+            self._mirror(self.local_dir)
+
+    def close(self) -> None:
+        self._jsonl.close()
+        self._tb.close()
+        if self._mirror is not None:
+            self._mirror(self.local_dir)
