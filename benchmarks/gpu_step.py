@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
             parser.error(f"--{option.replace('_', '-')} must be >= 1")
     compile_setting = {"auto": "null", "on": "true", "off": "false"}[args.compile]
     cfg = load_config(TrainingConfig, None, [
-        "data.train=synthetic", f"model.name={args.model}", f"model.img_size={args.img_size}",
+        "data.train=synthetic", "data.num_slots=1", f"model.name={args.model}", f"model.img_size={args.img_size}",
         f"model.grad_checkpointing={str(args.grad_checkpointing).lower()}", f"train.batch_size={args.batch}",
         f"train.micro_batch_size={args.batch}", "train.zero_stage=1", "precision.dtype=bf16",
         f"train.compile={compile_setting}", "cluster.num_workers=1", "schedule.warmup_steps=1",

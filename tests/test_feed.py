@@ -149,6 +149,7 @@ def test_gpu_step_benchmark_runs_tiny_on_the_cpu(process_group, capsys):
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_step.py"
     spec = importlib.util.spec_from_file_location("gpu_step", path)
     gpu_step = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_step"] = gpu_step  # dataclasses look their module up there
     spec.loader.exec_module(gpu_step)
     result = gpu_step.main(["--model", "Ti/16", "--img-size", "32", "--batch", "4", "--steps", "2", "--warmup", "1"])
     printed = capsys.readouterr().out
