@@ -46,9 +46,9 @@ class TrainBackend(Protocol):
         """The training forward pass (through the engine's wrapper)."""
 
     def device_loader(self, loader: Any) -> Any:
-        """The training loader the loop iterates, made from a `ShardLoader`: the loader itself, or
-        (XLA) a wrapper putting batches on the device, sharded along the batch, whose `state_dict()`
-        still counts only the batches handed to the loop."""
+        """The training loader the loop iterates, made from a uint8 `ShardLoader`: a wrapper that
+        puts batches on the device ahead of the step (DeepSpeed: `trainers/feed.py`; XLA: sharded
+        along the batch), whose `state_dict()` still counts only the batches handed to the loop."""
 
     def begin_step(self, seed: int) -> None:
         """Called before every optimizer step with its seed (XLA seeds its own generator here)."""
@@ -60,8 +60,9 @@ class TrainBackend(Protocol):
     def end_step(self) -> None:
         """Called once after every optimizer step (XLA cuts and runs its graph here)."""
 
-    def grad_norm(self) -> float:
-        """The global gradient norm of the last optimizer step (before clipping)."""
+    def grad_norm(self) -> torch.Tensor | float:
+        """The global gradient norm of the last optimizer step (before clipping), left on the
+        device: the loop reads it on log steps only, so other steps never wait for the device."""
 
     def lr(self) -> float:
         """The learning rate of the last optimizer step."""

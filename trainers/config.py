@@ -96,6 +96,17 @@ class TrainConfig(_Section):
     zero_stage: int = Field(1, ge=0, le=3)
     label_smoothing: float = Field(0.0, ge=0, lt=1)
     mixup_alpha: float = Field(0.0, ge=0, description="Mixup Beta(alpha, alpha); 0 disables it.")
+    compile: bool | None = Field(
+        None,
+        description="torch.compile the model (in place: weights and checkpoints unchanged). null: on for CUDA, "
+        "off elsewhere (on the CPU compiling costs more than a short run gains; XLA compiles its own graphs).",
+    )
+    check_grad_overflow: bool = Field(
+        False,
+        description="bf16: DeepSpeed checks the gradients for inf/NaN before each optimizer step and skips the "
+        "step; each check makes the host wait for the device. Off: bf16 has fp32's range, and the loop stops at "
+        "the next log step on a non-finite loss. (fp16 always checks; fp32 ZeRO always checks the grad norm.)",
+    )
 
 
 class OptimConfig(_Section):

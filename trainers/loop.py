@@ -62,7 +62,8 @@ class TrainingLoop:
         model = self._initial_model()
         self.backend: TrainBackend = create_backend(cfg, model, self.world, restore)
         self.ema = Ema(self.backend.module, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
-        # The backend may wrap the loader (XLA: batches put on the device, sharded, by a prefetching loader).
+        # The backend puts batches on the device one step ahead (DeepSpeed: `trainers/feed.py`;
+        # XLA: sharded, by torch-xla's prefetching loader).
         self.loader = self.backend.device_loader(ShardLoader(
             cfg.data.train,
             cfg.data.train_split,
@@ -78,6 +79,7 @@ class TrainingLoop:
             storage_options=cfg.data.storage_options,
             min_crop_area=cfg.data.min_crop_area,
             flip=cfg.data.flip,
+            float_images=False,  # uint8 crosses to the device; the objective converts it there
         ))
         self.checkpointer = Checkpointer(
             self.backend,
@@ -106,11 +108,13 @@ class TrainingLoop:
             self.keys = SampleKeyRecorder(
                 cfg.debug.record_sample_keys, rank=self.rank, start_step=self.step, attempt=attempt
             )
-        self.flops_per_image = train_flops_per_image(
-            lambda: create_model_from_config(ModelConfig(**self._architecture()), self.info.num_classes),
+        self.flops_per_image = train_flops_per_image(  # model FLOPs: counted without activation checkpointing
+            lambda: create_model_from_config(
+                ModelConfig(**{**self._architecture(), "grad_checkpointing": False}), self.info.num_classes
+            ),
             cfg.model.img_size,
         )
-        self.peak_tflops = accelerator_peak_tflops(cfg.log.peak_tflops)
+        self.peak_tflops = accelerator_peak_tflops(cfg.log.peak_tflops, cfg.precision.dtype)
         self.metrics = None
         if self.rank == 0:
             local_metrics = Path(tempfile.mkdtemp(prefix="vitray-metrics-"))
@@ -128,7 +132,7 @@ class TrainingLoop:
             self.step += 1
             window.add(loss, data_wait, skipped)
             metrics: dict[str, Any] = {}
-            if self.step % self.cfg.log.every == 0 or self.step == train.steps:
+            if self._log_due():
                 metrics = {**self._step_metrics(window, grad_norm), **self.checkpointer.take_costs()}
                 window = _Window()
             for evaluator in self.evaluators:
@@ -154,7 +158,12 @@ class TrainingLoop:
             self.keys.close()
         return last
 
-    def train_step(self, batches) -> tuple[float, float, float, int]:
+    def _log_due(self) -> bool:
+        return self.step % self.cfg.log.every == 0 or self.step == self.cfg.train.steps
+
+    def train_step(self, batches) -> tuple[torch.Tensor, torch.Tensor | float, float, int]:
+        """One optimizer step. The loss and grad norm stay on the device (tensors): reading them
+        would make the host wait for the step, so the loop reads them on log steps only."""
         # Under SPMD (XLA) all hosts run one program, so they must draw the same randomness.
         rng_rank = 0 if self.backend.spmd else self.rank
         seed = step_seed(self.cfg.seed, self.step, rng_rank)
@@ -172,10 +181,10 @@ class TrainingLoop:
             loss = self.objective.loss(self.backend, batch, rng)
             self.backend.backward_step(loss)
             losses.append(loss.detach())
+        loss = torch.stack(losses).float().mean()  # before end_step: within the step's XLA graph
         self.backend.end_step()
         if self.ema is not None:
             self.ema.update(self.backend.module)
-        loss = float(torch.stack(losses).float().mean())
         return loss, self.backend.grad_norm(), data_wait, skipped
 
     # -- pieces -----------------------------------------------------------------------------------
@@ -191,9 +200,9 @@ class TrainingLoop:
         model.set_img_size(self.cfg.model.img_size)
         return model
 
-    def _step_metrics(self, window: "_Window", grad_norm: float) -> dict[str, Any]:
+    def _step_metrics(self, window: "_Window", grad_norm: torch.Tensor | float) -> dict[str, Any]:
         loss, skipped = _all_reduce(
-            [window.loss_sum / window.steps, float(window.skipped)], average=[True, False], device=self.backend.device
+            [window.mean_loss(), float(window.skipped)], average=[True, False], device=self.backend.device
         )
         elapsed = time.perf_counter() - window.started
         images_per_s = window.steps * self.cfg.train.batch_size / elapsed
@@ -201,7 +210,7 @@ class TrainingLoop:
         metrics = {
             "loss": loss,
             "lr": self.backend.lr(),
-            "grad_norm": grad_norm,
+            "grad_norm": float(grad_norm),
             "images_per_s": images_per_s,
             "tflops_per_worker": tflops,
             "data_wait_fraction": window.data_wait / elapsed,
@@ -246,12 +255,17 @@ class _Window:
     def __init__(self):
         self.started = time.perf_counter()
         self.steps = 0
-        self.loss_sum = 0.0
+        self.losses: list[torch.Tensor] = []  # on the device until the log step reads them
         self.data_wait = 0.0
         self.skipped = 0
 
-    def add(self, loss: float, data_wait: float, skipped: int) -> None:
+    def add(self, loss: torch.Tensor, data_wait: float, skipped: int) -> None:
         self.steps += 1
-        self.loss_sum += loss
+        self.losses.append(loss)
         self.data_wait += data_wait
         self.skipped += skipped
+
+    def mean_loss(self) -> float:
+        # The host waits for the device here, once per log. Each loss was computed within its own
+        # step (XLA: in the step's graph), so reading them adds no device work (and no XLA graph).
+        return sum(float(loss) for loss in self.losses) / self.steps

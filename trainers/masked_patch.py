@@ -32,6 +32,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vitray.trainers.objectives import model_images
+
 MaskedPatchTarget = Literal["mean_color", "downsized_4x4", "patch_l2"]
 TARGETS: tuple[str, ...] = get_args(MaskedPatchTarget)
 DOWNSIZED_GRID = 4  # the paper's 4x4 downsized patch
@@ -73,10 +75,17 @@ class Corruption:
     def model_inputs(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
         """The keyword arguments of the model's forward pass, on ``device``."""
         return {
-            "patch_source": self.patch_source.to(device),
-            "patch_mask": self.patch_mask.to(device),
-            "predict_at": self.predict_at.to(device),
+            "patch_source": _to_device(self.patch_source, device),
+            "patch_mask": _to_device(self.patch_mask, device),
+            "predict_at": _to_device(self.predict_at, device),
         }
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    """A host-drawn tensor on ``device``; to CUDA from pinned memory, so the host does not wait."""
+    if device is not None and torch.device(device).type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def draw_corruption(
@@ -211,11 +220,13 @@ class MaskedPatchObjective:
                 f"{self.target!r} needs {expected}: build it with masked_patch_outputs={expected} (a run config does "
                 "so when train.objective=masked_patch; continuing from init.checkpoint also needs init.reset_head=false)"
             )
-        images = batch.images
+        images = batch.images.to(model.device)  # already there from the feed: a no-op
         corruption = self.corrupt(rng, images.shape[0], module.grid_size**2)
-        targets = _take(patch_targets(images, module.patch_size, self.target, self.color_bits), corruption.predict_at)
-        predictions = model(images.to(model.device, model.dtype), **corruption.model_inputs(model.device))
-        return self.prediction_loss(predictions, targets.to(model.device))
+        inputs = corruption.model_inputs(model.device)
+        # Targets from the pixels on the device (uint8 from the feed: exact colours, no round trip via [-1, 1]).
+        targets = _take(patch_targets(images, module.patch_size, self.target, self.color_bits), inputs["predict_at"])
+        predictions = model(model_images(images).to(model.dtype), **inputs)
+        return self.prediction_loss(predictions, targets)
 
     def prediction_loss(self, predictions: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Loss of predictions ``(B, K, outputs)`` against the targets of the same patches."""

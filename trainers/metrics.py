@@ -13,34 +13,82 @@ from typing import Any
 
 import torch
 
-# Dense bf16/fp16 peak TFLOP/s per device, for MFU. Others: set log.peak_tflops.
-_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0, "V100": 125.0, "B200": 2250.0}
+# Dense (no sparsity) bf16/fp16 tensor-core peak TFLOP/s per GPU, from the vendor's datasheets,
+# keyed by the exact name `torch.cuda.get_device_name()` gives: the same chip differs by form
+# factor (H100 SXM5 989 vs PCIe 756), so a substring match would credit a PCIe card with SXM
+# clocks. A GPU not listed gets no MFU unless `log.peak_tflops` is set.
+PEAK_TFLOPS = {
+    "NVIDIA H100 80GB HBM3": 989.0,  # H100 SXM5
+    "NVIDIA H100 PCIe": 756.0,
+    "NVIDIA H100 NVL": 835.0,
+    "NVIDIA H200": 989.0,  # H200 SXM
+    "NVIDIA H200 NVL": 835.0,
+    "NVIDIA GH200 480GB": 989.0,
+    "NVIDIA B200": 2250.0,
+    "NVIDIA A100-SXM4-80GB": 312.0,
+    "NVIDIA A100-SXM4-40GB": 312.0,
+    "NVIDIA A100 80GB PCIe": 312.0,
+    "NVIDIA A100-PCIE-40GB": 312.0,
+    "NVIDIA L40S": 362.0,
+    "NVIDIA L4": 121.0,
+    "NVIDIA A10": 125.0,
+}
 
 METRICS_FILE = "metrics.jsonl"
 
 
-def accelerator_peak_tflops(configured: float | None) -> float | None:
+def accelerator_peak_tflops(configured: float | None, dtype: str = "bf16", device_name: str | None = None) -> float | None:
+    """The peak MFU divides by: `log.peak_tflops` if set, else the table's bf16/fp16 peak of this
+    GPU (`device_name`, default the current CUDA device's). None (no MFU) for an unknown GPU, no GPU,
+    or fp32 training, whose peak (TF32 or plain fp32) the table does not hold."""
     if configured:
         return configured
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        for key, peak in _PEAK_TFLOPS.items():
-            if key in name:
-                return peak
-    return None
+    if dtype not in ("bf16", "fp16"):
+        return None
+    if device_name is None:
+        if not torch.cuda.is_available():
+            return None
+        device_name = torch.cuda.get_device_name()
+    return PEAK_TFLOPS.get(device_name)
 
 
-def train_flops_per_image(build_model_on_meta, img_size: int) -> float:
-    """Forward + backward FLOPs of one image, counted by torch's FlopCounterMode on the meta device."""
+def forward_flops(build_model, img_size: int) -> float:
+    """FLOPs of one image's forward pass (a multiply-add counts 2), by torch's FlopCounterMode on
+    the meta device (nothing is allocated or computed). `build_model` makes the model."""
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.device("meta"):
-        model = build_model_on_meta()
+        model = build_model()
         images = torch.empty(1, 3, img_size, img_size)
     counter = FlopCounterMode(display=False)
-    with counter:
-        model(images).sum().backward()
+    with counter, torch.no_grad():
+        model(images)
     return float(counter.get_total_flops())
+
+
+def train_flops_per_image(build_model_on_meta, img_size: int) -> float:
+    """Model FLOPs of one training image: 3x the forward pass (the backward pass costs twice the
+    forward), the convention of PaLM's MFU and Chinchilla. Activation checkpointing's recomputed
+    forward is not counted: it is work the hardware does, not work the model needs, and counting
+    it would raise MFU by a third of the forward (~23% for B/16 with every block checkpointed)."""
+    return 3.0 * forward_flops(build_model_on_meta, img_size)
+
+
+def vit_forward_flops(*, width: int, depth: int, mlp_dim: int, patch_size: int, img_size: int, num_classes: int,
+                      representation_size: int | None = None) -> float:  # fmt: skip
+    """The forward FLOPs of one image through a plain ViT with a class-token head, by formula
+    (matmuls only; norms, softmax and GELU are left out, as the MFU convention does): the patch
+    embedding; per block the q/k/v and output projections, the attention scores and weighted
+    values over T tokens, the MLP; the last block only for the class token (the head reads nothing
+    else: all T tokens still give keys and values); then the head."""
+    patches = (img_size // patch_size) ** 2
+    tokens = patches + 1
+    embed = 2 * patches * 3 * patch_size**2 * width
+    block = 2 * tokens * width * (4 * width + 2 * mlp_dim) + 2 * 2 * tokens**2 * width
+    last = 2 * tokens * width * 3 * width + 2 * 2 * tokens * width + 2 * width * (width + 2 * mlp_dim)
+    head_in = representation_size or width
+    head = (2 * width * representation_size if representation_size else 0) + 2 * head_in * num_classes
+    return float(embed + (depth - 1) * block + last + head)
 
 
 class MetricsWriter:

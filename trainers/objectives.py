@@ -2,6 +2,10 @@
 
 Labels arrive as class indices (single-label) or multi-hot float rows (multi-label); both are
 turned into target distributions so label smoothing and mixup act on one representation.
+
+Batches arrive on the device with uint8 images (`trainers/feed.py`): the conversion to the
+model's range, the targets and mixup all run there, after the copy, and nothing here reads a
+device value back to the host (the loss stays a tensor until the loop logs it).
 """
 
 from __future__ import annotations
@@ -9,6 +13,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from vitray.data.transforms import to_model_range
+
+
+def model_images(images: torch.Tensor) -> torch.Tensor:
+    """Float32 images in ``[-1, 1]`` from the feed's uint8 pixels (float images pass unchanged),
+    on the images' own device."""
+    return to_model_range(images) if images.dtype == torch.uint8 else images.float()
 
 
 def resolve_objective(objective: str, label_kind: str) -> str:
@@ -25,6 +37,8 @@ def resolve_objective(objective: str, label_kind: str) -> str:
 
 
 def targets_from_labels(labels: torch.Tensor, num_classes: int, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Target distributions on the labels' device. With ``num_classes`` given, ``one_hot`` checks
+    the label range on the CPU only; on CUDA it reads nothing back (a bad label fails in a kernel)."""
     if labels.dtype in (torch.int64, torch.int32):
         targets = F.one_hot(labels.long(), num_classes).float()
     else:
@@ -69,10 +83,12 @@ class SupervisedObjective:
 
     def loss(self, model, batch, rng: np.random.Generator) -> torch.Tensor:
         """`model` is the training backend (callable, with `.device` and `.dtype`)."""
-        targets = targets_from_labels(batch.labels, self.num_classes, self.label_smoothing)
-        images, targets = mixup(batch.images, targets, self.mixup_alpha, rng)
-        logits = model(images.to(model.device, model.dtype))
-        return loss_fn(logits, targets.to(model.device), self.kind)
+        labels = batch.labels.to(model.device)  # already there from the feed: a no-op
+        targets = targets_from_labels(labels, self.num_classes, self.label_smoothing)
+        images = model_images(batch.images.to(model.device))
+        images, targets = mixup(images, targets, self.mixup_alpha, rng)
+        logits = model(images.to(model.dtype))
+        return loss_fn(logits, targets, self.kind)
 
 
 def build_objective(train_cfg, label_kind: str, num_classes: int):

@@ -24,9 +24,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, optim) -> torch.optim.Optimizer:
-    """AdamW for pre-training, SGD with momentum for fine-tuning (both from `OptimConfig`)."""
+def build_optimizer(model: nn.Module, optim, *, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW for pre-training, SGD with momentum for fine-tuning (both from `OptimConfig`);
+    `fused`: torch's single-kernel implementation (CUDA)."""
     groups = param_groups(model, optim.weight_decay)
     if optim.name == "sgd":
-        return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum)
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.b1, optim.b2), eps=optim.eps)
+        return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, fused=fused or None)
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.b1, optim.b2), eps=optim.eps, fused=fused or None)

@@ -177,8 +177,8 @@ class XlaBackend:
 
         torch_xla.sync()  # cut the step's graph and launch it (asynchronously)
 
-    def grad_norm(self) -> float:
-        return float(self._norm) if self._norm is not None else float("nan")
+    def grad_norm(self) -> torch.Tensor | float:
+        return self._norm if self._norm is not None else float("nan")  # read by the loop on log steps only
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])

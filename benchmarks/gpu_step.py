@@ -1,0 +1,198 @@
+"""Training throughput of `vitray pretrain`'s step against a plain PyTorch AMP loop, on one device.
+
+vitray: `TrainingLoop.train_step` -- the step `vitray pretrain` runs -- on the DeepSpeed backend
+(ZeRO-1, bf16, `train.compile` as configured) fed by `trainers/feed.py`'s DeviceFeed with
+synthetic uint8 batches (pinned, copied one step ahead, converted on the device). Reading and
+decoding shards is left out; `benchmarks/data_pipeline.py` measures it.
+
+Reference: timm's ViT of the same shape in a plain loop -- bf16 autocast, fused AdamW on CUDA,
+cross-entropy, a float batch already on the device (no input cost at all), torch.compile when
+vitray compiles.
+
+Both run in this process on the same batch size, one after the other, with the host reading the
+loss only at the end of each timed window (as vitray's loop does on log steps). Prints images/s
+of both, the ratio vitray/reference, and MFU (model FLOPs without recompute / the device's bf16
+peak, see `trainers/metrics.py`; none on the CPU or an unknown GPU unless --peak-tflops).
+
+    python benchmarks/gpu_step.py                          # B/16, 224 px, batch 64 (a GPU)
+    python benchmarks/gpu_step.py --model L/16 --grad-checkpointing --batch 64
+    python benchmarks/gpu_step.py --model Ti/16 --img-size 32 --batch 8 --steps 3 --warmup 1   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+import timm
+import torch
+import torch.nn.functional as F
+
+from vitray.common.config import load_config
+from vitray.data.batch import Batch
+from vitray.models import create_model_from_config
+from vitray.trainers.backend import create_backend
+from vitray.trainers.config import TrainingConfig
+from vitray.trainers.deepspeed_backend import compile_enabled
+from vitray.trainers.feed import DeviceFeed
+from vitray.trainers.loop import TrainingLoop
+from vitray.trainers.metrics import accelerator_peak_tflops, train_flops_per_image
+from vitray.trainers.objectives import build_objective
+
+TIMM_NAMES = {"Ti/16": "vit_tiny_patch16_224", "S/16": "vit_small_patch16_224", "B/16": "vit_base_patch16_224",
+              "L/16": "vit_large_patch16_224", "H/14": "vit_huge_patch14_224"}  # fmt: skip
+NUM_CLASSES = 1000
+
+
+@dataclass
+class SyntheticLoader:
+    """Endless uint8 batches of random pixels and labels, shaped like a ShardLoader's (float_images=False)."""
+
+    batch_size: int
+    img_size: int
+    step: int = 0
+    _images: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        generator = torch.Generator().manual_seed(0)
+        shape = (self.batch_size, 3, self.img_size, self.img_size)
+        self._images = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+
+    def state_dict(self):
+        return {"epoch": 0, "step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+    def __iter__(self):
+        while True:
+            self.step += 1
+            labels = torch.randint(0, NUM_CLASSES, (self.batch_size,))
+            keys = [f"{self.step}-{i}" for i in range(self.batch_size)]
+            # A fresh host tensor per batch, as the loader hands out (the copy is part of the cost).
+            yield Batch(images=self._images.clone(), labels=labels, keys=keys, num_skipped=0, epoch=0, step=self.step)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def vitray_steps(cfg: TrainingConfig, warmup: int, steps: int) -> tuple[float, float]:
+    """(images/s, train FLOPs per image) of TrainingLoop.train_step on the DeepSpeed backend."""
+    torch.manual_seed(cfg.seed)
+    model = create_model_from_config(cfg.model, NUM_CLASSES)
+    loop = TrainingLoop.__new__(TrainingLoop)  # the loop's step without a dataset on storage
+    loop.cfg, loop.rank, loop.world, loop.accum, loop.step = cfg, 0, 1, cfg.grad_accumulation, 0
+    loop.keys, loop.ema = None, None
+    loop.backend = create_backend(cfg, model, 1, None)
+    loop.objective = build_objective(cfg.train, "single", NUM_CLASSES)
+    loop.loader = DeviceFeed(SyntheticLoader(cfg.train.micro_batch_size, cfg.model.img_size), loop.backend.device)
+    batches = iter(loop.loader)
+    device = loop.backend.device
+
+    def run(count: int) -> float:
+        start = time.perf_counter()
+        for _ in range(count):
+            loss, grad_norm, _, _ = loop.train_step(batches)
+            loop.step += 1
+        float(loss), float(grad_norm)  # the log step's reads: wait for the device
+        _sync(device)
+        return time.perf_counter() - start
+
+    run(warmup)
+    seconds = run(steps)
+    flops = train_flops_per_image(
+        lambda: create_model_from_config(cfg.model.model_copy(update={"grad_checkpointing": False}), NUM_CLASSES),
+        cfg.model.img_size,
+    )
+    return steps * cfg.train.batch_size / seconds, flops
+
+
+def reference_steps(cfg: TrainingConfig, warmup: int, steps: int, compiled: bool) -> float:
+    """images/s of a plain AMP loop over timm's ViT of the same shape."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(cfg.seed)
+    model = timm.create_model(TIMM_NAMES[cfg.model.name], pretrained=False, num_classes=NUM_CLASSES,
+                              img_size=cfg.model.img_size).to(device)  # fmt: skip
+    model.set_grad_checkpointing(cfg.model.grad_checkpointing)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device.type == "cuda" or None)
+    runnable = torch.compile(model) if compiled else model
+    batch = cfg.train.micro_batch_size
+    images = torch.rand(batch, 3, cfg.model.img_size, cfg.model.img_size, device=device) * 2 - 1
+    labels = torch.randint(0, NUM_CLASSES, (batch,), device=device)
+
+    def run(count: int) -> float:
+        start = time.perf_counter()
+        for _ in range(count):
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = F.cross_entropy(runnable(images).float(), labels)
+            loss.backward()
+            optimizer.step()
+        float(loss.detach())
+        _sync(device)
+        return time.perf_counter() - start
+
+    run(warmup)
+    return steps * batch / run(steps)
+
+
+def _process_group() -> None:
+    """One rank, as Ray Train would set it up for DeepSpeed to join."""
+    if torch.distributed.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
+
+
+def main(argv: list[str] | None = None) -> dict[str, float | None]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=list(TIMM_NAMES), default="B/16")
+    parser.add_argument("--img-size", type=int, default=224)
+    parser.add_argument("--batch", type=int, default=64, help="images per step (one device, no accumulation)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per loop (default 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included (default 5)")
+    parser.add_argument("--grad-checkpointing", action="store_true", help="activation checkpointing in both models")
+    parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="auto: on for CUDA")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the device's bf16 peak, if not in the table")
+    args = parser.parse_args(argv)
+    for option in ("batch", "steps", "img_size"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be >= 1")
+    compile_setting = {"auto": "null", "on": "true", "off": "false"}[args.compile]
+    cfg = load_config(TrainingConfig, None, [
+        "data.train=synthetic", "data.num_slots=1", f"model.name={args.model}", f"model.img_size={args.img_size}",
+        f"model.grad_checkpointing={str(args.grad_checkpointing).lower()}", f"train.batch_size={args.batch}",
+        f"train.micro_batch_size={args.batch}", "train.zero_stage=1", "precision.dtype=bf16",
+        f"train.compile={compile_setting}", "cluster.num_workers=1", "schedule.warmup_steps=1",
+        f"train.steps={args.warmup + args.steps + 1}",
+    ])  # fmt: skip
+    compiled = compile_enabled(cfg.train.compile)
+    _process_group()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    peak = accelerator_peak_tflops(args.peak_tflops, "bf16")
+    ours, flops = vitray_steps(cfg, args.warmup, args.steps)
+    theirs = reference_steps(cfg, args.warmup, args.steps, compiled)
+    mfu = {name: (rate * flops / 1e12 / peak if peak else None) for name, rate in (("vitray", ours), ("reference", theirs))}
+    print(f"{args.model} at {args.img_size} px, batch {args.batch}, bf16, {device}, "
+          f"{'compiled' if compiled else 'eager'}{', activation checkpointing' if args.grad_checkpointing else ''}, "
+          f"{args.steps} timed steps after {args.warmup}; {flops / 1e9:.2f} GFLOPs per training image")  # fmt: skip
+    for name, rate in (("vitray pretrain step (DeepSpeed ZeRO-1, DeviceFeed)", ours),
+                       (f"plain AMP loop (timm {TIMM_NAMES[args.model]})", theirs)):  # fmt: skip
+        key = "vitray" if name.startswith("vitray") else "reference"
+        shown = f", MFU {mfu[key]:.1%}" if mfu[key] is not None else ", MFU n/a (no known peak)"
+        print(f"{name}: {rate:.1f} img/s{shown}")
+    print(f"vitray/reference: {ours / theirs:.3f}")
+    return {"vitray_images_per_s": ours, "reference_images_per_s": theirs, "ratio": ours / theirs,
+            "mfu": mfu["vitray"], "flops_per_image": flops}  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The device feed (`trainers/feed.py`) and the training step's host reads, on the CPU.
+
+On the CPU the copy to the device is a no-op, but the code is the one a GPU runs: uint8 batches
+handed over one step ahead with the loader position of the batch handed over, conversion to the
+model range and targets after the copy, and no read of a device value on steps that do not log.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import traceback
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from vitray.common.config import load_config
+from vitray.data import ShardLoader, to_model_range
+from vitray.trainers.config import TrainingConfig
+from vitray.trainers.context import WorkerContext
+from vitray.trainers.feed import DeviceFeed
+
+# Tensor methods that make the host wait for the device (on CUDA) to read a value back.
+HOST_READS = {"item", "__float__", "__int__", "__bool__", "__index__", "tolist", "cpu", "numpy"}
+REPO = Path(__file__).resolve().parent.parent  # vitray's packages (trainers/, models/ ...) live at its top
+
+
+class HostReads(TorchFunctionMode):
+    """Records each host read with who made it: the innermost frame outside torch, in vitray's
+    code ("vitray"), the data loader's ("loader": host tensors only, data/ never touches the
+    device), DeepSpeed's ("deepspeed") or elsewhere ("other"), and `where()`'s value."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.where, self.reads = where, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS:
+            self.reads.append((self.where(), _origin(), name))
+        return func(*args, **(kwargs or {}))
+
+
+def _origin() -> str:
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        path = str(Path(frame.filename).resolve())
+        if "/torch/" in path:
+            continue
+        if "/deepspeed/" in path:
+            return f"deepspeed:{Path(path).name}:{frame.name}"
+        if path.startswith(str(REPO / "data")):  # the loader's own host tensors (data.num_workers=0: in-process)
+            return f"loader:{Path(path).name}:{frame.name}"
+        if path.startswith(str(REPO)) and "/.venv/" not in path and "/tests/" not in path:
+            return f"vitray:{Path(path).name}:{frame.name}"
+        return f"other:{Path(path).name}:{frame.name}"
+    return "other"
+
+
+def test_host_read_counter_sees_every_kind_of_read():
+    t = torch.ones(3)
+    with HostReads(lambda: 0) as mode:
+        float(t.sum()), t.sum().item(), bool(t.sum() > 0), t.tolist(), int(t.sum())
+    assert [name for _, _, name in mode.reads] == ["__float__", "item", "__bool__", "tolist", "__int__"]
+    assert all(origin.startswith("other:test_feed.py") for _, origin, _ in mode.reads)
+
+
+def _loader(dataset, **kw):
+    args = dict(rank=0, world_size=1, batch_size=16, img_size=16, train=True, seed=3, num_slots=8, num_workers=0)
+    return ShardLoader(str(dataset), "train", **{**args, **kw})
+
+
+def test_feed_hands_uint8_batches_with_the_position_of_the_batch_handed_over(digits_dataset):
+    plain = iter(_loader(digits_dataset, float_images=False))
+    feed = DeviceFeed(_loader(digits_dataset, float_images=False), "cpu")
+    fed = iter(feed)
+    states = []
+    for _ in range(3):
+        expected, batch = next(plain), next(fed)
+        assert batch.images.dtype == torch.uint8 and batch.images.device == feed.device
+        assert torch.equal(batch.images, expected.images) and torch.equal(batch.labels, expected.labels)
+        assert batch.keys == expected.keys
+        # The feed has read one batch further, but reports the position after the one it handed over.
+        assert feed._loader.state_dict()["consumed_per_slot"] == feed.state_dict()["consumed_per_slot"] + 2
+        states.append(feed.state_dict())
+    assert [s["consumed_per_slot"] for s in states] == [2, 4, 6]
+
+    resumed = DeviceFeed(_loader(digits_dataset, float_images=False), "cpu")
+    resumed.load_state_dict(states[1])
+    assert torch.equal(next(iter(resumed)).images, batch.images)  # the third batch again
+    assert resumed.epoch == 0 and resumed.steps_per_epoch == feed.steps_per_epoch  # the loader's own attributes
+
+
+def test_feed_refuses_float_batches(digits_dataset):
+    with pytest.raises(TypeError, match="float_images=False"):
+        next(iter(DeviceFeed(_loader(digits_dataset), "cpu")))
+
+
+def _tiny_loop(digits_dataset, tmp_path, *extra: str):
+    from vitray.trainers.loop import TrainingLoop
+
+    cfg = load_config(
+        TrainingConfig,
+        None,
+        [
+            f"data.train={digits_dataset}", "model.img_size=16", "train.steps=4", "train.batch_size=8",
+            "train.micro_batch_size=8", "schedule.warmup_steps=1", "log.every=4", "cluster.num_workers=1",
+            "data.num_workers=0", "precision.dtype=bf16", "train.zero_stage=1", f"run.storage={tmp_path}", *extra,
+        ],
+    )  # fmt: skip
+    ctx = WorkerContext(rank=0, world_size=1, run_dir=str(tmp_path / "run"), report=lambda m, d: None)
+    return TrainingLoop(cfg, ctx)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_no_host_read_in_vitray_outside_log_steps(process_group, digits_dataset, tmp_path, dtype):
+    loop = _tiny_loop(digits_dataset, tmp_path / dtype, f"precision.dtype={dtype}", "optim.ema_decay=0.9")
+    with HostReads(lambda: loop.step) as mode:
+        last = loop.run()
+    assert math.isfinite(last["loss"])
+    # loop.step is s while step s+1 trains and s+1 while step s+1 logs: before 4, no step logged.
+    ours = Counter((step, origin) for step, origin, _ in mode.reads if origin.startswith("vitray"))
+    assert not [(s, o) for s, o in ours if s < 4], f"vitray read device values on steps that do not log: {ours}"
+    assert ours, "the log step reads the loss and grad norm: the counter must see them"
+    theirs = Counter((step, origin, name) for step, origin, name in mode.reads if origin.startswith("deepspeed"))
+    sys.stderr.write(f"DeepSpeed's host reads ({dtype}, ZeRO-1), by loop.step: {sorted(theirs.items())}\n")
+
+
+def test_batches_cross_as_uint8_and_become_model_inputs_after_the_copy(process_group, digits_dataset, tmp_path):
+    loop = _tiny_loop(digits_dataset, tmp_path, "train.steps=2", "log.every=2")
+    handed, inputs = [], []
+    hand_over = loop.loader._hand_over
+    loop.loader._hand_over = lambda batch, ready: handed.append(hand_over(batch, ready)) or handed[-1]
+    hook = loop.backend.module.register_forward_pre_hook(lambda module, args: inputs.append(args[0].detach().clone()))
+    loop.run()
+    hook.remove()
+    assert len(handed) == len(inputs) == 2
+    for batch, given in zip(handed, inputs):
+        assert batch.images.dtype == torch.uint8 and batch.images.device == loop.backend.device
+        assert given.dtype == torch.bfloat16
+        assert torch.equal(given, to_model_range(batch.images).to(torch.bfloat16))
+
+
+def test_gpu_step_benchmark_runs_tiny_on_the_cpu(process_group, capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_step.py"
+    spec = importlib.util.spec_from_file_location("gpu_step", path)
+    gpu_step = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_step"] = gpu_step  # dataclasses look their module up there
+    spec.loader.exec_module(gpu_step)
+    result = gpu_step.main(["--model", "Ti/16", "--img-size", "32", "--batch", "4", "--steps", "2", "--warmup", "1"])
+    printed = capsys.readouterr().out
+    assert result["vitray_images_per_s"] > 0 and result["reference_images_per_s"] > 0
+    assert result["ratio"] == pytest.approx(result["vitray_images_per_s"] / result["reference_images_per_s"])
+    assert result["mfu"] is None  # no peak for a CPU
+    assert "vitray/reference:" in printed and "img/s" in printed

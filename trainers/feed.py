@@ -1,0 +1,92 @@
+"""The device feed: uint8 training batches copied to the accelerator one step ahead.
+
+The loader hands uint8 images (a quarter of float32's bytes); the feed puts each batch's tensors
+in pinned host memory and starts their copy to the device on a side stream as soon as the batch
+is read, one batch ahead of the step that uses it, so the copy overlaps the previous step's
+compute. Conversion to the model's range, targets, mixup and masked-patch targets then happen on
+the device (`trainers/objectives.py`, `trainers/masked_patch.py`).
+
+On the CPU the same code runs with the copy a no-op (there is no side stream and nothing to pin),
+so the CPU tests cover the feed the GPU uses.
+
+Because the feed reads one batch ahead, the wrapped loader's own position runs ahead of training;
+:meth:`DeviceFeed.state_dict` is the position after the last batch handed to the loop, recorded
+with each batch as it was read (as `trainers/xla_loader.py` does for torch-xla's loader), so a
+checkpoint resumes exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from vitray.data.batch import Batch
+
+
+class DeviceFeed:
+    """Wraps a :class:`vitray.data.ShardLoader` made with ``float_images=False``: its batches with
+    ``images`` (uint8) and ``labels`` on ``device``, each copied while the previous one trains."""
+
+    def __init__(self, loader, device: torch.device | str):
+        self._loader = loader
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._state: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch handed to the caller."""
+        return dict(self._state) if self._state is not None else self._loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._loader.load_state_dict(state)  # ends a running iterator (the loader's generation moves on)
+        self._state = None
+
+    def __getattr__(self, name: str) -> Any:  # epoch, steps_per_epoch, stats ... of the wrapped loader
+        return getattr(self._loader, name)
+
+    def __iter__(self) -> Iterator[Batch]:
+        self._state = None
+        return self._batches(iter(self._loader))
+
+    def _batches(self, source: Iterator[Batch]) -> Iterator[Batch]:
+        ahead = self._start_copy(next(source))
+        while True:
+            batch, state, ready = ahead
+            ahead = self._start_copy(next(source))  # the next copy runs while the loop trains on `batch`
+            self._state = state
+            yield self._hand_over(batch, ready)
+
+    def _start_copy(self, batch: Batch) -> tuple[Batch, dict[str, Any], Any]:
+        if batch.images.dtype != torch.uint8:
+            raise TypeError(
+                f"the device feed takes uint8 images (a ShardLoader with float_images=False), got {batch.images.dtype}"
+            )
+        state = self._loader.state_dict()  # right after this batch
+        stream = torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()
+        with stream:
+            images, labels = (_to_device(t, self.device, pin=self._cuda) for t in (batch.images, batch.labels))
+            ready = self._stream.record_event() if self._cuda else None
+        return replace(batch, images=images, labels=labels), state, ready
+
+    def _hand_over(self, batch: Batch, ready: Any) -> Batch:
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)  # the step's kernels wait for the copy, not the host
+            for tensor in (batch.images, batch.labels):
+                # Made on the side stream, used on the step's: the allocator must not reuse the
+                # memory before the step's stream is done with it.
+                tensor.record_stream(torch.cuda.current_stream(self.device))
+        return batch
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device, *, pin: bool) -> torch.Tensor:
+    """``tensor`` on ``device``; from pinned memory without blocking the host when ``pin``.
+    Pinned blocks come from torch's caching host allocator, which reuses one only after the copy
+    that read it has finished."""
+    if pin:
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=pin)
