@@ -26,7 +26,7 @@ from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_o
 from .layout import LabelKind, read_split
 from .plan import ShardRange
 from .reader import RawSample, SampleStream
-from .transforms import CorruptSample, decode_label, eval_transform
+from .transforms import CorruptSample, EvalResize, decode_label, eval_transform
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class _EvalSpec:
     positions: tuple[int, ...] | None  # or only these positions, ascending (``indices``)
     batch_size: int
     img_size: int
+    resize: EvalResize
     label_kind: LabelKind
     num_classes: int
     storage_options: dict[str, Any] | None
@@ -58,7 +59,7 @@ class _EvalStream(IterableDataset):
         mine = range(worker, num_batches, workers)
         if not mine:
             return
-        transform, reporter = eval_transform(spec.img_size), SkipReporter()
+        transform, reporter = eval_transform(spec.img_size, spec.resize), SkipReporter()
         at = positions[mine[0] * spec.batch_size]
         stream = SampleStream(spec.shard_urls, spec.ranges, spec.storage_options, start=at)
         try:
@@ -89,6 +90,8 @@ class EvalLoader:
     ``split`` is a name or a slice of one (``"train[98%:]"``, see :mod:`vitray.data.splits`).
     Iterating it again starts a new pass. ``len(loader)`` is this rank's number of batches.
     ``float_images=False`` gives uint8 images, as for :class:`vitray.data.ShardLoader`.
+    ``resize``: how images reach ``img_size`` (:data:`vitray.data.transforms.EvalResize`;
+    ``"square"`` is the authors' few-shot pre-processing).
     ``indices``: read only these positions of the split (or slice), in ascending order; ranks
     share them out as they share the whole split.
     """
@@ -102,6 +105,7 @@ class EvalLoader:
         world_size: int = 1,
         batch_size: int,
         img_size: int,
+        resize: EvalResize = "aspect",
         num_workers: int = 1,
         storage_options: dict[str, Any] | None = None,
         float_images: bool = True,
@@ -131,6 +135,7 @@ class EvalLoader:
             positions=None if positions is None else positions[first:stop],
             batch_size=batch_size,
             img_size=img_size,
+            resize=resize,
             label_kind=self.info.label_kind,
             num_classes=self.info.num_classes,
             storage_options=storage_options,

@@ -11,7 +11,9 @@
 - eval: the shorter side resized to ``round(img_size / 0.875)`` then a central ``img_size`` crop
   (256 -> 224, the usual ImageNet evaluation); images whose shorter side is at most ``img_size``
   (CIFAR, digits) are simply resized to ``img_size x img_size``, since cropping a small image
-  would only lose content;
+  would only lose content; ``resize="square"`` is the few-shot protocol of the authors
+  (big_vision ``configs/common_fewshot.py``: ``resize(256)|central_crop(224)``): every image
+  squashed to ``round(img_size / 0.875)`` square, then the central ``img_size`` crop;
 - both: RGB (grayscale and palette images are converted); the transforms give uint8 tensors and
   :func:`to_model_range` maps a stacked batch of them to float32 in ``[-1, 1]``.
   :func:`train_augment` and :func:`eval_resize` are the same transforms without the final
@@ -28,7 +30,7 @@ import io
 import json
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -42,6 +44,10 @@ from .layout import LabelKind
 EVAL_CROP_FRACTION = 0.875
 TRAIN_CROP_SCALE = (0.05, 1.0)
 IMAGE_FIELDS = ("jpg", "jpeg", "png")
+# How evaluation images reach img_size: "aspect" keeps the aspect ratio (shorter side, then a
+# central crop; small images resized whole), "square" squashes first (the few-shot protocol).
+EvalResize = Literal["aspect", "square"]
+EVAL_RESIZES = ("aspect", "square")
 UNLABELLED = -1  # the label of every sample of an unlabelled dataset
 
 Transform = Callable[[Image.Image], torch.Tensor]
@@ -171,23 +177,29 @@ def train_transform(img_size: int, *, min_crop_area: float = TRAIN_CROP_SCALE[0]
     return v2.Compose([train_augment(img_size, min_crop_area=min_crop_area, flip=flip), v2.PILToTensor()])
 
 
-def eval_resize(img_size: int) -> Augment:
-    """PIL image -> PIL image ``img_size x img_size``: resize (and central crop)."""
+def eval_resize(img_size: int, resize: EvalResize = "aspect") -> Augment:
+    """PIL image -> PIL image ``img_size x img_size``: resize and central crop, as ``resize`` says
+    (see the module's docstring)."""
+    if resize not in EVAL_RESIZES:
+        raise ValueError(f"resize must be one of {EVAL_RESIZES}, got {resize!r}")
+    enlarged = round(img_size / EVAL_CROP_FRACTION)
+    if resize == "square":
+        return v2.Compose([v2.Resize((enlarged, enlarged), antialias=True), v2.CenterCrop(img_size)])
     small = v2.Resize((img_size, img_size), antialias=True)
-    large = v2.Compose([v2.Resize(round(img_size / EVAL_CROP_FRACTION), antialias=True), v2.CenterCrop(img_size)])
+    large = v2.Compose([v2.Resize(enlarged, antialias=True), v2.CenterCrop(img_size)])
 
-    def resize(image: Image.Image) -> Image.Image:
+    def keep_aspect(image: Image.Image) -> Image.Image:
         return small(image) if min(image.size) <= img_size else large(image)
 
-    return resize
+    return keep_aspect
 
 
-def eval_transform(img_size: int) -> Transform:
+def eval_transform(img_size: int, resize: EvalResize = "aspect") -> Transform:
     """PIL image -> uint8 tensor ``(3, img_size, img_size)``: :func:`eval_resize`, then to a tensor."""
-    resize, to_tensor = eval_resize(img_size), v2.PILToTensor()
+    resized, to_tensor = eval_resize(img_size, resize), v2.PILToTensor()
 
     def transform(image: Image.Image) -> torch.Tensor:
-        return to_tensor(resize(image))
+        return to_tensor(resized(image))
 
     return transform
 

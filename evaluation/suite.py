@@ -8,8 +8,8 @@ resolution). Nothing here downloads data: a benchmark whose data is not prepared
 
 Sources of the settings: the ViT paper (Dosovitskiy et al. 2021, appendix B.1.1 and Table 4),
 VTAB (Zhai et al. 2019) for the 19 tasks and their class counts, big_vision's few-shot config
-(shots 1/5/10/25, 3 seeds, l2 2**10; images at the checkpoint's resolution through the evaluation
-transform: for 224 px, the shorter side resized to 256 and a central 224 crop).
+(shots 1/5/10/25, 3 seeds, l2 2**10; images at the checkpoint's resolution, pre-processed as its
+``resize(256)|central_crop(224)``: for 224 px, squashed to 256x256 and the central 224 crop).
 """
 
 from __future__ import annotations

@@ -36,6 +36,11 @@ from vitray.evaluation.grid import METRIC, TRAIN_SPLIT, VAL_SPLIT, FewShotGroup,
 from vitray.evaluation.results import Cell
 from vitray.evaluation.suite import Benchmark, locate, locate_train
 
+# The few-shot images' pre-processing, as the authors' (big_vision configs/common_fewshot.py,
+# resize(256)|central_crop(224) at 224 px): squashed square to img_size/0.875, then the central
+# crop; for the train shots and the test split alike.
+FEWSHOT_RESIZE = "square"
+
 # Slots of the data plan per fine-tuning worker, at most: every slot advances in lock-step, so the
 # micro batch must be a multiple of it (see TrainingConfig's checks).
 MAX_SLOTS_PER_WORKER = 8
@@ -79,6 +84,7 @@ def extract_split_features(
     split: str,
     *,
     img_size: int,
+    resize: str = "aspect",
     batch_size: int = 256,
     num_workers: int = 0,
     storage_options: dict[str, Any] | None = None,
@@ -88,7 +94,7 @@ def extract_split_features(
     from vitray.data import EvalLoader
 
     loader = EvalLoader(
-        path, split, batch_size=batch_size, img_size=img_size, num_workers=num_workers,
+        path, split, batch_size=batch_size, img_size=img_size, resize=resize, num_workers=num_workers,
         storage_options=storage_options,
     )  # fmt: skip
     return extract_features(model, loader, device=device)
@@ -121,6 +127,7 @@ def sampled_features(
     picks: Mapping[Any, np.ndarray],
     *,
     img_size: int,
+    resize: str = FEWSHOT_RESIZE,
     batch_size: int = 256,
     num_workers: int = 0,
     storage_options: dict[str, Any] | None = None,
@@ -135,7 +142,7 @@ def sampled_features(
     from vitray.data import EvalLoader
 
     union = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in picks.values()]))
-    loader = EvalLoader(path, split, batch_size=batch_size, img_size=img_size, num_workers=num_workers,
+    loader = EvalLoader(path, split, batch_size=batch_size, img_size=img_size, resize=resize, num_workers=num_workers,
                         storage_options=storage_options, indices=pool.positions[union].tolist())  # fmt: skip
     keys: list[str] = []
 
@@ -179,7 +186,7 @@ def run_fewshot_group(
     try:
         if model.img_size != group.img_size:
             model.set_img_size(group.img_size)
-        common = dict(img_size=group.img_size, batch_size=batch_size, num_workers=num_workers,
+        common = dict(img_size=group.img_size, resize=FEWSHOT_RESIZE, batch_size=batch_size, num_workers=num_workers,
                       storage_options=storage_options, device=device)  # fmt: skip
         train_path = locate_train(benchmark, data_root)
         pool = FewShotPool.read(train_path, benchmark.train_split, storage_options)
@@ -240,7 +247,7 @@ def fewshot_probe(
     probe = model if param.dtype == torch.float32 else _CastInputs(model, param.dtype)
     results: dict[str, float] = {}
     for name, path in datasets.items():
-        common = dict(img_size=model.img_size, batch_size=batch_size, num_workers=num_workers,
+        common = dict(img_size=model.img_size, resize=FEWSHOT_RESIZE, batch_size=batch_size, num_workers=num_workers,
                       storage_options=storage_options, device=param.device)  # fmt: skip
         num_classes = _num_classes(path, storage_options)
         pool = FewShotPool.read(path, train_split, storage_options)

@@ -452,6 +452,21 @@ def test_multi_label_batches_are_multi_hot(tmp_path):
     assert all(set(torch.nonzero(row).flatten().tolist()) == by_key[k] for k, row in zip(batch.keys, batch.labels))
 
 
+def test_square_eval_resize_squashes_then_crops_as_the_authors_few_shot_protocol():
+    # big_vision's few-shot "resize(256)|central_crop(224)": every image squashed to 256x256.
+    rng = np.random.default_rng(0)
+    wide = Image.fromarray(rng.integers(0, 256, (20, 60, 3), dtype=np.uint8))
+    squashed = wide.resize((37, 37), Image.Resampling.BILINEAR)  # round(32 / 0.875) = 37
+    expected = np.asarray(squashed)[2:34, 2:34]  # the central 32 of 37
+    got = eval_transform(32, "square")(wide).permute(1, 2, 0).numpy()
+    assert got.shape == (32, 32, 3)
+    assert np.abs(got.astype(int) - expected.astype(int)).max() <= 2  # antialias kernels differ by a level or two
+    kept = eval_transform(32)(wide).permute(1, 2, 0).numpy()  # the aspect-keeping default differs
+    assert np.abs(kept.astype(int) - expected.astype(int)).mean() > 10
+    with pytest.raises(ValueError, match=r"resize must be one of \('aspect', 'square'\), got 'squash'"):
+        eval_transform(32, "squash")
+
+
 def test_eval_transform_resizes_small_images_and_crops_large_ones():
     small, large = Image.new("RGB", (8, 6), (255, 0, 0)), Image.new("RGB", (300, 400), (0, 0, 0))
     out = to_model_range(eval_transform(16)(small)[None])[0]

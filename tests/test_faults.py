@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from disk_helpers import mounted_tmpfs
+
 from vitray.trainers.lease import LeaseRecord, RunLease, RunLeaseHeld, read_lease
 from vitray.trainers.run_files import RunFiles
 
@@ -236,12 +238,7 @@ def test_runs_lists_attempts_and_marks_a_vanished_one_lost(tmp_path):
 @pytest.fixture
 def full_disk(tmp_path):
     """A 4 MiB tmpfs filled to the last byte (mounting it needs root)."""
-    mount = tmp_path / "staging"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"mounting a small tmpfs needs root: {done.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "staging", "4m") as mount:
         with open(mount / "filler", "wb") as f:
             with pytest.raises(OSError) as full:
                 while True:
@@ -249,8 +246,6 @@ def full_disk(tmp_path):
                     f.flush()
         assert full.value.errno == errno.ENOSPC
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_staging_disk_raises_what_to_free_and_leaves_no_partial_files(full_disk):

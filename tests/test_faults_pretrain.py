@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from disk_helpers import mounted_tmpfs
 from pretrain_helpers import _stop_leftover_ray, assert_same_weights, final_weights, pretrain_args, run, vitray_cmd
 from vitray.trainers.checkpoint import find_checkpoints, latest_complete_checkpoint, verify_complete
 from vitray.trainers.lease import read_lease
@@ -135,13 +136,8 @@ def test_the_rerun_resumes_from_the_preemption_checkpoint_exactly(preempted, ref
 @pytest.fixture
 def small_disk(tmp_path):
     """A 256 MiB tmpfs: a real file system that runs out of space (mounting it needs root)."""
-    mount = tmp_path / "staging"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"mounting a small tmpfs needs root: {done.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    with mounted_tmpfs(tmp_path / "staging", "256m") as mount:
+        yield mount
 
 
 def _fill(folder: Path) -> Path:

@@ -387,9 +387,11 @@ def test_probe_encodes_only_the_sampled_train_images_and_matches_the_whole_split
     model = _CountingPixels()
     probed = fewshot_probe(model, {"digits": str(digits_dataset)}, shots=(1, 5, 10), seeds=2)
 
-    # Reference: every train image encoded, sets drawn from the decoded pool (the former path).
+    # Reference: every train image encoded, sets drawn from the decoded pool (the former path),
+    # with the authors' few-shot pre-processing (squashed square, then the central crop).
     def features(split):
-        return extract_features(_PooledPixels(), EvalLoader(str(digits_dataset), split, batch_size=256, img_size=32))
+        loader = EvalLoader(str(digits_dataset), split, batch_size=256, img_size=32, resize="square")
+        return extract_features(_PooledPixels(), loader)
 
     (train_x, train_y), (test_x, test_y) = features("train"), features("test")
     for k in (1, 5, 10):
