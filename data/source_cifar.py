@@ -50,16 +50,30 @@ def _encode_png(row: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-class CifarChunk(SampleChunk):
-    def __init__(self, files: list[str], offsets: list[int], label_key: str, indices: list[int]) -> None:
-        self.files, self.offsets, self.label_key, self.indices = files, offsets, label_key, indices
+class _BatchFilesChunk(SampleChunk):
+    """Samples by index across batch files holding consecutive rows (``offsets[i]``: the index of
+    ``files[i]``'s first row); subclasses read one row of one file (:meth:`_sample`)."""
+
+    def __init__(self, files: list[str], offsets: list[int], indices: list[int]) -> None:
+        self.files, self.offsets, self.indices = files, offsets, indices
 
     def __iter__(self) -> Iterator[Sample]:
         for index in self.indices:
             file_no = int(np.searchsorted(self.offsets, index, side="right")) - 1
-            batch = _load_batch(self.files[file_no])
-            row = index - self.offsets[file_no]
-            yield Sample(_encode_png(np.asarray(batch["data"][row])), "png", int(batch[self.label_key][row]))
+            yield self._sample(self.files[file_no], index - self.offsets[file_no])
+
+    def _sample(self, file: str, row: int) -> Sample:
+        raise NotImplementedError
+
+
+class CifarChunk(_BatchFilesChunk):
+    def __init__(self, files: list[str], offsets: list[int], label_key: str, indices: list[int]) -> None:
+        super().__init__(files, offsets, indices)
+        self.label_key = label_key
+
+    def _sample(self, file: str, row: int) -> Sample:
+        batch = _load_batch(file)
+        return Sample(_encode_png(np.asarray(batch["data"][row])), "png", int(batch[self.label_key][row]))
 
 
 # -- binary version ---------------------------------------------------------------------------------
@@ -96,16 +110,15 @@ def _load_binary_cached(ref: str, label_bytes: int, _stamp: tuple[int, int]) -> 
     return np.frombuffer(data, dtype=np.uint8).reshape(-1, record)
 
 
-class CifarBinaryChunk(SampleChunk):
+class CifarBinaryChunk(_BatchFilesChunk):
     def __init__(self, files: list[str], offsets: list[int], label_bytes: int, indices: list[int]) -> None:
-        self.files, self.offsets, self.label_bytes, self.indices = files, offsets, label_bytes, indices
+        super().__init__(files, offsets, indices)
+        self.label_bytes = label_bytes
 
-    def __iter__(self) -> Iterator[Sample]:
-        for index in self.indices:
-            file_no = int(np.searchsorted(self.offsets, index, side="right")) - 1
-            row = _load_binary(self.files[file_no], self.label_bytes)[index - self.offsets[file_no]]
-            # The fine label is the last label byte (CIFAR-100 stores the coarse one first).
-            yield Sample(_encode_png(row[self.label_bytes :]), "png", int(row[self.label_bytes - 1]))
+    def _sample(self, file: str, row: int) -> Sample:
+        record = _load_binary(file, self.label_bytes)[row]
+        # The fine label is the last label byte (CIFAR-100 stores the coarse one first).
+        return Sample(_encode_png(record[self.label_bytes :]), "png", int(record[self.label_bytes - 1]))
 
 
 class _CifarSource(Source):
