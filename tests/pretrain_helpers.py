@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -103,6 +105,20 @@ def run_until_checkpoint(cmd: list[str], run_dir: str, min_step: int, timeout: f
                 raise AssertionError(f"run ended before it could be stopped: {proc.stderr.read()[-3000:]}")
             time.sleep(0.2)
         raise AssertionError("no checkpoint appeared in time")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        _stop_leftover_ray(proc.pid)
+
+
+@contextmanager
+def running(cmd: list[str]) -> Iterator[subprocess.Popen]:
+    """``cmd`` started in a session of its own, its output piped as text; on leaving the block it
+    is killed if it still runs, and its embedded Ray's leftovers are stopped."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        yield proc
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

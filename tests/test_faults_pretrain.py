@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import signal
 import subprocess
 import time
@@ -23,7 +22,7 @@ import pytest
 import yaml
 
 from disk_helpers import mounted_tmpfs
-from pretrain_helpers import _stop_leftover_ray, assert_same_weights, final_weights, pretrain_args, run, vitray_cmd
+from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run, running, vitray_cmd
 from vitray.trainers.checkpoint import find_checkpoints, latest_complete_checkpoint, verify_complete
 from vitray.trainers.lease import read_lease
 from vitray.trainers.run_files import RunFiles
@@ -75,8 +74,7 @@ def preempted(digits_dataset, reference, tmp_path_factory):
     storage = tmp_path_factory.mktemp("preempted")
     run_dir = str(storage / "ref")
     args = _args(digits_dataset, storage, f"checkpoint.every={EVERY}")
-    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
+    with running(args) as first:
         _wait_for(lambda: read_lease(RunFiles(run_dir).lease_path) is not None, first, "the run took its lease")
         second = subprocess.run(args, capture_output=True, text=True, timeout=300)
         assert first.poll() is None, "the first run must still be running when the second starts"
@@ -84,11 +82,6 @@ def preempted(digits_dataset, reference, tmp_path_factory):
         signalled_at = _logged_step(run_dir)
         first.send_signal(signal.SIGTERM)  # the driver only, as Kubernetes does
         stdout, stderr = first.communicate(timeout=240)
-    finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-            first.wait()
-        _stop_leftover_ray(first.pid)
     stopped = latest_complete_checkpoint(run_dir)
     stopped_state = verify_complete(stopped.path) if stopped else None
     runs_while_stopped = subprocess.run(vitray_cmd("runs", str(storage)), capture_output=True, text=True, timeout=120)
@@ -158,18 +151,12 @@ def test_a_full_staging_disk_stops_with_what_to_free_and_loses_nothing(digits_da
     storage = tmp_path / "runs"
     run_dir = str(storage / "ref")
     args = _args(digits_dataset, storage, f"checkpoint.every={EVERY}", f"checkpoint.staging_dir={small_disk}")
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
+    with running(args) as proc:
         # Once the first checkpoint is uploaded (and its staging copy removed), fill the disk.
         _wait_for(lambda: latest_complete_checkpoint(run_dir) is not None and not list(small_disk.glob("vitray-ckpt-*")),
                   proc, "the first checkpoint was uploaded")  # fmt: skip
         filler = _fill(small_disk)
         stdout, stderr = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        _stop_leftover_ray(proc.pid)
     message = _flat(stdout + stderr)
     assert proc.returncode == 1, message[-4000:]
     assert f"to its staging folder {small_disk}" in message and "No space left on device" in message
@@ -224,8 +211,7 @@ def test_sigterm_to_a_worker_restarts_the_group_and_the_run_finishes_identically
     storage = tmp_path / "runs"
     run_dir = str(storage / "ref")
     args = _args(digits_dataset, storage, f"checkpoint.every={EVERY}", "cluster.max_failures=1")
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
+    with running(args) as proc:
         _wait_for(lambda: latest_complete_checkpoint(run_dir) is not None, proc, "the first checkpoint")
         # The Ray Train workers themselves (their DataLoader processes are named pt_data_worker).
         workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
@@ -233,11 +219,6 @@ def test_sigterm_to_a_worker_restarts_the_group_and_the_run_finishes_identically
         assert len(workers) == 2, [p.name() for p in workers]
         workers[-1].send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        _stop_leftover_ray(proc.pid)
     assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
     assert not workers[-1].is_running()
     assert_same_weights(final_weights(run_dir), reference["weights"])
@@ -250,18 +231,12 @@ def test_when_the_grace_period_runs_out_the_driver_exits_without_a_new_checkpoin
     run_dir = str(storage / "ref")
     args = pretrain_args(str(digits_dataset), str(storage), "ref", "train.steps=200", "checkpoint.every=4",
                          "checkpoint.preemption_check_every=1000", "run.preemption_grace_s=3")  # fmt: skip
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
+    with running(args) as proc:
         _wait_for(lambda: latest_complete_checkpoint(run_dir) is not None, proc, "the first checkpoint")
         proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         stdout, stderr = proc.communicate(timeout=120)
         waited = time.monotonic() - signalled
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        _stop_leftover_ray(proc.pid)
     assert proc.returncode == 128 + signal.SIGTERM, stdout[-2000:] + stderr[-4000:]
     assert "grace period of 3 s over before the workers stopped" in _flat(stderr)
     assert 3 <= waited < 30
