@@ -101,6 +101,12 @@ class TrainConfig(_Section):
         description="torch.compile the model (in place: weights and checkpoints unchanged). null: on for CUDA, "
         "off elsewhere (on the CPU compiling costs more than a short run gains; XLA compiles its own graphs).",
     )
+    attention: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
+        "auto",
+        description="The fused attention kernel of the training step (`trainers/attention.py`). auto: on CUDA flash "
+        "attention first, then cuDNN, memory-efficient, math; elsewhere PyTorch's choice. A named kernel that cannot "
+        "run the model's shapes and dtype on this device is refused at start. The kernel that runs is printed at start.",
+    )
     check_grad_overflow: bool = Field(
         False,
         description="bf16: DeepSpeed checks the gradients for inf/NaN before each optimizer step and skips the "

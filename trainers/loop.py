@@ -12,6 +12,7 @@ background so that a checkpoint costs training little more than a snapshot.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import tempfile
@@ -26,6 +27,7 @@ from vitray.common.redact import redacted_config
 from vitray.data import ShardLoader, read_dataset_info
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.trainers import checkpoint as ckpt
+from vitray.trainers.attention import attention_context, attention_kernel, model_attention_shape
 from vitray.trainers.backend import TrainBackend, create_backend
 from vitray.trainers.checkpointer import Checkpointer
 from vitray.trainers.collectives import all_reduce as _all_reduce
@@ -62,6 +64,7 @@ class TrainingLoop:
         model = self._initial_model()
         self.backend: TrainBackend = create_backend(cfg, model, self.world, restore)
         self.ema = Ema(self.backend.module, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
+        self.attention, self.attention_kernel = self._attention()
         # The backend puts batches on the device one step ahead (DeepSpeed: `trainers/feed.py`;
         # XLA: sharded, by torch-xla's prefetching loader).
         self.loader = self.backend.device_loader(ShardLoader(
@@ -96,6 +99,7 @@ class TrainingLoop:
                 "num_classes": self.info.num_classes,
                 "label_kind": self.info.label_kind,
                 "model": self._architecture(),
+                "attention_kernel": self.attention_kernel,
                 "config": redacted_config(self.cfg),  # credentials masked
             },
         )
@@ -128,7 +132,8 @@ class TrainingLoop:
         window = _Window()
         last: dict[str, Any] = {}
         while self.step < train.steps:
-            loss, grad_norm, data_wait, skipped = self.train_step(batches)
+            with self.attention():  # forward and backward on the kernel of `train.attention`
+                loss, grad_norm, data_wait, skipped = self.train_step(batches)
             self.step += 1
             window.add(loss, data_wait, skipped)
             metrics: dict[str, Any] = {}
@@ -188,6 +193,22 @@ class TrainingLoop:
         return loss, self.backend.grad_norm(), data_wait, skipped
 
     # -- pieces -----------------------------------------------------------------------------------
+    def _attention(self):
+        """The context of the training step's attention (`train.attention`) and the kernel it runs,
+        checked once here with the model's shapes (see `trainers/attention.py`)."""
+        shape = model_attention_shape(self.backend.module)
+        if self.backend.name == "xla" or shape is None:  # XLA compiles its own attention
+            return contextlib.nullcontext, "xla" if shape is not None else "none"
+        tokens, heads, head_dim, dropout = shape
+        device = self.backend.device
+        kernel = attention_kernel(self.cfg.train.attention, tokens=tokens, heads=heads, head_dim=head_dim,
+                                  dtype=self.backend.dtype, device=device, dropout_p=dropout)  # fmt: skip
+        if self.rank == 0:
+            print(f"vitray: attention kernel {kernel} (train.attention={self.cfg.train.attention}; {tokens} tokens x "
+                  f"{heads} heads x {head_dim}, {str(self.backend.dtype).removeprefix('torch.')} on {device.type})",
+                  flush=True)  # fmt: skip
+        return attention_context(self.cfg.train.attention, device), kernel
+
     def _initial_model(self) -> torch.nn.Module:
         """Scratch, or `init.checkpoint`'s weights at this run's resolution with a fresh head
         (when resuming, the run's own checkpoint then replaces these weights)."""
