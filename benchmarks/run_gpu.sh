@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The measurements that need a GPU, in one go (issues #13 and #14): each writes its output under
+# OUTDIR, one file per measurement, and a failure of one does not stop the others.
+#
+#   bash benchmarks/run_gpu.sh OUTDIR [GROUP ...]     (PYTHON=python3 by default)
+#
+# GROUPs (all by default; a device call of at most 10 minutes takes one or two):
+# - step: gpu_step_<model>.txt: `benchmarks/gpu_step.py` (vitray's training step vs a plain AMP loop over
+#   timm's ViT) for B/16, L/16 and H/14 (the last two with activation checkpointing);
+# - attention: attention.txt: the attention kernel `train.attention=auto` runs for ViT-B/16 in bf16;
+# - data: data_pipeline.txt: `benchmarks/data_pipeline.py` with one loader worker per core but two;
+# - pretrain: pretrain.txt: a real `vitray pretrain` on CUDA (Ray, DeepSpeed ZeRO-1, bf16, compiled), B/16 at
+#   224 px on the built-in digits for 300 steps: checks that nothing in the run is CPU-only.
+# Budget: about 20 minutes on one H100 in all (each step has its own time limit).
+set -u
+OUT=${1:?usage: run_gpu.sh OUTDIR [attention] [step] [data] [pretrain]}
+shift
+GROUPS_WANTED=${*:-attention step data pretrain}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+
+wanted() { [[ " $GROUPS_WANTED " == *" $1 "* ]]; }
+
+step() {  # step NAME SECONDS COMMAND...: run COMMAND with a time limit, its output to OUT/NAME.txt
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$OUT/summary.txt"
+    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.txt" 2>&1
+    local rc=$?
+    echo "   exit $rc; last lines:" >>"$OUT/summary.txt"
+    tail -n 6 "$OUT/$name.txt" >>"$OUT/summary.txt"
+}
+
+nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+wanted attention && step attention 120 "$PY" -c "
+import torch
+from vitray.trainers.attention import attention_kernel
+for setting in ('auto', 'flash', 'cudnn', 'efficient'):
+    try:
+        kernel = attention_kernel(setting, tokens=197, heads=12, head_dim=64, dtype=torch.bfloat16, device=torch.device('cuda'))
+    except ValueError as err:
+        kernel = f'refused: {err}'
+    print(f'B/16 bf16 train.attention={setting}: {kernel}')
+"
+wanted step && step gpu_step_B16 420 "$PY" benchmarks/gpu_step.py --model B/16 --batch 256 --steps 30 --warmup 10
+wanted step && step gpu_step_L16 420 "$PY" benchmarks/gpu_step.py --model L/16 --batch 128 --steps 20 --warmup 8 --grad-checkpointing
+wanted step && step gpu_step_H14 420 "$PY" benchmarks/gpu_step.py --model H/14 --batch 64 --steps 12 --warmup 6 --grad-checkpointing
+wanted data && step data_pipeline 420 "$PY" benchmarks/data_pipeline.py --workers "$(($(nproc) - 2))" --skip-s3
+
+if wanted pretrain; then
+DATA=$(mktemp -d)/digits
+step prepare 120 "$PY" -m vitray.cli data prepare builtin:digits "$DATA"
+step pretrain 540 "$PY" -m vitray.cli pretrain --set run.name=gpu-check --set run.storage="$(mktemp -d)" \
+    --set data.train="$DATA" --set model.name=B/16 --set model.img_size=224 --set train.steps=300 \
+    --set train.batch_size=256 --set train.micro_batch_size=256 --set schedule.warmup_steps=30 \
+    --set precision.dtype=bf16 --set cluster.num_workers=1 --set cluster.gpus_per_worker=1 --set data.num_slots=8 \
+    --set data.num_workers="$(($(nproc) - 4))" --set data.min_crop_area=0.5 --set log.every=50 \
+    --set checkpoint.every=150
+fi
+echo "done $(date -u +%H:%M:%S)" >>"$OUT/summary.txt"
