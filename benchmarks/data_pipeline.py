@@ -228,9 +228,14 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4000, help="samples per run of each reader")
     parser.add_argument("--repeats", type=int, default=2, help="rounds of every reader; each reader's best counts")
     parser.add_argument("--probe-window", type=int, default=256, help="shuffle window of the stall probe")
-    parser.add_argument("--probe-batches", type=int, default=90)
+    parser.add_argument("--probe-batches", type=int, default=90, help="batches of the stall probe (0: no probe)")
     parser.add_argument("--skip-s3", action="store_true", help="measure local shards only")
     args = parser.parse_args()
+    for option in ("images", "batch_size", "samples", "repeats", "probe_window"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be >= 1")
+    if args.probe_batches < 0 or 0 < args.probe_batches < 3:
+        parser.error("--probe-batches must be 0 (no probe) or >= 3 (gaps between batches need a few)")
 
     summary = []
     with tempfile.TemporaryDirectory(prefix="vitray-bench-") as tmp:
@@ -268,7 +273,7 @@ def main() -> None:
             loader = rates[f"ShardLoader, {args.workers} workers, uint8"]
             summary.append(f"{kind} {loader.per_cpu_second / plain.per_cpu_second:.2f} "
                            f"(steady {loader.steady_per_cpu_second / plain.per_cpu_second:.2f})")  # fmt: skip
-            if kind == args.sets.split(",")[0]:
+            if kind == args.sets.split(",")[0] and args.probe_batches:
                 median, longest, switch, switches = stall_probe(
                     local, window=args.probe_window, batch_size=args.batch_size, batches=args.probe_batches)
                 print(f"  stall probe ({args.probe_window}-sample windows, 2 slots, 2 workers, {args.probe_batches} "
