@@ -7,7 +7,9 @@ to the new workers. `FailureConfig(max_failures)` restarts a failed worker group
 Around `fit()` the driver holds the run's lease (one driver per run, `vitray.trainers.lease`),
 records the attempt in the run folder (what `vitray runs` lists), says where it resumes from and
 why when it falls back, and turns a SIGTERM into a pre-emption notice for the workers
-(`vitray.trainers.preemption`): checkpoint at the next agreed step, stop, exit 0.
+(`vitray.trainers.preemption`): checkpoint at the next agreed step, stop, exit 0. When Ray drains
+a node that holds a worker (`cluster/drain.py`), the workers checkpoint and stop the same way and
+the driver goes on with a new worker group placed away from that node.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from vitray.cluster.drain import current_node, draining_nodes, drain_watch
 from vitray.cluster.runtime import check_local_resources, connect, ray_storage, run_dir
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
@@ -72,6 +75,7 @@ def train_worker(loop_config: dict[str, Any]) -> None:
             run_dir=loop_config["run_dir"],
             report=report,
             restore_dir=restore_dir,
+            drain_notice=drain_watch(context.get_world_size()),  # Ray's notice that a node will go
         )
         TrainingLoop(cfg, worker).run()
 
@@ -196,6 +200,19 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
         with _SigtermToStop(folder, cfg.run.preemption_grace_s) as sigterm:
             with progress if show_progress else contextlib.nullcontext():
                 result = trainer.fit()
+                while sigterm.reason is None and (drained := _stopped_for_drain(folder)) is not None:
+                    # The workers checkpointed because Ray is draining one of their nodes: go on
+                    # with a new worker group, which Ray places away from it.
+                    files.end_attempt(attempt, "stopped", drained, **_last_step(folder))
+                    if current_node() in draining_nodes():
+                        raise Preempted(result, f"{drained}; this driver's node is draining too")
+                    print(f"vitray: {drained}: the workers checkpointed and stopped; starting a new worker group "
+                          "away from that node", file=sys.stderr, flush=True)  # fmt: skip
+                    clear_stop(folder)
+                    chosen, _ = resume_point(folder)
+                    attempt = files.new_attempt(lease.owner, resumed_from_step=chosen.step if chosen else None,
+                                                resumed_from=chosen.path if chosen else None, skipped=[])  # fmt: skip
+                    result = build_trainer(cfg, resume_from=chosen.path if chosen else None).fit()
         if sigterm.reason is not None:
             files.end_attempt(attempt, "stopped", sigterm.reason, **_last_step(folder))
             raise Preempted(result, sigterm.reason)
@@ -210,6 +227,14 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
         raise
     finally:
         lease.release()
+
+
+def _stopped_for_drain(folder: str) -> str | None:
+    """The reason the workers gave when they stopped for a node drain (`cluster/drain.py`), else None."""
+    from vitray.trainers.preemption import read_stop
+
+    notice = read_stop(folder)
+    return notice["reason"] if notice and notice.get("kind") == "drain" else None
 
 
 def _lease_lost(holder) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 
 class Reporter(Protocol):
@@ -22,3 +22,6 @@ class WorkerContext:
     run_dir: str  # <storage>/<run name>, local path or s3:// URL
     report: Reporter
     restore_dir: Path | None = None  # a local copy of the checkpoint to resume from
+    # Asked on rank 0 at each pre-emption check: whether the cluster is about to take a worker's
+    # node away (Ray's drain notice), as (reason, deadline in epoch seconds), else None.
+    drain_notice: Callable[[], tuple[str, float] | None] | None = None

@@ -105,7 +105,7 @@ class TrainingLoop:
         )
         self.step = self.checkpointer.restore(*restore) if restore is not None else 0
         self.preemption = PreemptionWatch(ctx.run_dir, rank=self.rank, every=cfg.checkpoint.preemption_check_every,
-                                          device=self.backend.device)  # fmt: skip
+                                          device=self.backend.device, drain_notice=ctx.drain_notice)  # fmt: skip
         self.keys = None
         if cfg.debug.record_sample_keys:
             attempt = _broadcast_int(time.time_ns(), device=self.backend.device)  # one id for this attempt's ranks

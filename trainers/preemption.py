@@ -10,6 +10,13 @@ step, costing at most N steps of the grace period. At that step every rank write
 (unless one was just written, or the deadline has passed), waits until it is handed to the run,
 and the loop ends; the driver then exits 0 and a re-run resumes from that checkpoint.
 
+A cluster that is about to take a node away says so before it does: Ray's drain of a node (what
+KubeRay and Ray's autoscaler send for a spot reclaim or a scale-down, with a deadline). Rank 0
+asks for such a notice at the same check steps (`WorkerContext.drain_notice`, made in
+`cluster/drain.py`); one that concerns a worker's node is written to the same stop file (kind
+"drain"), so that the workers stop the same way and the driver knows to start a new worker group
+away from that node.
+
 A SIGTERM sent to a worker process itself is not seen here: Ray's worker turns it into an
 immediate exit, which Ray Train handles as a worker failure (restart from the latest complete
 checkpoint under `cluster.max_failures`, or the run fails and a re-run resumes).
@@ -27,13 +34,25 @@ from vitray.trainers.collectives import broadcast_int
 _NONE, _SAVE_AND_STOP, _STOP = 0, 1, 2
 
 
-def request_stop(run_dir: str, reason: str, grace_s: float) -> None:
-    """Driver side: ask the run's workers to checkpoint and stop before `grace_s` is over."""
+def request_stop(run_dir: str, reason: str, grace_s: float, kind: str = "sigterm") -> None:
+    """Ask the run's workers to checkpoint and stop before `grace_s` is over (the driver, on
+    SIGTERM; rank 0, on a drain notice: `kind` says which)."""
     from vitray.trainers.run_files import RunFiles
 
     now = time.time()
-    record = {"reason": reason, "requested": now, "deadline": now + grace_s}
+    record = {"reason": reason, "kind": kind, "requested": now, "deadline": now + grace_s}
     storage.write_bytes_atomic(RunFiles(run_dir).stop_path, json.dumps(record).encode())
+
+
+def read_stop(run_dir: str) -> dict | None:
+    """The run's stop notice (reason, kind, requested, deadline), or None when there is none."""
+    from vitray.trainers.run_files import RunFiles
+
+    path = RunFiles(run_dir).stop_path
+    try:
+        return json.loads(storage.read_bytes(path)) if storage.exists(path) else None
+    except (OSError, ValueError):
+        return None
 
 
 def clear_stop(run_dir: str) -> None:
@@ -55,11 +74,12 @@ class PreemptionWatch:
     """Worker side: `check(step)` on every rank at every step returns a StopDecision, the same on
     every rank, at the first check step after a notice, else None."""
 
-    def __init__(self, run_dir: str, *, rank: int, every: int, device):
+    def __init__(self, run_dir: str, *, rank: int, every: int, device, drain_notice=None):
         from vitray.trainers.run_files import RunFiles
 
-        self.path = RunFiles(run_dir).stop_path
+        self.run_dir, self.path = run_dir, RunFiles(run_dir).stop_path
         self.rank, self.every, self.device = rank, every, device
+        self.drain_notice = drain_notice  # WorkerContext.drain_notice: asked on rank 0 only
 
     def check(self, step: int) -> StopDecision | None:
         if step % self.every:
@@ -74,10 +94,17 @@ class PreemptionWatch:
 
     def _read(self) -> int:
         try:
-            if not storage.exists(self.path):
-                return _NONE
-            notice = json.loads(storage.read_bytes(self.path))
+            notice = json.loads(storage.read_bytes(self.path)) if storage.exists(self.path) else None
         except (OSError, ValueError):  # unreadable this time: the next check tries again
+            notice = None
+        if notice is None and self.drain_notice is not None:
+            drain = self.drain_notice()
+            if drain is not None:
+                reason, deadline = drain
+                print(f"vitray: {reason}: checkpointing and stopping", flush=True)
+                request_stop(self.run_dir, reason, deadline - time.time(), kind="drain")
+                notice = {"deadline": deadline}
+        if notice is None:
             return _NONE
         return _SAVE_AND_STOP if time.time() < float(notice.get("deadline", 0)) else _STOP
 

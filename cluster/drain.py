@@ -1,0 +1,62 @@
+"""Ray's drain notices: the cluster saying it will take a node away, and when.
+
+KubeRay and Ray's autoscaler drain a node before they remove it (a spot or pre-emptible instance
+reclaimed, a scale-down), and `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION
+--deadline-remaining-seconds N` does the same by hand. A draining node takes no new work and is
+killed at its deadline. A run whose worker sits on such a node would otherwise lose everything
+since its last checkpoint and count a failure.
+
+`drain_watch` gives rank 0 a check (run at the loop's pre-emption check steps, see
+`vitray.trainers.preemption`) of whether any rank's node is draining; the workers then checkpoint
+and stop, and the driver (`cluster/pretrain.py`) starts a new worker group, which Ray places away
+from the draining node, resuming from that checkpoint. The draining nodes come from the GCS
+(`get_draining_nodes`, the call Ray Serve's controller makes to move replicas off them).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import ray
+import torch.distributed as dist
+
+# A drain without a deadline ("0" in the GCS) still means the node is going: stop as for a
+# pre-emption notice with this much time.
+NO_DEADLINE_GRACE_S = 300.0
+
+
+def draining_nodes() -> dict[str, float]:
+    """Node id (hex) -> drain deadline (epoch seconds) of every node Ray is draining now."""
+    gcs = ray._private.worker.global_worker.gcs_client  # Serve's controller asks the same client
+    now = time.time()
+    return {node: (ms / 1000 if ms else now + NO_DEADLINE_GRACE_S) for node, ms in gcs.get_draining_nodes().items()}
+
+
+def current_node() -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def drain_watch(world_size: int) -> Callable[[], tuple[str, float] | None]:
+    """Built in every worker of a group (collective: the ranks exchange their node ids); the
+    returned check, called on rank 0, gives (reason, deadline) when a rank's node is draining."""
+    nodes: list[str | None] = [None] * world_size
+    if world_size > 1:
+        dist.all_gather_object(nodes, current_node())
+    else:
+        nodes = [current_node()]
+
+    def notice() -> tuple[str, float] | None:
+        try:
+            draining = draining_nodes()
+        except Exception:  # noqa: BLE001 - the GCS did not answer this time: the next check asks again
+            return None
+        hit = sorted({node for node in nodes if node in draining})
+        if not hit:
+            return None
+        ranks = [rank for rank, node in enumerate(nodes) if node in draining]
+        deadline = min(draining[node] for node in hit)
+        names = ", ".join(node[:12] for node in hit)
+        return f"Ray is draining node {names} (ranks {ranks}; deadline in {deadline - time.time():.0f} s)", deadline
+
+    return notice
