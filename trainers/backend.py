@@ -67,6 +67,10 @@ class TrainBackend(Protocol):
     def lr(self) -> float:
         """The learning rate of the last optimizer step."""
 
+    def skipped_steps(self) -> int:
+        """Optimizer steps dropped so far for non-finite gradients (`train.nonfinite=skip`), a host
+        count (no device read), restored with the checkpoint."""
+
     def metrics(self) -> dict[str, float]:
         """Backend-specific figures for the logged metrics (XLA: `xla/compilations`)."""
 

@@ -107,11 +107,21 @@ class TrainConfig(_Section):
         "attention first, then cuDNN, memory-efficient, math; elsewhere PyTorch's choice. A named kernel that cannot "
         "run the model's shapes and dtype on this device is refused at start. The kernel that runs is printed at start.",
     )
+    nonfinite: Literal["stop", "skip"] = Field(
+        "stop",
+        description="A NaN/inf loss or gradient. stop: the run stops with an error at the next log or checkpoint "
+        "step, before any checkpoint is written (the latest one stays finite; a model never trains on silently). "
+        "skip: the optimizer step of such a step is dropped (its gradients discarded, no optimizer or lr-schedule "
+        "step; DeepSpeed's overflow check, which reads the device every step) and counted in the metrics as "
+        "`nonfinite_steps`; the run goes on. stop is the default: a NaN usually means a bug or an lr too high, "
+        "which skipping would hide. skip needs train.backend=deepspeed.",
+    )
     check_grad_overflow: bool = Field(
         False,
         description="bf16: DeepSpeed checks the gradients for inf/NaN before each optimizer step and skips the "
-        "step; each check makes the host wait for the device. Off: bf16 has fp32's range, and the loop stops at "
-        "the next log step on a non-finite loss. (fp16 always checks; fp32 ZeRO always checks the grad norm.)",
+        "step; each check makes the host wait for the device. Off: bf16 has fp32's range, and train.nonfinite=stop "
+        "stops the run at the next log or checkpoint step (train.nonfinite=skip turns the check on). (fp16 always "
+        "checks; fp32 ZeRO always checks the grad norm.)",
     )
 
 
@@ -199,6 +209,11 @@ class DebugConfig(_Section):
     )
     kill_worker_at_step: int | None = Field(
         None, gt=0, description="Fault-injection for tests: the last rank SIGKILLs itself once at this step."
+    )
+    nonfinite_loss_at_steps: list[int] = Field(
+        default_factory=list,
+        description="Fault-injection for tests: the last rank's loss is multiplied by NaN at these steps (a real "
+        "NaN through the backward pass and the optimizer).",
     )
 
 
@@ -310,6 +325,15 @@ class TrainingConfig(_Section):
             raise ValueError(
                 f"train.micro_batch_size={self.train.micro_batch_size} must be a multiple of the data slots per "
                 f"worker (data.num_slots / cluster.num_workers = {slots_per_worker}): every slot advances in lock-step"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _nonfinite_policy(self) -> "TrainingConfig":
+        if self.train.nonfinite == "skip" and self.train.backend != "deepspeed":
+            raise ValueError(
+                "train.nonfinite=skip needs train.backend=deepspeed (its overflow check drops the step); with "
+                f"train.backend={self.train.backend} use train.nonfinite=stop"
             )
         return self
 

@@ -51,7 +51,10 @@ def deepspeed_config(cfg: TrainingConfig, *, load_universal: bool = False) -> di
         # A checkpoint from another number of workers is converted to DeepSpeed's universal
         # format first (see `to_universal`), which re-partitions the optimizer state on load.
         "checkpoint": {"load_universal": load_universal},
-        "bf16": {"enabled": cfg.precision.dtype == "bf16", "check_grad_overflow": train.check_grad_overflow},
+        # train.nonfinite=skip: DeepSpeed's overflow check drops a step with non-finite gradients (fp32
+        # ZeRO always checks the grad norm; fp16 always checks).
+        "bf16": {"enabled": cfg.precision.dtype == "bf16",
+                 "check_grad_overflow": train.check_grad_overflow or train.nonfinite == "skip"},  # fmt: skip
         "fp16": {"enabled": cfg.precision.dtype == "fp16", "initial_scale_power": 16},
         "steps_per_print": 10**12,  # vitray logs its own metrics
         "wall_clock_breakdown": False,
@@ -248,6 +251,10 @@ class DeepSpeedBackend:
 
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
+
+    def skipped_steps(self) -> int:
+        # Counted on the host by the overflow check itself; part of DeepSpeed's checkpointed state.
+        return int(self.engine.skipped_steps)
 
     def metrics(self) -> dict[str, float]:
         return {}

@@ -130,6 +130,7 @@ class TrainingLoop:
         train = self.cfg.train
         batches = iter(self.loader)
         window = _Window()
+        self._skipped_seen = self._nonfinite_total = self.backend.skipped_steps()
         last: dict[str, Any] = {}
         while self.step < train.steps:
             with self.attention():  # forward and backward on the kernel of `train.attention`
@@ -137,16 +138,23 @@ class TrainingLoop:
             self.step += 1
             window.add(loss, data_wait, skipped)
             metrics: dict[str, Any] = {}
-            if self._log_due():
+            logged = self._log_due()
+            if logged:
                 metrics = {**self._step_metrics(window, grad_norm), **self.checkpointer.take_costs()}
+                new_nonfinite = metrics["nonfinite_steps"] - self._nonfinite_total, window.steps
+                self._nonfinite_total, self._skipped_seen = metrics["nonfinite_steps"], self.backend.skipped_steps()
                 window = _Window()
             for evaluator in self.evaluators:
                 if evaluator.due(self.step, train.steps):
                     metrics.update(evaluator(self.backend.module, self._eval_env()))
             save = self.checkpointer.due(self.step)
-            self.checkpointer.finish(wait=save)
             if metrics and self.metrics is not None:
                 self.metrics.write(self.step, metrics)
+            if logged:
+                self._apply_nonfinite_policy(*new_nonfinite)  # after the metrics that show it are written
+            if save:  # never a checkpoint of non-finite weights, whatever the policy
+                self._check_finite(None if logged else window)
+            self.checkpointer.finish(wait=save)
             if save:
                 self.checkpointer.save(self.step, metrics)
             elif metrics:
@@ -154,6 +162,8 @@ class TrainingLoop:
             last = metrics or last
             self._maybe_inject_failure()
             if (stop := self.preemption.check(self.step)) is not None:
+                if stop.save and not save:
+                    self._check_finite(None if logged else window)
                 self.preemption.stop(stop, self.checkpointer, metrics)
                 break
         self.checkpointer.finish(wait=True)
@@ -184,6 +194,8 @@ class TrainingLoop:
             if self.keys is not None:
                 self.keys.record(self.step, batch.keys)
             loss = self.objective.loss(self.backend, batch, rng)
+            if self.step + 1 in self.cfg.debug.nonfinite_loss_at_steps and self.rank == self.world - 1:
+                loss = loss * float("nan")  # fault injection: a real NaN through backward and the optimizer
             self.backend.backward_step(loss)
             losses.append(loss.detach())
         loss = torch.stack(losses).float().mean()  # before end_step: within the step's XLA graph
@@ -222,9 +234,9 @@ class TrainingLoop:
         return model
 
     def _step_metrics(self, window: "_Window", grad_norm: torch.Tensor | float) -> dict[str, Any]:
-        loss, skipped = _all_reduce(
-            [window.mean_loss(), float(window.skipped)], average=[True, False], device=self.backend.device
-        )
+        values = [float(window.skipped), *window.read()]
+        skipped, loss_sum, finite, *flags = _all_reduce(values, average=[False] * len(values), device=self.backend.device)
+        loss = loss_sum / finite if finite else float("nan")  # over the finite losses of all ranks
         elapsed = time.perf_counter() - window.started
         images_per_s = window.steps * self.cfg.train.batch_size / elapsed
         tflops = self.flops_per_image * images_per_s / self.world / 1e12
@@ -236,14 +248,48 @@ class TrainingLoop:
             "tflops_per_worker": tflops,
             "data_wait_fraction": window.data_wait / elapsed,
             "skipped_samples": int(skipped),
+            # Steps with a non-finite loss or gradient so far in the run (DeepSpeed's dropped-step count
+            # is checkpointed, so the count goes on across resumes).
+            "nonfinite_steps": self._nonfinite_total + self._count_nonfinite(_nonfinite_steps(flags)),
             "epoch": self.loader.state_dict()["epoch"],
             **self.backend.metrics(),
         }
         if self.peak_tflops:
             metrics["mfu"] = tflops / self.peak_tflops
-        if not np.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {self.step}: stopping instead of training on NaNs")
         return metrics
+
+    # -- non-finite losses and gradients (train.nonfinite) -----------------------------------------
+    def _count_nonfinite(self, nonfinite_losses: int) -> int:
+        """This window's steps with a non-finite loss or gradient: those DeepSpeed dropped, or those
+        whose loss was not finite on some rank where nothing was dropped (bf16 without the check)."""
+        return max(self.backend.skipped_steps() - self._skipped_seen, int(nonfinite_losses))
+
+    def _apply_nonfinite_policy(self, new: int, window_steps: int) -> None:
+        if new and self.cfg.train.nonfinite == "stop":
+            first = self.step - window_steps + 1
+            raise FloatingPointError(
+                f"train.nonfinite=stop: {new} step(s) between {first} and {self.step} had a non-finite loss or "
+                "gradient; stopping before any checkpoint of them is written (the latest complete checkpoint is "
+                "finite). Look for the cause (optim.lr too high, a bad sample, fp16 range) or set "
+                "train.nonfinite=skip to drop such steps and go on"
+            )
+
+    def _check_finite(self, window: "_Window | None") -> None:
+        """Before a checkpoint: under `stop`, the steps not yet checked (a checkpoint step that is
+        not a log step); under any policy, the weights themselves (a collective)."""
+        if window is not None and self.cfg.train.nonfinite == "stop":
+            flags = window.read()[2:]
+            flags = _all_reduce(flags, average=[False] * len(flags), device=self.backend.device)
+            self._apply_nonfinite_policy(self._count_nonfinite(_nonfinite_steps(flags)), window.steps)
+        module = self.backend.module
+        local = [getattr(p, "ds_tensor", p) for p in module.parameters()]  # ZeRO-3: this rank's partition
+        bad = float(torch.stack([t.isfinite().all().logical_not() for t in local if t.numel()]).any()) if local else 0.0
+        (bad,) = _all_reduce([bad], average=[False], device=self.backend.device)
+        if bad:
+            raise FloatingPointError(
+                f"the weights are not finite at step {self.step}: not writing a checkpoint of them (the latest "
+                "complete checkpoint is finite); see train.nonfinite"
+            )
 
     def _eval_env(self) -> EvalEnv:
         device = self.backend.device
@@ -286,7 +332,18 @@ class _Window:
         self.data_wait += data_wait
         self.skipped += skipped
 
-    def mean_loss(self) -> float:
-        # The host waits for the device here, once per log. Each loss was computed within its own
-        # step (XLA: in the step's graph), so reading them adds no device work (and no XLA graph).
-        return sum(float(loss) for loss in self.losses) / self.steps
+    def read(self) -> list[float]:
+        """[sum of the finite losses, how many, then per step 1.0 where the loss was not finite], in
+        one read: the host waits for the device here, once per log. Each loss was computed within
+        its own step (XLA: in the step's graph), so reading them adds no device work of its own."""
+        if not self.losses:
+            return [0.0, 0.0]
+        losses = torch.stack(self.losses).float()
+        finite = losses.isfinite()
+        sums = torch.stack([losses.where(finite, 0.0).sum(), finite.sum().float()])
+        return torch.cat([sums, (~finite).float()]).tolist()
+
+
+def _nonfinite_steps(flags: list[float]) -> int:
+    """Steps whose loss was not finite on some rank, from per-step flags summed over the ranks."""
+    return sum(1 for flag in flags if flag > 0)

@@ -183,6 +183,9 @@ class XlaBackend:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def skipped_steps(self) -> int:
+        return 0  # no step is ever dropped (train.nonfinite=skip needs DeepSpeed)
+
     def metrics(self) -> dict[str, float]:
         count, seconds = compilations()
         return {"xla/compilations": count, "xla/compile_s": seconds, "xla/devices": int(self.mesh.size())}

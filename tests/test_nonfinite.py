@@ -1,0 +1,105 @@
+"""`train.nonfinite`: a NaN loss injected for real (`debug.nonfinite_loss_at_steps` multiplies the
+last rank's loss by NaN, so the NaN goes through the backward pass, the all-reduce and the
+optimizer) is either dropped and counted (`skip`) or stops the run before any checkpoint of it
+(`stop`); no checkpoint of non-finite weights is ever written.
+
+In-process runs of the loop (one worker, no Ray) check the policy on each precision; end-to-end
+runs (`vitray pretrain`, 2 Ray workers) check that the count survives a kill -9 and the resume is
+exact, and that `stop` leaves the latest checkpoint finite.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+
+import pytest
+import torch
+from pretrain_helpers import (
+    assert_same_weights,
+    final_weights,
+    in_process_loop,
+    pretrain_args,
+    run,
+    run_until_checkpoint,
+)
+
+from vitray.common.config import ConfigError, load_config
+from vitray.trainers.checkpoint import latest_complete_checkpoint
+from vitray.trainers.config import TrainingConfig
+from vitray.trainers.run_files import RunFiles
+
+
+def _finite(module: torch.nn.Module) -> bool:
+    return all(bool(p.isfinite().all()) for p in module.parameters())
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_skip_drops_the_poisoned_step_counts_it_and_trains_on(process_group, digits_dataset, tmp_path, dtype):
+    loop = in_process_loop(digits_dataset, tmp_path, f"precision.dtype={dtype}", "train.nonfinite=skip",
+                           "debug.nonfinite_loss_at_steps=[2]")  # fmt: skip
+    last = loop.run()
+    assert last["nonfinite_steps"] == 1 and loop.backend.skipped_steps() == 1
+    assert math.isfinite(last["loss"])  # the mean of the finite losses
+    assert _finite(loop.backend.module)
+
+
+def test_skip_with_nothing_to_skip_counts_nothing(process_group, digits_dataset, tmp_path):
+    last = in_process_loop(digits_dataset, tmp_path, "train.nonfinite=skip").run()
+    assert last["nonfinite_steps"] == 0
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_stop_raises_at_the_log_step_naming_the_steps(process_group, digits_dataset, tmp_path, dtype):
+    # bf16 without the overflow check: the NaN reaches the weights, so the run must not save them.
+    loop = in_process_loop(digits_dataset, tmp_path, f"precision.dtype={dtype}", "debug.nonfinite_loss_at_steps=[3]")
+    assert loop.cfg.train.nonfinite == "stop"  # the default
+    with pytest.raises(FloatingPointError, match=r"train.nonfinite=stop: [12] step\(s\) between 1 and 4"):
+        loop.run()
+
+
+def test_stop_checks_a_checkpoint_step_that_does_not_log(process_group, digits_dataset, tmp_path):
+    loop = in_process_loop(digits_dataset, tmp_path, "precision.dtype=bf16", "debug.nonfinite_loss_at_steps=[1]",
+                           "checkpoint.every=2", "log.every=4")  # fmt: skip
+    with pytest.raises(FloatingPointError, match=r"between 1 and 2"):
+        loop.run()
+    assert loop.step == 2 and not list((tmp_path / "run").rglob("model.safetensors"))
+
+
+def test_skip_needs_deepspeed():
+    with pytest.raises(ConfigError, match="train.nonfinite=skip needs train.backend=deepspeed"):
+        load_config(TrainingConfig, None, ["data.train=x", "train.backend=xla", "train.nonfinite=skip"])
+
+
+COMMON = ("train.steps=20", "checkpoint.every=10", "log.every=2", "data.min_crop_area=1.0", "cluster.max_failures=0")
+
+
+@pytest.mark.slow
+def test_skipped_steps_are_counted_across_a_kill_and_the_resume_is_exact(digits_dataset, tmp_path):
+    poisoned = ("train.nonfinite=skip", "debug.nonfinite_loss_at_steps=[3, 7]")
+    reference = tmp_path / "reference"
+    run(pretrain_args(str(digits_dataset), str(reference), "nan", *COMMON, *poisoned))
+    metrics = RunFiles(str(reference / "nan")).read_metrics()
+    assert metrics[-1]["nonfinite_steps"] == 2 and all(math.isfinite(m["loss"]) for m in metrics)
+    assert [m["nonfinite_steps"] for m in metrics if m["step"] in (2, 4, 8)] == [0, 1, 2]
+
+    killed = tmp_path / "killed"
+    args = pretrain_args(str(digits_dataset), str(killed), "nan", *COMMON, *poisoned)
+    assert run_until_checkpoint(args, str(killed / "nan"), min_step=10) >= 10
+    run(args)
+    assert RunFiles(str(killed / "nan")).read_metrics()[-1]["nonfinite_steps"] == 2  # DeepSpeed's count was restored
+    assert_same_weights(final_weights(str(killed / "nan")), final_weights(str(reference / "nan")))
+    assert all(bool(w.isfinite().all()) for w in final_weights(str(reference / "nan")).values())
+
+
+@pytest.mark.slow
+def test_stop_fails_the_run_and_leaves_the_latest_checkpoint_finite(digits_dataset, tmp_path):
+    args = pretrain_args(str(digits_dataset), str(tmp_path), "nan", *COMMON, "precision.dtype=bf16",
+                         "debug.nonfinite_loss_at_steps=[13]")  # fmt: skip
+    failed = subprocess.run(args, capture_output=True, text=True, timeout=480)
+    assert failed.returncode != 0
+    text = " ".join((failed.stdout + failed.stderr).split())
+    assert "train.nonfinite=stop: 2 step(s) between 13 and 14" in text, text[-3000:]  # 13 on one rank, then 14
+    latest = latest_complete_checkpoint(str(tmp_path / "nan"))
+    assert latest is not None and latest.step == 10
+    assert all(bool(w.isfinite().all()) for w in final_weights(str(tmp_path / "nan")).values())
