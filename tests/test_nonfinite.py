@@ -1,4 +1,6 @@
-"""`train.nonfinite`: a NaN loss injected for real (`debug.nonfinite_loss_at_steps` multiplies the
+"""Bad numbers and bad data in real runs.
+
+`train.nonfinite`: a NaN loss injected for real (`debug.nonfinite_loss_at_steps` multiplies the
 last rank's loss by NaN, so the NaN goes through the backward pass, the all-reduce and the
 optimizer) is either dropped and counted (`skip`) or stops the run before any checkpoint of it
 (`stop`); no checkpoint of non-finite weights is ever written.
@@ -6,12 +8,18 @@ optimizer) is either dropped and counted (`skip`) or stops the run before any ch
 In-process runs of the loop (one worker, no Ray) check the policy on each precision; end-to-end
 runs (`vitray pretrain`, 2 Ray workers) check that the count survives a kill -9 and the resume is
 exact, and that `stop` leaves the latest checkpoint finite.
+
+Damaged shards (an image member overwritten, a shard cut short mid-member) cost only their
+samples: skipped and counted (`skipped_samples`) at the same positions on every attempt, so a
+killed and resumed run over damaged data ends with the uninterrupted run's weights.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 import subprocess
+import tarfile
 
 import pytest
 import torch
@@ -25,6 +33,7 @@ from pretrain_helpers import (
 )
 
 from vitray.common.config import ConfigError, load_config
+from vitray.data.layout import read_manifest
 from vitray.trainers.checkpoint import latest_complete_checkpoint
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.run_files import RunFiles
@@ -103,3 +112,40 @@ def test_stop_fails_the_run_and_leaves_the_latest_checkpoint_finite(digits_datas
     latest = latest_complete_checkpoint(str(tmp_path / "nan"))
     assert latest is not None and latest.step == 10
     assert all(bool(w.isfinite().all()) for w in final_weights(str(tmp_path / "nan")).values())
+
+
+def _damage(dataset, dest):
+    """A copy of `dataset` with the image of every shard's 5th sample overwritten with garbage (same
+    length: the tar stays whole) and the 4th shard cut short in the middle of a member."""
+    shutil.copytree(dataset, dest)
+    rows = read_manifest(str(dest), "train")
+    for row in rows:
+        path = dest / row.name
+        with tarfile.open(path) as tar:
+            images = [m for m in tar.getmembers() if m.name.rsplit(".", 1)[-1] in ("png", "jpg", "jpeg")]
+        member = images[4]
+        with open(path, "r+b") as f:
+            f.seek(member.offset_data)
+            f.write(b"not an image" + bytes(max(0, member.size - 12)))
+    cut = dest / rows[3].name
+    data = cut.read_bytes()
+    cut.write_bytes(data[: len(data) // 2 + 100])
+    return dest
+
+
+@pytest.mark.slow
+def test_damaged_shards_are_skipped_at_the_same_positions_on_every_attempt(digits_dataset, tmp_path):
+    damaged = str(_damage(digits_dataset, tmp_path / "damaged"))
+    reference = tmp_path / "reference"
+    run(pretrain_args(damaged, str(reference), "bad", *COMMON))
+    logged = {m["step"]: m["skipped_samples"] for m in RunFiles(str(reference / "bad")).read_metrics()}
+    assert sum(logged.values()) > 0, f"the run never met a damaged sample: {logged}"
+
+    killed = tmp_path / "killed"
+    args = pretrain_args(damaged, str(killed), "bad", *COMMON)
+    assert run_until_checkpoint(args, str(killed / "bad"), min_step=10) >= 10
+    rerun = run(args)
+    assert "resuming bad from step" in " ".join(rerun.stderr.split())
+    resumed = {m["step"]: m["skipped_samples"] for m in RunFiles(str(killed / "bad")).read_metrics()}
+    assert resumed == logged  # the same samples skipped at the same steps
+    assert_same_weights(final_weights(str(killed / "bad")), final_weights(str(reference / "bad")))
