@@ -1,0 +1,137 @@
+"""A fault-injecting HTTP proxy in front of moto's S3 server, for the flaky-storage tests.
+
+Every request is forwarded to the real server, except that on a fixed, seeded schedule some get,
+instead of the server's answer, what a busy or failing object store gives:
+
+- ``slowdown``: HTTP 503 with S3's ``SlowDown`` error body (throttling);
+- ``error``: HTTP 500 ``InternalError``;
+- ``reset``: the connection closed before any answer (a TCP reset / dropped connection); for a
+  GET of an object, the headers and half of the body are sent first and then the connection is
+  cut (a read broken off mid-body);
+- ``slow``: the real answer, after a delay.
+
+The schedule depends only on the seed and the order of requests of each kind (GET of objects,
+PUT/POST uploads, other), so a run is reproducible. ``injected`` counts the faults by kind and
+operation: a test that ran through the proxy without a fault in some path can see it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import threading
+from collections import Counter
+
+from aiohttp import ClientSession, ClientTimeout, web
+
+FAULTS = ("slowdown", "error", "reset", "slow")
+_SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your '
+             b"request rate.</Message></Error>")  # fmt: skip
+_INTERNAL = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code><Message>We encountered an '
+             b"internal error. Please try again.</Message></Error>")  # fmt: skip
+_HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-encoding", "content-length", "host"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FlakyS3Proxy:
+    """``FlakyS3Proxy(upstream, rate=0.1, seed=0)``: start() it, point clients at ``url``, stop() it."""
+
+    def __init__(self, upstream: str, *, rate: float, seed: int = 0, slow_s: float = 1.0):
+        self.upstream, self.rate, self.slow_s = upstream.rstrip("/"), rate, slow_s
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.injected: Counter[tuple[str, str]] = Counter()  # (fault, operation) -> count
+        self.requests: Counter[str] = Counter()  # operation -> count
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> "FlakyS3Proxy":
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("the S3 proxy did not start")
+        return self
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application(client_max_size=1024**3)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        runner = web.AppRunner(app, access_log=None)
+        self._loop.run_until_complete(runner.setup())
+        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        self._session = self._loop.run_until_complete(self._open_session())
+        self._ready.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.run_until_complete(self._session.close())
+            self._loop.run_until_complete(runner.cleanup())
+            self._loop.close()
+
+    @staticmethod
+    async def _open_session() -> ClientSession:
+        return ClientSession(timeout=ClientTimeout(total=300), auto_decompress=False)
+
+    # -- the schedule -----------------------------------------------------------------------------
+    @staticmethod
+    def operation(request: web.Request) -> str:
+        if request.method == "GET" and request.path.count("/") >= 2 and "list-type" not in request.query:
+            return "get-object"
+        if request.method in ("PUT", "POST"):
+            return "upload"
+        return "other"  # HEAD, listings, DELETE
+
+    def _draw(self, operation: str) -> str | None:
+        with self._lock:
+            self.requests[operation] += 1
+            if self._rng.random() >= self.rate:
+                return None
+            fault = self._rng.choice(FAULTS)
+            self.injected[(fault, operation)] += 1
+            return fault
+
+    # -- one request ------------------------------------------------------------------------------
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        operation = self.operation(request)
+        fault = self._draw(operation)
+        body = await request.read()
+        if fault == "slowdown":
+            return web.Response(status=503, body=_SLOWDOWN, content_type="application/xml")
+        if fault == "error":
+            return web.Response(status=500, body=_INTERNAL, content_type="application/xml")
+        if fault == "reset" and operation != "get-object":
+            request.transport.close()  # no answer at all
+            return web.Response(status=500)  # never reaches the client
+        if fault == "slow":
+            await asyncio.sleep(self.slow_s)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        async with self._session.request(request.method, self.upstream + request.path_qs, headers=headers,
+                                         data=body, allow_redirects=False) as upstream:  # fmt: skip
+            payload = await upstream.read()
+            answer = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+        if fault == "reset" and len(payload) > 1:  # headers and half the body, then the line is cut
+            response = web.StreamResponse(status=upstream.status, headers=answer)
+            response.content_length = len(payload)
+            await response.prepare(request)
+            await response.write(payload[: len(payload) // 2])
+            request.transport.close()
+            return response
+        if request.method == "HEAD":  # the object's size travels in Content-Length, with no body
+            response = web.StreamResponse(status=upstream.status, headers=answer)
+            response.content_length = int(upstream.headers.get("Content-Length", 0))
+            await response.prepare(request)
+            return response
+        return web.Response(status=upstream.status, body=payload, headers=answer)

@@ -1,0 +1,87 @@
+"""Flaky object storage: moto's S3 server behind a proxy that answers a share of the requests with
+503 SlowDown, 500 InternalError, a dropped connection (for object GETs: cut off mid-body) or a
+slow answer (`tests/s3_proxy.py`), on a seeded schedule.
+
+Everything vitray reads and writes on S3 must come through unchanged: prepared shards, the
+samples read back, a results table, small run files -- and a whole pre-training run with its
+data and checkpoints on S3 ends with the weights of a run on local disk.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load
+
+from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run
+from s3_proxy import FlakyS3Proxy
+from vitray.data import EvalLoader, prepare_dataset, storage
+from vitray.trainers.checkpoint import latest_complete_checkpoint
+
+
+@pytest.fixture
+def flaky_s3(moto_server, monkeypatch):
+    """The moto endpoint, with the AWS environment pointed at a fault-injecting proxy in front."""
+    import s3fs
+
+    proxy = FlakyS3Proxy(moto_server.endpoint_url, rate=0.15, seed=1, slow_s=0.5).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        yield moto_server, proxy
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        proxy.stop()
+
+
+def _faults(proxy: FlakyS3Proxy, operation: str) -> int:
+    return sum(n for (fault, op), n in proxy.injected.items() if op == operation)
+
+
+def _read_all(path: str) -> tuple[list[str], torch.Tensor]:
+    batches = list(EvalLoader(path, "train", batch_size=100, img_size=8, num_workers=0))
+    return [k for b in batches for k in b.keys], torch.cat([b.images for b in batches])
+
+
+def test_shards_run_files_and_results_come_through_a_flaky_store_unchanged(flaky_s3, digits_dataset, tmp_path):
+    moto, proxy = flaky_s3
+    remote = moto.url("datasets", "digits")
+    prepare_dataset("builtin:digits", remote, samples_per_shard=100)  # uploads through the proxy
+    keys, images = _read_all(remote)
+    local_keys, local_images = _read_all(str(digits_dataset))
+    assert keys == local_keys and torch.equal(images, local_images)
+
+    for i in range(20):  # small run files (stop notices, leases, metrics parts) written and read back
+        path = moto.url("runs", "r", f"file-{i}.json")
+        storage.write_bytes_atomic(path, f"payload {i}".encode() * 100)
+        assert storage.read_bytes(path) == f"payload {i}".encode() * 100
+
+    from vitray.evaluation.results import Cell, ResultsTable
+
+    table = ResultsTable(moto.url("results", "grid"))
+    cells = [Cell("ckpt", f"bench{i}", "fewshot", {"shots": 10}, seed=i) for i in range(12)]
+    for i, cell in enumerate(cells):
+        table.append(cell.ok({"accuracy": i / 10}, 1.0))
+    assert table.finished_cell_ids() == {c.cell_id for c in cells}
+    assert sorted(table.to_pandas()["value"].tolist()) == [i / 10 for i in range(12)]
+
+    assert _faults(proxy, "get-object") > 0 and _faults(proxy, "upload") > 0, proxy.injected
+    assert {fault for fault, _ in proxy.injected} == {"slowdown", "error", "reset", "slow"}, proxy.injected
+
+
+@pytest.mark.slow
+def test_a_pretraining_run_on_a_flaky_store_ends_with_the_clean_runs_weights(flaky_s3, digits_dataset, tmp_path):
+    moto, proxy = flaky_s3
+    steps = ("train.steps=12", "checkpoint.every=4", "log.every=2", "data.min_crop_area=1.0")
+    run(pretrain_args(str(digits_dataset), str(tmp_path / "local"), "flaky", *steps))
+
+    data = moto.url("datasets", "digits")
+    prepare_dataset("builtin:digits", data, samples_per_shard=100)
+    before = sum(proxy.injected.values())
+    run(pretrain_args(data, moto.url("runs"), "flaky", *steps), timeout=600)
+    assert sum(proxy.injected.values()) > before + 5, f"too few faults met the run: {proxy.injected}"
+    assert _faults(proxy, "upload") > 0 and _faults(proxy, "get-object") > 0, proxy.injected
+    latest = latest_complete_checkpoint(moto.url("runs", "flaky"))
+    assert latest is not None and latest.step == 12
+    remote_weights = load(storage.read_bytes(f"{latest.path}/model.safetensors"))
+    assert_same_weights(remote_weights, final_weights(str(tmp_path / "local" / "flaky")))
