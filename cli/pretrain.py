@@ -29,12 +29,12 @@ def pretrain(
         print_config(cfg)
         return
     from vitray.cluster.pretrain import Preempted, TrainingFailedError, pretrain as run_pretrain
-    from vitray.cluster.runtime import NotEnoughResources, run_dir
+    from vitray.cluster.runtime import LocalPathsOnCluster, NotEnoughResources, run_dir
     from vitray.trainers.lease import RunLeaseHeld
 
     try:
         result = run_pretrain(cfg, verbose=verbose, force=force)
-    except (NotEnoughResources, RunLeaseHeld) as err:
+    except (NotEnoughResources, LocalPathsOnCluster, RunLeaseHeld) as err:
         fail(str(err))
     except Preempted as stopped:
         from vitray.trainers.checkpoint import latest_complete_checkpoint

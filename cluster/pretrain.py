@@ -28,7 +28,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig,
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from vitray.cluster.drain import current_node, draining_nodes, drain_watch
-from vitray.cluster.runtime import check_local_resources, connect, ray_storage, run_dir
+from vitray.cluster.runtime import check_local_resources, check_paths_reach_every_node, connect, ray_storage, run_dir
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
 from vitray.trainers.progress import TrainingProgress
@@ -193,6 +193,11 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
                                     resumed_from=chosen.path if chosen else None,
                                     skipped=[f"{c.path}: {c.problem}" for c in skipped])  # fmt: skip
         connect(cfg.cluster.address, verbose=verbose)
+        check_paths_reach_every_node(
+            {"run.storage": cfg.run.storage, "data.train": cfg.data.train, "data.val": cfg.data.val,
+             "init.checkpoint": cfg.init.checkpoint},
+            shared_filesystem=cfg.cluster.shared_filesystem,
+        )  # fmt: skip
         trainer = build_trainer(cfg, resume_from=chosen.path if chosen else None)
         scaling = scaling_config(cfg)
         check_local_resources(scaling.num_workers, scaling.resources_per_worker, RESOURCE_SETTINGS)

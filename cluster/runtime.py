@@ -81,6 +81,32 @@ def check_local_resources(workers: int, per_worker: dict[str, float], settings: 
         )
 
 
+class LocalPathsOnCluster(ValueError):
+    """Local paths given for a run on a cluster of several nodes (see `check_paths_reach_every_node`)."""
+
+
+def check_paths_reach_every_node(paths: dict[str, str | None], *, shared_filesystem: bool) -> None:
+    """Refuse local paths when the connected Ray cluster has more than one node, unless the user
+    says they are on a shared filesystem: workers on other nodes would read and write their own
+    disks (checkpoints scattered over the nodes, data missing). `paths` maps config keys to values.
+
+    An autoscaling cluster that has only its head node when the run starts is not caught here."""
+    local = {key: value for key, value in paths.items() if value and not storage.is_remote(value)}
+    if not local or shared_filesystem or _started_local:
+        return
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) > 1:
+        listed = ", ".join(f"{key}={value}" for key, value in local.items())
+        raise LocalPathsOnCluster(
+            f"{listed}: local paths, but the Ray cluster has {len(nodes)} nodes, each with its own disk: workers on "
+            "other nodes would not find the data and would write checkpoints a resume cannot find. Use object "
+            "storage (s3://bucket/prefix) or, if these paths are on a filesystem every node mounts at the same "
+            "place (NFS, Lustre), set cluster.shared_filesystem=true"
+        )
+
+
 def ray_storage(storage_path: str):
     """(storage_path, storage_filesystem) for Ray Train's RunConfig.
 

@@ -179,6 +179,12 @@ class ClusterConfig(_Section):
     gpus_per_worker: float = Field(0.0, ge=0)
     resources_per_worker: dict[str, float] = Field(default_factory=dict)
     max_failures: int = Field(0, ge=-1, description="Worker-group restarts from the latest checkpoint; -1 = unlimited.")
+    shared_filesystem: bool = Field(
+        False,
+        description="Local paths (run.storage, data.train, data.val, init.checkpoint) are on a filesystem that every "
+        "node mounts at the same path (NFS, Lustre, ...). Without it a run on a cluster of several nodes refuses "
+        "local paths: each node would write its own checkpoints, and a resume would find them scattered.",
+    )
     tpu: str | None = Field(
         None, description='A TPU slice, e.g. "v4-32", "v5e-16", "v6e-16" (train.backend=xla): one worker per TPU host.'
     )

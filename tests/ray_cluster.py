@@ -1,0 +1,131 @@
+"""A Ray cluster of several nodes on this machine, started as users start one (`ray start`), for
+the multi-node tests: a head node and worker nodes on 127.0.0.1, each node in its own process
+group so that a test can kill one with SIGKILL (all its processes: raylet, workers) or stop all."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LoopbackCluster:
+    """A head node and worker nodes started with `ray start --block` on 127.0.0.1, each in its own
+    process group (stopped whole at the end), sharing one temp dir."""
+
+    def __init__(self) -> None:
+        # Ray's socket paths live under the temp dir and must stay under the 107-byte socket limit.
+        self.temp_dir = tempfile.mkdtemp(prefix="vd", dir="/tmp")
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}
+        self.env.pop("RAY_ADDRESS", None)
+        self.nodes: list[subprocess.Popen] = []
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def start_head(self) -> None:
+        self._start("--head", f"--port={self.port}", "--num-cpus=1", "--include-dashboard=false",
+                    f"--temp-dir={self.temp_dir}")  # fmt: skip
+
+    def add_worker_node(self, resources: dict[str, float]) -> str:
+        """Start a node with 2 CPUs and `resources`; returns its node id (`self.processes[id]` is its
+        `ray start` process, the leader of the node's process group)."""
+        before = set(self.node_ids())
+        process = self._start(f"--address={self.address}", "--num-cpus=2", f"--resources={json.dumps(resources)}")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            new = set(self.node_ids()) - before
+            if new:
+                node = new.pop()
+                self.processes[node] = process
+                return node
+            time.sleep(1)
+        raise AssertionError("the new node never registered with the head")
+
+    def node_ids(self) -> list[str]:
+        script = "import json, ray; ray.init(address='%s', logging_level='ERROR'); " \
+                 "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))" % self.address  # fmt: skip
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=self.env, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def nodes_in_use(self, resource: str) -> list[str]:
+        """Ids of the nodes where some of `resource` is taken (by the run's workers)."""
+        script = (
+            "import json, ray; from ray._private.state import available_resources_per_node as free; "
+            f"ray.init(address='{self.address}', logging_level='ERROR'); "
+            f"total = {{n['NodeID']: n['Resources'].get('{resource}', 0) for n in ray.nodes() if n['Alive']}}; "
+            f"print(json.dumps([n for n, t in total.items() if t and free().get(n, {{}}).get('{resource}', 0) < t]))"
+        )
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=self.env, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def drain(self, node_id: str, deadline_s: int) -> None:
+        out = subprocess.run(
+            [str(BIN / "ray"), "drain-node", f"--address={self.address}", f"--node-id={node_id}",
+             "--reason=DRAIN_NODE_REASON_PREEMPTION", "--reason-message=spot instance reclaimed (test)",
+             f"--deadline-remaining-seconds={deadline_s}"],
+            capture_output=True, text=True, env=self.env, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 0, f"ray drain-node failed: {out.stderr[-3000:]}"
+
+    def kill_node(self, node_id: str) -> None:
+        """SIGKILL every process of a worker node at once (a machine lost)."""
+        process = self.processes[node_id]
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+
+    def _start(self, *args: str) -> subprocess.Popen:
+        node = subprocess.Popen(
+            [str(BIN / "ray"), "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
+             "--object-store-memory=150000000", *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=self.env, start_new_session=True,
+        )  # fmt: skip
+        self.nodes.append(node)
+        time.sleep(3)
+        if node.poll() is not None:
+            raise AssertionError(f"ray start {' '.join(args)} failed: {node.stderr.read()[-3000:]}")
+        return node
+
+    def stop(self) -> None:
+        for node in reversed(self.nodes):
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(node.pid, sig)
+                    node.wait(timeout=30)
+                    break
+                except ProcessLookupError:
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@contextmanager
+def loopback_cluster() -> Iterator[LoopbackCluster]:
+    cluster = LoopbackCluster()
+    try:
+        cluster.start_head()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
