@@ -276,11 +276,13 @@ class TrainingLoop:
 
     def _check_finite(self, window: "_Window | None") -> None:
         """Before a checkpoint: under `stop`, the steps not yet checked (a checkpoint step that is
-        not a log step); under any policy, the weights themselves (a collective)."""
+        not a log step); under any policy, the weights themselves (a collective; DeepSpeed only)."""
         if window is not None and self.cfg.train.nonfinite == "stop":
             flags = window.read()[2:]
             flags = _all_reduce(flags, average=[False] * len(flags), device=self.backend.device)
             self._apply_nonfinite_policy(self._count_nonfinite(_nonfinite_steps(flags)), window.steps)
+        if self.backend.name == "xla":
+            return  # the scan would be one more XLA graph to compile; the losses' check stands for it
         module = self.backend.module
         local = [getattr(p, "ds_tensor", p) for p in module.parameters()]  # ZeRO-3: this rank's partition
         bad = float(torch.stack([t.isfinite().all().logical_not() for t in local if t.numel()]).any()) if local else 0.0
@@ -338,10 +340,12 @@ class _Window:
         its own step (XLA: in the step's graph), so reading them adds no device work of its own."""
         if not self.losses:
             return [0.0, 0.0]
-        losses = torch.stack(self.losses).float()
+        if self.losses[0].device.type == "xla":  # each one already computed: no new graph to compile
+            losses = torch.tensor([float(loss) for loss in self.losses], dtype=torch.float64)
+        else:  # one copy to the host
+            losses = torch.stack(self.losses).double().cpu()
         finite = losses.isfinite()
-        sums = torch.stack([losses.where(finite, 0.0).sum(), finite.sum().float()])
-        return torch.cat([sums, (~finite).float()]).tolist()
+        return [float(losses.where(finite, 0.0).sum()), float(finite.sum()), *(~finite).double().tolist()]
 
 
 def _nonfinite_steps(flags: list[float]) -> int:
