@@ -74,7 +74,7 @@ def verify_complete(folder: str | Path, fs=None) -> dict[str, Any]:
     sizes = {info["name"].rstrip("/"): info["size"] for info in fs.find(folder, detail=True).values()}
     prefix = fs._strip_protocol(folder).rstrip("/")
     # The listing above says which records exist; they are then read in one call, which s3fs
-    # sends concurrently (not 2 x world_size requests one after another: 2,048 round trips at 1,024 ranks).
+    # sends concurrently (not one request after another: 1,024 round trips in turn at 1,024 ranks).
     records = [f"{prefix}/{_COMPLETE.format(rank=rank)}" for rank in range(state["world_size"])]
     for rank, record in enumerate(records):
         if record not in sizes:
