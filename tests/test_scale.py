@@ -208,3 +208,24 @@ def test_completion_records_are_checked_concurrently_on_s3(moto_server, tmp_path
     fs.invalidate_cache()
     with pytest.raises(ckpt.IncompleteCheckpointError, match="zero_pp_rank_5_mp_rank_00_optim_states.pt is missing or truncated"):
         ckpt.verify_complete(remote, fs)
+
+
+def test_ranks_starting_from_the_announced_checkpoint_do_not_each_recheck_it_on_storage(moto_server, tmp_path,
+                                                                                       monkeypatch):
+    """The driver verifies the checkpoint it resumes from and sends its step with it; before, each
+    rank verified it again on storage: world_size + 2 requests per rank, 1M at 1,024 ranks."""
+    import s3fs
+
+    from vitray.cluster.pretrain import _older_than
+
+    world = 32
+    local = bench.make_checkpoint(tmp_path / "checkpoint", world)
+    s3fs.S3FileSystem().put(str(local), f"{moto_server.bucket}/run/checkpoint_000001", recursive=True)
+    announced = moto_server.url("run", "checkpoint_000001")
+    with DelayingProxy(moto_server.endpoint_url, 0.0) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        s3fs.S3FileSystem.clear_instance_cache()
+        assert _older_than(None, announced, 1000) and not _older_than(local, announced, 1000)
+        assert proxy.requests == []  # not one request, whatever the world size
+        assert _older_than(None, announced)  # without the driver's step (older drivers): read from storage
+        assert len(proxy.requests) >= world
