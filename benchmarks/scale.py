@@ -255,7 +255,12 @@ def main() -> None:
             for ranks in rank_counts:
                 command = [sys.executable, __file__, "--one", "--json", f"--shards={shards}", f"--ranks={ranks}",
                            f"--workers={args.workers}", f"--dataset={dataset}"] + (["--no-reference"] if args.no_reference else [])  # fmt: skip
-                result = subprocess.run(command, check=True, capture_output=True, text=True)
+                for attempt in range(3):  # a child killed from outside (a shared machine) is measured again
+                    result = subprocess.run(command, capture_output=True, text=True)
+                    if result.returncode >= 0:
+                        break
+                if result.returncode:
+                    raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}): {result.stderr[-2000:]}")
                 f = json.loads(result.stdout.strip().splitlines()[-1])
                 ref = f.get("reference")
                 print(f"| {shards:,} ({f['samples'] / 1e6:.1f}M) | {ranks:,} x {args.workers} | {_cell(f['rank_start'])} | "
