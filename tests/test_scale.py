@@ -50,10 +50,10 @@ def test_a_rank_and_its_workers_plan_300m_samples_in_300k_shards_for_1024x8_with
     assert result.returncode == 0, result.stderr[-3000:]
     f = json.loads(result.stdout.strip().splitlines()[-1])
     assert f["shards"] == SHARDS and 290e6 < f["samples"] < 310e6 and f["num_slots"] == RANKS * WORKERS
-    # Measured on the 2-core development VM (CPU seconds, min of 3; peak = tracemalloc + Arrow):
-    # rank start 0.04 s / 21 MiB, one worker's epoch start 0.008 s / 7 MiB, the loader state 156 B,
-    # the completion check of 1,024 ranks' records 0.06 s. The previous implementation: 10.9 s /
-    # 161 MiB to start a rank and 0.84 s / ~40 MiB per worker and epoch.
+    # Measured on the 2-core development VM (BENCHMARKS.md, "Scale"; CPU seconds, least of 3; peak =
+    # tracemalloc + Arrow): rank start 0.03 s / 20 MiB, one worker's epoch start 0.005 s / 7 MiB, the
+    # loader state 156 B, the completion check of 1,024 ranks' records 0.06 s. The previous
+    # implementation: 3.0 s / 224 MiB to start a rank, 0.9 s / 54 MiB per worker and epoch.
     assert f["rank_start"]["cpu_s"] < 0.25 and f["rank_start"]["peak_mib"] < 64, f["rank_start"]
     assert f["worker_plan"]["cpu_s"] < 0.05 and f["worker_plan"]["peak_mib"] < 24, f["worker_plan"]
     assert f["loader_state_bytes"] < 512  # one position per epoch, whatever the ranks and shards
