@@ -64,7 +64,7 @@ def train_worker(loop_config: dict[str, Any]) -> None:
         if checkpoint is not None:
             restore_dir = _complete_or_fallback(Path(stack.enter_context(checkpoint.as_directory())), loop_config["run_dir"], stack)
         announced = loop_config.get("resume_from")
-        if announced and _older_than(restore_dir, announced):
+        if announced and _older_than(restore_dir, announced, loop_config.get("resume_step")):
             # The newest complete checkpoint on storage, which the driver announced, is newer than
             # Ray's latest (a kill between the upload and Ray's bookkeeping): take it. After a
             # restart inside this run Ray's is the newer one.
@@ -96,13 +96,18 @@ def _complete_or_fallback(restore_dir: Path, run_dir: str, stack: contextlib.Exi
         return _open(fallback.path, stack)
 
 
-def _older_than(restore_dir: Path | None, checkpoint_path: str) -> bool:
+def _older_than(restore_dir: Path | None, checkpoint_path: str, announced_step: int | None = None) -> bool:
     from vitray.trainers.checkpoint import checkpoint_state, verify_complete
 
-    try:
-        announced = int(checkpoint_state(checkpoint_path)["step"])
-    except (OSError, ValueError, KeyError, RuntimeError):  # rotated away since (checkpoint.keep): Ray's is newer
-        return False
+    if announced_step is not None:
+        # The driver verified the announced checkpoint and sent its step: no rank reads it again
+        # (each rank checking every rank's completion record on storage is 1M requests at 1,024 ranks).
+        announced = int(announced_step)
+    else:
+        try:
+            announced = int(checkpoint_state(checkpoint_path)["step"])
+        except (OSError, ValueError, KeyError, RuntimeError):  # rotated away since (checkpoint.keep): Ray's is newer
+            return False
     return restore_dir is None or int(verify_complete(restore_dir)["step"]) < announced
 
 
@@ -136,7 +141,7 @@ def scaling_config(cfg: TrainingConfig) -> ScalingConfig:
     return ScalingConfig(num_workers=cluster.num_workers, use_gpu=use_gpu, resources_per_worker=resources)
 
 
-def build_trainer(cfg: TrainingConfig, resume_from: str | None = None) -> TorchTrainer:
+def build_trainer(cfg: TrainingConfig, resume_from: str | None = None, resume_step: int | None = None) -> TorchTrainer:
     storage_path, storage_fs = ray_storage(cfg.run.storage)
     scaling = scaling_config(cfg)
     # DeepSpeed on GPUs joins an NCCL group. Under XLA the devices talk through XLA itself; the
@@ -146,7 +151,7 @@ def build_trainer(cfg: TrainingConfig, resume_from: str | None = None) -> TorchT
     return TorchTrainer(
         train_worker,
         train_loop_config={"config": cfg.model_dump(mode="json"), "run_dir": run_dir(cfg.run.storage, cfg.run.name),
-                           "resume_from": resume_from},  # fmt: skip
+                           "resume_from": resume_from, "resume_step": resume_step},  # fmt: skip
         torch_config=TorchConfig(backend=backend),
         scaling_config=scaling,
         run_config=RunConfig(
@@ -198,7 +203,8 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
              "init.checkpoint": cfg.init.checkpoint},
             shared_filesystem=cfg.cluster.shared_filesystem,
         )  # fmt: skip
-        trainer = build_trainer(cfg, resume_from=chosen.path if chosen else None)
+        trainer = build_trainer(cfg, resume_from=chosen.path if chosen else None,
+                                resume_step=chosen.step if chosen else None)
         scaling = scaling_config(cfg)
         check_local_resources(scaling.num_workers, scaling.resources_per_worker, RESOURCE_SETTINGS)
         progress = TrainingProgress(folder, total_steps=cfg.train.steps)

@@ -18,6 +18,7 @@ import io
 import json
 import re
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -25,8 +26,8 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import storage
-from .plan import ShardRange
-from .splits import extents_size, parse_split, split_extents
+from .plan import ExtentTable, ShardRange
+from .splits import parse_split, split_table
 
 FORMAT_VERSION = 1
 DATASET_JSON = "dataset.json"
@@ -110,13 +111,37 @@ def write_manifest(path: str, rows: list[ManifestRow], storage_options: dict[str
 
 def read_manifest(dataset: str, split: str, storage_options: dict[str, Any] | None = None) -> list[ManifestRow]:
     """The shards of ``split`` in their canonical order."""
+    table = read_manifest_table(dataset, split, storage_options)
+    return [ManifestRow(**row) for row in table.to_pylist()]
+
+
+def read_manifest_table(dataset: str, split: str, storage_options: dict[str, Any] | None = None) -> pa.Table:
+    """The manifest of ``split`` as an Arrow table (columns, not a Python object per shard)."""
     path = storage.join(dataset, manifest_name(split))
     try:
         data = storage.read_bytes(path, storage_options)
     except FileNotFoundError:
         raise FileNotFoundError(f"no manifest {path}: split {split!r} was not prepared") from None
-    table = pq.read_table(io.BytesIO(data))
-    return [ManifestRow(**row) for row in table.to_pylist()]
+    return pq.read_table(io.BytesIO(data))
+
+
+class ShardUrls(Sequence[str]):
+    """The URLs of a split's shards, ``folder/`` + each manifest name, kept as one Arrow string
+    array: about 20 bytes a shard instead of a Python string each (300k shards: 6 MiB, not 35)."""
+
+    def __init__(self, folder: str, names: pa.Array):
+        self._prefix = storage.join(folder, "")
+        self._names = names
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self._prefix + name for name in self._names[index].to_pylist()]
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"shard {index} of {len(self)}")
+        return self._prefix + self._names[index].as_py()
 
 
 def write_dataset_info(dataset: str, info: DatasetInfo, storage_options: dict[str, Any] | None = None) -> None:
@@ -155,12 +180,17 @@ class ResolvedSplit:
 
     info: DatasetInfo
     split: str  # as given, e.g. "train[:98%]"
-    shard_urls: tuple[str, ...]  # every shard of the named split, in manifest order
-    extents: tuple[ShardRange, ...]  # the samples to read (shard index into shard_urls)
+    shard_urls: Sequence[str]  # every shard of the named split, in manifest order
+    extent_table: ExtentTable  # the samples to read (shard index into shard_urls)
+
+    @property
+    def extents(self) -> tuple[ShardRange, ...]:
+        """The extents as :class:`ShardRange` objects."""
+        return self.extent_table.ranges()
 
     @property
     def num_samples(self) -> int:
-        return extents_size(self.extents)
+        return self.extent_table.total
 
 
 def read_split(path: str, split: str, storage_options: dict[str, Any] | None = None) -> ResolvedSplit:
@@ -173,6 +203,6 @@ def read_split(path: str, split: str, storage_options: dict[str, Any] | None = N
     spec = parse_split(split)
     info = read_dataset_info(path, storage_options)
     info.split(spec.name)
-    rows = read_manifest(path, spec.name, storage_options)
-    extents = split_extents(spec, [r.num_samples for r in rows])
-    return ResolvedSplit(info, split, tuple(storage.join(path, r.name) for r in rows), extents)
+    table = read_manifest_table(path, spec.name, storage_options)
+    extents = split_table(spec, table.column("num_samples").to_numpy())
+    return ResolvedSplit(info, split, ShardUrls(path, table.column("name").combine_chunks()), extents)

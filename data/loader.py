@@ -29,7 +29,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_order
 from .shared_memory import BatchMemory, ChunkRing
 from .layout import LabelKind, read_split
-from .plan import ShardRange, augment_seed, epoch_plan, rank_slots, window_offset
+from .plan import ExtentTable, augment_seed, epoch_plan, rank_slots, window_offset
 from .slots import READ_AHEAD, SlotReader
 from .storage import ShardCache
 from .transforms import TRAIN_CROP_SCALE, eval_resize, train_augment
@@ -55,8 +55,8 @@ PREFETCH = 2  # chunks each worker prepares ahead (DataLoader's prefetch_factor)
 class _Spec:
     """Everything a worker needs; plain data, so it pickles into worker processes."""
 
-    shard_urls: tuple[str, ...]
-    extents: tuple[ShardRange, ...]  # the split (or its slice) per shard, in manifest order
+    shard_urls: Sequence[str]  # layout.ShardUrls: one Arrow array, not a string per shard
+    extents: ExtentTable  # the split (or its slice) per shard, in manifest order
     slots: tuple[int, ...]  # the rank's slots, in batch order
     per_slot: int  # positions taken from each slot per batch
     num_slots: int
@@ -170,7 +170,7 @@ class _TrainStream(IterableDataset):
     ) -> tuple[list[SlotReader], int]:  # fmt: skip
         """Readers of this worker's slots of ``epoch`` from position ``start`` on, their first windows
         already being read in the background; and the number of batches left in the epoch."""
-        plan = epoch_plan(spec.seed, epoch, spec.extents, spec.num_slots)
+        plan = epoch_plan(spec.seed, epoch, spec.extents, spec.num_slots, slots=[spec.slots[i] for i in local_slots])
         batches = (plan.slot_size - start) // spec.per_slot
         cache = ShardCache(spec.shard_cache, spec.shard_cache_bytes) if spec.shard_cache else None
 
@@ -272,7 +272,7 @@ class ShardLoader:
         self.batch_size, self.float_images = batch_size, float_images
         self._spec = _Spec(
             shard_urls=source.shard_urls,
-            extents=source.extents,
+            extents=source.extent_table,
             slots=tuple(slots),
             per_slot=batch_size // len(slots),
             num_slots=num_slots,
@@ -297,7 +297,7 @@ class ShardLoader:
                 "read the same slot and each decodes a share of it; num_slots=%d would give every worker its own",
                 num_workers, len(slots), num_slots, world_size, world_size * num_workers,
             )  # fmt: skip
-        self.slot_size = epoch_plan(seed, 0, self._spec.extents, num_slots).slot_size
+        self.slot_size = epoch_plan(seed, 0, self._spec.extents, num_slots, slots=()).slot_size
         if self.steps_per_epoch == 0:
             raise ValueError(
                 f"split {split!r} has {self.num_samples} samples: too few for {num_slots} slots of "

@@ -19,13 +19,18 @@ canonical slots):
 4. rank ``r`` of ``W`` owns slots ``r, r + W, r + 2W, ...`` (``num_slots`` must be divisible by
    ``W``), and all slots advance in lock-step.
 
+A reader builds only the slots it reads (``epoch_plan(..., slots=...)``): the shard order and the
+stream offsets are numpy arrays over all shards (milliseconds and a few MiB at 300k shards), and
+only the wanted slots become shard ranges. The whole plan is never materialised per process,
+so planning costs the same per process on 8 ranks or 8,192 (``benchmarks/scale.py``).
+
 The training progress is therefore one number per epoch: the samples consumed per slot. It means
 the same thing for any number of ranks or loader workers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +38,7 @@ import numpy as np
 AUGMENT_TAG = 0x5EED  # keeps per-sample augmentation seeds apart from the shuffle seeds
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ShardRange:
     """Samples ``[start, stop)`` of shard number ``shard`` (its index in the manifest)."""
 
@@ -45,12 +50,45 @@ class ShardRange:
         return self.stop - self.start
 
 
+@dataclass(frozen=True, eq=False)
+class ExtentTable:
+    """Extents as three int64 arrays (shard, start, stop), in manifest order: 24 bytes a shard and
+    no Python object per shard, so a loader's forked workers share its pages instead of copying
+    them as reference counts change (300k ``ShardRange`` objects would take ~40 MiB per process)."""
+
+    shard: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+
+    @classmethod
+    def of(cls, extents: "Sequence[ShardRange] | Sequence[int] | ExtentTable") -> "ExtentTable":
+        """From extents, or plain integers (whole shards of those sizes)."""
+        if isinstance(extents, ExtentTable):
+            return extents
+        if all(isinstance(e, ShardRange) for e in extents):
+            rows = np.array([(e.shard, e.start, e.stop) for e in extents], dtype=np.int64).reshape(-1, 3)
+            return cls(rows[:, 0].copy(), rows[:, 1].copy(), rows[:, 2].copy())
+        sizes = np.asarray([int(e) for e in extents], dtype=np.int64)
+        return cls(np.arange(len(sizes), dtype=np.int64), np.zeros(len(sizes), dtype=np.int64), sizes)
+
+    def __len__(self) -> int:
+        return len(self.shard)
+
+    @property
+    def total(self) -> int:
+        return int((self.stop - self.start).sum())
+
+    def ranges(self) -> tuple[ShardRange, ...]:
+        """The extents as :class:`ShardRange` objects (one Python object each: for small splits)."""
+        return tuple(ShardRange(*row) for row in zip(self.shard.tolist(), self.start.tolist(), self.stop.tolist()))
+
+
 @dataclass(frozen=True)
 class EpochPlan:
     seed: int
     epoch: int
     slot_size: int  # samples per slot this epoch
-    slots: tuple[tuple[ShardRange, ...], ...]
+    slots: tuple[tuple[ShardRange, ...] | None, ...]  # None: a slot this plan was not asked for
     dropped: int  # samples left out of this epoch (fewer than num_slots)
 
     @property
@@ -68,36 +106,50 @@ def whole_shards(shard_sizes: Sequence[int]) -> tuple[ShardRange, ...]:
     return tuple(ShardRange(i, 0, int(size)) for i, size in enumerate(shard_sizes))
 
 
-def epoch_plan(seed: int, epoch: int, extents: Sequence[ShardRange] | Sequence[int], num_slots: int) -> EpochPlan:
+def epoch_plan(
+    seed: int,
+    epoch: int,
+    extents: Sequence[ShardRange] | Sequence[int] | ExtentTable,
+    num_slots: int,
+    slots: Iterable[int] | None = None,
+) -> EpochPlan:
     """The slots of ``epoch``: each a list of shard ranges, together ``slot_size`` samples long.
 
     ``extents`` are the samples to plan over, per shard (:class:`ShardRange`, e.g. from
-    :func:`vitray.data.splits.split_extents`); plain integers are whole shards of those sizes.
+    :func:`vitray.data.splits.split_extents`, or an :class:`ExtentTable`); plain integers are
+    whole shards of those sizes. ``slots``: build only these (the others are None in the plan);
+    default all. A slot's ranges do not depend on which others are built.
     """
     _check_seed(seed, epoch)
     if num_slots < 1:
         raise ValueError(f"num_slots must be at least 1, got {num_slots}")
-    extents = tuple(e if isinstance(e, ShardRange) else ShardRange(i, 0, int(e)) for i, e in enumerate(extents))
-    total = sum(len(e) for e in extents)
+    table = ExtentTable.of(extents)
+    total = table.total
     slot_size = total // num_slots
     if slot_size == 0:
         raise ValueError(f"the split has {total} samples, fewer than num_slots={num_slots}; use fewer slots")
-    order = np.random.default_rng([seed, epoch]).permutation(len(extents))
-    slots: list[tuple[ShardRange, ...]] = []
-    current: list[ShardRange] = []
-    room = slot_size
-    for index in order.tolist():
-        extent = extents[index]
-        offset = extent.start
-        while offset < extent.stop and len(slots) < num_slots:
-            take = min(room, extent.stop - offset)
-            current.append(ShardRange(extent.shard, offset, offset + take))
-            offset += take
-            room -= take
-            if room == 0:
-                slots.append(tuple(current))
-                current, room = [], slot_size
-    return EpochPlan(seed, epoch, slot_size, tuple(slots), total - slot_size * num_slots)
+    wanted = range(num_slots) if slots is None else sorted(set(slots))
+    if wanted and not 0 <= wanted[0] <= wanted[-1] < num_slots:
+        raise ValueError(f"slots must be in [0, {num_slots}), got {list(wanted)}")
+    order = np.random.default_rng([seed, epoch]).permutation(len(table))
+    lengths = (table.stop - table.start)[order]
+    ends = np.cumsum(lengths)  # stream offset just after each extent, in plan order
+    built: list[tuple[ShardRange, ...] | None] = [None] * num_slots
+    for slot in wanted:
+        at, slot_end = slot * slot_size, (slot + 1) * slot_size
+        i = int(np.searchsorted(ends, at, side="right"))  # the extent holding stream offset `at`
+        ranges = []
+        while at < slot_end:
+            end = int(ends[i])
+            if end > at:  # (empty extents hold nothing)
+                index = int(order[i])
+                first = int(table.start[index]) + at - (end - int(lengths[i]))
+                take = min(slot_end, end) - at
+                ranges.append(ShardRange(int(table.shard[index]), first, first + take))
+                at += take
+            i += 1
+        built[slot] = tuple(ranges)
+    return EpochPlan(seed, epoch, slot_size, tuple(built), total - slot_size * num_slots)
 
 
 def rank_slots(rank: int, world_size: int, num_slots: int) -> list[int]:

@@ -26,7 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from .plan import ShardRange, whole_shards
+import numpy as np
+
+from .plan import ExtentTable, ShardRange, whole_shards
 
 SPLIT_SYNTAX = (
     "NAME (letters, digits, _) or NAME[start:stop] with sample indices (train[:800], train[800:1000], "
@@ -155,6 +157,21 @@ def split_extents(split: str | SplitSpec, shard_sizes: Sequence[int]) -> tuple[S
     """:func:`slice_extents` of the slice that ``split`` names, over a split of these shard sizes."""
     start, stop = slice_bounds(split, int(sum(shard_sizes)))
     return slice_extents(shard_sizes, start, stop)
+
+
+def split_table(split: str | SplitSpec, shard_sizes: Sequence[int] | np.ndarray) -> ExtentTable:
+    """:func:`split_extents` as an :class:`ExtentTable`, computed on arrays (300k shards in
+    milliseconds, no object per shard): what the training loader plans over."""
+    sizes = np.asarray(shard_sizes, dtype=np.int64).reshape(-1)
+    ends = np.cumsum(sizes)
+    begins = ends - sizes
+    total = int(ends[-1]) if len(sizes) else 0
+    start, stop = slice_bounds(split, total)
+    if (start, stop) == (0, total):  # every shard whole, empty ones included (as slice_extents)
+        return ExtentTable(np.arange(len(sizes), dtype=np.int64), np.zeros(len(sizes), dtype=np.int64), sizes)
+    first, last = np.maximum(start, begins), np.minimum(stop, ends)
+    keep = first < last
+    return ExtentTable(np.nonzero(keep)[0].astype(np.int64), (first - begins)[keep], (last - begins)[keep])
 
 
 def extents_size(extents: Sequence[ShardRange]) -> int:

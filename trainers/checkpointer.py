@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.backend import PendingSave, TrainBackend
@@ -89,6 +89,10 @@ class Checkpointer:
         self._prefix = f"vitray-ckpt-{digest}-" if digest else "vitray-ckpt-"
         self._in_flight: _InFlight | None = None
         self._costs: dict[str, float] = {}
+        # Called by rank 0 at each save; the background write waits on the handle it returns
+        # (`wait()`) before the completion record: the loop sets it to the metrics upload, so a
+        # checkpoint never counts before the lines logged up to its step are in the run folder.
+        self.before_complete: Callable[[], Any] | None = None
 
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.last_step
@@ -116,7 +120,8 @@ class Checkpointer:
             **self.record,
         }
         lead = self.rank == 0
-        writer = _Writer(folder, self.rank, shards, files if lead else {}, state if lead else None)
+        also = self.before_complete() if lead and self.before_complete is not None else None
+        writer = _Writer(folder, self.rank, shards, files if lead else {}, state if lead else None, also)
         self._in_flight = _InFlight(folder, step, metrics, writer, snapshot_s=time.perf_counter() - t0)
 
     def finish(self, wait: bool) -> None:
@@ -201,20 +206,23 @@ class _Writer:
     """Writes one rank's checkpoint files on a background thread: waits for the backend's shards,
     writes rank 0's weight files and trainer state, and the completion record last."""
 
-    def __init__(self, folder: Path, rank: int, shards: PendingSave, files: dict[str, dict], state: dict | None):
+    def __init__(self, folder: Path, rank: int, shards: PendingSave, files: dict[str, dict], state: dict | None,
+                 also_wait=None):  # fmt: skip
         self.seconds = 0.0
         self._error: BaseException | None = None
-        self._args = (folder, rank, shards, files, state)
+        self._args = (folder, rank, shards, files, state, also_wait)
         self._thread = threading.Thread(target=self._run, name=f"vitray-ckpt-r{rank}", daemon=True)
         self._started = time.perf_counter()
         self._thread.start()
 
     def _run(self) -> None:
-        folder, rank, shards, files, state = self._args
+        folder, rank, shards, files, state, also_wait = self._args
         try:
             from safetensors.torch import save_file
 
             shards.wait()
+            if also_wait is not None:
+                also_wait.wait()
             for name, tensors in files.items():
                 save_file(tensors, str(folder / name))
             if state is not None:

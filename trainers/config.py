@@ -168,6 +168,10 @@ class LogConfig(_Section):
     peak_tflops: float | None = Field(
         None, gt=0, description="Accelerator peak TFLOP/s per worker for MFU; known GPUs are detected."
     )
+    upload_every_s: float = Field(
+        10.0, ge=0, description="Least seconds between two background uploads of the metrics to the run folder "
+        "(steps never wait for them; checkpoints and the end of the run upload at once).",
+    )
 
 
 class ClusterConfig(_Section):

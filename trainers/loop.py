@@ -123,10 +123,22 @@ class TrainingLoop:
         if self.rank == 0:
             local_metrics = Path(tempfile.mkdtemp(prefix="vitray-metrics-"))
             self.run_files.seed_local_metrics(local_metrics, self.step)
-            self.metrics = MetricsWriter(local_metrics, self.run_files)
+            self.metrics = MetricsWriter(local_metrics, self.run_files, upload_every_s=cfg.log.upload_every_s)
+            self.checkpointer.before_complete = self.metrics.flush
 
     # -- the recipe -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        try:
+            last = self._run()
+        except BaseException:
+            if self.metrics is not None:  # the lines that show what happened, best effort
+                self.metrics.close(raise_errors=False)
+            raise
+        if self.metrics is not None:
+            self.metrics.close()  # uploads the last lines and waits for them
+        return last
+
+    def _run(self) -> dict[str, Any]:
         train = self.cfg.train
         batches = iter(self.loader)
         window = _Window()
@@ -167,8 +179,6 @@ class TrainingLoop:
                 self.preemption.stop(stop, self.checkpointer, metrics)
                 break
         self.checkpointer.finish(wait=True)
-        if self.metrics is not None:
-            self.metrics.close()
         if self.keys is not None:
             self.keys.close()
         return last

@@ -1,7 +1,7 @@
 """Training metrics: JSONL + TensorBoard events in the run folder, FLOPs and MFU.
 
-Rank 0 writes locally and mirrors the small files to the run folder on storage (local or S3)
-after every log, so the driver's progress display and `vitray runs` can read them.
+Rank 0 writes locally; a background thread mirrors the files to the run folder on storage (local
+or S3) so the driver's progress display and `vitray runs` can read them, without a step waiting.
 """
 
 from __future__ import annotations
@@ -92,16 +92,22 @@ def vit_forward_flops(*, width: int, depth: int, mlp_dim: int, patch_size: int, 
 
 
 class MetricsWriter:
-    """Appends one JSON object per log step; TensorBoard scalars beside it."""
+    """Appends one JSON object per log step; TensorBoard scalars beside it. With a `mirror`
+    (`RunFiles`), a background thread copies the folder to the run folder, at most every
+    `upload_every_s` seconds (`vitray.trainers.metrics_upload`): a step never waits for storage."""
 
-    def __init__(self, local_dir: Path, mirror=None):
+    def __init__(self, local_dir: Path, mirror=None, *, upload_every_s: float = 10.0):
         self.local_dir = local_dir
         self.local_dir.mkdir(parents=True, exist_ok=True)
-        self._mirror = mirror  # callable(local_dir) that copies the files to the run folder
         from torch.utils.tensorboard import SummaryWriter
+
+        from vitray.trainers.metrics_upload import BackgroundMirror
 
         self._tb = SummaryWriter(str(local_dir / "tensorboard"))
         self._jsonl = open(local_dir / METRICS_FILE, "a", encoding="utf-8")
+        self._upload = BackgroundMirror(local_dir, mirror.put_metrics_file, every_s=upload_every_s) if mirror else None
+        if self._upload is not None:
+            self._upload.changed()  # a resumed run's seeded lines replace what its failed attempt logged
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, "time": time.time(), **metrics}
@@ -111,11 +117,18 @@ class MetricsWriter:
             if isinstance(value, (int, float)):
                 self._tb.add_scalar(key, value, step)
         self._tb.flush()
-        if self._mirror is not None:
-            self._mirror(self.local_dir)
+        if self._upload is not None:
+            self._upload.changed()
 
-    def close(self) -> None:
+    def flush(self):
+        """Start uploading what was written so far; returns a handle whose `wait()` returns once it
+        is in the run folder (None without a mirror)."""
+        return self._upload.flush() if self._upload is not None else None
+
+    def close(self, *, raise_errors: bool = True) -> None:
+        """Close the files and upload their last state (waits for it)."""
         self._jsonl.close()
         self._tb.close()
-        if self._mirror is not None:
-            self._mirror(self.local_dir)
+        if self._upload is not None:
+            self._upload.changed()
+            self._upload.close(raise_errors=raise_errors)

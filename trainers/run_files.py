@@ -34,13 +34,16 @@ class RunFiles:
         return storage.join(self.root, METRICS_FILE)
 
     def __call__(self, local_dir: Path) -> None:
-        """Mirror a local metrics folder (JSONL + TensorBoard) into the run folder."""
-        fs, root = storage.filesystem(self.root)
+        """Upload a whole local metrics folder (JSONL + TensorBoard) now, each file whole; training
+        uses `put_metrics_file` through the background uploader (`trainers/metrics_upload.py`)."""
         for path in sorted(Path(local_dir).rglob("*")):
             if path.is_file():
-                target = f"{root}/{path.relative_to(local_dir).as_posix()}"
-                fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
-                storage.with_retries(lambda p=path, t=target: fs.put_file(str(p), t), what=f"uploading {path.name}")
+                self.put_metrics_file(path.relative_to(local_dir).as_posix(), path.read_bytes())
+
+    def put_metrics_file(self, relative_name: str, data: bytes) -> None:
+        """Publish one file of the metrics folder (`metrics.jsonl`, `tensorboard/...`) whole: a
+        reader sees the previous content or this one, never a part (see `metrics_upload`)."""
+        storage.write_bytes_atomic(storage.join(self.root, *relative_name.split("/")), data)
 
     @property
     def lease_path(self) -> str:
