@@ -19,7 +19,9 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,10 @@ def train_worker(loop_config: dict[str, Any]) -> None:
     cfg = TrainingConfig.model_validate(loop_config["config"])
     context = ray.train.get_context()
 
+    # checkpoint.keep: rank 0 deletes what newer complete checkpoints superseded, off the training
+    # thread, one prune at a time (see `prune_checkpoints` for why not Ray's num_to_keep).
+    pruner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitray-prune") if context.get_world_rank() == 0 else None
+
     def report(metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
         if checkpoint_dir is None:
             ray.train.report(metrics)
@@ -57,6 +63,8 @@ def train_worker(loop_config: dict[str, Any]) -> None:
             checkpoint=ray.train.Checkpoint.from_directory(str(checkpoint_dir)),
             checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
         )
+        if pruner is not None:
+            pruner.submit(_prune, loop_config["run_dir"], cfg.checkpoint.keep)
 
     with contextlib.ExitStack() as stack:
         restore_dir = None
@@ -77,7 +85,20 @@ def train_worker(loop_config: dict[str, Any]) -> None:
             restore_dir=restore_dir,
             drain_notice=drain_watch(context.get_world_size()),  # Ray's notice that a node will go
         )
-        TrainingLoop(cfg, worker).run()
+        try:
+            TrainingLoop(cfg, worker).run()
+        finally:
+            if pruner is not None:
+                pruner.shutdown(wait=True)
+
+
+def _prune(run_dir: str, keep: int) -> None:
+    from vitray.trainers.checkpoint import prune_checkpoints
+
+    try:
+        prune_checkpoints(run_dir, keep)
+    except Exception as error:  # noqa: BLE001 -- a failed prune leaves old checkpoints, loses nothing
+        print(f"vitray: could not delete old checkpoints of {run_dir} (checkpoint.keep): {error}", file=sys.stderr, flush=True)
 
 
 def _complete_or_fallback(restore_dir: Path, run_dir: str, stack: contextlib.ExitStack) -> Path:
@@ -159,7 +180,7 @@ def build_trainer(cfg: TrainingConfig, resume_from: str | None = None, resume_st
             storage_path=storage_path,
             storage_filesystem=storage_fs,
             failure_config=FailureConfig(max_failures=cfg.cluster.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            checkpoint_config=CheckpointConfig(num_to_keep=None),  # vitray prunes (checkpoint.keep)
         ),
     )
 
@@ -203,6 +224,7 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
              "init.checkpoint": cfg.init.checkpoint},
             shared_filesystem=cfg.cluster.shared_filesystem,
         )  # fmt: skip
+        _convert_once_for_new_world_size(cfg, chosen)
         trainer = build_trainer(cfg, resume_from=chosen.path if chosen else None,
                                 resume_step=chosen.step if chosen else None)
         scaling = scaling_config(cfg)
@@ -224,6 +246,7 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
                     attempt = files.new_attempt(lease.owner, resumed_from_step=chosen.step if chosen else None,
                                                 resumed_from=chosen.path if chosen else None, skipped=[])  # fmt: skip
                     result = build_trainer(cfg, resume_from=chosen.path if chosen else None).fit()
+        _prune(folder, cfg.checkpoint.keep)  # every upload is done now: the last one counts too
         if sigterm.reason is not None:
             files.end_attempt(attempt, "stopped", sigterm.reason, **_last_step(folder))
             raise Preempted(result, sigterm.reason)
@@ -238,6 +261,26 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
         raise
     finally:
         lease.release()
+
+
+def _convert_once_for_new_world_size(cfg: TrainingConfig, chosen) -> None:
+    """A DeepSpeed checkpoint of another number of workers is converted to the universal layout
+    here, once, into the checkpoint folder, before the workers start (each loads it) -- not by
+    every rank on the whole checkpoint."""
+    if chosen is None or cfg.train.backend != "deepspeed" or cfg.train.zero_stage == 0:
+        return
+    from vitray.trainers.checkpoint import checkpoint_state
+
+    written_by = int(checkpoint_state(chosen.path)["world_size"])
+    if written_by == cfg.cluster.num_workers:
+        return
+    from vitray.trainers.deepspeed_backend import shared_universal
+
+    started = time.monotonic()
+    print(f"vitray: the checkpoint was written by {written_by} workers; converting it once for {cfg.cluster.num_workers} "
+          "(DeepSpeed's universal layout, kept in the checkpoint for later resumes)...", file=sys.stderr, flush=True)  # fmt: skip
+    where = shared_universal(chosen.path)
+    print(f"vitray: converted in {time.monotonic() - started:.1f} s: {where}", file=sys.stderr, flush=True)
 
 
 def _stopped_for_drain(folder: str) -> str | None:

@@ -129,6 +129,14 @@ def atomic_write(path: str, storage_options: dict[str, Any] | None = None) -> It
             os.unlink(tmp)
 
 
+def upload_file(local_path: str, path: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Copy a local file to `path` (local or s3://), retried, its stored size checked."""
+    fs, fs_path = filesystem(path, storage_options)
+    if not is_remote(path):  # object stores have no folders to make
+        os.makedirs(os.path.dirname(fs_path) or ".", exist_ok=True)
+    _upload_verified(fs, local_path, fs_path, what=path)
+
+
 def _upload_verified(fs: fsspec.AbstractFileSystem, local_path: str, fs_path: str, *, what: str) -> None:
     size = os.path.getsize(local_path)
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.backend import PendingSave
 from vitray.trainers.checkpointer import Checkpointer
-from vitray.trainers.ema import Ema
+from vitray.trainers.ema import Ema, WholeWeights
 
 COSTS = {
     "checkpoint_write_s", "checkpoint_blocked_s", "checkpoint_snapshot_s", "checkpoint_wait_s", "checkpoint_report_s"
@@ -78,7 +78,7 @@ def test_saves_every_n_steps_and_at_the_last():
 
 def test_save_writes_a_complete_checkpoint_that_restores():
     backend, loader, reports = FakeBackend(), FakeLoader(position=7), []
-    ema = Ema(backend.module, decay=0.5)
+    ema = Ema(WholeWeights(backend.module), decay=0.5)
     saver = checkpointer(backend, reports, loader, ema)
     saver.save(2, {"loss": 1.5})
     assert saver.take_costs() == {}
@@ -100,7 +100,7 @@ def test_save_writes_a_complete_checkpoint_that_restores():
     assert saver.take_costs() == {}  # handed out once
 
     fresh_backend, fresh_loader = FakeBackend(), FakeLoader()
-    fresh_ema = Ema(fresh_backend.module, decay=0.5)
+    fresh_ema = Ema(WholeWeights(fresh_backend.module), decay=0.5)
     restored = checkpointer(fresh_backend, [], fresh_loader, fresh_ema)
     assert restored.restore(folder, state) == 2
     assert fresh_backend.loaded == [(folder, state)] and fresh_loader.position == 7

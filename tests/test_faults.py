@@ -213,6 +213,33 @@ def test_resume_point_names_the_newer_checkpoints_it_skips_and_why(tmp_path):
     assert ckpt.describe_resume("r", None, []) == "starting r from scratch (no complete checkpoint)"
 
 
+def test_pruning_keeps_the_newest_complete_checkpoints_and_anything_newer(tmp_path):
+    """checkpoint.keep counts complete checkpoints only: uploads that failed (silently, as Ray's
+    pyarrow upload can) never push the last complete checkpoint out."""
+    from vitray.trainers import checkpoint as ckpt
+
+    run_dir = tmp_path / "run"
+    names = []
+    for minute, step in enumerate((4, 8, 12, 16, 20, 24)):
+        folder = run_dir / f"checkpoint_2026-01-01_00-{minute:02d}-00.000001"
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 100)
+        ckpt.write_state(folder, {"step": step, "world_size": 1})
+        ckpt.mark_complete(folder, 0, ckpt.files_under(folder))
+        names.append(folder.name)
+    for name in names[3:]:  # the newest three uploads lost a file each
+        (run_dir / name / "model.safetensors").write_bytes(b"x" * 10)
+    assert ckpt.prune_checkpoints(str(run_dir), keep=2) == [str(run_dir / names[0])]
+    left = ckpt.find_checkpoints(str(run_dir))
+    assert sorted(Path(c.path).name for c in left) == names[1:]
+    assert [c.step for c in left if c.complete] == [8, 12]
+    assert ckpt.prune_checkpoints(str(run_dir), keep=2) == []  # nothing more to delete
+    assert ckpt.prune_checkpoints(str(run_dir), keep=1) == [str(run_dir / names[1])]
+    assert ckpt.latest_complete_checkpoint(str(run_dir)).step == 12
+    with pytest.raises(ValueError, match="keep must be at least 1"):
+        ckpt.prune_checkpoints(str(run_dir), keep=0)
+
+
 def test_runs_lists_attempts_and_marks_a_vanished_one_lost(tmp_path):
     from vitray.trainers.run_listing import list_runs
 

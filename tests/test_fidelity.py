@@ -19,8 +19,8 @@ from vitray.evaluation.transfer import finetune_recipe
 from vitray.models import ModelConfig, create_model
 from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.ema import Ema
-from vitray.trainers.evals import EvalEnv, Evaluator, FewshotEvalConfig, ValEvalConfig, ema_weights
+from vitray.trainers.ema import Ema, WholeWeights
+from vitray.trainers.evals import EvalEnv, Evaluator, FewshotEvalConfig, ValEvalConfig
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER = REPO / "configs" / "paper"
@@ -70,7 +70,7 @@ def _env(ema=None) -> EvalEnv:
 
 def test_evaluators_score_the_ema_weights_and_put_the_live_ones_back():
     model = create_model("Ti/16", num_classes=3, img_size=32)
-    ema = Ema(model, decay=0.5)  # the shadow holds zero head weights
+    ema = Ema(WholeWeights(model), decay=0.5)  # the shadow holds zero head weights
     with torch.no_grad():
         model.head.weight.fill_(1.0)
     live = {k: v.clone() for k, v in model.state_dict().items()}
@@ -87,10 +87,10 @@ def test_evaluators_score_the_ema_weights_and_put_the_live_ones_back():
 
 def test_ema_weights_are_restored_when_the_evaluation_fails():
     model = create_model("Ti/16", num_classes=3, img_size=32)
-    ema = Ema(model, decay=0.5)
+    ema = Ema(WholeWeights(model), decay=0.5)
     with torch.no_grad():
         model.head.weight.fill_(2.0)
-    with pytest.raises(RuntimeError, match="boom"), ema_weights(model, ema):
+    with pytest.raises(RuntimeError, match="boom"), ema.swapped_in():
         assert float(model.head.weight.sum()) == 0.0
         raise RuntimeError("boom")
     assert float(model.head.weight.sum()) == 2.0 * 3 * 192

@@ -18,7 +18,7 @@ from vitray.models import create_model
 from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
-from vitray.trainers.ema import Ema
+from vitray.trainers.ema import Ema, WholeWeights
 from vitray.trainers.objectives import loss_fn, mixup, resolve_objective, targets_from_labels
 from vitray.trainers.optim import param_groups
 from vitray.trainers.schedule import lr_multiplier
@@ -74,11 +74,11 @@ def test_weight_decay_only_on_matrices():
 
 def test_ema_tracks_weights():
     model = torch.nn.Linear(2, 2)
-    ema = Ema(model, decay=0.5)
+    ema = Ema(WholeWeights(model), decay=0.5)
     start = ema.state_dict()["weight"].clone()
     with torch.no_grad():
         model.weight.add_(1.0)
-    ema.update(model)
+    ema.update()
     assert torch.allclose(ema.state_dict()["weight"], start + 0.5)
 
 
@@ -113,8 +113,13 @@ def test_loop_in_process_with_zero2_bf16_ema_mixup(process_group, digits_dataset
     resumed = TrainingLoop(cfg, WorkerContext(rank=0, world_size=1, run_dir=ctx.run_dir, report=ctx.report,
                                               restore_dir=Path(saved[0])))  # fmt: skip
     assert resumed.step == 4
-    restored = {k: v.float() for k, v in resumed.backend.module.state_dict().items()}
-    assert all(torch.equal(restored[k], weights[k]) for k in weights)
+    # model.safetensors holds the fp32 master weights (not the bf16 ones upcast): the module's bf16
+    # weights are them rounded, and the resumed run's master weights are them exactly.
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in weights.values())
+    live = resumed.backend.module.state_dict()
+    assert all(torch.equal(live[k], weights[k].bfloat16()) for k in weights)
+    master = resumed.backend.full_state_dict()
+    assert all(torch.equal(master[k], weights[k]) for k in weights)
 
 
 def test_background_checkpoint_writes_the_state_as_it_was_when_saved(tmp_path):

@@ -41,6 +41,9 @@ class TrainBackend(Protocol):
     device: torch.device  # where inputs go
     dtype: torch.dtype  # the dtype of inputs (bf16 / fp16 / fp32)
     spmd: bool  # one program over all hosts (XLA): per-step randomness must be the same on every rank
+    # The forward pass is a collective (ZeRO-3 gathers weights in it; XLA over several hosts runs
+    # one program): every rank must make the same forward calls, evaluations and probes included.
+    collective_forward: bool
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The training forward pass (through the engine's wrapper)."""
@@ -78,9 +81,21 @@ class TrainBackend(Protocol):
         """Consolidated fp32 module weights on the CPU. Collective: every rank calls it; complete on
         rank 0 (other ranks may get an empty dict)."""
 
+    def local_weights(self) -> dict[str, torch.Tensor]:
+        """The module's state by name as this rank holds it, writable in place: the whole tensors,
+        or under ZeRO-3 each parameter's flat slice on this rank. The EMA keeps tensors shaped like
+        these, so it is partitioned as the weights are."""
+
+    def local_part(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part (shaped as `local_weights`) of whole module-shaped tensors."""
+
+    def weights_changed(self) -> None:
+        """Called on every rank after `local_weights` were written in place (evaluating the EMA
+        weights), so that copies the backend keeps whole are updated too."""
+
     def to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Whole fp32 CPU copies of module-shaped device tensors (e.g. the EMA weights), taken now.
-        Collective, like `full_state_dict`."""
+        """Whole fp32 CPU copies of tensors shaped as `local_weights` (e.g. the EMA weights), taken
+        now. Collective, like `full_state_dict`: complete on rank 0."""
 
     def save(self, folder: Path) -> PendingSave:
         """Start writing this rank's share of the model, optimizer and schedule state under

@@ -18,6 +18,8 @@ Finding and opening checkpoints (local or s3://), the one way every command does
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 from dataclasses import dataclass
@@ -167,6 +169,30 @@ def resume_point(run_dir: str) -> tuple[CheckpointInfo | None, list[CheckpointIn
     # checkpoint_<date-time>), which sorts in time order.
     skipped = [c for c in found if not c.complete and (chosen is None or _folder_name(c.path) > _folder_name(chosen.path))]
     return chosen, skipped
+
+
+def prune_checkpoints(run_dir: str, keep: int) -> list[str]:
+    """Delete the run's checkpoint folders older than its `keep` newest complete ones; returns
+    their paths.
+
+    Only what a complete checkpoint has superseded goes: the `keep` newest complete ones stay, and
+    so does everything newer than the oldest of them, complete or not (an upload still under
+    way). Ray Train's own rotation (`num_to_keep`) is not used: it counts the checkpoints it
+    uploaded, and an upload whose last write failed in silence would count, so a few such failures
+    in a row could delete the last complete checkpoint."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    found = find_checkpoints(run_dir)
+    complete = [c for c in found if c.complete]
+    if len(complete) <= keep:
+        return []
+    oldest_kept = _folder_name(complete[-keep].path)
+    doomed = [c.path for c in found if _folder_name(c.path) < oldest_kept]
+    for path in doomed:
+        fs, fs_path = storage.filesystem(path)
+        with contextlib.suppress(FileNotFoundError):  # another prune (rank 0's, the driver's) got there first
+            fs.rm(fs_path, recursive=True)
+    return doomed
 
 
 def describe_resume(run_name: str, chosen: CheckpointInfo | None, skipped: list[CheckpointInfo]) -> str:

@@ -59,7 +59,8 @@ class Checkpointer:
     """Saves every `every` steps and at `last_step`; restores from a complete checkpoint folder.
 
     `states`: name in `trainer_state.json` -> component (JSON-able state); `weights`: file name ->
-    component (tensor state, module-shaped, gathered to rank 0 with `backend.to_host`); `record`:
+    component (tensor state: its `state_dict()` is collective and gives whole CPU tensors on rank 0,
+as `Ema`'s does through `backend.to_host`); `record`:
     what `trainer_state.json` also says about the run (classes, architecture, config).
     """
 
@@ -111,7 +112,7 @@ class Checkpointer:
             raise
         # Collectives: every rank takes part; rank 0 gets the whole tensors.
         files = {ckpt.MODEL_FILE: self.backend.full_state_dict()}
-        files.update((name, self.backend.to_host(part.state_dict())) for name, part in self.weights.items())
+        files.update((name, part.state_dict()) for name, part in self.weights.items())
         state = {
             "step": step,
             "world_size": self.world,

@@ -11,6 +11,7 @@ goes on while the files are serialised and written.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -113,15 +114,57 @@ def shard_files(checkpoint_dir: Path) -> list[str]:
 
 
 def full_state_dict(engine) -> dict[str, torch.Tensor]:
-    """Consolidated fp32 module weights on the CPU (gathers ZeRO-3 partitions; call on all ranks)."""
-    import deepspeed
+    """The consolidated module weights from the fp32 master copy the optimizer keeps (not the bf16
+    weights upcast), whole on rank 0 only (other ranks get {}). Collective: every rank calls it.
 
-    module = engine.module
-    if engine.zero_optimization_stage() == 3:
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
-    return {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+    One parameter at a time, so no rank ever holds more than one whole parameter beyond its own
+    share; rank 0 keeps the CPU copies it will write."""
+    from deepspeed.utils import safe_get_full_fp32_param
 
+    lead = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    params = dict(engine.module.named_parameters())
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in engine.module.state_dict(keep_vars=True).items():
+        param = params.get(name)
+        # ZeRO 1-3 and bf16 keep an fp32 master copy of each trained parameter; ZeRO-0 in fp32 trains
+        # the module's own weights, and buffers and frozen parameters have no master copy.
+        whole = safe_get_full_fp32_param(param) if param is not None else None
+        if whole is None and param is not None and hasattr(param, "ds_tensor"):  # frozen under ZeRO-3
+            whole = _gather_partition(param, param.ds_tensor, to_all=False)
+        if whole is None:
+            whole = tensor
+        if lead:
+            out[name] = whole.detach().float().cpu().clone()
+    return out
+
+
+def _gather_partition(param, local: torch.Tensor, *, to_all: bool) -> torch.Tensor | None:
+    """The whole tensor of a ZeRO-3 parameter from every rank's flat partition `local` (its
+    `ds_tensor`, or a tensor shaped like it): on rank 0 (`to_all`: on every rank), else None.
+
+    DeepSpeed partitions a parameter by flattening it, padding it to a multiple of the world size
+    and giving rank r the r-th equal slice."""
+    dist = torch.distributed
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local = local.detach().contiguous()
+    pieces = [torch.empty_like(local) for _ in range(world)] if to_all or rank == 0 else None
+    if to_all:
+        dist.all_gather(pieces, local)
+    else:
+        dist.gather(local, pieces, dst=0)
+    if pieces is None:
+        return None
+    return torch.cat(pieces)[: param.ds_numel].view(param.ds_shape)
+
+
+def _partition_of(param, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's flat slice of a ZeRO-3 parameter's whole tensor (as `_gather_partition` joins them)."""
+    size = param.ds_tensor.numel()
+    flat = whole.reshape(-1)
+    padded = torch.zeros(size * torch.distributed.get_world_size(), dtype=flat.dtype, device=flat.device)
+    padded[: flat.numel()] = flat
+    rank = torch.distributed.get_rank()
+    return padded[rank * size : (rank + 1) * size].clone()
 
 
 def to_universal(checkpoint_dir: Path, out_dir: Path) -> Path:
@@ -136,9 +179,7 @@ def to_universal(checkpoint_dir: Path, out_dir: Path) -> Path:
 
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-    target = out_dir / f"{CHECKPOINT_TAG}_universal"
-    if (target / "zero").is_dir():
-        return target
+    target = out_dir / UNIVERSAL_SUBDIR
     args = argparse.Namespace(
         input_folder=str(checkpoint_dir / CHECKPOINT_SUBDIR / CHECKPOINT_TAG),
         output_folder=str(target),
@@ -151,6 +192,61 @@ def to_universal(checkpoint_dir: Path, out_dir: Path) -> Path:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         ds_to_universal(args)
     return target
+
+
+UNIVERSAL_SUBDIR = f"{CHECKPOINT_TAG}_universal"  # under <checkpoint>/deepspeed/, next to the shards
+UNIVERSAL_RECORD = "complete.json"  # written last: file name -> size of the whole conversion
+
+
+def shared_universal(checkpoint: str) -> str:
+    """Convert a checkpoint's shards to DeepSpeed's universal layout once, into the checkpoint
+    folder itself (`deepspeed/state_universal/`), for a resume onto another number of workers:
+    the driver calls it before starting them, and every rank loads the shared conversion instead
+    of each converting the whole checkpoint itself. Returns the universal folder's path.
+
+    Already there (an earlier resume) means nothing to do. The conversion runs in a local scratch
+    folder, its files are uploaded (sizes checked), and a record listing them is written last, so
+    a conversion cut short is never taken for a whole one (`universal_ready`)."""
+    from vitray.data import storage
+
+    fs, root = storage.filesystem(checkpoint)
+    root = root.rstrip("/")
+    shared = storage.join(checkpoint.rstrip("/"), CHECKPOINT_SUBDIR, UNIVERSAL_SUBDIR)
+    if _universal_record(fs, f"{root}/{CHECKPOINT_SUBDIR}/{UNIVERSAL_SUBDIR}") is not None:
+        return shared
+    with tempfile.TemporaryDirectory(prefix="vitray-universal-") as scratch:
+        local = Path(scratch) / "checkpoint"
+        shards = local / CHECKPOINT_SUBDIR / CHECKPOINT_TAG
+        shards.mkdir(parents=True)
+        fs.get(f"{root}/{CHECKPOINT_SUBDIR}/{CHECKPOINT_TAG}/", str(shards) + "/", recursive=True)
+        out = to_universal(local, Path(scratch) / "out")
+        listing = {}
+        for path in sorted(p for p in out.rglob("*") if p.is_file()):
+            name = path.relative_to(out).as_posix()
+            storage.upload_file(str(path), storage.join(shared, name))
+            listing[name] = path.stat().st_size
+    storage.write_bytes_atomic(storage.join(shared, UNIVERSAL_RECORD), json.dumps(listing, indent=1, sort_keys=True).encode())
+    return shared
+
+
+def _universal_record(fs, folder: str) -> dict[str, int] | None:
+    """The conversion's record when every file it lists is there whole, else None."""
+    try:
+        with fs.open(f"{folder}/{UNIVERSAL_RECORD}", "r") as f:
+            listing = json.load(f)
+        sizes = {info["name"].rstrip("/"): info["size"] for info in fs.find(folder, detail=True).values()}
+    except (OSError, ValueError):
+        return None
+    prefix = fs._strip_protocol(folder).rstrip("/")
+    return listing if all(sizes.get(f"{prefix}/{name}") == size for name, size in listing.items()) else None
+
+
+def universal_ready(checkpoint_dir: Path) -> Path | None:
+    """The shared conversion in a local copy of a checkpoint folder, when it is whole."""
+    import fsspec
+
+    folder = checkpoint_dir / CHECKPOINT_SUBDIR / UNIVERSAL_SUBDIR
+    return folder if _universal_record(fsspec.filesystem("file"), str(folder)) is not None else None
 
 
 def _host_snapshot(value: Any) -> Any:
@@ -217,14 +313,20 @@ class DeepSpeedBackend:
     def __init__(self, cfg: TrainingConfig, model: nn.Module, world_size: int, restore: tuple[Path, dict[str, Any]] | None):
         self._universal_dir = None
         if restore is not None and restore[1]["world_size"] != world_size and cfg.train.zero_stage > 0:
-            # Each rank converts privately: no shared local disk is assumed between ranks.
-            self._universal_dir = to_universal(restore[0], Path(tempfile.mkdtemp(prefix="vitray-universal-")))
+            # The driver converted once into the checkpoint (`shared_universal`); a checkpoint
+            # opened without it (a loop built outside `vitray pretrain`) is converted here, privately.
+            self._universal_dir = universal_ready(restore[0]) or to_universal(
+                restore[0], Path(tempfile.mkdtemp(prefix="vitray-universal-"))
+            )
         self.engine = build_engine(model, cfg, load_universal=self._universal_dir is not None)
         self._checkpoints = BackgroundCheckpointEngine(self.engine._config)
         self.engine.checkpoint_engine = self._checkpoints
         self.module = self.engine.module
         self.device = self.engine.device
         self.dtype = next(self.module.parameters()).dtype
+        # ZeRO-3 gathers each layer's weights from every rank inside the forward pass: every rank
+        # must make the same forward calls (evaluation and probes included).
+        self.collective_forward = self.engine.zero_optimization_stage() == 3
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.engine(*args, **kwargs)
@@ -262,8 +364,39 @@ class DeepSpeedBackend:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.engine)
 
+    # -- the module's weights as this rank holds them (EMA, evaluation with other weights) --------
+    def _partitioned(self) -> dict[str, nn.Parameter]:
+        """ZeRO-3's parameters by name (each rank holds a flat slice in `ds_tensor`); {} otherwise."""
+        if not self.collective_forward:
+            return {}
+        return dict(self.module.named_parameters())
+
+    def local_weights(self) -> dict[str, torch.Tensor]:
+        partitioned = self._partitioned()
+        return {name: partitioned[name].ds_tensor if name in partitioned else tensor
+                for name, tensor in self.module.state_dict(keep_vars=True).items()}  # fmt: skip
+
+    def local_part(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        partitioned = self._partitioned()
+        return {name: _partition_of(partitioned[name], value) if name in partitioned else value
+                for name, value in tensors.items()}  # fmt: skip
+
+    def weights_changed(self) -> None:
+        # ZeRO-3 keeps small parameters whole on every rank between steps (`ds_persist`, gathered
+        # after each optimizer step): after their slices were written, gather them again.
+        for param in self._partitioned().values():
+            if param.data.numel() == param.ds_numel and param.ds_numel:
+                param.data.copy_(_gather_partition(param, param.ds_tensor, to_all=True))
+
     def to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.detach().float().cpu().clone() for k, v in tensors.items()}
+        partitioned = self._partitioned()
+        lead = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        out = {}
+        for name, value in tensors.items():
+            whole = _gather_partition(partitioned[name], value, to_all=False) if name in partitioned else value
+            if lead:
+                out[name] = whole.detach().float().cpu().clone()
+        return out
 
     def save(self, folder: Path) -> PendingSave:
         self._checkpoints.begin()
@@ -271,4 +404,23 @@ class DeepSpeedBackend:
         return self._checkpoints.pending()
 
     def load(self, folder: Path, state: dict[str, Any]) -> None:
+        settings = _group_settings(self.engine)
         load(self.engine, folder, universal_dir=self._universal_dir)
+        if self._universal_dir is not None:
+            # DeepSpeed 0.19's ZeRO-3 universal load gives every parameter group the settings of the
+            # first (stage3.py: "the hyperparameters of each parameter should be the same"): the
+            # no-decay group (biases, norms, embeddings) would be decayed from then on. Put back each
+            # group's own, as this run's config makes them; lr is the schedule's (restored with it).
+            for group, own in zip(_wrapped_optimizer(self.engine).param_groups, settings):
+                group.update(own)
+
+
+def _wrapped_optimizer(engine):
+    """The torch optimizer inside DeepSpeed's ZeRO / bf16 wrapper (the one whose groups step)."""
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+def _group_settings(engine) -> list[dict[str, Any]]:
+    """Each parameter group's hyperparameters but its parameters and learning rate."""
+    return [{k: copy.deepcopy(v) for k, v in group.items() if k not in ("params", "lr", "initial_lr")}
+            for group in _wrapped_optimizer(engine).param_groups]  # fmt: skip

@@ -1,19 +1,29 @@
-"""Polyak / exponential moving average of the weights, kept in fp32 on the side."""
+"""Polyak / exponential moving average of the weights, kept in fp32 on the side.
+
+The average is kept of the weights as this rank holds them (`backend.local_weights()`): whole
+tensors, or under ZeRO-3 the rank's slice of each parameter, so the EMA is partitioned as the
+weights are and its update needs no communication. Whole tensors are assembled only to write a
+checkpoint (`state_dict`, collective); scoring the EMA weights swaps them in place
+(`swapped_in`), slice by slice.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import torch
-from torch import nn
 
 
 class Ema:
-    def __init__(self, module: nn.Module, decay: float):
-        self.decay = decay
-        self.shadow = {k: v.detach().float().clone() for k, v in module.state_dict().items()}
+    def __init__(self, backend: Any, decay: float):
+        self.backend, self.decay = backend, decay
+        self.shadow = {k: v.detach().float().clone() for k, v in backend.local_weights().items()}
 
     @torch.no_grad()
-    def update(self, module: nn.Module) -> None:
-        for key, value in module.state_dict().items():
+    def update(self) -> None:
+        for key, value in self.backend.local_weights().items():
             shadow = self.shadow[key]
             if value.is_floating_point():
                 shadow.lerp_(value.detach().float(), 1.0 - self.decay)
@@ -21,11 +31,51 @@ class Ema:
                 shadow.copy_(value)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.contiguous() for k, v in self.shadow.items()}
+        """The whole EMA weights on rank 0 (fp32, CPU). Collective: every rank calls it."""
+        return self.backend.to_host(self.shadow)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        missing = set(self.shadow) ^ set(state)
-        if missing:
-            raise KeyError(f"EMA state does not match the model: {sorted(missing)[:5]}")
-        for key, value in state.items():
+        """From the whole EMA weights (as `state_dict` gives them), on every rank."""
+        mismatched = set(self.shadow) ^ set(state)
+        if mismatched:
+            raise KeyError(f"EMA state does not match the model: {sorted(mismatched)[:5]}")
+        for key, value in self.backend.local_part(state).items():
             self.shadow[key].copy_(value)
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The module holds the EMA weights inside, its own ones again (bit for bit) on exit.
+        Collective under ZeRO-3 (small parameters are kept whole and are gathered again)."""
+        weights = self.backend.local_weights()
+        saved = {key: value.detach().clone() for key, value in weights.items()}
+        with torch.no_grad():
+            for key, value in weights.items():
+                value.copy_(self.shadow[key])
+        self.backend.weights_changed()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for key, value in weights.items():
+                    value.copy_(saved[key])
+            self.backend.weights_changed()
+
+
+class WholeWeights:
+    """The weights side of a backend for a module held whole in one process (no ZeRO-3, no
+    other ranks): an `Ema` of a bare module, outside a training loop, is `Ema(WholeWeights(m), d)`."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def local_weights(self) -> dict[str, torch.Tensor]:
+        return dict(self.module.state_dict(keep_vars=True))
+
+    def local_part(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return tensors
+
+    def weights_changed(self) -> None:
+        pass
+
+    def to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.detach().float().cpu().clone() for k, v in tensors.items()}

@@ -18,10 +18,8 @@ is imported (`trainers/` and `evaluation/` do not import each other).
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Union
 
@@ -100,22 +98,9 @@ class EvalEnv:
     dtype: torch.dtype
     sum_over_ranks: Callable[[list[float]], list[float]]
     ema: Any = None  # the run's vitray.trainers.ema.Ema, when optim.ema_decay is set
-
-
-@contextlib.contextmanager
-def ema_weights(module: torch.nn.Module, ema: Any) -> Iterator[torch.nn.Module]:
-    """``module`` with the EMA weights copied in, its own weights restored on exit (bit for bit)."""
-    state = module.state_dict()
-    saved = {key: value.detach().clone() for key, value in state.items()}
-    with torch.no_grad():
-        for key, value in state.items():
-            value.copy_(ema.shadow[key])
-    try:
-        yield module
-    finally:
-        with torch.no_grad():
-            for key, value in state.items():
-                value.copy_(saved[key])
+    # Every rank must make the same forward calls (ZeRO-3, XLA over hosts): rank-0 evaluators run
+    # on every rank then, and evaluators pad their ranks' forward counts to the same number.
+    collective_forward: bool = False
 
 
 class Evaluator:
@@ -133,14 +118,16 @@ class Evaluator:
         return step % self.every == 0 or step == last_step
 
     def __call__(self, module: torch.nn.Module, env: EvalEnv) -> dict[str, float]:
-        if self.rank0_only and env.rank != 0:
+        if self.rank0_only and env.rank != 0 and not env.collective_forward:
             return {}
         ema = getattr(env, "ema", None)
         if ema is not None and self.config.weights == "ema":
-            with ema_weights(module, ema):
+            with ema.swapped_in():
                 metrics = self.evaluate(module, env)
         else:
             metrics = self.evaluate(module, env)
+        if self.rank0_only and env.rank != 0:
+            return {}  # it ran here only for the collectives in the forward passes
         return {metric_name(self.name, metric): value for metric, value in metrics.items()}
 
     def evaluate(self, module: torch.nn.Module, env: EvalEnv) -> dict[str, float]:
@@ -171,20 +158,28 @@ class ValEvaluator(Evaluator):
                 logits = module(batch.images.to(env.device, env.dtype))
                 hits, scored = top1_hits(logits.float().argmax(1), batch.labels)
                 correct, seen = correct + hits, seen + scored
+            if env.collective_forward:
+                # Ranks' shares can differ by a batch; the forward is a collective, so a rank with
+                # fewer batches makes as many forward calls (on a blank image, not scored).
+                counts = env.sum_over_ranks([float(len(loader)) if r == env.rank else 0.0 for r in range(env.world_size)])
+                img = self.training.model.img_size
+                blank = torch.zeros(1, 3, img, img, device=env.device, dtype=env.dtype)
+                for _ in range(int(max(counts)) - len(loader)):
+                    module(blank)
         module.train()
         correct, seen = env.sum_over_ranks([float(correct), float(seen)])
         return {"top1": correct / max(seen, 1.0)}
 
 
 class FewshotEvaluator(Evaluator):
-    """``<dataset>_<k>shot`` for every dataset and shots value, on rank 0 (the other ranks go on)."""
+    """``<dataset>_<k>shot`` for every dataset and shots value, on rank 0 (the other ranks go on,
+    unless the forward is a collective: then every rank runs it and rank 0 reports)."""
 
     PROBE = "vitray.evaluation.transfer:fewshot_probe"
     rank0_only = True
 
     def evaluate(self, module: torch.nn.Module, env: EvalEnv) -> dict[str, float]:
-        if env.rank != 0:
-            return {}
+        # Rank 0 alone, or (collective forward) every rank the same passes over the same data.
         probe = import_by_name(self.PROBE)
         cfg = self.config
         return probe(module, cfg.datasets, shots=tuple(cfg.shots), seeds=cfg.seeds, batch_size=cfg.batch_size,

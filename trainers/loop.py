@@ -63,7 +63,7 @@ class TrainingLoop:
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         model = self._initial_model()
         self.backend: TrainBackend = create_backend(cfg, model, self.world, restore)
-        self.ema = Ema(self.backend.module, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
+        self.ema = Ema(self.backend, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
         self.attention, self.attention_kernel = self._attention()
         # The backend puts batches on the device one step ahead (DeepSpeed: `trainers/feed.py`;
         # XLA: sharded, by torch-xla's prefetching loader).
@@ -211,7 +211,7 @@ class TrainingLoop:
         loss = torch.stack(losses).float().mean()  # before end_step: within the step's XLA graph
         self.backend.end_step()
         if self.ema is not None:
-            self.ema.update(self.backend.module)
+            self.ema.update()
         return loss, self.backend.grad_norm(), data_wait, skipped
 
     # -- pieces -----------------------------------------------------------------------------------
@@ -307,7 +307,7 @@ class TrainingLoop:
         device = self.backend.device
         return EvalEnv(self.rank, self.world, device, self.backend.dtype,
                        lambda values: _all_reduce(values, average=[False] * len(values), device=device),
-                       ema=self.ema)  # fmt: skip
+                       ema=self.ema, collective_forward=self.backend.collective_forward)  # fmt: skip
 
     def _architecture(self) -> dict[str, Any]:
         """The model as built (fine-tuning changes the head and resolution of `init.checkpoint`'s)."""

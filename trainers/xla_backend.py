@@ -86,6 +86,8 @@ class XlaBackend:
 
         _quiet_warnings()
         start_spmd()
+        # One program over all hosts: a forward on one host alone would wait for the others.
+        self.collective_forward = world_size > 1
         train = cfg.train
         if cfg.precision.dtype == "fp16":
             raise ValueError("precision.dtype=fp16 is not supported by train.backend=xla: use bf16 (TPUs) or fp32")
@@ -193,6 +195,15 @@ class XlaBackend:
     # -- state ------------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return self.to_host(self.module.state_dict())
+
+    def local_weights(self) -> dict[str, torch.Tensor]:
+        return dict(self.module.state_dict())  # sharded arrays, each a whole tensor to the program
+
+    def local_part(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return tensors
+
+    def weights_changed(self) -> None:
+        pass
 
     def to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Whole fp32 CPU copies of (sharded) device tensors, assembled from their shards without
