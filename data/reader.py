@@ -184,8 +184,10 @@ class ShardCursor:
                 self.index = start_index + 1
                 return CORRUPT
             except Exception as error:  # noqa: BLE001 - filtered by is_transient just below
-                if not storage.is_transient(error) or attempt == storage.RETRY_ATTEMPTS:
+                if not storage.is_transient(error):
                     raise
+                if attempt == storage.RETRY_ATTEMPTS:
+                    raise storage.gave_up(error, f"reading sample {start_index} of {self.url}", attempt) from error
                 delay = storage.backoff_delay(attempt)
                 log.warning("reading %s failed (%s); reopening at sample %d in %.1fs", self.url, error, start_index, delay)
                 time.sleep(delay)

@@ -15,6 +15,7 @@ the fsspec filesystem, e.g. ``{"endpoint_url": ...}``) override them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -43,9 +44,24 @@ def is_remote(path: str) -> bool:
     return protocol not in (None, "file", "local")
 
 
+# botocore retries every S3 request that fails transiently -- 503 SlowDown and other throttling,
+# 500/502/503/504, connection errors and timeouts -- with exponential backoff and full jitter
+# ("standard" mode), this many attempts in all. s3fs retries on top of it what botocore does not
+# see (a body cut short mid-transfer: the range GET is repeated whole, so no byte is read twice),
+# and :func:`with_retries` wraps whole operations (an upload and the check of its stored size).
+# ``AWS_RETRY_MODE`` / ``AWS_MAX_ATTEMPTS`` (or ``config_kwargs`` in ``storage_options``) override it.
+S3_RETRIES = {"mode": "standard", "total_max_attempts": 5}
+
+
 def filesystem(path: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem for ``path`` and the path as that filesystem names it."""
-    return fsspec.core.url_to_fs(str(path), **(storage_options or {}))
+    options = dict(storage_options or {})
+    protocol, _ = fsspec.core.split_protocol(str(path))
+    if protocol in ("s3", "s3a") and not ({"AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS"} & os.environ.keys()):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", dict(S3_RETRIES))
+        options["config_kwargs"] = config
+    return fsspec.core.url_to_fs(str(path), **options)
 
 
 def join(base: str, *names: str) -> str:
@@ -166,11 +182,28 @@ def list_names(folder: str, storage_options: dict[str, Any] | None = None) -> li
     return sorted(posixpath.basename(str(e).rstrip("/")) for e in entries)
 
 
+@functools.cache
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP clients' own connection errors, which s3fs lets through untranslated once its own
+    retries are spent: aiohttp's (a body cut short, a dropped connection) and botocore's."""
+    errors: list[type[BaseException]] = []
+    with contextlib.suppress(ImportError):
+        import aiohttp
+
+        errors.append(aiohttp.ClientError)
+    with contextlib.suppress(ImportError):
+        import botocore.exceptions
+
+        errors += [botocore.exceptions.HTTPClientError, botocore.exceptions.ConnectionError]
+    return tuple(errors)
+
+
 def is_transient(error: BaseException) -> bool:
-    """Errors worth retrying: I/O and timeouts, but not a missing file or a permission problem."""
+    """Errors worth retrying: I/O, timeouts and dropped connections, but not a missing file or a
+    permission problem."""
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
-    return isinstance(error, (OSError, TimeoutError, ConnectionError))
+    return isinstance(error, (OSError, TimeoutError, ConnectionError, *_network_errors()))
 
 
 # Transient failures are retried this many times in all, waiting about 0.5, 1, 2, 4 s in between.
@@ -192,12 +225,26 @@ def with_retries(fn: Callable[[], T], *, what: str, attempts: int | None = None)
         try:
             return fn()
         except Exception as error:  # noqa: BLE001 - filtered by is_transient just below
-            if attempt == attempts or not is_transient(error):
+            if not is_transient(error):
                 raise
+            if attempt == attempts:
+                raise gave_up(error, what, attempts) from error
             delay = backoff_delay(attempt)
             log.warning("%s failed (%s); retry %d/%d in %.1fs", what, error, attempt, attempts - 1, delay)
             time.sleep(delay)
     raise AssertionError("unreachable")
+
+
+def gave_up(error: BaseException, what: str, attempts: int) -> OSError:
+    """The error to raise when retries are spent: the last one's type where it is an OSError (an
+    OSError otherwise), saying what failed, how often, and the last error."""
+    message = f"{what} failed {attempts} times; the last error: {error}"
+    if not isinstance(error, OSError):
+        return OSError(message)
+    try:
+        return type(error)(error.errno, message) if getattr(error, "errno", None) else type(error)(message)
+    except Exception:  # noqa: BLE001 - an exception type with a constructor of its own
+        return OSError(message)
 
 
 # Whole-shard downloads into the local cache: ranges of this size, this many requested at once.

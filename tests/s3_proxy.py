@@ -42,8 +42,14 @@ def _free_port() -> int:
 class FlakyS3Proxy:
     """``FlakyS3Proxy(upstream, rate=0.1, seed=0)``: start() it, point clients at ``url``, stop() it."""
 
-    def __init__(self, upstream: str, *, rate: float, seed: int = 0, slow_s: float = 1.0):
+    def __init__(self, upstream: str, *, rate: float, seed: int = 0, slow_s: float = 1.0,
+                 faults: tuple[str, ...] = FAULTS, operations: tuple[str, ...] | None = None):  # fmt: skip
+        """`faults`: the kinds drawn from; `operations`: only these are faulted (None: all)."""
         self.upstream, self.rate, self.slow_s = upstream.rstrip("/"), rate, slow_s
+        unknown = set(faults) - set(FAULTS)
+        if unknown:
+            raise ValueError(f"unknown faults {sorted(unknown)}: expected some of {FAULTS}")
+        self.faults, self.operations = tuple(faults), operations
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.injected: Counter[tuple[str, str]] = Counter()  # (fault, operation) -> count
@@ -97,9 +103,11 @@ class FlakyS3Proxy:
     def _draw(self, operation: str) -> str | None:
         with self._lock:
             self.requests[operation] += 1
+            if self.operations is not None and operation not in self.operations:
+                return None
             if self._rng.random() >= self.rate:
                 return None
-            fault = self._rng.choice(FAULTS)
+            fault = self._rng.choice(self.faults)
             self.injected[(fault, operation)] += 1
             return fault
 

@@ -85,3 +85,29 @@ def test_a_pretraining_run_on_a_flaky_store_ends_with_the_clean_runs_weights(fla
     assert latest is not None and latest.step == 12
     remote_weights = load(storage.read_bytes(f"{latest.path}/model.safetensors"))
     assert_same_weights(remote_weights, final_weights(str(tmp_path / "local" / "flaky")))
+
+
+def test_a_shard_whose_every_read_is_cut_short_fails_naming_the_shard(moto_server, monkeypatch):
+    """Retries are bounded: botocore and s3fs repeat a cut-short GET, the reader reopens the shard
+    at the sample (aiohttp's payload error counts as transient), each a few times with backoff;
+    then the error names the shard, the attempts and the last error."""
+    import s3fs
+
+    from vitray.data.reader import ShardCursor
+
+    dataset = moto_server.url("datasets", "digits")
+    prepare_dataset("builtin:digits", dataset, samples_per_shard=100)  # no proxy yet
+    shard = storage.join(dataset, "train-000000.tar")
+    proxy = FlakyS3Proxy(moto_server.endpoint_url, rate=1.0, faults=("reset",), operations=("get-object",)).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setattr(storage, "RETRY_BASE_DELAY_S", 0.05)  # the bound is tested, not the waiting
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        with pytest.raises(OSError, match=rf"shard {shard} failed {storage.RETRY_ATTEMPTS} times; the last error: "):
+            cursor = ShardCursor(shard)
+            for _ in range(100):
+                cursor.read(True)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        proxy.stop()
+    assert proxy.injected[("reset", "get-object")] >= storage.RETRY_ATTEMPTS, proxy.injected
