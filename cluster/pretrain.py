@@ -31,6 +31,8 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from vitray.cluster.drain import current_node, draining_nodes, drain_watch
 from vitray.cluster.runtime import check_local_resources, check_paths_reach_every_node, connect, ray_storage, run_dir
+from vitray.data import storage
+from vitray.trainers.collectives import broadcast_json
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
 from vitray.trainers.progress import TrainingProgress
@@ -67,22 +69,19 @@ def train_worker(loop_config: dict[str, Any]) -> None:
             pruner.submit(_prune, loop_config["run_dir"], cfg.checkpoint.keep)
 
     with contextlib.ExitStack() as stack:
-        restore_dir = None
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is not None:
-            restore_dir = _complete_or_fallback(Path(stack.enter_context(checkpoint.as_directory())), loop_config["run_dir"], stack)
-        announced = loop_config.get("resume_from")
-        if announced and _older_than(restore_dir, announced, loop_config.get("resume_step")):
-            # The newest complete checkpoint on storage, which the driver announced, is newer than
-            # Ray's latest (a kill between the upload and Ray's bookkeeping): take it. After a
-            # restart inside this run Ray's is the newer one.
-            restore_dir = _open(announced, stack)
+        # Rank 0 picks the checkpoint (verifying it on storage once) and tells the others; each
+        # rank then copies only the files it reads (`restore_files`).
+        rank, world = context.get_world_rank(), context.get_world_size()
+        device = ray.train.torch.get_device()
+        choice = broadcast_json(_choose_restore(ray.train.get_checkpoint(), loop_config) if rank == 0 else None, device)
+        restore_dir, restore_state = _rank_copy(choice, cfg, rank, world, stack) if choice else (None, None)
         worker = WorkerContext(
             rank=context.get_world_rank(),
             world_size=context.get_world_size(),
             run_dir=loop_config["run_dir"],
             report=report,
             restore_dir=restore_dir,
+            restore_state=restore_state,
             drain_notice=drain_watch(context.get_world_size()),  # Ray's notice that a node will go
         )
         try:
@@ -101,39 +100,60 @@ def _prune(run_dir: str, keep: int) -> None:
         print(f"vitray: could not delete old checkpoints of {run_dir} (checkpoint.keep): {error}", file=sys.stderr, flush=True)
 
 
-def _complete_or_fallback(restore_dir: Path, run_dir: str, stack: contextlib.ExitStack) -> Path:
-    """Ray's latest checkpoint when it is complete; else the newest complete one in the run folder
-    (a checkpoint whose files were lost or cut short after Ray registered it is never loaded)."""
-    from vitray.trainers.checkpoint import IncompleteCheckpointError, latest_complete_checkpoint, verify_complete
+def _choose_restore(checkpoint: ray.train.Checkpoint | None, loop_config: dict[str, Any]) -> list | None:
+    """[path, step] of the checkpoint to resume from, or None (from scratch); run on rank 0.
 
-    try:
-        verify_complete(restore_dir)
-        return restore_dir
-    except IncompleteCheckpointError as err:
-        fallback = latest_complete_checkpoint(run_dir)
-        if fallback is None:
-            raise RuntimeError(f"{err}; and the run {run_dir} has no other complete checkpoint") from None
-        print(f"vitray: {err}; resuming from {fallback.path} (step {fallback.step}) instead", flush=True)
-        return _open(fallback.path, stack)
+    Ray's latest checkpoint (after a restart inside this run) when it is complete, else the newest
+    complete one in the run folder (a checkpoint whose files were lost or cut short after Ray
+    registered it is never loaded); the one the driver announced when that is newer (a kill
+    between the upload and Ray's bookkeeping)."""
+    from vitray.trainers.checkpoint import IncompleteCheckpointError, checkpoint_state, latest_complete_checkpoint
 
-
-def _older_than(restore_dir: Path | None, checkpoint_path: str, announced_step: int | None = None) -> bool:
-    from vitray.trainers.checkpoint import checkpoint_state, verify_complete
-
-    if announced_step is not None:
-        # The driver verified the announced checkpoint and sent its step: no rank reads it again
-        # (each rank checking every rank's completion record on storage is 1M requests at 1,024 ranks).
-        announced = int(announced_step)
-    else:
+    run = loop_config["run_dir"]
+    chosen = None
+    if checkpoint is not None:
+        path = storage.join(run, Path(checkpoint.path).name)
         try:
-            announced = int(checkpoint_state(checkpoint_path)["step"])
+            chosen = [path, int(checkpoint_state(path)["step"])]
+        except (IncompleteCheckpointError, FileNotFoundError) as err:
+            fallback = latest_complete_checkpoint(run)
+            if fallback is None:
+                raise RuntimeError(f"{err}; and the run {run} has no other complete checkpoint") from None
+            print(f"vitray: {err}; resuming from {fallback.path} (step {fallback.step}) instead", flush=True)
+            chosen = [fallback.path, fallback.step]
+    announced, step = loop_config.get("resume_from"), loop_config.get("resume_step")
+    if announced and step is None:
+        try:
+            step = int(checkpoint_state(announced)["step"])
         except (OSError, ValueError, KeyError, RuntimeError):  # rotated away since (checkpoint.keep): Ray's is newer
-            return False
-    return restore_dir is None or int(verify_complete(restore_dir)["step"]) < announced
+            step = None
+    if announced and step is not None and (chosen is None or chosen[1] < int(step)):
+        chosen = [announced, int(step)]  # the driver verified it (and sent its step)
+    return chosen
+
+
+def _rank_copy(choice: list, cfg: TrainingConfig, rank: int, world: int, stack: contextlib.ExitStack) -> tuple[Path, dict]:
+    """This rank's local copy of the chosen checkpoint and its trainer state: only the files it
+    reads for DeepSpeed on the same number of workers; otherwise the whole folder, which Ray
+    downloads once per node."""
+    from vitray.trainers.checkpoint import node_restore_dir, rank_copy, read_state
+
+    path = choice[0]
+    select = lambda state, names: None  # noqa: E731 -- XLA reads its whole checkpoint
+    if cfg.train.backend == "deepspeed":
+        from vitray.trainers.deepspeed_backend import restore_files
+
+        select = restore_files(rank, world, cfg.train.zero_stage)
+    node_dir = stack.enter_context(node_restore_dir(path, cfg.checkpoint.staging_dir))
+    copied = rank_copy(path, select, node_dir, rank)
+    if copied is not None:
+        return copied
+    folder = _open(path, stack)
+    return folder, read_state(folder)
 
 
 def _open(checkpoint_path: str, stack: contextlib.ExitStack) -> Path:
-    """A local copy of a checkpoint folder on the run's storage."""
+    """A local copy of a whole checkpoint folder on the run's storage (one download per node)."""
     path, filesystem = ray_storage(checkpoint_path)
     return Path(stack.enter_context(ray.train.Checkpoint(path, filesystem=filesystem).as_directory()))
 

@@ -213,19 +213,62 @@ def test_completion_records_are_checked_concurrently_on_s3(moto_server, tmp_path
 def test_ranks_starting_from_the_announced_checkpoint_do_not_each_recheck_it_on_storage(moto_server, tmp_path,
                                                                                        monkeypatch):
     """The driver verifies the checkpoint it resumes from and sends its step with it; before, each
-    rank verified it again on storage: world_size + 2 requests per rank, 1M at 1,024 ranks."""
+    rank verified it again on storage: world_size + 2 requests per rank, 1M at 1,024 ranks. Each
+    rank then downloads only its own shards and the shared files, reading 2 completion records."""
     import s3fs
 
-    from vitray.cluster.pretrain import _older_than
+    from vitray.cluster.pretrain import _choose_restore
+    from vitray.trainers.deepspeed_backend import restore_files
 
     world = 32
     local = bench.make_checkpoint(tmp_path / "checkpoint", world)
     s3fs.S3FileSystem().put(str(local), f"{moto_server.bucket}/run/checkpoint_000001", recursive=True)
     announced = moto_server.url("run", "checkpoint_000001")
+    config = {"run_dir": moto_server.url("run"), "resume_from": announced, "resume_step": 1000}
     with DelayingProxy(moto_server.endpoint_url, 0.0) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         s3fs.S3FileSystem.clear_instance_cache()
-        assert _older_than(None, announced, 1000) and not _older_than(local, announced, 1000)
+        assert _choose_restore(None, config) == [announced, 1000]
         assert proxy.requests == []  # not one request, whatever the world size
-        assert _older_than(None, announced)  # without the driver's step (older drivers): read from storage
+        assert _choose_restore(None, {**config, "resume_step": None}) == [announced, 1000]  # read from storage
         assert len(proxy.requests) >= world
+
+        proxy.requests.clear()
+        folder, state = ckpt.rank_copy(announced, restore_files(5, world, zero_stage=1), tmp_path / "r5", 5)
+        assert state["step"] == 1000
+        got = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and ".locks" not in p.parts)
+        assert got == ["deepspeed/zero_pp_rank_5_mp_rank_00_model_states.pt", "deepspeed/zero_pp_rank_5_mp_rank_00_optim_states.pt",
+                       ckpt.STATE_FILE]  # fmt: skip
+        records = [path for method, path in proxy.requests if method == "GET" and "complete-rank-" in path]
+        assert sorted(records) == sorted(f"/{moto_server.bucket}/run/checkpoint_000001/complete-rank-{r:04d}.json" for r in (0, 5))
+        assert len(proxy.requests) < 12, proxy.requests  # the same for any world size
+        # Onto another number of ranks, the whole checkpoint is wanted (with the shared conversion).
+        assert ckpt.rank_copy(announced, restore_files(5, world * 2, zero_stage=1), tmp_path / "r5b", 5) is None
+
+
+def test_ranks_of_one_node_share_the_files_they_all_read(moto_server, tmp_path):
+    """Module states and EMA weights come down once per node: a second rank of the node finds
+    them there and downloads only its own shard; the folder goes with the last rank to leave."""
+    import s3fs
+
+    from vitray.trainers.deepspeed_backend import restore_files
+
+    local = bench.make_checkpoint(tmp_path / "checkpoint", 4)
+    shared = local / "deepspeed" / "mp_rank_00_model_states.pt"
+    shared.write_bytes(b"m" * 1000)
+    ckpt.mark_complete(local, 0, [shared, local / ckpt.STATE_FILE,
+                                  *(local / "deepspeed").glob("zero_pp_rank_0_*")])  # fmt: skip
+    s3fs.S3FileSystem().put(str(local), f"{moto_server.bucket}/run/checkpoint_000002", recursive=True)
+    remote = moto_server.url("run", "checkpoint_000002")
+    with ckpt.node_restore_dir(remote, str(tmp_path / "node")) as node:
+        first = ckpt.rank_copy(remote, restore_files(1, 4, zero_stage=1), node, 1)[0]
+        stamp = (first / "deepspeed" / "mp_rank_00_model_states.pt").stat().st_mtime_ns
+        with ckpt.node_restore_dir(remote, str(tmp_path / "node")) as again:
+            assert again == node
+            second = ckpt.rank_copy(remote, restore_files(2, 4, zero_stage=1), again, 2)[0]
+        assert (second / "deepspeed" / "mp_rank_00_model_states.pt").stat().st_mtime_ns == stamp  # not fetched again
+        names = sorted(p.name for p in (node / "deepspeed").iterdir())
+        assert names == ["mp_rank_00_model_states.pt", *(f"zero_pp_rank_{r}_mp_rank_00_{k}_states.pt"
+                                                           for r in (1, 2) for k in ("model", "optim"))]  # fmt: skip
+        assert node.is_dir()  # the first rank is still using it
+    assert not node.exists()

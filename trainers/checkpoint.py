@@ -22,9 +22,10 @@ import contextlib
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import fsspec
 
@@ -88,6 +89,95 @@ def verify_complete(folder: str | Path, fs=None) -> dict[str, Any]:
             if sizes.get(f"{prefix}/{name}") != size:
                 raise IncompleteCheckpointError(f"checkpoint {folder}: {name} is missing or truncated")
     return state
+
+
+# Picks, from a complete checkpoint's trainer state and its files, those one rank reads to resume
+# (the backend knows its own files: `deepspeed_backend.restore_files`); None: all of them.
+FileSelector = Callable[[dict[str, Any], list[str]], "list[str] | None"]
+
+
+def rank_copy(path: str, select: FileSelector, node_dir: Path, rank: int) -> tuple[Path, dict[str, Any]] | None:
+    """A local folder with what rank `rank` reads of the complete checkpoint `path` (local or
+    s3://), and its trainer state; None when `select` wants the whole checkpoint (the caller then
+    copies it whole).
+
+    A local checkpoint is its own copy. Of a remote one, only the files `select` picks are
+    downloaded (concurrently, each checked against the size its completion record lists) into
+    `node_dir`, a folder the ranks of one node share (`node_restore_dir`): the files every rank
+    reads (module states, EMA weights) come down once per node, each rank's own shards once, and
+    no other rank's shards. The checkpoint must already be known complete (the driver or rank 0
+    verified it): this reads the trainer state and the records of rank 0 (the shared files) and of
+    `rank` only, so a resume costs each rank a constant number of requests, not one per rank."""
+    import fcntl
+
+    fs, fs_path = storage.filesystem(path)
+    root = fs_path.rstrip("/")
+    state = read_state(root, fs)
+    if not storage.is_remote(path):
+        return Path(path), state
+    records = sorted({f"{root}/{_COMPLETE.format(rank=r)}" for r in (0, rank) if r < state["world_size"]})
+    sizes: dict[str, int] = {}
+    for text in storage.with_retries(lambda: fs.cat(records), what=f"reading the records of checkpoint {path}").values():
+        sizes.update(json.loads(text))
+    wanted = select(state, sorted(sizes))
+    if wanted is None:
+        return None
+    names = sorted(set(wanted) - {STATE_FILE})
+    locks = node_dir / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    held = []
+    try:
+        for name in names:  # in sorted order: ranks wanting the same files never wait on each other in a cycle
+            handle = open(locks / (name.replace("/", "__") + ".lock"), "w")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            held.append(handle)
+        missing = [n for n in names if not ((node_dir / n).is_file() and (node_dir / n).stat().st_size == sizes[n])]
+        parts = {n: node_dir / f"{n}.part-{os.getpid()}" for n in missing}
+        for part in parts.values():
+            part.parent.mkdir(parents=True, exist_ok=True)
+        if missing:
+            storage.with_retries(lambda: fs.get([f"{root}/{n}" for n in missing], [str(parts[n]) for n in missing]),
+                                 what=f"downloading {len(missing)} files of checkpoint {path}")  # fmt: skip
+        for name, part in parts.items():
+            if part.stat().st_size != sizes[name]:
+                raise IncompleteCheckpointError(
+                    f"checkpoint {path}: {name} came down with {part.stat().st_size} bytes, its record lists {sizes[name]}"
+                )
+            os.replace(part, node_dir / name)  # whole, or not there
+    finally:
+        for handle in held:
+            handle.close()
+    (node_dir / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
+    return node_dir, state
+
+
+@contextlib.contextmanager
+def node_restore_dir(path: str, root: str | None = None) -> Iterator[Path]:
+    """The folder the ranks of this node share for their copies of checkpoint `path` (under the
+    system's temporary folder unless `root`); the last rank to leave removes it."""
+    import fcntl
+    import hashlib
+    import shutil
+    import tempfile
+    import uuid
+
+    base = Path(root or tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)
+    folder = base / f"vitray-restore-{hashlib.sha1(path.encode()).hexdigest()[:16]}"
+    guard = Path(str(folder) + ".lock")
+    me = folder / ".users" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    with open(guard, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        me.parent.mkdir(parents=True, exist_ok=True)
+        me.touch()
+    try:
+        yield folder
+    finally:
+        with open(guard, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            me.unlink(missing_ok=True)
+            if not any(me.parent.iterdir()):
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def load_model(folder: str, fs=None, *, ema: bool = True):

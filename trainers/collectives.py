@@ -5,6 +5,9 @@ Each is a no-op without a process group (tests, one process), so components can 
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -26,6 +29,19 @@ def broadcast_int(value: int, device) -> int:
     tensor = torch.tensor([value], dtype=torch.int64, device=collective_device(device))
     dist.broadcast(tensor, src=0)
     return int(tensor.item())
+
+
+def broadcast_json(value: Any, device) -> Any:
+    """Rank 0's JSON-able `value` on every rank (other ranks pass anything, e.g. None)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    data = json.dumps(value).encode() if dist.get_rank() == 0 else b""
+    size = broadcast_int(len(data), device)
+    tensor = torch.zeros(size, dtype=torch.uint8, device=collective_device(device))
+    if dist.get_rank() == 0:
+        tensor.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(tensor, src=0)
+    return json.loads(bytes(tensor.cpu().tolist()).decode())
 
 
 def collective_device(device):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import logging
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -123,12 +124,16 @@ def full_state_dict(engine) -> dict[str, torch.Tensor]:
 
     lead = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     params = dict(engine.module.named_parameters())
+    flat_masters = _flat_fp32_masters(engine)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in engine.module.state_dict(keep_vars=True).items():
         param = params.get(name)
-        # ZeRO 1-3 and bf16 keep an fp32 master copy of each trained parameter; ZeRO-0 in fp32 trains
-        # the module's own weights, and buffers and frozen parameters have no master copy.
+        # ZeRO 1-3 and bf16 keep an fp32 master copy of each trained parameter (ZeRO-0 in bf16/fp16
+        # in flat groups); ZeRO-0 in fp32 trains the module's own weights, and buffers and frozen
+        # parameters have no master copy.
         whole = safe_get_full_fp32_param(param) if param is not None else None
+        if whole is None and param is not None:
+            whole = flat_masters.get(id(param))
         if whole is None and param is not None and hasattr(param, "ds_tensor"):  # frozen under ZeRO-3
             whole = _gather_partition(param, param.ds_tensor, to_all=False)
         if whole is None:
@@ -136,6 +141,23 @@ def full_state_dict(engine) -> dict[str, torch.Tensor]:
         if lead:
             out[name] = whole.detach().float().cpu().clone()
     return out
+
+
+def _flat_fp32_masters(engine) -> dict[int, torch.Tensor]:
+    """id(parameter) -> its fp32 master copy, for DeepSpeed's fp16-style wrappers (ZeRO-0 with bf16
+    or fp16), which keep the copies in their groups instead of a per-parameter mapping."""
+    from torch._utils import _unflatten_dense_tensors
+
+    optimizer = engine.optimizer
+    groups = getattr(optimizer, "fp16_groups", None)
+    if not groups:
+        return {}
+    if getattr(optimizer, "fp32_groups", None):  # the unfused wrapper (any torch optimizer): per parameter
+        return {id(p): master for group, masters in zip(groups, optimizer.fp32_groups) for p, master in zip(group, masters)}
+    if getattr(optimizer, "fp32_groups_flat", None):  # the fused wrapper (DeepSpeed's own Adam): one flat tensor per group
+        return {id(p): master for flat, group in zip(optimizer.fp32_groups_flat, groups)
+                for p, master in zip(group, _unflatten_dense_tensors(flat, group))}  # fmt: skip
+    return {}
 
 
 def _gather_partition(param, local: torch.Tensor, *, to_all: bool) -> torch.Tensor | None:
@@ -192,6 +214,30 @@ def to_universal(checkpoint_dir: Path, out_dir: Path) -> Path:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         ds_to_universal(args)
     return target
+
+
+def restore_files(rank: int, world_size: int, zero_stage: int):
+    """The checkpoint files rank `rank` of `world_size` reads to resume (a `checkpoint.FileSelector`):
+    the trainer state and EMA weights, the module states every rank loads (ZeRO 0-2) and this
+    rank's own shards -- not the other ranks' optimizer shards, nor `model.safetensors` (the
+    consolidated copy for users). A checkpoint of another world size is read whole, with the shared
+    universal conversion (`shared_universal`), which every rank loads."""
+    own = re.compile(rf"(^|_)zero_pp_rank_{rank}_")
+
+    def select(state: dict[str, Any], names: list[str]) -> list[str] | None:
+        if state.get("backend", "deepspeed") != "deepspeed" or (state["world_size"] != world_size and zero_stage > 0):
+            return None
+        picked = []
+        for name in names:
+            base = name.rsplit("/", 1)[-1]
+            if name.startswith(f"{CHECKPOINT_SUBDIR}/"):
+                if "zero_pp_rank_" not in base or own.search(base):
+                    picked.append(name)
+            elif base != "model.safetensors":
+                picked.append(name)
+        return picked
+
+    return select
 
 
 UNIVERSAL_SUBDIR = f"{CHECKPOINT_TAG}_universal"  # under <checkpoint>/deepspeed/, next to the shards

@@ -57,7 +57,9 @@ class TrainingLoop:
         self.evaluators = build_evaluators(cfg)
         self.run_files = RunFiles(ctx.run_dir)
 
-        restore_state = ckpt.verify_complete(ctx.restore_dir) if ctx.restore_dir is not None else None
+        restore_state = None
+        if ctx.restore_dir is not None:
+            restore_state = ctx.restore_state or ckpt.verify_complete(ctx.restore_dir)
         restore = (ctx.restore_dir, restore_state) if restore_state is not None else None
 
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
