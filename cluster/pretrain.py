@@ -1,8 +1,10 @@
 """`vitray pretrain`: one Ray Train V2 TorchTrainer per run.
 
-`RunConfig(name=run.name, storage_path=run.storage)` is what makes re-submitting the same run
-resume: Ray Train finds the run's checkpoint snapshot and hands the latest committed checkpoint
-to the new workers. `FailureConfig(max_failures)` restarts a failed worker group the same way.
+Re-submitting the same run resumes it: the driver finds the newest complete checkpoint in the run
+folder and announces it to the workers. Ray Train's own list of the run's checkpoints (its
+snapshot file) is removed before each start: vitray deletes old checkpoints itself
+(`checkpoint.keep`), and Ray refuses to start on a snapshot naming a folder that is gone.
+`FailureConfig(max_failures)` restarts a failed worker group from Ray's latest checkpoint.
 
 Around `fit()` the driver holds the run's lease (one driver per run, `vitray.trainers.lease`),
 records the attempt in the run folder (what `vitray runs` lists), says where it resumes from and
@@ -245,6 +247,7 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
             shared_filesystem=cfg.cluster.shared_filesystem,
         )  # fmt: skip
         _convert_once_for_new_world_size(cfg, chosen)
+        _forget_ray_snapshot(folder)
         trainer = build_trainer(cfg, resume_from=chosen.path if chosen else None,
                                 resume_step=chosen.step if chosen else None)
         scaling = scaling_config(cfg)
@@ -265,7 +268,9 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
                     chosen, _ = resume_point(folder)
                     attempt = files.new_attempt(lease.owner, resumed_from_step=chosen.step if chosen else None,
                                                 resumed_from=chosen.path if chosen else None, skipped=[])  # fmt: skip
-                    result = build_trainer(cfg, resume_from=chosen.path if chosen else None).fit()
+                    _forget_ray_snapshot(folder)
+                    result = build_trainer(cfg, resume_from=chosen.path if chosen else None,
+                                           resume_step=chosen.step if chosen else None).fit()
         _prune(folder, cfg.checkpoint.keep)  # every upload is done now: the last one counts too
         if sigterm.reason is not None:
             files.end_attempt(attempt, "stopped", sigterm.reason, **_last_step(folder))
@@ -281,6 +286,14 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
         raise
     finally:
         lease.release()
+
+
+def _forget_ray_snapshot(folder: str) -> None:
+    """Remove Ray Train's snapshot of the run's checkpoints: the driver announces the checkpoint to
+    resume from, and the snapshot may name checkpoints that `checkpoint.keep` has deleted since."""
+    from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+
+    storage.remove(storage.join(folder, CHECKPOINT_MANAGER_SNAPSHOT_FILENAME))
 
 
 def _convert_once_for_new_world_size(cfg: TrainingConfig, chosen) -> None:

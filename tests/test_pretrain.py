@@ -132,8 +132,8 @@ def test_half_written_checkpoint_is_never_taken(digits_dataset, reference, tmp_p
     with pytest.raises(IncompleteCheckpointError, match="rank 1"):
         verify_complete(newest)
 
-    # Re-running the run: Ray hands over its newest checkpoint, which is cut short, so training
-    # resumes from the previous complete one and ends with the uninterrupted run's weights.
+    # Re-running the run: its newest checkpoint is cut short, so training resumes from the
+    # previous complete one and ends with the uninterrupted run's weights.
     weights.write_bytes(whole[: len(whole) // 2])
     run(
         pretrain_args(
