@@ -33,13 +33,11 @@ def pretrain(
     from vitray.trainers.lease import RunLeaseHeld
 
     try:
-        result = run_pretrain(cfg, verbose=verbose, force=force)
+        run_pretrain(cfg, verbose=verbose, force=force)
     except (NotEnoughResources, LocalPathsOnCluster, RunLeaseHeld) as err:
         fail(str(err))
     except Preempted as stopped:
-        from vitray.trainers.checkpoint import latest_complete_checkpoint
-
-        latest = latest_complete_checkpoint(run_dir(cfg.run.storage, cfg.run.name))
+        latest = _latest_complete(run_dir(cfg.run.storage, cfg.run.name))
         where = f"step {latest.step} ({latest.path})" if latest else "no checkpoint"
         console.print(f"stopped on a pre-emption notice ({stopped}); latest complete checkpoint: {where}; "
                       "re-run the same command to resume")  # fmt: skip
@@ -47,6 +45,20 @@ def pretrain(
     except TrainingFailedError as err:
         # Ray's message carries each failed rank's traceback; no driver traceback on top of it.
         fail(f"pre-training failed (re-run the same command to resume):\n{err}", code=1)
-    console.print(f"run folder: {run_dir(cfg.run.storage, cfg.run.name)}")
-    if result.checkpoint is not None:
-        console.print(f"latest checkpoint: {result.checkpoint.path}")
+    folder = run_dir(cfg.run.storage, cfg.run.name)
+    console.print(f"run folder: {folder}")
+    latest = _latest_complete(folder)
+    if latest is not None:
+        console.print(f"latest checkpoint: {latest.path} (step {latest.step})")
+
+
+def _latest_complete(folder: str):
+    """The run folder's newest complete checkpoint (what a re-run or `vitray export` takes), not
+    Ray's last reported one, which a failed upload could leave incomplete; from a fresh listing
+    (this process listed the folder before training, and s3fs caches listings)."""
+    from vitray.data import storage
+    from vitray.trainers.checkpoint import latest_complete_checkpoint
+
+    storage.filesystem(folder)[0].invalidate_cache()
+    return latest_complete_checkpoint(folder)
+

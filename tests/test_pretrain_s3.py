@@ -43,7 +43,7 @@ def test_pretrain_on_s3_lists_exports_and_resumes(moto_server, tmp_path):
     # The same command again: the run is already complete, so it resumes at step 8 and stops.
     again = run(args)
     assert [c.step for c in find_checkpoints(run_dir)] == [4, 8]
-    assert "latest checkpoint" in again.stderr
+    assert f"latest checkpoint: {checkpoints[-1].path} (step 8)" in again.stderr
 
 
 def test_export_refuses_a_folder_without_checkpoints(tmp_path):
