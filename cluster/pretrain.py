@@ -78,13 +78,13 @@ def train_worker(loop_config: dict[str, Any]) -> None:
         choice = broadcast_json(_choose_restore(ray.train.get_checkpoint(), loop_config) if rank == 0 else None, device)
         restore_dir, restore_state = _rank_copy(choice, cfg, rank, world, stack) if choice else (None, None)
         worker = WorkerContext(
-            rank=context.get_world_rank(),
-            world_size=context.get_world_size(),
+            rank=rank,
+            world_size=world,
             run_dir=loop_config["run_dir"],
             report=report,
             restore_dir=restore_dir,
             restore_state=restore_state,
-            drain_notice=drain_watch(context.get_world_size()),  # Ray's notice that a node will go
+            drain_notice=drain_watch(world),  # Ray's notice that a node will go
         )
         try:
             TrainingLoop(cfg, worker).run()
@@ -302,9 +302,10 @@ def _convert_once_for_new_world_size(cfg: TrainingConfig, chosen) -> None:
     every rank on the whole checkpoint."""
     if chosen is None or cfg.train.backend != "deepspeed" or cfg.train.zero_stage == 0:
         return
-    from vitray.trainers.checkpoint import checkpoint_state
+    from vitray.trainers.checkpoint import read_state
 
-    written_by = int(checkpoint_state(chosen.path)["world_size"])
+    fs, fs_path = storage.filesystem(chosen.path)
+    written_by = int(read_state(fs_path.rstrip("/"), fs)["world_size"])  # resume_point verified it
     if written_by == cfg.cluster.num_workers:
         return
     from vitray.trainers.deepspeed_backend import shared_universal
