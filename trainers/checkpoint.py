@@ -164,7 +164,7 @@ def node_restore_dir(path: str, root: str | None = None) -> Iterator[Path]:
     base = Path(root or tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     folder = base / f"vitray-restore-{hashlib.sha1(path.encode()).hexdigest()[:16]}"
-    guard = Path(str(folder) + ".lock")
+    guard = base / "vitray-restore.lock"  # one lock file for all checkpoints: nothing left behind per resume
     me = folder / ".users" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     with open(guard, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
