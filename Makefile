@@ -19,7 +19,8 @@ XLA_TEST_ENV := PJRT_DEVICE=CPU CPU_NUM_DEVICES=4
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml requirements.lock
+# setup.py builds the one C extension (data/_jpeg_region.c) into data/ at install.
+$(STAMP): pyproject.toml requirements.lock setup.py data/_jpeg_region.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) --quiet --upgrade "pip==26.3"
 	$(PIP_INSTALL) -c requirements.lock -e '.[dev,xla]'

@@ -14,7 +14,9 @@ into local shards and measures samples per CPU-second of
 2. ``ShardLoader`` with ``--workers`` DataLoader workers, uint8 batches (``float_images=False``,
    what the trainers take) and float32 batches;
 3. ``ShardLoader`` decoding in the calling process (``num_workers=0``);
-4. (``256`` set only) the same as 2. over S3 (a moto server on 127.0.0.1: the S3 code path, not a
+4. where the region decoder is built: the same as 2. with ``REGION_DECODE`` off (every JPEG
+   decoded whole, then cropped: the loader before region decoding);
+5. (``256`` set only) the same as 2. over S3 (a moto server on 127.0.0.1: the S3 code path, not a
    network; moto's own CPU time is not counted).
 
 CPU time is summed over the main process and its workers (``getrusage``; worker start-up, the
@@ -28,7 +30,8 @@ rates are printed too but depend on that load.
 The stall probe then reads batches with 2 slots of ``--probe-window``-sample shuffle windows (a
 window switch every few batches), one worker per slot, and reports the median and the longest gap
 between two consecutive batches, and the longest gap at a window switch. The last line prints the
-ratios: loader / plain loop per CPU-second for both sets, and the longest gap at a switch / the median.
+ratios: loader / plain loop per CPU-second for both sets, region / whole decodes, and the longest gap at a
+switch / the median.
 """
 
 from __future__ import annotations
@@ -135,7 +138,25 @@ def make_loader(path: str, *, workers: int, batch_size: int, floats: bool = Fals
                        seed=0, num_workers=workers, float_images=floats, **kwargs)  # fmt: skip
 
 
-def loader_run(path: str, *, workers: int, batch_size: int, samples: int, floats: bool = False) -> Rate:
+@contextlib.contextmanager
+def whole_image_decodes() -> Iterator[None]:
+    """Decode JPEGs whole instead of by region (the loader before region decoding); the DataLoader
+    workers are forked, so they inherit the switch."""
+    from vitray.data import transforms
+
+    region = transforms.REGION_DECODE
+    transforms.REGION_DECODE = False
+    try:
+        yield
+    finally:
+        transforms.REGION_DECODE = region
+
+
+def loader_run(path: str, *, workers: int, batch_size: int, samples: int, floats: bool = False,
+               whole: bool = False) -> Rate:  # fmt: skip
+    if whole:
+        with whole_image_decodes():
+            return loader_run(path, workers=workers, batch_size=batch_size, samples=samples, floats=floats)
     data_loader = make_loader(path, workers=workers, batch_size=batch_size, floats=floats)
     threads = torch.get_num_threads()
     if workers == 0:
@@ -190,6 +211,15 @@ def show(name: str, rate: Rate, reference: Rate | None = None) -> None:
              f"{rate.steady_per_cpu_second:4.0f}, {rate.steady_per_cpu_second / reference.per_cpu_second:.2f}x)"
              if reference else "")  # fmt: skip
     print(f"  {name:<44} {rate.per_second:6.0f} samples/s; {rate.per_cpu_second:5.0f} per CPU-s{ratio}")
+
+
+def region_decode_built() -> bool:
+    """Whether this vitray decodes JPEG crops by region (False for a loader from before it)."""
+    try:
+        from vitray.data import transforms
+    except ImportError:
+        return False
+    return bool(getattr(transforms, "REGION_DECODE", False))
 
 
 def free_port() -> int:
@@ -258,6 +288,9 @@ def main() -> None:
                         local, workers=args.workers, floats=True, **common),
                     "ShardLoader, no workers, uint8": lambda: loader_run(local, workers=0, **common),
                 }  # fmt: skip
+                if region_decode_built():
+                    readers[f"ShardLoader, {args.workers} workers, uint8, whole decodes"] = lambda: loader_run(
+                        local, workers=args.workers, whole=True, **common)  # fmt: skip
                 if kind == "256" and not args.skip_s3:
                     remote = stack.enter_context(s3_shards(root / "jpegs"))
                     readers[f"ShardLoader S3 (moto), {args.workers} workers"] = lambda: loader_run(
@@ -273,6 +306,10 @@ def main() -> None:
             loader = rates[f"ShardLoader, {args.workers} workers, uint8"]
             summary.append(f"{kind} {loader.per_cpu_second / plain.per_cpu_second:.2f} "
                            f"(steady {loader.steady_per_cpu_second / plain.per_cpu_second:.2f})")  # fmt: skip
+            whole = rates.get(f"ShardLoader, {args.workers} workers, uint8, whole decodes")
+            if whole is not None:
+                summary.append(f"{kind} region / whole decodes {loader.per_cpu_second / whole.per_cpu_second:.2f} "
+                               f"(steady {loader.steady_per_cpu_second / whole.steady_per_cpu_second:.2f})")  # fmt: skip
             if kind == args.sets.split(",")[0] and args.probe_batches:
                 median, longest, switch, switches = stall_probe(
                     local, window=args.probe_window, batch_size=args.batch_size, batches=args.probe_batches)
