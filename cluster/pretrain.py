@@ -34,6 +34,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from vitray.cluster.drain import current_node, draining_nodes, drain_watch
 from vitray.cluster.runtime import check_local_resources, check_paths_reach_every_node, connect, ray_storage, run_dir
 from vitray.data import storage
+from vitray.trainers.checkpointer import remove_stale_staging
 from vitray.trainers.collectives import broadcast_json
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
@@ -71,9 +72,16 @@ def train_worker(loop_config: dict[str, Any]) -> None:
             pruner.submit(_prune, loop_config["run_dir"], cfg.checkpoint.keep)
 
     with contextlib.ExitStack() as stack:
+        rank, world = context.get_world_rank(), context.get_world_size()
+        if context.get_local_rank() == 0:
+            # Before the broadcast below, which every rank waits for: no rank of this attempt has
+            # staged anything yet.
+            stale = remove_stale_staging(cfg.checkpoint.staging_dir, loop_config["run_dir"])
+            if stale:
+                print(f"vitray: removed {len(stale)} staging folder(s) of this run left by an earlier attempt "
+                      f"on this node ({stale[0].parent})", file=sys.stderr, flush=True)  # fmt: skip
         # Rank 0 picks the checkpoint (verifying it on storage once) and tells the others; each
         # rank then copies only the files it reads (`restore_files`).
-        rank, world = context.get_world_rank(), context.get_world_size()
         device = ray.train.torch.get_device()
         choice = broadcast_json(_choose_restore(ray.train.get_checkpoint(), loop_config) if rank == 0 else None, device)
         restore_dir, restore_state = _rank_copy(choice, cfg, rank, world, stack) if choice else (None, None)

@@ -108,6 +108,22 @@ def digits_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(autouse=True)
+def _no_leftover_temp_folders() -> Iterator[None]:
+    """Remove the ``vitray-*`` folders a test left in the system temp folder: checkpoint shares
+    staged by in-process loops (whose stand-in reporters never upload them) and by runs the test
+    killed mid-upload. Ray deletes a staged folder once it is uploaded; a real run removes its own
+    stale ones when it starts again (`remove_stale_staging`, tested in test_pretrain.py)."""
+    import shutil
+    import tempfile
+
+    temp = Path(tempfile.gettempdir())
+    before = set(temp.glob("vitray-*"))
+    yield
+    for folder in set(temp.glob("vitray-*")) - before:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
 def _no_instance_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep botocore from probing the cloud instance-metadata address for credentials."""
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")

@@ -93,12 +93,20 @@ def test_training_steps_never_wait_for_a_slow_metrics_upload(process_group, sing
     reports = []
     ctx = WorkerContext(rank=0, world_size=1, run_dir="slowfs://run", report=lambda m, d: reports.append((m, d)))
     loop = TrainingLoop(cfg, ctx)
+    closed, local = loop.metrics.close, {}
+
+    def close_keeping_the_local_records(**kwargs):
+        closed(**kwargs)
+        local["records"] = _records(loop.metrics.local_dir / METRICS_FILE)
+
+    loop.metrics.close = close_keeping_the_local_records
     loop.run()
 
     remote = slow_storage / "run" / "vitray"
     records = _records(remote / METRICS_FILE)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
-    assert records == _records(loop.metrics.local_dir / METRICS_FILE)  # the last state, byte for byte
+    assert records == local["records"]  # the last local state, byte for byte
+    assert not loop.metrics.local_dir.exists()  # removed once all of it was uploaded
     # Written synchronously, each log step would wait for two uploads (JSONL + events): at least
     # 2 x 2.5 s between two records. The steps did not wait (a step here takes about 0.2 s), and
     # records were written while uploads ran. (The last step is left out: a checkpoint step

@@ -14,6 +14,7 @@ from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, 
 from vitray.trainers.checkpoint import IncompleteCheckpointError, verify_complete
 from vitray.trainers.keys import collect_keys
 from vitray.trainers.checkpoint import find_checkpoints, latest_complete_checkpoint
+from vitray.trainers.checkpointer import staging_prefix
 from vitray.trainers.run_files import RunFiles
 
 pytestmark = pytest.mark.slow
@@ -73,11 +74,23 @@ def test_stop_and_rerun_resumes_exactly(digits_dataset, reference, tmp_path):
         f"train.steps={STEPS}", f"checkpoint.every={EVERY}", WHOLE_DIGITS, f"evals.val={{type: val, every: {STEPS}}}",
         f"debug.record_sample_keys={keys}",
     )  # fmt: skip
+    staging = tmp_path / "staging"
+    args += ["--set", f"checkpoint.staging_dir={staging}"]
     stopped_at = run_until_checkpoint(args, str(tmp_path / "runs" / "ref"), min_step=EVERY)
     assert stopped_at < STEPS
+    # What a kill mid-upload leaves on the node: shares of this run's checkpoints (each rank's),
+    # beside another run's staging folder, which is not this run's to touch.
+    own = [staging / f"{staging_prefix(str(tmp_path / 'runs' / 'ref'))}{step:08d}-r{rank}-x1" for step, rank in [(4, 0), (8, 1)]]
+    other = staging / f"{staging_prefix(str(tmp_path / 'runs' / 'other'))}00000004-r0-x2"
+    for folder in [*own, other]:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "mp_rank_00_model_states.pt").write_bytes(b"\0" * 4096)
     run(args)  # the same command again
     assert_same_weights(final_weights(str(tmp_path / "runs" / "ref")), reference["weights"])
     assert collect_keys(keys) == reference["keys"]
+    # The stale ones are gone (removed as the attempt started), and so is every folder this
+    # attempt staged (Ray deletes each once uploaded); the other run's is untouched.
+    assert sorted(staging.glob("vitray-ckpt-*")) == [other]
 
 
 def test_killed_worker_is_restarted_and_run_finishes_identically(digits_dataset, reference, tmp_path):

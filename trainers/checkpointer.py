@@ -55,6 +55,29 @@ def _disk_error(error: BaseException) -> OSError | None:
     return None
 
 
+def staging_prefix(run_dir: str) -> str:
+    """The name prefix of a run's local staging folders (``PREFIX<step>-r<rank>-<random>``). It
+    carries a digest of the run folder, so that a run removes its own partial or stale files (on
+    a full disk, or left by a killed attempt) and never another run's."""
+    digest = hashlib.sha1(run_dir.encode()).hexdigest()[:10] if run_dir else ""
+    return f"vitray-ckpt-{digest}-" if digest else "vitray-ckpt-"
+
+
+def remove_stale_staging(staging_dir: str | None, run_dir: str) -> list[Path]:
+    """Remove the run's staging folders on this host and return them. Ray deletes a folder once it
+    has uploaded it; an attempt that was killed (a node lost, kill -9, a driver stopped mid-upload)
+    leaves its folders behind, each a whole share of a checkpoint, and a run restarted many
+    times would fill the local disk. What they held is either in the run folder (uploaded) or
+    lost with the attempt, so a new attempt never reads them. Call once per host, before any rank
+    of the new attempt saves."""
+    if not run_dir:
+        return []
+    stale = sorted(Path(staging_dir or tempfile.gettempdir()).glob(f"{staging_prefix(run_dir)}*"))
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+    return stale
+
+
 class Checkpointer:
     """Saves every `every` steps and at `last_step`; restores from a complete checkpoint folder.
 
@@ -84,10 +107,7 @@ as `Ema`'s does through `backend.to_host`); `record`:
         self.report = report
         self.states, self.weights, self.record = states, weights, record
         self.staging_dir = staging_dir
-        # Staging folders carry a digest of the run folder, so that on a full disk this run removes
-        # its own partial files (every rank's on this host) and no other run's.
-        digest = hashlib.sha1(run_dir.encode()).hexdigest()[:10] if run_dir else ""
-        self._prefix = f"vitray-ckpt-{digest}-" if digest else "vitray-ckpt-"
+        self._prefix = staging_prefix(run_dir)
         self._in_flight: _InFlight | None = None
         self._costs: dict[str, float] = {}
         # Called by rank 0 at each save; the background write waits on the handle it returns

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -138,6 +139,9 @@ class TrainingLoop:
             raise
         if self.metrics is not None:
             self.metrics.close()  # uploads the last lines and waits for them
+            # All of it is in the run folder now. (A failed run keeps its local copy: its last
+            # lines may not have reached the run folder.)
+            shutil.rmtree(self.metrics.local_dir, ignore_errors=True)
         return last
 
     def _run(self) -> dict[str, Any]:
