@@ -107,20 +107,23 @@ def digits_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dest
 
 
-@pytest.fixture(autouse=True)
-def _no_leftover_temp_folders() -> Iterator[None]:
-    """Remove the ``vitray-*`` folders a test left in the system temp folder: checkpoint shares
-    staged by in-process loops (whose stand-in reporters never upload them) and by runs the test
-    killed mid-upload. Ray deletes a staged folder once it is uploaded; a real run removes its own
-    stale ones when it starts again (`remove_stale_staging`, tested in test_pretrain.py)."""
+@pytest.fixture(scope="session", autouse=True)
+def _private_temp_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The temp folders of code running in the test process (checkpoint shares staged by
+    in-process loops, whose stand-in reporters never upload them; local metrics copies) go to a
+    folder of this session's, removed at its end. Never a cleanup of the machine's /tmp: other
+    jobs there (a real run, a benchmark, another test session) have vitray-* folders of their own."""
     import shutil
     import tempfile
 
-    temp = Path(tempfile.gettempdir())
-    before = set(temp.glob("vitray-*"))
-    yield
-    for folder in set(temp.glob("vitray-*")) - before:
-        shutil.rmtree(folder, ignore_errors=True)
+    tmp_path_factory.getbasetemp()  # pytest's own folders stay where they are (failed tests' are kept)
+    private = tempfile.mkdtemp(prefix="vt-")
+    saved, tempfile.tempdir = tempfile.tempdir, private
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
+        shutil.rmtree(private, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
