@@ -410,5 +410,7 @@ class ShardLoader:
         for worker in range(workers):
             local_slots = _share(worker, workers, len(spec.slots))[0]
             capacity = len(local_slots) * spec.per_slot
-            rings.append(ChunkRing(PREFETCH + 2, capacity, spec.img_size) if capacity else None)
+            # Training crops come out of their resize channels-last (see decode_chunk)
+            ring = ChunkRing(PREFETCH + 2, capacity, spec.img_size, channels_last=spec.train) if capacity else None
+            rings.append(ring)
         return rings

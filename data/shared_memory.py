@@ -34,8 +34,11 @@ class ChunkRing:
 
     WAIT_S = 5.0  # between checks that the main process is still there
 
-    def __init__(self, slots: int, capacity: int, img_size: int) -> None:
-        self.buffers = shared_uint8((slots, capacity, 3, img_size, img_size))
+    def __init__(self, slots: int, capacity: int, img_size: int, *, channels_last: bool = False) -> None:
+        if channels_last:  # (slots, capacity, 3, H, W) seen, (slots, capacity, H, W, 3) in memory
+            self.buffers = shared_uint8((slots, capacity, img_size, img_size, 3)).permute(0, 1, 4, 2, 3)
+        else:
+            self.buffers = shared_uint8((slots, capacity, 3, img_size, img_size))
         self._free = multiprocessing.Semaphore(slots)
         self._written = 0  # worker side: chunks written so far
         self._parent = os.getpid()

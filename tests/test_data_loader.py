@@ -36,7 +36,7 @@ from vitray.data import (
     storage,
     top1_hits,
 )
-from vitray.data.batch import SkipReporter
+from vitray.data.batch import SkipReporter, is_channels_last
 from vitray.data.plan import ShardRange
 from vitray.data.reader import SampleStream
 from vitray.data.transforms import (
@@ -575,6 +575,7 @@ def test_float_batches_are_the_uint8_batches_in_model_range_with_any_workers(jpe
     for f, u in zip(floats[2], uint8):
         assert f.keys == u.keys and u.images.dtype == torch.uint8 and f.images.dtype == torch.float32
         assert f.images.shape == (64, 3, JPEG_SIZE, JPEG_SIZE) and f.images.is_contiguous()
+        assert u.images.shape == f.images.shape and is_channels_last(u.images)  # the crops' own layout
         assert torch.equal(f.images, to_model_range(u.images))  # bit for bit
     assert uint8[0].images.float().std() > 20  # real picture content, not an empty buffer
 

@@ -19,6 +19,7 @@ from pretrain_helpers import in_process_loop
 from torch.overrides import TorchFunctionMode
 
 from vitray.data import ShardLoader, to_model_range
+from vitray.data.batch import is_channels_last
 from vitray.trainers.feed import DeviceFeed
 
 # Tensor methods that make the host wait for the device (on CUDA) to read a value back.
@@ -78,6 +79,8 @@ def test_feed_hands_uint8_batches_with_the_position_of_the_batch_handed_over(dig
     for _ in range(3):
         expected, batch = next(plain), next(fed)
         assert batch.images.dtype == torch.uint8 and batch.images.device == feed.device
+        # The loader's crops are channels-last in memory; the feed makes them planar after the copy.
+        assert is_channels_last(expected.images) and batch.images.is_contiguous()
         assert torch.equal(batch.images, expected.images) and torch.equal(batch.labels, expected.labels)
         assert batch.keys == expected.keys
         # The feed has read one batch further, but reports the position after the one it handed over.

@@ -78,7 +78,8 @@ class DeviceLoader:
             while True:
                 empty = torch.empty(0)
                 reads.append(_Read(replace(batch, images=empty, labels=empty), self._loader.state_dict()))
-                yield {"images": batch.images, "labels": batch.labels}
+                # planar on the host: training batches leave the loader channels-last
+                yield {"images": batch.images.contiguous(), "labels": batch.labels}
                 batch = fill_to(next(source), self._batch_size)
 
         self._parallel = pl.ParallelLoader(
