@@ -23,11 +23,13 @@ class DataConfig(BaseModel):
     )
     val: str | None = Field(None, description="Prepared dataset for validation; the training one when unset.")
     val_split: str = Field("test", description="Split (or slice: train[98%:]) whose top-1 the run reports.")
-    num_slots: int = Field(
-        8,
+    num_slots: int | None = Field(
+        None,
         gt=0,
         description="Canonical slots of the epoch plan; fixed for a run, divisible by every world size used. "
-        "Best a multiple of world size x num_workers: each loader worker then streams its own slots.",
+        "Unset: a new run takes cluster.num_workers x data.num_workers (each loader worker streams a slot of its "
+        "own; fewer per rank where they would not divide train.micro_batch_size) and a resumed run the number its "
+        "checkpoint records. Set a number with many divisors (the paper configs: 1024) to resume on other world sizes.",
     )
     num_workers: int = Field(1, ge=0, description="DataLoader worker processes per rank (0: decode in the trainer).")
     shuffle_buffer: int = Field(512, gt=0, description="Samples per shuffle window within a slot.")

@@ -75,6 +75,20 @@ def test_batch_must_divide_into_micro_batches_and_workers():
         )
 
 
+@pytest.mark.parametrize(
+    "overrides, slots",
+    [
+        (["cluster.num_workers=4", "data.num_workers=2", "train.micro_batch_size=8"], 8),  # a slot per loader worker
+        (["cluster.num_workers=2", "data.num_workers=0", "train.micro_batch_size=8"], 2),  # decoding in the rank
+        (["cluster.num_workers=2", "data.num_workers=6", "train.micro_batch_size=8"], 4),  # 2 of 6 divide the batch
+        (["cluster.num_workers=2", "data.num_workers=6", "train.micro_batch_size=8", "data.num_slots=16"], 16),
+    ],
+)
+def test_data_slots_default_to_one_per_loader_worker(overrides, slots):
+    cfg = load_config(TrainingConfig, None, ["data.train=d", "train.batch_size=64", *overrides])
+    assert cfg.new_run_num_slots() == slots
+
+
 def test_malformed_override():
     with pytest.raises(ConfigError, match="expected dotted.key=value"):
         load_config(TrainingConfig, None, ["train.steps"])

@@ -109,10 +109,16 @@ def test_loop_in_process_with_zero2_bf16_ema_mixup(process_group, digits_dataset
     ema, weights = load_file(str(Path(saved[0]) / ckpt.EMA_FILE)), load_file(str(Path(saved[0]) / ckpt.MODEL_FILE))
     assert ema.keys() == weights.keys()
     assert any(not torch.equal(ema[k], weights[k]) for k in weights)
-    # The checkpoint loads back (ZeRO-2 bf16 optimizer states through weights_only loading).
-    resumed = TrainingLoop(cfg, WorkerContext(rank=0, world_size=1, run_dir=ctx.run_dir, report=ctx.report,
-                                              restore_dir=Path(saved[0])))  # fmt: skip
+    # data.num_slots unset: one slot per loader worker (no workers here: one for the rank) ...
+    assert cfg.data.num_slots is None and state["data"]["num_slots"] == 1
+    # The checkpoint loads back (ZeRO-2 bf16 optimizer states through weights_only loading), ...
+    more_workers = cfg.model_copy(update={"data": cfg.data.model_copy(update={"num_workers": 2})})
+    assert more_workers.new_run_num_slots() == 2
+    resumed = TrainingLoop(more_workers, WorkerContext(rank=0, world_size=1, run_dir=ctx.run_dir, report=ctx.report,
+                                                       restore_dir=Path(saved[0])))  # fmt: skip
     assert resumed.step == 4
+    # ... with the slots the run started with, not those a new run of this config would take.
+    assert resumed.loader.state_dict()["num_slots"] == 1
     # model.safetensors holds the fp32 master weights (not the bf16 ones upcast): the module's bf16
     # weights are them rounded, and the resumed run's master weights are them exactly.
     assert any(not torch.equal(v, v.bfloat16().float()) for v in weights.values())

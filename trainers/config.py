@@ -8,6 +8,8 @@ scales it down to one CPU machine.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -316,6 +318,14 @@ class TrainingConfig(_Section):
             )
         return self
 
+    def new_run_num_slots(self) -> int:
+        """The data slots a run starting from scratch uses: ``data.num_slots``, or when unset one
+        per loader worker of every rank (as many of a rank's workers as divide its micro-batch:
+        every slot gives each batch the same number of samples)."""
+        if self.data.num_slots is not None:
+            return self.data.num_slots
+        return self.cluster.num_workers * math.gcd(self.train.micro_batch_size, max(1, self.data.num_workers))
+
     @model_validator(mode="after")
     def _batch_divides(self) -> "TrainingConfig":
         per_step = self.train.micro_batch_size * self.cluster.num_workers
@@ -325,12 +335,13 @@ class TrainingConfig(_Section):
                 f"cluster.num_workers = {self.train.micro_batch_size} x {self.cluster.num_workers} = {per_step} "
                 "(gradient accumulation is derived from them)"
             )
-        if self.data.num_slots % self.cluster.num_workers:
+        num_slots = self.new_run_num_slots()
+        if num_slots % self.cluster.num_workers:
             raise ValueError(
-                f"data.num_slots={self.data.num_slots} must be a multiple of cluster.num_workers="
+                f"data.num_slots={num_slots} must be a multiple of cluster.num_workers="
                 f"{self.cluster.num_workers} (each worker owns whole data slots)"
             )
-        slots_per_worker = self.data.num_slots // self.cluster.num_workers
+        slots_per_worker = num_slots // self.cluster.num_workers
         if self.train.micro_batch_size % slots_per_worker:
             raise ValueError(
                 f"train.micro_batch_size={self.train.micro_batch_size} must be a multiple of the data slots per "

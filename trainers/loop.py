@@ -79,7 +79,7 @@ class TrainingLoop:
             img_size=cfg.model.img_size,
             train=True,
             seed=cfg.seed,
-            num_slots=cfg.data.num_slots,
+            num_slots=self._num_slots(restore_state),
             num_workers=cfg.data.num_workers,
             shuffle_buffer=cfg.data.shuffle_buffer,
             storage_options=cfg.data.storage_options,
@@ -128,6 +128,14 @@ class TrainingLoop:
             self.run_files.seed_local_metrics(local_metrics, self.step)
             self.metrics = MetricsWriter(local_metrics, self.run_files, upload_every_s=cfg.log.upload_every_s)
             self.checkpointer.before_complete = self.metrics.flush
+
+    def _num_slots(self, restore_state: dict[str, Any] | None) -> int:
+        """``data.num_slots``; when unset, the number the run started with (which its checkpoints
+        record, whatever the world size now) or, for a new run, the config's default for it."""
+        recorded = (restore_state or {}).get("data", {}).get("num_slots")
+        if self.cfg.data.num_slots is None and recorded is not None:
+            return int(recorded)
+        return self.cfg.new_run_num_slots()
 
     # -- the recipe -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
