@@ -15,7 +15,7 @@ from torch.utils.data import get_worker_info
 
 from .layout import LabelKind
 from .reader import CORRUPT, RawSample
-from .shared_memory import BatchMemory, shared_uint8
+from .shared_memory import BatchMemory, uint8_images
 from .transforms import CorruptSample, apply_seeded, decode_image, decode_label, image_bytes
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,10 @@ def decode_chunk(
     """
     from_bytes = getattr(transform, "from_bytes", None)  # e.g. TrainCrop: decode + crop in one step
     if out is None:
-        out = image_buffer(len(raws), img_size, channels_last=from_bytes is not None, shared=get_worker_info() is not None)
+        # in shared memory in a DataLoader worker, where passing a tensor to the main process would
+        # otherwise copy it there (as default_collate does)
+        out = uint8_images((len(raws),), img_size, channels_last=from_bytes is not None,
+                           shared=get_worker_info() is not None)  # fmt: skip
     images = out[: len(raws)]
     planes = images.numpy()  # writable view of the same memory
     labels, keys, skipped = [], [], 0
@@ -129,18 +132,9 @@ def decode_chunk(
     return Chunk(images[: len(keys)], _stack_labels(labels, label_kind, num_classes), keys, skipped)
 
 
-def image_buffer(count: int, img_size: int, *, channels_last: bool, shared: bool = False) -> torch.Tensor:
-    """Uninitialised uint8 ``(count, 3, img_size, img_size)``, planar or channels-last in memory;
-    ``shared``: in shared memory (a DataLoader worker's, where passing a tensor to the main process
-    would otherwise copy it there, as default_collate does)."""
-    shape = (count, img_size, img_size, 3) if channels_last else (count, 3, img_size, img_size)
-    buffer = shared_uint8(shape) if shared else torch.empty(shape, dtype=torch.uint8)
-    return buffer.permute(0, 3, 1, 2) if channels_last else buffer
-
-
 def is_channels_last(images: torch.Tensor) -> bool:
     """Whether a ``(B, 3, H, W)`` tensor lies channels-last in memory (as training batches do)."""
-    return images.dim() == 4 and not images.is_contiguous() and images.permute(0, 2, 3, 1).is_contiguous()
+    return images.dim() == 4 and not images.is_contiguous() and images.is_contiguous(memory_format=torch.channels_last)
 
 
 def _put_image(dest: np.ndarray, image: Image.Image | torch.Tensor) -> None:
@@ -187,14 +181,12 @@ def concat_chunks(
         images = _model_range_batch([c.images for c in parts], memory)
     elif len(parts) == 1 and not copy:
         images = parts[0].images  # a worker's shared memory, or this process's own buffer: no copy
-    elif is_channels_last(parts[0].images):  # copied as (n, H, W, 3) blocks: no transpose
-        count, (_, height, width) = sum(len(c.images) for c in parts), parts[0].images.shape[1:]
-        stored = memory.empty((count, height, width, 3), torch.uint8)
-        np.concatenate([c.images.permute(0, 2, 3, 1).numpy() for c in parts], out=stored.numpy())
-        images = stored.permute(0, 3, 1, 2)
-    else:  # numpy: no intra-op threads for a copy
-        images = memory.empty((sum(len(c.images) for c in parts), *parts[0].images.shape[1:]), torch.uint8)
-        np.concatenate([c.images.numpy() for c in parts], out=images.numpy())
+    else:  # numpy: no intra-op threads for a copy; in memory order, so channels-last is not transposed
+        last = is_channels_last(parts[0].images)
+        stored = [c.images.permute(0, 2, 3, 1) if last else c.images for c in parts]
+        images = memory.empty((sum(len(s) for s in stored), *stored[0].shape[1:]), torch.uint8)
+        np.concatenate([s.numpy() for s in stored], out=images.numpy())
+        images = images.permute(0, 3, 1, 2) if last else images
     return Batch(
         images=images,
         labels=parts[0].labels if len(parts) == 1 else torch.cat([c.labels for c in parts]),

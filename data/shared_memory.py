@@ -21,6 +21,15 @@ def shared_uint8(shape: tuple[int, ...]) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
 
 
+def uint8_images(leading: tuple[int, ...], img_size: int, *, channels_last: bool, shared: bool) -> torch.Tensor:
+    """Uninitialised uint8 images ``(*leading, 3, img_size, img_size)``, planar or channels-last in
+    memory (``(*leading, img_size, img_size, 3)`` seen as the former); ``shared``: in shared memory."""
+    pixels = (img_size, img_size, 3) if channels_last else (3, img_size, img_size)
+    shape = (*leading, *pixels)
+    buffer = shared_uint8(shape) if shared else torch.empty(shape, dtype=torch.uint8)
+    return buffer.movedim(-1, -3) if channels_last else buffer
+
+
 class ChunkRing:
     """Shared-memory chunk buffers that one DataLoader worker decodes into and the main process
     reads back, taken in turn; chunks then travel between the processes as slot numbers.
@@ -35,10 +44,7 @@ class ChunkRing:
     WAIT_S = 5.0  # between checks that the main process is still there
 
     def __init__(self, slots: int, capacity: int, img_size: int, *, channels_last: bool = False) -> None:
-        if channels_last:  # (slots, capacity, 3, H, W) seen, (slots, capacity, H, W, 3) in memory
-            self.buffers = shared_uint8((slots, capacity, img_size, img_size, 3)).permute(0, 1, 4, 2, 3)
-        else:
-            self.buffers = shared_uint8((slots, capacity, 3, img_size, img_size))
+        self.buffers = uint8_images((slots, capacity), img_size, channels_last=channels_last, shared=True)
         self._free = multiprocessing.Semaphore(slots)
         self._written = 0  # worker side: chunks written so far
         self._parent = os.getpid()
