@@ -1,0 +1,82 @@
+"""A failure as a person reads it: the root exception's type and message on one line, and whether
+re-running the same command can help.
+
+Ray Train reports a worker group's failure as one message that holds each failed rank's whole
+traceback ("[Rank 0 Error Snippet]: Traceback ..."); the cause is the last line of it. The full
+text belongs in the attempt record and the log; the console, result tables and `vitray runs`
+show :func:`describe_failure`'s one line. Works on an exception or on its recorded text, so a
+record written by an older vitray is shortened the same way.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["Failure", "describe_failure"]
+
+# The last line of a Python traceback: "module.TypeName: message" (or the bare type name).
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?(?P<type>[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Warning))(?::\s?(?P<message>.*))?$")
+
+# Failures that a re-run of the same command can get past: a lost worker or node, a pre-emption,
+# storage or network trouble. Anything else (a bad config, a bad input, a bug) fails again the
+# same way until its cause is fixed.
+_TRANSIENT = {
+    "ActorDiedError", "ActorUnavailableError", "RayActorError", "NodeDiedError", "WorkerCrashedError",
+    "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError", "PreemptionError", "ObjectLostError",
+    "OwnerDiedError", "ConnectionError", "ConnectionResetError", "ConnectionRefusedError", "TimeoutError",
+    "BrokenPipeError", "EndpointConnectionError", "ReadTimeoutError", "ConnectTimeoutError",
+    "ServerDisconnectedError", "ClientOSError", "DistBackendError", "DistNetworkError", "GetTimeoutError",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: str  # the root exception's type name ("FileNotFoundError")
+    message: str  # its message, on one line
+    transient: bool  # a re-run of the same command may get past it
+
+    def one_line(self, limit: int = 300) -> str:
+        text = f"{self.kind}: {self.message}" if self.message else self.kind
+        return text if len(text) <= limit else text[: limit - 3] + "..."
+
+    def advice(self) -> str:
+        if self.transient:
+            return "re-run the same command to resume from the latest complete checkpoint"
+        return "fix the cause, then re-run the same command to resume from the latest complete checkpoint"
+
+
+def describe_failure(error: BaseException | str) -> Failure:
+    """The root cause of `error` (an exception, possibly Ray Train's TrainingFailedError wrapping
+    the workers' tracebacks, or the text of one)."""
+    if isinstance(error, BaseException):
+        for rank_error in dict(getattr(error, "worker_failures", None) or {}).values():
+            # Ray Train wraps each worker's exception with its traceback text; the text ends with the cause.
+            return describe_failure(str(rank_error))
+        cause = getattr(error, "controller_failure", None)
+        if isinstance(cause, BaseException):
+            return describe_failure(cause)
+        while error.__cause__ is not None:
+            error = error.__cause__
+        found = _last_exception_line(str(error))
+        if found is not None and found.kind != type(error).__name__:
+            return found  # an exception whose message carries a traceback (Ray's RayTaskError)
+        return Failure(type(error).__name__, _one_line(str(error)), type(error).__name__ in _TRANSIENT)
+    found = _last_exception_line(error)
+    return found if found is not None else Failure("Error", _one_line(error), False)
+
+
+def _last_exception_line(text: str) -> Failure | None:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    for index in range(len(lines) - 1, -1, -1):
+        match = _EXCEPTION_LINE.match(lines[index])
+        if match and not lines[index].startswith("Traceback"):
+            # A message that runs over several lines: what follows the exception line belongs to it.
+            message = " ".join([match.group("message") or "", *lines[index + 1 :]]).strip()
+            kind = match.group("type")
+            return Failure(kind, _one_line(message), kind in _TRANSIENT)
+    return None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
