@@ -82,6 +82,44 @@ def test_ema_tracks_weights():
     assert torch.allclose(ema.state_dict()["weight"], start + 0.5)
 
 
+class _MixedWeights(torch.nn.Module):
+    """fp32 and bf16 parameters side by side, and an integer buffer (what a bf16 ZeRO rank holds)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(7, 5))
+        self.b = torch.nn.Parameter(torch.randn(300).bfloat16())
+        self.c = torch.nn.Parameter(torch.randn(4, 4).half())
+        self.register_buffer("steps", torch.tensor(3))
+
+
+@pytest.mark.parametrize("chunk", [1 << 26, 200])  # one cast chunk, or one per bf16/fp16 tensor
+def test_ema_foreach_update_gives_the_per_tensor_values(monkeypatch, chunk):
+    import vitray.trainers.ema as ema_module
+
+    monkeypatch.setattr(ema_module, "CAST_CHUNK_ELEMENTS", chunk)
+    torch.manual_seed(0)
+    model, decay = _MixedWeights(), 0.9
+    ema = Ema(WholeWeights(model), decay=decay)
+    # The formula before foreach: one lerp per tensor on an fp32 copy, integers copied.
+    reference = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    for step in range(5):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+            model.steps += 1
+        ema.update()
+        for key, value in model.state_dict().items():
+            if value.is_floating_point():
+                reference[key].lerp_(value.float(), 1.0 - decay)
+            else:
+                reference[key].copy_(value)
+        for key in reference:
+            assert torch.equal(ema.shadow[key], reference[key]), (step, key)
+    assert ema.shadow["steps"].item() == 8
+    assert not torch.equal(ema.shadow["b"], model.b.float())  # averaged, not copied
+
+
 def test_loop_in_process_with_zero2_bf16_ema_mixup(process_group, digits_dataset, tmp_path):
     from vitray.trainers.loop import TrainingLoop
 

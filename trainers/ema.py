@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+# Elements of bf16/fp16 weights cast to fp32 at once during an update: 256 MB of scratch at most.
+CAST_CHUNK_ELEMENTS = 1 << 26
+
 
 class Ema:
     def __init__(self, backend: Any, decay: float):
@@ -23,12 +26,29 @@ class Ema:
 
     @torch.no_grad()
     def update(self) -> None:
+        """shadow <- lerp(shadow, weight, 1 - decay) for every float weight, in a few multi-tensor
+        kernels (`torch._foreach_*`, as timm's ModelEmaV3) instead of two launches per tensor."""
+        same_dtype, cast, other = [], [], []
         for key, value in self.backend.local_weights().items():
-            shadow = self.shadow[key]
-            if value.is_floating_point():
-                shadow.lerp_(value.detach().float(), 1.0 - self.decay)
+            pair = (self.shadow[key], value.detach())
+            if not value.is_floating_point():
+                other.append(pair)
+            elif value.dtype == torch.float32:
+                same_dtype.append(pair)
             else:
-                shadow.copy_(value)
+                cast.append(pair)
+        weight = 1.0 - self.decay
+        if same_dtype:
+            torch._foreach_lerp_(*_unzip(same_dtype), weight)
+        # lerp needs one dtype: bf16/fp16 weights go through fp32 buffers, a bounded chunk at a time
+        # so that a large model never holds a second fp32 copy of all its weights.
+        for chunk in _chunks(cast, CAST_CHUNK_ELEMENTS):
+            shadows, values = _unzip(chunk)
+            scratch = [torch.empty_like(shadow) for shadow in shadows]
+            torch._foreach_copy_(scratch, values)
+            torch._foreach_lerp_(shadows, scratch, weight)
+        if other:
+            torch._foreach_copy_(*_unzip(other))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole EMA weights on rank 0 (fp32, CPU). Collective: every rank calls it."""
@@ -59,6 +79,23 @@ class Ema:
                 for key, value in weights.items():
                     value.copy_(saved[key])
             self.backend.weights_changed()
+
+
+def _unzip(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    return [a for a, _ in pairs], [b for _, b in pairs]
+
+
+def _chunks(pairs: list[tuple[torch.Tensor, torch.Tensor]], elements: int) -> Iterator[list]:
+    """`pairs` cut into runs of at most `elements` elements (a larger tensor is a run of its own)."""
+    chunk, size = [], 0
+    for pair in pairs:
+        if chunk and size + pair[0].numel() > elements:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(pair)
+        size += pair[0].numel()
+    if chunk:
+        yield chunk
 
 
 class WholeWeights:
