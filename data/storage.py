@@ -29,6 +29,9 @@ from typing import IO, Any, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+# The one quick probe of a path before expensive work starts; found here with the rest of storage.
+from vitray.data.reachable import StorageUnreachable, check_reachable  # noqa: F401 - re-exported
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")

@@ -1,0 +1,159 @@
+"""Is a storage path usable, asked once and quickly, before anything expensive starts?
+
+The S3 clients vitray reads and writes through retry every request for tens of seconds and end
+in a long traceback (``NoCredentialsError`` at the bottom of ~100 lines). A command that is about
+to start Ray, or to write shards for minutes, first asks :func:`check_reachable`: one request,
+a few seconds at most, and a :class:`StorageUnreachable` whose message is one line naming the
+cause and the fix. Imported by :mod:`vitray.data.storage`, where callers find it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import fsspec
+
+__all__ = ["StorageUnreachable", "check_reachable"]
+
+# One probe, not the usual retry loop: a refused or silent endpoint is reported in seconds.
+CONNECT_TIMEOUT_S = 3
+READ_TIMEOUT_S = 5
+
+# S3 error codes by what a person has to do about them.
+_NO_BUCKET = {"NoSuchBucket"}
+_BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+                    "TokenRefreshRequired", "AuthorizationHeaderMalformed"}  # fmt: skip
+_DENIED = {"AccessDenied", "AllAccessDisabled", "AccountProblem", "403", "Forbidden"}
+
+
+class StorageUnreachable(ValueError):
+    """A storage path that cannot be used as it stands. ``cause`` is one of ``no-credentials``,
+    ``bad-credentials``, ``no-bucket``, ``access-denied``, ``unreachable``, ``missing``; the
+    message is one line naming the path, the cause and the fix. A ValueError, so the command
+    line's handlers of bad input report it like any other bad argument (exit 2, no traceback)."""
+
+    def __init__(self, message: str, *, cause: str, url: str) -> None:
+        super().__init__(message)
+        self.cause, self.url = cause, url
+
+
+def check_reachable(url: str, *, must_exist: bool = False, storage_options: dict[str, Any] | None = None) -> None:
+    """Raise :class:`StorageUnreachable` unless ``url`` can be used: for ``s3://`` the credentials
+    at hand, the bucket and read access are checked with one listing of at most one key; with
+    ``must_exist`` something must be stored at ``url``. For a local path its parent folder must
+    exist (or the path itself, with ``must_exist``). Other protocols are not probed."""
+    url = str(url)
+    protocol, rest = fsspec.core.split_protocol(url)
+    if protocol in (None, "file", "local"):
+        _check_local(rest if protocol else url, must_exist=must_exist)
+    elif protocol in ("s3", "s3a"):
+        _check_s3(url, rest, must_exist=must_exist, options=dict(storage_options or {}))
+
+
+def _check_local(path: str, *, must_exist: bool) -> None:
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(path):
+        return
+    if must_exist:
+        raise StorageUnreachable(f"{path} does not exist: check the path (a typo, or a disk not mounted?)",
+                                 cause="missing", url=path)  # fmt: skip
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        what = "is not a folder" if os.path.exists(parent) else "does not exist"
+        raise StorageUnreachable(f"the parent folder of {path} {what}: check the path or create {parent} first",
+                                 cause="missing", url=path)  # fmt: skip
+
+
+def _check_s3(url: str, rest: str, *, must_exist: bool, options: dict[str, Any]) -> None:
+    import botocore.exceptions as bex
+
+    bucket, _, key = rest.partition("/")
+    key = key.strip("/")
+    if not bucket:
+        raise StorageUnreachable(f"{url} names no bucket: write s3://BUCKET/PREFIX", cause="no-bucket", url=url)
+    client = _s3_client(options)
+    endpoint = client.meta.endpoint_url
+    try:
+        found = client.list_objects_v2(Bucket=bucket, Prefix=f"{key}/" if key else "", MaxKeys=1)["KeyCount"]
+        if must_exist and not found and key:
+            found = _object_exists(client, bucket, key)
+    except (bex.NoCredentialsError, bex.PartialCredentialsError, bex.CredentialRetrievalError) as error:
+        raise StorageUnreachable(
+            f"no credentials for {url} ({type(error).__name__}): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+            "or AWS_PROFILE, or run where an instance role provides them", cause="no-credentials", url=url,
+        ) from None  # fmt: skip
+    except (bex.EndpointConnectionError, bex.ConnectTimeoutError, bex.ReadTimeoutError,
+            bex.ConnectionClosedError, bex.HTTPClientError) as error:  # fmt: skip
+        raise StorageUnreachable(
+            f"cannot reach the S3 endpoint {endpoint} for {url} ({type(error).__name__}, "
+            f"{CONNECT_TIMEOUT_S} s time-out): check AWS_ENDPOINT_URL (or storage_options' endpoint_url) "
+            "and the network", cause="unreachable", url=url,
+        ) from None  # fmt: skip
+    except bex.ClientError as error:
+        raise _client_error(error, url, bucket, endpoint) from None
+    if must_exist and not found:
+        raise StorageUnreachable(f"nothing is stored at {url}: check the prefix (bucket {bucket} exists)",
+                                 cause="missing", url=url)  # fmt: skip
+
+
+def _object_exists(client: Any, bucket: str, key: str) -> bool:
+    import botocore.exceptions as bex
+
+    try:
+        client.head_object(Bucket=bucket, Key=key)
+    except bex.ClientError as error:
+        if error.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            return False
+        raise
+    return True
+
+
+def _client_error(error: Any, url: str, bucket: str, endpoint: str) -> StorageUnreachable:
+    details = error.response.get("Error", {})
+    code = str(details.get("Code", ""))
+    status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if code in _NO_BUCKET or (code == "404" and status == 404):
+        return StorageUnreachable(f"no such bucket {bucket!r} at {endpoint} (for {url}): create it or fix the URL",
+                                  cause="no-bucket", url=url)  # fmt: skip
+    if code in _BAD_CREDENTIALS:
+        return StorageUnreachable(
+            f"the S3 credentials were rejected for {url} ({code}): check AWS_ACCESS_KEY_ID / "
+            "AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN (or AWS_PROFILE)", cause="bad-credentials", url=url,
+        )  # fmt: skip
+    if code in _DENIED or status == 403:
+        return StorageUnreachable(
+            f"access denied to {url} ({code or status}): the credentials at hand may not list "
+            f"s3://{bucket}; use credentials allowed s3:ListBucket and s3:GetObject there", cause="access-denied",
+            url=url,
+        )  # fmt: skip
+    message = " ".join(str(details.get("Message", "")).split())
+    return StorageUnreachable(f"S3 refused {url} ({code or status}: {message}): check the URL and the credentials",
+                              cause="access-denied", url=url)  # fmt: skip
+
+
+def _s3_client(options: dict[str, Any]) -> Any:
+    """A botocore client built from the same settings s3fs would use (environment, profile, and
+    the s3fs-style ``storage_options``: key, secret, token, anon, endpoint_url, client_kwargs,
+    config_kwargs, profile), with short time-outs and no retries."""
+    import botocore
+    import botocore.config
+    import botocore.session
+
+    client_kwargs = dict(options.get("client_kwargs") or {})
+    if options.get("endpoint_url"):
+        client_kwargs.setdefault("endpoint_url", options["endpoint_url"])
+    for option, argument in (("key", "aws_access_key_id"), ("secret", "aws_secret_access_key"),
+                             ("token", "aws_session_token")):  # fmt: skip
+        if options.get(option):
+            client_kwargs.setdefault(argument, options[option])
+    config = {k: v for k, v in dict(options.get("config_kwargs") or {}).items() if k not in ("retries",)}
+    config.update(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S, retries={"total_max_attempts": 1})
+    if options.get("anon"):
+        config["signature_version"] = botocore.UNSIGNED
+    session = botocore.session.Session(profile=options.get("profile"))
+    # Credentials from an instance role are looked up at most once, briefly (botocore's defaults
+    # are a 1 s time-out and one attempt; set here so that a user's config cannot stretch them).
+    session.set_config_variable("metadata_service_timeout", 1)
+    session.set_config_variable("metadata_service_num_attempts", 1)
+    return session.create_client("s3", config=botocore.config.Config(**config), **client_kwargs)

@@ -1,0 +1,83 @@
+"""check_reachable: one quick probe of a storage path, one line naming the cause and the fix.
+
+Against moto's S3 server on 127.0.0.1 (tests/conftest.py): no credentials, a missing bucket, a
+closed port, a prefix with nothing under it; and local paths. Each case must answer in seconds.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from vitray.data.storage import StorageUnreachable, check_reachable, write_bytes_atomic
+
+# A refusal must come from the one probe, not from a retry loop.
+FAST_S = 8.0
+
+
+def _refusal(url: str, **kwargs) -> StorageUnreachable:
+    start = time.monotonic()
+    with pytest.raises(StorageUnreachable) as caught:
+        check_reachable(url, **kwargs)
+    assert time.monotonic() - start < FAST_S
+    message = str(caught.value)
+    assert "\n" not in message and "Traceback" not in message
+    return caught.value
+
+
+def test_storage_unreachable_is_a_value_error() -> None:
+    # The CLI's `except ValueError` handlers report bad input with exit 2 and no traceback.
+    assert issubclass(StorageUnreachable, ValueError)
+
+
+def test_reachable_bucket_and_existing_prefix_pass(moto_server) -> None:
+    check_reachable(moto_server.url("new", "prefix"))  # nothing there yet: fine for a destination
+    write_bytes_atomic(moto_server.url("data", "dataset.json"), b"{}")
+    check_reachable(moto_server.url("data"), must_exist=True)
+    check_reachable(moto_server.url("data", "dataset.json"), must_exist=True)  # an object, not a prefix
+    check_reachable(moto_server.url("new"), storage_options=moto_server.storage_options)
+
+
+def test_missing_prefix_when_it_must_exist(moto_server) -> None:
+    error = _refusal(moto_server.url("nothing-here"), must_exist=True)
+    assert error.cause == "missing" and "nothing-here" in str(error)
+
+
+def test_no_credentials(moto_server, monkeypatch) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-role lookup (169.254.169.254)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+    error = _refusal(moto_server.url("runs"))
+    assert error.cause == "no-credentials"
+    assert "no credentials" in str(error) and "AWS_ACCESS_KEY_ID" in str(error)
+
+
+def test_missing_bucket(moto_server) -> None:
+    error = _refusal("s3://no-such-bucket-vitray/runs")
+    assert error.cause == "no-bucket"
+    assert "no-such-bucket-vitray" in str(error) and "create it" in str(error)
+
+
+def test_unreachable_endpoint(moto_server, monkeypatch) -> None:
+    with socket.socket() as s:  # a port nothing listens on once this socket is closed
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", closed)
+    error = _refusal(moto_server.url("runs"))
+    assert error.cause == "unreachable"
+    assert closed in str(error) and "AWS_ENDPOINT_URL" in str(error)
+
+
+def test_local_paths(tmp_path: Path) -> None:
+    check_reachable(str(tmp_path / "new"))  # a destination to be made inside an existing folder
+    check_reachable(str(tmp_path), must_exist=True)
+    check_reachable(f"file://{tmp_path}", must_exist=True)
+    error = _refusal(str(tmp_path / "absent"), must_exist=True)
+    assert error.cause == "missing" and "absent does not exist" in str(error)
+    error = _refusal(str(tmp_path / "no-parent" / "dest"))
+    assert "parent folder" in str(error) and "no-parent" in str(error)
