@@ -41,6 +41,29 @@ def test_crc32c_and_the_masked_form_match_the_reference_values():
     assert masked_crc32c(b"") == 0xA282EAD8  # rot15(0) + the TFRecord mask delta
 
 
+# RFC 3720 (iSCSI), appendix B.4: CRC-32C of 32-byte patterns, and the check value.
+CRC32C_VECTORS = [
+    (b"123456789", 0xE3069283),
+    (bytes(32), 0x8A9136AA),
+    (b"\xff" * 32, 0x62A8AB43),
+    (bytes(range(32)), 0x46DD794E),
+    (bytes(range(31, -1, -1)), 0x113FDB5C),
+]
+
+
+def test_the_c_crc32c_is_used_and_agrees_with_the_python_fallback():
+    from vitray.data import tfrecord
+
+    # google-crc32c is a dependency: the fast path is the one that runs (decided once, at import).
+    assert tfrecord._crc32c_impl is tfrecord._crc32c_c, "google_crc32c's C extension is not installed"
+    for data, expected in CRC32C_VECTORS:
+        assert tfrecord._crc32c_c(data) == expected, data
+        assert tfrecord._crc32c_python(data) == expected, data
+    payload = np.random.default_rng(0).bytes(100_003)  # an odd length: no whole-word shortcut hides a tail
+    assert tfrecord._crc32c_c(payload) == tfrecord._crc32c_python(payload)
+    assert tfrecord._crc32c_c(memoryview(payload)[5:]) == tfrecord._crc32c_python(payload[5:])
+
+
 def test_records_round_trip_and_corruption_is_a_clear_error(tmp_path):
     path = str(tmp_path / "x.tfrecord")
     records = [make_example({"image": png(i), "label": i, "objects/location": [0.5, -1.0, 3.25]}) for i in range(5)]
