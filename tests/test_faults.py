@@ -20,6 +20,7 @@ import pytest
 
 from disk_helpers import mounted_tmpfs
 
+from vitray.data.storage import write_bytes_atomic
 from vitray.trainers.lease import LeaseRecord, RunLease, RunLeaseHeld, read_lease
 from vitray.trainers.run_files import RunFiles
 
@@ -96,8 +97,9 @@ def test_a_stale_lease_is_taken_over_and_a_fresh_one_needs_force(tmp_path):
     assert "heartbeat is 90 s old" in warning and "run.lease_timeout_s=60" in warning
 
 
-def test_the_heartbeat_keeps_the_lease_fresh_and_notices_a_take_over(tmp_path):
-    run_dir = str(tmp_path / "run")
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_the_heartbeat_keeps_the_lease_fresh_and_notices_a_take_over(where, tmp_path, request):
+    run_dir = request.getfixturevalue("moto_server").url("runs", "beat") if where == "s3" else str(tmp_path / "run")
     lost = threading.Event()
     lease = RunLease(run_dir, timeout_s=0.8, on_lost=lambda holder: lost.set())
     lease.acquire()
@@ -115,22 +117,31 @@ def test_the_heartbeat_keeps_the_lease_fresh_and_notices_a_take_over(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_two_drivers_starting_at_once_one_goes_on(where, tmp_path, request):
-    """Racing for a stale lease: both write, both read back; exactly one still sees its own."""
+@pytest.mark.parametrize("before", ["no lease", "a stale lease"])
+def test_two_drivers_starting_at_once_one_goes_on(where, before, tmp_path, request):
+    """Two starts at once, with no lease yet (both create) or a stale one (both take it over).
+    Locally: both write, both read back, exactly one still sees its own. On S3: conditional writes
+    (If-None-Match to create, If-Match on the stale lease's ETag): S3 lets exactly one through."""
     if where == "s3":
         endpoint = request.getfixturevalue("moto_server")
         run_dir = endpoint.url("runs", "race")
     else:
         run_dir = str(tmp_path / "race")
+    if before == "a stale lease":
+        stale = LeaseRecord("otherdriver1", "other-host", 4242, 0.0, time.time() - 500, time.time() - 300, 60.0)
+        write_bytes_atomic(RunFiles(run_dir).lease_path, json.dumps(stale.__dict__).encode())
     start = threading.Barrier(2)
     outcomes: list[str] = []
+    winners: list[RunLease] = []
 
     def start_driver() -> None:
-        lease = RunLease(run_dir, timeout_s=60, settle_s=1.0)
+        # On S3 no read-back wait is needed: settle_s is the local mechanism's alone.
+        lease = RunLease(run_dir, timeout_s=60, settle_s=1.0 if where == "local" else 0.0)
         start.wait()
         try:
             lease.acquire()
             outcomes.append("won")
+            winners.append(lease)
         except RunLeaseHeld as refused:
             outcomes.append(str(refused))
 
@@ -142,6 +153,29 @@ def test_two_drivers_starting_at_once_one_goes_on(where, tmp_path, request):
     assert outcomes.count("won") == 1, outcomes
     loser = next(o for o in outcomes if o != "won")
     assert "two runs started at once" in loser or "already running" in loser
+    (winner,) = winners
+    assert read_lease(winner.path).owner == winner.owner  # the lease is the winner's, not the loser's
+    winner.release()
+
+
+def test_s3_lease_writes_are_conditional_and_the_server_enforces_them(moto_server):
+    """The S3 server (moto here, S3 itself in production) refuses a create over an existing lease
+    and a write over a version other than the one read -- what the race above relies on."""
+    from vitray.trainers.lease_s3 import ConditionalObject, WriteConflict
+
+    obj = ConditionalObject(moto_server.url("runs", "cas", "lease.json"))
+    assert obj.get() is None
+    first = obj.create(b"one")
+    with pytest.raises(WriteConflict):
+        obj.create(b"two")  # If-None-Match: * on an existing object
+    second = obj.replace(b"two", first)
+    assert obj.get() == (b"two", second) and second != first
+    with pytest.raises(WriteConflict):
+        obj.replace(b"three", first)  # If-Match on a version that was replaced
+    obj.delete()
+    with pytest.raises(WriteConflict):
+        obj.replace(b"four", second)  # If-Match on a deleted object
+    assert obj.get() is None
 
 
 def test_lease_on_s3_refuses_a_second_driver(moto_server):

@@ -8,16 +8,19 @@ two drivers never write one run's checkpoints. A lease whose heartbeat is older 
 taken over with a warning; `--force` takes over a fresh one.
 
 What is guaranteed, plainly:
+- S3 (and S3-compatible stores with conditional writes): the first lease is created with
+  `If-None-Match: *` and every later write -- a take-over, each heartbeat -- is a compare-and-swap
+  on the ETag that was read (`If-Match`, `vitray.trainers.lease_s3`). S3 itself lets exactly one of
+  two racing writers through and refuses the other (412), whatever their timing, so of two drivers
+  starting at once exactly one goes on, and a heartbeat that finds another ETag knows that it was
+  taken over. No waiting is needed.
 - Local storage: the first lease is created with a hard link, which fails when the file exists
   (an atomic create-if-absent); a take-over replaces it atomically. Then every acquirer reads the
   lease back after `settle_s` and gives up unless it is still its own, so of two drivers racing
   for a stale lease exactly one goes on.
-- Object storage (S3, through fsspec): there is no create-if-absent in S3's API as s3fs and moto
-  speak it, so both writes are plain (whole-object) PUTs and the read-back after `settle_s` is the
-  whole protection: with read-after-write consistency (S3 has it since 2020), two drivers that
-  start more than `settle_s` apart never both run; two that write within the same `settle_s`
-  window both see the later writer's lease, so the earlier one refuses. What is not covered: a
-  writer whose PUT takes longer than `settle_s` to land.
+- Other object stores (no conditional writes through fsspec): plain whole-object writes and the
+  read-back after `settle_s` (2 s): two drivers that write within one `settle_s` window both see the
+  later writer's lease, so the earlier one refuses; a PUT slower than `settle_s` is not covered.
 - Ages compare wall clocks of different hosts, so clocks must agree to well under the timeout.
 """
 
@@ -33,6 +36,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from vitray.data import storage
+from vitray.trainers import lease_s3
 
 LEASE_FILE = "lease.json"
 
@@ -76,9 +80,16 @@ def read_lease(path: str) -> LeaseRecord | None:
     if not storage.exists(path):
         return None
     try:
-        return LeaseRecord(**json.loads(storage.read_bytes(path)))
-    except (ValueError, TypeError, FileNotFoundError):
-        return None  # deleted meanwhile, or not a lease this version wrote: treated as absent
+        return _parse(storage.read_bytes(path))
+    except FileNotFoundError:
+        return None  # deleted meanwhile
+
+
+def _parse(data: bytes) -> LeaseRecord | None:
+    try:
+        return LeaseRecord(**json.loads(data))
+    except (ValueError, TypeError):
+        return None  # not a lease this version wrote: treated as absent
 
 
 class RunLease:
@@ -95,6 +106,9 @@ class RunLease:
         self.timeout_s, self.force = timeout_s, force
         self.settle_s = settle_s if settle_s is not None else (2.0 if storage.is_remote(run_dir) else 0.2)
         self.on_lost = on_lost
+        # S3: conditional writes, with the ETag of the version this driver last wrote.
+        self._object = lease_s3.ConditionalObject(self.path) if lease_s3.supports(self.path) else None
+        self._etag: str | None = None
         import psutil
 
         now = time.time()
@@ -110,6 +124,12 @@ class RunLease:
 
     def acquire(self) -> str | None:
         """Take the lease or raise RunLeaseHeld; returns a warning when a lease was taken over."""
+        warning = self._acquire_conditional() if self._object is not None else self._acquire_settled()
+        self._thread = threading.Thread(target=self._heartbeat, name="vitray-lease", daemon=True)
+        self._thread.start()
+        return warning
+
+    def _acquire_settled(self) -> str | None:
         held = read_lease(self.path)
         warning = None
         if held is not None:
@@ -119,14 +139,29 @@ class RunLease:
         time.sleep(self.settle_s)
         now_held = read_lease(self.path)
         if now_held is None or now_held.owner != self.owner:
-            other = f"{now_held.describe()}" if now_held else "another driver (it has since released it)"
-            raise RunLeaseHeld(
-                f"run {self.run_dir} was taken by {other} while this driver was taking it: two runs started at "
-                f"once; this one stops so that only one writes the run's checkpoints"
-            )
-        self._thread = threading.Thread(target=self._heartbeat, name="vitray-lease", daemon=True)
-        self._thread.start()
+            self._raise_raced(now_held)
         return warning
+
+    def _acquire_conditional(self) -> str | None:
+        current = self._object.get()
+        held = _parse(current[0]) if current else None
+        warning = self._may_take_over(held) if held is not None else None
+        self.record.heartbeat = time.time()
+        try:
+            if current is None:
+                self._etag = self._object.create(self._data())
+            else:  # replaces exactly the version judged above (stale, gone, forced, or unreadable)
+                self._etag = self._object.replace(self._data(), current[1])
+        except lease_s3.WriteConflict:
+            self._raise_raced(read_lease(self.path))
+        return warning
+
+    def _raise_raced(self, now_held: LeaseRecord | None) -> None:
+        other = f"{now_held.describe()}" if now_held else "another driver (it has since released it)"
+        raise RunLeaseHeld(
+            f"run {self.run_dir} was taken by {other} while this driver was taking it: two runs started at "
+            f"once; this one stops so that only one writes the run's checkpoints"
+        )
 
     def _may_take_over(self, held: LeaseRecord) -> str | None:
         age = held.age()
@@ -147,8 +182,11 @@ class RunLease:
             "re-run with --force to take it over now"
         )
 
+    def _data(self) -> bytes:
+        return json.dumps(asdict(self.record), indent=1).encode()
+
     def _write(self, create: bool) -> None:
-        data = json.dumps(asdict(self.record), indent=1).encode()
+        data = self._data()
         if create and not storage.is_remote(self.path):
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             tmp = f"{self.path}.{self.owner}.tmp"
@@ -166,16 +204,42 @@ class RunLease:
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.timeout_s / 4):
             try:
-                held = read_lease(self.path)
-                if held is not None and held.owner != self.owner:
+                held = self._beat_conditional() if self._object is not None else self._beat()
+                if held is not None:
                     self.lost = True
                     if self.on_lost is not None:
                         self.on_lost(held)
                     return
-                self.record.heartbeat = time.time()
-                self._write(create=False)
             except Exception as error:  # noqa: BLE001 - a missed beat is retried; the timeout allows 3
                 print(f"vitray: lease heartbeat failed ({error}); retrying", flush=True)
+
+    def _beat(self) -> LeaseRecord | None:
+        """Refresh the lease; returns the other driver's record when it was taken over."""
+        held = read_lease(self.path)
+        if held is not None and held.owner != self.owner:
+            return held
+        self.record.heartbeat = time.time()
+        self._write(create=False)
+        return None
+
+    def _beat_conditional(self) -> LeaseRecord | None:
+        self.record.heartbeat = time.time()
+        try:
+            self._etag = self._object.replace(self._data(), self._etag)
+            return None
+        except lease_s3.WriteConflict:
+            pass
+        # Not the version this driver wrote: someone else's lease, or none (deleted), or ours after
+        # all (a retried PUT whose first attempt had landed).
+        current = self._object.get()
+        held = _parse(current[0]) if current else None
+        if held is not None and held.owner != self.owner:
+            return held
+        if current is None:
+            self._etag = self._object.create(self._data())
+        else:
+            self._etag = current[1]
+        return None
 
     def release(self) -> None:
         self._stop.set()
