@@ -39,7 +39,7 @@ def run_demo(
 ) -> dict:
     from vitray.cluster.evaluate import report_grid, run_grid
     from vitray.cluster.prepare import prepare_dataset_on_ray
-    from vitray.cluster.pretrain import pretrain
+    from vitray.cluster.pretrain import AlreadyFinished, pretrain
     from vitray.cluster.runtime import connect, run_dir
     from vitray.cluster.transfer import resolve_checkpoints
     from vitray.evaluation.config import GridConfig
@@ -65,7 +65,10 @@ def run_demo(
     prepare_dataset_on_ray("builtin:digits", str(data), samples_per_shard=200)
 
     console.rule(f"[bold]2/4 pretrain {cfg.model.name} at {cfg.model.img_size}px on {cfg.cluster.num_workers} Ray workers (DeepSpeed ZeRO-{cfg.train.zero_stage})")
-    pretrain(cfg, verbose=verbose)  # raises TrainingFailedError when the run fails
+    try:
+        pretrain(cfg, verbose=verbose)  # raises TrainingFailedError when the run fails
+    except AlreadyFinished as done:
+        console.print(f"{cfg.run.name} was already trained to step {done.checkpoint.step}: going on with it")
     run = run_dir(cfg.run.storage, cfg.run.name)
     files = RunFiles(run)
     metrics = files.read_metrics()

@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from vitray.cli import exit_codes
 from vitray.cli.app import ConfigOpt, DryRunOpt, SetOpt, VerboseOpt, app, console, fail, load, print_config
 
 
@@ -20,7 +21,8 @@ def pretrain(
     """Pre-train a ViT on a Ray cluster (an embedded local Ray when cluster.address is empty).
 
     Re-running with the same run.name and run.storage resumes from the latest complete checkpoint.
-    A second start of a run that is running refuses (the run's lease); SIGTERM checkpoints and stops.
+    A second start of a run that is running refuses (the run's lease). SIGTERM checkpoints and stops (exit 75);
+    Ctrl-C does the same (exit 130), a second Ctrl-C stops at once.
     """
     from vitray.trainers.config import TrainingConfig
 
@@ -28,24 +30,39 @@ def pretrain(
     if dry_run:
         print_config(cfg)
         return
-    from vitray.cluster.pretrain import Preempted, TrainingFailedError, pretrain as run_pretrain
+    from vitray.cluster.pretrain import AlreadyFinished, Preempted, TrainingFailedError, pretrain as run_pretrain
     from vitray.cluster.runtime import LocalPathsOnCluster, NotEnoughResources, run_dir
+    from vitray.common.failures import describe_failure
+    from vitray.data.storage import StorageUnreachable
     from vitray.trainers.lease import RunLeaseHeld
+    from vitray.trainers.preflight import PreflightError
 
+    folder = run_dir(cfg.run.storage, cfg.run.name)
     try:
         run_pretrain(cfg, verbose=verbose, force=force)
-    except (NotEnoughResources, LocalPathsOnCluster, RunLeaseHeld) as err:
-        fail(str(err))
-    except Preempted as stopped:
-        latest = _latest_complete(run_dir(cfg.run.storage, cfg.run.name))
-        where = f"step {latest.step} ({latest.path})" if latest else "no checkpoint"
-        console.print(f"stopped on a pre-emption notice ({stopped}); latest complete checkpoint: {where}; "
-                      "re-run the same command to resume")  # fmt: skip
+    except (PreflightError, StorageUnreachable, NotEnoughResources, LocalPathsOnCluster, RunLeaseHeld) as err:
+        fail(str(err), exit_codes.INPUT_ERROR)  # refused before the workers started
+    except AlreadyFinished as done:
+        console.print(f"{cfg.run.name} is finished: its latest checkpoint is at step {done.checkpoint.step} of "
+                      f"train.steps={cfg.train.steps} ({done.checkpoint.path}); raise train.steps to train further")  # fmt: skip
         return
+    except Preempted as stopped:
+        latest = _latest_complete(folder)
+        where = f"step {latest.step} ({latest.path})" if latest else "no checkpoint"
+        what = "stopped by user" if stopped.by_user else f"stopped on a pre-emption notice ({stopped})"
+        console.print(f"{what}; latest complete checkpoint: {where}; re-run the same command to resume")
+        raise typer.Exit(exit_codes.STOPPED_BY_USER if stopped.by_user else exit_codes.PREEMPTED) from None
+    except KeyboardInterrupt:
+        latest = _latest_complete(folder)
+        where = f"step {latest.step} ({latest.path})" if latest else "no checkpoint"
+        console.print(f"stopped by user at once (no new checkpoint); latest complete checkpoint: {where}")
+        raise typer.Exit(exit_codes.STOPPED_BY_USER) from None
     except TrainingFailedError as err:
-        # Ray's message carries each failed rank's traceback; no driver traceback on top of it.
-        fail(f"pre-training failed (re-run the same command to resume):\n{err}", code=1)
-    folder = run_dir(cfg.run.storage, cfg.run.name)
+        # One line: the root cause and the advice that fits it; the tracebacks are in the run's
+        # attempt record and Ray's logs (`--verbose` shows the workers' output).
+        cause = describe_failure(err)
+        fail(f"pre-training failed: {cause.one_line()}\n  {cause.advice()}; the full traceback is in the "
+             f"attempt record ({folder}/vitray/attempts) and with --verbose", exit_codes.FAILED)  # fmt: skip
     console.print(f"run folder: {folder}")
     latest = _latest_complete(folder)
     if latest is not None:

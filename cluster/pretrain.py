@@ -41,7 +41,7 @@ from vitray.trainers.context import WorkerContext
 from vitray.trainers.progress import TrainingProgress
 
 # What `pretrain` raises when the run fails for good (each failed rank's traceback in its message).
-__all__ = ["RESOURCE_SETTINGS", "Preempted", "TrainingFailedError", "build_trainer", "pretrain", "scaling_config",
+__all__ = ["RESOURCE_SETTINGS", "AlreadyFinished", "Preempted", "TrainingFailedError", "build_trainer", "pretrain", "scaling_config",
            "train_worker"]  # fmt: skip
 
 
@@ -216,24 +216,37 @@ def build_trainer(cfg: TrainingConfig, resume_from: str | None = None, resume_st
 
 
 class Preempted(Exception):
-    """The run stopped on a pre-emption notice (SIGTERM); `result` is Ray Train's Result."""
+    """The run stopped on a notice (SIGTERM, a node drain, or Ctrl-C when `by_user`) after the
+    workers checkpointed; `result` is Ray Train's Result."""
 
-    def __init__(self, result, reason: str):
+    def __init__(self, result, reason: str, *, by_user: bool = False):
         super().__init__(reason)
-        self.result = result
+        self.result, self.by_user = result, by_user
+
+
+class AlreadyFinished(Exception):
+    """The run's latest complete checkpoint is at (or past) train.steps: nothing to train."""
+
+    def __init__(self, checkpoint):
+        super().__init__(f"step {checkpoint.step} ({checkpoint.path})")
+        self.checkpoint = checkpoint
 
 
 def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool = False, force: bool = False):
     """Run (or resume) the pre-training run described by `cfg`; returns Ray Train's Result.
 
-    Raises RunLeaseHeld when another driver runs it, and Preempted after a SIGTERM once the
-    workers have checkpointed and stopped.
+    Refuses a run that cannot start (`PreflightError`: storage, datasets, model, a resume whose
+    checkpoint would not load) before the lease or Ray is touched, and raises AlreadyFinished for a
+    finished run, RunLeaseHeld when another driver runs it, and Preempted after a SIGTERM or Ctrl-C
+    once the workers have checkpointed and stopped.
     """
     from vitray.trainers.checkpoint import describe_resume, resume_point
     from vitray.trainers.lease import RunLease
     from vitray.trainers.preemption import clear_stop
+    from vitray.trainers.preflight import check_inputs, check_resume
     from vitray.trainers.run_files import RunFiles
 
+    info = check_inputs(cfg)  # seconds, before anything is written or started
     folder = run_dir(cfg.run.storage, cfg.run.name)
     lease = RunLease(folder, timeout_s=cfg.run.lease_timeout_s, force=force, on_lost=_lease_lost)
     warning = lease.acquire()  # before any Ray resources are taken
@@ -242,12 +255,17 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
     try:
         if warning:
             print(f"vitray: {warning}", file=sys.stderr, flush=True)
+        plan = check_resume(cfg, folder, info)
+        chosen = plan.chosen
+        if plan.finished:
+            raise AlreadyFinished(chosen)
         clear_stop(folder)
-        chosen, skipped = resume_point(folder)
-        print(describe_resume(cfg.run.name, chosen, skipped), file=sys.stderr, flush=True)
+        print(describe_resume(cfg.run.name, chosen, plan.skipped), file=sys.stderr, flush=True)
+        for change in plan.changes:
+            print(f"  changed since the checkpoint: {change}", file=sys.stderr, flush=True)
         attempt = files.new_attempt(lease.owner, resumed_from_step=chosen.step if chosen else None,
                                     resumed_from=chosen.path if chosen else None,
-                                    skipped=[f"{c.path}: {c.problem}" for c in skipped])  # fmt: skip
+                                    skipped=[f"{c.path}: {c.problem}" for c in plan.skipped])  # fmt: skip
         connect(cfg.cluster.address, verbose=verbose)
         check_paths_reach_every_node(
             {"run.storage": cfg.run.storage, "data.train": cfg.data.train, "data.val": cfg.data.val,
@@ -261,10 +279,10 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
         scaling = scaling_config(cfg)
         check_local_resources(scaling.num_workers, scaling.resources_per_worker, RESOURCE_SETTINGS)
         progress = TrainingProgress(folder, total_steps=cfg.train.steps)
-        with _SigtermToStop(folder, cfg.run.preemption_grace_s) as sigterm:
+        with _StopOnSignal(folder, cfg.run.preemption_grace_s) as stop:
             with progress if show_progress else contextlib.nullcontext():
-                result = trainer.fit()
-                while sigterm.reason is None and (drained := _stopped_for_drain(folder)) is not None:
+                result = _fit(trainer)
+                while stop.reason is None and (drained := _stopped_for_drain(folder)) is not None:
                     # The workers checkpointed because Ray is draining one of their nodes: go on
                     # with a new worker group, which Ray places away from it.
                     files.end_attempt(attempt, "stopped", drained, **_last_step(folder))
@@ -277,23 +295,50 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
                     attempt = files.new_attempt(lease.owner, resumed_from_step=chosen.step if chosen else None,
                                                 resumed_from=chosen.path if chosen else None, skipped=[])  # fmt: skip
                     _forget_ray_snapshot(folder)
-                    result = build_trainer(cfg, resume_from=chosen.path if chosen else None,
-                                           resume_step=chosen.step if chosen else None).fit()
+                    result = _fit(build_trainer(cfg, resume_from=chosen.path if chosen else None,
+                                                resume_step=chosen.step if chosen else None))  # fmt: skip
         _prune(folder, cfg.checkpoint.keep)  # every upload is done now: the last one counts too
-        if sigterm.reason is not None:
-            files.end_attempt(attempt, "stopped", sigterm.reason, **_last_step(folder))
-            raise Preempted(result, sigterm.reason)
+        if stop.reason is not None:
+            files.end_attempt(attempt, "stopped", stop.reason, **_last_step(folder))
+            raise Preempted(result, stop.reason, by_user=stop.by_user)
         files.end_attempt(attempt, "finished", **_last_step(folder))
         return result
-    except Preempted:
+    except (Preempted, AlreadyFinished):
+        raise
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, without a new checkpoint
+        if attempt is not None:
+            files.end_attempt(attempt, "stopped", "stopped by user (a second Ctrl-C: no new checkpoint)",
+                              **_last_step(folder))  # fmt: skip
         raise
     except BaseException as error:
         if attempt is not None:
+            # The whole traceback text for the record (and `vitray runs --verbose`); consoles show its last line.
             files.end_attempt(attempt, "failed", "".join(traceback.format_exception_only(error)).strip()[-4000:],
                               **_last_step(folder))  # fmt: skip
         raise
     finally:
         lease.release()
+
+
+def _fit(trainer: TorchTrainer):
+    """`trainer.fit()` on a thread of its own. On the main thread Ray Train installs a SIGINT
+    handler that aborts the workers without a checkpoint; here the driver's own handler
+    (`_StopOnSignal`) keeps Ctrl-C, and treats it like a pre-emption notice."""
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as error:  # noqa: BLE001 -- re-raised on the calling thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=fit, name="vitray-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)  # short waits: the main thread runs signal handlers in between
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 def _forget_ray_snapshot(folder: str) -> None:
@@ -350,42 +395,51 @@ def _last_step(folder: str) -> dict:
     return {"checkpoint_step": latest.step if latest else None}
 
 
-class _SigtermToStop:
-    """While training: SIGTERM writes a pre-emption notice for the workers, and if they have not
-    stopped when the grace period is over, the driver exits (143) without a new checkpoint."""
+class _StopOnSignal:
+    """While training: SIGTERM (a pre-emption) or Ctrl-C (SIGINT) writes a stop notice for the
+    workers, which checkpoint at their next check step and stop. If they have not stopped when the
+    grace period is over, the driver exits (143 after SIGTERM, 130 after Ctrl-C) without a new
+    checkpoint; a second Ctrl-C stops at once (KeyboardInterrupt)."""
 
     def __init__(self, folder: str, grace_s: float):
         self.folder, self.grace_s = folder, grace_s
         self.reason: str | None = None
+        self.by_user = False
+        self._timer: threading.Timer | None = None
 
-    def __enter__(self) -> "_SigtermToStop":
+    def __enter__(self) -> "_StopOnSignal":
         # Only a main thread may take signals (`vitray evaluate` runs fine-tunes from a thread pool).
-        self._previous = None
+        self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._on_signal)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-        if getattr(self, "_timer", None) is not None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        if self._timer is not None:
             self._timer.cancel()
 
     def _on_signal(self, signum, frame) -> None:
         if self.reason is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt  # the second Ctrl-C: at once
             return
-        self.reason = f"SIGTERM to the driver (pid {os.getpid()})"
+        self.by_user = signum == signal.SIGINT
+        self.reason = "stopped by user (Ctrl-C)" if self.by_user else f"SIGTERM to the driver (pid {os.getpid()})"
+        again = "; Ctrl-C again to stop at once, without one" if self.by_user else ""
         print(f"vitray: {self.reason}: the workers checkpoint at their next check step and stop "
-              f"(grace {self.grace_s:g} s, run.preemption_grace_s)", file=sys.stderr, flush=True)  # fmt: skip
+              f"(grace {self.grace_s:g} s, run.preemption_grace_s){again}", file=sys.stderr, flush=True)  # fmt: skip
         from vitray.trainers.preemption import request_stop
 
         # Storage writes do not belong in a signal handler's frame (it may interrupt one).
         threading.Thread(target=request_stop, args=(self.folder, self.reason, self.grace_s), daemon=True).start()
-        self._timer = threading.Timer(self.grace_s, self._out_of_time)
+        self._timer = threading.Timer(self.grace_s, self._out_of_time, args=(128 + signum,))
         self._timer.daemon = True
         self._timer.start()
 
-    def _out_of_time(self) -> None:
+    def _out_of_time(self, code: int) -> None:
         print(f"vitray: grace period of {self.grace_s:g} s over before the workers stopped: exiting without a new "
               "checkpoint (a re-run resumes from the latest complete one)", file=sys.stderr, flush=True)  # fmt: skip
-        os._exit(128 + signal.SIGTERM)
+        os._exit(code)

@@ -13,6 +13,7 @@ The pieces `vitray finetune`, `vitray fewshot` and the grid (`cluster/evaluate.p
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -102,13 +103,14 @@ def run_finetune(cfg: TrainingConfig, *, show_progress: bool = False, verbose: b
     A run that already logged its final top-1 is not started again; one that stopped halfway
     resumes from its latest checkpoint (same run.name and run.storage).
     """
-    from vitray.cluster.pretrain import pretrain
+    from vitray.cluster.pretrain import AlreadyFinished, pretrain
     from vitray.cluster.runtime import run_dir
 
     files = RunFiles(run_dir(cfg.run.storage, cfg.run.name))
     top1 = final_top1(files.read_metrics(), cfg.train.steps, VAL_TOP1)
     if top1 is None:
-        pretrain(cfg, show_progress=show_progress, verbose=verbose)  # raises TrainingFailedError on failure
+        with contextlib.suppress(AlreadyFinished):  # trained to the end; its top-1 is checked just below
+            pretrain(cfg, show_progress=show_progress, verbose=verbose)  # raises TrainingFailedError on failure
         top1 = final_top1(files.read_metrics(), cfg.train.steps, VAL_TOP1)
     if top1 is None:
         raise RuntimeError(

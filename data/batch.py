@@ -14,7 +14,7 @@ from PIL import Image
 from torch.utils.data import get_worker_info
 
 from .layout import LabelKind
-from .reader import CORRUPT, RawSample
+from .reader import Corrupt, RawSample
 from .shared_memory import BatchMemory, uint8_images
 from .transforms import CorruptSample, apply_seeded, decode_image, decode_label, image_bytes
 
@@ -23,6 +23,10 @@ log = logging.getLogger(__name__)
 WARN_INTERVAL_S = 60.0
 CONVERT_BLOCK_BYTES = 1 << 20  # float bytes converted per step: stays in the L2 cache
 _SCALE, _ONE = np.float32(2.0 / 255.0), np.float32(1.0)  # to_model_range's arithmetic, in float32
+
+
+class UnreadableData(RuntimeError):
+    """Every sample of a batch was skipped as unreadable: there is nothing to train on."""
 
 
 @dataclass
@@ -39,6 +43,7 @@ class Batch:
     num_skipped: int = 0
     epoch: int = 0
     step: int = 0  # index of this batch within its epoch (training) or pass (evaluation)
+    skipped_shards: tuple[str, ...] = ()  # the shards of the skipped samples, each once
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -57,6 +62,7 @@ class Chunk:
     keys: list[str] = field(default_factory=list)
     num_skipped: int = 0
     ring: tuple[int, int] | None = None  # (worker, slot): the images are in that worker's ChunkRing
+    skipped_shards: tuple[str, ...] = ()  # the shards of the skipped samples, each once
 
 
 class SkipReporter:
@@ -89,7 +95,7 @@ def decode_chunk(
     where: str,
     out: torch.Tensor | None = None,
 ) -> Chunk:
-    """Decode raw samples (``RawSample`` or ``CORRUPT``) into a chunk, skipping corrupt ones.
+    """Decode raw samples (``RawSample`` or ``Corrupt``) into a chunk, skipping corrupt ones.
 
     ``transform`` maps the decoded RGB image to an ``img_size`` square, as a PIL image (e.g.
     :func:`~vitray.data.transforms.train_augment`; copied plane by plane, the cheapest) or a uint8
@@ -111,10 +117,10 @@ def decode_chunk(
                            shared=get_worker_info() is not None)  # fmt: skip
     images = out[: len(raws)]
     planes = images.numpy()  # writable view of the same memory
-    labels, keys, skipped = [], [], 0
+    labels, keys, skipped, skipped_shards = [], [], 0, {}
     for raw, seed in zip(raws, seeds, strict=True):
         try:
-            if raw is CORRUPT:
+            if isinstance(raw, Corrupt):
                 raise CorruptSample("unreadable tar data (truncated or damaged shard)")
             assert isinstance(raw, RawSample)
             label = decode_label(raw.fields, label_kind, num_classes)
@@ -124,12 +130,14 @@ def decode_chunk(
                 image = apply_seeded(transform, decode_image(image_bytes(raw.fields)), seed)
         except CorruptSample as error:
             skipped += 1
-            reporter.skipped(raw.key if isinstance(raw, RawSample) else where, str(error))
+            skipped_shards[raw.shard or where] = None
+            reporter.skipped(raw.key if isinstance(raw, RawSample) else raw.shard or where, str(error))
             continue
         _put_image(planes[len(keys)], image)
         labels.append(label)
         keys.append(raw.key)
-    return Chunk(images[: len(keys)], _stack_labels(labels, label_kind, num_classes), keys, skipped)
+    return Chunk(images[: len(keys)], _stack_labels(labels, label_kind, num_classes), keys, skipped,
+                 skipped_shards=tuple(skipped_shards))  # fmt: skip
 
 
 def is_channels_last(images: torch.Tensor) -> bool:
@@ -194,6 +202,7 @@ def concat_chunks(
         num_skipped=sum(c.num_skipped for c in parts),
         epoch=epoch,
         step=step,
+        skipped_shards=tuple(dict.fromkeys(s for c in parts for s in c.skipped_shards)),
     )
 
 

@@ -6,7 +6,7 @@ stream yields exactly one result, so positions stay exact even when the data is 
 - a sample that was read: :class:`RawSample` (its key and member bytes, still encoded);
 - a sample that was not asked for: ``None`` (its bytes were not read: tar members are passed over
   with a seek, and whole shards are never opened when a range starts past them);
-- a sample that could not be read (truncated shard, missing member): :data:`CORRUPT`.
+- a sample that could not be read (truncated shard, missing member): a :class:`Corrupt` naming its shard.
 
 Transient I/O errors (network) are retried by reopening the shard and seeking back to the same
 sample; a missing shard is an error naming it. A shard that is not damaged but hostile -- a member
@@ -32,14 +32,20 @@ log = logging.getLogger(__name__)
 class RawSample:
     key: str
     fields: dict[str, bytes]  # extension ("png", "cls", ...) -> member bytes
+    shard: str = ""  # the URL of the shard it came from (named when its image cannot be decoded)
 
 
-class _Corrupt:
+@dataclass(frozen=True)
+class Corrupt:
+    """A sample that could not be read, and the shard it should have come from."""
+
+    shard: str = ""
+
     def __repr__(self) -> str:
         return "CORRUPT"
 
 
-CORRUPT: Any = _Corrupt()
+CORRUPT: Any = Corrupt()  # where the shard is not known
 
 _UNREADABLE = (EOFError, ValueError)  # damaged data (incl. _Damaged): deterministic, not retried
 
@@ -171,7 +177,7 @@ class ShardCursor:
         """The next sample: its bytes if ``want``, else None without reading them; CORRUPT if unreadable."""
         if self.broken:
             self.index += 1
-            return CORRUPT
+            return Corrupt(self.url)
         start_index = self.index
         for attempt in range(1, storage.RETRY_ATTEMPTS + 1):
             try:
@@ -182,7 +188,7 @@ class ShardCursor:
                 log.warning("shard %s is damaged at sample %d: %s", self.url, start_index, error)
                 self.broken = True
                 self.index = start_index + 1
-                return CORRUPT
+                return Corrupt(self.url)
             except Exception as error:  # noqa: BLE001 - filtered by is_transient just below
                 if not storage.is_transient(error):
                     raise
@@ -262,7 +268,7 @@ class ShardCursor:
     def _read(self, want: bool) -> RawSample | None | Any:
         if self._pending is None:  # fewer samples in the shard than its manifest says
             self.index += 1
-            return CORRUPT
+            return Corrupt(self.url)
         assert self._file is not None
         if self.index == len(self._sample_offsets):
             self._sample_offsets.append(self._pending.offset)
@@ -279,7 +285,7 @@ class ShardCursor:
             member = self._next_member()
         self._pending = member
         self.index += 1
-        return RawSample(key, fields) if want else None
+        return RawSample(key, fields, self.url) if want else None
 
 
 class SampleStream:

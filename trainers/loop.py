@@ -26,6 +26,7 @@ import torch
 
 from vitray.common.redact import redacted_config
 from vitray.data import ShardLoader, read_dataset_info
+from vitray.data.batch import UnreadableData
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.attention import attention_context, attention_kernel, model_attention_shape
@@ -215,6 +216,8 @@ class TrainingLoop:
             batch = next(batches)
             data_wait += time.perf_counter() - t0
             skipped += batch.num_skipped
+            if not batch.keys and batch.num_skipped:
+                self._no_readable_sample(batch)
             if self.keys is not None:
                 self.keys.record(self.step, batch.keys)
             loss = self.objective.loss(self.backend, batch, rng)
@@ -229,6 +232,17 @@ class TrainingLoop:
         return loss, self.backend.grad_norm(), data_wait, skipped
 
     # -- pieces -----------------------------------------------------------------------------------
+    def _no_readable_sample(self, batch) -> None:
+        """A batch of nothing but skipped samples: stop, naming them, instead of stepping on an
+        empty batch (a NaN loss many steps later, blamed on the learning rate)."""
+        shards = list(batch.skipped_shards)
+        named = ", ".join(shards[:5]) + (f" and {len(shards) - 5} more" if len(shards) > 5 else "")
+        raise UnreadableData(
+            f"no sample of step {self.step + 1}'s batch could be read on rank {self.rank}: all {batch.num_skipped} "
+            f"were skipped as corrupt, from {len(shards)} shard(s): {named or 'unknown'}. data.train="
+            f"{self.cfg.data.train} is damaged, cut short or not written by `vitray data prepare`: prepare it again"
+        )
+
     def _attention(self):
         """The context of the training step's attention (`train.attention`) and the kernel it runs,
         checked once here with the model's shapes (see `trainers/attention.py`)."""

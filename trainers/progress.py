@@ -56,4 +56,7 @@ class TrainingProgress:
         status = f"loss {last.get('loss', float('nan')):.4f}  {last.get('images_per_s', 0):.1f} img/s"
         if VAL_TOP1 in last:
             status += f"  val top-1 {last[VAL_TOP1]:.3f}"
+        skipped = sum(int(r.get("skipped_samples", 0)) for r in records)
+        if skipped:
+            status += f"  {skipped} corrupt sample{'s' if skipped != 1 else ''} skipped"
         self._progress.update(self._task, completed=min(last.get("step", 0), self.total), status=status)

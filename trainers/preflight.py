@@ -1,0 +1,178 @@
+"""The driver's pre-flight check of a training run: everything a user can get wrong that the
+workers would otherwise find minutes later, checked in seconds before Ray starts.
+
+Two parts, in the order the driver needs them:
+
+- :func:`check_inputs`, before the run's lease is taken: storage reachable with the credentials
+  at hand, every dataset prepared (``dataset.json``, the split, a first shard that is a tar), the
+  model buildable at the configured size (on the meta device: nothing allocated), ``init.checkpoint``
+  complete.
+- :func:`check_resume`, under the lease: where the run resumes from, whether its recorded config
+  can load into the new one (a change of architecture, classes, objective, backend, precision,
+  ZeRO stage or optimizer is refused, naming the keys), what else changed (said, allowed), and
+  whether the run is already finished.
+
+Each refusal is a :class:`PreflightError`: one line naming the cause and the fix.
+"""
+
+from __future__ import annotations
+
+import tarfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vitray.common.redact import redacted_config
+from vitray.data import storage
+from vitray.data.layout import DatasetInfo, read_dataset_info, read_split
+from vitray.models import ModelConfig, create_model_from_config
+from vitray.trainers import checkpoint as ckpt
+from vitray.trainers.config import TrainingConfig
+
+__all__ = ["PreflightError", "ResumePlan", "check_inputs", "check_resume", "config_changes"]
+
+# Config keys whose change makes a checkpoint unloadable into the new run: the weights' shapes,
+# what the head predicts, and the layout of the optimizer state that DeepSpeed / XLA restore.
+FIXED_ON_RESUME = (
+    "model.name", "model.img_size", "model.head", "model.representation_size", "model.masked_patch_outputs",
+    "train.backend", "train.objective", "train.zero_stage", "precision.dtype", "optim.name",
+)  # fmt: skip
+# Keys that name the run itself or only where things are read from: a change is not reported.
+_UNREPORTED = ("run.", "init.", "cluster.address")
+
+
+class PreflightError(ValueError):
+    """A run that cannot start as configured (one line: the cause and the fix)."""
+
+
+@dataclass
+class ResumePlan:
+    chosen: ckpt.CheckpointInfo | None  # None: from scratch
+    skipped: list[ckpt.CheckpointInfo] = field(default_factory=list)  # newer, incomplete checkpoints
+    changes: list[str] = field(default_factory=list)  # "key: old -> new", allowed on resume
+    finished: bool = False  # the chosen checkpoint is at or past train.steps
+
+
+def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
+    """Storage, datasets, model and initial weights of `cfg`; returns the training dataset's info."""
+    options = cfg.data.storage_options
+    if storage.is_remote(cfg.run.storage):  # a local run folder is made where it does not exist yet
+        storage.check_reachable(cfg.run.storage, storage_options=options)
+    info = _check_dataset("data.train", cfg.data.train, cfg.data.train_split, options)
+    if any(ev.type == "val" for ev in cfg.evals.values()):
+        _check_dataset("data.val", cfg.data.val_path, cfg.data.val_split, options)
+    for name, ev in cfg.evals.items():
+        for dataset_name, path in getattr(ev, "datasets", {}).items():
+            _check_dataset(f"evals.{name}.datasets.{dataset_name}", path, None, options)
+    model = _check_init_checkpoint(cfg) if cfg.init.checkpoint else cfg.model
+    _check_model(model, info.num_classes)
+    return info
+
+
+def check_resume(cfg: TrainingConfig, run_dir: str, info: DatasetInfo) -> ResumePlan:
+    """Where the run at `run_dir` resumes and whether `cfg` can continue it."""
+    chosen, skipped = ckpt.resume_point(run_dir)
+    if chosen is None:
+        return ResumePlan(None, skipped)
+    fs, fs_path = storage.filesystem(chosen.path)
+    state = ckpt.read_state(fs_path.rstrip("/"), fs)  # resume_point verified it complete
+    recorded = state.get("config") or {}
+    new = redacted_config(cfg)
+    for config in (recorded, new):  # "auto" and what it resolves to on this dataset are the same objective
+        train = config.get("train", {})
+        if train.get("objective") == "auto":
+            train["objective"] = "sigmoid" if info.label_kind == "multi" else "softmax"
+    fixed, changed = config_changes(recorded, new)
+    where = f"run {cfg.run.name} (checkpoint at step {chosen.step}, {chosen.path})"
+    if fixed:
+        raise PreflightError(
+            f"{where} cannot resume with a changed {', '.join(fixed)}: its checkpoint would not load. Keep "
+            f"{'that value' if len(fixed) == 1 else 'those values'} as recorded, or start a new run (another run.name)"
+        )
+    for what, old, new in (("classes", state.get("num_classes"), info.num_classes),
+                           ("label kind", state.get("label_kind"), info.label_kind)):  # fmt: skip
+        if old is not None and old != new:
+            raise PreflightError(
+                f"{where} was trained on {old} {what} but data.train={cfg.data.train} has {new}: its head would "
+                "not load. Resume on the same dataset, or start a new run (another run.name)"
+            )
+    return ResumePlan(chosen, skipped, changed, finished=chosen.step >= cfg.train.steps)
+
+
+def config_changes(recorded: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(keys of FIXED_ON_RESUME that differ, "key: old -> new" for every other difference)."""
+    old_flat, new_flat = _flatten(recorded), _flatten(new)
+    fixed, changed = [], []
+    for key in sorted(old_flat.keys() | new_flat.keys()):
+        old, value = old_flat.get(key), new_flat.get(key)
+        if old == value or key.startswith(_UNREPORTED):
+            continue
+        if key in FIXED_ON_RESUME:
+            fixed.append(f"{key} ({old} -> {value})")
+        else:
+            changed.append(f"{key}: {old} -> {value}")
+    return fixed, changed
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value and prefix + key not in ("data.storage_options",):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def _check_dataset(key: str, path: str, split: str | None, options: dict[str, Any] | None) -> DatasetInfo:
+    try:
+        storage.check_reachable(path, must_exist=True, storage_options=options)
+    except storage.StorageUnreachable as err:
+        raise PreflightError(f"{key}: {err}") from None
+    try:
+        if split is None:
+            return read_dataset_info(path, options)
+        resolved = read_split(path, split, options)
+    except KeyError as err:  # the split is not there; the message lists the ones there are
+        raise PreflightError(f"{key}={path}: {err.args[0]}; pick one of them") from None
+    except (FileNotFoundError, ValueError) as err:
+        raise PreflightError(f"{key}={path}: {err}") from None
+    if len(resolved.shard_urls):
+        _check_first_shard(key, resolved.shard_urls[0], options)
+    return resolved.info
+
+
+def _check_first_shard(key: str, url: str, options: dict[str, Any] | None) -> None:
+    """The first shard begins with a valid tar header (one 512-byte read): a folder of random or
+    cut-off files is refused now, not after every sample of a run has been skipped."""
+    try:
+        with storage.open_file(url, "rb", options) as f:
+            header = f.read(tarfile.BLOCKSIZE)
+        tarfile.TarInfo.frombuf(header, tarfile.ENCODING, "surrogateescape")
+    except FileNotFoundError:
+        raise PreflightError(f"{key}: shard {url} is listed in the manifest but missing; prepare the dataset "
+                             "again (`vitray data prepare ... --overwrite`)") from None  # fmt: skip
+    except tarfile.TarError as err:
+        raise PreflightError(f"{key}: shard {url} is not a tar archive ({err}); prepare the dataset again "
+                             "(`vitray data prepare ... --overwrite`)") from None  # fmt: skip
+
+
+def _check_init_checkpoint(cfg: TrainingConfig) -> ModelConfig:
+    """init.checkpoint is complete; the model it gives at this run's resolution (what the loop builds)."""
+    path = cfg.init.checkpoint
+    try:
+        storage.check_reachable(path, must_exist=True, storage_options=cfg.data.storage_options)
+        folder = ckpt.resolve_checkpoint(path)
+        state = ckpt.checkpoint_state(folder)
+    except (FileNotFoundError, ckpt.IncompleteCheckpointError, storage.StorageUnreachable) as err:
+        raise PreflightError(f"init.checkpoint: {err}") from None
+    return ModelConfig.model_validate({**state["model"], "img_size": cfg.model.img_size})
+
+
+def _check_model(model: ModelConfig, num_classes: int) -> None:
+    try:
+        with torch.device("meta"):  # shapes only: nothing allocated, nothing initialised for real
+            create_model_from_config(model, num_classes)
+    except ValueError as err:
+        raise PreflightError(f"model: {err}") from None
