@@ -9,6 +9,11 @@ import typer
 from vitray.cli.app import console, data_app, fail
 
 
+def plural(count: int, noun: str, many: str = "") -> str:
+    """ "1 shard", "2 shards"; "1 class", "10 classes" (``many`` when not noun + "s")."""
+    return f"{count} {noun if count == 1 else many or noun + 's'}"
+
+
 @data_app.command("prepare")
 def data_prepare(
     source: Annotated[
@@ -20,28 +25,50 @@ def data_prepare(
     ],
     dest: Annotated[str, typer.Argument(help="Output folder: a local path or s3://bucket/prefix.")],
     samples_per_shard: Annotated[int, typer.Option(help="Samples per tar shard.", min=1)] = 1000,
-    overwrite: Annotated[bool, typer.Option(help="Redo a destination that is already prepared.")] = False,
+    overwrite: Annotated[
+        bool, typer.Option(help="Redo a prepared destination, or write into a non-empty folder that is not a dataset.")
+    ] = False,
+    skip_bad: Annotated[
+        bool, typer.Option("--skip-bad", help="Leave zero-byte and undecodable images out (refused otherwise).")
+    ] = False,
     address: Annotated[
         Optional[str], typer.Option(help="Ray cluster address; an embedded local Ray when unset.")
     ] = None,
     serial: Annotated[bool, typer.Option(help="Write the shards in this process, without Ray.")] = False,
 ):
     """Write webdataset shards, per-split manifests and dataset.json from SOURCE into DEST."""
-    from vitray.data import open_source
+    from vitray.data import check_destination, open_source, storage
 
+    # Everything the input decides is checked here, before Ray starts: the source, the
+    # destination's storage and what the destination already holds.
     try:
         src = open_source(source)
+        if storage.is_remote(dest):
+            storage.check_reachable(dest)
+        existing = check_destination(dest, overwrite=overwrite)
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
-    if serial:
-        from vitray.data import prepare_dataset
+    if existing is not None:
+        console.print(f"{dest} is already prepared from {existing.source}; nothing to do (--overwrite redoes it)")
+        return
+    bad_images = "skip" if skip_bad else "refuse"
+    try:
+        if serial:
+            from vitray.data import prepare_dataset
 
-        info = prepare_dataset(src, dest, samples_per_shard=samples_per_shard, overwrite=overwrite)
-    else:
-        from vitray.cluster.prepare import prepare_dataset_on_ray
-        from vitray.cluster.runtime import connect
+            info = prepare_dataset(src, dest, samples_per_shard=samples_per_shard, overwrite=overwrite,
+                                   bad_images=bad_images)  # fmt: skip
+        else:
+            from vitray.cluster.prepare import prepare_dataset_on_ray
+            from vitray.cluster.runtime import connect
 
-        connect(address)
-        info = prepare_dataset_on_ray(src, dest, samples_per_shard=samples_per_shard, overwrite=overwrite)
-    splits = ", ".join(f"{name}: {split.num_samples} samples in {split.num_shards} shards" for name, split in info.splits.items())
-    console.print(f"{dest}: {info.name}, {info.num_classes} classes ({info.label_kind}-label); {splits}")
+            connect(address)
+            info = prepare_dataset_on_ray(src, dest, samples_per_shard=samples_per_shard, overwrite=overwrite,
+                                          bad_images=bad_images)  # fmt: skip
+    except ValueError as err:  # bad images, or a destination that changed meanwhile
+        fail(str(err))
+    splits = ", ".join(
+        f"{name}: {plural(split.num_samples, 'sample')} in {plural(split.num_shards, 'shard')}"
+        for name, split in info.splits.items()
+    )
+    console.print(f"{dest}: {info.name}, {plural(info.num_classes, 'class', 'classes')} ({info.label_kind}-label); {splits}")

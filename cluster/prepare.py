@@ -3,7 +3,7 @@
 The shards, manifests and ``dataset.json`` are byte-identical to the serial
 :func:`vitray.data.prepare_dataset`: the plan is made here, tasks only write their shard, and the
 manifest rows are put back in plan order before ``finalize`` writes the manifests and, last,
-``dataset.json``.
+``dataset.json``. Bad images are refused, skipped or kept exactly as there (``settle_bad_images``).
 """
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ from vitray.data import (
     DEFAULT_MAX_SHARD_BYTES,
     DEFAULT_SAMPLES_PER_SHARD,
     DatasetInfo,
-    ManifestRow,
+    ShardResult,
     ShardTask,
     Source,
     begin_prepare,
     finalize,
     open_source,
     plan_shards,
-    write_shard,
+    settle_bad_images,
+    write_shard_checked,
 )
 
 # Tasks in flight per CPU of the cluster: enough to keep every CPU busy while results come back,
@@ -33,8 +34,8 @@ IN_FLIGHT_PER_CPU = 2
 
 
 @ray.remote(num_cpus=1, max_retries=3, retry_exceptions=[OSError])
-def _write_shard_task(task: ShardTask, dest: str, storage_options: dict[str, Any] | None) -> ManifestRow:
-    return write_shard(task, dest, storage_options)
+def _write_shard_task(task: ShardTask, dest: str, storage_options: dict[str, Any] | None, bad_images: str) -> ShardResult:
+    return write_shard_checked(task, dest, storage_options, bad_images=bad_images)  # type: ignore[arg-type]
 
 
 def prepare_dataset_on_ray(
@@ -44,6 +45,7 @@ def prepare_dataset_on_ray(
     samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
+    bad_images: str = "refuse",
     storage_options: dict[str, Any] | None = None,
     show_progress: bool = True,
 ) -> DatasetInfo:
@@ -62,7 +64,7 @@ def prepare_dataset_on_ray(
         ray.init()
     max_in_flight = max(2, IN_FLIGHT_PER_CPU * int(ray.cluster_resources().get("CPU", 1)))
 
-    rows: dict[str, ManifestRow] = {}
+    results: dict[str, ShardResult] = {}
     queue = list(reversed(tasks))
     running: dict[ray.ObjectRef, ShardTask] = {}
     with Progress(
@@ -78,12 +80,12 @@ def prepare_dataset_on_ray(
         while queue or running:
             while queue and len(running) < max_in_flight:
                 task = queue.pop()
-                running[_write_shard_task.remote(task, dest, storage_options)] = task
+                running[_write_shard_task.remote(task, dest, storage_options, bad_images)] = task
             done, _ = ray.wait(list(running), num_returns=1)
             for ref in done:
                 task = running.pop(ref)
-                rows[task.name] = ray.get(ref)
+                results[task.name] = ray.get(ref)
                 progress.update(bar, advance=task.num_samples)
                 elapsed = progress.tasks[bar].elapsed or 0.0
                 progress.update(bar, rate=progress.tasks[bar].completed / elapsed if elapsed else 0.0)
-    return finalize(src, tasks, list(rows.values()), dest, storage_options)
+    return finalize(src, tasks, settle_bad_images(results.values(), bad_images), dest, storage_options)  # type: ignore[arg-type]

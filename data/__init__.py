@@ -43,14 +43,20 @@ _EXPORTS = {
     "ShardRange": "plan",
     "epoch_plan": "plan",
     "rank_slots": "plan",
+    "DestinationNotEmpty": "prepare",
     "begin_prepare": "prepare",
+    "check_destination": "prepare",
     "finalize": "prepare",
     "prepare_dataset": "prepare",
+    "settle_bad_images": "prepare",
     "DEFAULT_MAX_SHARD_BYTES": "shards",
     "DEFAULT_SAMPLES_PER_SHARD": "shards",
+    "BadImagesError": "shards",
+    "ShardResult": "shards",
     "ShardTask": "shards",
     "plan_shards": "shards",
     "write_shard": "shards",
+    "write_shard_checked": "shards",
     "SPLIT_SYNTAX": "splits",
     "SplitSpec": "splits",
     "parse_split": "splits",
@@ -72,8 +78,9 @@ if TYPE_CHECKING:
     from .layout import DatasetInfo, ManifestRow, ResolvedSplit, SplitInfo, read_dataset_info, read_manifest, read_split
     from .loader import ShardLoader
     from .plan import EpochPlan, ShardRange, epoch_plan, rank_slots
-    from .prepare import begin_prepare, finalize, prepare_dataset
-    from .shards import DEFAULT_MAX_SHARD_BYTES, DEFAULT_SAMPLES_PER_SHARD, ShardTask, plan_shards, write_shard
+    from .prepare import DestinationNotEmpty, begin_prepare, check_destination, finalize, prepare_dataset, settle_bad_images
+    from .shards import (DEFAULT_MAX_SHARD_BYTES, DEFAULT_SAMPLES_PER_SHARD, BadImagesError, ShardResult, ShardTask,
+                         plan_shards, write_shard, write_shard_checked)  # fmt: skip
     from .sources import Source, open_source
     from .splits import SPLIT_SYNTAX, SplitSpec, parse_split, slice_bounds, split_extents
     from .transforms import eval_transform, to_model_range, train_transform

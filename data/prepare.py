@@ -5,11 +5,15 @@ runs them as Ray tasks)::
 
     existing = begin_prepare(dest, overwrite=...)    # None unless already prepared
     tasks = plan_shards(source, samples_per_shard=...)
-    rows = [write_shard(t, dest) for t in tasks]      # any executor, any order
+    results = [write_shard_checked(t, dest) for t in tasks]   # any executor, any order
+    rows = settle_bad_images(results, "refuse")       # one error naming every bad image
     info = finalize(source, tasks, rows, dest)        # manifests, then dataset.json last
 
 ``dataset.json`` is the commit marker: it is written only after every shard and manifest, so a
-crashed or running preparation is never taken for a finished one.
+crashed or running preparation is never taken for a finished one. A hidden ``.vitray-preparing``
+file marks a folder whose preparation began but did not finish: its shards are vitray's to
+replace. Any other non-empty folder holds someone else's files and is refused unless
+``overwrite`` (:func:`check_destination`), so that nothing vitray did not write is replaced.
 """
 
 from __future__ import annotations
@@ -30,33 +34,93 @@ from .layout import (
     write_dataset_info,
     write_manifest,
 )
-from .shards import DEFAULT_MAX_SHARD_BYTES, DEFAULT_SAMPLES_PER_SHARD, ShardTask, plan_shards, write_shard
+from .shards import (
+    DEFAULT_MAX_SHARD_BYTES,
+    DEFAULT_SAMPLES_PER_SHARD,
+    BadImages,
+    BadImagesError,
+    ShardResult,
+    ShardTask,
+    plan_shards,
+    write_shard_checked,
+)
 from .sources import Source, open_source
 
 # Shards, manifests and the temporary files storage.atomic_write leaves when a process is killed.
 _OUR_FILES = re.compile(r"^(\.?[A-Za-z0-9_]+(-\d{6}\.tar|\.manifest\.parquet)|\.dataset\.json)(\.[^/]*\.tmp)?$")
 
-MapFn = Callable[[Callable[[ShardTask], ManifestRow], Iterable[ShardTask]], Iterator[ManifestRow]]
+# Written before the first shard, removed after dataset.json: "a vitray preparation began here".
+PREPARING_MARKER = ".vitray-preparing"
+# How many of a foreign folder's names a refusal lists.
+NAMES_SHOWN = 5
+
+MapFn = Callable[[Callable[[ShardTask], ShardResult], Iterable[ShardTask]], Iterator[ShardResult]]
+
+
+class DestinationNotEmpty(ValueError):
+    """The destination holds files that vitray did not write (and is not a vitray dataset)."""
+
+
+def check_destination(
+    dest: str, *, overwrite: bool = False, storage_options: dict[str, Any] | None = None
+) -> DatasetInfo | None:
+    """What is at ``dest``, changing nothing: the dataset already prepared there (None with
+    ``overwrite``, or when there is none). Raises :class:`DestinationNotEmpty`, naming what is
+    there, for a non-empty folder that is neither a vitray dataset nor an unfinished preparation,
+    unless ``overwrite``. Cheap: one listing and at most one small read."""
+    names = storage.list_names(dest, storage_options)
+    if DATASET_JSON in names:
+        try:
+            existing = read_dataset_info(dest, storage_options)
+        except (ValueError, KeyError, TypeError):
+            existing = None  # a dataset.json that vitray did not write
+        if existing is not None:
+            return None if overwrite else existing
+    if overwrite or not names or PREPARING_MARKER in names:
+        return None
+    shown = ", ".join(names[:NAMES_SHOWN]) + (f", ... ({len(names)} entries)" if len(names) > NAMES_SHOWN else "")
+    raise DestinationNotEmpty(
+        f"{dest} is not empty and is not a vitray dataset (it holds {shown}): choose a new or empty folder, "
+        "or pass --overwrite to write the dataset there (replacing same-named shards and manifests)"
+    )
 
 
 def begin_prepare(
     dest: str, *, overwrite: bool = False, storage_options: dict[str, Any] | None = None
 ) -> DatasetInfo | None:
-    """Check ``dest`` before writing: returns the existing dataset if it is already prepared (and
-    ``overwrite`` is false), else clears what an earlier run left and returns None.
+    """Check ``dest`` before writing (see :func:`check_destination`): returns the existing dataset
+    if it is already prepared (and ``overwrite`` is false), else marks the folder as being
+    prepared, clears what an earlier run left and returns None.
 
     With ``overwrite``, ``dataset.json`` is deleted first so that the folder stops counting as
     prepared before any of its shards change.
     """
+    existing = check_destination(dest, overwrite=overwrite, storage_options=storage_options)
+    if existing is not None:
+        return existing
+    storage.write_bytes_atomic(storage.join(dest, PREPARING_MARKER), b"", storage_options)
     if storage.exists(storage.join(dest, DATASET_JSON), storage_options):
-        if not overwrite:
-            return read_dataset_info(dest, storage_options)
         storage.remove(storage.join(dest, DATASET_JSON), storage_options)
     # Shards and manifests of an earlier (unfinished or overwritten) run; other files are left alone.
     for name in storage.list_names(dest, storage_options):
         if _OUR_FILES.match(name):
             storage.remove(storage.join(dest, name), storage_options)
     return None
+
+
+def settle_bad_images(results: Iterable[ShardResult], bad_images: BadImages) -> list[ManifestRow]:
+    """The manifest rows of the shards written; with "refuse", raises :class:`BadImagesError`
+    naming every bad image met (the shards with none are written, but no ``dataset.json``); with
+    "skip", says how many were left out and which."""
+    results = list(results)
+    bad = [entry for result in results for entry in result.bad]
+    if bad and bad_images == "refuse":
+        raise BadImagesError(bad)
+    if bad and bad_images == "skip":
+        more = f" and {len(bad) - NAMES_SHOWN} more" if len(bad) > NAMES_SHOWN else ""
+        n = len(bad)
+        print(f"skipped {n} bad image{'s' if n != 1 else ''}: " + "; ".join(bad[:NAMES_SHOWN]) + more)
+    return [result.row for result in results if result.row is not None]
 
 
 def finalize(
@@ -84,7 +148,11 @@ def finalize(
         label_kind=source.label_kind,
         splits=splits,
     )
+    empty = sorted(name for name, split in splits.items() if split.num_samples == 0)
+    if empty:
+        raise ValueError(f"{dest}: no readable image left in the splits {empty}; nothing to train or evaluate on")
     write_dataset_info(dest, info, storage_options)
+    storage.remove(storage.join(dest, PREPARING_MARKER), storage_options)
     return info
 
 
@@ -95,6 +163,7 @@ def prepare_dataset(
     samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
+    bad_images: BadImages = "refuse",
     map_fn: MapFn = map,
     progress: Callable[[ManifestRow], None] | None = None,
     storage_options: dict[str, Any] | None = None,
@@ -104,7 +173,10 @@ def prepare_dataset(
     ``map_fn`` runs the shard writes (``map`` by default; e.g. ``ProcessPoolExecutor().map``);
     ``progress`` is called with each finished shard's manifest row. Returns the dataset description.
     A ``dest`` that is already prepared is left as it is (and its description returned) unless
-    ``overwrite`` is true.
+    ``overwrite`` is true; a non-empty folder that is not a vitray dataset is refused unless
+    ``overwrite`` (:class:`DestinationNotEmpty`). Zero-byte and undecodable images are refused
+    (:class:`BadImagesError`, listing them), left out (``bad_images="skip"``) or stored as they
+    are (``"keep"``: the readers skip them).
     """
     src = open_source(source) if isinstance(source, str) else source
     existing = begin_prepare(dest, overwrite=overwrite, storage_options=storage_options)
@@ -113,10 +185,10 @@ def prepare_dataset(
         return existing
     tasks = plan_shards(src, samples_per_shard=samples_per_shard, max_shard_bytes=max_shard_bytes)
     # A partial of a module-level function pickles, so process pools can run it too.
-    write = functools.partial(write_shard, dest=dest, storage_options=storage_options)
-    rows = []
-    for row in map_fn(write, tasks):
-        rows.append(row)
-        if progress is not None:
-            progress(row)
-    return finalize(src, tasks, rows, dest, storage_options)
+    write = functools.partial(write_shard_checked, dest=dest, storage_options=storage_options, bad_images=bad_images)
+    results = []
+    for result in map_fn(write, tasks):
+        results.append(result)
+        if progress is not None and result.row is not None:
+            progress(result.row)
+    return finalize(src, tasks, settle_bad_images(results, bad_images), dest, storage_options)

@@ -15,11 +15,12 @@ import io
 import json
 import tarfile
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 import numpy as np
 
 from . import storage
+from .image_check import image_problem
 from .layout import LabelKind, ManifestRow, check_split_name, key_width, sample_key, shard_name
 from .sources import SampleChunk, Source
 
@@ -27,6 +28,36 @@ DEFAULT_SAMPLES_PER_SHARD = 1000
 DEFAULT_MAX_SHARD_BYTES = 256 * 1024 * 1024
 TAR_MEMBER_OVERHEAD = 3 * 512  # two member headers and padding, per sample
 PREPARE_SHUFFLE_SEED = 0
+
+# What to do with a zero-byte or undecodable image: refuse the dataset (the default: the user
+# decides), leave the sample out, or store it as it is (the readers then skip it at every epoch).
+BadImages = Literal["refuse", "skip", "keep"]
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    """What writing one shard gave: its manifest row (None when bad images were refused, and the
+    shard was therefore not published) and the bad images met, as "ORIGIN: why"."""
+
+    row: ManifestRow | None
+    bad: tuple[str, ...] = ()
+
+
+class BadImagesError(ValueError):
+    """Images that cannot be read, found while preparing; ``bad`` holds "ORIGIN: why" for each."""
+
+    def __init__(self, bad: list[str], *, shown: int = 5) -> None:
+        self.bad = bad
+        more = f"; {len(bad) - shown} more" if len(bad) > shown else ""
+        n = len(bad)
+        super().__init__(
+            f"{n} image{'s' if n != 1 else ''} cannot be read (zero-byte or undecodable): "
+            + "; ".join(bad[:shown]) + more + ": fix or remove them, or pass --skip-bad to leave them out"
+        )  # fmt: skip
+
+
+class _Refused(Exception):
+    """Raised inside the shard's atomic write so that a shard with bad images is never published."""
 
 
 @dataclass(frozen=True)
@@ -148,23 +179,55 @@ def label_member(task: ShardTask, label: int | tuple[int, ...] | None, key: str)
     return "json", json.dumps({"labels": sorted({int(v) for v in labels})}, separators=(",", ":")).encode()
 
 
-def write_shard(task: ShardTask, dest: str, storage_options: dict[str, Any] | None = None) -> ManifestRow:
+def write_shard(
+    task: ShardTask, dest: str, storage_options: dict[str, Any] | None = None, *, bad_images: BadImages = "refuse"
+) -> ManifestRow:
     """Write the shard of ``task`` into the dataset folder ``dest``; returns its manifest row.
+    Raises :class:`BadImagesError` when it meets bad images and ``bad_images`` is "refuse"."""
+    result = write_shard_checked(task, dest, storage_options, bad_images=bad_images)
+    if result.row is None:
+        raise BadImagesError(list(result.bad))
+    return result.row
+
+
+def write_shard_checked(
+    task: ShardTask, dest: str, storage_options: dict[str, Any] | None = None, *, bad_images: BadImages = "refuse"
+) -> ShardResult:
+    """Write the shard of ``task`` into the dataset folder ``dest``, checking every image (see
+    :mod:`vitray.data.image_check`) unless ``bad_images`` is "keep".
 
     The shard appears under its final name only when complete (see :func:`storage.atomic_write`).
+    With "refuse", a shard that holds a bad image is not published, but the rest of its samples
+    are still checked, so that one error can count every bad image of the dataset. A skipped
+    sample leaves a gap in the keys (keys stay the samples' planned positions).
     """
     path = storage.join(dest, task.name)
-    with storage.atomic_write(path, storage_options) as f:
-        out = _HashingWriter(f)
-        with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:  # type: ignore[call-overload]
-            count = 0
-            for sample in task.chunk:
-                key = sample_key(task.split, task.first_sample + count, task.key_width)
-                label = label_member(task, sample.label, key)
-                tar.addfile(*_member(f"{key}.{sample.ext}", sample.image))
-                if label is not None:
-                    tar.addfile(*_member(f"{key}.{label[0]}", label[1]))
-                count += 1
-        if count != task.num_samples:
-            raise RuntimeError(f"{task.name}: the source gave {count} samples, expected {task.num_samples}")
-    return ManifestRow(name=task.name, num_samples=count, bytes=out.size, sha256=out.sha256.hexdigest())
+    bad: list[str] = []
+    try:
+        with storage.atomic_write(path, storage_options) as f:
+            out = _HashingWriter(f)
+            with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:  # type: ignore[call-overload]
+                position = count = 0
+                for sample in task.chunk:
+                    key = sample_key(task.split, task.first_sample + position, task.key_width)
+                    position += 1
+                    problem = image_problem(sample.image) if bad_images != "keep" else None
+                    if problem is not None:
+                        bad.append(f"{sample.origin or key}: {problem}")
+                    if bad and bad_images == "refuse":
+                        continue  # this shard will not be published; only count what else is bad
+                    if problem is not None:
+                        continue
+                    label = label_member(task, sample.label, key)
+                    tar.addfile(*_member(f"{key}.{sample.ext}", sample.image))
+                    if label is not None:
+                        tar.addfile(*_member(f"{key}.{label[0]}", label[1]))
+                    count += 1
+            if position != task.num_samples:
+                raise RuntimeError(f"{task.name}: the source gave {position} samples, expected {task.num_samples}")
+            if bad and bad_images == "refuse":
+                raise _Refused
+    except _Refused:
+        return ShardResult(None, tuple(bad))
+    row = ManifestRow(name=task.name, num_samples=count, bytes=out.size, sha256=out.sha256.hexdigest())
+    return ShardResult(row, tuple(bad))

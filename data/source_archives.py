@@ -43,7 +43,7 @@ class ArchiveChunk(SampleChunk):
                     continue
                 data = archive.extractfile(member).read()
                 seen.add(member.name)
-                yield Sample(data, image_ext(data, member.name), label)
+                yield Sample(data, image_ext(data, member.name), label, origin=f"{self.path}:{member.name}")
                 if len(seen) == len(self.members):
                     return
         missing = sorted(set(self.members) - seen)

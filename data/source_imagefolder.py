@@ -37,7 +37,7 @@ class ImageFolderChunk(SampleChunk):
     def __iter__(self) -> Iterator[Sample]:
         for path, label in self.files:
             data = Path(path).read_bytes()
-            yield Sample(image=data, ext=image_ext(data, path), label=label)
+            yield Sample(image=data, ext=image_ext(data, path), label=label, origin=path)
 
 
 class ImageFolderSource(Source):

@@ -61,7 +61,8 @@ def _read_rows(path: str, lo: int, hi: int, columns: tuple[str, str]) -> Iterato
                 if label is None:
                     raise ValueError(f"{where} has no label")
                 data = image["bytes"]
-                yield Sample(data, image_ext(data, image.get("path") or ""), tuple(label) if isinstance(label, list) else label)
+                yield Sample(data, image_ext(data, image.get("path") or ""), tuple(label) if isinstance(label, list) else label,
+                             origin=where)  # fmt: skip
         first += rows
 
 

@@ -25,7 +25,7 @@ class UnlabelledChunk(SampleChunk):
 
     def __iter__(self) -> Iterator[Sample]:
         for sample in self.inner:
-            yield Sample(sample.image, sample.ext, None)
+            yield Sample(sample.image, sample.ext, None, sample.origin)
 
 
 class UnlabelledSource(Source):

@@ -36,6 +36,7 @@ class Sample:
     image: bytes
     ext: str  # "png" or "jpg"
     label: int | tuple[int, ...] | None  # a class index, class indices (multi-label), None (unlabelled)
+    origin: str = ""  # where it came from (a file path, an archive member), to name it in errors
 
 
 class SampleChunk(abc.ABC):

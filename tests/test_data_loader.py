@@ -340,7 +340,8 @@ def damaged_dataset(tmp_path: Path) -> Path:
             (folder / f"{i}.png").write_bytes(buffer.getvalue())
     (tmp_path / "src" / "class1" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n this is not a PNG")
     dest = tmp_path / "out"
-    prepare_dataset(f"imagefolder:{tmp_path / 'src'}", str(dest), samples_per_shard=16)
+    # "keep": stored as it is (prepare refuses it by default), so that the readers meet it.
+    prepare_dataset(f"imagefolder:{tmp_path / 'src'}", str(dest), samples_per_shard=16, bad_images="keep")
     last = dest / read_manifest(str(dest), "train")[-1].name
     data = last.read_bytes()
     last.write_bytes(data[: len(data) // 2 + 100])  # cuts through a member's data

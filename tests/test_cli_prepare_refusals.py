@@ -1,0 +1,141 @@
+"""`vitray data prepare` refuses what it must not do, in one line, before Ray starts (issue 26):
+a destination that holds someone else's files, zero-byte and undecodable images, storage that
+cannot be reached. Through the CLI (typer's CliRunner), in-process, so that `ray.is_initialized()`
+tells whether Ray was started."""
+
+from __future__ import annotations
+
+import io
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+from PIL import Image
+from typer.testing import CliRunner
+
+from vitray.cli.main import app
+from vitray.data import BadImagesError, DestinationNotEmpty, prepare_dataset, read_dataset_info, read_manifest
+
+
+def image_folder(root: Path, per_class: int = 3) -> Path:
+    rng = np.random.default_rng(0)
+    for name in ("ant", "bee"):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            buffer = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(buffer, format="JPEG")
+            (root / name / f"{i}.jpg").write_bytes(buffer.getvalue())
+    return root
+
+
+def with_bad_images(root: Path) -> list[Path]:
+    bad = [root / "ant" / "empty.jpg", root / "bee" / "notes.jpg"]
+    bad[0].write_bytes(b"")
+    bad[1].write_text("this is text, not a JPEG")
+    return bad
+
+
+def prepare(*args: str):
+    result = CliRunner().invoke(app, ["data", "prepare", *args])
+    assert "Traceback" not in result.output, result.output
+    return result
+
+
+def refused(*args: str) -> str:
+    """The one-line error of a refusal, which happened before Ray started."""
+    result = prepare(*args)
+    assert result.exit_code == 2, result.output
+    assert not ray.is_initialized()
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
+@pytest.fixture(autouse=True)
+def _wide_terminal(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # rich would wrap the one line at 80 columns otherwise
+
+
+def test_a_folder_of_someone_elses_files_is_refused_and_kept(tmp_path):
+    src = image_folder(tmp_path / "src")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "train-000000.tar").write_bytes(b"the user's own shard")
+    (dest / "notes.txt").write_text("mine")
+    # Without --serial: the refusal comes before Ray would start.
+    message = refused(f"imagefolder:{src}", str(dest))
+    assert "is not empty and is not a vitray dataset" in message
+    assert "train-000000.tar" in message and "notes.txt" in message and "--overwrite" in message
+    assert (dest / "train-000000.tar").read_bytes() == b"the user's own shard"
+    with pytest.raises(DestinationNotEmpty):
+        prepare_dataset(f"imagefolder:{src}", str(dest))
+    # --overwrite: the user asked for it; their other files stay.
+    result = prepare(f"imagefolder:{src}", str(dest), "--overwrite", "--serial")
+    assert result.exit_code == 0, result.output
+    assert read_dataset_info(str(dest)).splits["train"].num_samples == 6
+    assert (dest / "notes.txt").read_text() == "mine"
+
+
+def test_an_unfinished_preparation_and_a_prepared_dataset_are_vitrays_own(tmp_path):
+    src = image_folder(tmp_path / "src")
+    dest = tmp_path / "dest"
+
+    def crash_after_one(fn, tasks):
+        for i, task in enumerate(tasks):
+            if i == 1:
+                raise KeyboardInterrupt("simulated crash")
+            yield fn(task)
+
+    with pytest.raises(KeyboardInterrupt):
+        prepare_dataset(f"imagefolder:{src}", str(dest), samples_per_shard=2, map_fn=crash_after_one)
+    prepare_dataset(f"imagefolder:{src}", str(dest), samples_per_shard=2)  # its own leftovers: no refusal
+    assert sorted(p.name for p in dest.iterdir())[0] == "dataset.json"  # the marker is gone once finished
+    # Already prepared: said at once, without starting Ray.
+    result = prepare(f"imagefolder:{src}", str(dest))
+    assert result.exit_code == 0 and "already prepared" in result.output and not ray.is_initialized()
+
+
+def test_bad_images_are_refused_with_their_names(tmp_path):
+    src = image_folder(tmp_path / "src")
+    bad = with_bad_images(src)
+    message = refused(f"imagefolder:{src}", str(tmp_path / "dest"), "--serial")
+    assert "2 images cannot be read" in message and "--skip-bad" in message
+    assert str(bad[0]) in message and "empty file" in message
+    assert str(bad[1]) in message and "not an image" in message
+    assert not (tmp_path / "dest" / "dataset.json").exists()
+    with pytest.raises(BadImagesError) as caught:
+        prepare_dataset(f"imagefolder:{src}", str(tmp_path / "lib"), samples_per_shard=2)
+    assert sorted(entry.split(":")[0] for entry in caught.value.bad) == sorted(map(str, bad))
+
+
+def test_bad_images_are_skipped_with_skip_bad(tmp_path):
+    src = image_folder(tmp_path / "src")
+    bad = with_bad_images(src)
+    dest = tmp_path / "dest"
+    result = prepare(f"imagefolder:{src}", str(dest), "--serial", "--skip-bad", "--samples-per-shard", "100")
+    assert result.exit_code == 0, result.output
+    assert "skipped 2 bad images" in result.output and bad[0].name in result.output
+    # Counts are pluralised by their number: one shard here.
+    assert "6 samples in 1 shard" in result.output and "1 shards" not in result.output
+    assert "2 classes" in result.output
+    assert [row.num_samples for row in read_manifest(str(dest), "train")] == [6]
+
+
+def test_s3_destination_without_credentials_is_one_line(moto_server, monkeypatch, tmp_path):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    message = refused("builtin:digits", moto_server.url("digits"))
+    assert "no credentials for" in message and "AWS_ACCESS_KEY_ID" in message
+
+
+def test_s3_destination_unreachable_is_one_line(moto_server, monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", closed)
+    message = refused("builtin:digits", moto_server.url("digits"))
+    assert "cannot reach the S3 endpoint" in message and closed in message
