@@ -8,6 +8,7 @@ import this module and add their commands to :data:`app`; `cli/main.py` imports 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional, TypeVar
 
@@ -32,6 +33,36 @@ app.add_typer(data_app, name="data")
 
 # Progress and messages (never wrapped: paths and commands stay copyable); result tables go to stdout.
 console = Console(stderr=True, soft_wrap=True)
+
+# Without a terminal (a pipe, a file, a CI log) rich would cut tables to 80 columns, truncating
+# paths and metric names; there is no screen to fit, so tables get all the width they need.
+UNLIMITED_WIDTH = 10_000
+
+
+def table_console() -> Console:
+    """A console on stdout for result tables: the terminal's width, or unlimited when stdout is
+    not a terminal."""
+    return Console() if sys.stdout.isatty() else Console(width=UNLIMITED_WIDTH)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"vitray {version('vitray')}")
+        except PackageNotFoundError:  # running from a checkout that was never installed
+            typer.echo("vitray (not installed: pip install -e .)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Pre-train Vision Transformers on Ray and transfer them to the ViT paper's benchmarks."""
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file.")]
 SetOpt = Annotated[

@@ -2,27 +2,44 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated
 
 import typer
-from rich.console import Console
+from rich.markup import escape
 
-from vitray.cli.app import CheckpointArg, app, console, fail
+from vitray.cli.app import CheckpointArg, app, console, fail, table_console
+
+FORMATS = ("table", "json")
 
 
 @app.command()
-def runs(storage: Annotated[str, typer.Argument(help="A run storage folder (local or s3://).")]):
+def runs(
+    storage: Annotated[str, typer.Argument(help="A run storage folder (local or s3://).")],
+    format_: Annotated[str, typer.Option("--format", "-f", help="table | json (one object per run).")] = "table",
+):
     """List the runs under STORAGE with their latest step, checkpoints and status."""
     from rich.table import Table
 
+    from vitray.data.storage import check_reachable
     from vitray.trainers.run_listing import list_runs
 
+    if format_ not in FORMATS:
+        fail(f"--format {format_!r} is not supported; expected one of: {', '.join(FORMATS)}")
+    try:
+        # A mistyped path, missing credentials or an unreachable endpoint: one line, at once.
+        check_reachable(storage, must_exist=True)
+        found = list_runs(storage)
+    except (ValueError, FileNotFoundError, PermissionError) as err:
+        fail(str(err))
+    if format_ == "json":
+        typer.echo(json.dumps([run.as_dict() for run in found], indent=1))
+        return
     table = Table("run", "latest step", "checkpoints", "latest complete checkpoint", "status", "attempts")
-    found = list_runs(storage)
     for run in found:
-        table.add_row(run.name, str(run.latest_step or "-"), str(run.num_checkpoints), run.latest_checkpoint or "-",
-                      run.status, run.attempts_summary)  # fmt: skip
-    Console().print(table)
+        table.add_row(*(escape(text) for text in (run.name, str(run.latest_step or "-"), str(run.num_checkpoints),
+                      run.latest_checkpoint or "-", run.status, run.attempts_summary)))  # fmt: skip
+    table_console().print(table)
     if not found:
         console.print(f"no runs under {storage}")
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
+from vitray.common.failures import describe_failure
 from vitray.data import storage
 from vitray.trainers.checkpoint import find_checkpoints, read_state
 from vitray.trainers.lease import read_lease
@@ -31,8 +33,27 @@ class RunSummary:
         text = f"{len(self.attempts)}: " + ", ".join(f"{n} {status}" for status, n in counts.items())
         failures = [a for a in self.attempts if a["status"] in ("failed", "lost")]
         if failures:
-            text += f" (last failure: {failures[-1].get('error') or 'no record'})"
+            text += f" (last failure: {failure_cause(failures[-1].get('error'))})"
         return text
+
+    def as_dict(self) -> dict[str, Any]:
+        """For `vitray runs --format json`: every field, and each attempt's one-line `cause` beside
+        its recorded `error` (which may hold a whole traceback)."""
+        fields = asdict(self)
+        fields["attempts"] = [{**a, "cause": failure_cause(a.get("error")) if a.get("error") else None}
+                              for a in self.attempts]  # fmt: skip
+        return fields
+
+
+def failure_cause(error: str | None) -> str:
+    """An attempt's recorded error on one line: the root exception of a traceback (the whole text
+    stays in the attempt record), or the text itself when it is a sentence of vitray's own."""
+    if not error:
+        return "no record"
+    failure = describe_failure(error)
+    if failure.kind != "Error":
+        return failure.one_line()
+    return failure.message if len(failure.message) <= 300 else failure.message[:297] + "..."
 
 
 def list_runs(storage_root: str) -> list[RunSummary]:

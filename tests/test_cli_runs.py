@@ -1,0 +1,95 @@
+"""`vitray runs` and the app's own options, through the CLI (issue 26): a path that does not
+exist or storage that cannot be reached is one line and exit 2; attempts show their one-line
+cause, not tracebacks; tables are not cut without a terminal; `--format json`; `--version`."""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import version
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from vitray.cli.main import app
+from vitray.trainers.run_files import RunFiles
+
+# What Ray Train records for a worker failure: the whole traceback of each failed rank.
+WORKER_TRACEBACK = """Training failed due to worker errors:
+[Rank 0 Error Snippet]:
+Traceback (most recent call last):
+  File "/work/main/trainers/loop.py", line 120, in train
+    model = build(config)
+  File "/work/main/models/vit.py", line 40, in build
+    raise ValueError(msg)
+ValueError: img_size 30 is not a multiple of the patch size 16
+"""
+
+
+def invoke(*args: str, records: bool = False):
+    """Run `vitray ARGS`; no traceback may be printed, except inside JSON records (``records``)."""
+    result = CliRunner().invoke(app, list(args))
+    assert "Traceback" not in (result.stderr if records else result.output), result.output
+    return result
+
+
+def one_error_line(result) -> str:
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
+def a_failed_run(storage: Path, name: str) -> None:
+    files = RunFiles(str(storage / name))
+    files.end_attempt(files.new_attempt("a1"), "failed", WORKER_TRACEBACK)
+
+
+def test_a_path_that_does_not_exist_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")
+    message = one_error_line(invoke("runs", str(tmp_path / "does" / "not" / "exist")))
+    assert "does not exist" in message and "exist" in message
+
+
+def test_an_empty_folder_has_no_runs(tmp_path):
+    result = invoke("runs", str(tmp_path))
+    assert result.exit_code == 0 and f"no runs under {tmp_path}" in result.output
+    result = invoke("runs", str(tmp_path), "--format", "json")
+    assert result.exit_code == 0 and json.loads(result.stdout) == []
+
+
+def test_s3_without_credentials_is_one_line(moto_server, monkeypatch, tmp_path):
+    monkeypatch.setenv("COLUMNS", "1000")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    message = one_error_line(invoke("runs", moto_server.url("runs")))
+    assert "no credentials" in message and "AWS_ACCESS_KEY_ID" in message
+
+
+def test_attempts_show_the_cause_on_one_line_and_tables_are_not_cut(tmp_path):
+    long_name = "a-run-with-a-name-much-longer-than-eighty-columns-" + "x" * 60
+    a_failed_run(tmp_path, long_name)
+    result = invoke("runs", str(tmp_path))  # CliRunner's stdout is not a terminal
+    assert result.exit_code == 0, result.output
+    assert long_name in result.stdout  # whole, not cut to the 80 columns of a terminal
+    row = next(line for line in result.stdout.splitlines() if long_name in line)
+    assert "ValueError: img_size 30 is not a multiple of the patch size 16" in row
+    assert "Rank 0 Error Snippet" not in result.stdout and "loop.py" not in result.stdout
+
+
+def test_json_format(tmp_path):
+    a_failed_run(tmp_path, "r1")
+    result = invoke("runs", str(tmp_path), "--format", "json", records=True)
+    assert result.exit_code == 0, result.output
+    (run,) = json.loads(result.stdout)
+    assert run["name"] == "r1" and run["num_checkpoints"] == 0
+    (attempt,) = run["attempts"]
+    assert attempt["cause"] == "ValueError: img_size 30 is not a multiple of the patch size 16"
+    assert attempt["error"] == WORKER_TRACEBACK  # the whole record stays available
+    assert invoke("runs", str(tmp_path), "--format", "yaml").exit_code == 2
+
+
+def test_version():
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.stdout.strip() == f"vitray {version('vitray')}"
