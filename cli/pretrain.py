@@ -27,7 +27,13 @@ def pretrain(
     from vitray.trainers.config import TrainingConfig
 
     cfg = load(TrainingConfig, config, set_)
-    if dry_run:
+    if dry_run:  # the config and the model it builds; the data is checked when the run starts
+        from vitray.trainers.preflight import PreflightError, check_model
+
+        try:
+            check_model(cfg.model)
+        except PreflightError as err:
+            fail(str(err), exit_codes.INPUT_ERROR)
         print_config(cfg)
         return
     from vitray.cluster.pretrain import AlreadyFinished, Preempted, TrainingFailedError, pretrain as run_pretrain

@@ -30,7 +30,7 @@ from vitray.models import ModelConfig, create_model_from_config
 from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.config import TrainingConfig
 
-__all__ = ["PreflightError", "ResumePlan", "check_inputs", "check_resume", "config_changes"]
+__all__ = ["PreflightError", "ResumePlan", "check_inputs", "check_model", "check_resume", "config_changes"]
 
 # Config keys whose change makes a checkpoint unloadable into the new run: the weights' shapes,
 # what the head predicts, and the layout of the optimizer state that DeepSpeed / XLA restore.
@@ -66,7 +66,7 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
         for dataset_name, path in getattr(ev, "datasets", {}).items():
             _check_dataset(f"evals.{name}.datasets.{dataset_name}", path, None, options)
     model = _check_init_checkpoint(cfg) if cfg.init.checkpoint else cfg.model
-    _check_model(model, info.num_classes)
+    check_model(model, info.num_classes)
     return info
 
 
@@ -170,7 +170,8 @@ def _check_init_checkpoint(cfg: TrainingConfig) -> ModelConfig:
     return ModelConfig.model_validate({**state["model"], "img_size": cfg.model.img_size})
 
 
-def _check_model(model: ModelConfig, num_classes: int) -> None:
+def check_model(model: ModelConfig, num_classes: int = 1) -> None:
+    """The model builds at its configured size (what `--dry-run` checks without touching data)."""
     try:
         with torch.device("meta"):  # shapes only: nothing allocated, nothing initialised for real
             create_model_from_config(model, num_classes)

@@ -1,0 +1,160 @@
+"""`vitray pretrain` refuses what cannot run in seconds, before the lease or Ray is touched, in one
+line that names the cause and the fix (issue 26): a model that does not build, a dataset that is
+missing, empty, not a vitray dataset or made of damaged shards, a split that is not there, a resume
+whose checkpoint would not load. A finished run exits at once. Through the CLI (typer's
+CliRunner), in-process, so that `ray.is_initialized()` tells whether Ray was started.
+
+Also: a batch of nothing but unreadable samples stops the run naming its shards, and a failure's
+root cause is found in Ray Train's report of the workers' tracebacks.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from typer.testing import CliRunner
+
+from pretrain_helpers import BASE, in_process_loop
+from vitray.cli.main import app
+from vitray.common.config import load_config
+from vitray.common.failures import describe_failure
+from vitray.data.batch import UnreadableData
+from vitray.trainers.config import TrainingConfig
+from vitray.trainers.preflight import check_inputs, check_resume
+from vitray.trainers.run_files import RunFiles
+
+PRETRAINED = ["train.steps=8", "checkpoint.every=4"]  # as the `pretrained` fixture ran it
+
+
+@pytest.fixture(autouse=True)
+def _wide_terminal(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # rich would wrap the one line at 80 columns otherwise
+
+
+def _sets(dataset, storage, *extra: str, name: str = "pre") -> list[str]:
+    sets = [*BASE, f"data.train={dataset}", f"run.storage={storage}", f"run.name={name}", *extra]
+    return [a for s in sets for a in ("--set", s)]
+
+
+def pretrain(*args: str):
+    started = time.monotonic()
+    result = CliRunner().invoke(app, ["pretrain", *args])
+    assert "Traceback" not in result.output, result.output
+    assert not ray.is_initialized(), "Ray was started"
+    assert time.monotonic() - started < 30, "a refusal must take seconds"
+    return result
+
+
+def refused(*args: str) -> str:
+    result = pretrain(*args)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
+def _damaged_copy(digits_dataset: Path, folder: Path, keep_bytes: int | None) -> Path:
+    """The digits dataset with every train shard replaced by random bytes (`keep_bytes` None) or
+    cut after its first `keep_bytes` bytes (a valid first tar header, then nothing readable)."""
+    shutil.copytree(digits_dataset, folder)
+    for shard in folder.glob("train-*.tar"):
+        data = shard.read_bytes()
+        shard.write_bytes(bytes(len(data) % 251 for _ in range(4096)) if keep_bytes is None else data[:keep_bytes])
+    return folder
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("model.name=Ti/15", ["model: unknown model name 'Ti/15'", "Ti/16"]),
+        ("model.img_size=30", ["model: img_size 30 is not divisible by the patch size 4", "28"]),
+        ("data.train=MISSING", ["data.train", "does not exist"]),
+        ("data.train=EMPTY", ["data.train=", "no dataset.json", "vitray data prepare"]),
+        ("data.train=TARS", ["data.train=", "no dataset.json"]),
+        ("data.train=DAMAGED", ["data.train:", "train-000000.tar is not a tar archive", "prepare the dataset again"]),
+        ("data.train_split=validation", ["has no split 'validation'", "['test', 'train']"]),
+    ],
+)
+def test_pretrain_refuses_bad_input_before_ray(case, expected, digits_dataset, tmp_path):
+    folders = {"MISSING": tmp_path / "nowhere", "EMPTY": tmp_path / "empty", "TARS": tmp_path / "tars",
+               "DAMAGED": tmp_path / "damaged"}  # fmt: skip
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "tars").mkdir()
+    (tmp_path / "tars" / "train-000000.tar").write_bytes(b"\x01" * 2048)
+    if case == "data.train=DAMAGED":
+        _damaged_copy(digits_dataset, folders["DAMAGED"], keep_bytes=None)
+    key, value = case.split("=")
+    value = str(folders.get(value, value))
+    line = refused(*_sets(digits_dataset, tmp_path / "runs", f"{key}={value}"))
+    for part in expected:
+        assert part in line, line
+    assert not (tmp_path / "runs").exists(), "a refused run leaves nothing behind (no run folder, no attempt)"
+
+
+def test_dry_run_checks_the_inputs_too(digits_dataset, tmp_path):
+    line = refused(*_sets(digits_dataset, tmp_path / "runs", "model.img_size=30"), "--dry-run")
+    assert "not divisible by the patch size" in line
+
+
+def test_a_resume_that_cannot_load_is_refused_naming_the_keys(pretrained, digits_dataset, tmp_path):
+    storage = tmp_path / "storage"
+    shutil.copytree(Path(pretrained).parent, storage)
+    attempts = len(RunFiles(str(storage / "pre")).read_attempts())
+    line = refused(*_sets(digits_dataset, storage, *PRETRAINED, "model.name=S/4", "precision.dtype=bf16"))
+    assert "cannot resume with a changed model.name (Ti/4 -> S/4), precision.dtype (fp32 -> bf16)" in line, line
+    assert "start a new run (another run.name)" in line
+    assert len(RunFiles(str(storage / "pre")).read_attempts()) == attempts, "a refusal records no attempt"
+
+
+def test_a_finished_run_exits_at_once_saying_so(pretrained, digits_dataset, tmp_path):
+    storage = tmp_path / "storage"
+    shutil.copytree(Path(pretrained).parent, storage)
+    result = pretrain(*_sets(digits_dataset, storage, *PRETRAINED))
+    assert result.exit_code == 0, result.output
+    assert "pre is finished: its latest checkpoint is at step 8 of train.steps=8" in " ".join(result.output.split())
+    assert "raise train.steps" in result.output
+
+
+def test_what_may_change_on_resume_is_allowed_and_said(pretrained, digits_dataset):
+    sets = [*BASE, f"data.train={digits_dataset}", f"run.storage={Path(pretrained).parent}", "run.name=pre",
+            "train.steps=12", "checkpoint.every=4", "optim.lr=0.002", "cluster.num_workers=1", "data.num_slots=8"]  # fmt: skip
+    cfg = load_config(TrainingConfig, None, sets)
+    plan = check_resume(cfg, pretrained, check_inputs(cfg))
+    assert plan.chosen is not None and plan.chosen.step == 8 and not plan.finished
+    assert "train.steps: 8 -> 12" in plan.changes and "optim.lr: 0.001 -> 0.002" in plan.changes
+    assert "cluster.num_workers: 2 -> 1" in plan.changes
+
+
+def test_a_batch_of_only_unreadable_samples_stops_the_run_naming_its_shards(process_group, digits_dataset, tmp_path):
+    damaged = _damaged_copy(digits_dataset, tmp_path / "cut", keep_bytes=1024)  # one header, then cut short
+    loop = in_process_loop(damaged, tmp_path)
+    with pytest.raises(UnreadableData) as caught:
+        loop.run()
+    message = str(caught.value)
+    assert "no sample of step 1's batch could be read on rank 0: all 8 were skipped as corrupt" in message
+    assert "train-0000" in message and ".tar" in message and "prepare it again" in message
+
+
+RAY_REPORT = """Training failed due to worker errors:
+[Rank 0,1 Error Snippet]:
+Traceback (most recent call last):
+  File "/work/trainers/loop.py", line 56, in __init__
+    self.info = read_dataset_info(cfg.data.train, cfg.data.storage_options)
+FileNotFoundError: no dataset.json at /data/x: not prepared or still being written
+"""
+
+
+def test_a_failure_is_reduced_to_its_root_cause_with_advice_that_fits():
+    cause = describe_failure(RAY_REPORT)
+    assert cause.one_line() == "FileNotFoundError: no dataset.json at /data/x: not prepared or still being written"
+    assert not cause.transient and cause.advice().startswith("fix the cause")
+    lost = describe_failure("...\nray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.")
+    assert lost.kind == "ActorDiedError" and lost.transient and cause.advice() != lost.advice()
+    try:
+        raise RuntimeError("checkpoint upload failed") from ConnectionResetError("connection reset by peer")
+    except RuntimeError as error:
+        assert describe_failure(error).one_line() == "ConnectionResetError: connection reset by peer"
