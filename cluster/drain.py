@@ -10,7 +10,16 @@ since its last checkpoint and count a failure.
 `vitray.trainers.preemption`) of whether any rank's node is draining; the workers then checkpoint
 and stop, and the driver (`cluster/pretrain.py`) starts a new worker group, which Ray places away
 from the draining node, resuming from that checkpoint. The draining nodes come from the GCS
-(`get_draining_nodes`, the call Ray Serve's controller makes to move replicas off them).
+(`get_draining_nodes`, the call Ray Serve's controller makes to move replicas off them, and Ray
+Train's own pre-emption watcher polls).
+
+Why a private Ray call (checked against Ray 2.60): Ray has no public API that lists draining nodes
+and their deadlines to any process. `ray.util.state.list_nodes()` / `ray.nodes()` say ALIVE or
+DEAD only; `ray.train.get_preemption_info()` (public, alpha) gives a worker the same drain notice
+but is a collective that every rank must call at the same steps, while vitray asks on rank 0 only
+(`PreemptionWatch` reads the stop file there first), and the driver -- which must know whether its
+own node is draining -- is no Train worker at all. Ray Train's watcher reads this same accessor
+(`ray._private.state.state.get_draining_nodes`), so it lives as long as that public API does.
 """
 
 from __future__ import annotations
@@ -28,9 +37,13 @@ NO_DEADLINE_GRACE_S = 300.0
 
 def draining_nodes() -> dict[str, float]:
     """Node id (hex) -> drain deadline (epoch seconds) of every node Ray is draining now."""
-    gcs = ray._private.worker.global_worker.gcs_client  # Serve's controller asks the same client
+    # Private: no public Ray API lists draining nodes (see the module docstring); this is the
+    # accessor Ray Train's PreemptionWatcher (behind ray.train.get_preemption_info) polls.
+    from ray._private.state import state as ray_global_state
+
     now = time.time()
-    return {node: (ms / 1000 if ms else now + NO_DEADLINE_GRACE_S) for node, ms in gcs.get_draining_nodes().items()}
+    draining = ray_global_state.get_draining_nodes()
+    return {node: (ms / 1000 if ms else now + NO_DEADLINE_GRACE_S) for node, ms in draining.items()}
 
 
 def current_node() -> str:
