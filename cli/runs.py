@@ -47,16 +47,20 @@ def runs(
 @app.command()
 def export(
     checkpoint: CheckpointArg,
-    format_: Annotated[str, typer.Option("--format", "-f", help="npz | safetensors | timm")] = "npz",
-    out: Annotated[str, typer.Option("--out", "-o", help="Output file (local or s3://).")] = "model.npz",
+    format_: Annotated[str, typer.Option("--format", "-f", help="npz | safetensors | timm | onnx")] = "npz",
+    out: Annotated[
+        str, typer.Option("--out", "-o", help="Output file (local or s3://); a folder for --format timm.")
+    ] = "model.npz",
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output.")] = False,
 ):
-    """Write consolidated model weights: the original ViT .npz layout, safetensors or a timm state dict."""
+    """Write consolidated model weights: the original ViT .npz layout, safetensors, a folder timm
+    loads (timm.create_model("local-dir:OUT", pretrained=True)), or the network as ONNX."""
     from vitray.trainers.export import FORMATS, export as run_export
 
     if format_ not in FORMATS:
         fail(f"--format {format_!r} is not supported; expected one of: {', '.join(FORMATS)}")
     try:
-        source = run_export(checkpoint, format_, out)
+        source = run_export(checkpoint, format_, out, overwrite=overwrite)
     except (FileNotFoundError, ValueError) as err:
         fail(str(err))
     console.print(f"wrote {out} ({format_}) from {source}")

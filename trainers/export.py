@@ -1,32 +1,110 @@
-"""`vitray export`: consolidated model weights from a checkpoint (or a run's latest one)."""
+"""`vitray export`: consolidated model weights from a checkpoint (or a run's latest one).
+
+Formats: `npz` (the original ViT layout), `safetensors` (vitray's names and metadata), `onnx` (the
+whole network, opset 18, a dynamic batch dimension) -- single files -- and `timm`, the folder that
+`timm.create_model("local-dir:PATH", pretrained=True)` loads (`config.json` + `model.safetensors`,
+see `vitray.trainers.timm_folder`). An existing output is never replaced unless `overwrite` is set.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
-
-import torch
 
 from vitray.data import storage
 from vitray.trainers.checkpoint import load_checkpoint
 
-FORMATS = ("npz", "safetensors", "timm")
+FORMATS = ("npz", "safetensors", "timm", "onnx")
+FOLDER_FORMATS = ("timm",)
+ONNX_OPSET = 18  # opset 17 added LayerNormalization; 18 is what torch's exporter emits best
+# A single .onnx file is one protobuf message, which cannot exceed 2 GiB.
+ONNX_MAX_BYTES = 2**31 - 2**24
 
 
-def export(path: str, fmt: str, out: str) -> str:
+class ExportRefused(ValueError):
+    """The output path is unsuitable or would be overwritten."""
+
+
+def export(path: str, fmt: str, out: str, *, overwrite: bool = False) -> str:
+    """Write the checkpoint's model (its EMA weights when it has them) to `out`; returns the
+    checkpoint folder it came from."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
-    from vitray.models import save_npz, save_safetensors, to_timm_state_dict
-
+    check_output(out, fmt, overwrite=overwrite)  # before the checkpoint is read: fail fast
     model, state = load_checkpoint(path)
+    model.eval()
     with tempfile.TemporaryDirectory() as tmp:
-        local = os.path.join(tmp, os.path.basename(out) or "weights")
-        if fmt == "npz":
-            save_npz(model, local)
-        elif fmt == "safetensors":
-            save_safetensors(model, local)
+        local = os.path.join(tmp, os.path.basename(out.rstrip("/")) or "weights")
+        if fmt == "timm":
+            from vitray.trainers.timm_folder import write_timm_folder
+
+            os.makedirs(local)
+            names = write_timm_folder(model, local)
+            for name in names:
+                _publish(os.path.join(local, name), storage.join(out, name))
         else:
-            torch.save(to_timm_state_dict(model), local)
-        with open(local, "rb") as f:
-            storage.write_bytes_atomic(out, f.read())
+            _write_single_file(model, fmt, local)
+            _publish(local, out)
     return state["checkpoint"]
+
+
+def _publish(local: str, out: str) -> None:
+    """Copy a finished local file to `out` so that readers never see a part of it."""
+    with open(local, "rb") as src, storage.atomic_write(out) as dst:
+        shutil.copyfileobj(src, dst, 16 * 2**20)
+
+
+def check_output(out: str, fmt: str, *, overwrite: bool) -> None:
+    """Refuse (ExportRefused, one line) an output that exists, unless `overwrite`; a folder where a
+    file is written, or a file where a folder is, always."""
+    fs, fs_path = storage.filesystem(out)
+    if fmt in FOLDER_FORMATS:
+        if fs.isfile(fs_path):
+            raise ExportRefused(f"--out {out} is a file; --format {fmt} writes a folder: give a folder path")
+        present = [name for name in _folder_files(fmt) if fs.exists(f"{fs_path.rstrip('/')}/{name}")]
+        if present and not overwrite:
+            raise ExportRefused(f"--out {out} already holds {', '.join(present)}; pass --overwrite to replace them")
+        return
+    if fs.isdir(fs_path):
+        raise ExportRefused(f"--out {out} is a folder; --format {fmt} writes one file: give a file path inside it")
+    if fs.exists(fs_path) and not overwrite:
+        raise ExportRefused(f"--out {out} already exists; pass --overwrite to replace it")
+
+
+def _folder_files(fmt: str) -> tuple[str, ...]:
+    from vitray.trainers.timm_folder import FILES
+
+    return FILES
+
+
+def _write_single_file(model, fmt: str, local: str) -> None:
+    from vitray.models import save_npz, save_safetensors
+
+    if fmt == "npz":
+        save_npz(model, local)
+    elif fmt == "safetensors":
+        save_safetensors(model, local)
+    else:
+        export_onnx(model, local)
+
+
+def export_onnx(model, path: str) -> None:
+    """The network as ONNX: input `images` (batch, 3, H, W) float32 in [-1, 1] (vitray's input
+    range), output `logits` (batch, classes); the batch dimension is dynamic."""
+    import torch
+
+    try:
+        import onnxscript  # noqa: F401 - torch's ONNX exporter builds the graph with it
+    except ImportError:
+        raise ExportRefused("--format onnx needs the onnx and onnxscript packages: pip install onnx onnxscript") from None
+    size = sum(t.numel() * 4 for t in model.state_dict().values())
+    if size > ONNX_MAX_BYTES:
+        raise ExportRefused(f"{model.name} has {size / 2**30:.1f} GiB of fp32 weights; a single .onnx file holds "
+                            "at most 2 GiB: export safetensors or timm instead")  # fmt: skip
+    example = torch.zeros(2, 3, model.img_size, model.img_size)
+    torch.onnx.export(
+        model, (example,), path, dynamo=True, opset_version=ONNX_OPSET, external_data=False,
+        input_names=["images"], output_names=["logits"],
+        dynamic_shapes=({0: torch.export.Dim("batch")},), verbose=False,
+    )  # fmt: skip

@@ -1,0 +1,116 @@
+"""`vitray export`: timm's local-dir folder loaded by timm itself, ONNX run by onnxruntime, and
+outputs that are never replaced unless --overwrite -- from a checkpoint folder written here
+(the layout a run writes; no training needed to export one)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pretrain_helpers import vitray_cmd
+from vitray.models import ModelConfig, create_model_from_config
+from vitray.trainers import checkpoint as ckpt
+from vitray.trainers.export import ExportRefused, export
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def make_checkpoint(folder: Path, **model: object) -> torch.nn.Module:
+    """A complete one-rank checkpoint of a model with random values in every parameter."""
+    config = ModelConfig(**{"name": "Ti/4", "img_size": 16, **model})
+    net = create_model_from_config(config, num_classes=10)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in net.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    folder.mkdir(parents=True)
+    save_file(net.state_dict(), str(folder / ckpt.MODEL_FILE))
+    ckpt.write_state(folder, {"step": 4, "world_size": 1, "num_classes": 10, "model": config.model_dump()})
+    ckpt.mark_complete(folder, 0, ckpt.files_under(folder))
+    return net.eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[str, torch.nn.Module]:
+    folder = tmp_path_factory.mktemp("run") / "checkpoint_2026-01-01_00-00-00.000001"
+    return str(folder), make_checkpoint(folder)
+
+
+IMAGES = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("model", [{}, {"head": "gap"}, {"name": "R26+S/32", "img_size": 64}])
+def test_timm_loads_the_exported_folder_with_the_same_logits(model, tmp_path):
+    import timm
+
+    net = make_checkpoint(tmp_path / "ckpt", **model)
+    out = tmp_path / "timm-model"
+    export(str(tmp_path / "ckpt"), "timm", str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = timm.create_model(f"local-dir:{out}", pretrained=True).eval()
+    images = IMAGES if net.img_size == 16 else torch.randn(2, 3, 64, 64)
+    logits = net(images)
+    assert logits.std() > 0.05  # random weights: a wrong load could not agree by chance
+    torch.testing.assert_close(loaded(images), logits, atol=1e-5, rtol=1e-5)
+    # timm's data config is vitray's input: [-1, 1] (mean = std = 0.5), the model's resolution.
+    data = timm.data.resolve_data_config({}, model=loaded)
+    assert data["input_size"] == (3, net.img_size, net.img_size) and data["mean"] == data["std"] == [0.5] * 3
+
+
+def test_onnx_export_gives_the_pytorch_logits_in_onnxruntime(checkpoint, tmp_path):
+    import onnx
+    import onnxruntime
+
+    folder, net = checkpoint
+    out = tmp_path / "model.onnx"
+    export(folder, "onnx", str(out))
+    graph = onnx.load(str(out))
+    assert max(op.version for op in graph.opset_import if op.domain in ("", "ai.onnx")) >= 17
+    session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    for batch in (IMAGES, IMAGES[:1]):  # the batch dimension is dynamic
+        (logits,) = session.run(["logits"], {"images": batch.numpy()})
+        np.testing.assert_allclose(logits, net(batch).detach().numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_an_existing_output_is_refused_unless_overwrite(checkpoint, tmp_path):
+    folder, _ = checkpoint
+    target = tmp_path / "model.safetensors"
+    target.write_bytes(b"keep me")
+    with pytest.raises(ExportRefused, match="already exists; pass --overwrite"):
+        export(folder, "safetensors", str(target))
+    assert target.read_bytes() == b"keep me"
+    export(folder, "safetensors", str(target), overwrite=True)
+    assert target.stat().st_size > 1000
+    with pytest.raises(ExportRefused, match="is a folder; --format npz writes one file"):
+        export(folder, "npz", str(tmp_path), overwrite=True)  # never a folder replaced by a file
+    timm_dir = tmp_path / "timm"
+    export(folder, "timm", str(timm_dir))
+    config = (timm_dir / "config.json").read_text()
+    with pytest.raises(ExportRefused, match=r"already holds config.json, model.safetensors; pass --overwrite"):
+        export(folder, "timm", str(timm_dir))
+    with pytest.raises(ExportRefused, match="is a file; --format timm writes a folder"):
+        export(folder, "timm", str(target), overwrite=True)
+    export(folder, "timm", str(timm_dir), overwrite=True)
+    assert json.loads((timm_dir / "config.json").read_text()) == json.loads(config)
+
+
+def test_cli_refuses_an_existing_output_in_one_line(checkpoint, tmp_path):
+    folder, _ = checkpoint
+    target = tmp_path / "m.npz"
+    target.write_bytes(b"keep me")
+    out = subprocess.run(vitray_cmd("export", folder, "--format", "npz", "--out", str(target)),
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2
+    message = " ".join((out.stdout + out.stderr).split())
+    assert f"error: --out {target} already exists; pass --overwrite to replace it" in message
+    assert target.read_bytes() == b"keep me"
+    done = subprocess.run(vitray_cmd("export", folder, "--format", "npz", "--out", str(target), "--overwrite"),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert np.load(target)["head/kernel"].shape == (192, 10)

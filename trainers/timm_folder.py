@@ -1,0 +1,84 @@
+"""The folder `timm.create_model("local-dir:PATH", pretrained=True)` loads: `config.json` +
+`model.safetensors`, in the layout timm's own `save_for_hf` writes (timm/models/_hub.py).
+
+`config.json` names a registered timm architecture and the `model_args` that make it this model:
+a plain ViT is timm's `VisionTransformer` under any plain architecture name with its sizes given
+explicitly; a hybrid needs timm's registered architecture with the same ResNet (`HYBRIDS`).
+`pretrained_cfg` says what the inputs are: vitray's range [-1, 1] is mean = std = 0.5 on [0, 1],
+and the eval resize (bilinear, the central crop of 0.875) of `vitray.data.transforms`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from vitray.models import to_timm_state_dict
+
+FILES = ("config.json", "model.safetensors")
+# Plain ViTs: timm builds the same VisionTransformer for any of its plain names once the sizes
+# are given; this one is only the constructor's name.
+PLAIN_ARCHITECTURE = "vit_base_patch16_224"
+# vitray hybrid -> timm architecture with the same ResNet stages (the rest is given explicitly).
+HYBRIDS = {
+    "R26+S/32": "vit_small_r26_s32_224",
+    "R26+B/32": "vit_base_r26_s32_224",
+    "R50+B/16": "vit_base_r50_s16_224",
+    "R50+L/32": "vit_large_r50_s32_224",
+}
+
+
+def timm_config(model) -> dict:
+    """config.json for `model` (a vitray VisionTransformer without pre-logits)."""
+    if model.stem is not None and model.name not in HYBRIDS:
+        raise ValueError(f"timm has no architecture with the ResNet of {model.name}; hybrids it has: "
+                         f"{', '.join(HYBRIDS)}. Export npz or safetensors instead")  # fmt: skip
+    gap = model.head_type == "gap"
+    model_args = {
+        "img_size": model.img_size,
+        "embed_dim": model.width,
+        "depth": model.depth,
+        "num_heads": model.num_heads,
+        "mlp_ratio": model.mlp_dim / model.width,
+        "class_token": not gap,
+        "global_pool": "avg" if gap else "token",
+        "fc_norm": False,  # vitray normalises before pooling, as the paper's gap models do
+    }
+    if model.stem is None:
+        model_args["patch_size"] = model.patch_size
+    first_conv = "patch_embed.proj" if model.stem is None else "patch_embed.backbone.stem.conv"
+    return {
+        "architecture": HYBRIDS.get(model.name, PLAIN_ARCHITECTURE),
+        "num_classes": model.num_classes,
+        "num_features": model.width,
+        "global_pool": model_args["global_pool"],
+        "model_args": model_args,
+        "pretrained_cfg": {
+            "tag": "vitray",
+            "custom_load": False,
+            "input_size": [3, model.img_size, model.img_size],
+            "fixed_input_size": True,
+            "interpolation": "bilinear",
+            "crop_pct": 0.875,
+            "crop_mode": "center",
+            "mean": [0.5, 0.5, 0.5],
+            "std": [0.5, 0.5, 0.5],
+            "num_classes": model.num_classes,
+            "pool_size": None,
+            "first_conv": first_conv,
+            "classifier": "head",
+            "description": f"vitray {model.name} at {model.img_size} px, exported by vitray export --format timm",
+        },
+    }
+
+
+def write_timm_folder(model, folder: str) -> tuple[str, ...]:
+    """Write FILES into the existing local `folder`; returns their names."""
+    from safetensors.torch import save_file
+
+    config = timm_config(model)
+    state = {key: value.detach().contiguous() for key, value in to_timm_state_dict(model).items()}
+    save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return FILES
