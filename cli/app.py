@@ -9,6 +9,7 @@ import this module and add their commands to :data:`app`; `cli/main.py` imports 
 from __future__ import annotations
 
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional, TypeVar
 
@@ -37,6 +38,13 @@ console = Console(stderr=True, soft_wrap=True)
 # Without a terminal (a pipe, a file, a CI log) rich would cut tables to 80 columns, truncating
 # paths and metric names; there is no screen to fit, so tables get all the width they need.
 UNLIMITED_WIDTH = 10_000
+
+
+class OutputFormat(str, Enum):
+    """How a command prints its result: a table for people, JSON for scripts (`--format`)."""
+
+    table = "table"
+    json = "json"
 
 
 def table_console() -> Console:

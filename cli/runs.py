@@ -8,15 +8,13 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from vitray.cli.app import CheckpointArg, app, console, fail, table_console
-
-FORMATS = ("table", "json")
+from vitray.cli.app import CheckpointArg, OutputFormat, app, console, fail, table_console
 
 
 @app.command()
 def runs(
     storage: Annotated[str, typer.Argument(help="A run storage folder (local or s3://).")],
-    format_: Annotated[str, typer.Option("--format", "-f", help="table | json (one object per run).")] = "table",
+    format_: Annotated[OutputFormat, typer.Option("--format", "-f", help="json: one object per run.")] = OutputFormat.table,
 ):
     """List the runs under STORAGE with their latest step, checkpoints and status."""
     from rich.table import Table
@@ -24,15 +22,13 @@ def runs(
     from vitray.data.storage import check_reachable
     from vitray.trainers.run_listing import list_runs
 
-    if format_ not in FORMATS:
-        fail(f"--format {format_!r} is not supported; expected one of: {', '.join(FORMATS)}")
     try:
         # A mistyped path, missing credentials or an unreachable endpoint: one line, at once.
         check_reachable(storage, must_exist=True)
         found = list_runs(storage)
     except (ValueError, FileNotFoundError, PermissionError) as err:
         fail(str(err))
-    if format_ == "json":
+    if format_ == OutputFormat.json:
         typer.echo(json.dumps([run.as_dict() for run in found], indent=1))
         return
     table = Table("run", "latest step", "checkpoints", "latest complete checkpoint", "status", "attempts")

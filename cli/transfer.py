@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from vitray.cli.app import (
@@ -25,9 +24,12 @@ from vitray.cli.app import (
     console,
     fail,
     load,
+    OutputFormat,
     print_config,
+    table_console,
 )
 from vitray.common.config import ConfigError
+from vitray.common.failures import describe_failure
 
 if TYPE_CHECKING:
     from vitray.evaluation.config import FewShotGrid
@@ -112,9 +114,9 @@ def fewshot(
             continue
         for k, (mean, std, n) in summarize_scores(outcomes).items():
             table.add_row(bench.name, str(k), f"{mean:.4f}", f"{std:.4f}", str(n))
-        problems += [f"{bench.name} {o.cell.settings['shots']}-shot seed {o.cell.seed}: {o.error}"
-                     for o in outcomes if not o.ok]  # fmt: skip
-    Console().print(table)
+        problems += [f"{bench.name} {o.cell.settings['shots']}-shot seed {o.cell.seed}: "
+                     f"{describe_failure(o.error).one_line()}" for o in outcomes if not o.ok]  # fmt: skip
+    table_console().print(table)
     if problems:
         fail("\n".join(problems), code=1)
 
@@ -244,6 +246,7 @@ def evaluate(
     progress: Annotated[bool, typer.Option(help="Show a progress bar over the cells.")] = True,
     dry_run: DryRunOpt = False,
     verbose: VerboseOpt = False,
+    format_: Annotated[OutputFormat, typer.Option("--format", "-f", help="How the summary goes to stdout.")] = OutputFormat.table,
 ):
     """Evaluate CHECKPOINT on a grid of benchmarks x few-shot shots / fine-tune lrs x seeds over Ray.
 
@@ -276,7 +279,12 @@ def evaluate(
         except (FileNotFoundError, ValueError, RuntimeError) as err:
             fail(str(err))
         summaries = [run_grid(grid, refs, console=console, show_progress=progress, verbose=verbose)]
-    files = report_grid(grid, Console())
+    files = report_grid(grid, table_console(), show=format_ == OutputFormat.table)
+    if format_ == OutputFormat.json:
+        from vitray.evaluation.report import summary_json
+        from vitray.evaluation.results import ResultsTable
+
+        typer.echo(summary_json(ResultsTable(grid.results_path, storage_options=grid.storage_options)))
     failed, missing = sum(s.failed for s in summaries), sum(s.missing for s in summaries)
     ok, skipped = sum(s.ok for s in summaries), sum(s.skipped for s in summaries)
     console.print(f"cells: {ok} ok, {skipped} already finished, {failed} failed, {missing} missing data")

@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table as RichTable
 
+from vitray.common.failures import describe_failure
 from vitray.evaluation.grid import METRIC, VAL_METRIC, VAL_SPLIT
 from vitray.evaluation.results import ResultsTable
 from vitray.evaluation.selection import selected_finetune
@@ -273,8 +274,25 @@ def print_table(
         for row in problems.itertuples():
             style = "yellow" if row.status == "missing" else "red"
             failed.add_row(escape(row.benchmark), escape(setting_label(row.method, row.settings)), str(row.seed),
-                           f"[{style}]{row.status}[/{style}]", escape(_first_lines(row.error, 3)))
+                           f"[{style}]{row.status}[/{style}]", escape(problem_text(row.status, row.error)))
         console.print(failed)
+
+
+def summary_json(table: ResultsTable | pa.Table | pd.DataFrame, *, metric: str | None = None) -> str:
+    """What :func:`print_table` shows, as JSON for scripts (`vitray evaluate --format json`):
+    {"results": the summary rows (:func:`summarize`'s columns, `settings` parsed),
+    "not_finished": [{benchmark, method, settings, seed, status, cause}]}, the cause on one line."""
+    frame = as_frame(table)
+    results = json.loads(summarize(frame, metric).to_json(orient="records"))
+    for row in results:
+        row["settings"] = json.loads(row["settings"])
+    problems = [
+        {"checkpoint": row.checkpoint, "benchmark": row.benchmark, "method": row.method,
+         "settings": json.loads(row.settings), "seed": int(row.seed), "status": row.status,
+         "cause": problem_text(row.status, row.error)}
+        for row in _problem_cells(frame).itertuples()
+    ]  # fmt: skip
+    return json.dumps({"results": results, "not_finished": problems}, indent=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,7 +379,7 @@ def _markdown(frame: pd.DataFrame, summary: pd.DataFrame, vtab: pd.DataFrame, sw
                   "| --- | --- | ---: | --- | --- |"]
         for row in problems.itertuples():
             lines.append(f"| {_cell(row.benchmark)} | {_cell(setting_label(row.method, row.settings))} | "
-                         f"{row.seed} | {row.status} | {_cell(_first_lines(row.error, 2))} |")
+                         f"{row.seed} | {row.status} | {_cell(problem_text(row.status, row.error))} |")
     if plots:
         lines += ["", "## Plots", ""]
         for name, path in plots.items():
@@ -491,6 +509,17 @@ def _short_checkpoint(checkpoint: str) -> str:
 
 def _step_text(step: Any) -> str:
     return "" if step is None or pd.isna(step) else str(int(step))
+
+
+def problem_text(status: str, error: Any) -> str:
+    """What a table says about a cell that did not finish: a failure's root cause on one line
+    (the whole traceback stays in the results table's `error` column), or a missing dataset's
+    reason (which holds the command that prepares it)."""
+    if status == "failed" and isinstance(error, str) and error.strip():
+        failure = describe_failure(error)
+        if failure.kind != "Error":  # else a sentence of vitray's own, shown as written
+            return failure.one_line()
+    return _first_lines(error, 3)
 
 
 def _first_lines(text: Any, n: int) -> str:

@@ -238,9 +238,18 @@ def _rows_to_table(rows: list[Mapping[str, Any]]) -> pa.Table:
             full["finished_at"] = now
         _check_row(full, i)
         if full["error"] is not None and len(full["error"]) > MAX_ERROR_CHARS:
-            full["error"] = full["error"][: MAX_ERROR_CHARS - 20] + "\n... (truncated)"
+            full["error"] = shorten_error(full["error"])
         clean.append(full)
     return pa.Table.from_pylist(clean, schema=SCHEMA)
+
+
+def shorten_error(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` cut to about ``limit`` characters in the middle: its start says what failed, its
+    end holds the root cause (a traceback's last line, what tables and reports show)."""
+    if len(text) <= limit:
+        return text
+    head, tail = limit // 4, limit - limit // 4 - 40
+    return f"{text[:head]}\n... ({len(text) - head - tail} characters cut) ...\n{text[-tail:]}"
 
 
 def _check_row(row: dict[str, Any], i: int) -> None:

@@ -1,0 +1,63 @@
+"""A failed grid cell shows its root cause on one line in the printed table, in report.md and in
+`--format json`; the whole traceback stays in the results table (issue 26)."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+
+from vitray.evaluation.report import print_table, summary_json, write_report
+from vitray.evaluation.results import MAX_ERROR_CHARS, Cell, ResultsTable, shorten_error
+
+CAUSE = "ValueError: finetune.resolution 24 is not divisible by the patch size 16"
+# What error_text records for a fine-tune cell whose Ray workers failed (grid.py's retry prefix,
+# the outer error, then the traceback whose last line is the cause).
+RECORDED = (
+    "failed 2 times (grid retries=1); last error: WorkerGroupError: Training failed due to worker errors:\n"
+    "[Rank 0 Error Snippet]:\nTraceback (most recent call last):\n"
+    '  File "/work/main/evaluation/transfer.py", line 300, in finetune\n    model = build(cfg)\n'
+    + "  ... a long frame ...\n" * 300
+    + CAUSE + "\n"
+)
+
+
+def results(tmp_path) -> ResultsTable:
+    table = ResultsTable(str(tmp_path / "results"))
+    table.append(Cell("runs/r1/checkpoint_000010", "digits", "fewshot", {"shots": 5, "l2": 1024}, 0, 10)
+                 .ok({"accuracy": 0.5}, 1.0))  # fmt: skip
+    table.append(Cell("runs/r1/checkpoint_000010", "digits", "finetune", {"lr": 0.01}, 0, 10).failed(RECORDED, 2.0))
+    return table
+
+
+def test_the_table_and_the_report_show_the_cause_on_one_line(tmp_path):
+    table = results(tmp_path)
+    console = Console(record=True, width=300)
+    print_table(table, console=console)
+    printed = console.export_text()
+    assert CAUSE in printed
+    assert "Rank 0 Error Snippet" not in printed and "Traceback" not in printed and "a long frame" not in printed
+
+    markdown = write_report(table, tmp_path / "report").markdown.read_text()
+    (row,) = [line for line in markdown.splitlines() if "| failed |" in line]
+    assert row.endswith(f"| {CAUSE} |") and "<br>" not in row
+
+    # The record keeps the traceback (cut in the middle: its end, the cause, survives).
+    (stored,) = [r["error"] for r in table.to_table().to_pylist() if r["status"] == "failed"]
+    assert len(stored) <= MAX_ERROR_CHARS + 60 and stored.startswith("failed 2 times") and stored.endswith(CAUSE + "\n")
+    assert "Rank 0 Error Snippet" in stored
+
+
+def test_summary_json(tmp_path):
+    summary = json.loads(summary_json(results(tmp_path)))
+    (row,) = summary["results"]
+    assert (row["benchmark"], row["settings"], row["mean"], row["seeds"]) == ("digits", {"shots": 5, "l2": 1024}, 0.5, 1)
+    (failed,) = summary["not_finished"]
+    assert failed["status"] == "failed" and failed["cause"] == CAUSE and failed["settings"] == {"lr": 0.01}
+
+
+def test_shorten_error_keeps_both_ends():
+    text = "start " + "x" * 10_000 + " end"
+    short = shorten_error(text, limit=1000)
+    assert short.startswith("start ") and short.endswith(" end") and len(short) < 1100 and "characters cut" in short
+    assert shorten_error("short", limit=1000) == "short"
