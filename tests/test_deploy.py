@@ -321,6 +321,42 @@ def test_credentials_reach_the_pods_from_the_secret():
             assert {"secretRef": {"name": "vitray-s3"}} in container["envFrom"], f"{name}/{group}"
 
 
+def test_no_job_record_carries_credentials():
+    """What a RayJob submits -- its entrypoint and runtime env -- is stored in Ray's job record,
+    which anyone who can list jobs reads (`ray job list`, the dashboard): no credential goes there,
+    and the submitter pod, which only submits, holds no S3 credentials either."""
+    for name, job in by_name("RayJob").items():
+        spec = job["spec"]
+        runtime = yaml.safe_load(spec.get("runtimeEnvYAML") or "{}") or {}
+        for env_name in runtime.get("env_vars") or {}:
+            assert not _CREDENTIAL_NAME.search(env_name), f"{name}: runtimeEnvYAML sets {env_name}"
+        assert not _CREDENTIAL_NAME.search(spec["entrypoint"]), f"{name}: the entrypoint names a credential"
+        assert "--env" not in spec["entrypoint"].split(), name
+        for container in spec["submitterPodTemplate"]["spec"]["containers"]:
+            assert not container.get("envFrom"), f"{name}/submitter: it needs the Ray token only"
+            assert not any(_CREDENTIAL_NAME.search(env["name"]) for env in container.get("env", [])), name
+
+
+def test_ray_up_nodes_get_s3_access_without_credentials_in_commands():
+    """`ray up` clusters: instance profiles (AWS) or a credentials file mounted from the user's
+    machine (GCP), never keys passed to `docker run` or set in a start command."""
+    for path in sorted(RAY_UP.glob("*.yaml")):
+        config = yaml.safe_load(path.read_text())
+        commands = [*config.get("docker", {}).get("run_options", [])]
+        for key in ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
+                    "head_start_ray_commands", "worker_start_ray_commands"):  # fmt: skip
+            commands += config.get(key) or []
+        for command in commands:
+            assert not re.search(r"AWS_(SECRET_ACCESS_KEY|ACCESS_KEY_ID|SESSION_TOKEN)", command), f"{path.name}: {command}"
+        if config["provider"]["type"] == "aws":
+            for node_type, node in config["available_node_types"].items():
+                if node_type != config["head_node_type"]:  # the head gets Ray's default profile (S3 access)
+                    assert "IamInstanceProfile" in node["node_config"], f"{path.name}: {node_type}"
+        else:
+            mounted = config.get("file_mounts", {})
+            assert "~/.aws/credentials" in mounted, f"{path.name}: S3 credentials reach the nodes as a mounted file"
+
+
 # ---------------------------------------------------------------------------------------------
 # images, versions and the runs the manifests start
 # ---------------------------------------------------------------------------------------------
