@@ -1,7 +1,8 @@
 """Faults injected into real pre-training runs (local Ray, 2 CPU workers, DeepSpeed):
 
 - a second `vitray pretrain` of a running run refuses (the run's lease);
-- SIGTERM to the driver: a checkpoint at the next check step, exit 0, and the re-run resumes
+- SIGTERM to the driver: a checkpoint at the next check step, exit 75 (pre-empted); Ctrl-C
+  (SIGINT) to the re-run: the same, recorded as stopped by user, exit 130; the next re-run resumes
   from it (saying so) and ends with the uninterrupted run's weights;
 - the checkpoint staging disk (a small tmpfs) fills up: a clear error, the previous checkpoint
   intact, and the re-run resumes from it to the uninterrupted run's weights;
@@ -85,11 +86,17 @@ def preempted(digits_dataset, reference, tmp_path_factory):
     stopped = latest_complete_checkpoint(run_dir)
     stopped_state = verify_complete(stopped.path) if stopped else None
     runs_while_stopped = subprocess.run(vitray_cmd("runs", str(storage)), capture_output=True, text=True, timeout=120)
+    with running(args) as interrupted:  # Ctrl-C: the terminal signals the driver (Ray's processes block SIGINT)
+        _wait_for(lambda: _logged_step(run_dir) >= stopped.step + 2, interrupted, "two steps after the resume")
+        interrupted.send_signal(signal.SIGINT)
+        out, err = interrupted.communicate(timeout=240)
+        ctrl_c = (interrupted.returncode, out, err)
+    by_user = latest_complete_checkpoint(run_dir)
     rerun = run(args)
     return {
         "run_dir": run_dir, "storage": storage, "second": second, "signalled_at": signalled_at,
         "first": (first.returncode, stdout, stderr), "stopped": stopped, "stopped_state": stopped_state,
-        "runs_while_stopped": runs_while_stopped, "rerun": rerun,
+        "runs_while_stopped": runs_while_stopped, "ctrl_c": ctrl_c, "by_user": by_user, "rerun": rerun,
     }  # fmt: skip
 
 
@@ -100,12 +107,12 @@ def test_a_second_start_of_a_running_run_refuses(preempted):
     assert "is already running" in message and "holds" in message and "last heartbeat" in message
     assert "--force" in message
     # It took nothing: no attempt of its own, and the first run went on to its notice.
-    assert len(RunFiles(preempted["run_dir"]).read_attempts()) == 2  # the first run and the re-run
+    assert len(RunFiles(preempted["run_dir"]).read_attempts()) == 3  # the first run and the two re-runs
 
 
-def test_sigterm_checkpoints_at_the_next_check_step_and_exits_cleanly(preempted):
+def test_sigterm_checkpoints_at_the_next_check_step_and_exits_as_preempted(preempted):
     code, stdout, stderr = preempted["first"]
-    assert code == 0, stdout[-2000:] + stderr[-4000:]
+    assert code == 75, stdout[-2000:] + stderr[-4000:]  # not 0: a scheduler must run it again
     assert "SIGTERM to the driver" in stderr and "stopped on a pre-emption notice" in _flat(stderr)
     step = preempted["stopped"].step
     # The notice is read every CHECK_EVERY steps: the checkpoint is at the first check step after it.
@@ -116,13 +123,24 @@ def test_sigterm_checkpoints_at_the_next_check_step_and_exits_cleanly(preempted)
     assert "1 stopped" in _flat(preempted["runs_while_stopped"].stdout)
 
 
-def test_the_rerun_resumes_from_the_preemption_checkpoint_exactly(preempted, reference):
-    stopped = preempted["stopped"]
+def test_ctrl_c_checkpoints_and_stops_like_sigterm_recorded_as_stopped_by_user(preempted):
+    code, stdout, stderr = preempted["ctrl_c"]
+    assert code == 130, stdout[-2000:] + stderr[-4000:]
+    assert "stopped by user" in _flat(stderr) and "re-run the same command to resume" in _flat(stderr)
+    assert "Traceback" not in stderr
+    assert preempted["stopped"].step < preempted["by_user"].step < STEPS and preempted["by_user"].step % CHECK_EVERY == 0
+    attempt = RunFiles(preempted["run_dir"]).read_attempts()[1]
+    assert attempt["status"] == "stopped" and attempt["error"] == "stopped by user (Ctrl-C)", attempt
+
+
+def test_the_rerun_resumes_from_the_stop_checkpoint_exactly(preempted, reference):
+    stopped = preempted["by_user"]
     assert f"resuming ref from step {stopped.step} ({stopped.path})" in _flat(preempted["rerun"].stderr)
     assert_same_weights(final_weights(preempted["run_dir"]), reference["weights"])
     attempts = RunFiles(preempted["run_dir"]).read_attempts()
-    assert [a["status"] for a in attempts] == ["stopped", "finished"]
-    assert attempts[1]["resumed_from_step"] == stopped.step
+    assert [a["status"] for a in attempts] == ["stopped", "stopped", "finished"]
+    assert attempts[1]["resumed_from_step"] == preempted["stopped"].step
+    assert attempts[2]["resumed_from_step"] == stopped.step
     assert read_lease(RunFiles(preempted["run_dir"]).lease_path) is None  # released at the end
 
 
