@@ -1,13 +1,15 @@
 """The one config loader: YAML file + `--set dotted.key=value` overrides -> a validated pydantic model.
 
 Every error names the key, the bad value and what is allowed, and a typo'd key suggests the
-closest valid one -- all before anything heavy (Ray, DeepSpeed) starts.
+closest valid one -- all before anything heavy (Ray, DeepSpeed) starts. A problem is blamed on
+where its value came from: the `--set` override that gave it, else the YAML file.
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,38 +26,83 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message lists every problem found."""
 
 
+# Said when a command needs sections that no file gave (the defaults alone do not make a config).
+NO_CONFIG = "no config given: pass -c FILE.yaml (see configs/, e.g. configs/demo.yaml)"
+
+
 def load_config(schema: type[M], path: str | Path | None = None, overrides: Sequence[str] = ()) -> M:
     """A YAML file (or nothing: the defaults) + `key=value` overrides, validated as `schema`."""
     raw = _read_yaml(Path(path)) if path is not None else {}
-    return validate_config(schema, raw, overrides, source=str(path) if path else "the config")
+    return validate_config(schema, raw, overrides, source=str(path) if path else None)
 
 
 def validate_config(
-    schema: type[M], raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[str] = (), *, source: str
+    schema: type[M], raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[str] = (), *, source: str | None
 ) -> M:
-    """A config as a dict + dotted overrides (a mapping, or `key=value` strings as from `--set`)."""
+    """A config as a dict + dotted overrides (a mapping, or `key=value` strings as from `--set`).
+    ``source`` names where ``raw`` came from (a file; None: no file at all)."""
     data = copy.deepcopy(dict(raw))
-    items = overrides.items() if isinstance(overrides, Mapping) else map(_parse_override, overrides)
+    origins: dict[str, str] = {}  # dotted key -> the override that set it, as the user wrote it
+    if isinstance(overrides, Mapping):
+        items = list(overrides.items())
+        origins = {key: f"override {key}={value!r}" for key, value in items}
+    else:
+        items = [_parse_override(text) for text in overrides]
+        origins = {key: f"--set {text.strip()}" for (key, _), text in zip(items, overrides)}
     for key, value in items:
         _set_dotted(data, key, value)
-    _refuse_moved_keys(schema, data, source)
+    blame = _Blame(source, origins)
+    _refuse_moved_keys(schema, data, blame)
     try:
         return schema.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_describe(err, schema, source=source)) from None
+        raise ConfigError(_describe(err, schema, blame)) from None
 
 
-def _refuse_moved_keys(schema: type[BaseModel], data: Mapping[str, Any], source: str) -> None:
+# A dotted config key inside a validator's message ("train.batch_size=100 must be ...").
+_DOTTED_KEY = re.compile(r"(?<![\w.])[a-z_]+(?:\.[a-z_]+)+(?![\w])")
+
+
+class _Blame:
+    """Where a problem's value came from: the override that set its key (or a section above or
+    below it), else the file. A rule across keys (a validator of a whole section) is blamed on
+    every place that gave a key its message names."""
+
+    def __init__(self, source: str | None, origins: Mapping[str, str]) -> None:
+        self.source, self.origins = source, dict(origins)
+        self.file = source or "no -c file"
+
+    def of(self, key: str, message: str = "") -> list[str]:
+        keys = [key] if key else _DOTTED_KEY.findall(message) or [""]
+        return [self._origin(k) for k in keys]
+
+    def _origin(self, key: str) -> str:
+        for dotted, origin in self.origins.items():
+            if key and (key == dotted or key.startswith(dotted + ".") or dotted.startswith(key + ".")):
+                return origin
+        return self.file
+
+    def header(self, blamed: Sequence[Sequence[str]]) -> str:
+        """ "invalid config (FILE, --set a=1):" naming every place a listed problem came from."""
+        places = list(dict.fromkeys(place for places in blamed for place in places))
+        if len(places) > 1 and self.file in places:  # the file first, then the overrides in order
+            places.remove(self.file)
+            places.insert(0, self.file)
+        return f"invalid config ({', '.join(places)}):"
+
+
+def _refuse_moved_keys(schema: type[BaseModel], data: Mapping[str, Any], blame: _Blame) -> None:
     """Keys the schema has moved (its `MOVED_KEYS`: old dotted key -> hint) fail with the hint."""
-    found = []
+    found, blamed = [], []
     for dotted, hint in getattr(schema, "MOVED_KEYS", {}).items():
         node: Any = data
         for part in dotted.split("."):
             node = node.get(part, _MISSING) if isinstance(node, Mapping) else _MISSING
         if node is not _MISSING:
             found.append(f"  {dotted}: {hint}")
+            blamed.append(blame.of(dotted))
     if found:
-        raise ConfigError("\n".join([f"invalid config ({source}):", *found]))
+        raise ConfigError("\n".join([blame.header(blamed), *found]))
 
 
 _MISSING = object()
@@ -101,21 +148,40 @@ def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _describe(err: ValidationError, schema: type[BaseModel], source: str) -> str:
-    lines = [f"invalid config ({source}):"]
-    for problem in err.errors():
+def _describe(err: ValidationError, schema: type[BaseModel], blame: _Blame) -> str:
+    problems = err.errors()
+    if blame.source is None and all(p["type"] == "missing" and len(p["loc"]) == 1 for p in problems):
+        # Nothing given at all: the missing sections are a missing -c, not a config to fix.
+        missing = ", ".join(".".join(str(part) for part in p["loc"]) for p in problems)
+        return f"{NO_CONFIG}; it must set {missing}"  # one line
+    lines, blamed = [], []
+    for problem in problems:
         loc = [str(p) for p in problem["loc"]]
-        key = ".".join(loc) or "(top level)"
+        key = ".".join(loc)
         if problem["type"] == "extra_forbidden":
             valid = _fields_at(schema, loc[:-1])
             hint = difflib.get_close_matches(loc[-1], valid, n=1)
             suggestion = f"; did you mean {'.'.join(loc[:-1] + hint[:1])!r}?" if hint else ""
             lines.append(f"  {key}: unknown key{suggestion} (valid here: {', '.join(sorted(valid))})")
+            blamed.append(blame.of(key))
+            continue
+        message = problem["msg"]
+        if problem["type"] == "value_error":
+            # A validator's own sentence, which names its keys and values: no "Value error, " and
+            # no dump of the section it checked (the whole config for a rule across sections).
+            message = message.removeprefix("Value error, ")
+            if key and not isinstance(problem.get("input"), Mapping):  # one value's own check
+                message = f"{key}: {message} (got {redact_at(loc, problem.get('input'))!r})"
+            lines.append(f"  {message}")
+            blamed.append(blame.of(key, message))
             continue
         # Redacted: a bad value under a secret's key (or a whole section holding one) is not printed.
         shown = "" if problem["type"] == "missing" else f" (got {redact_at(loc, problem.get('input'))!r})"
-        lines.append(f"  {key}: {problem['msg']}{shown}")
-    return "\n".join(lines)
+        lines.append(f"  {key or '(top level)'}: {message}{shown}")
+        blamed.append(blame.of(key))
+    if blame.source is None and any(p["type"] == "missing" and len(p["loc"]) == 1 for p in problems):
+        lines.append(f"  ({NO_CONFIG})")
+    return "\n".join([blame.header(blamed), *lines])
 
 
 def _fields_at(schema: type[BaseModel], loc: list[str]) -> list[str]:

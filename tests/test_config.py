@@ -120,12 +120,14 @@ def _vitray(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_dry_run_prints_resolved_config():
-    out = _vitray("pretrain", "-c", str(REPO / "configs" / "demo.yaml"), "--set", "train.steps=3", "--dry-run")
+    out = _vitray("pretrain", "-c", str(REPO / "configs" / "demo.yaml"), "--set", "train.steps=3", "--set",
+                  "schedule.warmup_steps=1", "--dry-run")  # fmt: skip
     assert out.returncode == 0, out.stderr
     resolved = yaml.safe_load(out.stdout)
     assert resolved["train"]["steps"] == 3
     assert resolved["model"]["name"] == "Ti/4"
-    assert resolved == load_config(TrainingConfig, REPO / "configs" / "demo.yaml", ["train.steps=3"]).model_dump(mode="json")
+    assert resolved == load_config(TrainingConfig, REPO / "configs" / "demo.yaml",
+                                   ["train.steps=3", "schedule.warmup_steps=1"]).model_dump(mode="json")  # fmt: skip
 
 
 def test_cli_bad_config_fails_fast_without_ray():
@@ -138,7 +140,7 @@ def test_cli_bad_config_fails_fast_without_ray():
 
 
 def test_missing_dataset_is_named():
-    with pytest.raises(ConfigError, match=r"data: Field required"):
+    with pytest.raises(ConfigError, match=r"^no config given: pass -c FILE.yaml \(see configs/.*it must set data$"):
         load_config(TrainingConfig, None, [])
 
 

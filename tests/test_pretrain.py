@@ -164,7 +164,7 @@ def test_more_workers_than_the_local_instance_has_fails_at_once(digits_dataset, 
     import time
 
     cpus = os.cpu_count()
-    args = pretrain_args(str(digits_dataset), str(tmp_path), "too-big", "train.steps=2",
+    args = pretrain_args(str(digits_dataset), str(tmp_path), "too-big", "train.steps=2", "schedule.warmup_steps=1",
                          f"cluster.num_workers={2 * cpus}", f"data.num_slots={2 * cpus}",
                          f"train.batch_size={32 * cpus}")  # fmt: skip
     started = time.monotonic()

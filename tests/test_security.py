@@ -171,7 +171,7 @@ def test_a_planted_secret_is_in_no_file_or_output_of_a_real_run(digits_dataset, 
     storage = tmp_path / "runs"
     options = f"data.storage_options={{key: {KEY_ID}, secret: {CONFIG_SECRET}}}"  # fsspec ignores them locally
     out = run(pretrain_args(str(digits_dataset), str(storage), "planted", options, "cluster.num_workers=1",
-                            "train.steps=2", "checkpoint.every=2", "log.every=1", "evals.val={type: val, every: 2}"))  # fmt: skip
+                            "train.steps=2", "schedule.warmup_steps=1", "checkpoint.every=2", "log.every=1", "evals.val={type: val, every: 2}"))  # fmt: skip
     files = [p for p in storage.rglob("*") if p.is_file()]
     names = {p.name for p in files}
     # The run wrote what a run writes: a checkpoint with its config, metrics and TensorBoard events.

@@ -350,6 +350,18 @@ class TrainingConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _warmup_fits(self) -> "TrainingConfig":
+        # Only a warm-up that was asked for: the default (the paper's 10k steps) is clamped to the
+        # run by the schedule, so a short run that never named it still trains.
+        warmup, steps = self.schedule.warmup_steps, self.train.steps
+        if "warmup_steps" in self.schedule.model_fields_set and warmup > steps:
+            raise ValueError(
+                f"schedule.warmup_steps={warmup} is longer than the run (train.steps={steps}): the learning rate "
+                f"would never reach its peak; set schedule.warmup_steps to at most {steps}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _nonfinite_policy(self) -> "TrainingConfig":
         if self.train.nonfinite == "skip" and self.train.backend != "deepspeed":
             raise ValueError(
