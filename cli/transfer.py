@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 from rich.table import Table
 
+from vitray.cli import exit_codes
 from vitray.cli.app import (
     CheckpointArg,
     ConfigOpt,
@@ -187,13 +188,20 @@ def finetune(
     from vitray.cluster.transfer import run_finetune, top1_on_test_split
     from vitray.evaluation.suite import locate
 
+    from vitray.data.storage import StorageUnreachable
+    from vitray.trainers.preflight import PreflightError
+
     try:
         top1 = run_finetune(cfg, show_progress=True, verbose=verbose)
         # A protocol run that validated on a held-out slice is scored on the test split too.
         held_out = bench is not None and cfg.data.val_split != bench.test_split
         test = top1_on_test_split(cfg, bench, data_root, verbose=verbose) if held_out else None
+    except (PreflightError, StorageUnreachable) as err:  # refused before Ray started
+        fail(str(err), exit_codes.INPUT_ERROR)
     except Exception as err:  # noqa: BLE001 - Ray Train's TrainingFailedError and friends
-        fail(f"fine-tuning failed: {err}", code=1)
+        cause = describe_failure(err)
+        fail(f"fine-tuning failed: {cause.one_line()}\n  {cause.advice()} (the full traceback: --verbose)",
+             exit_codes.FAILED)  # fmt: skip
     console.print(f"run folder: {run_dir(cfg.run.storage, cfg.run.name)}")
     if test is not None:
         typer.echo(f"val top-1 ({cfg.data.val_path} split {cfg.data.val_split}): {top1:.4f}")
@@ -261,6 +269,7 @@ def evaluate(
         return
     from vitray.cluster.evaluate import report_grid, run_grid, watch_run
     from vitray.cluster.transfer import resolve_checkpoints
+    from vitray.trainers.preflight import PreflightError
 
     if watch:
         try:
@@ -278,7 +287,10 @@ def evaluate(
             refs = resolve_checkpoints(checkpoint, all_checkpoints=all_checkpoints)
         except (FileNotFoundError, ValueError, RuntimeError) as err:
             fail(str(err))
-        summaries = [run_grid(grid, refs, console=console, show_progress=progress, verbose=verbose)]
+        try:
+            summaries = [run_grid(grid, refs, console=console, show_progress=progress, verbose=verbose)]
+        except PreflightError as err:  # refused before Ray started
+            fail(str(err), exit_codes.INPUT_ERROR)
     files = report_grid(grid, table_console(), show=format_ == OutputFormat.table)
     if format_ == OutputFormat.json:
         from vitray.evaluation.report import summary_json

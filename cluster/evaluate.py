@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from vitray.cluster.runtime import connect
-from vitray.cluster.transfer import absolute, checkpoint_ref, finetune_cell_metrics
+from vitray.cluster.transfer import absolute, checkpoint_ref, finetune_cell_metrics, finetune_config
 from vitray.data import storage
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.grid import (
@@ -109,6 +109,7 @@ def run_grid(
     if not pending.cells and not ready and not finals.waiting:
         return summary
 
+    _check_models(pending, ready, grid)  # in seconds, before Ray starts
     connect(grid.cluster.address, verbose=verbose)
     retries = _Retries(grid.retries)
     with _progress(console, len(pending.cells) + len(ready) + len(finals.waiting), show_progress) as bar:
@@ -145,6 +146,27 @@ def run_grid(
             raise
         pool.shutdown(wait=True)
     return summary
+
+
+def _check_models(pending: GridPlan, ready: list[FinetuneJob], grid: GridConfig) -> None:
+    """Every fine-tune and few-shot cell's model builds at its resolution (on the meta device),
+    once per checkpoint and resolution: a resolution the patch size does not divide is refused
+    (PreflightError) before any cell starts, instead of failing every cell on its workers."""
+    from vitray.models import ModelConfig
+    from vitray.trainers.preflight import PreflightError, check_model
+
+    jobs = [*pending.finetune, *ready]
+    cells = [("fine-tune", job.checkpoint, finetune_config(job, grid).model.img_size) for job in jobs]
+    cells += [("few-shot", group.checkpoint, group.img_size) for group in pending.fewshot]
+    checked: set[tuple[str, int]] = set()
+    for kind, checkpoint, img_size in cells:
+        if (checkpoint.path, img_size) in checked or not checkpoint.model:
+            continue
+        checked.add((checkpoint.path, img_size))
+        try:
+            check_model(ModelConfig.model_validate({**checkpoint.model, "img_size": img_size}))
+        except PreflightError as err:
+            raise PreflightError(f"{kind} cells of {checkpoint.path} at {img_size} px: {err}") from None
 
 
 def _record_unprepared(plan: GridPlan, grid: GridConfig, table: ResultsTable, summary: GridSummary) -> GridPlan:

@@ -158,3 +158,18 @@ def test_a_failure_is_reduced_to_its_root_cause_with_advice_that_fits():
         raise RuntimeError("checkpoint upload failed") from ConnectionResetError("connection reset by peer")
     except RuntimeError as error:
         assert describe_failure(error).one_line() == "ConnectionResetError: connection reset by peer"
+
+
+def test_evaluate_refuses_a_resolution_the_patch_does_not_divide_before_ray(pretrained, digits_dataset, tmp_path):
+    root = tmp_path / "prepared"
+    root.mkdir()
+    (root / "digits").symlink_to(digits_dataset)
+    started = time.monotonic()
+    grid = Path(__file__).resolve().parents[1] / "configs" / "grid_digits.yaml"
+    result = CliRunner().invoke(app, ["evaluate", pretrained, "-c", str(grid), "--data-root", str(root),
+                                      "--output", str(tmp_path / "eval"), "--set", "finetune.resolution=30"])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert not ray.is_initialized() and time.monotonic() - started < 30
+    assert "Traceback" not in result.output
+    message = " ".join(result.output.split())
+    assert "fine-tune cells of" in message and "at 30 px: model: img_size 30 is not divisible by the patch size 4" in message
