@@ -9,6 +9,7 @@ started by `ray start --head` use token authentication: the token is read from
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 from vitray.data import storage
@@ -17,6 +18,15 @@ AUTH_TOKEN_FILE = Path.home() / ".ray" / "auth_token"
 
 # Whether this process's Ray is a private instance `connect` started (one node, no autoscaler).
 _started_local = False
+
+
+# How long `connect` waits for a cluster's address to accept a connection before saying so.
+REACH_TIMEOUT_S = 5
+
+
+class RayUnavailable(RuntimeError):
+    """Ray could not be started or joined; the message is one line naming the address (or the
+    local start), the cause and what to do."""
 
 
 class NotEnoughResources(ValueError):
@@ -48,11 +58,48 @@ def connect(address: str | None, *, num_cpus: int | None = None, verbose: bool =
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     global _started_local
     if address:
-        ray.init(address=address, log_to_driver=verbose)
+        _check_address_answers(address)
+        try:
+            ray.init(address=address, log_to_driver=verbose)
+        except Exception as error:  # noqa: BLE001 - any failure to join is reported the same way
+            raise RayUnavailable(
+                f"could not join the Ray cluster at {address} ({_cause(error)}): check that it is up (`ray status` on "
+                "its head node) and that cluster.address / --address names its GCS (HOST:6379) or client (ray://HOST:10001)"
+            ) from error  # fmt: skip
     else:
         # address="local" always starts a private instance, never joins a `ray start` cluster by accident.
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=verbose, logging_level="info" if verbose else "warning")
+        try:
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=verbose,
+                     logging_level="info" if verbose else "warning")  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - Ray's start-up failures have no common type
+            raise RayUnavailable(
+                f"the local Ray instance did not start ({_cause(error)}): check free memory and space in /tmp, stop "
+                "leftover Ray processes (`ray stop`), then retry; --verbose shows Ray's own logs"
+            ) from error  # fmt: skip
         _started_local = True
+
+
+def _cause(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _check_address_answers(address: str) -> None:
+    """A cluster address whose port does not answer fails here within seconds: `ray.init` would
+    retry in silence for minutes. "auto" (the address of a `ray start` on this machine) is left to Ray."""
+    target = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port = target.rpartition(":")
+    if address == "auto" or not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT_S).close()
+    except OSError as error:
+        why = "timed out" if isinstance(error, TimeoutError) else (error.strerror or type(error).__name__)
+        raise RayUnavailable(
+            f"no Ray cluster answers at {address} ({why} after at most {REACH_TIMEOUT_S} s): start it (`ray start --head`, "
+            "or `ray up`) or fix cluster.address / --address / RAY_ADDRESS"
+        ) from None
 
 
 def check_local_resources(workers: int, per_worker: dict[str, float], settings: dict[str, str]) -> None:

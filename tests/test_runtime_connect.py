@@ -1,0 +1,58 @@
+"""Ray that cannot be started or joined is one line naming the address and the fix (issue 26),
+within seconds, not Ray's minutes of retries and a 50-line traceback. No Ray is started here."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import ray
+
+from vitray.cluster import runtime
+from vitray.cluster.runtime import RayUnavailable, connect
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_address_nobody_answers_is_refused_at_once():
+    address = f"127.0.0.1:{closed_port()}"
+    started = time.monotonic()
+    with pytest.raises(RayUnavailable) as caught:
+        connect(address)
+    assert time.monotonic() - started < runtime.REACH_TIMEOUT_S + 2
+    message = str(caught.value)
+    assert f"no Ray cluster answers at {address}" in message and "cluster.address" in message and "\n" not in message
+    assert not ray.is_initialized()
+
+
+def test_a_local_start_that_times_out_is_one_line(monkeypatch):
+    def timed_out(**_):
+        raise Exception(  # what ray/_private/node.py raises
+            "The current node timed out during startup. This could happen because some of the raylet failed to "
+            "startup or the GCS has become overloaded."
+        )
+
+    monkeypatch.setattr(ray, "init", timed_out)
+    with pytest.raises(RayUnavailable) as caught:
+        connect(None)
+    message = str(caught.value)
+    assert message.startswith("the local Ray instance did not start (Exception: The current node timed out during startup")
+    assert "ray stop" in message and "\n" not in message
+
+
+def test_the_cli_says_it_in_one_line(tmp_path):
+    address = f"127.0.0.1:{closed_port()}"
+    command = [sys.executable, "-m", "vitray.cli", "data", "prepare", "builtin:digits", str(tmp_path / "d"),
+               "--address", address]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "1000"})
+    assert out.returncode == 2, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert lines == [lines[0]] and lines[0].startswith(f"error: no Ray cluster answers at {address}"), out.stderr
