@@ -19,6 +19,7 @@ from vitray.models.config import ModelConfig
 from vitray.models.variants import get_variant
 from vitray.trainers.evals import EVAL_NAME, EvalConfig
 from vitray.trainers.masked_patch import MaskedPatchTarget, target_outputs
+from vitray.trainers.trackers import MlflowSettings, WandbSettings
 
 # Run and evaluator names become folder names and metric prefixes: the same safe alphabet.
 _RUN_NAME = EVAL_NAME
@@ -173,6 +174,12 @@ class LogConfig(_Section):
     upload_every_s: float = Field(
         10.0, ge=0, description="Least seconds between two background uploads of the metrics to the run folder "
         "(steps never wait for them; checkpoints and the end of the run upload at once).",
+    )
+    mlflow: MlflowSettings | None = Field(
+        None, description="Also log the config and metrics to MLflow (rank 0), e.g. {tracking_uri: http://HOST:5000}."
+    )
+    wandb: WandbSettings | None = Field(
+        None, description="Also log the config and metrics to Weights & Biases (rank 0), e.g. {project: vit}."
     )
 
 

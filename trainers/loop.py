@@ -27,6 +27,7 @@ import torch
 from vitray.common.redact import redacted_config
 from vitray.data import ShardLoader, read_dataset_info
 from vitray.data.batch import UnreadableData
+from vitray.trainers.trackers import Trackers
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.attention import attention_context, attention_kernel, model_attention_shape
@@ -129,6 +130,10 @@ class TrainingLoop:
             self.run_files.seed_local_metrics(local_metrics, self.step)
             self.metrics = MetricsWriter(local_metrics, self.run_files, upload_every_s=cfg.log.upload_every_s)
             self.checkpointer.before_complete = self.metrics.flush
+        self.trackers = None
+        if self.rank == 0 and (cfg.log.mlflow or cfg.log.wandb):
+            self.trackers = Trackers(cfg.log.mlflow, cfg.log.wandb, run_name=cfg.run.name, run_dir=ctx.run_dir,
+                                     config=redacted_config(cfg))  # fmt: skip
 
     def _num_slots(self, restore_state: dict[str, Any] | None) -> int:
         """``data.num_slots``; when unset, the number the run started with (which its checkpoints
@@ -145,7 +150,11 @@ class TrainingLoop:
         except BaseException:
             if self.metrics is not None:  # the lines that show what happened, best effort
                 self.metrics.close(raise_errors=False)
+            if self.trackers is not None:
+                self.trackers.close(failed=True)
             raise
+        if self.trackers is not None:
+            self.trackers.close()
         if self.metrics is not None:
             self.metrics.close()  # uploads the last lines and waits for them
             # All of it is in the run folder now. (A failed run keeps its local copy: its last
@@ -177,6 +186,8 @@ class TrainingLoop:
             save = self.checkpointer.due(self.step)
             if metrics and self.metrics is not None:
                 self.metrics.write(self.step, metrics)
+            if metrics and self.trackers is not None:
+                self.trackers.log(self.step, metrics)
             if logged:
                 self._apply_nonfinite_policy(*new_nonfinite)  # after the metrics that show it are written
             if save:  # never a checkpoint of non-finite weights, whatever the policy

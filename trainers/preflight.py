@@ -29,6 +29,7 @@ from vitray.data.layout import DatasetInfo, read_dataset_info, read_split
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.config import TrainingConfig
+from vitray.trainers.trackers import missing_tracker_packages
 
 __all__ = ["PreflightError", "ResumePlan", "check_inputs", "check_model", "check_resume", "config_changes"]
 
@@ -65,6 +66,9 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
     for name, ev in cfg.evals.items():
         for dataset_name, path in getattr(ev, "datasets", {}).items():
             _check_dataset(f"evals.{name}.datasets.{dataset_name}", path, None, options)
+    missing = missing_tracker_packages(cfg.log.mlflow, cfg.log.wandb)
+    if missing:
+        raise PreflightError(f"{' and '.join(missing)} not installed: pip install 'vitray[trackers]', or unset the setting")
     model = _check_init_checkpoint(cfg) if cfg.init.checkpoint else cfg.model
     check_model(model, info.num_classes)
     return info

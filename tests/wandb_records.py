@@ -1,0 +1,57 @@
+"""Reading what W&B wrote in offline mode (`run-<id>.wandb`), without its servers: the file is
+LevelDB's log format (32 KiB blocks of records with a 7-byte header: CRC-32C, length, kind) after
+W&B's own 7-byte header, each record a `wandb_internal_pb2.Record`. wandb 0.2x's Python reader of
+it is gone from the package; this is the few lines the tests need."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+from wandb.proto import wandb_internal_pb2
+
+BLOCK = 32 * 1024
+FILE_HEADER = 7  # b":W&B" + magic (2 bytes) + version
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def read_records(path: Path) -> list[wandb_internal_pb2.Record]:
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B log"
+    records, pending, offset = [], b"", FILE_HEADER
+    while offset + 7 <= len(data):
+        room = BLOCK - offset % BLOCK
+        if room < 7:  # the block's tail is padding
+            offset += room
+            continue
+        length, kind = struct.unpack("<HB", data[offset + 4 : offset + 7])
+        payload = data[offset + 7 : offset + 7 + length]
+        offset += 7 + length
+        if kind == 0 and length == 0:
+            continue
+        pending = payload if kind in (FULL, FIRST) else pending + payload
+        if kind in (FULL, LAST):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records
+
+
+def history(path: Path) -> list[dict]:
+    """The logged rows, each {"_step": ..., metric: value}."""
+    rows = []
+    for record in read_records(path):
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+    return rows
+
+
+def config(path: Path) -> dict:
+    """The run's config: what the run record carried, with later config updates on top."""
+    values = {}
+    for record in read_records(path):
+        kind = record.WhichOneof("record_type")
+        updates = record.run.config.update if kind == "run" else record.config.update if kind == "config" else []
+        values.update({item.key: json.loads(item.value_json) for item in updates})
+    return values

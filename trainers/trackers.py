@@ -1,0 +1,122 @@
+"""Experiment trackers: rank 0 sends the run's config and every metric it writes to
+`metrics.jsonl` to MLflow (`log.mlflow`) and/or Weights & Biases (`log.wandb`) as well. Both are
+off by default and need the `trackers` extra (`pip install 'vitray[trackers]'`).
+
+A resumed run goes on in the same tracker run, so its curves continue instead of starting a new
+line: MLflow's run is found by its `vitray.run_dir` tag, W&B's id is derived from the run folder
+(`resume="allow"`). Only numbers are sent (MLflow takes nothing else); the config goes as MLflow
+params (flattened, credentials masked as in the checkpoint) and as W&B's nested config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["MlflowSettings", "Trackers", "WandbSettings", "missing_tracker_packages"]
+
+_PARAMS_PER_CALL = 100  # MLflow's limit for one log_batch
+_PARAM_VALUE_CHARS = 6000  # MLflow's limit for one param value
+
+
+class MlflowSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tracking_uri: str | None = Field(None, description="MLflow tracking URI; MLFLOW_TRACKING_URI when unset.")
+    experiment: str = Field("vitray", description="Experiment name (created when missing).")
+
+
+class WandbSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    project: str = Field("vitray", description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity (team or user); your default when unset.")
+    mode: Literal["online", "offline"] = Field("online", description="offline: write the run locally (`wandb sync` later).")
+    dir: str | None = Field(None, description="Local folder for W&B's files; the working directory when unset.")
+
+
+def missing_tracker_packages(mlflow: MlflowSettings | None, wandb: WandbSettings | None) -> list[str]:
+    """The settings whose package is not installed, as "log.mlflow (mlflow)"."""
+    wanted = {"log.mlflow (mlflow)": (mlflow, "mlflow"), "log.wandb (wandb)": (wandb, "wandb")}
+    return [key for key, (settings, module) in wanted.items() if settings is not None and not importlib.util.find_spec(module)]
+
+
+class Trackers:
+    """The trackers a run's `log` section enables, started for the run folder `run_dir`."""
+
+    def __init__(self, mlflow: MlflowSettings | None, wandb: WandbSettings | None, *, run_name: str, run_dir: str,
+                 config: dict[str, Any]):  # fmt: skip
+        self._mlflow = _Mlflow(mlflow, run_name, run_dir, config) if mlflow is not None else None
+        self._wandb = _Wandb(wandb, run_name, run_dir, config) if wandb is not None else None
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if not numbers:
+            return
+        for tracker in (self._mlflow, self._wandb):
+            if tracker is not None:
+                tracker.log(step, numbers)
+
+    def close(self, *, failed: bool = False) -> None:
+        for tracker in (self._mlflow, self._wandb):
+            if tracker is not None:
+                tracker.close(failed)
+
+
+class _Mlflow:
+    def __init__(self, settings: MlflowSettings, run_name: str, run_dir: str, config: dict[str, Any]):
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=settings.tracking_uri)
+        experiment = self.client.get_experiment_by_name(settings.experiment)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(settings.experiment)
+        found = self.client.search_runs([experiment_id], filter_string=f"tags.`vitray.run_dir` = '{run_dir}'",
+                                        max_results=1)  # fmt: skip
+        if found:  # a resume: the same MLflow run goes on
+            self.run_id = found[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
+        self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags={"vitray.run_dir": run_dir}).info.run_id
+        params = [Param(k, str(v)[:_PARAM_VALUE_CHARS]) for k, v in sorted(_flatten(config).items())]
+        for start in range(0, len(params), _PARAMS_PER_CALL):
+            self.client.log_batch(self.run_id, params=params[start : start + _PARAMS_PER_CALL])
+
+    def log(self, step: int, numbers: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in numbers.items()])
+
+    def close(self, failed: bool) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+class _Wandb:
+    def __init__(self, settings: WandbSettings, run_name: str, run_dir: str, config: dict[str, Any]):
+        import wandb
+
+        run_id = "vitray-" + hashlib.sha256(run_dir.encode()).hexdigest()[:16]
+        self.run = wandb.init(project=settings.project, entity=settings.entity, name=run_name, id=run_id,
+                              resume="allow", mode=settings.mode, dir=settings.dir, config=config,
+                              settings=wandb.Settings(console="off", silent=True))  # fmt: skip
+
+    def log(self, step: int, numbers: dict[str, float]) -> None:
+        self.run.log(numbers, step=step)
+
+    def close(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
