@@ -60,3 +60,18 @@ def test_a_resumed_run_goes_on_in_the_same_tracker_runs(tmp_path):
     assert [(h.step, h.value) for h in client.get_metric_history(runs[0].info.run_id, "loss")] == [(1, 1.0), (2, 0.5)]
     logs = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len({log.name for log in logs}) == 1, "both attempts write the one W&B run id"
+
+
+def test_the_progress_bar_reads_only_the_new_lines_of_the_metrics_file(tmp_path):
+    from vitray.trainers.progress import MetricsTail
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [f'{{"step": {s}, "loss": {1 / s}}}\n' for s in range(1, 6)]
+    path.write_text("".join(lines[:2]) + '{"step": 3, "lo')  # a line being written
+    tail = MetricsTail(str(path))
+    assert [r["step"] for r in tail.read()] == [1, 2] and tail.offset == len("".join(lines[:2]))
+    path.write_text("".join(lines[:4]))  # replaced whole by a longer copy
+    assert [r["step"] for r in tail.read()] == [1, 2, 3, 4] and tail.offset == path.stat().st_size
+    path.write_text("".join(lines[:2]) + '{"step": 3, "loss": 9.0}\n{"step": 4, "loss": 8.0}\n{"step": 5, "loss": 7.0}\n')
+    records = tail.read()  # a resumed attempt rewrote it from step 2, and it grew past the old length
+    assert [(r["step"], r["loss"]) for r in records] == [(1, 1.0), (2, 0.5), (3, 9.0), (4, 8.0), (5, 7.0)]

@@ -2,19 +2,69 @@
 
 from __future__ import annotations
 
+import json
 import threading
+from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from vitray.data import storage
 from vitray.trainers.evals import VAL_TOP1
 from vitray.trainers.run_files import RunFiles
+
+
+class MetricsTail:
+    """The records of a run's `metrics.jsonl`, read on from where the last read stopped: one ranged
+    read of the new bytes per poll, not a download of the whole file (a long run's file on S3 grows
+    to megabytes). The file is only ever replaced whole by a longer copy, except when a resumed
+    attempt starts it again from its checkpoint's lines; that shows as a file shorter than what was
+    read, or whose last line read is no longer where it was, and then it is read again whole."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        self.offset = 0  # bytes of complete lines read
+        self._last_line = b""  # the last complete line read, to see that the file was not rewritten
+
+    def read(self) -> list[dict[str, Any]]:
+        fs, fs_path = storage.filesystem(self.path)
+        fs.invalidate_cache(fs_path)  # s3fs keeps listings (and so sizes) otherwise
+        try:
+            size = fs.size(fs_path)
+        except FileNotFoundError:
+            return self.records
+        if size < self.offset:
+            self._restart()
+        if size == self.offset:
+            return self.records
+        # From the start of the last line read: still there means the file only grew.
+        data = self._read_from(fs, fs_path, self.offset - len(self._last_line), size)
+        if not data.startswith(self._last_line):
+            self._restart()
+            data = self._read_from(fs, fs_path, 0, size)
+        new = data[len(self._last_line) :]
+        complete = new[: new.rfind(b"\n") + 1]  # a line being written right now waits for the next read
+        lines = complete.splitlines(keepends=True)
+        self.records += [json.loads(line) for line in lines]
+        self.offset += len(complete)
+        self._last_line = lines[-1] if lines else self._last_line
+        return self.records
+
+    def _restart(self) -> None:
+        self.records, self.offset, self._last_line = [], 0, b""
+
+    @staticmethod
+    def _read_from(fs, fs_path: str, start: int, end: int) -> bytes:
+        with fs.open(fs_path, "rb") as f:
+            f.seek(start)
+            return f.read(end - start)
 
 
 class TrainingProgress:
     """Polls `<run>/vitray/metrics.jsonl` (local or S3) and shows step, loss, images/s and ETA."""
 
     def __init__(self, run_dir: str, total_steps: int, poll_seconds: float = 2.0):
-        self.files = RunFiles(run_dir)
+        self.metrics = MetricsTail(RunFiles(run_dir).metrics_path)
         self.total = total_steps
         self.poll = poll_seconds
         self._stop = threading.Event()
@@ -47,7 +97,7 @@ class TrainingProgress:
 
     def _refresh(self) -> None:
         try:
-            records = self.files.read_metrics()
+            records = self.metrics.read()
         except Exception:  # noqa: BLE001 - the display must never take the run down
             return
         if not records:
