@@ -18,7 +18,11 @@ def submit(
     working_dir: Annotated[
         Optional[str], typer.Option("--working-dir", help="Folder uploaded as the job's working dir (default: none).")
     ] = None,
-    env: Annotated[Optional[list[str]], typer.Option("--env", help="NAME=VALUE for the job (repeatable).")] = None,
+    env: Annotated[
+        Optional[list[str]],
+        typer.Option("--env", help="NAME=VALUE for the job (repeatable). Stored in the job record, which anyone "
+                     "who can list jobs reads: never a credential (the cluster's nodes have their own)."),
+    ] = None,
     no_follow: Annotated[bool, typer.Option("--no-follow", help="Print the job id and return.")] = False,
 ):
     """Submit `vitray ARGS...` as a Ray job: vitray submit --address http://HOST:8265 -- pretrain -c run.yaml"""
@@ -30,7 +34,7 @@ def submit(
     env_vars = {}
     for item in env or []:
         name, sep, value = item.partition("=")
-        if not sep:
+        if not sep or not name:
             fail(f"--env {item!r}: expected NAME=VALUE")
         env_vars[name] = value
     run_submit(address, args, working_dir=working_dir, env=env_vars, follow=not no_follow)

@@ -28,16 +28,18 @@ WORKING_DIR_EXCLUDES = [
     "*.safetensors",
 ]
 
-# Forwarded to the job when set on the submitting machine (credentials stay out of the command line).
+# Forwarded to the job when set on the submitting machine: where the storage is, never who may
+# read it. A job's runtime_env is stored with the job and shown to anyone who can list jobs
+# (`ray job list`, the Jobs API, the dashboard), so credentials never go there; the cluster's nodes
+# get their own (an instance profile, IRSA, or a Kubernetes Secret: deploy/, README "Credentials").
 FORWARDED_ENV = (
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
     "AWS_DEFAULT_REGION",
     "AWS_REGION",
     "AWS_ENDPOINT_URL",
     "AWS_ENDPOINT_URL_S3",
 )
+# Secrets a user's shell often holds, named in the note that they were not forwarded.
+NOT_FORWARDED_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
 
 def runtime_env(working_dir: str | None, env: dict[str, str]) -> dict[str, Any]:
@@ -53,6 +55,8 @@ def runtime_env(working_dir: str | None, env: dict[str, str]) -> dict[str, Any]:
 def submit(address: str, args: list[str], *, working_dir: str | None, env: dict[str, str], follow: bool) -> str:
     from ray.job_submission import JobStatus, JobSubmissionClient
 
+    for line in env_notices(env):
+        print(line, file=sys.stderr)
     enable_token_auth_if_available()
     client = JobSubmissionClient(address)
     entrypoint = "vitray " + shlex.join(args)
@@ -70,6 +74,25 @@ def submit(address: str, args: list[str], *, working_dir: str | None, env: dict[
     if status != JobStatus.SUCCEEDED:
         raise SystemExit(1)
     return job_id
+
+
+def env_notices(env: dict[str, str]) -> list[str]:
+    """What the user should know about the job's environment: explicit --env values are readable in
+    the job record; the shell's AWS credentials are not forwarded."""
+    notices = []
+    if env:
+        notices.append(
+            f"vitray: warning: --env {', '.join(sorted(env))} is stored in the Ray job's runtime_env, which anyone "
+            "who can list jobs can read (ray job list, the dashboard); give credentials to the cluster's nodes "
+            "instead (README: Credentials)"
+        )
+    skipped = [name for name in NOT_FORWARDED_SECRETS if name in os.environ and name not in env]
+    if skipped:
+        notices.append(
+            f"vitray: {', '.join(skipped)} from this shell are not forwarded to the job (its runtime_env is "
+            "readable by anyone who can list jobs); the cluster's nodes use their own credentials"
+        )
+    return notices
 
 
 def _submit_when_ready(client, entrypoint: str, runtime: dict[str, Any], wait_s: float = 120.0) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -85,25 +86,86 @@ def _wait_for_jobs_api(address: str, head: subprocess.Popen, timeout: float = 12
     raise AssertionError("the Ray Jobs API did not come up")
 
 
+# Credentials as a user's shell holds them (made up): none may reach the job record.
+SHELL_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "AKIAVITRAYTESTKEY123",
+    "AWS_SECRET_ACCESS_KEY": "vitray-test-secret-must-not-leak",
+    "AWS_SESSION_TOKEN": "vitray-test-session-token-must-not-leak",
+}
+
+
+LIST_JOBS = """
+import json, sys
+from ray.job_submission import JobSubmissionClient
+print(json.dumps([job.dict() for job in JobSubmissionClient(sys.argv[1]).list_jobs()], default=str))
+"""
+
+
+def _job_record(address: str, job_id: str) -> dict:
+    """The job as anyone who can list jobs sees it (the Jobs API behind `ray job list`), asked from
+    a process of its own: token auth must be on before `ray` is imported, which this one may have done."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    out = subprocess.run([sys.executable, "-c", LIST_JOBS, address], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (job,) = [job for job in json.loads(out.stdout.splitlines()[-1]) if job["submission_id"] == job_id]
+    return job
+
+
+def _job_id(stderr: str) -> str:
+    return stderr.split("submitted job ", 1)[1].split(":", 1)[0]
+
+
 def test_submit_runs_a_vitray_command_as_a_ray_job(ray_head, tmp_path):
     dest = tmp_path / "digits"
+    env = {**os.environ, **SHELL_CREDENTIALS, "AWS_REGION": "eu-west-1"}
     out = subprocess.run(
         [str(BIN / "vitray"), "submit", "--address", ray_head, "--",
          "data", "prepare", "builtin:digits", str(dest), "--serial"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     assert "submitted job" in out.stderr and "SUCCEEDED" in out.stderr
+    # The shell's credentials stay out of the job record; the region (not a secret) goes along.
+    job = _job_record(ray_head, _job_id(out.stderr))
+    record = json.dumps(job)
+    for name, value in SHELL_CREDENTIALS.items():
+        assert value not in record and name not in job["runtime_env"]["env_vars"], name
+    assert job["runtime_env"]["env_vars"]["AWS_REGION"] == "eu-west-1"
+    assert "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN from this shell are not forwarded" in " ".join(
+        out.stderr.split()
+    )
     followed = " ".join((out.stdout + out.stderr).split())  # the job's own output, followed
     assert "digits, 10 classes" in followed
     info = read_dataset_info(str(dest))
     assert info.splits["train"].num_samples + info.splits["test"].num_samples == 1797
 
 
+def test_runtime_env_forwards_settings_never_credentials(monkeypatch):
+    from vitray.cluster.submit import env_notices, runtime_env
+
+    for name, value in {**SHELL_CREDENTIALS, "AWS_REGION": "eu-west-1", "AWS_ENDPOINT_URL": "http://s3.local"}.items():
+        monkeypatch.setenv(name, value)
+    env_vars = runtime_env(None, {})["env_vars"]
+    assert env_vars == {"AWS_REGION": "eu-west-1", "AWS_ENDPOINT_URL": "http://s3.local"}
+    (note,) = env_notices({})
+    assert "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN from this shell are not forwarded" in note
+    # Given explicitly, a variable goes along, with a warning; a credential named by --env is not "skipped".
+    explicit = {"AWS_ACCESS_KEY_ID": "AKIAEXPLICIT"}
+    assert runtime_env(None, explicit)["env_vars"]["AWS_ACCESS_KEY_ID"] == "AKIAEXPLICIT"
+    warning, note = env_notices(explicit)
+    assert warning.startswith("vitray: warning: --env AWS_ACCESS_KEY_ID is stored in the Ray job's runtime_env")
+    assert note.startswith("vitray: AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN from this shell")
+
+
 def test_failed_job_fails_the_submit(ray_head, tmp_path):
+    # An explicit --env still reaches the job, with a warning that the job record shows it.
     out = subprocess.run(
-        [str(BIN / "vitray"), "submit", "--address", ray_head, "--", "data", "prepare", "nosuch:x", str(tmp_path)],
+        [str(BIN / "vitray"), "submit", "--address", ray_head, "--env", "VITRAY_TEST_SETTING=on", "--",
+         "data", "prepare", "nosuch:x", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 1
     assert "FAILED" in out.stderr
+    warning = " ".join(out.stderr.split())
+    assert "warning: --env VITRAY_TEST_SETTING is stored in the Ray job's runtime_env" in warning
+    assert _job_record(ray_head, _job_id(out.stderr))["runtime_env"]["env_vars"]["VITRAY_TEST_SETTING"] == "on"
