@@ -198,3 +198,15 @@ def _fields_at(schema: type[BaseModel], loc: list[str]) -> list[str]:
 def dump_config(config: BaseModel) -> str:
     """The resolved config as YAML (what --dry-run prints), credentials masked (`common/redact.py`)."""
     return yaml.safe_dump(redacted_config(config), sort_keys=False)
+
+
+def flatten_config(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config dump as dotted keys (``{"train": {"steps": 10}}`` -> ``{"train.steps": 10}``); an
+    empty section stays one key. What comparing two configs or logging one as flat params needs."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten_config(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from vitray.common.config import flatten_config
 from vitray.common.redact import redacted_config
 from vitray.data import storage
 from vitray.data.layout import DatasetInfo, read_dataset_info, read_split
@@ -106,7 +107,7 @@ def check_resume(cfg: TrainingConfig, run_dir: str, info: DatasetInfo) -> Resume
 
 def config_changes(recorded: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(keys of FIXED_ON_RESUME that differ, "key: old -> new" for every other difference)."""
-    old_flat, new_flat = _flatten(recorded), _flatten(new)
+    old_flat, new_flat = flatten_config(recorded), flatten_config(new)
     fixed, changed = [], []
     for key in sorted(old_flat.keys() | new_flat.keys()):
         old, value = old_flat.get(key), new_flat.get(key)
@@ -117,16 +118,6 @@ def config_changes(recorded: dict[str, Any], new: dict[str, Any]) -> tuple[list[
         else:
             changed.append(f"{key}: {old} -> {value}")
     return fixed, changed
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value and prefix + key not in ("data.storage_options",):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[prefix + key] = value
-    return flat
 
 
 def _check_dataset(key: str, path: str, split: str | None, options: dict[str, Any] | None) -> DatasetInfo:

@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from vitray.common.config import flatten_config
+
 __all__ = ["MlflowSettings", "Trackers", "WandbSettings", "missing_tracker_packages"]
 
 _PARAMS_PER_CALL = 100  # MLflow's limit for one log_batch
@@ -82,7 +84,7 @@ class _Mlflow:
             self.client.update_run(self.run_id, status="RUNNING")
             return
         self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags={"vitray.run_dir": run_dir}).info.run_id
-        params = [Param(k, str(v)[:_PARAM_VALUE_CHARS]) for k, v in sorted(_flatten(config).items())]
+        params = [Param(k, str(v)[:_PARAM_VALUE_CHARS]) for k, v in sorted(flatten_config(config).items())]
         for start in range(0, len(params), _PARAMS_PER_CALL):
             self.client.log_batch(self.run_id, params=params[start : start + _PARAMS_PER_CALL])
 
@@ -110,13 +112,3 @@ class _Wandb:
 
     def close(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[prefix + key] = value
-    return flat
