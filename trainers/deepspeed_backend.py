@@ -39,11 +39,17 @@ CHECKPOINT_TAG = "state"
 ZERO_BUCKET_ELEMENTS = 50_000_000
 
 
-def deepspeed_config(cfg: TrainingConfig, *, load_universal: bool = False) -> dict[str, Any]:
+def deepspeed_config(cfg: TrainingConfig, *, world_size: int, load_universal: bool = False) -> dict[str, Any]:
     train = cfg.train
     zero: dict[str, Any] = {"stage": train.zero_stage}
     if train.zero_stage in (1, 2):
         zero.update(overlap_comm=True, reduce_bucket_size=ZERO_BUCKET_ELEMENTS, allgather_bucket_size=ZERO_BUCKET_ELEMENTS)
+    if train.zero_stage == 1 and world_size == 1:
+        # Overlapping the reduction with the backward pass takes a hook on every parameter's gradient
+        # (host work per parameter, in every step); one worker has nothing to communicate, so ZeRO-1
+        # copies the gradients into its flat partition once, after the backward pass, with no hook.
+        # (ZeRO-2 and ZeRO-3 always collect gradients through such hooks.)
+        zero.update(overlap_comm=False, contiguous_gradients=False)
     return {
         "train_batch_size": train.batch_size,
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
@@ -60,11 +66,14 @@ def deepspeed_config(cfg: TrainingConfig, *, load_universal: bool = False) -> di
         "fp16": {"enabled": cfg.precision.dtype == "fp16", "initial_scale_power": 16},
         "steps_per_print": 10**12,  # vitray logs its own metrics
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (on by default) synchronises the device in every forward and
+        # step from the third step on; vitray measures its own throughput on log steps.
+        "timers": {"throughput": {"enabled": False}},
         "zero_allow_untested_optimizer": True,
     }
 
 
-def build_engine(model: nn.Module, cfg: TrainingConfig, *, load_universal: bool = False):
+def build_engine(model: nn.Module, cfg: TrainingConfig, *, world_size: int, load_universal: bool = False):
     """Returns the DeepSpeed engine; its lr scheduler is `build_lr_schedule`'s."""
     import deepspeed
 
@@ -73,16 +82,46 @@ def build_engine(model: nn.Module, cfg: TrainingConfig, *, load_universal: bool 
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
     if compile_enabled(cfg.train.compile):
         model.compile()  # in place: parameter names, hence checkpoints, stay those of the bare model
-    # Fused AdamW (one kernel for all parameters) on CUDA; ZeRO hands it its flat fp32 partitions.
-    optimizer = build_optimizer(model, cfg.optim, fused=torch.cuda.is_available())
+    # Fused AdamW (one kernel for all parameters); ZeRO hands it its flat fp32 partitions. Fused on
+    # the CPU too: the CPU tests run the optimizer a GPU runs, and its step count stays a tensor next
+    # to the weights (the unfused one reads it back to the host for every parameter, every step).
+    optimizer = build_optimizer(model, cfg.optim, fused=True)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
         lr_scheduler=build_lr_schedule(optimizer, cfg),
-        config=deepspeed_config(cfg, load_universal=load_universal),
+        config=deepspeed_config(cfg, world_size=world_size, load_universal=load_universal),
         dist_init_required=False,
     )
+    _clip_on_device(engine.optimizer)
     return engine
+
+
+def _clip_on_device(optimizer) -> None:
+    """ZeRO 1-2 clip the gradients with a read of the grad norm on the host (is it finite?) in every
+    step; this replacement computes the same scale on the device, with no read: an invalid norm
+    clips as an infinite one would, as DeepSpeed's own does (it only gets there with the overflow
+    check off, where the step goes on with non-finite gradients either way)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.cpu_offload:
+        return
+
+    def unscale_and_clip_grads(grad_groups_flat, total_norm):
+        if optimizer.clip_grad == 0.0 and optimizer.loss_scale == 1.0:
+            return
+        combined_scale = optimizer.loss_scale
+        if optimizer.clip_grad > 0.0:
+            # DeepSpeed's group-norm helpers report an inf/NaN norm as -1.
+            invalid = total_norm.isnan() | total_norm.isinf() | (total_norm < 0)
+            clip_norm = total_norm.masked_fill(invalid, float("inf"))
+            clip = ((clip_norm / optimizer.loss_scale) + 1e-6) / optimizer.clip_grad  # the norm is norm * scale
+            combined_scale = torch.clamp(clip, min=1.0) * optimizer.loss_scale
+        for grad in grad_groups_flat:
+            for g in grad if isinstance(grad, list) else [grad]:
+                g.data.mul_(1.0 / combined_scale)
+
+    optimizer.unscale_and_clip_grads = unscale_and_clip_grads
 
 
 def compile_enabled(setting: bool | None) -> bool:
@@ -364,7 +403,7 @@ class DeepSpeedBackend:
             self._universal_dir = universal_ready(restore[0]) or to_universal(
                 restore[0], Path(tempfile.mkdtemp(prefix="vitray-universal-"))
             )
-        self.engine = build_engine(model, cfg, load_universal=self._universal_dir is not None)
+        self.engine = build_engine(model, cfg, world_size=world_size, load_universal=self._universal_dir is not None)
         self._checkpoints = BackgroundCheckpointEngine(self.engine._config)
         self.engine.checkpoint_engine = self._checkpoints
         self.module = self.engine.module

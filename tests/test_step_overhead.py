@@ -1,0 +1,185 @@
+"""Host overhead of a training step that does not log (issue 24), counted on the CPU.
+
+On a GPU every device synchronisation, every read of a device value and every per-parameter hook
+is time the GPU waits for the host. The CPU runs the same DeepSpeed code, so the counts taken here
+(DeepSpeed's accelerator `synchronize`, the hooks DeepSpeed hangs on each parameter's gradient
+accumulation, `.item()`-like reads) are those a GPU step pays.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from contextlib import ExitStack, contextmanager
+
+import pytest
+import torch
+from pretrain_helpers import in_process_loop
+from test_feed import HostReads
+
+STEPS = 6  # log.every=STEPS: steps 1-5 do not log, and DeepSpeed's throughput timer starts at step 2
+
+
+class StepCounts:
+    """Per `loop.step`, what the host did: accelerator synchronisations, per-parameter gradient
+    hooks run, and host reads of device values (with who made them)."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.syncs: Counter = Counter()
+        self.hooks: Counter = Counter()
+        self.reads = HostReads(lambda: loop.step)
+
+    def non_log(self, kind: str) -> dict[int, int]:
+        """`kind`'s count per non-log step (loop.step s while step s+1 trains; step STEPS logs)."""
+        if kind == "reads":
+            counts = Counter(step for step, origin, _ in self.reads.reads if not origin.startswith("loader"))
+        else:
+            counts = getattr(self, kind)
+        return {s: counts[s] for s in range(STEPS - 1)}
+
+    def read_origins(self) -> Counter:
+        # The loader's reads are of its own host tensors (data.num_workers=0 runs it in this process).
+        return Counter((origin, name) for step, origin, name in self.reads.reads
+                       if step < STEPS - 1 and not origin.startswith("loader"))  # fmt: skip
+
+    @contextmanager
+    def counting(self):
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        synchronize = accelerator.synchronize
+
+        def counted_synchronize(*args, **kwargs):
+            self.syncs[self.loop.step] += 1
+            return synchronize(*args, **kwargs)
+
+        with ExitStack() as stack:
+            accelerator.synchronize = counted_synchronize  # DeepSpeed calls it through get_accelerator()
+            stack.callback(delattr, accelerator, "synchronize")
+            for param in self.loop.backend.module.parameters():
+                stack.enter_context(self._counted_hooks(param))
+            stack.enter_context(self.reads)
+            yield self
+
+    @contextmanager
+    def _counted_hooks(self, param: torch.Tensor):
+        """Every hook on `param`'s gradient (after accumulation, DeepSpeed's ZeRO 1-2 way, or on the
+        gradient itself), wrapped to count its calls."""
+        tables = [t for t in (param._post_accumulate_grad_hooks, param._backward_hooks) if t]
+        saved = [dict(t) for t in tables]
+        for table in tables:
+            for key, hook in table.items():
+                table[key] = self._counted(hook)
+        try:
+            yield
+        finally:
+            for table, original in zip(tables, saved):
+                table.update(original)
+
+    def _counted(self, hook):
+        def counted(*args, **kwargs):
+            self.hooks[self.loop.step] += 1
+            return hook(*args, **kwargs)
+
+        return counted
+
+
+def measure(dataset, tmp_path, *overrides: str) -> StepCounts:
+    loop = in_process_loop(dataset, tmp_path, f"train.steps={STEPS}", f"log.every={STEPS}",
+                           f"checkpoint.every={10 * STEPS}", *overrides)  # fmt: skip
+    counts = StepCounts(loop)
+    with counts.counting():
+        loop.run()
+    return counts
+
+
+@contextmanager
+def deepspeed_as_before():
+    """vitray's DeepSpeed settings before issue 24, the reference: DeepSpeed's throughput timer on,
+    ZeRO-1 reducing through per-parameter hooks, DeepSpeed's own clipping, torch's unfused AdamW on
+    the CPU."""
+    from vitray.trainers import deepspeed_backend as ds
+
+    config, clip, build_optimizer = ds.deepspeed_config, ds._clip_on_device, ds.build_optimizer
+
+    def reference_config(cfg, *, world_size, load_universal=False):
+        settings = config(cfg, world_size=max(world_size, 2), load_universal=load_universal)  # ZeRO-1 with hooks
+        settings.pop("timers")
+        return settings
+
+    ds.deepspeed_config, ds._clip_on_device = reference_config, lambda optimizer: None
+    ds.build_optimizer = lambda model, optim, fused: build_optimizer(model, optim, fused=torch.cuda.is_available())
+    try:
+        yield
+    finally:
+        ds.deepspeed_config, ds._clip_on_device, ds.build_optimizer = config, clip, build_optimizer
+
+
+def summary(counts: StepCounts) -> dict[str, int]:
+    """The most of each kind in one non-log step (the throughput timer starts at the third)."""
+    return {kind: max(counts.non_log(kind).values()) for kind in ("syncs", "hooks", "reads")}
+
+
+def test_the_counters_see_a_sync_a_hook_and_a_read(process_group, digits_dataset, tmp_path):
+    """The counters count, on the step that did it: a synchronisation, a hook and a host read
+    made inside the run, and DeepSpeed's own under its former settings."""
+    from deepspeed.accelerator import get_accelerator
+
+    loop = in_process_loop(digits_dataset, tmp_path / "known", f"train.steps={STEPS}", f"log.every={STEPS}")
+    next(loop.backend.module.parameters()).register_post_accumulate_grad_hook(lambda p: None)
+    train_step = loop.train_step
+
+    def train_step_with_a_sync_and_a_read(batches):
+        get_accelerator().synchronize()
+        out = train_step(batches)
+        out[0].item()
+        return out
+
+    loop.train_step = train_step_with_a_sync_and_a_read
+    counts = StepCounts(loop)
+    with counts.counting():
+        loop.run()
+    assert summary(counts)["syncs"] >= 1 and min(counts.non_log("syncs").values()) >= 1
+    assert min(counts.non_log("hooks").values()) >= 1
+    assert counts.read_origins()["other:test_step_overhead.py:train_step_with_a_sync_and_a_read", "item"] == STEPS - 1
+
+    with deepspeed_as_before():
+        before = measure(digits_dataset, tmp_path / "before")
+    params = sum(1 for p in before.loop.backend.module.parameters() if p.requires_grad)
+    # DeepSpeed's throughput timer: one synchronisation in forward and one in step, from step 3 on.
+    assert before.non_log("syncs") == {0: 0, 1: 0, **{s: 2 for s in range(2, STEPS - 1)}}
+    # ... and reads: the grad norm checked for inf/NaN (overflow, clipping), AdamW's step count (unfused).
+    assert summary(before) == {"syncs": 2, "hooks": params, "reads": 4}, before.read_origins()
+
+
+# (ZeRO stage, dtype) -> per non-log step: synchronisations, per-parameter hook calls ("params": one
+# for each parameter), host reads. Where not 0, DeepSpeed leaves no setting to turn it off:
+#   ZeRO-2 and 3 partition gradients through a hook on every parameter (stage_1_and_2.py / stage3.py);
+#   fp32 ZeRO 1-3 check the grad norm for inf/NaN on the host in every step (`self.dtype !=
+#   torch.bfloat16 or self.check_grad_overflow`), which bf16 skips with bf16.check_grad_overflow=false.
+EXPECTED = {
+    (0, "fp32"): (0, 0, 0),  # the engine all-reduces flat buckets after the backward pass
+    (1, "bf16"): (0, 0, 0),
+    (1, "fp32"): (0, 0, 1),
+    (2, "bf16"): (0, "params", 0),
+    (2, "fp32"): (0, "params", 1),
+}
+
+
+@pytest.mark.parametrize(("zero_stage", "dtype"), list(EXPECTED))
+def test_a_step_that_does_not_log_waits_for_nothing(process_group, digits_dataset, tmp_path, zero_stage, dtype):
+    counts = measure(digits_dataset, tmp_path, f"train.zero_stage={zero_stage}", f"precision.dtype={dtype}")
+    params = sum(1 for p in counts.loop.backend.module.parameters() if p.requires_grad)
+    syncs, hooks, reads = EXPECTED[zero_stage, dtype]
+    expected = {"syncs": syncs, "hooks": params if hooks == "params" else hooks, "reads": reads}
+    got = summary(counts)
+    sys.stderr.write(f"ZeRO-{zero_stage} {dtype}, per non-log step: {got}; reads by {dict(counts.read_origins())}\n")
+    assert got == expected, (got, counts.read_origins())
+    assert all(origin == "deepspeed:utils.py:is_invalid_grad_norm" for origin, _ in counts.read_origins())
+
+
+def test_bf16_with_nonfinite_skip_keeps_the_overflow_check(process_group, digits_dataset, tmp_path):
+    """train.nonfinite=skip needs the overflow check (it drops the step): one host read a step."""
+    counts = measure(digits_dataset, tmp_path, "train.nonfinite=skip")
+    assert summary(counts)["reads"] >= 1 and summary(counts)["syncs"] == 0
