@@ -9,6 +9,14 @@ local disk), so that a change in the machine's load hits both sides; the checkpo
 one more run with the run folder on --storage (S3: moto's server on 127.0.0.1, which shares this
 machine's CPUs with training while it takes the upload, so that run's images/s is shown apart).
 The last line is the median of the rounds' throughput ratios (vitray / plain); goal: >= 0.9.
+
+    .venv/bin/python benchmarks/train_overhead.py --host-work
+
+counts instead, per ZeRO stage and dtype, what one training step that does not log makes the host
+do (issue 24): device synchronisations, per-parameter gradient hooks and host reads of device
+values, with vitray's DeepSpeed settings against its former ones (DeepSpeed's throughput timer,
+overlapped ZeRO-1 reduction and clipping), measured in the same run; the counters are
+tests/test_step_overhead.py's. On a GPU each of these is time the GPU may wait for the host.
 """
 
 from __future__ import annotations
@@ -94,6 +102,36 @@ def full_save_seconds(run_dir: str, blocked_write_s: float) -> float:
     return blocked_write_s + upload_s
 
 
+def host_work(data: str, tmp: str) -> None:
+    """--host-work: the counts of the last step before the log step (one-time work excluded)."""
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from test_step_overhead import STEPS, deepspeed_as_before, measure
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    kinds = ("syncs", "hooks", "reads")
+    print(f"per non-log step (Ti/4, 16 px, 1 worker), before -> after: {', '.join(kinds)}", flush=True)
+    results = {}
+    for stage in (0, 1, 2, 3):
+        for dtype in ("bf16", "fp32"):
+            sets = (f"train.zero_stage={stage}", f"precision.dtype={dtype}")
+            with contextlib.redirect_stdout(sys.stderr), deepspeed_as_before():
+                before = measure(data, Path(tmp) / f"before-{stage}-{dtype}", *sets)
+            with contextlib.redirect_stdout(sys.stderr):
+                after = measure(data, Path(tmp) / f"after-{stage}-{dtype}", *sets)
+            row = {k: (before.non_log(k)[STEPS - 2], after.non_log(k)[STEPS - 2]) for k in kinds}
+            results[f"zero{stage}-{dtype}"] = row
+            print(f"ZeRO-{stage} {dtype}: " + ", ".join(f"{k} {b} -> {a}" for k, (b, a) in row.items()), flush=True)
+    print(json.dumps(results))
+    dist.destroy_process_group()
+
+
 @contextlib.contextmanager
 def run_storage(kind: str, tmp: str):
     """A local folder, or a bucket on moto's S3 server on 127.0.0.1 (AWS_* set for the children)."""
@@ -129,11 +167,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="plain loop / vitray pairs for the throughput ratio")
     parser.add_argument("--storage", choices=("local", "s3"), default="s3",
                         help="run storage for the checkpoint measurement: a local folder or moto's S3 on 127.0.0.1")
+    parser.add_argument("--host-work", action="store_true", help="count each step's host work instead (issue 24)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         data = str(Path(tmp) / "digits")
         prepare_dataset("builtin:digits", data, samples_per_shard=200)
+        if args.host_work:
+            return host_work(data, tmp)
         ratios = []
         for round_ in range(args.rounds):
             plain = plain_loop(data, args)
