@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from vitray.cli import exit_codes
+from vitray.common import exit_codes
 from vitray.cli.app import ConfigOpt, DryRunOpt, SetOpt, VerboseOpt, app, console, fail, load, print_config
 
 

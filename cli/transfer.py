@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from vitray.cli import exit_codes
+from vitray.common import exit_codes
 from vitray.cli.app import (
     CheckpointArg,
     ConfigOpt,

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from vitray.cluster.runtime import enable_token_auth_if_available
+from vitray.common import exit_codes
 
 # What never belongs in a job's uploaded working dir.
 WORKING_DIR_EXCLUDES = [
@@ -69,11 +70,28 @@ def submit(address: str, args: list[str], *, working_dir: str | None, env: dict[
     except KeyboardInterrupt:
         print(f"\ndetached; job {job_id} keeps running (`ray job stop {job_id}` stops it)", file=sys.stderr)
         return job_id
-    status = client.get_job_status(job_id)
-    print(f"job {job_id}: {status.value}", file=sys.stderr)
-    if status != JobStatus.SUCCEEDED:
-        raise SystemExit(1)
+    info = client.get_job_info(job_id)
+    print(f"job {job_id}: {describe_end(info.status.value, info.driver_exit_code)}", file=sys.stderr)
+    if info.status != JobStatus.SUCCEEDED:
+        # The driver's own exit code when it has one (75: pre-empted, 130: stopped by user), so that
+        # whatever runs `vitray submit` can tell a pre-emption from a failure.
+        raise SystemExit(info.driver_exit_code or 1)
     return job_id
+
+
+# The driver's exit codes that are not failures of the work.
+_STOPPED = {
+    exit_codes.PREEMPTED: "pre-empted (stopped after a checkpoint; submit it again to resume)",
+    exit_codes.STOPPED_BY_USER: "stopped by user (Ctrl-C; submit it again to resume)",
+    exit_codes.GRACE_RAN_OUT: "pre-empted before a checkpoint (submit it again to resume from the latest one)",
+}
+
+
+def describe_end(status: str, driver_exit_code: int | None) -> str:
+    """How a followed job ended: Ray's status, or what the driver's exit code says."""
+    if status == "FAILED" and driver_exit_code in _STOPPED:
+        return _STOPPED[driver_exit_code]
+    return status if driver_exit_code in (None, 0) else f"{status} (exit code {driver_exit_code})"
 
 
 def env_notices(env: dict[str, str]) -> list[str]:

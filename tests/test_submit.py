@@ -164,8 +164,32 @@ def test_failed_job_fails_the_submit(ray_head, tmp_path):
          "data", "prepare", "nosuch:x", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert out.returncode == 1
-    assert "FAILED" in out.stderr
+    assert out.returncode == 2  # the driver's own exit code (a refused input), passed on
+    assert "FAILED (exit code 2)" in out.stderr
     warning = " ".join(out.stderr.split())
     assert "warning: --env VITRAY_TEST_SETTING is stored in the Ray job's runtime_env" in warning
     assert _job_record(ray_head, _job_id(out.stderr))["runtime_env"]["env_vars"]["VITRAY_TEST_SETTING"] == "on"
+
+
+def test_a_job_that_stopped_is_reported_by_what_its_exit_code_means():
+    from vitray.cluster.submit import describe_end
+
+    assert describe_end("FAILED", 75).startswith("pre-empted (stopped after a checkpoint")
+    assert describe_end("FAILED", 130).startswith("stopped by user")
+    assert describe_end("FAILED", 1) == "FAILED (exit code 1)"
+    assert describe_end("SUCCEEDED", 0) == "SUCCEEDED"
+
+
+def test_a_command_that_would_fail_is_not_submitted(tmp_path):
+    from typer.testing import CliRunner
+
+    from vitray.cli.main import app
+
+    (tmp_path / "run.yaml").write_text("data: {train: /data/x}\nmodel: {name: Ti/16, img_size: 30}\n")
+    # Nothing listens at the address: the refusal comes before any connection is tried.
+    result = CliRunner().invoke(app, ["submit", "--address", "http://127.0.0.1:9", "--working-dir", str(tmp_path),
+                                      "--", "pretrain", "-c", "run.yaml"])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    message = " ".join(result.output.split())
+    assert "not submitted: `vitray pretrain -c run.yaml` would fail" in message
+    assert "img_size 30 is not divisible by the patch size 16" in message
