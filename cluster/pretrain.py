@@ -344,6 +344,9 @@ def _fit(trainer: TorchTrainer):
 def _forget_ray_snapshot(folder: str) -> None:
     """Remove Ray Train's snapshot of the run's checkpoints: the driver announces the checkpoint to
     resume from, and the snapshot may name checkpoints that `checkpoint.keep` has deleted since."""
+    # Private on purpose: Ray Train has no public way to forget a run's checkpoint list (no
+    # `RunConfig` or `CheckpointConfig` option, no API over the snapshot file); the file's name is
+    # taken from Ray rather than copied, so a rename in Ray breaks loudly here, not silently.
     from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
 
     storage.remove(storage.join(folder, CHECKPOINT_MANAGER_SNAPSHOT_FILENAME))
