@@ -6,10 +6,13 @@ snapshot file) is removed before each start: vitray deletes old checkpoints itse
 (`checkpoint.keep`), and Ray refuses to start on a snapshot naming a folder that is gone.
 `FailureConfig(max_failures)` restarts a failed worker group from Ray's latest checkpoint.
 
-Around `fit()` the driver holds the run's lease (one driver per run, `vitray.trainers.lease`),
-records the attempt in the run folder (what `vitray runs` lists), says where it resumes from and
-why when it falls back, and turns a SIGTERM into a pre-emption notice for the workers
-(`vitray.trainers.preemption`): checkpoint at the next agreed step, stop, exit 0. When Ray drains
+Before anything is written or started, `vitray.trainers.preflight` checks storage, datasets and
+model, and under the lease whether the run's checkpoint can load into this config. Around `fit()`
+the driver holds the run's lease (one driver per run, `vitray.trainers.lease`), records the attempt
+in the run folder (what `vitray runs` lists), says where it resumes from and why when it falls
+back, and turns a SIGTERM or a Ctrl-C into a stop notice for the workers
+(`vitray.trainers.preemption`): checkpoint at the next agreed step, stop, exit 75 (or 130 after
+Ctrl-C; `vitray.common.exit_codes`). When Ray drains
 a node that holds a worker (`cluster/drain.py`), the workers checkpoint and stop the same way and
 the driver goes on with a new worker group placed away from that node.
 """
