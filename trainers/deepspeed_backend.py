@@ -84,7 +84,7 @@ def build_engine(model: nn.Module, cfg: TrainingConfig, *, world_size: int, load
         model.compile()  # in place: parameter names, hence checkpoints, stay those of the bare model
     # Fused AdamW (one kernel for all parameters); ZeRO hands it its flat fp32 partitions. Fused on
     # the CPU too: the CPU tests run the optimizer a GPU runs, and its step count stays a tensor next
-    # to the weights (the unfused one reads it back to the host for every parameter, every step).
+    # to the weights (the unfused one reads it back to the host for every tensor it updates, every step).
     optimizer = build_optimizer(model, cfg.optim, fused=True)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
@@ -104,7 +104,7 @@ def _clip_on_device(optimizer) -> None:
     check off, where the step goes on with non-finite gradients either way)."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.cpu_offload:
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
         return
 
     def unscale_and_clip_grads(grad_groups_flat, total_norm):
