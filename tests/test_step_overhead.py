@@ -182,3 +182,25 @@ def test_bf16_with_nonfinite_skip_keeps_the_overflow_check(process_group, digits
     """train.nonfinite=skip needs the overflow check (it drops the step): one host read a step."""
     counts = measure(digits_dataset, tmp_path, "train.nonfinite=skip")
     assert summary(counts)["reads"] >= 1 and summary(counts)["syncs"] == 0
+
+
+def test_zero1_without_hooks_trains_as_with_them(process_group, digits_dataset, tmp_path):
+    """ZeRO-1 on one worker reduces after the backward pass, without hooks: the same weights, bit for
+    bit, as its overlapped reduction through per-parameter hooks (used with several workers), over
+    accumulated micro-batches."""
+    from vitray.trainers import deepspeed_backend as ds
+
+    config, weights, hooks = ds.deepspeed_config, {}, {}
+    for world in (1, 2):
+        ds.deepspeed_config = lambda cfg, *, world_size, load_universal=False: config(
+            cfg, world_size=world, load_universal=load_universal
+        )
+        try:
+            loop = in_process_loop(digits_dataset, tmp_path / str(world), "train.micro_batch_size=4")
+            loop.run()
+        finally:
+            ds.deepspeed_config = config
+        hooks[world] = sum(len(p._post_accumulate_grad_hooks or {}) for p in loop.backend.module.parameters())
+        weights[world] = loop.backend.full_state_dict()
+    assert hooks[1] == 0 and hooks[2] > 0
+    assert [k for k in weights[1] if not torch.equal(weights[1][k], weights[2][k])] == []
