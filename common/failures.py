@@ -15,7 +15,10 @@ from dataclasses import dataclass
 
 __all__ = ["Failure", "describe_failure"]
 
-# The last line of a Python traceback: "module.TypeName: message" (or the bare type name).
+# The line a traceback ends with, right after its last frame: "module.TypeName: message" (or the
+# bare type name); any exception class name, vitray's own (CheckpointDiskFull) included.
+_RAISED_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?(?P<type>[A-Za-z_]\w*)(?::\s?(?P<message>.*))?$")
+# Without frames to go by: a line shaped like an exception's ("ValueError: ...").
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?(?P<type>[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Warning))(?::\s?(?P<message>.*))?$")
 
 # Failures that a re-run of the same command can get past: a lost worker or node, a pre-emption,
@@ -36,9 +39,10 @@ class Failure:
     message: str  # its message, on one line
     transient: bool  # a re-run of the same command may get past it
 
-    def one_line(self, limit: int = 300) -> str:
+    def one_line(self, limit: int | None = None) -> str:
+        """`kind: message`; cut to `limit` characters (tables) or whole (the console)."""
         text = f"{self.kind}: {self.message}" if self.message else self.kind
-        return text if len(text) <= limit else text[: limit - 3] + "..."
+        return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
 
     def advice(self) -> str:
         if self.transient:
@@ -67,15 +71,34 @@ def describe_failure(error: BaseException | str) -> Failure:
 
 
 def _last_exception_line(text: str) -> Failure | None:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    """The exception a traceback text ends with: the first unindented line after its last frame
+    (``  File "...", line N``) and what follows it (a message may run over several lines). Texts
+    without frames (a record like "SystemExit: 1") are matched by the exception line's shape."""
+    lines = text.strip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    if frames:
+        for index in range(frames[-1] + 1, len(lines)):
+            if lines[index].strip() and not lines[index].startswith(" "):
+                found = _exception_at(lines, index, _RAISED_LINE)
+                if found is not None:
+                    return found
+                break
     for index in range(len(lines) - 1, -1, -1):
-        match = _EXCEPTION_LINE.match(lines[index])
-        if match and not lines[index].startswith("Traceback"):
-            # A message that runs over several lines: what follows the exception line belongs to it.
-            message = " ".join([match.group("message") or "", *lines[index + 1 :]]).strip()
-            kind = match.group("type")
-            return Failure(kind, _one_line(message), kind in _TRANSIENT)
+        found = _exception_at(lines, index, _EXCEPTION_LINE)
+        if found is not None:
+            return found
     return None
+
+
+def _exception_at(lines: list[str], index: int, pattern: re.Pattern) -> Failure | None:
+    match = pattern.match(lines[index].strip())
+    if not match or lines[index].startswith("Traceback"):
+        return None
+    # A message that runs over several lines: what follows belongs to it (up to another rank's report).
+    rest = [line for line in lines[index + 1 :] if not line.startswith("[Rank ")]
+    message = " ".join([match.group("message") or "", *rest]).strip()
+    kind = match.group("type")
+    return Failure(kind, _one_line(message), kind in _TRANSIENT)
 
 
 def _one_line(text: str) -> str:

@@ -518,7 +518,7 @@ def problem_text(status: str, error: Any) -> str:
     if status == "failed" and isinstance(error, str) and error.strip():
         failure = describe_failure(error)
         if failure.kind != "Error":  # else a sentence of vitray's own, shown as written
-            return failure.one_line()
+            return failure.one_line(limit=300)
     return _first_lines(error, 3)
 
 

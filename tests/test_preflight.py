@@ -173,3 +173,26 @@ def test_evaluate_refuses_a_resolution_the_patch_does_not_divide_before_ray(pret
     assert "Traceback" not in result.output
     message = " ".join(result.output.split())
     assert "fine-tune cells of" in message and "at 30 px: model: img_size 30 is not divisible by the patch size 4" in message
+
+
+CHAINED = """[Rank 0 Error Snippet]:
+Traceback (most recent call last):
+  File "/x/checkpointer.py", line 120, in save
+    write()
+OSError: [Errno 28] No space left on device
+
+The above exception was the direct cause of the following exception:
+
+Traceback (most recent call last):
+  File "/x/checkpointer.py", line 199, in _raise_if_disk_full
+    raise CheckpointDiskFull(
+vitray.trainers.checkpointer.CheckpointDiskFull: [Errno 28] rank 0 could not write the checkpoint
+of step 20 (No space left on device). Free space in /s or point checkpoint.staging_dir at a larger disk
+"""
+
+
+def test_the_cause_is_the_exception_raised_last_whatever_its_class_is_called():
+    cause = describe_failure(CHAINED)
+    assert cause.kind == "CheckpointDiskFull"  # not the OSError it was raised from
+    assert cause.message.endswith("Free space in /s or point checkpoint.staging_dir at a larger disk")
+    assert "checkpoint of step 20" in cause.one_line() and len(cause.one_line(limit=40)) == 40

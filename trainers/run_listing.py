@@ -52,7 +52,7 @@ def failure_cause(error: str | None) -> str:
         return "no record"
     failure = describe_failure(error)
     if failure.kind != "Error":
-        return failure.one_line()
+        return failure.one_line(limit=300)
     return failure.message if len(failure.message) <= 300 else failure.message[:297] + "..."
 
 
