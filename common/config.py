@@ -45,10 +45,10 @@ def validate_config(
     origins: dict[str, str] = {}  # dotted key -> the override that set it, as the user wrote it
     if isinstance(overrides, Mapping):
         items = list(overrides.items())
-        origins = {key: f"override {key}={value!r}" for key, value in items}
+        origins = {key: f"override {key}={redact_at(key.split('.'), value)!r}" for key, value in items}
     else:
         items = [_parse_override(text) for text in overrides]
-        origins = {key: f"--set {text.strip()}" for (key, _), text in zip(items, overrides)}
+        origins = {key: f"--set {_shown_override(key, value, text)}" for (key, value), text in zip(items, overrides)}
     for key, value in items:
         _set_dotted(data, key, value)
     blame = _Blame(source, origins)
@@ -61,6 +61,13 @@ def validate_config(
 
 # A dotted config key inside a validator's message ("train.batch_size=100 must be ...").
 _DOTTED_KEY = re.compile(r"(?<![\w.])[a-z_]+(?:\.[a-z_]+)+(?![\w])")
+
+
+def _shown_override(key: str, value: Any, text: str) -> str:
+    """An override as the user wrote it, unless that shows a secret (a credential key, a value
+    of a secret environment variable): then with its value masked."""
+    masked = redact_at(key.split("."), value)
+    return text.strip() if masked == value else f"{key}={masked}"
 
 
 class _Blame:
