@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from vitray.cli.app import SetOpt, VerboseOpt, app, fail
+from vitray.cli.app import SetOpt, VerboseOpt, app, fail, table_console
 from vitray.common.config import ConfigError, load_config
 
 console = Console()
@@ -82,7 +82,7 @@ def run_demo(
         [f"data_root={out / 'data'}", f"output={out / 'eval'}", *(grid_overrides or DEMO_GRID)],
     )
     summary = run_grid(grid, resolve_checkpoints(run), console=console)
-    report = report_grid(grid, console=console)
+    report = report_grid(grid, console=table_console())  # full width when stdout is not a terminal
 
     console.rule("[bold]4/4 inspect: the paper's figures of the checkpoint (vitray inspect)")
     inspection = add_inspection_to_report(checkpoint.path, Path(report)) if checkpoint else None
