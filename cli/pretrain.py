@@ -39,29 +39,25 @@ def pretrain(
     from vitray.cluster.pretrain import AlreadyFinished, Preempted, TrainingFailedError, pretrain as run_pretrain
     from vitray.cluster.runtime import LocalPathsOnCluster, NotEnoughResources, run_dir
     from vitray.common.failures import describe_failure
-    from vitray.data.storage import StorageUnreachable
     from vitray.trainers.lease import RunLeaseHeld
     from vitray.trainers.preflight import PreflightError
 
     folder = run_dir(cfg.run.storage, cfg.run.name)
     try:
         run_pretrain(cfg, verbose=verbose, force=force)
-    except (PreflightError, StorageUnreachable, NotEnoughResources, LocalPathsOnCluster, RunLeaseHeld) as err:
+    except (PreflightError, NotEnoughResources, LocalPathsOnCluster, RunLeaseHeld) as err:
         fail(str(err), exit_codes.INPUT_ERROR)  # refused before the workers started
     except AlreadyFinished as done:
         console.print(f"{cfg.run.name} is finished: its latest checkpoint is at step {done.checkpoint.step} of "
                       f"train.steps={cfg.train.steps} ({done.checkpoint.path}); raise train.steps to train further")  # fmt: skip
         return
     except Preempted as stopped:
-        latest = _latest_complete(folder)
-        where = f"step {latest.step} ({latest.path})" if latest else "no checkpoint"
         what = "stopped by user" if stopped.by_user else f"stopped on a pre-emption notice ({stopped})"
-        console.print(f"{what}; latest complete checkpoint: {where}; re-run the same command to resume")
+        console.print(f"{what}; latest complete checkpoint: {_latest_text(folder)}; "
+                      "re-run the same command to resume")  # fmt: skip
         raise typer.Exit(exit_codes.STOPPED_BY_USER if stopped.by_user else exit_codes.PREEMPTED) from None
     except KeyboardInterrupt:
-        latest = _latest_complete(folder)
-        where = f"step {latest.step} ({latest.path})" if latest else "no checkpoint"
-        console.print(f"stopped by user at once (no new checkpoint); latest complete checkpoint: {where}")
+        console.print(f"stopped by user at once (no new checkpoint); latest complete checkpoint: {_latest_text(folder)}")
         raise typer.Exit(exit_codes.STOPPED_BY_USER) from None
     except TrainingFailedError as err:
         # One line: the root cause and the advice that fits it; the tracebacks are in the run's
@@ -73,6 +69,11 @@ def pretrain(
     latest = _latest_complete(folder)
     if latest is not None:
         console.print(f"latest checkpoint: {latest.path} (step {latest.step})")
+
+
+def _latest_text(folder: str) -> str:
+    latest = _latest_complete(folder)
+    return f"step {latest.step} ({latest.path})" if latest else "no checkpoint"
 
 
 def _latest_complete(folder: str):

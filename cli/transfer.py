@@ -187,8 +187,6 @@ def finetune(
     from vitray.cluster.runtime import run_dir
     from vitray.cluster.transfer import run_finetune, top1_on_test_split
     from vitray.evaluation.suite import locate
-
-    from vitray.data.storage import StorageUnreachable
     from vitray.trainers.preflight import PreflightError
 
     try:
@@ -196,7 +194,7 @@ def finetune(
         # A protocol run that validated on a held-out slice is scored on the test split too.
         held_out = bench is not None and cfg.data.val_split != bench.test_split
         test = top1_on_test_split(cfg, bench, data_root, verbose=verbose) if held_out else None
-    except (PreflightError, StorageUnreachable) as err:  # refused before Ray started
+    except PreflightError as err:  # refused before Ray started
         fail(str(err), exit_codes.INPUT_ERROR)
     except Exception as err:  # noqa: BLE001 - Ray Train's TrainingFailedError and friends
         cause = describe_failure(err)

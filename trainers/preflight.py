@@ -60,7 +60,10 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
     """Storage, datasets, model and initial weights of `cfg`; returns the training dataset's info."""
     options = cfg.data.storage_options
     if storage.is_remote(cfg.run.storage):  # a local run folder is made where it does not exist yet
-        storage.check_reachable(cfg.run.storage, storage_options=options)
+        try:
+            storage.check_reachable(cfg.run.storage, storage_options=options)
+        except storage.StorageUnreachable as err:
+            raise PreflightError(f"run.storage: {err}") from None
     info = _check_dataset("data.train", cfg.data.train, cfg.data.train_split, options)
     if any(ev.type == "val" for ev in cfg.evals.values()):
         _check_dataset("data.val", cfg.data.val_path, cfg.data.val_split, options)
