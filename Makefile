@@ -15,7 +15,7 @@ PIP_INSTALL := TMPDIR=$(PIP_TMPDIR) $(BIN)/python -m pip install --no-cache-dir 
 # TPU host's chips; they need their own process (PJRT's client is made once per process).
 XLA_TEST_ENV := PJRT_DEVICE=CPU CPU_NUM_DEVICES=4
 
-.PHONY: demo test test-xla install clean
+.PHONY: demo test test-xla lint format install clean
 
 install: $(STAMP)
 
@@ -36,6 +36,16 @@ test: $(STAMP)
 
 test-xla: $(STAMP)
 	$(XLA_TEST_ENV) $(BIN)/python -m pytest -q -m xla
+
+# The formatter and the linter (ruff, configured in pyproject.toml); CI runs `lint` before the tests.
+lint: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+# Rewrites the tree in the house format and applies the linter's safe fixes.
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 clean:
 	rm -rf $(VENV) .pytest_cache demo-output

@@ -20,7 +20,6 @@ import argparse
 import os
 import resource
 import socket
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -39,18 +38,30 @@ def _free_port() -> int:
 
 
 def _write(rank: int, world: int, port: int, model_name: str, stage: int, folder: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     from vitray.common.config import load_config
     from vitray.models import create_model_from_config
     from vitray.trainers.config import TrainingConfig
     from vitray.trainers.deepspeed_backend import DeepSpeedBackend
 
-    cfg = load_config(TrainingConfig, None, [
-        "data.train=/unused", f"model.name={model_name}", "model.img_size=224", f"train.zero_stage={stage}",
-        "precision.dtype=bf16", f"train.batch_size={world}", "train.micro_batch_size=1", f"cluster.num_workers={world}", f"data.num_slots={world}",
-    ])  # fmt: skip
+    cfg = load_config(
+        TrainingConfig,
+        None,
+        [
+            "data.train=/unused",
+            f"model.name={model_name}",
+            "model.img_size=224",
+            f"train.zero_stage={stage}",
+            "precision.dtype=bf16",
+            f"train.batch_size={world}",
+            "train.micro_batch_size=1",
+            f"cluster.num_workers={world}",
+            f"data.num_slots={world}",
+        ],
+    )
     torch.manual_seed(0)
     backend = DeepSpeedBackend(cfg, create_model_from_config(cfg.model, 1000), world, None)
     # One optimizer step, so that AdamW's moments exist (a checkpoint of a run, not of a fresh engine).
@@ -70,7 +81,9 @@ def checkpoint_files(folder: Path) -> tuple[int, int, Counter]:
     files = [p for p in folder.rglob("*") if p.is_file()]
     kinds: Counter = Counter()
     for p in files:
-        kind = "optimizer shards" if "optim_states" in p.name else "module states" if "model_states" in p.name else p.name
+        kind = (
+            "optimizer shards" if "optim_states" in p.name else "module states" if "model_states" in p.name else p.name
+        )
         kinds[kind] += p.stat().st_size
     return len(files), sum(p.stat().st_size for p in files), kinds
 
@@ -101,23 +114,33 @@ def main() -> None:
     for model in args.models.split(","):
         from vitray.models import ModelConfig, create_model_from_config
 
-        params = sum(p.numel() for p in create_model_from_config(ModelConfig(name=model, img_size=224), 1000).parameters())
+        params = sum(
+            p.numel() for p in create_model_from_config(ModelConfig(name=model, img_size=224), 1000).parameters()
+        )
         for world in (int(w) for w in args.ranks.split(",")):
             root = Path(tempfile.mkdtemp(prefix="vitray-ckcost-"))
             mp.spawn(_write, args=(world, _free_port(), model, args.stage, str(root)), nprocs=world, join=True)
             count, total, kinds = checkpoint_files(root)
-            print(f"| {model} | {params / 1e6:.1f}M | {world} | {count} | {total / mib:.0f} | "
-                  f"{kinds['optimizer shards'] / mib:.0f} | {kinds['module states'] / mib:.0f} | "
-                  f"{kinds['model.safetensors'] / mib:.0f} |", flush=True)  # fmt: skip
+            print(
+                f"| {model} | {params / 1e6:.1f}M | {world} | {count} | {total / mib:.0f} | "
+                f"{kinds['optimizer shards'] / mib:.0f} | {kinds['module states'] / mib:.0f} | "
+                f"{kinds['model.safetensors'] / mib:.0f} |",
+                flush=True,
+            )
             largest[model] = (root, params, total)
     print()
-    print(f"| model | checkpoint MiB | convert once: CPU s | wall s | peak RSS GiB | universal MiB | before ({args.ranks_per_node} ranks per node each converting): CPU s per node | ratio |")
+    print(
+        f"| model | checkpoint MiB | convert once: CPU s | wall s | peak RSS GiB | universal MiB | before ({args.ranks_per_node} ranks per node each converting): CPU s per node | ratio |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for model, (root, params, total) in largest.items():
+    for model, (root, _params, total) in largest.items():
         cpu, wall, written = convert(root)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
-        print(f"| {model} | {total / mib:.0f} | {cpu:.1f} | {wall:.1f} | {peak:.2f} | {written / mib:.0f} | "
-              f"{cpu * args.ranks_per_node:.1f} | {args.ranks_per_node:.1f}x |", flush=True)  # fmt: skip
+        print(
+            f"| {model} | {total / mib:.0f} | {cpu:.1f} | {wall:.1f} | {peak:.2f} | {written / mib:.0f} | "
+            f"{cpu * args.ranks_per_node:.1f} | {args.ranks_per_node:.1f}x |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

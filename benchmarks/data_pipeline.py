@@ -134,8 +134,19 @@ def plain_loop(paths: list[Path], samples: int) -> Rate:
 
 
 def make_loader(path: str, *, workers: int, batch_size: int, floats: bool = False, **kwargs) -> ShardLoader:
-    return ShardLoader(path, "train", rank=0, world_size=1, batch_size=batch_size, img_size=OUTPUT, train=True,
-                       seed=0, num_workers=workers, float_images=floats, **kwargs)  # fmt: skip
+    return ShardLoader(
+        path,
+        "train",
+        rank=0,
+        world_size=1,
+        batch_size=batch_size,
+        img_size=OUTPUT,
+        train=True,
+        seed=0,
+        num_workers=workers,
+        float_images=floats,
+        **kwargs,
+    )
 
 
 @contextlib.contextmanager
@@ -152,8 +163,9 @@ def whole_image_decodes() -> Iterator[None]:
         transforms.REGION_DECODE = region
 
 
-def loader_run(path: str, *, workers: int, batch_size: int, samples: int, floats: bool = False,
-               whole: bool = False) -> Rate:  # fmt: skip
+def loader_run(
+    path: str, *, workers: int, batch_size: int, samples: int, floats: bool = False, whole: bool = False
+) -> Rate:
     if whole:
         with whole_image_decodes():
             return loader_run(path, workers=workers, batch_size=batch_size, samples=samples, floats=floats)
@@ -161,7 +173,7 @@ def loader_run(path: str, *, workers: int, batch_size: int, samples: int, floats
     threads = torch.get_num_threads()
     if workers == 0:
         torch.set_num_threads(1)  # decoding in this process: one thread, as in the plain loop
-    cpu, start = cpu_seconds(), time.perf_counter()
+    cpu, _start = cpu_seconds(), time.perf_counter()
     iterator = iter(data_loader)
     count = len(next(iterator))
     first, cpu_first = time.perf_counter(), cpu_seconds() + live_children_cpu_seconds()
@@ -202,14 +214,18 @@ def stall_probe(path: str, *, window: int, batch_size: int, batches: int) -> tup
 
 
 def best(runs: list[Rate]) -> Rate:
-    return Rate(max(r.per_second for r in runs), max(r.per_cpu_second for r in runs),
-                max(r.steady_per_cpu_second for r in runs))  # fmt: skip
+    return Rate(
+        max(r.per_second for r in runs), max(r.per_cpu_second for r in runs), max(r.steady_per_cpu_second for r in runs)
+    )
 
 
 def show(name: str, rate: Rate, reference: Rate | None = None) -> None:
-    ratio = (f"  ({rate.per_cpu_second / reference.per_cpu_second:.2f}x the plain loop; steady "
-             f"{rate.steady_per_cpu_second:4.0f}, {rate.steady_per_cpu_second / reference.per_cpu_second:.2f}x)"
-             if reference else "")  # fmt: skip
+    ratio = (
+        f"  ({rate.per_cpu_second / reference.per_cpu_second:.2f}x the plain loop; steady "
+        f"{rate.steady_per_cpu_second:4.0f}, {rate.steady_per_cpu_second / reference.per_cpu_second:.2f}x)"
+        if reference
+        else ""
+    )
     print(f"  {name:<44} {rate.per_second:6.0f} samples/s; {rate.per_cpu_second:5.0f} per CPU-s{ratio}")
 
 
@@ -238,8 +254,13 @@ def s3_shards(jpegs: Path) -> Iterator[str]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     try:
-        os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-                          AWS_EC2_METADATA_DISABLED="true", AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")  # fmt: skip
+        os.environ.update(
+            AWS_ACCESS_KEY_ID="bench",
+            AWS_SECRET_ACCESS_KEY="bench",
+            AWS_DEFAULT_REGION="us-east-1",
+            AWS_EC2_METADATA_DISABLED="true",
+            AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+        )
         import boto3
 
         boto3.client("s3").create_bucket(Bucket="bench")
@@ -274,27 +295,34 @@ def main() -> None:
             paths = write_jpegs(root / "jpegs", args.images, kind)
             mean_kib = np.mean([p.stat().st_size for p in paths]) / 1024
             sizes = [Image.open(p).size for p in paths[:200]]
-            print(f"set {kind}: {len(paths)} JPEGs, mean {mean_kib:.0f} KiB, mean size "
-                  f"{np.mean([s[0] for s in sizes]):.0f}x{np.mean([s[1] for s in sizes]):.0f}; output {OUTPUT} px, "
-                  f"batch {args.batch_size}, {args.workers} workers, {os.cpu_count()} CPUs")  # fmt: skip
+            print(
+                f"set {kind}: {len(paths)} JPEGs, mean {mean_kib:.0f} KiB, mean size "
+                f"{np.mean([s[0] for s in sizes]):.0f}x{np.mean([s[1] for s in sizes]):.0f}; output {OUTPUT} px, "
+                f"batch {args.batch_size}, {args.workers} workers, {os.cpu_count()} CPUs"
+            )
             prepare_dataset(f"imagefolder:{root / 'jpegs'}", str(root / "shards"), samples_per_shard=500)
             local = str(root / "shards")
-            common = dict(batch_size=args.batch_size, samples=args.samples)
+            common = {"batch_size": args.batch_size, "samples": args.samples}
             with contextlib.ExitStack() as stack:
                 readers: dict[str, Callable[[], Rate]] = {
                     "plain loop (PIL + torchvision), 1 process": lambda: plain_loop(paths, args.samples),
-                    f"ShardLoader, {args.workers} workers, uint8": lambda: loader_run(local, workers=args.workers, **common),
+                    f"ShardLoader, {args.workers} workers, uint8": lambda: loader_run(
+                        local, workers=args.workers, **common
+                    ),
                     f"ShardLoader, {args.workers} workers, float32": lambda: loader_run(
-                        local, workers=args.workers, floats=True, **common),
+                        local, workers=args.workers, floats=True, **common
+                    ),
                     "ShardLoader, no workers, uint8": lambda: loader_run(local, workers=0, **common),
-                }  # fmt: skip
+                }
                 if region_decode_built():
                     readers[f"ShardLoader, {args.workers} workers, uint8, whole decodes"] = lambda: loader_run(
-                        local, workers=args.workers, whole=True, **common)  # fmt: skip
+                        local, workers=args.workers, whole=True, **common
+                    )
                 if kind == "256" and not args.skip_s3:
                     remote = stack.enter_context(s3_shards(root / "jpegs"))
                     readers[f"ShardLoader S3 (moto), {args.workers} workers"] = lambda: loader_run(
-                        remote, workers=args.workers, **common)  # fmt: skip
+                        remote, workers=args.workers, **common
+                    )
                 runs: dict[str, list[Rate]] = {name: [] for name in readers}
                 for _ in range(args.repeats):
                     for name, measure in readers.items():
@@ -304,18 +332,25 @@ def main() -> None:
             for name, rate in rates.items():
                 show(name, rate, None if rate is plain else plain)
             loader = rates[f"ShardLoader, {args.workers} workers, uint8"]
-            summary.append(f"{kind} {loader.per_cpu_second / plain.per_cpu_second:.2f} "
-                           f"(steady {loader.steady_per_cpu_second / plain.per_cpu_second:.2f})")  # fmt: skip
+            summary.append(
+                f"{kind} {loader.per_cpu_second / plain.per_cpu_second:.2f} "
+                f"(steady {loader.steady_per_cpu_second / plain.per_cpu_second:.2f})"
+            )
             whole = rates.get(f"ShardLoader, {args.workers} workers, uint8, whole decodes")
             if whole is not None:
-                summary.append(f"{kind} region / whole decodes {loader.per_cpu_second / whole.per_cpu_second:.2f} "
-                               f"(steady {loader.steady_per_cpu_second / whole.steady_per_cpu_second:.2f})")  # fmt: skip
+                summary.append(
+                    f"{kind} region / whole decodes {loader.per_cpu_second / whole.per_cpu_second:.2f} "
+                    f"(steady {loader.steady_per_cpu_second / whole.steady_per_cpu_second:.2f})"
+                )
             if kind == args.sets.split(",")[0] and args.probe_batches:
                 median, longest, switch, switches = stall_probe(
-                    local, window=args.probe_window, batch_size=args.batch_size, batches=args.probe_batches)
-                print(f"  stall probe ({args.probe_window}-sample windows, 2 slots, 2 workers, {args.probe_batches} "
-                      f"batches, {switches} at a window switch): median gap {median * 1e3:.0f} ms, longest "
-                      f"{longest * 1e3:.0f} ms, longest at a window switch {switch * 1e3:.0f} ms")  # fmt: skip
+                    local, window=args.probe_window, batch_size=args.batch_size, batches=args.probe_batches
+                )
+                print(
+                    f"  stall probe ({args.probe_window}-sample windows, 2 slots, 2 workers, {args.probe_batches} "
+                    f"batches, {switches} at a window switch): median gap {median * 1e3:.0f} ms, longest "
+                    f"{longest * 1e3:.0f} ms, longest at a window switch {switch * 1e3:.0f} ms"
+                )
                 summary.append(f"longest gap at a window switch / median gap {switch / median:.2f}")
     print("ratios: loader (uint8, workers) / plain loop per CPU-second: " + ", ".join(summary))
 

@@ -75,8 +75,10 @@ def main() -> int:
     args = parser.parse_args()
 
     train_x, train_y, test_x, test_y = make_problem(args.classes, args.shots, args.dim, args.test_per_class)
-    print(f"problem: {args.classes} classes x {args.shots} shots = {len(train_y)} train, {args.dim} features, "
-          f"{len(test_y)} test; l2 = {DEFAULT_L2_REG:g}; best of {args.repeats}")
+    print(
+        f"problem: {args.classes} classes x {args.shots} shots = {len(train_y)} train, {args.dim} features, "
+        f"{len(test_y)} test; l2 = {DEFAULT_L2_REG:g}; best of {args.repeats}"
+    )
 
     # Interleaved repeats, best of each: load changes on a shared machine hit both sides alike.
     vitray_runs, sklearn_runs = [], []
@@ -88,10 +90,14 @@ def main() -> int:
     vitray_time, sklearn_time = vitray_fit + vitray_predict, sklearn_fit + sklearn_predict
 
     agree = float(np.mean(vitray_pred == sklearn_pred))
-    print(f"vitray  solve_lsr {vitray_fit:.3f} s + predict {vitray_predict:.3f} s = {vitray_time:.3f} s  "
-          f"(test accuracy {np.mean(vitray_pred == test_y):.4f})")
-    print(f"sklearn Ridge.fit {sklearn_fit:.3f} s + predict {sklearn_predict:.3f} s = {sklearn_time:.3f} s  "
-          f"(test accuracy {np.mean(sklearn_pred == test_y):.4f}; whitening not timed)")
+    print(
+        f"vitray  solve_lsr {vitray_fit:.3f} s + predict {vitray_predict:.3f} s = {vitray_time:.3f} s  "
+        f"(test accuracy {np.mean(vitray_pred == test_y):.4f})"
+    )
+    print(
+        f"sklearn Ridge.fit {sklearn_fit:.3f} s + predict {sklearn_predict:.3f} s = {sklearn_time:.3f} s  "
+        f"(test accuracy {np.mean(sklearn_pred == test_y):.4f}; whitening not timed)"
+    )
     print(f"identical predictions: {agree:.6f} of {len(test_y)} test images")
     if agree != 1.0:
         print("ERROR: vitray and sklearn predictions differ", file=sys.stderr)

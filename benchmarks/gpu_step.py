@@ -42,8 +42,13 @@ from vitray.trainers.loop import TrainingLoop
 from vitray.trainers.metrics import accelerator_peak_tflops, train_flops_per_image
 from vitray.trainers.objectives import build_objective
 
-TIMM_NAMES = {"Ti/16": "vit_tiny_patch16_224", "S/16": "vit_small_patch16_224", "B/16": "vit_base_patch16_224",
-              "L/16": "vit_large_patch16_224", "H/14": "vit_huge_patch14_224"}  # fmt: skip
+TIMM_NAMES = {
+    "Ti/16": "vit_tiny_patch16_224",
+    "S/16": "vit_small_patch16_224",
+    "B/16": "vit_base_patch16_224",
+    "L/16": "vit_large_patch16_224",
+    "H/14": "vit_huge_patch14_224",
+}
 NUM_CLASSES = 1000
 
 
@@ -116,8 +121,9 @@ def reference_steps(cfg: TrainingConfig, warmup: int, steps: int, compiled: bool
     """images/s of a plain AMP loop over timm's ViT of the same shape."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg.seed)
-    model = timm.create_model(TIMM_NAMES[cfg.model.name], pretrained=False, num_classes=NUM_CLASSES,
-                              img_size=cfg.model.img_size).to(device)  # fmt: skip
+    model = timm.create_model(
+        TIMM_NAMES[cfg.model.name], pretrained=False, num_classes=NUM_CLASSES, img_size=cfg.model.img_size
+    ).to(device)
     model.set_grad_checkpointing(cfg.model.grad_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device.type == "cuda" or None)
     runnable = torch.compile(model) if compiled else model
@@ -167,31 +173,54 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
         if getattr(args, option) < 1:
             parser.error(f"--{option.replace('_', '-')} must be >= 1")
     compile_setting = {"auto": "null", "on": "true", "off": "false"}[args.compile]
-    cfg = load_config(TrainingConfig, None, [
-        "data.train=synthetic", "data.num_slots=1", f"model.name={args.model}", f"model.img_size={args.img_size}",
-        f"model.grad_checkpointing={str(args.grad_checkpointing).lower()}", f"train.batch_size={args.batch}",
-        f"train.micro_batch_size={args.batch}", "train.zero_stage=1", "precision.dtype=bf16",
-        f"train.compile={compile_setting}", "cluster.num_workers=1", "schedule.warmup_steps=1",
-        f"train.steps={args.warmup + args.steps + 1}",
-    ])  # fmt: skip
+    cfg = load_config(
+        TrainingConfig,
+        None,
+        [
+            "data.train=synthetic",
+            "data.num_slots=1",
+            f"model.name={args.model}",
+            f"model.img_size={args.img_size}",
+            f"model.grad_checkpointing={str(args.grad_checkpointing).lower()}",
+            f"train.batch_size={args.batch}",
+            f"train.micro_batch_size={args.batch}",
+            "train.zero_stage=1",
+            "precision.dtype=bf16",
+            f"train.compile={compile_setting}",
+            "cluster.num_workers=1",
+            "schedule.warmup_steps=1",
+            f"train.steps={args.warmup + args.steps + 1}",
+        ],
+    )
     compiled = compile_enabled(cfg.train.compile)
     _process_group()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     peak = accelerator_peak_tflops(args.peak_tflops, "bf16")
     ours, flops = vitray_steps(cfg, args.warmup, args.steps)
     theirs = reference_steps(cfg, args.warmup, args.steps, compiled)
-    mfu = {name: (rate * flops / 1e12 / peak if peak else None) for name, rate in (("vitray", ours), ("reference", theirs))}
-    print(f"{args.model} at {args.img_size} px, batch {args.batch}, bf16, {device}, "
-          f"{'compiled' if compiled else 'eager'}{', activation checkpointing' if args.grad_checkpointing else ''}, "
-          f"{args.steps} timed steps after {args.warmup}; {flops / 1e9:.2f} GFLOPs per training image")  # fmt: skip
-    for name, rate in (("vitray pretrain step (DeepSpeed ZeRO-1, DeviceFeed)", ours),
-                       (f"plain AMP loop (timm {TIMM_NAMES[args.model]})", theirs)):  # fmt: skip
+    mfu = {
+        name: (rate * flops / 1e12 / peak if peak else None) for name, rate in (("vitray", ours), ("reference", theirs))
+    }
+    print(
+        f"{args.model} at {args.img_size} px, batch {args.batch}, bf16, {device}, "
+        f"{'compiled' if compiled else 'eager'}{', activation checkpointing' if args.grad_checkpointing else ''}, "
+        f"{args.steps} timed steps after {args.warmup}; {flops / 1e9:.2f} GFLOPs per training image"
+    )
+    for name, rate in (
+        ("vitray pretrain step (DeepSpeed ZeRO-1, DeviceFeed)", ours),
+        (f"plain AMP loop (timm {TIMM_NAMES[args.model]})", theirs),
+    ):
         key = "vitray" if name.startswith("vitray") else "reference"
         shown = f", MFU {mfu[key]:.1%}" if mfu[key] is not None else ", MFU n/a (no known peak)"
         print(f"{name}: {rate:.1f} img/s{shown}")
     print(f"vitray/reference: {ours / theirs:.3f}")
-    return {"vitray_images_per_s": ours, "reference_images_per_s": theirs, "ratio": ours / theirs,
-            "mfu": mfu["vitray"], "flops_per_image": flops}  # fmt: skip
+    return {
+        "vitray_images_per_s": ours,
+        "reference_images_per_s": theirs,
+        "ratio": ours / theirs,
+        "mfu": mfu["vitray"],
+        "flops_per_image": flops,
+    }
 
 
 if __name__ == "__main__":

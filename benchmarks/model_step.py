@@ -111,7 +111,8 @@ def main() -> None:
             durations[name] += time_steps(steps[name], 1, CLOCKS[args.clock])
         ratios.append(durations[names[1]][-1] / durations[names[0]][-1])
         print(
-            f"  pair {pair + 1:2d}: " + ", ".join(f"{n} {args.batch / durations[n][-1]:6.2f} img/s" for n in names)
+            f"  pair {pair + 1:2d}: "
+            + ", ".join(f"{n} {args.batch / durations[n][-1]:6.2f} img/s" for n in names)
             + f", ratio {ratios[-1]:.3f}"
         )
     for name in names:

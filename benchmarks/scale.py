@@ -43,8 +43,8 @@ import pyarrow.parquet as pq
 
 from vitray.data import storage
 from vitray.data.layout import (
-    DatasetInfo,
     MANIFEST_SCHEMA,
+    DatasetInfo,
     SplitInfo,
     manifest_name,
     read_manifest,
@@ -66,14 +66,24 @@ def make_dataset(folder: str, shards: int) -> int:
     """A prepared dataset's metadata for `shards` shards (900-1,100 samples each); its sample count."""
     sizes = np.random.default_rng(shards).integers(900, 1101, shards)
     names = [shard_name("train", i) for i in range(shards)]
-    table = pa.table({"name": names, "num_samples": sizes, "bytes": sizes * 110_000,
-                      "sha256": ["0" * 64] * shards}, schema=MANIFEST_SCHEMA)  # fmt: skip
+    table = pa.table(
+        {"name": names, "num_samples": sizes, "bytes": sizes * 110_000, "sha256": ["0" * 64] * shards},
+        schema=MANIFEST_SCHEMA,
+    )
     os.makedirs(folder, exist_ok=True)
     pq.write_table(table, os.path.join(folder, manifest_name("train")))
     total = int(sizes.sum())
-    write_dataset_info(folder, DatasetInfo(name="synthetic", source="synthetic", classes=["a", "b"], num_classes=2,
-                                           label_kind="single", splits={"train": SplitInfo(num_samples=total,
-                                                                                           num_shards=shards)}))  # fmt: skip
+    write_dataset_info(
+        folder,
+        DatasetInfo(
+            name="synthetic",
+            source="synthetic",
+            classes=["a", "b"],
+            num_classes=2,
+            label_kind="single",
+            splits={"train": SplitInfo(num_samples=total, num_shards=shards)},
+        ),
+    )
     return total
 
 
@@ -85,7 +95,10 @@ def make_checkpoint(folder: Path, ranks: int) -> Path:
     ckpt.write_state(folder, {"step": 1000, "world_size": ranks, "data": {"epoch": 0}})
     for rank in range(ranks):
         files = []
-        for name in (f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"):
+        for name in (
+            f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+            f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
+        ):
             path = folder / "deepspeed" / name
             path.write_bytes(b"x" * (64 + rank % 7))
             files.append(path)
@@ -184,15 +197,25 @@ def one(dataset: str, ranks: int, workers: int, reference: bool, scratch: Path) 
     batch = workers * 4  # 4 positions of each of the rank's slots per batch
 
     def rank_start(rank: int = ranks - 1, world: int = ranks):
-        return ShardLoader(dataset, "train", rank=rank, world_size=world, batch_size=batch, img_size=224, train=True,
-                           seed=SEED, num_slots=num_slots, num_workers=workers)  # fmt: skip
+        return ShardLoader(
+            dataset,
+            "train",
+            rank=rank,
+            world_size=world,
+            batch_size=batch,
+            img_size=224,
+            train=True,
+            seed=SEED,
+            num_slots=num_slots,
+            num_workers=workers,
+        )
 
     loader = rank_start()
     spec = loader._spec
     local_slots, stride, phase = _share(0, workers, len(spec.slots))
 
     def worker_plan():
-        readers, batches = _TrainStream._open_epoch(spec, EPOCH, 0, 0, local_slots, stride, phase, None)
+        readers, _batches = _TrainStream._open_epoch(spec, EPOCH, 0, 0, local_slots, stride, phase, None)
         assert sum(len(r) for r in readers[0].plan.slots[spec.slots[local_slots[0]]]) == loader.slot_size
         return readers
 
@@ -201,11 +224,16 @@ def one(dataset: str, ranks: int, workers: int, reference: bool, scratch: Path) 
     resumed.load_state_dict(json.loads(json.dumps(state)))  # a resume onto half the ranks takes it as it is
     folder = make_checkpoint(scratch / f"checkpoint-{ranks}", ranks)
     out = {
-        "ranks": ranks, "workers": workers, "num_slots": num_slots, "shards": len(spec.shard_urls),
-        "samples": loader.num_samples, "rank_start": _measure(rank_start), "worker_plan": _measure(worker_plan),
+        "ranks": ranks,
+        "workers": workers,
+        "num_slots": num_slots,
+        "shards": len(spec.shard_urls),
+        "samples": loader.num_samples,
+        "rank_start": _measure(rank_start),
+        "worker_plan": _measure(worker_plan),
         "loader_state_bytes": len(json.dumps(state)),
         "completion_check": _measure(lambda: ckpt.verify_complete(folder), memory=False),
-    }  # fmt: skip
+    }
     if reference:
         extents = reference_rank_start(dataset, num_slots)[0]
         out["reference"] = {
@@ -245,17 +273,27 @@ def main() -> None:
             figures = one(dataset, rank_counts[0], args.workers, not args.no_reference, Path(scratch))
             print(json.dumps(figures) if args.json else figures)
             return
-        print("| shards (samples) | ranks x workers | rank start: now | before | worker plan: now | before | "
-              "loader state | completion check (all ranks' records): now | before |")  # fmt: skip
+        print(
+            "| shards (samples) | ranks x workers | rank start: now | before | worker plan: now | before | "
+            "loader state | completion check (all ranks' records): now | before |"
+        )
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         last = None
         for shards in shard_counts:
             dataset = f"{scratch}/data-{shards}"
             make_dataset(dataset, shards)
             for ranks in rank_counts:
-                command = [sys.executable, __file__, "--one", "--json", f"--shards={shards}", f"--ranks={ranks}",
-                           f"--workers={args.workers}", f"--dataset={dataset}"] + (["--no-reference"] if args.no_reference else [])  # fmt: skip
-                for attempt in range(3):  # a child killed from outside (a shared machine) is measured again
+                command = [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    "--json",
+                    f"--shards={shards}",
+                    f"--ranks={ranks}",
+                    f"--workers={args.workers}",
+                    f"--dataset={dataset}",
+                ] + (["--no-reference"] if args.no_reference else [])
+                for _attempt in range(3):  # a child killed from outside (a shared machine) is measured again
                     result = subprocess.run(command, capture_output=True, text=True)
                     if result.returncode >= 0:
                         break
@@ -263,20 +301,26 @@ def main() -> None:
                     raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}): {result.stderr[-2000:]}")
                 f = json.loads(result.stdout.strip().splitlines()[-1])
                 ref = f.get("reference")
-                print(f"| {shards:,} ({f['samples'] / 1e6:.1f}M) | {ranks:,} x {args.workers} | {_cell(f['rank_start'])} | "
-                      f"{_cell(ref['rank_start']) if ref else '-'} | {_cell(f['worker_plan'])} | "
-                      f"{_cell(ref['worker_plan']) if ref else '-'} | {f['loader_state_bytes']} B | "
-                      f"{f['completion_check']['cpu_s']:.3f} s | "
-                      f"{ref['completion_check']['cpu_s'] if ref else float('nan'):.3f} s |", flush=True)  # fmt: skip
+                print(
+                    f"| {shards:,} ({f['samples'] / 1e6:.1f}M) | {ranks:,} x {args.workers} | {_cell(f['rank_start'])} | "
+                    f"{_cell(ref['rank_start']) if ref else '-'} | {_cell(f['worker_plan'])} | "
+                    f"{_cell(ref['worker_plan']) if ref else '-'} | {f['loader_state_bytes']} B | "
+                    f"{f['completion_check']['cpu_s']:.3f} s | "
+                    f"{ref['completion_check']['cpu_s'] if ref else float('nan'):.3f} s |",
+                    flush=True,
+                )
                 last = f
         if last and last.get("reference"):
             ref = last["reference"]
             start = ref["rank_start"]["cpu_s"] / last["rank_start"]["cpu_s"]
             plan = ref["worker_plan"]["cpu_s"] / last["worker_plan"]["cpu_s"]
             memory = (ref["rank_start"]["peak_mib"] + ref["worker_plan"]["peak_mib"]) / (
-                last["rank_start"]["peak_mib"] + last["worker_plan"]["peak_mib"])
-            print(f"at {last['shards']:,} shards x {last['ranks']:,} ranks x {last['workers']} workers, before / now: "
-                  f"rank start CPU {start:.1f}x, worker plan CPU {plan:.1f}x, peak memory (start + plan) {memory:.1f}x")  # fmt: skip
+                last["rank_start"]["peak_mib"] + last["worker_plan"]["peak_mib"]
+            )
+            print(
+                f"at {last['shards']:,} shards x {last['ranks']:,} ranks x {last['workers']} workers, before / now: "
+                f"rank start CPU {start:.1f}x, worker plan CPU {plan:.1f}x, peak memory (start + plan) {memory:.1f}x"
+            )
 
 
 if __name__ == "__main__":

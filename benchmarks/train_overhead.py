@@ -51,8 +51,19 @@ def plain_loop(data: str, args) -> float:
     info = read_dataset_info(data)
     model = create_model(args.model, num_classes=info.num_classes, img_size=args.img_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    loader = ShardLoader(data, "train", rank=0, world_size=1, batch_size=args.batch, img_size=args.img_size,
-                         train=True, seed=0, num_slots=8, num_workers=1, shuffle_buffer=256)  # fmt: skip
+    loader = ShardLoader(
+        data,
+        "train",
+        rank=0,
+        world_size=1,
+        batch_size=args.batch,
+        img_size=args.img_size,
+        train=True,
+        seed=0,
+        num_slots=8,
+        num_workers=1,
+        shuffle_buffer=256,
+    )
     batches = iter(loader)
     started = None
     for step in range(args.steps):
@@ -70,17 +81,31 @@ def plain_loop(data: str, args) -> float:
 def vitray_run(data: str, storage: str, args) -> tuple[float, list[dict]]:
     log_every = max(1, (args.steps - args.warmup) // 4)
     sets = [
-        f"data.train={data}", f"run.storage={storage}", "run.name=bench", f"model.name={args.model}",
-        f"model.img_size={args.img_size}", f"train.steps={args.steps}", f"train.batch_size={args.batch}",
-        f"train.micro_batch_size={args.batch}", f"log.every={log_every}", "schedule.warmup_steps=5",
-        f"checkpoint.every={args.steps // 2}", "train.zero_stage=1", "cluster.num_workers=1",
-        f"cluster.cpus_per_worker={args.threads}", "data.num_slots=8", "data.num_workers=1", "data.shuffle_buffer=256",
-    ]  # fmt: skip
+        f"data.train={data}",
+        f"run.storage={storage}",
+        "run.name=bench",
+        f"model.name={args.model}",
+        f"model.img_size={args.img_size}",
+        f"train.steps={args.steps}",
+        f"train.batch_size={args.batch}",
+        f"train.micro_batch_size={args.batch}",
+        f"log.every={log_every}",
+        "schedule.warmup_steps=5",
+        f"checkpoint.every={args.steps // 2}",
+        "train.zero_stage=1",
+        "cluster.num_workers=1",
+        f"cluster.cpus_per_worker={args.threads}",
+        "data.num_slots=8",
+        "data.num_workers=1",
+        "data.shuffle_buffer=256",
+    ]
     cmd = [sys.executable, "-m", "vitray.cli", "pretrain", *[a for s in sets for a in ("--set", s)]]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     metrics = RunFiles(f"{storage}/bench").read_metrics()
     # Windows that start after the warm-up steps, without the one holding a checkpoint save.
-    steady = [m["images_per_s"] for m in metrics if m["step"] > args.warmup + log_every and "checkpoint_blocked_s" not in m]
+    steady = [
+        m["images_per_s"] for m in metrics if m["step"] > args.warmup + log_every and "checkpoint_blocked_s" not in m
+    ]
     return float(np.mean(steady)), metrics
 
 
@@ -147,8 +172,13 @@ def run_storage(kind: str, tmp: str):
         port = s.getsockname()[1]
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-                      AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_EC2_METADATA_DISABLED="true")  # fmt: skip
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+        AWS_EC2_METADATA_DISABLED="true",
+    )
     boto3.client("s3").create_bucket(Bucket="bench")
     try:
         yield "s3://bench/runs"
@@ -165,8 +195,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="plain loop / vitray pairs for the throughput ratio")
-    parser.add_argument("--storage", choices=("local", "s3"), default="s3",
-                        help="run storage for the checkpoint measurement: a local folder or moto's S3 on 127.0.0.1")
+    parser.add_argument(
+        "--storage",
+        choices=("local", "s3"),
+        default="s3",
+        help="run storage for the checkpoint measurement: a local folder or moto's S3 on 127.0.0.1",
+    )
     parser.add_argument("--host-work", action="store_true", help="count each step's host work instead (issue 24)")
     args = parser.parse_args()
 
@@ -180,20 +214,25 @@ def main() -> None:
             plain = plain_loop(data, args)
             vitray, _ = vitray_run(data, str(Path(tmp) / f"runs-{round_}"), args)
             ratios.append(vitray / plain)
-            print(f"round {round_ + 1}: plain PyTorch loop ({args.threads} threads) {plain:6.1f} images/s, vitray pretrain "
-                  f"(Ray Train + DeepSpeed, 1 worker x {args.threads} CPUs, local run folder) {vitray:6.1f} images/s: "
-                  f"{vitray / plain:.3f}", flush=True)  # fmt: skip
+            print(
+                f"round {round_ + 1}: plain PyTorch loop ({args.threads} threads) {plain:6.1f} images/s, vitray pretrain "
+                f"(Ray Train + DeepSpeed, 1 worker x {args.threads} CPUs, local run folder) {vitray:6.1f} images/s: "
+                f"{vitray / plain:.3f}",
+                flush=True,
+            )
         with run_storage(args.storage, tmp) as runs:
             vitray, metrics = vitray_run(data, runs, args)
             saves = [m for m in metrics if "checkpoint_blocked_s" in m]
             if saves:
                 blocked = saves[0]["checkpoint_blocked_s"]
                 full = full_save_seconds(f"{runs}/bench", saves[0]["checkpoint_write_s"])
-                print(f"checkpoint ({args.storage} run storage): training blocked {blocked:.3f} s "
-                      f"of a {full:.3f} s full save ({blocked / full:.0%}): snapshot "
-                      f"{saves[0].get('checkpoint_snapshot_s', float('nan')):.3f} s, waiting for the writer "
-                      f"{saves[0].get('checkpoint_wait_s', float('nan')):.3f} s, handing over "
-                      f"{saves[0].get('checkpoint_report_s', float('nan')):.3f} s; that run: {vitray:.1f} images/s")  # fmt: skip
+                print(
+                    f"checkpoint ({args.storage} run storage): training blocked {blocked:.3f} s "
+                    f"of a {full:.3f} s full save ({blocked / full:.0%}): snapshot "
+                    f"{saves[0].get('checkpoint_snapshot_s', float('nan')):.3f} s, waiting for the writer "
+                    f"{saves[0].get('checkpoint_wait_s', float('nan')):.3f} s, handing over "
+                    f"{saves[0].get('checkpoint_report_s', float('nan')):.3f} s; that run: {vitray:.1f} images/s"
+                )
         print(json.dumps({"round_ratios": ratios}))
         print(f"ratio vitray/plain: {float(np.median(ratios)):.3f}")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, NoReturn, Optional, TypeVar
+from typing import Annotated, NoReturn, TypeVar
 
 import typer
 from pydantic import BaseModel
@@ -72,16 +72,19 @@ def _main(
 ) -> None:
     """Pre-train Vision Transformers on Ray and transfer them to the ViT paper's benchmarks."""
 
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file.")]
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.")]
 SetOpt = Annotated[
-    Optional[list[str]], typer.Option("--set", help="Override a config value: --set train.steps=100 (repeatable).")
+    list[str] | None, typer.Option("--set", help="Override a config value: --set train.steps=100 (repeatable).")
 ]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config and exit.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's and the workers' logs.")]
 DataRootOpt = Annotated[
-    Optional[str], typer.Option("--data-root", help="Folder (local or s3://) with the prepared benchmark datasets.")
+    str | None, typer.Option("--data-root", help="Folder (local or s3://) with the prepared benchmark datasets.")
 ]
-CheckpointArg = Annotated[str, typer.Argument(help="A checkpoint folder, or a run folder (its latest complete checkpoint).")]
+CheckpointArg = Annotated[
+    str, typer.Argument(help="A checkpoint folder, or a run folder (its latest complete checkpoint).")
+]
 
 # Config keys that a command-line option also sets: a config error about one names the option.
 OPTION_HINTS = {"data_root": "give --data-root ROOT, or `data_root:` in the -c file"}
@@ -92,7 +95,7 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
-def load(schema: type[M], config: Optional[Path], overrides: Optional[list[str]]) -> M:
+def load(schema: type[M], config: Path | None, overrides: list[str] | None) -> M:
     """`load_config`, failing with the config's problems (and the options that set those keys)."""
     try:
         return load_config(schema, config, overrides or [])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -31,9 +31,7 @@ def data_prepare(
     skip_bad: Annotated[
         bool, typer.Option("--skip-bad", help="Leave zero-byte and undecodable images out (refused otherwise).")
     ] = False,
-    address: Annotated[
-        Optional[str], typer.Option(help="Ray cluster address; an embedded local Ray when unset.")
-    ] = None,
+    address: Annotated[str | None, typer.Option(help="Ray cluster address; an embedded local Ray when unset.")] = None,
     serial: Annotated[bool, typer.Option(help="Write the shards in this process, without Ray.")] = False,
 ):
     """Write webdataset shards, per-split manifests and dataset.json from SOURCE into DEST."""
@@ -56,19 +54,23 @@ def data_prepare(
         if serial:
             from vitray.data import prepare_dataset
 
-            info = prepare_dataset(src, dest, samples_per_shard=samples_per_shard, overwrite=overwrite,
-                                   bad_images=bad_images)  # fmt: skip
+            info = prepare_dataset(
+                src, dest, samples_per_shard=samples_per_shard, overwrite=overwrite, bad_images=bad_images
+            )
         else:
             from vitray.cluster.prepare import prepare_dataset_on_ray
             from vitray.cluster.runtime import connect
 
             connect(address)
-            info = prepare_dataset_on_ray(src, dest, samples_per_shard=samples_per_shard, overwrite=overwrite,
-                                          bad_images=bad_images)  # fmt: skip
+            info = prepare_dataset_on_ray(
+                src, dest, samples_per_shard=samples_per_shard, overwrite=overwrite, bad_images=bad_images
+            )
     except ValueError as err:  # bad images, or a destination that changed meanwhile
         fail(str(err))
     splits = ", ".join(
         f"{name}: {plural(split.num_samples, 'sample')} in {plural(split.num_shards, 'shard')}"
         for name, split in info.splits.items()
     )
-    console.print(f"{dest}: {info.name}, {plural(info.num_classes, 'class', 'classes')} ({info.label_kind}-label); {splits}")
+    console.print(
+        f"{dest}: {info.name}, {plural(info.num_classes, 'class', 'classes')} ({info.label_kind}-label); {splits}"
+    )

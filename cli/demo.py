@@ -64,7 +64,9 @@ def run_demo(
     connect(cfg.cluster.address, num_cpus=os.cpu_count(), verbose=verbose)
     prepare_dataset_on_ray("builtin:digits", str(data), samples_per_shard=200)
 
-    console.rule(f"[bold]2/4 pretrain {cfg.model.name} at {cfg.model.img_size}px on {cfg.cluster.num_workers} Ray workers (DeepSpeed ZeRO-{cfg.train.zero_stage})")
+    console.rule(
+        f"[bold]2/4 pretrain {cfg.model.name} at {cfg.model.img_size}px on {cfg.cluster.num_workers} Ray workers (DeepSpeed ZeRO-{cfg.train.zero_stage})"
+    )
     try:
         pretrain(cfg, verbose=verbose)  # raises TrainingFailedError when the run fails
     except AlreadyFinished as done:

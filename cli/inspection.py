@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -66,8 +66,15 @@ def validation_images(state: dict[str, Any], img_size: int, count: int):
     if not path:
         raise InspectionInputError("the checkpoint's trainer_state.json names no data.val / data.train: give IMAGES")
     try:
-        loader = EvalLoader(path, split, batch_size=count, img_size=img_size, num_workers=0,
-                            storage_options=data.get("storage_options"), float_images=False)  # fmt: skip
+        loader = EvalLoader(
+            path,
+            split,
+            batch_size=count,
+            img_size=img_size,
+            num_workers=0,
+            storage_options=data.get("storage_options"),
+            float_images=False,
+        )
         batch = next(iter(loader))
     except (FileNotFoundError, KeyError, ValueError, StopIteration) as err:
         raise InspectionInputError(
@@ -75,8 +82,10 @@ def validation_images(state: dict[str, Any], img_size: int, count: int):
             f"{err}); give IMAGES (image files) instead"
         ) from None
     classes = loader.info.classes
-    captions = [f"{key} · {classes[int(label)] if labels_are_single(batch) else 'multi-label'}"
-                for key, label in zip(batch.keys, batch.labels)]  # fmt: skip
+    captions = [
+        f"{key} · {classes[int(label)] if labels_are_single(batch) else 'multi-label'}"
+        for key, label in zip(batch.keys, batch.labels)
+    ]
     return batch.images, captions
 
 
@@ -116,8 +125,14 @@ def inspect_checkpoint(
         source = f"{len(captions)} images of {data.get('val') or data.get('train')} split {data.get('val_split')}"
     label = f"{model.name} (step {state.get('step')})"
     metadata = {"checkpoint": state["checkpoint"], "step": state.get("step"), "images": source}
-    kwargs = dict(captions=captions, label=label, num_components=num_components, rollout_images=rollout_images,
-                  batch_size=batch_size, metadata=metadata)  # fmt: skip
+    kwargs = {
+        "captions": captions,
+        "label": label,
+        "num_components": num_components,
+        "rollout_images": rollout_images,
+        "batch_size": batch_size,
+        "metadata": metadata,
+    }
     if not storage.is_remote(out):
         return inspect_model(model, pixels, out, **kwargs)
     with tempfile.TemporaryDirectory() as local:
@@ -136,7 +151,8 @@ def inspect_checkpoint(
 def inspect(
     checkpoint: CheckpointArg,
     images: Annotated[
-        Optional[list[str]], typer.Argument(help="Image files (PNG/JPEG); the checkpoint's validation images when none.")
+        list[str] | None,
+        typer.Argument(help="Image files (PNG/JPEG); the checkpoint's validation images when none."),
     ] = None,
     out: Annotated[str, typer.Option("--out", "-o", help="Output folder (local or s3://).")] = "inspection",
     num_images: Annotated[
@@ -151,8 +167,15 @@ def inspect(
     from vitray.trainers.checkpoint import IncompleteCheckpointError
 
     try:
-        files = inspect_checkpoint(checkpoint, out, images, num_images=num_images, rollout_images=rollout_images,
-                                   num_components=components, batch_size=batch_size)  # fmt: skip
+        files = inspect_checkpoint(
+            checkpoint,
+            out,
+            images,
+            num_images=num_images,
+            rollout_images=rollout_images,
+            num_components=components,
+            batch_size=batch_size,
+        )
     except (InspectionInputError, FileNotFoundError, IncompleteCheckpointError, ValueError) as err:
         fail(str(err))
     for name, reason in files.skipped.items():
@@ -160,4 +183,3 @@ def inspect(
     for name, path in files.figures.items():
         console.print(f"{name}: {path.name} + {files.numbers[name].name}")
     console.print(f"written to {out}")
-

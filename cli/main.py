@@ -7,7 +7,7 @@ import sys
 from rich.markup import escape
 
 # In `vitray --help` order; importing a command module adds its commands to `app`.
-from vitray.cli import pretrain, data, runs, submit, demo, transfer, inspection  # noqa: F401, I001
+from vitray.cli import data, demo, inspection, pretrain, runs, submit, transfer  # noqa: F401
 from vitray.cli.app import app, console
 
 __all__ = ["app", "main"]

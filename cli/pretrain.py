@@ -6,8 +6,8 @@ from typing import Annotated
 
 import typer
 
-from vitray.common import exit_codes
 from vitray.cli.app import ConfigOpt, DryRunOpt, SetOpt, VerboseOpt, app, console, fail, load, print_config
+from vitray.common import exit_codes
 
 
 @app.command()
@@ -16,7 +16,9 @@ def pretrain(
     set_: SetOpt = None,
     dry_run: DryRunOpt = False,
     verbose: VerboseOpt = False,
-    force: Annotated[bool, typer.Option("--force", help="Take over the run's lease even if its holder's heartbeat is fresh.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Take over the run's lease even if its holder's heartbeat is fresh.")
+    ] = False,
 ):
     """Pre-train a ViT on a Ray cluster (an embedded local Ray when cluster.address is empty).
 
@@ -36,7 +38,8 @@ def pretrain(
             fail(str(err), exit_codes.INPUT_ERROR)
         print_config(cfg)
         return
-    from vitray.cluster.pretrain import AlreadyFinished, Preempted, TrainingFailedError, pretrain as run_pretrain
+    from vitray.cluster.pretrain import AlreadyFinished, Preempted, TrainingFailedError
+    from vitray.cluster.pretrain import pretrain as run_pretrain
     from vitray.cluster.runtime import LocalPathsOnCluster, NotEnoughResources, run_dir
     from vitray.common.failures import describe_failure
     from vitray.trainers.lease import RunLeaseHeld
@@ -48,23 +51,29 @@ def pretrain(
     except (PreflightError, NotEnoughResources, LocalPathsOnCluster, RunLeaseHeld) as err:
         fail(str(err), exit_codes.INPUT_ERROR)  # refused before the workers started
     except AlreadyFinished as done:
-        console.print(f"{cfg.run.name} is finished: its latest checkpoint is at step {done.checkpoint.step} of "
-                      f"train.steps={cfg.train.steps} ({done.checkpoint.path}); raise train.steps to train further")  # fmt: skip
+        console.print(
+            f"{cfg.run.name} is finished: its latest checkpoint is at step {done.checkpoint.step} of "
+            f"train.steps={cfg.train.steps} ({done.checkpoint.path}); raise train.steps to train further"
+        )
         return
     except Preempted as stopped:
         what = "stopped by user" if stopped.by_user else f"stopped on a pre-emption notice ({stopped})"
-        console.print(f"{what}; latest complete checkpoint: {_latest_text(folder)}; "
-                      "re-run the same command to resume")  # fmt: skip
+        console.print(f"{what}; latest complete checkpoint: {_latest_text(folder)}; re-run the same command to resume")
         raise typer.Exit(exit_codes.STOPPED_BY_USER if stopped.by_user else exit_codes.PREEMPTED) from None
     except KeyboardInterrupt:
-        console.print(f"stopped by user at once (no new checkpoint); latest complete checkpoint: {_latest_text(folder)}")
+        console.print(
+            f"stopped by user at once (no new checkpoint); latest complete checkpoint: {_latest_text(folder)}"
+        )
         raise typer.Exit(exit_codes.STOPPED_BY_USER) from None
     except TrainingFailedError as err:
         # One line: the root cause and the advice that fits it; the tracebacks are in the run's
         # attempt record and Ray's logs (`--verbose` shows the workers' output).
         cause = describe_failure(err)
-        fail(f"pre-training failed: {cause.one_line()}\n  {cause.advice()}; the full traceback is in the "
-             f"attempt record ({folder}/vitray/attempts) and with --verbose", exit_codes.FAILED)  # fmt: skip
+        fail(
+            f"pre-training failed: {cause.one_line()}\n  {cause.advice()}; the full traceback is in the "
+            f"attempt record ({folder}/vitray/attempts) and with --verbose",
+            exit_codes.FAILED,
+        )
     console.print(f"run folder: {folder}")
     latest = _latest_complete(folder)
     if latest is not None:
@@ -85,4 +94,3 @@ def _latest_complete(folder: str):
 
     storage.filesystem(folder)[0].invalidate_cache()
     return latest_complete_checkpoint(folder)
-

@@ -14,7 +14,9 @@ from vitray.cli.app import CheckpointArg, OutputFormat, app, console, fail, tabl
 @app.command()
 def runs(
     storage: Annotated[str, typer.Argument(help="A run storage folder (local or s3://).")],
-    format_: Annotated[OutputFormat, typer.Option("--format", "-f", help="json: one object per run.")] = OutputFormat.table,
+    format_: Annotated[
+        OutputFormat, typer.Option("--format", "-f", help="json: one object per run.")
+    ] = OutputFormat.table,
 ):
     """List the runs under STORAGE with their latest step, checkpoints and status."""
     from rich.table import Table
@@ -33,8 +35,19 @@ def runs(
         return
     table = Table("run", "latest step", "checkpoints", "latest complete checkpoint", "status", "attempts")
     for run in found:
-        table.add_row(*(escape(text) for text in (run.name, str(run.latest_step or "-"), str(run.num_checkpoints),
-                      run.latest_checkpoint or "-", run.status, run.attempts_summary)))  # fmt: skip
+        table.add_row(
+            *(
+                escape(text)
+                for text in (
+                    run.name,
+                    str(run.latest_step or "-"),
+                    str(run.num_checkpoints),
+                    run.latest_checkpoint or "-",
+                    run.status,
+                    run.attempts_summary,
+                )
+            )
+        )
     table_console().print(table)
     if not found:
         console.print(f"no runs under {storage}")
@@ -51,7 +64,8 @@ def export(
 ):
     """Write consolidated model weights: the original ViT .npz layout, safetensors, a folder timm
     loads (timm.create_model("local-dir:OUT", pretrained=True)), or the network as ONNX."""
-    from vitray.trainers.export import FORMATS, export as run_export
+    from vitray.trainers.export import FORMATS
+    from vitray.trainers.export import export as run_export
 
     if format_ not in FORMATS:
         fail(f"--format {format_!r} is not supported; expected one of: {', '.join(FORMATS)}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -14,15 +14,21 @@ from vitray.common import exit_codes
 def submit(
     ctx: typer.Context,
     address: Annotated[
-        str, typer.Option("--address", envvar="RAY_ADDRESS", help="Ray dashboard / Jobs API address, e.g. http://HOST:8265.")
+        str,
+        typer.Option(
+            "--address", envvar="RAY_ADDRESS", help="Ray dashboard / Jobs API address, e.g. http://HOST:8265."
+        ),
     ],
     working_dir: Annotated[
-        Optional[str], typer.Option("--working-dir", help="Folder uploaded as the job's working dir (default: none).")
+        str | None, typer.Option("--working-dir", help="Folder uploaded as the job's working dir (default: none).")
     ] = None,
     env: Annotated[
-        Optional[list[str]],
-        typer.Option("--env", help="NAME=VALUE for the job (repeatable). Stored in the job record, which anyone "
-                     "who can list jobs reads: never a credential (the cluster's nodes have their own)."),
+        list[str] | None,
+        typer.Option(
+            "--env",
+            help="NAME=VALUE for the job (repeatable). Stored in the job record, which anyone "
+            "who can list jobs reads: never a credential (the cluster's nodes have their own).",
+        ),
     ] = None,
     no_follow: Annotated[bool, typer.Option("--no-follow", help="Print the job id and return.")] = False,
 ):
@@ -46,7 +52,7 @@ def submit(
 _DRY_RUNNABLE = ("pretrain", "finetune", "evaluate")
 
 
-def _check_here(args: list[str], working_dir: Optional[str]) -> None:
+def _check_here(args: list[str], working_dir: str | None) -> None:
     """The submitted command's own --dry-run, here and in seconds, so that a config mistake is
     refused before the job reaches the cluster. Only with --working-dir: then the job sees the
     same files (without it, paths are the cluster image's, which this machine may not have)."""
@@ -55,8 +61,9 @@ def _check_here(args: list[str], working_dir: Optional[str]) -> None:
 
     if working_dir is None or args[0] not in _DRY_RUNNABLE or "--dry-run" in args:
         return
-    checked = subprocess.run([sys.executable, "-m", "vitray.cli", *args, "--dry-run"], cwd=working_dir,
-                             capture_output=True, text=True)  # fmt: skip
+    checked = subprocess.run(
+        [sys.executable, "-m", "vitray.cli", *args, "--dry-run"], cwd=working_dir, capture_output=True, text=True
+    )
     if checked.returncode != 0:
         said = [line for line in checked.stderr.splitlines() if line.strip()]
         reason = "\n".join(said[-5:]).removeprefix("error: ") or f"exit code {checked.returncode}"

@@ -8,27 +8,27 @@ value fails before any Ray resources are taken. `fewshot` runs in this process
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 
-from vitray.common import exit_codes
 from vitray.cli.app import (
     CheckpointArg,
     ConfigOpt,
     DataRootOpt,
     DryRunOpt,
+    OutputFormat,
     SetOpt,
     VerboseOpt,
     app,
     console,
     fail,
     load,
-    OutputFormat,
     print_config,
     table_console,
 )
+from vitray.common import exit_codes
 from vitray.common.config import ConfigError
 from vitray.common.failures import describe_failure
 
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from vitray.evaluation.transfer import CellOutcome
 
 
-def _grid(config: Optional[Path], overrides: list[str]):
+def _grid(config: Path | None, overrides: list[str]):
     from vitray.evaluation.config import GridConfig
 
     return load(GridConfig, config, overrides)
@@ -61,19 +61,17 @@ def _as_list(text: str, kind: type, option: str) -> list:
 def fewshot(
     checkpoint: CheckpointArg,
     benchmark: Annotated[
-        Optional[list[str]], typer.Option("--benchmark", "-b", help="Benchmark name (repeatable).")
+        list[str] | None, typer.Option("--benchmark", "-b", help="Benchmark name (repeatable).")
     ] = None,
     data_root: DataRootOpt = None,
     shots: Annotated[
-        Optional[str], typer.Option(help="Shots per class, e.g. 1,5,10,25 (the protocol's by default).")
+        str | None, typer.Option(help="Shots per class, e.g. 1,5,10,25 (the protocol's by default).")
     ] = None,
     seeds: Annotated[
-        Optional[int], typer.Option(help="Seeds per shots value (the protocol's, 3, by default).", min=1)
+        int | None, typer.Option(help="Seeds per shots value (the protocol's, 3, by default).", min=1)
     ] = None,
-    l2: Annotated[Optional[str], typer.Option("--l2", help='Ridge strength (default 1024) or "select".')] = None,
-    img_size: Annotated[
-        Optional[int], typer.Option(help="Probe resolution (the checkpoint's by default).", min=1)
-    ] = None,
+    l2: Annotated[str | None, typer.Option("--l2", help='Ridge strength (default 1024) or "select".')] = None,
+    img_size: Annotated[int | None, typer.Option(help="Probe resolution (the checkpoint's by default).", min=1)] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ):
@@ -102,21 +100,30 @@ def fewshot(
     except (FileNotFoundError, ValueError, RuntimeError) as err:
         fail(str(err))
     table = Table(title=f"few-shot linear probe: {ref.path} (step {ref.step})")
-    for name, justify in [("benchmark", "left"), ("shots", "right"), ("accuracy", "right"), ("± std", "right"),
-                          ("seeds", "right")]:  # fmt: skip
+    for name, justify in [
+        ("benchmark", "left"),
+        ("shots", "right"),
+        ("accuracy", "right"),
+        ("± std", "right"),
+        ("seeds", "right"),
+    ]:
         table.add_column(name, justify=justify)
     problems = []
     for bench in grid.resolved_benchmarks():
         try:
-            outcomes = fewshot_on_checkpoint(ref, bench, grid.data_root, grid.fewshot,
-                                             storage_options=grid.storage_options)  # fmt: skip
+            outcomes = fewshot_on_checkpoint(
+                ref, bench, grid.data_root, grid.fewshot, storage_options=grid.storage_options
+            )
         except (MissingDataset, ValueError) as err:
             problems.append(str(err))
             continue
         for k, (mean, std, n) in summarize_scores(outcomes).items():
             table.add_row(bench.name, str(k), f"{mean:.4f}", f"{std:.4f}", str(n))
-        problems += [f"{bench.name} {o.cell.settings['shots']}-shot seed {o.cell.seed}: "
-                     f"{describe_failure(o.error).one_line()}" for o in outcomes if not o.ok]  # fmt: skip
+        problems += [
+            f"{bench.name} {o.cell.settings['shots']}-shot seed {o.cell.seed}: {describe_failure(o.error).one_line()}"
+            for o in outcomes
+            if not o.ok
+        ]
     table_console().print(table)
     if problems:
         fail("\n".join(problems), code=1)
@@ -130,21 +137,21 @@ def fewshot(
 @app.command()
 def finetune(
     checkpoint: Annotated[
-        Optional[str], typer.Argument(help="Checkpoint (or run folder) to start from; sets init.checkpoint.")
+        str | None, typer.Argument(help="Checkpoint (or run folder) to start from; sets init.checkpoint.")
     ] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     benchmark: Annotated[
-        Optional[str], typer.Option("--benchmark", "-b", help="Build the recipe from this benchmark's protocol.")
+        str | None, typer.Option("--benchmark", "-b", help="Build the recipe from this benchmark's protocol.")
     ] = None,
     data_root: DataRootOpt = None,
-    lr: Annotated[Optional[float], typer.Option(help="Learning rate (with --benchmark; its first by default).")] = None,
+    lr: Annotated[float | None, typer.Option(help="Learning rate (with --benchmark; its first by default).")] = None,
     steps: Annotated[
-        Optional[int], typer.Option(help="Steps (with --benchmark; the protocol's by default).", min=1)
+        int | None, typer.Option(help="Steps (with --benchmark; the protocol's by default).", min=1)
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed (with --benchmark).", min=0)] = 0,
     storage: Annotated[str, typer.Option(help="Run storage (with --benchmark): local folder or s3://.")] = "./runs",
-    name: Annotated[Optional[str], typer.Option(help="Run name (with --benchmark; derived from the settings).")] = None,
+    name: Annotated[str | None, typer.Option(help="Run name (with --benchmark; derived from the settings).")] = None,
     dry_run: DryRunOpt = False,
     verbose: VerboseOpt = False,
 ):
@@ -196,10 +203,12 @@ def finetune(
         test = top1_on_test_split(cfg, bench, data_root, verbose=verbose) if held_out else None
     except PreflightError as err:  # refused before Ray started
         fail(str(err), exit_codes.INPUT_ERROR)
-    except Exception as err:  # noqa: BLE001 - Ray Train's TrainingFailedError and friends
+    except Exception as err:
         cause = describe_failure(err)
-        fail(f"fine-tuning failed: {cause.one_line()}\n  {cause.advice()} (the full traceback: --verbose)",
-             exit_codes.FAILED)  # fmt: skip
+        fail(
+            f"fine-tuning failed: {cause.one_line()}\n  {cause.advice()} (the full traceback: --verbose)",
+            exit_codes.FAILED,
+        )
     console.print(f"run folder: {run_dir(cfg.run.storage, cfg.run.name)}")
     if test is not None:
         typer.echo(f"val top-1 ({cfg.data.val_path} split {cfg.data.val_split}): {top1:.4f}")
@@ -208,8 +217,17 @@ def finetune(
         typer.echo(f"top-1 ({cfg.data.val_path} split {cfg.data.val_split}): {top1:.4f}")
 
 
-def _benchmark_recipe(checkpoint: str, benchmark: str, data_root: str, lr: Optional[float], steps: Optional[int],
-                      seed: int, storage: str, name: Optional[str], overrides: list[str]) -> tuple[Any, Any]:  # fmt: skip
+def _benchmark_recipe(
+    checkpoint: str,
+    benchmark: str,
+    data_root: str,
+    lr: float | None,
+    steps: int | None,
+    seed: int,
+    storage: str,
+    name: str | None,
+    overrides: list[str],
+) -> tuple[Any, Any]:
     from vitray.cluster.transfer import finetune_training_config, resolve_checkpoints
     from vitray.evaluation.config import FinetuneGrid
     from vitray.evaluation.grid import finetune_settings
@@ -223,9 +241,18 @@ def _benchmark_recipe(checkpoint: str, benchmark: str, data_root: str, lr: Optio
     (ref,) = resolve_checkpoints(checkpoint)
     require_prepared(bench, data_root)
     cell = Cell(ref.path, bench.name, "finetune", settings, seed, ref.step)
-    cfg = finetune_training_config(bench, settings, overrides=overrides, checkpoint=ref.path, model=ref.model,
-                                   data_root=data_root, run_name=name or finetune_run_name(cell), run_storage=storage,
-                                   seed=seed, options=options)  # fmt: skip
+    cfg = finetune_training_config(
+        bench,
+        settings,
+        overrides=overrides,
+        checkpoint=ref.path,
+        model=ref.model,
+        data_root=data_root,
+        run_name=name or finetune_run_name(cell),
+        run_storage=storage,
+        seed=seed,
+        options=options,
+    )
     return cfg, bench
 
 
@@ -240,7 +267,7 @@ def evaluate(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     data_root: DataRootOpt = None,
-    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Results folder (sets `output`).")] = None,
+    output: Annotated[str | None, typer.Option("--output", "-o", help="Results folder (sets `output`).")] = None,
     all_checkpoints: Annotated[
         bool, typer.Option("--all-checkpoints", help="Evaluate every complete checkpoint of the run (vs step).")
     ] = False,
@@ -252,7 +279,9 @@ def evaluate(
     progress: Annotated[bool, typer.Option(help="Show a progress bar over the cells.")] = True,
     dry_run: DryRunOpt = False,
     verbose: VerboseOpt = False,
-    format_: Annotated[OutputFormat, typer.Option("--format", "-f", help="How the summary goes to stdout.")] = OutputFormat.table,
+    format_: Annotated[
+        OutputFormat, typer.Option("--format", "-f", help="How the summary goes to stdout.")
+    ] = OutputFormat.table,
 ):
     """Evaluate CHECKPOINT on a grid of benchmarks x few-shot shots / fine-tune lrs x seeds over Ray.
 
@@ -272,9 +301,16 @@ def evaluate(
     if watch:
         try:
             # The report follows the run: accuracy vs step is up to date after every new checkpoint.
-            watched = watch_run(checkpoint, grid, poll_seconds=poll, timeout_seconds=watch_timeout, console=console,
-                                show_progress=progress, verbose=verbose,
-                                on_grid=lambda _: report_grid(grid, show=False))  # fmt: skip
+            watched = watch_run(
+                checkpoint,
+                grid,
+                poll_seconds=poll,
+                timeout_seconds=watch_timeout,
+                console=console,
+                show_progress=progress,
+                verbose=verbose,
+                on_grid=lambda _: report_grid(grid, show=False),
+            )
         except ValueError as err:
             fail(str(err))
         summaries = watched.grids
@@ -334,6 +370,11 @@ def fewshot_on_checkpoint(
     group = fewshot_group(checkpoint, benchmark, settings)
     model, _ = load_checkpoint(checkpoint.path)
     return run_fewshot_group(
-        model, group, data_root, batch_size=settings.batch_size, num_workers=settings.data_workers,
-        storage_options=storage_options, device=device,
-    )  # fmt: skip
+        model,
+        group,
+        data_root,
+        batch_size=settings.batch_size,
+        num_workers=settings.data_workers,
+        storage_options=storage_options,
+        device=device,
+    )

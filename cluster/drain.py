@@ -25,7 +25,7 @@ own node is draining -- is no Train worker at all. Ray Train's watcher reads thi
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import ray
 import torch.distributed as dist
@@ -62,7 +62,7 @@ def drain_watch(world_size: int) -> Callable[[], tuple[str, float] | None]:
     def notice() -> tuple[str, float] | None:
         try:
             draining = draining_nodes()
-        except Exception:  # noqa: BLE001 - the GCS did not answer this time: the next check asks again
+        except Exception:
             return None
         hit = sorted({node for node in nodes if node in draining})
         if not hit:

@@ -71,18 +71,26 @@ class GridSummary:
 
 
 @ray.remote
-def _fewshot_task(group: FewShotGroup, data_root: str, batch_size: int, data_workers: int,
-                  storage_options: dict | None, use_gpu: bool) -> list[CellOutcome]:  # fmt: skip
+def _fewshot_task(
+    group: FewShotGroup, data_root: str, batch_size: int, data_workers: int, storage_options: dict | None, use_gpu: bool
+) -> list[CellOutcome]:
     """In a Ray worker: load the checkpoint's model, extract features once, solve every cell."""
     import torch
 
     try:
         model, _ = load_checkpoint(group.checkpoint.path)
-    except Exception as error:  # noqa: BLE001 - every cell of the group records it
+    except Exception as error:
         return [CellOutcome(cell, error=error_text(error)) for cell in group.cells]
     device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
-    return run_fewshot_group(model, group, data_root, batch_size=batch_size, num_workers=data_workers,
-                             storage_options=storage_options, device=device)  # fmt: skip
+    return run_fewshot_group(
+        model,
+        group,
+        data_root,
+        batch_size=batch_size,
+        num_workers=data_workers,
+        storage_options=storage_options,
+        device=device,
+    )
 
 
 def run_grid(
@@ -194,8 +202,9 @@ def _record_unprepared(plan: GridPlan, grid: GridConfig, table: ResultsTable, su
 def _submit_fewshot(group: FewShotGroup, grid: GridConfig) -> Future:
     settings = grid.fewshot
     task = _fewshot_task.options(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus)
-    ref = task.remote(group, grid.data_root, settings.batch_size, settings.data_workers,
-                      grid.storage_options, settings.num_gpus > 0)  # fmt: skip
+    ref = task.remote(
+        group, grid.data_root, settings.batch_size, settings.data_workers, grid.storage_options, settings.num_gpus > 0
+    )
     return ref.future()
 
 
@@ -208,7 +217,9 @@ class _Retries:
         self.retries = retries
         self.tries: dict[str, int] = {}  # cell_id -> attempts so far
 
-    def failed_again(self, work: FewShotGroup | FinetuneJob, outcomes: list[CellOutcome]) -> FewShotGroup | FinetuneJob | None:
+    def failed_again(
+        self, work: FewShotGroup | FinetuneJob, outcomes: list[CellOutcome]
+    ) -> FewShotGroup | FinetuneJob | None:
         """The work to submit again (only its failed cells), or None when it succeeded or is out of tries."""
         failed = [o.cell for o in outcomes if not o.ok]
         for cell in (o.cell for o in outcomes):
@@ -224,7 +235,9 @@ class _Retries:
         tries = self.tries.get(outcome.cell.cell_id, 1)
         if outcome.ok or tries <= 1:
             return outcome
-        return replace(outcome, error=f"failed {tries} times (grid retries={self.retries}); last error: {outcome.error}")
+        return replace(
+            outcome, error=f"failed {tries} times (grid retries={self.retries}); last error: {outcome.error}"
+        )
 
 
 def _resubmit(work: FewShotGroup | FinetuneJob, grid: GridConfig, pool: ThreadPoolExecutor, verbose: bool) -> Future:
@@ -237,7 +250,7 @@ def _finetune_cell(job: FinetuneJob, grid: GridConfig, verbose: bool) -> CellOut
     started = time.perf_counter()
     try:
         metrics = finetune_cell_metrics(job, grid, verbose=verbose)
-    except Exception as error:  # noqa: BLE001 - the cell records it; the grid goes on
+    except Exception as error:
         return CellOutcome(job.cell, error=error_text(error), seconds=time.perf_counter() - started)
     return CellOutcome(job.cell, metrics=metrics, seconds=time.perf_counter() - started)
 
@@ -307,7 +320,7 @@ class _FinalRuns:
 def _outcomes(future: Future, work: FewShotGroup | FinetuneJob) -> list[CellOutcome]:
     try:
         result = future.result()
-    except Exception as error:  # noqa: BLE001 - a Ray task that died (OOM, node lost)
+    except Exception as error:
         cells = work.cells if isinstance(work, FewShotGroup) else (work.cell,)
         return [CellOutcome(cell, error=error_text(error)) for cell in cells]
     return result if isinstance(result, list) else [result]
@@ -331,8 +344,14 @@ class _progress:
 
     def __init__(self, console: Console, total: int, enabled: bool):
         self.enabled = enabled
-        self.bar = Progress(TextColumn("[bold]evaluate"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console)  # fmt: skip
+        self.bar = Progress(
+            TextColumn("[bold]evaluate"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            console=console,
+        )
         self.task = self.bar.add_task("cells", total=total, status="starting...")
 
     def __enter__(self) -> _progress:
@@ -411,7 +430,7 @@ def watch_run(
         for info in new:
             try:
                 refs.append(checkpoint_ref(info.path))
-            except Exception as error:  # noqa: BLE001 - deleted by checkpoint rotation meanwhile
+            except Exception as error:
                 console.print(f"skipping {info.path}: {error}")
             done.add(info.path)
         if refs:

@@ -34,7 +34,9 @@ IN_FLIGHT_PER_CPU = 2
 
 
 @ray.remote(num_cpus=1, max_retries=3, retry_exceptions=[OSError])
-def _write_shard_task(task: ShardTask, dest: str, storage_options: dict[str, Any] | None, bad_images: str) -> ShardResult:
+def _write_shard_task(
+    task: ShardTask, dest: str, storage_options: dict[str, Any] | None, bad_images: str
+) -> ShardResult:
     return write_shard_checked(task, dest, storage_options, bad_images=bad_images)  # type: ignore[arg-type]
 
 

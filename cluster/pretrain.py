@@ -34,7 +34,7 @@ import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from vitray.cluster.drain import current_node, draining_nodes, drain_watch
+from vitray.cluster.drain import current_node, drain_watch, draining_nodes
 from vitray.cluster.runtime import check_local_resources, check_paths_reach_every_node, connect, ray_storage, run_dir
 from vitray.data import storage
 from vitray.trainers.checkpointer import remove_stale_staging
@@ -44,8 +44,16 @@ from vitray.trainers.context import WorkerContext
 from vitray.trainers.progress import TrainingProgress
 
 # What `pretrain` raises when the run fails for good (each failed rank's traceback in its message).
-__all__ = ["RESOURCE_SETTINGS", "AlreadyFinished", "Preempted", "TrainingFailedError", "build_trainer", "pretrain", "scaling_config",
-           "train_worker"]  # fmt: skip
+__all__ = [
+    "RESOURCE_SETTINGS",
+    "AlreadyFinished",
+    "Preempted",
+    "TrainingFailedError",
+    "build_trainer",
+    "pretrain",
+    "scaling_config",
+    "train_worker",
+]
 
 
 def train_worker(loop_config: dict[str, Any]) -> None:
@@ -59,7 +67,9 @@ def train_worker(loop_config: dict[str, Any]) -> None:
 
     # checkpoint.keep: rank 0 deletes what newer complete checkpoints superseded, off the training
     # thread, one prune at a time (see `prune_checkpoints` for why not Ray's num_to_keep).
-    pruner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitray-prune") if context.get_world_rank() == 0 else None
+    pruner = (
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitray-prune") if context.get_world_rank() == 0 else None
+    )
 
     def report(metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
         if checkpoint_dir is None:
@@ -81,8 +91,12 @@ def train_worker(loop_config: dict[str, Any]) -> None:
             # staged anything yet.
             stale = remove_stale_staging(cfg.checkpoint.staging_dir, loop_config["run_dir"])
             if stale:
-                print(f"vitray: removed {len(stale)} staging folder(s) of this run left by an earlier attempt "
-                      f"on this node ({stale[0].parent})", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"vitray: removed {len(stale)} staging folder(s) of this run left by an earlier attempt "
+                    f"on this node ({stale[0].parent})",
+                    file=sys.stderr,
+                    flush=True,
+                )
         # Rank 0 picks the checkpoint (verifying it on storage once) and tells the others; each
         # rank then copies only the files it reads (`restore_files`).
         device = ray.train.torch.get_device()
@@ -109,8 +123,12 @@ def _prune(run_dir: str, keep: int) -> None:
 
     try:
         prune_checkpoints(run_dir, keep)
-    except Exception as error:  # noqa: BLE001 -- a failed prune leaves old checkpoints, loses nothing
-        print(f"vitray: could not delete old checkpoints of {run_dir} (checkpoint.keep): {error}", file=sys.stderr, flush=True)
+    except Exception as error:
+        print(
+            f"vitray: could not delete old checkpoints of {run_dir} (checkpoint.keep): {error}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _choose_restore(checkpoint: ray.train.Checkpoint | None, loop_config: dict[str, Any]) -> list | None:
@@ -145,7 +163,9 @@ def _choose_restore(checkpoint: ray.train.Checkpoint | None, loop_config: dict[s
     return chosen
 
 
-def _rank_copy(choice: list, cfg: TrainingConfig, rank: int, world: int, stack: contextlib.ExitStack) -> tuple[Path, dict]:
+def _rank_copy(
+    choice: list, cfg: TrainingConfig, rank: int, world: int, stack: contextlib.ExitStack
+) -> tuple[Path, dict]:
     """This rank's local copy of the chosen checkpoint and its trainer state: only the files it
     reads for DeepSpeed on the same number of workers; otherwise the whole folder, which Ray
     downloads once per node."""
@@ -186,9 +206,12 @@ def scaling_config(cfg: TrainingConfig) -> ScalingConfig:
         tpu = tpu_slice(cluster.tpu, cluster.tpu_topology)
         resources.setdefault("TPU", tpu.chips_per_host)
         return ScalingConfig(
-            num_workers=tpu.hosts, use_tpu=True, topology=tpu.topology, accelerator_type=tpu.accelerator_type,
+            num_workers=tpu.hosts,
+            use_tpu=True,
+            topology=tpu.topology,
+            accelerator_type=tpu.accelerator_type,
             resources_per_worker=resources,
-        )  # fmt: skip
+        )
     use_gpu = cluster.gpus_per_worker > 0
     if use_gpu:
         resources["GPU"] = cluster.gpus_per_worker
@@ -204,8 +227,12 @@ def build_trainer(cfg: TrainingConfig, resume_from: str | None = None, resume_st
     backend = "nccl" if scaling.use_gpu and cfg.train.backend == "deepspeed" else "gloo"
     return TorchTrainer(
         train_worker,
-        train_loop_config={"config": cfg.model_dump(mode="json"), "run_dir": run_dir(cfg.run.storage, cfg.run.name),
-                           "resume_from": resume_from, "resume_step": resume_step},  # fmt: skip
+        train_loop_config={
+            "config": cfg.model_dump(mode="json"),
+            "run_dir": run_dir(cfg.run.storage, cfg.run.name),
+            "resume_from": resume_from,
+            "resume_step": resume_step,
+        },
         torch_config=TorchConfig(backend=backend),
         scaling_config=scaling,
         run_config=RunConfig(
@@ -266,40 +293,63 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
         print(describe_resume(cfg.run.name, chosen, plan.skipped), file=sys.stderr, flush=True)
         for change in plan.changes:
             print(f"  changed since the checkpoint: {change}", file=sys.stderr, flush=True)
-        attempt = files.new_attempt(lease.owner, resumed_from_step=chosen.step if chosen else None,
-                                    resumed_from=chosen.path if chosen else None,
-                                    skipped=[f"{c.path}: {c.problem}" for c in plan.skipped])  # fmt: skip
+        attempt = files.new_attempt(
+            lease.owner,
+            resumed_from_step=chosen.step if chosen else None,
+            resumed_from=chosen.path if chosen else None,
+            skipped=[f"{c.path}: {c.problem}" for c in plan.skipped],
+        )
         connect(cfg.cluster.address, verbose=verbose)
         check_paths_reach_every_node(
-            {"run.storage": cfg.run.storage, "data.train": cfg.data.train, "data.val": cfg.data.val,
-             "init.checkpoint": cfg.init.checkpoint},
+            {
+                "run.storage": cfg.run.storage,
+                "data.train": cfg.data.train,
+                "data.val": cfg.data.val,
+                "init.checkpoint": cfg.init.checkpoint,
+            },
             shared_filesystem=cfg.cluster.shared_filesystem,
-        )  # fmt: skip
+        )
         _convert_once_for_new_world_size(cfg, chosen)
         _forget_ray_snapshot(folder)
-        trainer = build_trainer(cfg, resume_from=chosen.path if chosen else None,
-                                resume_step=chosen.step if chosen else None)
+        trainer = build_trainer(
+            cfg, resume_from=chosen.path if chosen else None, resume_step=chosen.step if chosen else None
+        )
         scaling = scaling_config(cfg)
         check_local_resources(scaling.num_workers, scaling.resources_per_worker, RESOURCE_SETTINGS)
         progress = TrainingProgress(folder, total_steps=cfg.train.steps)
-        with _StopOnSignal(folder, cfg.run.preemption_grace_s) as stop:
-            with progress if show_progress else contextlib.nullcontext():
-                result = _fit(trainer)
-                while stop.reason is None and (drained := _stopped_for_drain(folder)) is not None:
-                    # The workers checkpointed because Ray is draining one of their nodes: go on
-                    # with a new worker group, which Ray places away from it.
-                    files.end_attempt(attempt, "stopped", drained, **_last_step(folder))
-                    if current_node() in draining_nodes():
-                        raise Preempted(result, f"{drained}; this driver's node is draining too")
-                    print(f"vitray: {drained}: the workers checkpointed and stopped; starting a new worker group "
-                          "away from that node", file=sys.stderr, flush=True)  # fmt: skip
-                    clear_stop(folder)
-                    chosen, _ = resume_point(folder)
-                    attempt = files.new_attempt(lease.owner, resumed_from_step=chosen.step if chosen else None,
-                                                resumed_from=chosen.path if chosen else None, skipped=[])  # fmt: skip
-                    _forget_ray_snapshot(folder)
-                    result = _fit(build_trainer(cfg, resume_from=chosen.path if chosen else None,
-                                                resume_step=chosen.step if chosen else None))  # fmt: skip
+        with (
+            _StopOnSignal(folder, cfg.run.preemption_grace_s) as stop,
+            progress if show_progress else contextlib.nullcontext(),
+        ):
+            result = _fit(trainer)
+            while stop.reason is None and (drained := _stopped_for_drain(folder)) is not None:
+                # The workers checkpointed because Ray is draining one of their nodes: go on
+                # with a new worker group, which Ray places away from it.
+                files.end_attempt(attempt, "stopped", drained, **_last_step(folder))
+                if current_node() in draining_nodes():
+                    raise Preempted(result, f"{drained}; this driver's node is draining too")
+                print(
+                    f"vitray: {drained}: the workers checkpointed and stopped; starting a new worker group "
+                    "away from that node",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                clear_stop(folder)
+                chosen, _ = resume_point(folder)
+                attempt = files.new_attempt(
+                    lease.owner,
+                    resumed_from_step=chosen.step if chosen else None,
+                    resumed_from=chosen.path if chosen else None,
+                    skipped=[],
+                )
+                _forget_ray_snapshot(folder)
+                result = _fit(
+                    build_trainer(
+                        cfg,
+                        resume_from=chosen.path if chosen else None,
+                        resume_step=chosen.step if chosen else None,
+                    )
+                )
         _prune(folder, cfg.checkpoint.keep)  # every upload is done now: the last one counts too
         if stop.reason is not None:
             files.end_attempt(attempt, "stopped", stop.reason, **_last_step(folder))
@@ -310,14 +360,16 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
         raise
     except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, without a new checkpoint
         if attempt is not None:
-            files.end_attempt(attempt, "stopped", "stopped by user (a second Ctrl-C: no new checkpoint)",
-                              **_last_step(folder))  # fmt: skip
+            files.end_attempt(
+                attempt, "stopped", "stopped by user (a second Ctrl-C: no new checkpoint)", **_last_step(folder)
+            )
         raise
     except BaseException as error:
         if attempt is not None:
             # The whole traceback text for the record (and `vitray runs --verbose`); consoles show its last line.
-            files.end_attempt(attempt, "failed", "".join(traceback.format_exception_only(error)).strip()[-4000:],
-                              **_last_step(folder))  # fmt: skip
+            files.end_attempt(
+                attempt, "failed", "".join(traceback.format_exception_only(error)).strip()[-4000:], **_last_step(folder)
+            )
         raise
     finally:
         lease.release()
@@ -332,7 +384,7 @@ def _fit(trainer: TorchTrainer):
     def fit() -> None:
         try:
             outcome["result"] = trainer.fit()
-        except BaseException as error:  # noqa: BLE001 -- re-raised on the calling thread
+        except BaseException as error:
             outcome["error"] = error
 
     thread = threading.Thread(target=fit, name="vitray-fit", daemon=True)
@@ -370,8 +422,12 @@ def _convert_once_for_new_world_size(cfg: TrainingConfig, chosen) -> None:
     from vitray.trainers.deepspeed_backend import shared_universal
 
     started = time.monotonic()
-    print(f"vitray: the checkpoint was written by {written_by} workers; converting it once for {cfg.cluster.num_workers} "
-          "(DeepSpeed's universal layout, kept in the checkpoint for later resumes)...", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"vitray: the checkpoint was written by {written_by} workers; converting it once for {cfg.cluster.num_workers} "
+        "(DeepSpeed's universal layout, kept in the checkpoint for later resumes)...",
+        file=sys.stderr,
+        flush=True,
+    )
     where = shared_universal(chosen.path)
     print(f"vitray: converted in {time.monotonic() - started:.1f} s: {where}", file=sys.stderr, flush=True)
 
@@ -387,8 +443,12 @@ def _stopped_for_drain(folder: str) -> str | None:
 def _lease_lost(holder) -> None:
     # Only `--force` (or a heartbeat stalled past the timeout) gets here; this driver is not stopped
     # (a stop notice in the run folder would stop the new holder's workers too), but it says so.
-    print(f"vitray: WARNING: {holder.describe()} took over this run's lease; two drivers may now write its "
-          "checkpoints: stop one of them", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"vitray: WARNING: {holder.describe()} took over this run's lease; two drivers may now write its "
+        "checkpoints: stop one of them",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _last_step(folder: str) -> dict:
@@ -396,7 +456,7 @@ def _last_step(folder: str) -> dict:
 
     try:
         latest = latest_complete_checkpoint(folder)
-    except Exception:  # noqa: BLE001 - the record is informative; storage trouble must not hide the run's outcome
+    except Exception:
         return {}
     return {"checkpoint_step": latest.step if latest else None}
 
@@ -413,7 +473,7 @@ class _StopOnSignal:
         self.by_user = False
         self._timer: threading.Timer | None = None
 
-    def __enter__(self) -> "_StopOnSignal":
+    def __enter__(self) -> _StopOnSignal:
         # Only a main thread may take signals (`vitray evaluate` runs fine-tunes from a thread pool).
         self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
@@ -435,8 +495,12 @@ class _StopOnSignal:
         self.by_user = signum == signal.SIGINT
         self.reason = "stopped by user (Ctrl-C)" if self.by_user else f"SIGTERM to the driver (pid {os.getpid()})"
         again = "; Ctrl-C again to stop at once, without one" if self.by_user else ""
-        print(f"vitray: {self.reason}: the workers checkpoint at their next check step and stop "
-              f"(grace {self.grace_s:g} s, run.preemption_grace_s){again}", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"vitray: {self.reason}: the workers checkpoint at their next check step and stop "
+            f"(grace {self.grace_s:g} s, run.preemption_grace_s){again}",
+            file=sys.stderr,
+            flush=True,
+        )
         from vitray.trainers.preemption import request_stop
 
         # Storage writes do not belong in a signal handler's frame (it may interrupt one).
@@ -446,6 +510,10 @@ class _StopOnSignal:
         self._timer.start()
 
     def _out_of_time(self, code: int) -> None:
-        print(f"vitray: grace period of {self.grace_s:g} s over before the workers stopped: exiting without a new "
-              "checkpoint (a re-run resumes from the latest complete one)", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"vitray: grace period of {self.grace_s:g} s over before the workers stopped: exiting without a new "
+            "checkpoint (a re-run resumes from the latest complete one)",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(code)

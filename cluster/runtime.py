@@ -61,21 +61,26 @@ def connect(address: str | None, *, num_cpus: int | None = None, verbose: bool =
         _check_address_answers(address)
         try:
             ray.init(address=address, log_to_driver=verbose)
-        except Exception as error:  # noqa: BLE001 - any failure to join is reported the same way
+        except Exception as error:
             raise RayUnavailable(
                 f"could not join the Ray cluster at {address} ({_cause(error)}): check that it is up (`ray status` on "
                 "its head node) and that cluster.address / --address names its GCS (HOST:6379) or client (ray://HOST:10001)"
-            ) from error  # fmt: skip
+            ) from error
     else:
         # address="local" always starts a private instance, never joins a `ray start` cluster by accident.
         try:
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=verbose,
-                     logging_level="info" if verbose else "warning")  # fmt: skip
-        except Exception as error:  # noqa: BLE001 - Ray's start-up failures have no common type
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                log_to_driver=verbose,
+                logging_level="info" if verbose else "warning",
+            )
+        except Exception as error:
             raise RayUnavailable(
                 f"the local Ray instance did not start ({_cause(error)}): check free memory and space in /tmp, stop "
                 "leftover Ray processes (`ray stop`), then retry; --verbose shows Ray's own logs"
-            ) from error  # fmt: skip
+            ) from error
         _started_local = True
 
 
@@ -114,13 +119,15 @@ def check_local_resources(workers: int, per_worker: dict[str, float], settings: 
     import ray
 
     have = ray.cluster_resources()
-    missing = {name: amount * workers for name, amount in per_worker.items()
-               if amount and amount * workers > have.get(name, 0)}  # fmt: skip
+    missing = {
+        name: amount * workers for name, amount in per_worker.items() if amount and amount * workers > have.get(name, 0)
+    }
     if missing:
         asked = "; ".join(
             f"{need:g} {name} ({settings.get(name, f'cluster.resources_per_worker[{name}]')} x {workers} workers) but it has "
-            f"{have.get(name, 0):g}" for name, need in missing.items()
-        )  # fmt: skip
+            f"{have.get(name, 0):g}"
+            for name, need in missing.items()
+        )
         raise NotEnoughResources(
             f"the local Ray instance this command started (this machine) cannot place the workers: the run "
             f"needs {asked}. Lower cluster.num_workers or the per-worker resources, or set cluster.address to a "

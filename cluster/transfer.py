@@ -29,7 +29,6 @@ from vitray.trainers.config import TrainingConfig
 from vitray.trainers.evals import VAL, VAL_TOP1
 from vitray.trainers.run_files import RunFiles
 
-
 # ---------------------------------------------------------------------------------------------
 # Checkpoints
 # ---------------------------------------------------------------------------------------------
@@ -89,12 +88,20 @@ def finetune_training_config(
 def finetune_config(job: FinetuneJob, grid: GridConfig) -> TrainingConfig:
     """The fine-tune run of one grid cell; its run lives under `<output>/finetune_runs`."""
     return finetune_training_config(
-        job.benchmark, job.cell.settings, overrides=grid.finetune.overrides,
-        source=f"fine-tune recipe of {job.benchmark.name}", checkpoint=job.checkpoint.path,
-        model=job.checkpoint.model, data_root=grid.data_root, run_name=finetune_run_name(job.cell),
-        run_storage=grid.finetune_storage, seed=job.cell.seed, options=grid.finetune, address=grid.cluster.address,
+        job.benchmark,
+        job.cell.settings,
+        overrides=grid.finetune.overrides,
+        source=f"fine-tune recipe of {job.benchmark.name}",
+        checkpoint=job.checkpoint.path,
+        model=job.checkpoint.model,
+        data_root=grid.data_root,
+        run_name=finetune_run_name(job.cell),
+        run_storage=grid.finetune_storage,
+        seed=job.cell.seed,
+        options=grid.finetune,
+        address=grid.cluster.address,
         storage_options=grid.storage_options,
-    )  # fmt: skip
+    )
 
 
 def run_finetune(cfg: TrainingConfig, *, show_progress: bool = False, verbose: bool = False) -> float:
@@ -140,23 +147,46 @@ def top1_on_test_split(cfg: TrainingConfig, benchmark: Benchmark, data_root: str
     checkpoint = ckpt.latest_complete_checkpoint(path)
     if checkpoint is None or checkpoint.step != cfg.train.steps:
         found = "none" if checkpoint is None else f"step {checkpoint.step}"
-        raise RuntimeError(f"fine-tune run {path} has no complete checkpoint at its last step {cfg.train.steps} "
-                           f"(found {found}) to score on the test split")  # fmt: skip
+        raise RuntimeError(
+            f"fine-tune run {path} has no complete checkpoint at its last step {cfg.train.steps} "
+            f"(found {found}) to score on the test split"
+        )
     connect(cfg.cluster.address, verbose=verbose)  # before Ray is imported (token auth), see runtime.connect
     import ray
 
     cluster = cfg.cluster
     task = ray.remote(num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_worker)(_test_top1_task)
-    ref = task.remote(checkpoint.path, locate(benchmark, data_root), benchmark.test_split, cfg.evals[VAL].batch_size,
-                      cfg.data.num_workers, cfg.data.storage_options, cluster.gpus_per_worker > 0)  # fmt: skip
+    ref = task.remote(
+        checkpoint.path,
+        locate(benchmark, data_root),
+        benchmark.test_split,
+        cfg.evals[VAL].batch_size,
+        cfg.data.num_workers,
+        cfg.data.storage_options,
+        cluster.gpus_per_worker > 0,
+    )
     return float(ray.get(ref))
 
 
-def _test_top1_task(checkpoint: str, path: str, split: str, batch_size: int, data_workers: int,
-                    storage_options: dict[str, Any] | None, use_gpu: bool) -> float:  # fmt: skip
+def _test_top1_task(
+    checkpoint: str,
+    path: str,
+    split: str,
+    batch_size: int,
+    data_workers: int,
+    storage_options: dict[str, Any] | None,
+    use_gpu: bool,
+) -> float:
     import torch
 
     model, _ = ckpt.load_checkpoint(checkpoint)
     device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
-    return split_top1(model, path, split, batch_size=batch_size, num_workers=data_workers,
-                      storage_options=storage_options, device=device)  # fmt: skip
+    return split_top1(
+        model,
+        path,
+        split,
+        batch_size=batch_size,
+        num_workers=data_workers,
+        storage_options=storage_options,
+        device=device,
+    )

@@ -19,18 +19,38 @@ __all__ = ["Failure", "describe_failure"]
 # bare type name); any exception class name, vitray's own (CheckpointDiskFull) included.
 _RAISED_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?(?P<type>[A-Za-z_]\w*)(?::\s?(?P<message>.*))?$")
 # Without frames to go by: a line shaped like an exception's ("ValueError: ...").
-_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?(?P<type>[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Warning))(?::\s?(?P<message>.*))?$")
+_EXCEPTION_LINE = re.compile(
+    r"^(?:[A-Za-z_][\w.]*\.)?(?P<type>[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Warning))(?::\s?(?P<message>.*))?$"
+)
 
 # Failures that a re-run of the same command can get past: a lost worker or node, a pre-emption,
 # storage or network trouble. Anything else (a bad config, a bad input, a bug) fails again the
 # same way until its cause is fixed.
 _TRANSIENT = {
-    "ActorDiedError", "ActorUnavailableError", "RayActorError", "NodeDiedError", "WorkerCrashedError",
-    "WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError", "PreemptionError", "ObjectLostError",
-    "OwnerDiedError", "ConnectionError", "ConnectionResetError", "ConnectionRefusedError", "TimeoutError",
-    "BrokenPipeError", "EndpointConnectionError", "ReadTimeoutError", "ConnectTimeoutError",
-    "ServerDisconnectedError", "ClientOSError", "DistBackendError", "DistNetworkError", "GetTimeoutError",
-}  # fmt: skip
+    "ActorDiedError",
+    "ActorUnavailableError",
+    "RayActorError",
+    "NodeDiedError",
+    "WorkerCrashedError",
+    "WorkerHealthCheckFailedError",
+    "WorkerHealthCheckTimeoutError",
+    "PreemptionError",
+    "ObjectLostError",
+    "OwnerDiedError",
+    "ConnectionError",
+    "ConnectionResetError",
+    "ConnectionRefusedError",
+    "TimeoutError",
+    "BrokenPipeError",
+    "EndpointConnectionError",
+    "ReadTimeoutError",
+    "ConnectTimeoutError",
+    "ServerDisconnectedError",
+    "ClientOSError",
+    "DistBackendError",
+    "DistNetworkError",
+    "GetTimeoutError",
+}
 
 
 @dataclass(frozen=True)

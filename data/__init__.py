@@ -78,9 +78,24 @@ if TYPE_CHECKING:
     from .layout import DatasetInfo, ManifestRow, ResolvedSplit, SplitInfo, read_dataset_info, read_manifest, read_split
     from .loader import ShardLoader
     from .plan import EpochPlan, ShardRange, epoch_plan, rank_slots
-    from .prepare import DestinationNotEmpty, begin_prepare, check_destination, finalize, prepare_dataset, settle_bad_images
-    from .shards import (DEFAULT_MAX_SHARD_BYTES, DEFAULT_SAMPLES_PER_SHARD, BadImagesError, ShardResult, ShardTask,
-                         plan_shards, write_shard, write_shard_checked)  # fmt: skip
+    from .prepare import (
+        DestinationNotEmpty,
+        begin_prepare,
+        check_destination,
+        finalize,
+        prepare_dataset,
+        settle_bad_images,
+    )
+    from .shards import (
+        DEFAULT_MAX_SHARD_BYTES,
+        DEFAULT_SAMPLES_PER_SHARD,
+        BadImagesError,
+        ShardResult,
+        ShardTask,
+        plan_shards,
+        write_shard,
+        write_shard_checked,
+    )
     from .sources import Source, open_source
     from .splits import SPLIT_SYNTAX, SplitSpec, parse_split, slice_bounds, split_extents
     from .transforms import eval_transform, to_model_range, train_transform

@@ -113,8 +113,9 @@ def decode_chunk(
     if out is None:
         # in shared memory in a DataLoader worker, where passing a tensor to the main process would
         # otherwise copy it there (as default_collate does)
-        out = uint8_images((len(raws),), img_size, channels_last=from_bytes is not None,
-                           shared=get_worker_info() is not None)  # fmt: skip
+        out = uint8_images(
+            (len(raws),), img_size, channels_last=from_bytes is not None, shared=get_worker_info() is not None
+        )
     images = out[: len(raws)]
     planes = images.numpy()  # writable view of the same memory
     labels, keys, skipped, skipped_shards = [], [], 0, {}
@@ -136,8 +137,13 @@ def decode_chunk(
         _put_image(planes[len(keys)], image)
         labels.append(label)
         keys.append(raw.key)
-    return Chunk(images[: len(keys)], _stack_labels(labels, label_kind, num_classes), keys, skipped,
-                 skipped_shards=tuple(skipped_shards))  # fmt: skip
+    return Chunk(
+        images[: len(keys)],
+        _stack_labels(labels, label_kind, num_classes),
+        keys,
+        skipped,
+        skipped_shards=tuple(skipped_shards),
+    )
 
 
 def is_channels_last(images: torch.Tensor) -> bool:

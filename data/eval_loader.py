@@ -13,6 +13,7 @@ crop, see :mod:`vitray.data.transforms`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -182,7 +183,7 @@ def top1_hits(predicted: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
 
 def _checked_indices(indices: Sequence[int], total: int, split: str) -> tuple[int, ...]:
     positions = tuple(int(i) for i in indices)
-    if any(b <= a for a, b in zip(positions, positions[1:])):
+    if any(b <= a for a, b in itertools.pairwise(positions)):
         raise ValueError("indices must be strictly increasing positions of the split (sorted, no repeats)")
     if positions and not 0 <= positions[0] <= positions[-1] < total:
         raise ValueError(f"indices must lie in [0, {total}) for split {split!r}, got {positions[0]}..{positions[-1]}")
@@ -203,8 +204,15 @@ def load_split(
     Meant for few-shot probes and small benchmarks; corrupt samples are left out and counted in
     ``num_skipped``.
     """
-    loader = EvalLoader(path, split, batch_size=batch_size, img_size=img_size, num_workers=num_workers,
-                        storage_options=storage_options, float_images=False)  # fmt: skip
+    loader = EvalLoader(
+        path,
+        split,
+        batch_size=batch_size,
+        img_size=img_size,
+        num_workers=num_workers,
+        storage_options=storage_options,
+        float_images=False,
+    )
     batches = list(loader)
     if not batches:
         multi = loader.info.label_kind == "multi"

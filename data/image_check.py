@@ -28,6 +28,6 @@ def image_problem(data: bytes) -> str | None:
                 image.verify()
     except Image.UnidentifiedImageError:
         return "not an image (unidentifiable bytes)"
-    except Exception as error:  # noqa: BLE001 - any decoder complaint means the image is unusable
+    except Exception as error:
         return f"undecodable ({type(error).__name__}: {' '.join(str(error).split())[:120]})"
     return None

@@ -17,8 +17,8 @@ from __future__ import annotations
 import io
 import json
 import re
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -160,8 +160,7 @@ def read_dataset_info(path: str, storage_options: dict[str, Any] | None = None) 
         data = storage.read_bytes(json_path, storage_options)
     except FileNotFoundError:
         raise FileNotFoundError(
-            f"no {DATASET_JSON} at {path}: not prepared or still being written; "
-            f"run `vitray data prepare SOURCE {path}`"
+            f"no {DATASET_JSON} at {path}: not prepared or still being written; run `vitray data prepare SOURCE {path}`"
         ) from None
     try:
         info = DatasetInfo.model_validate_json(data)

@@ -38,9 +38,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_order
-from .shared_memory import BatchMemory, ChunkRing
 from .layout import LabelKind, read_split
 from .plan import ExtentTable, augment_seed, epoch_plan, rank_slots, window_offset
+from .shared_memory import BatchMemory, ChunkRing
 from .slots import READ_AHEAD, SlotReader
 from .storage import ShardCache
 from .transforms import TRAIN_CROP_SCALE, eval_resize, train_augment
@@ -128,14 +128,36 @@ class _TrainStream(IterableDataset):
         epoch, position, batch_number = self.epoch, self.position, 0
         # One thread reads the next shuffle windows of this worker's slots while it decodes.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitray-windows") as background:
-            yield from self._chunks(spec, epoch, position, batch_number, local_slots, stride, phase, background,
-                                    transform, reporter, ring, worker)  # fmt: skip
+            yield from self._chunks(
+                spec,
+                epoch,
+                position,
+                batch_number,
+                local_slots,
+                stride,
+                phase,
+                background,
+                transform,
+                reporter,
+                ring,
+                worker,
+            )
 
     def _chunks(
-        self, spec: _Spec, epoch: int, position: int, batch_number: int, local_slots: list[int], stride: int,
-        phase: int, background: ThreadPoolExecutor, transform: Any, reporter: SkipReporter, ring: ChunkRing | None,
+        self,
+        spec: _Spec,
+        epoch: int,
+        position: int,
+        batch_number: int,
+        local_slots: list[int],
+        stride: int,
+        phase: int,
+        background: ThreadPoolExecutor,
+        transform: Any,
+        reporter: SkipReporter,
+        ring: ChunkRing | None,
         worker: int,
-    ) -> Iterator[tuple[int, dict[int, Chunk]]]:  # fmt: skip
+    ) -> Iterator[tuple[int, dict[int, Chunk]]]:
         readers, batches = self._open_epoch(spec, epoch, position, batch_number, local_slots, stride, phase, background)
         # The next epoch's readers start reading their first windows as the last READ_AHEAD of a
         # window before this epoch ends, so that the epoch boundary does not stall either.
@@ -145,8 +167,9 @@ class _TrainStream(IterableDataset):
             while True:
                 for b in range(batches):
                     if b >= batches - lead and upcoming is None:
-                        upcoming = self._open_epoch(spec, epoch + 1, 0, batch_number + batches, local_slots, stride,
-                                                    phase, background)  # fmt: skip
+                        upcoming = self._open_epoch(
+                            spec, epoch + 1, 0, batch_number + batches, local_slots, stride, phase, background
+                        )
                     if (batch_number + b) % stride == phase:
                         positions = range(position + b * spec.per_slot, position + (b + 1) * spec.per_slot)
                         chunk = self._decode(readers, epoch, positions, transform, reporter, ring, worker)
@@ -154,8 +177,9 @@ class _TrainStream(IterableDataset):
                 for reader in readers:
                     reader.close()
                 if upcoming is None:  # an epoch of no batches from here
-                    upcoming = self._open_epoch(spec, epoch + 1, 0, batch_number + batches, local_slots, stride, phase,
-                                                background)  # fmt: skip
+                    upcoming = self._open_epoch(
+                        spec, epoch + 1, 0, batch_number + batches, local_slots, stride, phase, background
+                    )
                 (readers, next_batches), upcoming = upcoming, None
                 batch_number += batches
                 epoch, position, batches = epoch + 1, 0, next_batches
@@ -165,9 +189,15 @@ class _TrainStream(IterableDataset):
 
     @staticmethod
     def _open_epoch(
-        spec: _Spec, epoch: int, start: int, first_batch: int, local_slots: list[int], stride: int, phase: int,
+        spec: _Spec,
+        epoch: int,
+        start: int,
+        first_batch: int,
+        local_slots: list[int],
+        stride: int,
+        phase: int,
         background: ThreadPoolExecutor,
-    ) -> tuple[list[SlotReader], int]:  # fmt: skip
+    ) -> tuple[list[SlotReader], int]:
         """Readers of this worker's slots of ``epoch`` from position ``start`` on, their first windows
         already being read in the background; and the number of batches left in the epoch."""
         plan = epoch_plan(spec.seed, epoch, spec.extents, spec.num_slots, slots=[spec.slots[i] for i in local_slots])
@@ -178,28 +208,51 @@ class _TrainStream(IterableDataset):
             return (first_batch + (p - start) // spec.per_slot) % stride == phase
 
         readers = [
-            SlotReader(spec.shard_urls, plan, spec.slots[i], shuffle_buffer=spec.shuffle_buffer, start=start,
-                       stop=start + batches * spec.per_slot, wanted=wanted, storage_options=spec.storage_options,
-                       window_offset=window_offset(spec.slots[i], spec.num_slots, spec.shuffle_buffer, spec.staggered),
-                       executor=background, cache=cache)
+            SlotReader(
+                spec.shard_urls,
+                plan,
+                spec.slots[i],
+                shuffle_buffer=spec.shuffle_buffer,
+                start=start,
+                stop=start + batches * spec.per_slot,
+                wanted=wanted,
+                storage_options=spec.storage_options,
+                window_offset=window_offset(spec.slots[i], spec.num_slots, spec.shuffle_buffer, spec.staggered),
+                executor=background,
+                cache=cache,
+            )
             for i in local_slots
-        ]  # fmt: skip
+        ]
         for reader in readers:
             reader.read_ahead()
         return readers, batches
 
     def _decode(
-        self, readers: list[SlotReader], epoch: int, positions: range, transform: Any, reporter: SkipReporter,
-        ring: ChunkRing | None, worker: int,
-    ) -> Chunk:  # fmt: skip
+        self,
+        readers: list[SlotReader],
+        epoch: int,
+        positions: range,
+        transform: Any,
+        reporter: SkipReporter,
+        ring: ChunkRing | None,
+        worker: int,
+    ) -> Chunk:
         """The samples at ``positions`` of each of the readers' slots, slot after slot."""
         spec = self.spec
         raws = [reader.take(p) for reader in readers for p in positions]
         seeds = [augment_seed(spec.seed, epoch, r.slot, p) if spec.train else None for r in readers for p in positions]
         slot = ring.take() if ring is not None else None
-        chunk = decode_chunk(raws, seeds, transform=transform, img_size=spec.img_size, label_kind=spec.label_kind,
-                             num_classes=spec.num_classes, reporter=reporter, where=f"epoch {epoch}",
-                             out=ring.buffers[slot] if ring is not None else None)  # fmt: skip
+        chunk = decode_chunk(
+            raws,
+            seeds,
+            transform=transform,
+            img_size=spec.img_size,
+            label_kind=spec.label_kind,
+            num_classes=spec.num_classes,
+            reporter=reporter,
+            where=f"epoch {epoch}",
+            out=ring.buffers[slot] if ring is not None else None,
+        )
         if ring is None:
             return chunk
         return replace(chunk, images=torch.empty(0, dtype=torch.uint8), ring=(worker, slot))
@@ -295,8 +348,12 @@ class ShardLoader:
             log.warning(
                 "num_workers=%d exceeds this rank's %d slot(s) (num_slots=%d / world_size=%d): several workers "
                 "read the same slot and each decodes a share of it; num_slots=%d would give every worker its own",
-                num_workers, len(slots), num_slots, world_size, world_size * num_workers,
-            )  # fmt: skip
+                num_workers,
+                len(slots),
+                num_slots,
+                world_size,
+                world_size * num_workers,
+            )
         self.slot_size = epoch_plan(seed, 0, self._spec.extents, num_slots, slots=()).slot_size
         if self.steps_per_epoch == 0:
             raise ValueError(
@@ -342,8 +399,12 @@ class ShardLoader:
         which sample sits at which position. World size, batch size and workers may differ.
         """
         spec = self._spec
-        mine = {"seed": spec.seed, "num_slots": spec.num_slots, "shuffle_buffer": spec.shuffle_buffer,
-                "num_samples": self.num_samples}  # fmt: skip
+        mine = {
+            "seed": spec.seed,
+            "num_slots": spec.num_slots,
+            "shuffle_buffer": spec.shuffle_buffer,
+            "num_samples": self.num_samples,
+        }
         for key, value in mine.items():
             if state.get(key) != value:
                 raise ValueError(
@@ -387,8 +448,14 @@ class ShardLoader:
                 if rings is not None:
                     chunks = [replace(c, images=rings[c.ring[0]].images(c.ring[1], len(c.keys))) for c in chunks]
                 step = self._position // spec.per_slot
-                batch = concat_chunks(chunks, epoch=self._epoch, step=step, float_images=self.float_images,
-                                      memory=memory, copy=rings is not None)  # fmt: skip
+                batch = concat_chunks(
+                    chunks,
+                    epoch=self._epoch,
+                    step=step,
+                    float_images=self.float_images,
+                    memory=memory,
+                    copy=rings is not None,
+                )
                 for worker, _ in in_rings:
                     rings[worker].release()
                 self._position += spec.per_slot

@@ -61,7 +61,7 @@ class ExtentTable:
     stop: np.ndarray
 
     @classmethod
-    def of(cls, extents: "Sequence[ShardRange] | Sequence[int] | ExtentTable") -> "ExtentTable":
+    def of(cls, extents: Sequence[ShardRange] | Sequence[int] | ExtentTable) -> ExtentTable:
         """From extents, or plain integers (whole shards of those sizes)."""
         if isinstance(extents, ExtentTable):
             return extents

@@ -22,8 +22,14 @@ READ_TIMEOUT_S = 5
 
 # S3 error codes by what a person has to do about them.
 _NO_BUCKET = {"NoSuchBucket"}
-_BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
-                    "TokenRefreshRequired", "AuthorizationHeaderMalformed"}  # fmt: skip
+_BAD_CREDENTIALS = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+    "AuthorizationHeaderMalformed",
+}
 _DENIED = {"AccessDenied", "AllAccessDisabled", "AccountProblem", "403", "Forbidden"}
 
 
@@ -56,13 +62,15 @@ def _check_local(path: str, *, must_exist: bool) -> None:
     if os.path.exists(path):
         return
     if must_exist:
-        raise StorageUnreachable(f"{path} does not exist: check the path (a typo, or a disk not mounted?)",
-                                 cause="missing", url=path)  # fmt: skip
+        raise StorageUnreachable(
+            f"{path} does not exist: check the path (a typo, or a disk not mounted?)", cause="missing", url=path
+        )
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         what = "is not a folder" if os.path.exists(parent) else "does not exist"
-        raise StorageUnreachable(f"the parent folder of {path} {what}: check the path or create {parent} first",
-                                 cause="missing", url=path)  # fmt: skip
+        raise StorageUnreachable(
+            f"the parent folder of {path} {what}: check the path or create {parent} first", cause="missing", url=path
+        )
 
 
 def _check_s3(url: str, rest: str, *, must_exist: bool, options: dict[str, Any]) -> None:
@@ -81,20 +89,30 @@ def _check_s3(url: str, rest: str, *, must_exist: bool, options: dict[str, Any])
     except (bex.NoCredentialsError, bex.PartialCredentialsError, bex.CredentialRetrievalError) as error:
         raise StorageUnreachable(
             f"no credentials for {url} ({type(error).__name__}): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
-            "or AWS_PROFILE, or run where an instance role provides them", cause="no-credentials", url=url,
-        ) from None  # fmt: skip
-    except (bex.EndpointConnectionError, bex.ConnectTimeoutError, bex.ReadTimeoutError,
-            bex.ConnectionClosedError, bex.HTTPClientError) as error:  # fmt: skip
+            "or AWS_PROFILE, or run where an instance role provides them",
+            cause="no-credentials",
+            url=url,
+        ) from None
+    except (
+        bex.EndpointConnectionError,
+        bex.ConnectTimeoutError,
+        bex.ReadTimeoutError,
+        bex.ConnectionClosedError,
+        bex.HTTPClientError,
+    ) as error:
         raise StorageUnreachable(
             f"cannot reach the S3 endpoint {endpoint} for {url} ({type(error).__name__}, "
             f"{CONNECT_TIMEOUT_S} s time-out): check AWS_ENDPOINT_URL (or storage_options' endpoint_url) "
-            "and the network", cause="unreachable", url=url,
-        ) from None  # fmt: skip
+            "and the network",
+            cause="unreachable",
+            url=url,
+        ) from None
     except bex.ClientError as error:
         raise _client_error(error, url, bucket, endpoint) from None
     if must_exist and not found:
-        raise StorageUnreachable(f"nothing is stored at {url}: check the prefix (bucket {bucket} exists)",
-                                 cause="missing", url=url)  # fmt: skip
+        raise StorageUnreachable(
+            f"nothing is stored at {url}: check the prefix (bucket {bucket} exists)", cause="missing", url=url
+        )
 
 
 def _object_exists(client: Any, bucket: str, key: str) -> bool:
@@ -114,22 +132,29 @@ def _client_error(error: Any, url: str, bucket: str, endpoint: str) -> StorageUn
     code = str(details.get("Code", ""))
     status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     if code in _NO_BUCKET or (code == "404" and status == 404):
-        return StorageUnreachable(f"no such bucket {bucket!r} at {endpoint} (for {url}): create it or fix the URL",
-                                  cause="no-bucket", url=url)  # fmt: skip
+        return StorageUnreachable(
+            f"no such bucket {bucket!r} at {endpoint} (for {url}): create it or fix the URL", cause="no-bucket", url=url
+        )
     if code in _BAD_CREDENTIALS:
         return StorageUnreachable(
             f"the S3 credentials were rejected for {url} ({code}): check AWS_ACCESS_KEY_ID / "
-            "AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN (or AWS_PROFILE)", cause="bad-credentials", url=url,
-        )  # fmt: skip
+            "AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN (or AWS_PROFILE)",
+            cause="bad-credentials",
+            url=url,
+        )
     if code in _DENIED or status == 403:
         return StorageUnreachable(
             f"access denied to {url} ({code or status}): the credentials at hand may not list "
-            f"s3://{bucket}; use credentials allowed s3:ListBucket and s3:GetObject there", cause="access-denied",
+            f"s3://{bucket}; use credentials allowed s3:ListBucket and s3:GetObject there",
+            cause="access-denied",
             url=url,
-        )  # fmt: skip
+        )
     message = " ".join(str(details.get("Message", "")).split())
-    return StorageUnreachable(f"S3 refused {url} ({code or status}: {message}): check the URL and the credentials",
-                              cause="access-denied", url=url)  # fmt: skip
+    return StorageUnreachable(
+        f"S3 refused {url} ({code or status}: {message}): check the URL and the credentials",
+        cause="access-denied",
+        url=url,
+    )
 
 
 def _s3_client(options: dict[str, Any]) -> Any:
@@ -143,8 +168,11 @@ def _s3_client(options: dict[str, Any]) -> Any:
     client_kwargs = dict(options.get("client_kwargs") or {})
     if options.get("endpoint_url"):
         client_kwargs.setdefault("endpoint_url", options["endpoint_url"])
-    for option, argument in (("key", "aws_access_key_id"), ("secret", "aws_secret_access_key"),
-                             ("token", "aws_session_token")):  # fmt: skip
+    for option, argument in (
+        ("key", "aws_access_key_id"),
+        ("secret", "aws_secret_access_key"),
+        ("token", "aws_session_token"),
+    ):
         if options.get(option):
             client_kwargs.setdefault(argument, options[option])
     config = {k: v for k, v in dict(options.get("config_kwargs") or {}).items() if k not in ("retries",)}

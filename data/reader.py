@@ -112,8 +112,8 @@ def _octal(field: bytes) -> int:
 def _pax_records(data: bytes) -> dict[str, str]:
     """``LENGTH KEY=VALUE\n`` records of a POSIX pax extended header."""
     records, at = {}, 0
-    while at < len(data) and data[at:at + 1] != b"\0":
-        length_text, _, _ = data[at:at + 20].partition(b" ")
+    while at < len(data) and data[at : at + 1] != b"\0":
+        length_text, _, _ = data[at : at + 20].partition(b" ")
         length = int(length_text)
         key, _, value = data[at + len(length_text) + 1 : at + length - 1].partition(b"=")
         records[key.decode("utf-8")] = value.decode("utf-8", "surrogateescape")
@@ -173,7 +173,7 @@ class ShardCursor:
             self._file.close()
         self._file = self._pending = None
 
-    def read(self, want: bool) -> RawSample | None | Any:
+    def read(self, want: bool) -> RawSample | Any | None:
         """The next sample: its bytes if ``want``, else None without reading them; CORRUPT if unreadable."""
         if self.broken:
             self.index += 1
@@ -189,13 +189,15 @@ class ShardCursor:
                 self.broken = True
                 self.index = start_index + 1
                 return Corrupt(self.url)
-            except Exception as error:  # noqa: BLE001 - filtered by is_transient just below
+            except Exception as error:
                 if not storage.is_transient(error):
                     raise
                 if attempt == storage.RETRY_ATTEMPTS:
                     raise storage.gave_up(error, f"reading sample {start_index} of {self.url}", attempt) from error
                 delay = storage.backoff_delay(attempt)
-                log.warning("reading %s failed (%s); reopening at sample %d in %.1fs", self.url, error, start_index, delay)
+                log.warning(
+                    "reading %s failed (%s); reopening at sample %d in %.1fs", self.url, error, start_index, delay
+                )
                 time.sleep(delay)
                 self._open(start_index if start_index < len(self._sample_offsets) else 0)
                 self.skip_to(start_index)
@@ -214,7 +216,7 @@ class ShardCursor:
                     self._pending, self.index = self._next_member(), known
                 except UnsafeShardError:
                     raise
-                except Exception:  # noqa: BLE001 - a read error: reopening there handles (and retries) it
+                except Exception:
                     self._open(known)
         while self.index < index:
             self.read(want=False)
@@ -265,7 +267,7 @@ class ShardCursor:
             member = Member(name, member_size if size is None else size, first, offset + BLOCK, typeflag in _REGULAR)
             return check_member(self.url, member)
 
-    def _read(self, want: bool) -> RawSample | None | Any:
+    def _read(self, want: bool) -> RawSample | Any | None:
         if self._pending is None:  # fewer samples in the shard than its manifest says
             self.index += 1
             return Corrupt(self.url)
@@ -318,7 +320,7 @@ class SampleStream:
             self._cursor.close()
             self._cursor = None
 
-    def read(self, want: bool) -> RawSample | None | Any:
+    def read(self, want: bool) -> RawSample | Any | None:
         """The next position's sample (see the module docstring for what comes back)."""
         if self._range_no >= len(self.ranges):
             raise IndexError("read past the end of the stream")

@@ -52,8 +52,10 @@ class BadImagesError(ValueError):
         n = len(bad)
         super().__init__(
             f"{n} image{'s' if n != 1 else ''} cannot be read (zero-byte or undecodable): "
-            + "; ".join(bad[:shown]) + more + ": fix or remove them, or pass --skip-bad to leave them out"
-        )  # fmt: skip
+            + "; ".join(bad[:shown])
+            + more
+            + ": fix or remove them, or pass --skip-bad to leave them out"
+        )
 
 
 class _Refused(Exception):

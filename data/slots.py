@@ -11,6 +11,7 @@ steps, so a worker's slots do not peak together. Reads of one slot stay in strea
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
@@ -115,9 +116,7 @@ class SlotReader:
         self._stream.skip(first - self._stream_at)
         order = window_order(self.plan.seed, self.plan.epoch, self.slot, window, last - first)
         needed = sorted(
-            first + int(order[p - first])
-            for p in range(max(first, self.start), min(last, self.stop))
-            if self.wanted(p)
+            first + int(order[p - first]) for p in range(max(first, self.start), min(last, self.stop)) if self.wanted(p)
         )
         raw, at = {}, first
         for offset in needed:
@@ -133,9 +132,8 @@ class SlotReader:
     def close(self) -> None:
         self._closed.set()
         if self._next is not None:
-            try:
-                self._next[1].result()  # stops at its next sample; the stream is then free to close
-            except Exception:  # noqa: BLE001 - nobody wants this window any more, nor its error
-                pass
+            # stops at its next sample; the stream is then free to close
+            with contextlib.suppress(Exception):
+                self._next[1].result()
             self._next = None
         self._stream.close()

@@ -53,8 +53,15 @@ class ArchiveChunk(SampleChunk):
 class _ArchiveSource(Source):
     """A source of (archive member, label) lists per split."""
 
-    def __init__(self, spec: str, name: str, classes: list[str], archive: Path,
-                 splits: dict[str, list[tuple[str, int]]], sizes: dict[str, int]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        spec: str,
+        name: str,
+        classes: list[str],
+        archive: Path,
+        splits: dict[str, list[tuple[str, int]]],
+        sizes: dict[str, int],
+    ) -> None:
         super().__init__(spec, name, classes, "single")
         self.archive, self.splits, self.sizes = archive, splits, sizes
 

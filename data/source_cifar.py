@@ -133,8 +133,14 @@ class _CifarSource(Source):
     binary_names: ClassVar[str]
     label_bytes: ClassVar[int]
 
-    def __init__(self, folder: Path, classes: list[str], files: dict[str, list[str]], sizes: dict[str, list[int]],
-                 binary: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        folder: Path,
+        classes: list[str],
+        files: dict[str, list[str]],
+        sizes: dict[str, list[int]],
+        binary: bool = False,
+    ):
         super().__init__(f"{self.kind}:{folder}", self.kind, classes, "single")
         self.files, self.binary = files, binary
         self.offsets = {split: [0, *np.cumsum(n).tolist()[:-1]] for split, n in sizes.items()}

@@ -13,6 +13,7 @@ published on the Hugging Face hub are usually already shuffled).
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -31,8 +32,9 @@ from .sources import Sample, SampleChunk, Source, image_ext
 class ParquetChunk(SampleChunk):
     """Rows ``[start, stop)`` of the concatenation of ``files``."""
 
-    def __init__(self, files: list[str], offsets: list[int], start: int, stop: int,
-                 columns: tuple[str, str] = ("image", "label")) -> None:  # fmt: skip
+    def __init__(
+        self, files: list[str], offsets: list[int], start: int, stop: int, columns: tuple[str, str] = ("image", "label")
+    ) -> None:
         self.files, self.offsets, self.start, self.stop, self.columns = files, offsets, start, stop, columns
 
     def __iter__(self) -> Iterator[Sample]:
@@ -61,8 +63,12 @@ def _read_rows(path: str, lo: int, hi: int, columns: tuple[str, str]) -> Iterato
                 if label is None:
                     raise ValueError(f"{where} has no label")
                 data = image["bytes"]
-                yield Sample(data, image_ext(data, image.get("path") or ""), tuple(label) if isinstance(label, list) else label,
-                             origin=where)  # fmt: skip
+                yield Sample(
+                    data,
+                    image_ext(data, image.get("path") or ""),
+                    tuple(label) if isinstance(label, list) else label,
+                    origin=where,
+                )
         first += rows
 
 
@@ -70,10 +76,21 @@ class ParquetSource(Source):
     kind = "parquet"
     random_access = False
 
-    def __init__(self, root: Path, classes: list[str], multi: bool, files: dict[str, list[str]],
-                 columns: tuple[str, str] = ("image", "label"), spec: str | None = None) -> None:  # fmt: skip
-        super().__init__(spec or f"{self.kind}:{root}", root.stem if root.is_file() else root.name, classes,
-                         "multi" if multi else "single")
+    def __init__(
+        self,
+        root: Path,
+        classes: list[str],
+        multi: bool,
+        files: dict[str, list[str]],
+        columns: tuple[str, str] = ("image", "label"),
+        spec: str | None = None,
+    ) -> None:
+        super().__init__(
+            spec or f"{self.kind}:{root}",
+            root.stem if root.is_file() else root.name,
+            classes,
+            "multi" if multi else "single",
+        )
         self.files, self.columns = files, columns
         self.rows = {split: [pq.ParquetFile(f).metadata.num_rows for f in paths] for split, paths in files.items()}
 
@@ -82,8 +99,13 @@ class ParquetSource(Source):
         return cls.from_files(Path(location).expanduser().resolve())
 
     @classmethod
-    def from_files(cls, root: Path, columns: tuple[str, str] = ("image", "label"),
-                   card_classes: list[str] | None = None, spec: str | None = None) -> ParquetSource:  # fmt: skip
+    def from_files(
+        cls,
+        root: Path,
+        columns: tuple[str, str] = ("image", "label"),
+        card_classes: list[str] | None = None,
+        spec: str | None = None,
+    ) -> ParquetSource:
         paths = [root] if root.is_file() else sorted(root.rglob("*.parquet"))
         if not paths:
             raise FileNotFoundError(f"{cls.kind} source {root}: no .parquet files there")
@@ -109,14 +131,17 @@ class ParquetSource(Source):
             meta = pq.ParquetFile(path).metadata
             for group in range(meta.num_row_groups):
                 rg = meta.row_group(group)
-                column = next(rg.column(c) for c in range(rg.num_columns)
-                              if rg.column(c).path_in_schema == f"{self.columns[0]}.bytes")  # fmt: skip
+                column = next(
+                    rg.column(c)
+                    for c in range(rg.num_columns)
+                    if rg.column(c).path_in_schema == f"{self.columns[0]}.bytes"
+                )
                 sizes.append(np.full(rg.num_rows, column.total_uncompressed_size // max(rg.num_rows, 1)))
         return np.concatenate(sizes).astype(np.int64) if sizes else np.zeros(0, np.int64)
 
     def chunk(self, split: str, indices: Sequence[int]) -> ParquetChunk:
         start, stop = int(indices[0]), int(indices[-1]) + 1
-        if stop - start != len(indices) or any(int(b) - int(a) != 1 for a, b in zip(indices, indices[1:])):
+        if stop - start != len(indices) or any(int(b) - int(a) != 1 for a, b in itertools.pairwise(indices)):
             raise ValueError("parquet sources read contiguous ascending index ranges only")
         offsets = [0, *np.cumsum(self.rows[split]).tolist()[:-1]]
         return ParquetChunk(self.files[split], offsets, start, stop, self.columns)

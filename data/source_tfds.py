@@ -22,6 +22,7 @@ splits and derived labels, see ``vtab:TASK:PATH`` (:mod:`vitray.data.source_vtab
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -193,7 +194,7 @@ class TfdsChunk(SampleChunk):
 
 def contiguous_range(indices: Sequence[int], kind: str) -> tuple[int, int]:
     start, stop = int(indices[0]), int(indices[-1]) + 1
-    if stop - start != len(indices) or any(int(b) - int(a) != 1 for a, b in zip(indices, indices[1:])):
+    if stop - start != len(indices) or any(int(b) - int(a) != 1 for a, b in itertools.pairwise(indices)):
         raise ValueError(f"{kind} sources read contiguous ascending index ranges only")
     return start, stop
 
@@ -232,8 +233,15 @@ class TfdsSource(Source):
     kind = "tfds"
     random_access = False  # TFDS order is what its slices (train[:800]) refer to: keep it
 
-    def __init__(self, build: TfdsBuild, image: str, label: str, classes: list[str],
-                 renames: dict[str, str] | None = None, spec: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        build: TfdsBuild,
+        image: str,
+        label: str,
+        classes: list[str],
+        renames: dict[str, str] | None = None,
+        spec: str | None = None,
+    ) -> None:
         multi = build.is_sequence(label)
         super().__init__(spec or f"{self.kind}:{build.folder}", build.name, classes, "multi" if multi else "single")
         self.build, self.to_sample = build, _PlainSample(image, label, multi)

@@ -69,15 +69,18 @@ def _three_way_of_train(train_percent: int, val_percent: int) -> Callable[[dict[
     def rule(sizes: dict[str, int]) -> tuple:
         total = sizes["train"]
         train_count, val_count = train_percent * total // 100, val_percent * total // 100
-        return (("train", 0, TRAIN800), ("train", train_count, train_count + VAL200),
-                ("train", train_count + val_count, total))  # fmt: skip
+        return (
+            ("train", 0, TRAIN800),
+            ("train", train_count, train_count + VAL200),
+            ("train", train_count + val_count, total),
+        )
 
     return rule
 
 
 def _smallnorb(sizes: dict[str, int]) -> tuple:
     """val200 = test[:200]; test = test[50%:] (TFDS rounds a percentage to the closest index)."""
-    half = int(round(50 * sizes["test"] / 100))
+    half = round(50 * sizes["test"] / 100)
     return ("train", 0, TRAIN800), ("test", 0, VAL200), ("test", half, sizes["test"])
 
 
@@ -170,20 +173,29 @@ VTAB_TASKS: dict[str, VtabTask] = {
     "patch_camelyon": VtabTask("patch_camelyon", 2, _official_validation, _Feature("label"), "label"),
     "eurosat": VtabTask("eurosat", 10, _three_way_of_train(60, 20), _Feature("label"), "label"),
     "resisc45": VtabTask("resisc45", 45, _three_way_of_train(60, 20), _Feature("label"), "label"),
-    "retinopathy": VtabTask("diabetic_retinopathy_detection", 5, _official_validation, _Feature("label"), "label",
-                            tfds_config="btgraham-300"),
+    "retinopathy": VtabTask(
+        "diabetic_retinopathy_detection",
+        5,
+        _official_validation,
+        _Feature("label"),
+        "label",
+        tfds_config="btgraham-300",
+    ),
     "clevr_count": VtabTask("clevr", 8, _held_out_of_train(90, test="validation"), _ClevrCount()),
-    "clevr_dist": VtabTask("clevr", 6, _held_out_of_train(90, test="validation"),
-                           _ClevrClosest((0.0, 8.0, 8.5, 9.0, 9.5, 10.0, 100.0))),
+    "clevr_dist": VtabTask(
+        "clevr", 6, _held_out_of_train(90, test="validation"), _ClevrClosest((0.0, 8.0, 8.5, 9.0, 9.5, 10.0, 100.0))
+    ),
     "dmlab": VtabTask("dmlab", 6, _official_validation, _Feature("label"), "label"),
-    "dsprites_loc": VtabTask("dsprites", 16, _three_way_of_train(80, 10), _Feature("label_x_position", 32, 16),
-                             scale_binary_images=True),
-    "dsprites_ori": VtabTask("dsprites", 16, _three_way_of_train(80, 10), _Feature("label_orientation", 40, 16),
-                             scale_binary_images=True),
+    "dsprites_loc": VtabTask(
+        "dsprites", 16, _three_way_of_train(80, 10), _Feature("label_x_position", 32, 16), scale_binary_images=True
+    ),
+    "dsprites_ori": VtabTask(
+        "dsprites", 16, _three_way_of_train(80, 10), _Feature("label_orientation", 40, 16), scale_binary_images=True
+    ),
     "kitti_dist": VtabTask("kitti", 4, _official_validation, _KittiClosestVehicle((-100.0, 8.0, 20.0, 999.0))),
     "smallnorb_azimuth": VtabTask("smallnorb", 18, _smallnorb, _Feature("label_azimuth"), "label_azimuth"),
     "smallnorb_elevation": VtabTask("smallnorb", 9, _smallnorb, _Feature("label_elevation"), "label_elevation"),
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)
@@ -240,8 +252,10 @@ class VtabSource(Source):
             raise ValueError(
                 f"vtab task {task_name!r} needs the TFDS split {missing}; {build.folder} has {sorted(sizes)}"
             ) from None
-        segments = {"train": [cls._segment(build, *train800), cls._segment(build, *val200)],
-                    "test": [cls._segment(build, *test)]}  # fmt: skip
+        segments = {
+            "train": [cls._segment(build, *train800), cls._segment(build, *val200)],
+            "test": [cls._segment(build, *test)],
+        }
         names = build.class_names(task.label_feature) if task.label_feature else None
         classes = names if names and len(names) == task.num_classes else [str(i) for i in range(task.num_classes)]
         return cls(task_name, build, segments, classes)

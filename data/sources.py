@@ -111,9 +111,18 @@ def source_kinds() -> dict[str, type[Source]]:
     from .source_vtab import VtabSource
 
     kinds: list[type[Source]] = [
-        ImageFolderSource, Cifar10Source, Cifar100Source, ParquetSource, HfSource, TfdsSource, VtabSource,
-        PetsSource, Flowers102Source, BuiltinSource, UnlabelledSource,
-    ]  # fmt: skip
+        ImageFolderSource,
+        Cifar10Source,
+        Cifar100Source,
+        ParquetSource,
+        HfSource,
+        TfdsSource,
+        VtabSource,
+        PetsSource,
+        Flowers102Source,
+        BuiltinSource,
+        UnlabelledSource,
+    ]
     return {k.kind: k for k in kinds}
 
 

@@ -227,7 +227,7 @@ def with_retries(fn: Callable[[], T], *, what: str, attempts: int | None = None)
     for attempt in range(1, attempts + 1):
         try:
             return fn()
-        except Exception as error:  # noqa: BLE001 - filtered by is_transient just below
+        except Exception as error:
             if not is_transient(error):
                 raise
             if attempt == attempts:
@@ -246,7 +246,7 @@ def gave_up(error: BaseException, what: str, attempts: int) -> OSError:
         return OSError(message)
     try:
         return type(error)(error.errno, message) if getattr(error, "errno", None) else type(error)(message)
-    except Exception:  # noqa: BLE001 - an exception type with a constructor of its own
+    except Exception:
         return OSError(message)
 
 
@@ -284,7 +284,7 @@ class ShardCache:
             return open_file(url, "rb", storage_options)
         path = self.path_for(url)
         try:
-            cached = open(path, "rb")  # noqa: SIM115 - the caller closes it
+            cached = open(path, "rb")
         except FileNotFoundError:
             pass
         else:
@@ -297,8 +297,12 @@ class ShardCache:
         except FileNotFoundError:
             raise FileNotFoundError(f"{url} does not exist") from None
         if size > self.max_bytes:
-            log.warning("shard %s (%d bytes) is larger than the shard cache (%d bytes); reading it directly",
-                        url, size, self.max_bytes)  # fmt: skip
+            log.warning(
+                "shard %s (%d bytes) is larger than the shard cache (%d bytes); reading it directly",
+                url,
+                size,
+                self.max_bytes,
+            )
             return open_file(url, "rb", storage_options)
         self._make_room(size)
         fetched = self._fetch(fs, fs_path, url, size, path)
@@ -328,7 +332,7 @@ class ShardCache:
                         out.write(part)
             if os.path.getsize(tmp) != size:
                 raise OSError(f"fetched {os.path.getsize(tmp)} bytes of {url}, expected {size}")
-            fetched = open(tmp, "rb")  # noqa: SIM115 - the caller closes it
+            fetched = open(tmp, "rb")
             os.replace(tmp, path)
             return fetched
         finally:

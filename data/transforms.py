@@ -89,15 +89,17 @@ class TrainCrop:
         # float32, as torchvision keeps them: the draws below then see the very same bounds
         self._log_ratio = [float(v) for v in torch.log(torch.tensor(self.RATIO))]
 
-    def params(self, width: int, height: int, generator: torch.Generator | None = None) -> tuple[int, int, int, int, bool]:
+    def params(
+        self, width: int, height: int, generator: torch.Generator | None = None
+    ) -> tuple[int, int, int, int, bool]:
         """(top, left, crop height, crop width, flip) for a ``width x height`` image: torchvision's
         ``RandomResizedCrop.make_params`` and the flip's coin, drawn in the same order."""
         area = height * width
         for _ in range(10):
             target_area = area * torch.empty(1).uniform_(*self.area_scale, generator=generator).item()
             aspect_ratio = torch.exp(torch.empty(1).uniform_(*self._log_ratio, generator=generator)).item()
-            w = int(round(math.sqrt(target_area * aspect_ratio)))
-            h = int(round(math.sqrt(target_area / aspect_ratio)))
+            w = round(math.sqrt(target_area * aspect_ratio))
+            h = round(math.sqrt(target_area / aspect_ratio))
             if 0 < w <= width and 0 < h <= height:
                 top = int(torch.randint(0, height - h + 1, size=(1,), generator=generator).item())
                 left = int(torch.randint(0, width - w + 1, size=(1,), generator=generator).item())
@@ -105,9 +107,9 @@ class TrainCrop:
         else:  # torchvision's fallback: a central crop at the nearest allowed aspect ratio
             in_ratio = float(width) / float(height)
             if in_ratio < min(self.RATIO):
-                w, h = width, int(round(width / min(self.RATIO)))
+                w, h = width, round(width / min(self.RATIO))
             elif in_ratio > max(self.RATIO):
-                w, h = int(round(height * max(self.RATIO))), height
+                w, h = round(height * max(self.RATIO)), height
             else:
                 w, h = width, height
             top, left = (height - h) // 2, (width - w) // 2
@@ -155,7 +157,7 @@ class TrainCrop:
                 image = _loaded_rgb(image)
                 if scale == 1:
                     pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1)[:, top : top + h, left : left + w]
-        except Exception as error:  # noqa: BLE001 - Pillow and torchvision raise many kinds for bad data
+        except Exception as error:
             raise CorruptSample(f"undecodable image: {type(error).__name__}: {error}") from None
         if pixels is None:  # a reduced decode: the crop box in its pixels, to sub-pixel precision
             crop = _resized_box(image, (top / scale, left / scale, h / scale, w / scale), self.size)
@@ -168,8 +170,9 @@ class TrainCrop:
                 # leaves torch unsure of the layout: it then writes planar output, ~50% slower and
                 # a transpose more for the copy into the (channels-last) chunk.
                 dense = crop.permute(1, 2, 0).contiguous()[None].permute(0, 3, 1, 2)
-                crop = F.interpolate(dense, size=(self.size, self.size), mode="bilinear", antialias=True,
-                                     align_corners=False)[0]  # fmt: skip
+                crop = F.interpolate(
+                    dense, size=(self.size, self.size), mode="bilinear", antialias=True, align_corners=False
+                )[0]
         return crop.flip(-1) if flip else crop
 
     def _finish(self, crop: Image.Image, flip: bool) -> Image.Image:
@@ -293,7 +296,7 @@ def decode_image(data: bytes) -> Image.Image:
     """Decode encoded bytes into an RGB image; CorruptSample if they are not a readable image."""
     try:
         return _loaded_rgb(Image.open(io.BytesIO(data)))
-    except Exception as error:  # noqa: BLE001 - Pillow raises many kinds for bad data
+    except Exception as error:
         raise CorruptSample(f"undecodable image: {type(error).__name__}: {error}") from None
 
 

@@ -130,7 +130,9 @@ class GridConfig(_Section):
     finetune: FinetuneGrid = Field(default_factory=FinetuneGrid)
     cluster: EvalClusterConfig = Field(default_factory=EvalClusterConfig)
     retries: int = Field(
-        2, ge=0, description="Times a failed cell is tried again in the same invocation before it is recorded as failed."
+        2,
+        ge=0,
+        description="Times a failed cell is tried again in the same invocation before it is recorded as failed.",
     )
     storage_options: dict[str, Any] | None = Field(
         None, description="fsspec options for remote paths (endpoint and credentials default to the AWS environment)."

@@ -116,7 +116,10 @@ class _NormalEquations:
 
     @classmethod
     def build(
-        cls, design: np.ndarray, labels: np.ndarray, num_classes: int,
+        cls,
+        design: np.ndarray,
+        labels: np.ndarray,
+        num_classes: int,
         form: Literal["auto", "primal", "dual"] = "auto",
     ) -> _NormalEquations:
         num_points, dim = design.shape
@@ -316,9 +319,7 @@ def _scorer(test_labels: Any, num_classes: int, num_rows: int):
     labels = np.asarray(test_labels)
     if labels.ndim == 2:
         if labels.shape != (num_rows, num_classes):
-            raise ValueError(
-                f"multi-hot test_labels must have shape ({num_rows}, {num_classes}), got {labels.shape}"
-            )
+            raise ValueError(f"multi-hot test_labels must have shape ({num_rows}, {num_classes}), got {labels.shape}")
         labelled = labels.astype(bool).any(axis=1)
         if not labelled.any():
             raise ValueError("multi-hot test_labels: no test image has any label")
@@ -396,9 +397,8 @@ def _as_labels(labels: Any, num_classes: int, name: str, expected_len: int | Non
         raise ValueError(f"{name} must be a 1-D array of class ids, got shape {y.shape}")
     if expected_len is not None and y.shape[0] != expected_len:
         raise ValueError(f"{name} has {y.shape[0]} entries but there are {expected_len} feature rows")
-    if y.size and not np.issubdtype(y.dtype, np.integer):
-        if not np.all(np.mod(y, 1) == 0):
-            raise ValueError(f"{name} must be integer class ids, got dtype {y.dtype}")
+    if y.size and not np.issubdtype(y.dtype, np.integer) and not np.all(np.mod(y, 1) == 0):
+        raise ValueError(f"{name} must be integer class ids, got dtype {y.dtype}")
     y = y.astype(np.int64)
     if y.size and (y.min() < 0 or y.max() >= num_classes):
         raise ValueError(f"{name} must lie in [0, {num_classes}), found values {y.min()}..{y.max()}")

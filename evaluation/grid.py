@@ -208,8 +208,11 @@ def plan_grid(grid: GridConfig, checkpoints: Iterable[CheckpointRef]) -> GridPla
             if grid.finetune.enabled:
                 sweep = finetune_settings(benchmark, grid.finetune)
                 seeds = range(grid.finetune.seeds)
-                cells = {(i, seed): Cell(checkpoint.path, benchmark.name, "finetune", settings, seed, checkpoint.step)
-                         for i, settings in enumerate(sweep) for seed in seeds}  # fmt: skip
+                cells = {
+                    (i, seed): Cell(checkpoint.path, benchmark.name, "finetune", settings, seed, checkpoint.step)
+                    for i, settings in enumerate(sweep)
+                    for seed in seeds
+                }
                 jobs += [FinetuneJob(checkpoint, benchmark, cell) for cell in cells.values()]
                 final_split = finetune_splits(benchmark, grid.finetune)[2]
                 if final_split is not None and is_selection(sweep[0]):

@@ -31,7 +31,9 @@ PAPER_NUM_COMPONENTS = 28  # Fig. 7 (left) shows the top 28 components
 # ---------------------------------------------------------------------------------------------
 
 
-def patch_embedding_pcs(weight: torch.Tensor | np.ndarray, k: int = PAPER_NUM_COMPONENTS) -> tuple[np.ndarray, np.ndarray]:
+def patch_embedding_pcs(
+    weight: torch.Tensor | np.ndarray, k: int = PAPER_NUM_COMPONENTS
+) -> tuple[np.ndarray, np.ndarray]:
     """The top ``k`` principal components of the patch-embedding filters.
 
     ``weight`` is the embedding convolution's kernel ``(width, 3, patch, patch)``: ``width``
@@ -116,7 +118,9 @@ def mean_attention_distance(attn_probs: torch.Tensor, grid_size: int, patch_size
     the mean distance between two patches of the grid.
     """
     if attn_probs.ndim != 4 or attn_probs.shape[-1] != attn_probs.shape[-2]:
-        raise ValueError(f"expected attention probabilities (batch, heads, tokens, tokens), got {tuple(attn_probs.shape)}")
+        raise ValueError(
+            f"expected attention probabilities (batch, heads, tokens, tokens), got {tuple(attn_probs.shape)}"
+        )
     prefix = _prefix_tokens(attn_probs.shape[-1], grid_size)
     patches = attn_probs[:, :, prefix:, prefix:].to(torch.float64)
     weights = patches / patches.sum(dim=-1, keepdim=True).clamp_min(1e-30)
@@ -141,7 +145,9 @@ def attention_rollout(attn_probs_per_layer: Sequence[torch.Tensor], has_class_to
     rollout = None
     for probs in attn_probs_per_layer:
         if probs.ndim != 4 or probs.shape[-1] != probs.shape[-2]:
-            raise ValueError(f"expected attention probabilities (batch, heads, tokens, tokens), got {tuple(probs.shape)}")
+            raise ValueError(
+                f"expected attention probabilities (batch, heads, tokens, tokens), got {tuple(probs.shape)}"
+            )
         mixed = probs.to(torch.float64).mean(dim=1)
         mixed = mixed + torch.eye(mixed.shape[-1], dtype=mixed.dtype, device=mixed.device)
         mixed = mixed / mixed.sum(dim=-1, keepdim=True)
@@ -195,9 +201,7 @@ def attention_statistics(model: torch.nn.Module, images: torch.Tensor, *, batch_
         for start in range(0, images.shape[0], batch_size):
             batch = images[start : start + batch_size].to(device)
             logits, attentions = model.forward_with_attention(batch)
-            per_layer = torch.stack(
-                [mean_attention_distance(a, model.grid_size, model.patch_size) for a in attentions]
-            )
+            per_layer = torch.stack([mean_attention_distance(a, model.grid_size, model.patch_size) for a in attentions])
             weighted = per_layer * batch.shape[0]
             distance_sum = weighted if distance_sum is None else distance_sum + weighted
             rollouts.append(attention_rollout(attentions, has_class_token=model.cls_token is not None).cpu())

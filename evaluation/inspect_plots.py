@@ -58,8 +58,14 @@ class InspectionFiles:
         for name in FIGURES:
             if name in self.figures:
                 title = self.titles.get(name, name.replace("_", " "))
-                lines += [f"**{title}**", "", f"![{name.replace('_', ' ')}]({link_prefix}{self.figures[name].name})", "",
-                          f"Numbers: [{self.numbers[name].name}]({link_prefix}{self.numbers[name].name})", ""]
+                lines += [
+                    f"**{title}**",
+                    "",
+                    f"![{name.replace('_', ' ')}]({link_prefix}{self.figures[name].name})",
+                    "",
+                    f"Numbers: [{self.numbers[name].name}]({link_prefix}{self.numbers[name].name})",
+                    "",
+                ]
             elif name in self.skipped:
                 lines += [f"*{name.replace('_', ' ')}: skipped: {self.skipped[name]}*", ""]
         return "\n".join(lines).rstrip() + "\n"
@@ -101,8 +107,14 @@ def inspect_model(
     out.mkdir(parents=True, exist_ok=True)
     label = label or model.name
     captions = list(captions) if captions is not None else [f"image {i}" for i in range(images.shape[0])]
-    meta = {"model": model.name, "img_size": model.img_size, "patch_size": model.patch_size,
-            "grid_size": model.grid_size, "head": model.head_type, **(metadata or {})}  # fmt: skip
+    meta = {
+        "model": model.name,
+        "img_size": model.img_size,
+        "patch_size": model.patch_size,
+        "grid_size": model.grid_size,
+        "head": model.head_type,
+        **(metadata or {}),
+    }
     files = InspectionFiles(out)
 
     if model.variant.is_hybrid:
@@ -113,46 +125,97 @@ def inspect_model(
     else:
         components, explained = patch_embedding_pcs(model.patch_embed.weight, num_components)
         title = f"{label}: RGB embedding filters (first {len(components)} principal components)"
-        files.add("patch_embedding_pcs", title,
-                  plot_patch_embedding_pcs(components, explained, out / "patch_embedding_pcs.png", title=title),
-                  _write_json(out / "patch_embedding_pcs.json", {
-                      **meta, "figure": "paper Fig. 7 left", "num_components": len(components),
-                      "explained_variance_ratio": explained.tolist(), "components": components.tolist()}))  # fmt: skip
+        files.add(
+            "patch_embedding_pcs",
+            title,
+            plot_patch_embedding_pcs(components, explained, out / "patch_embedding_pcs.png", title=title),
+            _write_json(
+                out / "patch_embedding_pcs.json",
+                {
+                    **meta,
+                    "figure": "paper Fig. 7 left",
+                    "num_components": len(components),
+                    "explained_variance_ratio": explained.tolist(),
+                    "components": components.tolist(),
+                },
+            ),
+        )
 
     similarity = posemb_similarity(model.pos_embed, model.grid_size)
     title = f"{label}: cosine similarity of position embeddings"
-    files.add("position_embedding_similarity", title,
-              plot_posemb_similarity(similarity, out / "position_embedding_similarity.png", title=title),
-              _write_similarity_parquet(out / "position_embedding_similarity.parquet", similarity,
-                                        {**meta, "figure": "paper Fig. 7 center"}))  # fmt: skip
+    files.add(
+        "position_embedding_similarity",
+        title,
+        plot_posemb_similarity(similarity, out / "position_embedding_similarity.png", title=title),
+        _write_similarity_parquet(
+            out / "position_embedding_similarity.parquet", similarity, {**meta, "figure": "paper Fig. 7 center"}
+        ),
+    )
 
     stats = attention_statistics(model, to_model_range(images), batch_size=batch_size)
     title = f"{label}: mean attention distance per head over {stats.num_images} images"
-    files.add("attention_distance", title,
-              plot_attention_distance(stats.mean_distance, out / "attention_distance.png", img_size=model.img_size,
-                                      title=title),
-              _write_json(out / "attention_distance.json", {
-                  **meta, "figure": "paper Fig. 7 right / Fig. 11", "num_images": stats.num_images,
-                  "unit": "pixels", "layers": int(stats.mean_distance.shape[0]),
-                  "heads": int(stats.mean_distance.shape[1]), "mean_distance": stats.mean_distance.tolist()}))  # fmt: skip
+    files.add(
+        "attention_distance",
+        title,
+        plot_attention_distance(
+            stats.mean_distance, out / "attention_distance.png", img_size=model.img_size, title=title
+        ),
+        _write_json(
+            out / "attention_distance.json",
+            {
+                **meta,
+                "figure": "paper Fig. 7 right / Fig. 11",
+                "num_images": stats.num_images,
+                "unit": "pixels",
+                "layers": int(stats.mean_distance.shape[0]),
+                "heads": int(stats.mean_distance.shape[1]),
+                "mean_distance": stats.mean_distance.tolist(),
+            },
+        ),
+    )
 
     shown = min(rollout_images, images.shape[0])
     readout = "class token" if model.cls_token is not None else "mean of the patch tokens (GAP head: no class token)"
     title = f"{label}: attention rollout from the {readout}"
     predicted = list(zip(captions[:shown], stats.predictions[:shown].tolist(), stats.confidences[:shown].tolist()))
-    files.add("attention_rollout", title,
-              plot_attention_rollout(images[:shown].numpy(), stats.rollout[:shown], out / "attention_rollout.png",
-                                     captions=[f"{c}\npred {p} ({q:.2f})" if p >= 0 else c for c, p, q in predicted],
-                                     title=title),
-              _write_json(out / "attention_rollout.json", {
-                  **meta, "figure": "paper Fig. 6 / 14", "readout": readout, "images": [
-                      {"caption": c, "prediction": p if p >= 0 else None, "confidence": q if p >= 0 else None,
-                       "rollout": m.tolist()}
-                      for (c, p, q), m in zip(predicted, stats.rollout[:shown])]}))  # fmt: skip
+    files.add(
+        "attention_rollout",
+        title,
+        plot_attention_rollout(
+            images[:shown].numpy(),
+            stats.rollout[:shown],
+            out / "attention_rollout.png",
+            captions=[f"{c}\npred {p} ({q:.2f})" if p >= 0 else c for c, p, q in predicted],
+            title=title,
+        ),
+        _write_json(
+            out / "attention_rollout.json",
+            {
+                **meta,
+                "figure": "paper Fig. 6 / 14",
+                "readout": readout,
+                "images": [
+                    {
+                        "caption": c,
+                        "prediction": p if p >= 0 else None,
+                        "confidence": q if p >= 0 else None,
+                        "rollout": m.tolist(),
+                    }
+                    for (c, p, q), m in zip(predicted, stats.rollout[:shown])
+                ],
+            },
+        ),
+    )
 
-    _write_json(out / "inspection.json", {
-        **meta, "figures": {k: v.name for k, v in files.figures.items()},
-        "numbers": {k: v.name for k, v in files.numbers.items()}, "skipped": files.skipped})  # fmt: skip
+    _write_json(
+        out / "inspection.json",
+        {
+            **meta,
+            "figures": {k: v.name for k, v in files.figures.items()},
+            "numbers": {k: v.name for k, v in files.numbers.items()},
+            "skipped": files.skipped,
+        },
+    )
     return files
 
 
@@ -233,8 +296,9 @@ def plot_attention_distance(mean_distance: np.ndarray, path: Path, *, img_size: 
     return path
 
 
-def plot_attention_rollout(images: np.ndarray, rollout: np.ndarray, path: Path, *, captions: list[str],
-                           title: str) -> Path:  # fmt: skip
+def plot_attention_rollout(
+    images: np.ndarray, rollout: np.ndarray, path: Path, *, captions: list[str], title: str
+) -> Path:
     """Per image: the input, and the input weighted by its rollout map (as Fig. 6) with the map
     over it as a heat map."""
     count = len(images)
@@ -282,15 +346,26 @@ def _write_similarity_parquet(path: Path, similarity: np.ndarray, meta: dict[str
     """Long format, one row per (query patch, key patch): grid**4 rows (1.9M for H/14 at 518 px)."""
     grid = similarity.shape[0]
     qr, qc, kr, kc = np.meshgrid(*[np.arange(grid, dtype=np.int32)] * 4, indexing="ij")
-    table = pa.table({
-        "query_row": qr.ravel(), "query_col": qc.ravel(), "key_row": kr.ravel(), "key_col": kc.ravel(),
-        "cosine_similarity": similarity.ravel().astype(np.float32),
-    }).replace_schema_metadata({"vitray": json.dumps(meta)})  # fmt: skip
+    table = pa.table(
+        {
+            "query_row": qr.ravel(),
+            "query_col": qc.ravel(),
+            "key_row": kr.ravel(),
+            "key_col": kc.ravel(),
+            "cosine_similarity": similarity.ravel().astype(np.float32),
+        }
+    ).replace_schema_metadata({"vitray": json.dumps(meta)})
     pq.write_table(table, path)
     return path
 
 
 __all__ = [
-    "FIGURES", "AttentionStatistics", "InspectionFiles", "inspect_model", "plot_attention_distance",
-    "plot_attention_rollout", "plot_patch_embedding_pcs", "plot_posemb_similarity",
+    "FIGURES",
+    "AttentionStatistics",
+    "InspectionFiles",
+    "inspect_model",
+    "plot_attention_distance",
+    "plot_attention_rollout",
+    "plot_patch_embedding_pcs",
+    "plot_posemb_similarity",
 ]

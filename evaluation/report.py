@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import posixpath
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +36,19 @@ from vitray.evaluation.selection import selected_finetune
 from vitray.evaluation.suite import BENCHMARKS, VTAB_GROUPS
 
 GROUP_KEYS = ["checkpoint", "step", "benchmark", "method", "settings", "metric"]
-SUMMARY_COLUMNS = GROUP_KEYS + ["label", "run", "mean", "std", "seeds", "lr"]
-SWEEP_COLUMNS = ["checkpoint", "step", "benchmark", "lr", "train_split", "val_split", "val", "test", "seeds",
-                 "selected"]  # fmt: skip
+SUMMARY_COLUMNS = [*GROUP_KEYS, "label", "run", "mean", "std", "seeds", "lr"]
+SWEEP_COLUMNS = [
+    "checkpoint",
+    "step",
+    "benchmark",
+    "lr",
+    "train_split",
+    "val_split",
+    "val",
+    "test",
+    "seeds",
+    "selected",
+]
 
 
 @dataclass(frozen=True)
@@ -117,12 +127,14 @@ def _selected_summary(frame: pd.DataFrame) -> pd.DataFrame:
     if selected.empty:
         return pd.DataFrame(columns=SUMMARY_COLUMNS[:-1])
     selected = selected.assign(
-        _step=selected["step"].fillna(-1), _lrs=["/".join(f"{lr:g}" for lr in sweep) for sweep in selected["lrs"]],
-        _val=selected["val_split"].fillna(""), _train=selected["train_split"].fillna(""),
+        _step=selected["step"].fillna(-1),
+        _lrs=["/".join(f"{lr:g}" for lr in sweep) for sweep in selected["lrs"]],
+        _val=selected["val_split"].fillna(""),
+        _train=selected["train_split"].fillna(""),
         # Seeds of a sweep may select different lrs and still form one row; runs without a sweep
         # are told apart by their lr.
         _own_lr=[-1.0 if pd.notna(v) else lr for v, lr in zip(selected["val_split"], selected["lr"])],
-    )  # fmt: skip
+    )
     rows = []
     keys = ["checkpoint", "_step", "benchmark", "common", "_val", "_train", "final", "_own_lr"]
     for _, part in selected.groupby(keys, sort=False):
@@ -130,19 +142,33 @@ def _selected_summary(frame: pd.DataFrame) -> pd.DataFrame:
         common = json.loads(first["common"])
         swept = bool(first["_val"])
         chosen = "/".join(f"{lr:g}" for lr in sorted(set(part["lr"])))
-        settings = {**common, "lr": chosen if swept else float(first["lr"]), "lrs": first["_lrs"],
-                    "train_split": first["train_split"], VAL_SPLIT: first["val_split"] if swept else None}  # fmt: skip
-        rows.append({
-            "checkpoint": first["checkpoint"], "step": first["step"], "benchmark": first["benchmark"],
-            "method": "finetune", "settings": json.dumps(settings, sort_keys=True), "metric": METRIC,
-            "label": _sweep_label(common, first, swept), "mean": float(part["test"].mean()),
-            "std": float(np.std(part["test"])), "seeds": len(part), "lr": chosen,
-        })  # fmt: skip
-    return pd.DataFrame(rows, columns=SUMMARY_COLUMNS[:-2] + ["seeds", "lr"])
+        settings = {
+            **common,
+            "lr": chosen if swept else float(first["lr"]),
+            "lrs": first["_lrs"],
+            "train_split": first["train_split"],
+            VAL_SPLIT: first["val_split"] if swept else None,
+        }
+        rows.append(
+            {
+                "checkpoint": first["checkpoint"],
+                "step": first["step"],
+                "benchmark": first["benchmark"],
+                "method": "finetune",
+                "settings": json.dumps(settings, sort_keys=True),
+                "metric": METRIC,
+                "label": _sweep_label(common, first, swept),
+                "mean": float(part["test"].mean()),
+                "std": float(np.std(part["test"])),
+                "seeds": len(part),
+                "lr": chosen,
+            }
+        )
+    return pd.DataFrame(rows, columns=[*SUMMARY_COLUMNS[:-2], "seeds", "lr"])
 
 
 def _sweep_label(common: dict[str, Any], row: Any, swept: bool) -> str:
-    """"finetune lr of 0.01/0.03 best on train[90%:], trained on train[:90%] steps=..." (the chosen lr
+    """ "finetune lr of 0.01/0.03 best on train[90%:], trained on train[:90%] steps=..." (the chosen lr
     has a column of its own, so that sweeps of every task share one label), or, without a sweep,
     "finetune lr=0.01 on train[:1000] steps=..."."""
     rest = " ".join(f"{k}={common[k]}" for k in sorted(common))
@@ -164,24 +190,41 @@ def fine_tune_sweeps(table: ResultsTable | pa.Table | pd.DataFrame) -> pd.DataFr
     ok = frame[(frame["method"] == "finetune") & (frame["status"] == "ok")]
     settings = [json.loads(s) for s in ok["settings"]]
     sweep = ok.assign(
-        lr=[s.get("lr") for s in settings], train_split=[s.get("train_split") for s in settings],
-        val_split=[s.get(VAL_SPLIT) for s in settings], step_key=ok["step"].fillna(-1),
-    )[[VAL_SPLIT in s for s in settings]]  # fmt: skip
+        lr=[s.get("lr") for s in settings],
+        train_split=[s.get("train_split") for s in settings],
+        val_split=[s.get(VAL_SPLIT) for s in settings],
+        step_key=ok["step"].fillna(-1),
+    )[[VAL_SPLIT in s for s in settings]]
     if sweep.empty:
         return pd.DataFrame(columns=SWEEP_COLUMNS)
     index = ["checkpoint", "step_key", "benchmark", "lr", "train_split", "val_split"]
-    wide = sweep.pivot_table(index=index + ["seed"], columns="metric", values="value", aggfunc="last").reset_index()
+    wide = sweep.pivot_table(index=[*index, "seed"], columns="metric", values="value", aggfunc="last").reset_index()
     picks = selected_finetune(frame)
     picks = picks[picks["val_split"].notna()]
-    picked = {(c, -1 if pd.isna(s) else s, b, sd, lr) for c, s, b, sd, lr in
-              zip(picks["checkpoint"], picks["step"], picks["benchmark"], picks["seed"], picks["lr"])}  # fmt: skip
-    wide["picked"] = [key in picked for key in zip(wide["checkpoint"], wide["step_key"], wide["benchmark"],
-                                                    wide["seed"], wide["lr"])]  # fmt: skip
+    picked = {
+        (c, -1 if pd.isna(s) else s, b, sd, lr)
+        for c, s, b, sd, lr in zip(picks["checkpoint"], picks["step"], picks["benchmark"], picks["seed"], picks["lr"])
+    }
+    wide["picked"] = [
+        key in picked for key in zip(wide["checkpoint"], wide["step_key"], wide["benchmark"], wide["seed"], wide["lr"])
+    ]
     rows = []
     for key, part in wide.groupby(index, sort=True):
         checkpoint, step, benchmark, lr, train_split, val_split = key
-        rows.append((checkpoint, None if step == -1 else int(step), benchmark, float(lr), train_split, val_split,
-                     _mean(part, VAL_METRIC), _mean(part, METRIC), len(part), int(part["picked"].sum())))  # fmt: skip
+        rows.append(
+            (
+                checkpoint,
+                None if step == -1 else int(step),
+                benchmark,
+                float(lr),
+                train_split,
+                val_split,
+                _mean(part, VAL_METRIC),
+                _mean(part, METRIC),
+                len(part),
+                int(part["picked"].sum()),
+            )
+        )
     return pd.DataFrame(rows, columns=SWEEP_COLUMNS)
 
 
@@ -244,27 +287,58 @@ def print_table(
     frame = as_frame(table)
     summary = summarize(frame, metric)
     results = RichTable(title="vitray evaluation results", show_lines=False)
-    for name, justify in [("checkpoint", "left"), ("step", "right"), ("benchmark", "left"),
-                          ("setting", "left"), ("metric", "left"), ("mean", "right"), ("± std", "right"),
-                          ("seeds", "right"), ("lr", "right")]:
+    for name, justify in [
+        ("checkpoint", "left"),
+        ("step", "right"),
+        ("benchmark", "left"),
+        ("setting", "left"),
+        ("metric", "left"),
+        ("mean", "right"),
+        ("± std", "right"),
+        ("seeds", "right"),
+        ("lr", "right"),
+    ]:
         results.add_column(name, justify=justify)
     for row in summary.itertuples():
         results.add_row(
-            escape(_short_checkpoint(row.checkpoint)), _step_text(row.step), escape(row.benchmark),
-            escape(row.label), row.metric, f"{row.mean:.4f}", f"{row.std:.4f}", str(row.seeds), row.lr,
+            escape(_short_checkpoint(row.checkpoint)),
+            _step_text(row.step),
+            escape(row.benchmark),
+            escape(row.label),
+            row.metric,
+            f"{row.mean:.4f}",
+            f"{row.std:.4f}",
+            str(row.seeds),
+            row.lr,
         )
     console.print(results)
     sweeps = fine_tune_sweeps(frame)
     if not sweeps.empty:
         lrs = RichTable(title="fine-tuning: every learning rate (the selected one is reported above)")
-        for name, justify in [("checkpoint", "left"), ("step", "right"), ("benchmark", "left"), ("lr", "right"),
-                              ("val split", "left"), ("val top-1", "right"), ("test top-1", "right"),
-                              ("seeds", "right"), ("selected", "right")]:  # fmt: skip
+        for name, justify in [
+            ("checkpoint", "left"),
+            ("step", "right"),
+            ("benchmark", "left"),
+            ("lr", "right"),
+            ("val split", "left"),
+            ("val top-1", "right"),
+            ("test top-1", "right"),
+            ("seeds", "right"),
+            ("selected", "right"),
+        ]:
             lrs.add_column(name, justify=justify)
         for row in sweeps.itertuples():
-            lrs.add_row(escape(_short_checkpoint(row.checkpoint)), _step_text(row.step), escape(row.benchmark),
-                        f"{row.lr:g}", escape(row.val_split), f"{row.val:.4f}", f"{row.test:.4f}", str(row.seeds),
-                        f"{row.selected}/{row.seeds}")  # fmt: skip
+            lrs.add_row(
+                escape(_short_checkpoint(row.checkpoint)),
+                _step_text(row.step),
+                escape(row.benchmark),
+                f"{row.lr:g}",
+                escape(row.val_split),
+                f"{row.val:.4f}",
+                f"{row.test:.4f}",
+                str(row.seeds),
+                f"{row.selected}/{row.seeds}",
+            )
         console.print(lrs)
     problems = _problem_cells(frame)
     if not problems.empty:
@@ -273,8 +347,13 @@ def print_table(
             failed.add_column(name, overflow="fold")
         for row in problems.itertuples():
             style = "yellow" if row.status == "missing" else "red"
-            failed.add_row(escape(row.benchmark), escape(setting_label(row.method, row.settings)), str(row.seed),
-                           f"[{style}]{row.status}[/{style}]", escape(problem_text(row.status, row.error)))
+            failed.add_row(
+                escape(row.benchmark),
+                escape(setting_label(row.method, row.settings)),
+                str(row.seed),
+                f"[{style}]{row.status}[/{style}]",
+                escape(problem_text(row.status, row.error)),
+            )
         console.print(failed)
 
 
@@ -287,11 +366,17 @@ def summary_json(table: ResultsTable | pa.Table | pd.DataFrame, *, metric: str |
     for row in results:
         row["settings"] = json.loads(row["settings"])
     problems = [
-        {"checkpoint": row.checkpoint, "benchmark": row.benchmark, "method": row.method,
-         "settings": json.loads(row.settings), "seed": int(row.seed), "status": row.status,
-         "cause": problem_text(row.status, row.error)}
+        {
+            "checkpoint": row.checkpoint,
+            "benchmark": row.benchmark,
+            "method": row.method,
+            "settings": json.loads(row.settings),
+            "seed": int(row.seed),
+            "status": row.status,
+            "cause": problem_text(row.status, row.error),
+        }
         for row in _problem_cells(frame).itertuples()
-    ]  # fmt: skip
+    ]
     return json.dumps({"results": results, "not_finished": problems}, indent=1)
 
 
@@ -334,13 +419,19 @@ _SELECTION_NOTE = (
 )
 
 
-def _markdown(frame: pd.DataFrame, summary: pd.DataFrame, vtab: pd.DataFrame, sweeps: pd.DataFrame,
-              plots: dict[str, Path], metric: str) -> str:
+def _markdown(
+    frame: pd.DataFrame,
+    summary: pd.DataFrame,
+    vtab: pd.DataFrame,
+    sweeps: pd.DataFrame,
+    plots: dict[str, Path],
+    metric: str,
+) -> str:
     counts = frame.drop_duplicates("cell_id")["status"].value_counts()
     lines = [
         "# vitray evaluation report",
         "",
-        f"Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} from {len(frame)} rows: "
+        f"Generated {datetime.now(UTC):%Y-%m-%d %H:%M UTC} from {len(frame)} rows: "
         f"{counts.get('ok', 0)} cells ok, {counts.get('failed', 0)} failed, {counts.get('missing', 0)} missing. "
         "Values are the mean and population std over seeds."
         + (_SELECTION_NOTE if (summary["method"] == "finetune").any() else ""),
@@ -358,28 +449,47 @@ def _markdown(frame: pd.DataFrame, summary: pd.DataFrame, vtab: pd.DataFrame, sw
     if summary.empty:
         lines.append("| (no finished cells) | | | | | | | | |")
     if not sweeps.empty:
-        lines += ["", "## Fine-tuning: every learning rate", "",
-                  "| checkpoint | step | benchmark | lr | train split | val split | val top-1 | test top-1 | seeds "
-                  "| selected |",
-                  "| --- | ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        lines += [
+            "",
+            "## Fine-tuning: every learning rate",
+            "",
+            "| checkpoint | step | benchmark | lr | train split | val split | val top-1 | test top-1 | seeds "
+            "| selected |",
+            "| --- | ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: |",
+        ]
         for row in sweeps.itertuples():
-            lines.append(f"| {_cell(row.checkpoint)} | {_step_text(row.step)} | {_cell(row.benchmark)} | {row.lr:g} "
-                         f"| {_cell(row.train_split)} | {_cell(row.val_split)} | {row.val:.4f} | {row.test:.4f} "
-                         f"| {row.seeds} | {row.selected}/{row.seeds} |")  # fmt: skip
+            lines.append(
+                f"| {_cell(row.checkpoint)} | {_step_text(row.step)} | {_cell(row.benchmark)} | {row.lr:g} "
+                f"| {_cell(row.train_split)} | {_cell(row.val_split)} | {row.val:.4f} | {row.test:.4f} "
+                f"| {row.seeds} | {row.selected}/{row.seeds} |"
+            )
     if not vtab.empty:
-        lines += ["", "## VTAB-1k group averages", "",
-                  "| checkpoint | step | setting | metric | group | mean | tasks |",
-                  "| --- | ---: | --- | --- | --- | ---: | ---: |"]
+        lines += [
+            "",
+            "## VTAB-1k group averages",
+            "",
+            "| checkpoint | step | setting | metric | group | mean | tasks |",
+            "| --- | ---: | --- | --- | --- | ---: | ---: |",
+        ]
         for row in vtab.itertuples():
-            lines.append(f"| {_cell(row.checkpoint)} | {_step_text(row.step)} | {_cell(row.label)} | "
-                         f"{_cell(row.metric)} | {row.group} | {row.mean:.4f} | {row.tasks}/{row.total} |")
+            lines.append(
+                f"| {_cell(row.checkpoint)} | {_step_text(row.step)} | {_cell(row.label)} | "
+                f"{_cell(row.metric)} | {row.group} | {row.mean:.4f} | {row.tasks}/{row.total} |"
+            )
     problems = _problem_cells(frame)
     if not problems.empty:
-        lines += ["", "## Cells not finished", "", "| benchmark | setting | seed | status | error |",
-                  "| --- | --- | ---: | --- | --- |"]
+        lines += [
+            "",
+            "## Cells not finished",
+            "",
+            "| benchmark | setting | seed | status | error |",
+            "| --- | --- | ---: | --- | --- |",
+        ]
         for row in problems.itertuples():
-            lines.append(f"| {_cell(row.benchmark)} | {_cell(setting_label(row.method, row.settings))} | "
-                         f"{row.seed} | {row.status} | {_cell(problem_text(row.status, row.error))} |")
+            lines.append(
+                f"| {_cell(row.benchmark)} | {_cell(setting_label(row.method, row.settings))} | "
+                f"{row.seed} | {row.status} | {_cell(problem_text(row.status, row.error))} |"
+            )
     if plots:
         lines += ["", "## Plots", ""]
         for name, path in plots.items():
@@ -431,8 +541,10 @@ def _plot_vtab_groups(vtab: pd.DataFrame, metric: str, path: Path) -> Path:
     for i, name in enumerate(series):
         part = vtab[vtab["series"] == name].set_index("group").reindex(groups)
         ax.bar(positions + i * width, part["mean"], width=width, label=name)
-    labels = [f"{g}\n({int(vtab[vtab['group'] == g]['tasks'].max())}/{int(vtab[vtab['group'] == g]['total'].max())})"
-              for g in groups]
+    labels = [
+        f"{g}\n({int(vtab[vtab['group'] == g]['tasks'].max())}/{int(vtab[vtab['group'] == g]['total'].max())})"
+        for g in groups
+    ]
     ax.set_xticks(positions + width * (len(series) - 1) / 2, labels)
     ax.set_ylabel(f"mean {metric} over tasks")
     ax.set_title("VTAB-1k group averages (tasks present / in group)")
@@ -446,9 +558,12 @@ def _plot_fewshot_vs_shots(fewshot: pd.DataFrame, metric: str, path: Path) -> Pa
     settings = [json.loads(s) for s in fewshot["settings"]]
     fewshot = fewshot.assign(
         shots=[s.get("shots") for s in settings],
-        line=[(f"{_short_checkpoint(r.checkpoint)} · " if multi_run else "") + r.benchmark
-              + "".join(f" {k}={v}" for k, v in sorted(s.items()) if k != "shots")
-              for r, s in zip(fewshot.itertuples(), settings)],
+        line=[
+            (f"{_short_checkpoint(r.checkpoint)} · " if multi_run else "")
+            + r.benchmark
+            + "".join(f" {k}={v}" for k, v in sorted(s.items()) if k != "shots")
+            for r, s in zip(fewshot.itertuples(), settings)
+        ],
     ).dropna(subset=["shots"])
     fig = _figure(7, 4.5)
     ax = fig.add_subplot()
@@ -486,7 +601,7 @@ def _plot_vs_step(summary: pd.DataFrame, metric: str, path: Path) -> Path:
         ax.set_xlabel("pre-training step")
         ax.set_ylabel(metric)
         ax.legend(fontsize="x-small")
-    for ax in list(axes.flat)[len(benchmarks):]:
+    for ax in list(axes.flat)[len(benchmarks) :]:
         ax.set_visible(False)
     fig.suptitle(f"{metric} (mean ± std over seeds) during pre-training")
     fig.savefig(path, dpi=110)

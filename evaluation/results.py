@@ -116,10 +116,18 @@ class Cell:
 
     def _row(self, status: Status, metric: str | None, value: float | None, seconds: float, error: str | None):
         return {
-            "cell_id": self.cell_id, "checkpoint": self.checkpoint, "step": self.step,
-            "benchmark": self.benchmark, "method": self.method, "settings": self.settings_json,
-            "seed": int(self.seed), "metric": metric, "value": value, "seconds": float(seconds),
-            "status": status, "error": error,
+            "cell_id": self.cell_id,
+            "checkpoint": self.checkpoint,
+            "step": self.step,
+            "benchmark": self.benchmark,
+            "method": self.method,
+            "settings": self.settings_json,
+            "seed": int(self.seed),
+            "metric": metric,
+            "value": value,
+            "seconds": float(seconds),
+            "status": status,
+            "error": error,
         }
 
 

@@ -20,9 +20,19 @@ from vitray.evaluation.grid import METRIC, TRAIN_SPLIT, VAL_METRIC, VAL_SPLIT
 SWEEP_KEYS = ("lr", TRAIN_SPLIT, VAL_SPLIT)  # what varies inside one selection (or names its data)
 
 SELECTED_COLUMNS = [
-    "checkpoint", "step", "benchmark", "seed", "common", "lr", "lrs", "val_split", "val", "test", "train_split",
+    "checkpoint",
+    "step",
+    "benchmark",
+    "seed",
+    "common",
+    "lr",
+    "lrs",
+    "val_split",
+    "val",
+    "test",
+    "train_split",
     "final",
-]  # fmt: skip
+]
 
 
 def select_lr(val_top1: Mapping[float, float]) -> float:
@@ -52,10 +62,17 @@ def selected_finetune(frame: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=SELECTED_COLUMNS)
     cells: dict[str, dict] = {}
     for row in ok.itertuples():
-        cell = cells.setdefault(row.cell_id, {
-            "checkpoint": row.checkpoint, "step": row.step, "benchmark": row.benchmark, "seed": int(row.seed),
-            "settings": json.loads(row.settings), "metrics": {},
-        })  # fmt: skip
+        cell = cells.setdefault(
+            row.cell_id,
+            {
+                "checkpoint": row.checkpoint,
+                "step": row.step,
+                "benchmark": row.benchmark,
+                "seed": int(row.seed),
+                "settings": json.loads(row.settings),
+                "metrics": {},
+            },
+        )
         cell["metrics"][row.metric] = float(row.value)
     groups: dict[tuple, dict[str, list]] = {}
     for cell in cells.values():
@@ -75,17 +92,34 @@ def _select(base: dict, sweep: list[dict], finals: list[dict]) -> list[dict]:
     finals_by_lr = {float(c["settings"]["lr"]): c for c in finals if METRIC in c["metrics"]}
     scored = {float(c["settings"]["lr"]): c for c in sweep if VAL_METRIC in c["metrics"] and METRIC in c["metrics"]}
     if not scored:  # final runs of a single lr: each is its own result
-        return [{**base, "lr": lr, "lrs": [lr], "val_split": None, "val": None, "test": c["metrics"][METRIC],
-                 "train_split": c["settings"].get(TRAIN_SPLIT), "final": True}
-                for lr, c in sorted(finals_by_lr.items())]  # fmt: skip
+        return [
+            {
+                **base,
+                "lr": lr,
+                "lrs": [lr],
+                "val_split": None,
+                "val": None,
+                "test": c["metrics"][METRIC],
+                "train_split": c["settings"].get(TRAIN_SPLIT),
+                "final": True,
+            }
+            for lr, c in sorted(finals_by_lr.items())
+        ]
     lr = select_lr({k: c["metrics"][VAL_METRIC] for k, c in scored.items()})
     chosen = scored[lr]
     reported = finals_by_lr.get(lr, chosen)
-    return [{
-        **base, "lr": lr, "lrs": sorted(scored), "val_split": chosen["settings"][VAL_SPLIT],
-        "val": chosen["metrics"][VAL_METRIC], "test": reported["metrics"][METRIC],
-        "train_split": reported["settings"][TRAIN_SPLIT], "final": reported is not chosen,
-    }]  # fmt: skip
+    return [
+        {
+            **base,
+            "lr": lr,
+            "lrs": sorted(scored),
+            "val_split": chosen["settings"][VAL_SPLIT],
+            "val": chosen["metrics"][VAL_METRIC],
+            "test": reported["metrics"][METRIC],
+            "train_split": reported["settings"][TRAIN_SPLIT],
+            "final": reported is not chosen,
+        }
+    ]
 
 
 def _step_key(step: object) -> int:

@@ -89,7 +89,7 @@ class Benchmark:
 
     @property
     def vtab_group(self) -> str | None:
-        """"natural" / "specialized" / "structured" for VTAB-1k tasks, else None."""
+        """ "natural" / "specialized" / "structured" for VTAB-1k tasks, else None."""
         return next((g.split("/", 1)[1] for g in self.groups if g.startswith("vtab/")), None)
 
 
@@ -111,12 +111,30 @@ def _held_out(val_percent: int) -> dict[str, str]:
     return {"train_split": f"train[:{100 - val_percent}%]", "val_split": f"train[{100 - val_percent}%:]"}
 
 
-def _paper(name: str, title: str, num_classes: int, source: str, steps: int, lrs: tuple[float, ...],
-           warmup: int, val_percent: int, test_split: str = "test", **kw: Any) -> Benchmark:
+def _paper(
+    name: str,
+    title: str,
+    num_classes: int,
+    source: str,
+    steps: int,
+    lrs: tuple[float, ...],
+    warmup: int,
+    val_percent: int,
+    test_split: str = "test",
+    **kw: Any,
+) -> Benchmark:
     finetune = FinetuneProtocol(steps=steps, learning_rates=lrs, warmup_steps=warmup, **_held_out(val_percent))
     return Benchmark(
-        name=name, title=title, num_classes=num_classes, dataset=name, train_split="train",
-        test_split=test_split, prepare_source=source, groups=("paper",), finetune=finetune, **kw,
+        name=name,
+        title=title,
+        num_classes=num_classes,
+        dataset=name,
+        train_split="train",
+        test_split=test_split,
+        prepare_source=source,
+        groups=("paper",),
+        finetune=finetune,
+        **kw,
     )
 
 
@@ -124,8 +142,12 @@ def _paper(name: str, title: str, num_classes: int, source: str, steps: int, lrs
 # last 200 = val200) and the full test set as `test`. Lr 0.01, 2500 steps, batch 512 for every task;
 # a sweep selects on train800 / val200, then the chosen lr trains on all 1000 (the VTAB protocol).
 _VTAB_FINETUNE = FinetuneProtocol(
-    steps=2500, learning_rates=(0.01,), warmup_steps=200, train_split="train[:800]",
-    val_split="train[800:1000]", final_train_split="train[:1000]",
+    steps=2500,
+    learning_rates=(0.01,),
+    warmup_steps=200,
+    train_split="train[:800]",
+    val_split="train[800:1000]",
+    final_train_split="train[:1000]",
 )
 # name, title, classes, group, TFDS source VTAB uses (for the notes)
 _VTAB_TASKS = (
@@ -156,37 +178,92 @@ def _vtab(name: str, title: str, num_classes: int, group: str, tfds: str) -> Ben
     task = VTAB_TASKS[name]
     build = f"/path/to/tensorflow_datasets/{task.tfds_name}/{task.tfds_config + '/' if task.tfds_config else ''}VERSION"
     return Benchmark(
-        name=f"vtab/{name}", title=f"VTAB {title}", num_classes=num_classes, dataset=dataset,
-        train_split="train", test_split="test", prepare_source=f"vtab:{name}:{build}",
-        finetune=_VTAB_FINETUNE, groups=("vtab", f"vtab/{group}"),
-        notes=(f"VTAB-1k task from TFDS {tfds}: split `train` holds exactly the 1000 train800val200 "
-               "examples (train800 first), split `test` the full test set; `vitray data prepare vtab:...` "
-               "cuts them from the TFDS build as VTAB does"),
+        name=f"vtab/{name}",
+        title=f"VTAB {title}",
+        num_classes=num_classes,
+        dataset=dataset,
+        train_split="train",
+        test_split="test",
+        prepare_source=f"vtab:{name}:{build}",
+        finetune=_VTAB_FINETUNE,
+        groups=("vtab", f"vtab/{group}"),
+        notes=(
+            f"VTAB-1k task from TFDS {tfds}: split `train` holds exactly the 1000 train800val200 "
+            "examples (train800 first), split `test` the full test set; `vitray data prepare vtab:...` "
+            "cuts them from the TFDS build as VTAB does"
+        ),
     )
 
 
 def _build_registry() -> dict[str, Benchmark]:
     entries = [
-        _paper("imagenet", "ImageNet", 1000, IMAGENET_SOURCE, 20_000, PAPER_LRS, 500, 1,
-               test_split="val", notes="ILSVRC-2012; split `val` is the 50k validation set (TFDS `validation`)"),
-        _paper("imagenet_real", "ImageNet-ReaL", 1000, IMAGENET_REAL_SOURCE, 20_000, PAPER_LRS, 500,
-               1, test_split="val", label_kind="multi", train_dataset="imagenet", train_prepare_source=IMAGENET_SOURCE,
-               notes="ImageNet validation images with the ReaL label sets (multi-label); trains on ImageNet"),
-        _paper("cifar10", "CIFAR-10", 10, "cifar10:/path/to/cifar-10-binary.tar.gz", 10_000, SMALL_DATASET_LRS, 500,
-               2),
-        _paper("cifar100", "CIFAR-100", 100, "cifar100:/path/to/cifar-100-binary.tar.gz", 10_000, SMALL_DATASET_LRS,
-               500, 2),
-        _paper("pets", "Oxford-IIIT Pets", 37, "pets:/path/to/oxford-iiit-pet", 500, SMALL_DATASET_LRS, 100, 10,
-               notes="images.tar.gz + annotations.tar.gz; split `train` is trainval (3,680 images)"),
-        _paper("flowers102", "Oxford Flowers-102", 102, "flowers102:/path/to/oxford-flowers102", 500,
-               SMALL_DATASET_LRS, 100, 10, notes="102flowers.tgz + imagelabels.mat + setid.mat; `train` is trnid"),
+        _paper(
+            "imagenet",
+            "ImageNet",
+            1000,
+            IMAGENET_SOURCE,
+            20_000,
+            PAPER_LRS,
+            500,
+            1,
+            test_split="val",
+            notes="ILSVRC-2012; split `val` is the 50k validation set (TFDS `validation`)",
+        ),
+        _paper(
+            "imagenet_real",
+            "ImageNet-ReaL",
+            1000,
+            IMAGENET_REAL_SOURCE,
+            20_000,
+            PAPER_LRS,
+            500,
+            1,
+            test_split="val",
+            label_kind="multi",
+            train_dataset="imagenet",
+            train_prepare_source=IMAGENET_SOURCE,
+            notes="ImageNet validation images with the ReaL label sets (multi-label); trains on ImageNet",
+        ),
+        _paper("cifar10", "CIFAR-10", 10, "cifar10:/path/to/cifar-10-binary.tar.gz", 10_000, SMALL_DATASET_LRS, 500, 2),
+        _paper(
+            "cifar100", "CIFAR-100", 100, "cifar100:/path/to/cifar-100-binary.tar.gz", 10_000, SMALL_DATASET_LRS, 500, 2
+        ),
+        _paper(
+            "pets",
+            "Oxford-IIIT Pets",
+            37,
+            "pets:/path/to/oxford-iiit-pet",
+            500,
+            SMALL_DATASET_LRS,
+            100,
+            10,
+            notes="images.tar.gz + annotations.tar.gz; split `train` is trainval (3,680 images)",
+        ),
+        _paper(
+            "flowers102",
+            "Oxford Flowers-102",
+            102,
+            "flowers102:/path/to/oxford-flowers102",
+            500,
+            SMALL_DATASET_LRS,
+            100,
+            10,
+            notes="102flowers.tgz + imagelabels.mat + setid.mat; `train` is trnid",
+        ),
         *(_vtab(*task) for task in _VTAB_TASKS),
         Benchmark(
-            name="digits", title="scikit-learn digits (demo)", num_classes=10, dataset="digits",
-            train_split="train", test_split="test", prepare_source="builtin:digits", groups=("demo",),
+            name="digits",
+            title="scikit-learn digits (demo)",
+            num_classes=10,
+            dataset="digits",
+            train_split="train",
+            test_split="test",
+            prepare_source="builtin:digits",
+            groups=("demo",),
             fewshot=FewShotProtocol(shots=(1, 5, 10, 25), seeds=3),
-            finetune=FinetuneProtocol(steps=200, learning_rates=(0.01, 0.03), batch_size=64, warmup_steps=20,
-                                      resolution=32, **_held_out(10)),
+            finetune=FinetuneProtocol(
+                steps=200, learning_rates=(0.01, 0.03), batch_size=64, warmup_steps=20, resolution=32, **_held_out(10)
+            ),
             notes="8x8 handwritten digits shipped with scikit-learn; CPU-sized settings for the demo and tests",
         ),
     ]
@@ -276,8 +353,10 @@ def find_missing(
             return MissingDataset(b.name, path, command, reason)
         absent = [s for s in splits if s not in info.splits]
         if absent:
-            reason = (f"{path} has no split {', '.join(map(repr, absent))} "
-                      f"(it has: {', '.join(sorted(info.splits)) or 'none'})")
+            reason = (
+                f"{path} has no split {', '.join(map(repr, absent))} "
+                f"(it has: {', '.join(sorted(info.splits)) or 'none'})"
+            )
             return MissingDataset(b.name, path, command, reason)
         _check_matches(b, info, path, is_train)
     return None

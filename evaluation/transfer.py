@@ -94,9 +94,14 @@ def extract_split_features(
     from vitray.data import EvalLoader
 
     loader = EvalLoader(
-        path, split, batch_size=batch_size, img_size=img_size, resize=resize, num_workers=num_workers,
+        path,
+        split,
+        batch_size=batch_size,
+        img_size=img_size,
+        resize=resize,
+        num_workers=num_workers,
         storage_options=storage_options,
-    )  # fmt: skip
+    )
     return extract_features(model, loader, device=device)
 
 
@@ -142,8 +147,16 @@ def sampled_features(
     from vitray.data import EvalLoader
 
     union = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in picks.values()]))
-    loader = EvalLoader(path, split, batch_size=batch_size, img_size=img_size, resize=resize, num_workers=num_workers,
-                        storage_options=storage_options, indices=pool.positions[union].tolist())  # fmt: skip
+    loader = EvalLoader(
+        path,
+        split,
+        batch_size=batch_size,
+        img_size=img_size,
+        resize=resize,
+        num_workers=num_workers,
+        storage_options=storage_options,
+        indices=pool.positions[union].tolist(),
+    )
     keys: list[str] = []
 
     def batches():
@@ -186,20 +199,27 @@ def run_fewshot_group(
     try:
         if model.img_size != group.img_size:
             model.set_img_size(group.img_size)
-        common = dict(img_size=group.img_size, resize=FEWSHOT_RESIZE, batch_size=batch_size, num_workers=num_workers,
-                      storage_options=storage_options, device=device)  # fmt: skip
+        common = {
+            "img_size": group.img_size,
+            "resize": FEWSHOT_RESIZE,
+            "batch_size": batch_size,
+            "num_workers": num_workers,
+            "storage_options": storage_options,
+            "device": device,
+        }
         train_path = locate_train(benchmark, data_root)
         pool = FewShotPool.read(train_path, benchmark.train_split, storage_options)
         picks = {}
         for cell in group.cells:
             try:
-                picks[cell.cell_id] = sample_few_shot(pool.labels, cell.settings["shots"], cell.seed,
-                                                      benchmark.num_classes)  # fmt: skip
+                picks[cell.cell_id] = sample_few_shot(
+                    pool.labels, cell.settings["shots"], cell.seed, benchmark.num_classes
+                )
             except ValueError as error:  # e.g. fewer examples than shots: this cell only
                 errors[cell.cell_id] = f"{type(error).__name__}: {error}"
         sets = sampled_features(model, train_path, benchmark.train_split, pool, picks, **common) if picks else {}
         test_x, test_y = extract_split_features(model, locate(benchmark, data_root), benchmark.test_split, **common)
-    except Exception as error:  # noqa: BLE001 - recorded as the cells' failure, never lost
+    except Exception as error:
         seconds = (time.perf_counter() - started) / len(group.cells)
         return [CellOutcome(cell, error=error_text(error), seconds=seconds) for cell in group.cells]
     share = (time.perf_counter() - started) / len(group.cells)
@@ -211,11 +231,17 @@ def run_fewshot_group(
             try:
                 train_x, train_y = sets[cell.cell_id]
                 score = score_few_shot_set(
-                    train_x, train_y, test_x, test_y, num_classes=benchmark.num_classes,
-                    shots=cell.settings["shots"], seed=cell.seed, l2_reg=cell.settings["l2_reg"],
-                )  # fmt: skip
+                    train_x,
+                    train_y,
+                    test_x,
+                    test_y,
+                    num_classes=benchmark.num_classes,
+                    shots=cell.settings["shots"],
+                    seed=cell.seed,
+                    l2_reg=cell.settings["l2_reg"],
+                )
                 metrics = {METRIC: score.accuracy}
-            except Exception as error:  # noqa: BLE001 - this cell only
+            except Exception as error:
                 error_message = f"{type(error).__name__}: {error}"
         outcomes.append(CellOutcome(cell, metrics, error_message, share + time.perf_counter() - t0))
     return outcomes
@@ -247,16 +273,26 @@ def fewshot_probe(
     probe = model if param.dtype == torch.float32 else _CastInputs(model, param.dtype)
     results: dict[str, float] = {}
     for name, path in datasets.items():
-        common = dict(img_size=model.img_size, resize=FEWSHOT_RESIZE, batch_size=batch_size, num_workers=num_workers,
-                      storage_options=storage_options, device=param.device)  # fmt: skip
+        common = {
+            "img_size": model.img_size,
+            "resize": FEWSHOT_RESIZE,
+            "batch_size": batch_size,
+            "num_workers": num_workers,
+            "storage_options": storage_options,
+            "device": param.device,
+        }
         num_classes = _num_classes(path, storage_options)
         pool = FewShotPool.read(path, train_split, storage_options)
         picks = {(k, seed): sample_few_shot(pool.labels, k, seed, num_classes) for k in shots for seed in range(seeds)}
         sets = sampled_features(probe, path, train_split, pool, picks, **common)
         test_x, test_y = extract_split_features(probe, path, test_split, **common)
         for k in shots:
-            scores = [score_few_shot_set(*sets[k, seed], test_x, test_y, num_classes=num_classes, shots=k, seed=seed,
-                                         l2_reg=l2_reg) for seed in range(seeds)]  # fmt: skip
+            scores = [
+                score_few_shot_set(
+                    *sets[k, seed], test_x, test_y, num_classes=num_classes, shots=k, seed=seed, l2_reg=l2_reg
+                )
+                for seed in range(seeds)
+            ]
             results[f"{prefix}{name}_{k}shot"] = float(np.mean([s.accuracy for s in scores]))
     return results
 
@@ -338,8 +374,12 @@ def finetune_recipe(
         "run": {"name": run_name, "storage": run_storage},
         # Fine-tuning drops the pre-logits layer (reset_head) and starts from a zero head (weights
         # and bias, whatever the pre-training head's bias was), as the paper does.
-        "model": {**dict(model), "img_size": int(settings["resolution"]), "representation_size": None,
-                  "head_bias_init": 0.0},
+        "model": {
+            **dict(model),
+            "img_size": int(settings["resolution"]),
+            "representation_size": None,
+            "head_bias_init": 0.0,
+        },
         "init": {"checkpoint": checkpoint, "reset_head": True},
         "data": {
             "train": locate_train(benchmark, data_root),
@@ -401,8 +441,14 @@ def split_top1(
     """
     from vitray.data import EvalLoader, top1_hits
 
-    loader = EvalLoader(path, split, batch_size=batch_size, img_size=model.img_size, num_workers=num_workers,
-                        storage_options=storage_options)  # fmt: skip
+    loader = EvalLoader(
+        path,
+        split,
+        batch_size=batch_size,
+        img_size=model.img_size,
+        num_workers=num_workers,
+        storage_options=storage_options,
+    )
     was_training = model.training
     model.to(device).eval()
     correct = seen = 0

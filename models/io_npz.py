@@ -23,8 +23,14 @@ from .vit import VisionTransformer
 # How one tensor is stored: Dense kernels are (in, out), Conv kernels HWIO, attention kernels
 # split per head; "vector" also absorbs old GroupNorm params stored as (1, 1, 1, C).
 _DENSE, _CONV, _VECTOR, _RAW, _QKV_KERNEL, _QKV_BIAS, _OUT_KERNEL = (
-    "dense", "conv", "vector", "raw", "qkv_kernel", "qkv_bias", "out_kernel",
-)  # fmt: skip
+    "dense",
+    "conv",
+    "vector",
+    "raw",
+    "qkv_kernel",
+    "qkv_bias",
+    "out_kernel",
+)
 _QKV_NAMES = ("query", "key", "value")
 _OLD_PREFIX = "opt/target/"  # early checkpoints kept the optimizer's target tree
 _ENCODER_BLOCK = re.compile(r"Transformer/encoderblock_(\d+)/")
@@ -94,7 +100,11 @@ def to_npz_arrays(model: VisionTransformer) -> dict[str, np.ndarray]:
     # A model without a classifier (num_classes=0) is stored without head/*; the layout has no
     # place for masked patch prediction's [mask] embedding and predictor, which are not stored.
     rows = _layout(
-        model.depth, model.variant.resnet_stages, "cls_token" in state, "pre_logits.weight" in state, "head.weight" in state
+        model.depth,
+        model.variant.resnet_stages,
+        "cls_token" in state,
+        "pre_logits.weight" in state,
+        "head.weight" in state,
     )
     for native, npz, kind in rows:
         value = state[native]
@@ -135,7 +145,9 @@ def from_npz_arrays(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, torch.T
             stage, unit = int(match.group(1)), int(match.group(2))
             units[stage] = max(units.get(stage, 0), unit)
     resnet_stages = tuple(units[s] for s in sorted(units)) if units else None
-    rows = _layout(max(blocks) + 1, resnet_stages, "cls" in arrays, "pre_logits/kernel" in arrays, "head/kernel" in arrays)
+    rows = _layout(
+        max(blocks) + 1, resnet_stages, "cls" in arrays, "pre_logits/kernel" in arrays, "head/kernel" in arrays
+    )
 
     def take(key: str) -> torch.Tensor:
         if key not in arrays:

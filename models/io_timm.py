@@ -24,8 +24,14 @@ _TO_TIMM: tuple[tuple[str, str], ...] = (
     (r"patch_embed\.(weight|bias)", r"patch_embed.proj.\1"),
     (r"stem\.conv_root\.weight", r"patch_embed.backbone.stem.conv.weight"),
     (r"stem\.gn_root\.(weight|bias)", r"patch_embed.backbone.stem.norm.\1"),
-    (r"stem\.stages\.(\d+)\.(\d+)\.conv_proj\.weight", r"patch_embed.backbone.stages.\1.blocks.\2.downsample.conv.weight"),
-    (r"stem\.stages\.(\d+)\.(\d+)\.gn_proj\.(weight|bias)", r"patch_embed.backbone.stages.\1.blocks.\2.downsample.norm.\3"),
+    (
+        r"stem\.stages\.(\d+)\.(\d+)\.conv_proj\.weight",
+        r"patch_embed.backbone.stages.\1.blocks.\2.downsample.conv.weight",
+    ),
+    (
+        r"stem\.stages\.(\d+)\.(\d+)\.gn_proj\.(weight|bias)",
+        r"patch_embed.backbone.stages.\1.blocks.\2.downsample.norm.\3",
+    ),
     (r"stem\.stages\.(\d+)\.(\d+)\.conv(\d)\.weight", r"patch_embed.backbone.stages.\1.blocks.\2.conv\3.weight"),
     (r"stem\.stages\.(\d+)\.(\d+)\.gn(\d)\.(weight|bias)", r"patch_embed.backbone.stages.\1.blocks.\2.norm\3.\4"),
 )
@@ -33,8 +39,14 @@ _FROM_TIMM: tuple[tuple[str, str], ...] = (
     (r"patch_embed\.proj\.(weight|bias)", r"patch_embed.\1"),
     (r"patch_embed\.backbone\.stem\.conv\.weight", r"stem.conv_root.weight"),
     (r"patch_embed\.backbone\.stem\.norm\.(weight|bias)", r"stem.gn_root.\1"),
-    (r"patch_embed\.backbone\.stages\.(\d+)\.blocks\.(\d+)\.downsample\.conv\.weight", r"stem.stages.\1.\2.conv_proj.weight"),
-    (r"patch_embed\.backbone\.stages\.(\d+)\.blocks\.(\d+)\.downsample\.norm\.(weight|bias)", r"stem.stages.\1.\2.gn_proj.\3"),
+    (
+        r"patch_embed\.backbone\.stages\.(\d+)\.blocks\.(\d+)\.downsample\.conv\.weight",
+        r"stem.stages.\1.\2.conv_proj.weight",
+    ),
+    (
+        r"patch_embed\.backbone\.stages\.(\d+)\.blocks\.(\d+)\.downsample\.norm\.(weight|bias)",
+        r"stem.stages.\1.\2.gn_proj.\3",
+    ),
     (r"patch_embed\.backbone\.stages\.(\d+)\.blocks\.(\d+)\.conv(\d)\.weight", r"stem.stages.\1.\2.conv\3.weight"),
     (r"patch_embed\.backbone\.stages\.(\d+)\.blocks\.(\d+)\.norm(\d)\.(weight|bias)", r"stem.stages.\1.\2.gn\3.\4"),
 )

@@ -166,5 +166,7 @@ def load_native_state_dict(
             problems.append(f"not in the model: {unexpected}")
         if mismatched:
             problems.append(f"shape mismatches: {sorted(mismatched)}")
-        raise ValueError(f"cannot load {source} into {model.name}: " + "; ".join(problems) + _head_hint(model, state_dict))
+        raise ValueError(
+            f"cannot load {source} into {model.name}: " + "; ".join(problems) + _head_hint(model, state_dict)
+        )
     model.load_state_dict(weights, strict=load_head)

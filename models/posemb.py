@@ -29,7 +29,9 @@ def split_posemb(posemb: torch.Tensor, num_prefix_tokens: int | None = None) -> 
     grid_tokens = num_tokens - num_prefix_tokens
     side = math.isqrt(grid_tokens)
     if side * side != grid_tokens or grid_tokens == 0:
-        raise ValueError(f"posemb has {grid_tokens} grid tokens after {num_prefix_tokens} prefix token(s); not a square")
+        raise ValueError(
+            f"posemb has {grid_tokens} grid tokens after {num_prefix_tokens} prefix token(s); not a square"
+        )
     prefix = posemb[:, :num_prefix_tokens]
     grid = posemb[0, num_prefix_tokens:].reshape(side, side, posemb.shape[2])
     return prefix, grid, side

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+
 @dataclass(frozen=True)
 class TransformerSize:
     """Width (hidden size D), depth (layers), MLP size and heads of one model size."""

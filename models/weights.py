@@ -50,4 +50,6 @@ def load_weights(model: VisionTransformer, path: str | os.PathLike, *, load_head
             state = from_timm_state_dict(state)
         load_native_state_dict(model, state, source=f"{os.fspath(path)!r}", load_head=load_head)
     else:
-        raise ValueError(f"cannot tell the weight format of {os.fspath(path)!r}: use one of {', '.join(WEIGHT_SUFFIXES)}")
+        raise ValueError(
+            f"cannot tell the weight format of {os.fspath(path)!r}: use one of {', '.join(WEIGHT_SUFFIXES)}"
+        )

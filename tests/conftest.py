@@ -31,8 +31,14 @@ AWS_TEST_ENV = {
     "AWS_DEFAULT_REGION": "us-east-1",
 }
 # Variables that would point the clients at real accounts or another endpoint.
-AWS_CLEARED_ENV = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_CONFIG_FILE",
-                   "AWS_SHARED_CREDENTIALS_FILE", "AWS_ENDPOINT_URL_S3")  # fmt: skip
+AWS_CLEARED_ENV = (
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_PROFILE",
+    "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_ENDPOINT_URL_S3",
+)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -48,8 +48,14 @@ def pretrain_args(dataset: str, storage: str, name: str, *extra: str) -> list[st
 def run(cmd: list[str], timeout: float = 480, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``cmd`` to its end; one that outlives ``timeout`` fails with what it printed and where
     each of its Python processes (driver, Ray workers) stood, then is stopped with its embedded Ray."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})}, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -128,10 +134,8 @@ def running(cmd: list[str]) -> Iterator[subprocess.Popen]:
 
 def _stop_leftover_ray(session_id: int) -> None:
     """Processes of the killed session that outlived the kill (Ray daemons re-parented to init)."""
-    try:
+    with suppress(ProcessLookupError):
         os.killpg(session_id, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def final_weights(run_dir: str) -> dict:
@@ -158,10 +162,20 @@ def in_process_loop(dataset, tmp_path: Path, *extra: str):
         TrainingConfig,
         None,
         [
-            f"data.train={dataset}", "model.img_size=16", "train.steps=4", "train.batch_size=8",
-            "train.micro_batch_size=8", "schedule.warmup_steps=1", "log.every=4", "cluster.num_workers=1",
-            "data.num_workers=0", "precision.dtype=bf16", "train.zero_stage=1", f"run.storage={tmp_path}", *extra,
+            f"data.train={dataset}",
+            "model.img_size=16",
+            "train.steps=4",
+            "train.batch_size=8",
+            "train.micro_batch_size=8",
+            "schedule.warmup_steps=1",
+            "log.every=4",
+            "cluster.num_workers=1",
+            "data.num_workers=0",
+            "precision.dtype=bf16",
+            "train.zero_stage=1",
+            f"run.storage={tmp_path}",
+            *extra,
         ],
-    )  # fmt: skip
+    )
     ctx = WorkerContext(rank=0, world_size=1, run_dir=str(tmp_path / "run"), report=lambda m, d: None)
     return TrainingLoop(cfg, ctx)

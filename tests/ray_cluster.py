@@ -41,8 +41,9 @@ class LoopbackCluster:
         self.processes: dict[str, subprocess.Popen] = {}
 
     def start_head(self) -> None:
-        self._start("--head", f"--port={self.port}", "--num-cpus=1", "--include-dashboard=false",
-                    f"--temp-dir={self.temp_dir}")  # fmt: skip
+        self._start(
+            "--head", f"--port={self.port}", "--num-cpus=1", "--include-dashboard=false", f"--temp-dir={self.temp_dir}"
+        )
 
     def add_worker_node(self, resources: dict[str, float]) -> str:
         """Start a node with 2 CPUs and `resources`; returns its node id (`self.processes[id]` is its
@@ -60,8 +61,10 @@ class LoopbackCluster:
         raise AssertionError("the new node never registered with the head")
 
     def node_ids(self) -> list[str]:
-        script = "import json, ray; ray.init(address='%s', logging_level='ERROR'); " \
-                 "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))" % self.address  # fmt: skip
+        script = (
+            f"import json, ray; ray.init(address='{self.address}', logging_level='ERROR'); "
+            "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))"
+        )
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=self.env, timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -80,11 +83,20 @@ class LoopbackCluster:
 
     def drain(self, node_id: str, deadline_s: int) -> None:
         out = subprocess.run(
-            [str(BIN / "ray"), "drain-node", f"--address={self.address}", f"--node-id={node_id}",
-             "--reason=DRAIN_NODE_REASON_PREEMPTION", "--reason-message=spot instance reclaimed (test)",
-             f"--deadline-remaining-seconds={deadline_s}"],
-            capture_output=True, text=True, env=self.env, timeout=120,
-        )  # fmt: skip
+            [
+                str(BIN / "ray"),
+                "drain-node",
+                f"--address={self.address}",
+                f"--node-id={node_id}",
+                "--reason=DRAIN_NODE_REASON_PREEMPTION",
+                "--reason-message=spot instance reclaimed (test)",
+                f"--deadline-remaining-seconds={deadline_s}",
+            ],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=120,
+        )
         assert out.returncode == 0, f"ray drain-node failed: {out.stderr[-3000:]}"
 
     def kill_node(self, node_id: str) -> None:
@@ -95,10 +107,20 @@ class LoopbackCluster:
 
     def _start(self, *args: str) -> subprocess.Popen:
         node = subprocess.Popen(
-            [str(BIN / "ray"), "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
-             "--object-store-memory=150000000", *args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=self.env, start_new_session=True,
-        )  # fmt: skip
+            [
+                str(BIN / "ray"),
+                "start",
+                "--block",
+                "--node-ip-address=127.0.0.1",
+                "--disable-usage-stats",
+                "--object-store-memory=150000000",
+                *args,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=self.env,
+            start_new_session=True,
+        )
         self.nodes.append(node)
         time.sleep(3)
         if node.poll() is not None:
@@ -127,5 +149,3 @@ def loopback_cluster() -> Iterator[LoopbackCluster]:
         yield cluster
     finally:
         cluster.stop()
-
-

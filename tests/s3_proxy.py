@@ -26,10 +26,14 @@ from collections import Counter
 from aiohttp import ClientSession, ClientTimeout, web
 
 FAULTS = ("slowdown", "error", "reset", "slow")
-_SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your '
-             b"request rate.</Message></Error>")  # fmt: skip
-_INTERNAL = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code><Message>We encountered an '
-             b"internal error. Please try again.</Message></Error>")  # fmt: skip
+_SLOWDOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your '
+    b"request rate.</Message></Error>"
+)
+_INTERNAL = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code><Message>We encountered an '
+    b"internal error. Please try again.</Message></Error>"
+)
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-encoding", "content-length", "host"}
 
 
@@ -42,8 +46,16 @@ def _free_port() -> int:
 class FlakyS3Proxy:
     """``FlakyS3Proxy(upstream, rate=0.1, seed=0)``: start() it, point clients at ``url``, stop() it."""
 
-    def __init__(self, upstream: str, *, rate: float, seed: int = 0, slow_s: float = 1.0,
-                 faults: tuple[str, ...] = FAULTS, operations: tuple[str, ...] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        rate: float,
+        seed: int = 0,
+        slow_s: float = 1.0,
+        faults: tuple[str, ...] = FAULTS,
+        operations: tuple[str, ...] | None = None,
+    ):
         """`faults`: the kinds drawn from; `operations`: only these are faulted (None: all)."""
         self.upstream, self.rate, self.slow_s = upstream.rstrip("/"), rate, slow_s
         unknown = set(faults) - set(FAULTS)
@@ -61,7 +73,7 @@ class FlakyS3Proxy:
         self._thread = threading.Thread(target=self._serve, daemon=True)
 
     # -- lifecycle --------------------------------------------------------------------------------
-    def start(self) -> "FlakyS3Proxy":
+    def start(self) -> FlakyS3Proxy:
         self._thread.start()
         if not self._ready.wait(30):
             raise RuntimeError("the S3 proxy did not start")
@@ -126,8 +138,9 @@ class FlakyS3Proxy:
         if fault == "slow":
             await asyncio.sleep(self.slow_s)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-        async with self._session.request(request.method, self.upstream + request.path_qs, headers=headers,
-                                         data=body, allow_redirects=False) as upstream:  # fmt: skip
+        async with self._session.request(
+            request.method, self.upstream + request.path_qs, headers=headers, data=body, allow_redirects=False
+        ) as upstream:
             payload = await upstream.read()
             answer = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
         if fault == "reset" and len(payload) > 1:  # headers and half the body, then the line is cut

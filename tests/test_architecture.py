@@ -129,7 +129,9 @@ def collect_imports(root: Path, path: Path) -> list[Import]:
             found.append(Import(file, node.lineno, ast.unparse(node), target, names, module_level))
         elif isinstance(node, ast.Call) and (target := _dynamic_target(node)):
             found.append(Import(file, node.lineno, ast.unparse(node), target, (), module_level))
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (named := DOTTED_NAME.match(node.value)):
+        elif (
+            isinstance(node, ast.Constant) and isinstance(node.value, str) and (named := DOTTED_NAME.match(node.value))
+        ):
             found.append(Import(file, node.lineno, f"{ast.unparse(node)} (by name)", named[1], (), False, by_name=True))
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             module_level = False
@@ -310,8 +312,12 @@ def test_the_scan_sees_the_imports_it_must() -> None:
     """Guards the scan itself against finding nothing: known imports of the tree are collected."""
     imports = collect_imports(REPO, REPO / "data" / "layout.py")
     assert any(imp.target == "vitray.data" and imp.names == ("storage",) and imp.module_level for imp in imports)
-    ray_users = {imp.file for path in package_files(REPO, "cluster") for imp in collect_imports(REPO, path)
-                 if imp.target.split(".")[0] == "ray"}  # fmt: skip
+    ray_users = {
+        imp.file
+        for path in package_files(REPO, "cluster")
+        for imp in collect_imports(REPO, path)
+        if imp.target.split(".")[0] == "ray"
+    }
     assert ray_users, "no `ray` import found under cluster/"
 
 
@@ -429,7 +435,13 @@ def test_checker_allows_a_by_name_edge_only_where_by_name_lists_it(tmp_path: Pat
 
 def test_the_fewshot_evaluator_is_the_listed_by_name_edge() -> None:
     """The one by-name edge of the tree is the one BY_NAME explains, and removing it is noticed."""
-    edges = {(package, other) for package in present_packages() for path in package_files(REPO, package)
-             for imp in collect_imports(REPO, path) if imp.by_name
-             for other in vitray_packages(imp) if other != package}  # fmt: skip
+    edges = {
+        (package, other)
+        for package in present_packages()
+        for path in package_files(REPO, package)
+        for imp in collect_imports(REPO, path)
+        if imp.by_name
+        for other in vitray_packages(imp)
+        if other != package
+    }
     assert edges == set(BY_NAME)

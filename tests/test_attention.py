@@ -23,7 +23,7 @@ CPU = torch.device("cpu")
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_check_names_the_kernel_each_setting_runs_on_the_cpu(dtype):
-    shape = dict(tokens=17, heads=3, head_dim=64, dtype=dtype, device=CPU)
+    shape = {"tokens": 17, "heads": 3, "head_dim": 64, "dtype": dtype, "device": CPU}
     assert attention_kernel("auto", **shape) == "flash"
     assert attention_kernel("flash", **shape) == "flash"
     assert attention_kernel("math", **shape) == "math"

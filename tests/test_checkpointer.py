@@ -17,8 +17,12 @@ from vitray.trainers.checkpointer import Checkpointer
 from vitray.trainers.ema import Ema, WholeWeights
 
 COSTS = {
-    "checkpoint_write_s", "checkpoint_blocked_s", "checkpoint_snapshot_s", "checkpoint_wait_s", "checkpoint_report_s"
-}  # fmt: skip
+    "checkpoint_write_s",
+    "checkpoint_blocked_s",
+    "checkpoint_snapshot_s",
+    "checkpoint_wait_s",
+    "checkpoint_report_s",
+}
 
 
 class FakeBackend:
@@ -65,10 +69,16 @@ class FakeLoader:
 
 def checkpointer(backend, reports, loader, ema, every=2, last_step=5) -> Checkpointer:
     return Checkpointer(
-        backend, rank=0, world_size=1, every=every, last_step=last_step, report=lambda m, d: reports.append((m, d)),
-        states={"data": loader}, weights={ckpt.EMA_FILE: ema} if ema is not None else {},
+        backend,
+        rank=0,
+        world_size=1,
+        every=every,
+        last_step=last_step,
+        report=lambda m, d: reports.append((m, d)),
+        states={"data": loader},
+        weights={ckpt.EMA_FILE: ema} if ema is not None else {},
         record={"num_classes": 2, "label_kind": "single"},
-    )  # fmt: skip
+    )
 
 
 def test_saves_every_n_steps_and_at_the_last():
@@ -86,8 +96,14 @@ def test_save_writes_a_complete_checkpoint_that_restores():
     [(metrics, folder)] = reports
     assert metrics["step"] == 2 and metrics["loss"] == 1.5 and metrics["checkpoint_write_s"] >= 0
     state = ckpt.verify_complete(folder)
-    assert state == {"step": 2, "world_size": 1, "backend": "fake", "data": {"epoch": 0, "position": 7},
-                     "num_classes": 2, "label_kind": "single"}  # fmt: skip
+    assert state == {
+        "step": 2,
+        "world_size": 1,
+        "backend": "fake",
+        "data": {"epoch": 0, "position": 7},
+        "num_classes": 2,
+        "label_kind": "single",
+    }
     assert (folder / "fake" / "shard.bin").read_bytes() == b"shard"
     weights = load_file(str(folder / ckpt.MODEL_FILE))
     assert all(torch.equal(weights[k], v) for k, v in backend.module.state_dict().items())

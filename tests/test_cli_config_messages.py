@@ -64,6 +64,7 @@ def test_a_warmup_longer_than_the_run_is_refused():
     assert lines[0] == f"error: invalid config ({DEMO}, --set train.steps=20):"
     assert "schedule.warmup_steps=30 is longer than the run (train.steps=20)" in lines[1]
     assert "at most 20" in lines[1]
-    ok = CliRunner().invoke(app, ["pretrain", "-c", DEMO, "--set", "train.steps=20", "--set", "schedule.warmup_steps=20",
-                                  "--dry-run"])  # fmt: skip
+    ok = CliRunner().invoke(
+        app, ["pretrain", "-c", DEMO, "--set", "train.steps=20", "--set", "schedule.warmup_steps=20", "--dry-run"]
+    )
     assert ok.exit_code == 0, ok.output

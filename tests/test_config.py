@@ -32,7 +32,9 @@ CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml") if not p.name.star
 
 def test_yaml_and_overrides_are_typed(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({"train": {"steps": 7}, "optim": {"lr": 0.5}, "run": {"name": "a"}, "data": {"train": "d"}}))
+    path.write_text(
+        yaml.safe_dump({"train": {"steps": 7}, "optim": {"lr": 0.5}, "run": {"name": "a"}, "data": {"train": "d"}})
+    )
     cfg = load_config(TrainingConfig, path, ["optim.lr=1e-4", "run.name=b", "optim.ema_decay=0.99", "seed=3"])
     assert cfg.train.steps == 7
     assert cfg.optim.lr == pytest.approx(1e-4)
@@ -114,20 +116,27 @@ def leaves(tree: dict, prefix: tuple[str, ...] = ()):
 
 
 def _vitray(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "vitray.cli", *args], capture_output=True, text=True, timeout=120
-    )
+    return subprocess.run([sys.executable, "-m", "vitray.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_cli_dry_run_prints_resolved_config():
-    out = _vitray("pretrain", "-c", str(REPO / "configs" / "demo.yaml"), "--set", "train.steps=3", "--set",
-                  "schedule.warmup_steps=1", "--dry-run")  # fmt: skip
+    out = _vitray(
+        "pretrain",
+        "-c",
+        str(REPO / "configs" / "demo.yaml"),
+        "--set",
+        "train.steps=3",
+        "--set",
+        "schedule.warmup_steps=1",
+        "--dry-run",
+    )
     assert out.returncode == 0, out.stderr
     resolved = yaml.safe_load(out.stdout)
     assert resolved["train"]["steps"] == 3
     assert resolved["model"]["name"] == "Ti/4"
-    assert resolved == load_config(TrainingConfig, REPO / "configs" / "demo.yaml",
-                                   ["train.steps=3", "schedule.warmup_steps=1"]).model_dump(mode="json")  # fmt: skip
+    assert resolved == load_config(
+        TrainingConfig, REPO / "configs" / "demo.yaml", ["train.steps=3", "schedule.warmup_steps=1"]
+    ).model_dump(mode="json")
 
 
 def test_cli_bad_config_fails_fast_without_ray():
@@ -190,28 +199,40 @@ def test_moved_key_hints_say_where_and_show_evals():
 
 
 def test_evals_are_typed_by_name_and_type():
-    cfg = load_config(TrainingConfig, None, [
-        "data.train=d", "evals.val={type: val, every: 10}",
-        "evals.probe={type: fewshot, every: 50, datasets: {digits: /d}, shots: [1, 5], seeds: 2}",
-    ])  # fmt: skip
+    cfg = load_config(
+        TrainingConfig,
+        None,
+        [
+            "data.train=d",
+            "evals.val={type: val, every: 10}",
+            "evals.probe={type: fewshot, every: 50, datasets: {digits: /d}, shots: [1, 5], seeds: 2}",
+        ],
+    )
     assert list(cfg.evals) == ["val", "probe"]
     assert cfg.evals["val"] == ValEvalConfig(type="val", every=10, batch_size=256)
-    assert cfg.evals["probe"] == FewshotEvalConfig(type="fewshot", every=50, datasets={"digits": "/d"}, shots=[1, 5],
-                                                   seeds=2, batch_size=256)  # fmt: skip
+    assert cfg.evals["probe"] == FewshotEvalConfig(
+        type="fewshot", every=50, datasets={"digits": "/d"}, shots=[1, 5], seeds=2, batch_size=256
+    )
     evaluators = build_evaluators(cfg)
-    assert [(type(e), e.name, e.every) for e in evaluators] == [(ValEvaluator, "val", 10), (FewshotEvaluator, "probe", 50)]
+    assert [(type(e), e.name, e.every) for e in evaluators] == [
+        (ValEvaluator, "val", 10),
+        (FewshotEvaluator, "probe", 50),
+    ]
     assert load_config(TrainingConfig, None, ["data.train=d"]).evals == {}
 
 
-@pytest.mark.parametrize("bad, expected", [
-    ("evals.val={type: top5, every: 10}", r"evals\.val: Input tag 'top5'.*expected tags: 'val', 'fewshot'"),
-    ("evals.val={type: val}", r"evals\.val\.val\.every: Field required"),
-    ("evals.val={type: val, every: 0}", r"evals\.val\.val\.every: Input should be greater than 0"),
-    ("evals.val={type: val, every: 5, shots: [1]}", r"evals\.val\.val\.shots: unknown key"),
-    ("evals.probe={type: fewshot, every: 5, datasets: {}}", r"evals\.probe\.fewshot\.datasets: .*at least 1"),
-    ("evals.probe={type: fewshot, every: 5, datasets: {d: /d}, shots: [0]}", r"must be positive"),
-    ("evals={a/b: {type: val, every: 5}}", r"evaluator name 'a/b' must start with"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad, expected",
+    [
+        ("evals.val={type: top5, every: 10}", r"evals\.val: Input tag 'top5'.*expected tags: 'val', 'fewshot'"),
+        ("evals.val={type: val}", r"evals\.val\.val\.every: Field required"),
+        ("evals.val={type: val, every: 0}", r"evals\.val\.val\.every: Input should be greater than 0"),
+        ("evals.val={type: val, every: 5, shots: [1]}", r"evals\.val\.val\.shots: unknown key"),
+        ("evals.probe={type: fewshot, every: 5, datasets: {}}", r"evals\.probe\.fewshot\.datasets: .*at least 1"),
+        ("evals.probe={type: fewshot, every: 5, datasets: {d: /d}, shots: [0]}", r"must be positive"),
+        ("evals={a/b: {type: val, every: 5}}", r"evaluator name 'a/b' must start with"),
+    ],
+)
 def test_bad_evals_are_refused(bad, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config(TrainingConfig, None, ["data.train=d", bad])
@@ -219,7 +240,9 @@ def test_bad_evals_are_refused(bad, expected):
 
 def test_masked_patch_refuses_a_val_evaluator():
     base = ["data.train=d", "train.objective=masked_patch"]
-    with pytest.raises(ConfigError, match=r"evals\.val \(type val\) scores a classifier, but train\.objective=masked_patch"):
+    with pytest.raises(
+        ConfigError, match=r"evals\.val \(type val\) scores a classifier, but train\.objective=masked_patch"
+    ):
         load_config(TrainingConfig, None, [*base, "evals.val={type: val, every: 10}"])
     assert load_config(TrainingConfig, None, [*base, "evals.probe={type: fewshot, every: 10, datasets: {d: /d}}"])
 

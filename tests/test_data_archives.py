@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import scipy.io
 from PIL import Image
-from tfds_helpers import png
 
 from vitray.data import prepare_dataset, read_labels
 from vitray.data.sources import open_source
@@ -40,8 +39,10 @@ def _pets(folder: Path, drop: str | None = None) -> Path:
     trainval = [(f"{BREEDS[i % 3]}_{i}", i % 3 + 1) for i in range(10)]
     test = [(f"{BREEDS[(i + 1) % 3]}_{100 + i}", (i + 1) % 3 + 1) for i in range(5)]
     header = "#Image CLASS-ID SPECIES BREED ID\n#ID: 1:37 Class ids\n"
-    lines = {n: header + "".join(f"{name} {cid} {1 + cid % 2} {cid}\n" for name, cid in items)
-             for n, items in (("trainval", trainval), ("test", test))}  # fmt: skip
+    lines = {
+        n: header + "".join(f"{name} {cid} {1 + cid % 2} {cid}\n" for name, cid in items)
+        for n, items in (("trainval", trainval), ("test", test))
+    }
     with tarfile.open(folder / "annotations.tar.gz", "w:gz") as archive:
         for name, text in lines.items():
             _add(archive, f"annotations/{name}.txt", text.encode())
@@ -58,7 +59,7 @@ def test_pets_archives_give_trainval_and_test_with_breed_names(tmp_path):
     assert source.name == "oxford_iiit_pet" and source.classes == BREEDS
     assert source.split_sizes() == {"train": 10, "test": 5}
     prepare_dataset(source, str(tmp_path / "out"), samples_per_shard=4)
-    keys, labels = read_labels(str(tmp_path / "out"), "train")
+    _keys, labels = read_labels(str(tmp_path / "out"), "train")
     assert sorted(labels.tolist()) == sorted(i % 3 for i in range(10))
     assert sorted(read_labels(str(tmp_path / "out"), "test")[1].tolist()) == sorted((i + 1) % 3 for i in range(5))
     # Each sample keeps the label of its own image (the shards are in a shuffled order).
@@ -79,8 +80,10 @@ def _flowers(folder: Path) -> tuple[Path, np.ndarray]:
     folder.mkdir(parents=True)
     labels = np.array([(i * 5) % 4 + 1 for i in range(12)])  # 4 classes, 1-based
     scipy.io.savemat(folder / "imagelabels.mat", {"labels": labels[None, :]})
-    scipy.io.savemat(folder / "setid.mat", {"trnid": np.array([[1, 5, 9, 2]]), "valid": np.array([[3, 7, 11]]),
-                                            "tstid": np.array([[4, 6, 8, 10, 12]])})  # fmt: skip
+    scipy.io.savemat(
+        folder / "setid.mat",
+        {"trnid": np.array([[1, 5, 9, 2]]), "valid": np.array([[3, 7, 11]]), "tstid": np.array([[4, 6, 8, 10, 12]])},
+    )
     with tarfile.open(folder / "102flowers.tgz", "w:gz") as archive:
         for i in range(1, 13):
             _add(archive, f"jpg/image_{i:05d}.jpg", _jpeg(i))
@@ -99,7 +102,9 @@ def test_flowers_archive_and_mat_files_give_the_three_splits(tmp_path):
         assert all(by_image[s.image] == s.label for s in samples) and all(s.ext == "jpg" for s in samples)
     info = prepare_dataset(source, str(tmp_path / "out"))
     assert {k: v.num_samples for k, v in info.splits.items()} == {"train": 4, "validation": 3, "test": 5}
-    scipy.io.savemat(folder / "setid.mat", {"trnid": np.array([[1, 99]]), "valid": np.array([[2]]), "tstid": np.array([[3]])})
+    scipy.io.savemat(
+        folder / "setid.mat", {"trnid": np.array([[1, 99]]), "valid": np.array([[2]]), "tstid": np.array([[3]])}
+    )
     with pytest.raises(ValueError, match=r"trnid holds image numbers outside 1..12"):
         open_source(f"flowers102:{folder}")
 
@@ -116,8 +121,9 @@ def _records(labels: list[tuple[int, ...]]) -> bytes:
 def _cifar10_bin(folder: Path) -> dict[str, bytes]:
     files = {f"data_batch_{b}.bin": _records([((b * 3 + i) % 10,) for i in range(4)]) for b in range(1, 6)}
     files["test_batch.bin"] = _records([(i % 10,) for i in range(3)])
-    files["batches.meta.txt"] = ("\n".join(["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
-                                            "ship", "truck"]) + "\n\n").encode()  # fmt: skip
+    files["batches.meta.txt"] = (
+        "\n".join(["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]) + "\n\n"
+    ).encode()
     return files
 
 

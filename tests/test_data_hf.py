@@ -48,11 +48,13 @@ configs:
 
 def _table(first: int, count: int, *, metadata: dict | None = None) -> pa.Table:
     rows = range(first, first + count)
-    table = pa.table({
-        "img": [{"bytes": png(i), "path": f"{i}.png"} for i in rows],
-        "fine_label": [i % 3 for i in rows],
-        "coarse_label": [int(i % 3 == 0) for i in rows],
-    })  # fmt: skip
+    table = pa.table(
+        {
+            "img": [{"bytes": png(i), "path": f"{i}.png"} for i in rows],
+            "fine_label": [i % 3 for i in rows],
+            "coarse_label": [int(i % 3 == 0) for i in rows],
+        }
+    )
     return table.replace_schema_metadata(metadata) if metadata else table
 
 
@@ -67,7 +69,9 @@ def _hub_copy(root: Path, card: str = CARD) -> Path:
 
 def test_hf_columns_and_class_names_come_from_the_card(tmp_path):
     root = _hub_copy(tmp_path / "cifar100-like")
-    with pytest.raises(ValueError, match=r"several class_label features \['fine_label', 'coarse_label'\].*label=COLUMN"):
+    with pytest.raises(
+        ValueError, match=r"several class_label features \['fine_label', 'coarse_label'\].*label=COLUMN"
+    ):
         open_source(f"hf:{root}")
     source = open_source(f"hf:{root}?label=fine_label")
     assert source.classes == ["apple", "bear", "castle"] and source.label_kind == "single"
@@ -82,8 +86,11 @@ def test_hf_columns_and_class_names_come_from_the_card(tmp_path):
 def test_hf_flags_without_a_card_and_schema_metadata_names(tmp_path):
     root = tmp_path / "plain"
     root.mkdir()
-    features = {"info": {"features": {"img": {"_type": "Image"},
-                                      "fine_label": {"_type": "ClassLabel", "names": ["a", "b", "c"]}}}}  # fmt: skip
+    features = {
+        "info": {
+            "features": {"img": {"_type": "Image"}, "fine_label": {"_type": "ClassLabel", "names": ["a", "b", "c"]}}
+        }
+    }
     pq.write_table(_table(0, 5, metadata={b"huggingface": json.dumps(features).encode()}), root / "train.parquet")
     with pytest.raises(ValueError, match=r"expected columns 'image'.*found \['img', 'fine_label', 'coarse_label'\]"):
         open_source(f"hf:{root}")

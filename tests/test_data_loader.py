@@ -21,8 +21,8 @@ from fsspec.implementations.local import LocalFileSystem
 from PIL import Image
 
 import vitray.data.batch as batch_module
-import vitray.data.shared_memory as shared_memory
 import vitray.data.loader as loader_module
+import vitray.data.shared_memory as shared_memory
 from vitray.data import (
     DataConfig,
     EvalLoader,
@@ -55,8 +55,19 @@ GLOBAL_BATCH = 32  # 4 positions of each of the 8 slots per step; digits train: 
 
 
 def loader(path, *, rank=0, world_size=1, batch_size=GLOBAL_BATCH, workers=0, seed=3, **kwargs) -> ShardLoader:
-    return ShardLoader(str(path), "train", rank=rank, world_size=world_size, batch_size=batch_size, img_size=8,
-                       train=True, seed=seed, num_slots=NUM_SLOTS, num_workers=workers, **kwargs)  # fmt: skip
+    return ShardLoader(
+        str(path),
+        "train",
+        rank=rank,
+        world_size=world_size,
+        batch_size=batch_size,
+        img_size=8,
+        train=True,
+        seed=seed,
+        num_slots=NUM_SLOTS,
+        num_workers=workers,
+        **kwargs,
+    )
 
 
 def take(data_loader: ShardLoader, steps: int) -> list:
@@ -80,8 +91,10 @@ def test_epoch_plan_is_a_pure_function_with_equal_slots():
     assert all(sum(len(r) for r in slot) == plan.slot_size for slot in plan.slots)
     covered = [(r.shard, i) for slot in plan.slots for r in slot for i in range(r.start, r.stop)]
     assert len(covered) == len(set(covered)) == 342 - plan.dropped
-    orders = [tuple(dict.fromkeys(r.shard for slot in epoch_plan(7, e, sizes, 8).slots for r in slot)) for e in range(6)]
-    assert all(a != b for a, b in zip(orders, orders[1:])), orders  # the shard order changes from epoch to epoch
+    orders = [
+        tuple(dict.fromkeys(r.shard for slot in epoch_plan(7, e, sizes, 8).slots for r in slot)) for e in range(6)
+    ]
+    assert all(a != b for a, b in itertools.pairwise(orders)), orders  # the shard order changes from epoch to epoch
 
 
 def test_rank_slots_and_bad_divisions():
@@ -96,7 +109,9 @@ def test_batch_size_must_split_over_the_rank_slots(digits_dataset):
     with pytest.raises(ValueError, match="batch_size=10 must be a positive multiple of the rank's 4 slots"):
         loader(digits_dataset, world_size=2, batch_size=10)
     with pytest.raises(KeyError, match="has no split 'validation'"):
-        ShardLoader(str(digits_dataset), "validation", rank=0, world_size=1, batch_size=8, img_size=8, train=True, seed=0)
+        ShardLoader(
+            str(digits_dataset), "validation", rank=0, world_size=1, batch_size=8, img_size=8, train=True, seed=0
+        )
 
 
 # ---------------------------------------------------------------- training reader
@@ -129,8 +144,10 @@ def test_any_worker_count_gives_the_same_batches(digits_dataset):
 @pytest.mark.parametrize(("before_ws", "after_ws"), [(2, 1), (1, 2)])
 def test_resume_on_another_world_size_visits_every_sample_once(digits_dataset, before_ws, after_ws):
     def run(world_size, steps, state=None):
-        ranks = [loader(digits_dataset, rank=r, world_size=world_size, batch_size=GLOBAL_BATCH // world_size)
-                 for r in range(world_size)]  # fmt: skip
+        ranks = [
+            loader(digits_dataset, rank=r, world_size=world_size, batch_size=GLOBAL_BATCH // world_size)
+            for r in range(world_size)
+        ]
         for rank_loader in ranks:
             if state:
                 rank_loader.load_state_dict(state)
@@ -164,8 +181,14 @@ def test_staggered_windows_partition_each_slot_and_switch_at_different_steps(dig
     plan, buffer = epoch_plan(3, 0, [r.num_samples for r in rows], NUM_SLOTS), 48
     offsets = [window_offset(slot, NUM_SLOTS, buffer) for slot in range(NUM_SLOTS)]
     assert offsets == [0, 6, 12, 18, 24, 30, 36, 42] and window_offset(5, NUM_SLOTS, buffer, staggered=False) == 0
-    switches = {slot: {p for p in range(1, plan.slot_size) if window_of(p, offsets[slot], buffer)
-                       != window_of(p - 1, offsets[slot], buffer)} for slot in range(NUM_SLOTS)}  # fmt: skip
+    switches = {
+        slot: {
+            p
+            for p in range(1, plan.slot_size)
+            if window_of(p, offsets[slot], buffer) != window_of(p - 1, offsets[slot], buffer)
+        }
+        for slot in range(NUM_SLOTS)
+    }
     assert all(a.isdisjoint(b) for a, b in itertools.combinations(switches.values(), 2))
     with ThreadPoolExecutor(1) as background:
         for slot in (0, 5):
@@ -174,8 +197,16 @@ def test_staggered_windows_partition_each_slot_and_switch_at_different_steps(dig
             stream = _stream_keys(plan, slot)
             reads = {}
             for executor in (None, background):
-                reader = SlotReader(urls, plan, slot, shuffle_buffer=buffer, start=0, stop=plan.slot_size,
-                                    window_offset=offsets[slot], executor=executor)  # fmt: skip
+                reader = SlotReader(
+                    urls,
+                    plan,
+                    slot,
+                    shuffle_buffer=buffer,
+                    start=0,
+                    stop=plan.slot_size,
+                    window_offset=offsets[slot],
+                    executor=executor,
+                )
                 reads[executor] = [reader.take(p).key for p in range(plan.slot_size)]
                 reader.close()
             assert reads[None] == reads[background] and sorted(reads[None]) == sorted(stream)
@@ -191,13 +222,24 @@ def test_the_next_window_is_read_in_the_background(digits_dataset, monkeypatch):
 
     readers_threads = []
     real_read = SampleStream.read
-    monkeypatch.setattr(SampleStream, "read", lambda self, want: readers_threads.append(
-        threading.current_thread().name) or real_read(self, want))  # fmt: skip
+    monkeypatch.setattr(
+        SampleStream,
+        "read",
+        lambda self, want: readers_threads.append(threading.current_thread().name) or real_read(self, want),
+    )
     rows = read_manifest(str(digits_dataset), "train")
     plan = epoch_plan(3, 0, [r.num_samples for r in rows], 2)
     with ThreadPoolExecutor(1, thread_name_prefix="background") as background:
-        reader = SlotReader([str(digits_dataset / r.name) for r in rows], plan, 1, shuffle_buffer=100, start=0,
-                            stop=plan.slot_size, window_offset=50, executor=background)  # fmt: skip
+        reader = SlotReader(
+            [str(digits_dataset / r.name) for r in rows],
+            plan,
+            1,
+            shuffle_buffer=100,
+            start=0,
+            stop=plan.slot_size,
+            window_offset=50,
+            executor=background,
+        )
         for position in range(25):  # window 0 is [0, 50): read here, in this thread
             reader.take(position)
         assert reader._next is None  # not before the last quarter of the window
@@ -225,8 +267,11 @@ def test_states_saved_before_staggering_resume_with_their_windows(digits_dataset
     from vitray.data.plan import window_order
 
     per_slot = GLOBAL_BATCH // NUM_SLOTS
-    expected = [_stream_keys(plan, slot)[int(window_order(3, 0, slot, 0, plan.slot_size)[p])]
-                for slot in range(NUM_SLOTS) for p in range(per_slot)]  # fmt: skip
+    expected = [
+        _stream_keys(plan, slot)[int(window_order(3, 0, slot, 0, plan.slot_size)[p])]
+        for slot in range(NUM_SLOTS)
+        for p in range(per_slot)
+    ]
     assert first[0].keys == expected
     resumed = loader(digits_dataset, workers=2)
     resumed.load_state_dict({**old_state, "consumed_per_slot": per_slot})
@@ -385,8 +430,22 @@ def test_corrupt_images_and_truncated_shards_are_skipped_and_counted(tmp_path, c
     assert len(skip_warnings) == 1  # rate-limited: the first at once, the rest summarised later
 
     # Training: the same positions are skipped with any number of workers, and nothing is fatal.
-    train = [ShardLoader(str(dest), "train", rank=0, world_size=1, batch_size=8, img_size=8, train=True, seed=1,
-                         num_slots=4, num_workers=w, shuffle_buffer=5) for w in (0, 2)]  # fmt: skip
+    train = [
+        ShardLoader(
+            str(dest),
+            "train",
+            rank=0,
+            world_size=1,
+            batch_size=8,
+            img_size=8,
+            train=True,
+            seed=1,
+            num_slots=4,
+            num_workers=w,
+            shuffle_buffer=5,
+        )
+        for w in (0, 2)
+    ]
     runs = [take(t, 2 * t.steps_per_epoch) for t in train]
     assert same_batches(*runs)
     assert [b.num_skipped for b in runs[0]] == [b.num_skipped for b in runs[1]]
@@ -411,15 +470,18 @@ def test_skip_reporter_limits_warnings(caplog):
 def test_eval_loader_reads_every_sample_once_across_ranks(digits_dataset):
     per_rank = []
     for rank in range(3):
-        eval_loader = EvalLoader(str(digits_dataset), "test", rank=rank, world_size=3, batch_size=50, img_size=8,
-                                 num_workers=2)  # fmt: skip
+        eval_loader = EvalLoader(
+            str(digits_dataset), "test", rank=rank, world_size=3, batch_size=50, img_size=8, num_workers=2
+        )
         batches = list(eval_loader)
         assert len(batches) == len(eval_loader) and [b.step for b in batches] == list(range(len(batches)))
         per_rank.append([k for b in batches for k in b.keys])
     keys = [k for r in per_rank for k in r]
     assert keys == sorted(keys) and len(set(keys)) == 360  # stored order, nothing dropped or repeated
     assert [len(r) for r in per_rank] == [120, 120, 120]
-    single = [k for b in EvalLoader(str(digits_dataset), "test", batch_size=64, img_size=8, num_workers=0) for k in b.keys]
+    single = [
+        k for b in EvalLoader(str(digits_dataset), "test", batch_size=64, img_size=8, num_workers=0) for k in b.keys
+    ]
     assert single == keys
 
 
@@ -445,8 +507,20 @@ def test_multi_label_batches_are_multi_hot(tmp_path):
     pq.write_table(pa.Table.from_pylist(records), tmp_path / "pq" / "train-0.parquet")
     prepare_dataset(f"parquet:{tmp_path / 'pq'}", str(tmp_path / "out"), samples_per_shard=10)
     assert read_dataset_info(str(tmp_path / "out")).num_classes == 8
-    batch = take(ShardLoader(str(tmp_path / "out"), "train", rank=0, world_size=1, batch_size=8, img_size=6,
-                             train=True, seed=0, num_workers=0), 1)[0]  # fmt: skip
+    batch = take(
+        ShardLoader(
+            str(tmp_path / "out"),
+            "train",
+            rank=0,
+            world_size=1,
+            batch_size=8,
+            img_size=6,
+            train=True,
+            seed=0,
+            num_workers=0,
+        ),
+        1,
+    )[0]
     assert batch.labels.shape == (8, 8) and batch.labels.dtype == torch.float32
     assert torch.all(batch.labels.sum(dim=1) == 2)
     by_key = {f"train_{i:08d}": {i % 5, 5 + i % 3} for i in range(40)}
@@ -514,7 +588,9 @@ def test_transient_read_errors_are_retried_transparently(digits_dataset, monkeyp
     read = ["dataset.json", "test.manifest.parquet", *(row.name for row in read_manifest(str(digits_dataset), "test"))]
     assert FlakyFileSystem.failed == {f"{digits_dataset}/{name}" for name in read}  # each failed once, was re-read
     assert any("reopening at sample" in r.getMessage() for r in caplog.records)
-    local = [k for b in EvalLoader(str(digits_dataset), "test", batch_size=64, img_size=8, num_workers=0) for k in b.keys]
+    local = [
+        k for b in EvalLoader(str(digits_dataset), "test", batch_size=64, img_size=8, num_workers=0) for k in b.keys
+    ]
     assert flaky == local and len(local) == 360
 
 
@@ -524,7 +600,12 @@ def test_transient_read_errors_are_retried_transparently(digits_dataset, monkeyp
 def test_data_config_validates():
     config = DataConfig(train="s3://bucket/digits")
     # num_slots unset: the training config derives it from the cluster (test_config.py)
-    assert (config.val_path, config.val_split, config.num_slots, config.shuffle_buffer) == ("s3://bucket/digits", "test", None, 512)
+    assert (config.val_path, config.val_split, config.num_slots, config.shuffle_buffer) == (
+        "s3://bucket/digits",
+        "test",
+        None,
+        512,
+    )
     with pytest.raises(ValueError, match="num_slot"):
         DataConfig(train="x", num_slot=8)
     with pytest.raises(ValueError, match="greater than 0"):
@@ -564,8 +645,20 @@ def jpeg_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def jpeg_loader(path: Path, *, workers: int, **kwargs) -> ShardLoader:
-    return ShardLoader(str(path), "train", rank=0, world_size=1, batch_size=64, img_size=JPEG_SIZE, train=True,
-                       seed=5, num_slots=8, num_workers=workers, shuffle_buffer=4, **kwargs)  # fmt: skip
+    return ShardLoader(
+        str(path),
+        "train",
+        rank=0,
+        world_size=1,
+        batch_size=64,
+        img_size=JPEG_SIZE,
+        train=True,
+        seed=5,
+        num_slots=8,
+        num_workers=workers,
+        shuffle_buffer=4,
+        **kwargs,
+    )
 
 
 def test_float_batches_are_the_uint8_batches_in_model_range_with_any_workers(jpeg_dataset):
@@ -587,7 +680,7 @@ def test_decoding_into_the_chunk_matches_the_tensor_transforms(jpeg_dataset):
     stream = SampleStream([str(jpeg_dataset / first_shard)], [ShardRange(0, 0, 12)])
     raws = [stream.read(want=True) for _ in range(12)]
     seeds = list(range(100, 112))
-    common = dict(img_size=48, label_kind="single", num_classes=3, reporter=SkipReporter(), where="test")
+    common = {"img_size": 48, "label_kind": "single", "num_classes": 3, "reporter": SkipReporter(), "where": "test"}
 
     by_plane = batch_module.decode_chunk(raws, seeds, transform=train_augment(48), **common)
     by_tensor = batch_module.decode_chunk(raws, seeds, transform=train_transform(48), **common)
@@ -620,7 +713,7 @@ def _jpeg(width: int, height: int, quality: int = 90) -> bytes:
 def test_train_crop_draws_torchvisions_crops_from_the_sample_seed():
     from torchvision.transforms import v2
 
-    crop, flip = v2.RandomResizedCrop(32, scale=(0.05, 1.0), antialias=True), v2.RandomHorizontalFlip()
+    crop, _flip = v2.RandomResizedCrop(32, scale=(0.05, 1.0), antialias=True), v2.RandomHorizontalFlip()
     train_crop = TrainCrop(32)
     for seed, (width, height) in itertools.product(range(40), [(500, 375), (40, 300), (300, 20), (7, 7)]):
         image = Image.new("RGB", (width, height))
@@ -662,7 +755,7 @@ def test_train_crop_from_bytes_matches_the_pil_path_and_decodes_large_crops_redu
     data, reduced = _jpeg(1024, 768), 0
     for seed in range(20):
         before = len(scales)
-        top, left, h, w, _ = train_crop.params(1024, 768, torch.Generator().manual_seed(seed))
+        _top, _left, h, w, _ = train_crop.params(1024, 768, torch.Generator().manual_seed(seed))
         got = train_crop.from_bytes(data, seed)
         expected = torch.from_numpy(np.array(apply_seeded(pil_path, decode_image(data), seed))).permute(2, 0, 1)
         assert got.shape == (3, 64, 64)

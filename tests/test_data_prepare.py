@@ -85,8 +85,12 @@ def write_cifar10(folder: Path, rng: np.random.Generator, rows_per_batch: int = 
         for file in files:
             data = rng.integers(0, 256, (rows_per_batch, 3072), dtype=np.uint8)
             labels = rng.integers(0, 10, rows_per_batch).tolist()
-            batch = {b"batch_label": file.encode(), b"labels": labels, b"data": data,
-                     b"filenames": [f"{file}_{i}.png".encode() for i in range(rows_per_batch)]}  # fmt: skip
+            batch = {
+                b"batch_label": file.encode(),
+                b"labels": labels,
+                b"data": data,
+                b"filenames": [f"{file}_{i}.png".encode() for i in range(rows_per_batch)],
+            }
             with open(folder / file, "wb") as f:
                 pickle.dump(batch, f, protocol=2)
             made[split][0].extend(data)
@@ -104,8 +108,17 @@ def write_cifar100(folder: Path, rng: np.random.Generator, rows: int = 5):
         data = rng.integers(0, 256, (rows, 3072), dtype=np.uint8)
         labels = rng.integers(0, 100, rows).tolist()
         with open(folder / split, "wb") as f:
-            pickle.dump({b"data": data, b"fine_labels": labels, b"coarse_labels": [0] * rows,
-                         b"filenames": [b"x.png"] * rows, b"batch_label": split.encode()}, f, protocol=2)  # fmt: skip
+            pickle.dump(
+                {
+                    b"data": data,
+                    b"fine_labels": labels,
+                    b"coarse_labels": [0] * rows,
+                    b"filenames": [b"x.png"] * rows,
+                    b"batch_label": split.encode(),
+                },
+                f,
+                protocol=2,
+            )
         made[split] = (data, labels)
     return made
 
@@ -130,8 +143,11 @@ def write_parquet(folder: Path, rng: np.random.Generator, *, multi: bool = False
         metadata=hf_metadata(feature) if names else None,
     )
     made: dict[str, list] = {"train": [], "test": []}
-    for file, split, rows in (("train-00000-of-00002", "train", 5), ("train-00001-of-00002", "train", 4),
-                              ("test-00000-of-00001", "test", 3)):  # fmt: skip
+    for file, split, rows in (
+        ("train-00000-of-00002", "train", 5),
+        ("train-00001-of-00002", "train", 4),
+        ("test-00000-of-00001", "test", 3),
+    ):
         records = []
         for i in range(rows):
             data = jpeg_bytes(random_image(rng)) if i % 2 else png_bytes(random_image(rng))
@@ -154,7 +170,9 @@ def test_image_folder_keeps_original_bytes_labels_and_sorted_classes(tmp_path):
     for split, expected in made.items():
         samples = shard_samples(tmp_path / "out", split)
         assert all("." not in key and key.startswith(f"{split}_") for key in samples)
-        stored = sorted((next(v[e] for e in ("png", "jpg") if e in v), info.classes[int(v["cls"])]) for v in samples.values())
+        stored = sorted(
+            (next(v[e] for e in ("png", "jpg") if e in v), info.classes[int(v["cls"])]) for v in samples.values()
+        )
         assert stored == sorted(expected)  # every image once, bytes untouched, with its class
         for fields in samples.values():
             image_ext = "png" if "png" in fields else "jpg"
@@ -323,7 +341,12 @@ def test_prepared_dest_is_kept_unless_overwrite(tmp_path, capsys):
     info = prepare_dataset(src, str(dest), samples_per_shard=12, overwrite=True)
     assert info.splits["train"].num_shards == 1
     assert sorted(p.name for p in dest.iterdir()) == [
-        "dataset.json", "train-000000.tar", "train.manifest.parquet", "val-000000.tar", "val.manifest.parquet"]  # fmt: skip
+        "dataset.json",
+        "train-000000.tar",
+        "train.manifest.parquet",
+        "val-000000.tar",
+        "val.manifest.parquet",
+    ]
 
 
 def test_shard_tasks_pickle(tmp_path):
@@ -371,7 +394,9 @@ def test_unsupported_images_and_tables_are_rejected(tmp_path):
     prepare_dataset(f"parquet:{bad_label}", str(tmp_path / "ok"))
     assert read_dataset_info(str(tmp_path / "ok")).num_classes == 8
     pq.write_table(
-        pa.table({"image": image, "label": [7]}).replace_schema_metadata(hf_metadata({"_type": "ClassLabel", "names": ["a", "b"]})),
+        pa.table({"image": image, "label": [7]}).replace_schema_metadata(
+            hf_metadata({"_type": "ClassLabel", "names": ["a", "b"]})
+        ),
         bad_label / "train.parquet",
     )
     with pytest.raises(ValueError, match="label 7 is outside the classes 0..1"):

@@ -24,7 +24,9 @@ def test_ray_prepare_equals_serial_prepare(local_ray, digits_dataset, tmp_path, 
     dest = tmp_path / "digits"
     info = prepare_dataset_on_ray("builtin:digits", str(dest), samples_per_shard=100)
     assert info == read_dataset_info(str(digits_dataset))
-    assert {p.name: p.read_bytes() for p in dest.iterdir()} == {p.name: p.read_bytes() for p in digits_dataset.iterdir()}
+    assert {p.name: p.read_bytes() for p in dest.iterdir()} == {
+        p.name: p.read_bytes() for p in digits_dataset.iterdir()
+    }
     assert "1797/1797" in capsys.readouterr().out  # the progress bar counted every image
 
     prepare_dataset_on_ray("builtin:digits", str(dest))

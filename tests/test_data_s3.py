@@ -26,8 +26,18 @@ def test_s3_round_trip_matches_local(moto_server, digits_dataset):
 
     # Training batches from S3 (two worker processes) equal those from local disk.
     def batches(path, workers):
-        data_loader = ShardLoader(str(path), "train", rank=0, world_size=1, batch_size=16, img_size=8, train=True,
-                                  seed=0, num_workers=workers, shuffle_buffer=64)  # fmt: skip
+        data_loader = ShardLoader(
+            str(path),
+            "train",
+            rank=0,
+            world_size=1,
+            batch_size=16,
+            img_size=8,
+            train=True,
+            seed=0,
+            num_workers=workers,
+            shuffle_buffer=64,
+        )
         return list(itertools.islice(data_loader, 5))
 
     remote, local = batches(dest, 2), batches(digits_dataset, 0)
@@ -58,8 +68,9 @@ def test_explicit_storage_options_reach_the_store(moto_server, monkeypatch):
     assert storage.exists(path, moto_server.storage_options)
 
 
-def test_shard_cache_fetches_whole_shards_in_parallel_ranges_and_stays_bounded(moto_server, digits_dataset,
-                                                                                tmp_path, monkeypatch):  # fmt: skip
+def test_shard_cache_fetches_whole_shards_in_parallel_ranges_and_stays_bounded(
+    moto_server, digits_dataset, tmp_path, monkeypatch
+):
     dest = moto_server.url("datasets", "digits")
     prepare_dataset("builtin:digits", dest, samples_per_shard=100)
     rows = read_manifest(dest, "train")
@@ -68,8 +79,19 @@ def test_shard_cache_fetches_whole_shards_in_parallel_ranges_and_stays_bounded(m
     cache_dir = tmp_path / "cache"
 
     def batches(path, workers, steps, **kwargs):
-        data_loader = ShardLoader(str(path), "train", rank=0, world_size=1, batch_size=16, img_size=8, train=True,
-                                  seed=0, num_workers=workers, shuffle_buffer=64, **kwargs)  # fmt: skip
+        data_loader = ShardLoader(
+            str(path),
+            "train",
+            rank=0,
+            world_size=1,
+            batch_size=16,
+            img_size=8,
+            train=True,
+            seed=0,
+            num_workers=workers,
+            shuffle_buffer=64,
+            **kwargs,
+        )
         return list(itertools.islice(data_loader, steps))
 
     # Bounded to about two and a half shards: the slots' shards come and go, the folder never holds more.

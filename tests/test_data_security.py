@@ -46,7 +46,7 @@ def write_shard_claiming(path: Path, key: str, size: int) -> Path:
     info.size = size
     data = path.read_bytes()
     end = len(data) - 2 * tarfile.BLOCKSIZE  # drop the end-of-archive blocks, append the crafted member
-    while data[end - tarfile.BLOCKSIZE:end] == bytes(tarfile.BLOCKSIZE):
+    while data[end - tarfile.BLOCKSIZE : end] == bytes(tarfile.BLOCKSIZE):
         end -= tarfile.BLOCKSIZE
     path.write_bytes(data[:end] + info.tobuf(format=tarfile.GNU_FORMAT) + b"\x89PNG" + bytes(508))
     return path
@@ -117,8 +117,19 @@ def test_training_and_evaluation_loaders_stop_on_a_hostile_shard(digits_dataset,
     expected = f"{shard_name}: member '../../outside.png' escapes the shard"
     with pytest.raises(UnsafeShardError, match=expected):
         list(EvalLoader(str(dest), "train", batch_size=64, img_size=8, num_workers=workers))
-    train = ShardLoader(str(dest), "train", rank=0, world_size=1, batch_size=8, img_size=8, train=True, seed=0,
-                        num_slots=4, num_workers=workers, shuffle_buffer=8)  # fmt: skip
+    train = ShardLoader(
+        str(dest),
+        "train",
+        rank=0,
+        world_size=1,
+        batch_size=8,
+        img_size=8,
+        train=True,
+        seed=0,
+        num_slots=4,
+        num_workers=workers,
+        shuffle_buffer=8,
+    )
     batches = iter(train)
     with pytest.raises(UnsafeShardError, match=expected):  # the error crosses the DataLoader's processes
         for _ in range(2 * train.steps_per_epoch):

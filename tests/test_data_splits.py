@@ -87,18 +87,21 @@ def test_disjoint_slices_together_are_their_union():
     assert expand(head, sizes) + expand(tail, sizes) == list(range(DIGITS_TRAIN))
 
 
-@pytest.mark.parametrize("text, message", [
-    ("train[1:2:3]", "malformed"),
-    ("train[1]", "malformed"),
-    ("train(1:2)", "malformed"),
-    ("train[:800", "malformed"),
-    ("", "malformed"),
-    ("train.v2", "malformed"),
-    ("train[a:b]", "neither a sample index"),
-    ("train[1e3:]", "neither a sample index"),
-    ("train[1.5:]", "must be a whole number"),
-    ("train[:101%]", "outside -100%..100%"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("train[1:2:3]", "malformed"),
+        ("train[1]", "malformed"),
+        ("train(1:2)", "malformed"),
+        ("train[:800", "malformed"),
+        ("", "malformed"),
+        ("train.v2", "malformed"),
+        ("train[a:b]", "neither a sample index"),
+        ("train[1e3:]", "neither a sample index"),
+        ("train[1.5:]", "must be a whole number"),
+        ("train[:101%]", "outside -100%..100%"),
+    ],
+)
 def test_malformed_splits_say_what_is_allowed(text, message):
     with pytest.raises(ValueError, match=message) as error:
         parse_split(text)
@@ -107,7 +110,9 @@ def test_malformed_splits_say_what_is_allowed(text, message):
 
 
 def test_out_of_range_and_empty_slices_are_errors():
-    with pytest.raises(ValueError, match=r"index 2000 is out of range for a split of 1437 samples \(indices go from -1"):
+    with pytest.raises(
+        ValueError, match=r"index 2000 is out of range for a split of 1437 samples \(indices go from -1"
+    ):
         slice_bounds("train[:2000]", DIGITS_TRAIN)
     with pytest.raises(ValueError, match="index -1500 is out of range"):
         slice_bounds("train[-1500:]", DIGITS_TRAIN)
@@ -142,8 +147,9 @@ def test_eval_loader_reads_exactly_the_slice_across_ranks(digits_dataset):
     split = "train[150:320]"
     read = []
     for rank in range(3):
-        ranked = EvalLoader(str(digits_dataset), split, rank=rank, world_size=3, batch_size=16, img_size=8,
-                            num_workers=0)  # fmt: skip
+        ranked = EvalLoader(
+            str(digits_dataset), split, rank=rank, world_size=3, batch_size=16, img_size=8, num_workers=0
+        )
         read += [k for b in ranked for k in b.keys]
     assert read == keys(range(150, 320))
     tail = load_split(str(digits_dataset), "test[-40:]", img_size=8)
@@ -153,8 +159,19 @@ def test_eval_loader_reads_exactly_the_slice_across_ranks(digits_dataset):
 
 
 def sliced_loader(path, split, *, rank=0, world_size=1, batch_size=32, seed=5, workers=0) -> ShardLoader:
-    return ShardLoader(str(path), split, rank=rank, world_size=world_size, batch_size=batch_size, img_size=8,
-                       train=True, seed=seed, num_slots=8, num_workers=workers, shuffle_buffer=64)  # fmt: skip
+    return ShardLoader(
+        str(path),
+        split,
+        rank=rank,
+        world_size=world_size,
+        batch_size=batch_size,
+        img_size=8,
+        train=True,
+        seed=seed,
+        num_slots=8,
+        num_workers=workers,
+        shuffle_buffer=64,
+    )
 
 
 def test_a_sliced_epoch_visits_every_sample_of_the_slice_once(digits_dataset):
@@ -185,8 +202,10 @@ def test_resume_on_a_slice_from_two_ranks_to_one(digits_dataset):
     total_steps, cut = 45, 17  # crosses the epoch boundary at step 40
 
     def run(world_size, steps, state=None):
-        ranks = [sliced_loader(digits_dataset, split, rank=r, world_size=world_size, batch_size=32 // world_size)
-                 for r in range(world_size)]  # fmt: skip
+        ranks = [
+            sliced_loader(digits_dataset, split, rank=r, world_size=world_size, batch_size=32 // world_size)
+            for r in range(world_size)
+        ]
         for rank_loader in ranks:
             if state:
                 rank_loader.load_state_dict(state)
@@ -208,8 +227,16 @@ def test_eval_loader_reads_only_the_given_positions_of_a_slice(digits_dataset):
     wanted = [0, 1, 99, 100, 199]  # positions in the slice: samples 100, 101, 199, 200, 299
     read = []
     for rank in range(2):
-        ranked = EvalLoader(str(digits_dataset), "train[100:300]", rank=rank, world_size=2, batch_size=2, img_size=8,
-                            num_workers=1, indices=wanted)  # fmt: skip
+        ranked = EvalLoader(
+            str(digits_dataset),
+            "train[100:300]",
+            rank=rank,
+            world_size=2,
+            batch_size=2,
+            img_size=8,
+            num_workers=1,
+            indices=wanted,
+        )
         read += [k for b in ranked for k in b.keys]
     assert read == keys([100, 101, 199, 200, 299])
     with pytest.raises(ValueError, match="strictly increasing"):

@@ -97,8 +97,9 @@ def _pets_like(folder: Path) -> Path:
         "train": [{"image": png(i), "label": (i * 2) % 3, "file_name": f"{i}.png".encode()} for i in range(23)],
         "test": [{"image": png(100 + i), "label": i % 3} for i in range(7)],
     }
-    return write_tfds_build(folder / "oxford_iiit_pet" / "4.0.0", "oxford_iiit_pet", splits, shards=3,
-                            class_names={"label": names})  # fmt: skip
+    return write_tfds_build(
+        folder / "oxford_iiit_pet" / "4.0.0", "oxford_iiit_pet", splits, shards=3, class_names={"label": names}
+    )
 
 
 def test_a_tfds_build_prepares_with_its_splits_order_and_class_names(tmp_path):
@@ -148,8 +149,9 @@ def _dtd_like(folder: Path, train: int = 830, validation: int = 260, test: int =
         "validation": [{"image": png(5000 + i), "label": _val_label(i)} for i in range(validation)],
         "test": [{"image": png(9000 + i), "label": i % 47} for i in range(test)],
     }
-    return write_tfds_build(folder / "dtd" / "3.0.1", "dtd", splits, shards=3,
-                            class_names={"label": [f"texture{i}" for i in range(47)]})  # fmt: skip
+    return write_tfds_build(
+        folder / "dtd" / "3.0.1", "dtd", splits, shards=3, class_names={"label": [f"texture{i}" for i in range(47)]}
+    )
 
 
 def test_vtab_train800val200_is_train800_then_val200_and_test_is_whole(tmp_path):
@@ -216,9 +218,15 @@ def test_vtab_dsprites_images_are_rescaled_to_0_255(tmp_path):
     binary[2:5, 3:6] = 1
     buffer = io.BytesIO()
     Image.fromarray(binary).save(buffer, format="PNG")
-    examples = [{"image": buffer.getvalue(), "label_x_position": i % 32, "label_orientation": i % 40} for i in range(1100)]
-    build = write_tfds_build(tmp_path / "dsprites" / "2.0.0", "dsprites", {"train": examples},
-                             num_classes={"label_x_position": 32, "label_orientation": 40})  # fmt: skip
+    examples = [
+        {"image": buffer.getvalue(), "label_x_position": i % 32, "label_orientation": i % 40} for i in range(1100)
+    ]
+    build = write_tfds_build(
+        tmp_path / "dsprites" / "2.0.0",
+        "dsprites",
+        {"train": examples},
+        num_classes={"label_x_position": 32, "label_orientation": 40},
+    )
     source = open_source(f"vtab:dsprites_loc:{build}")
     assert source.split_sizes() == {"train": 1000, "test": 110}  # 1100 - 80% - 10%
     sample = next(iter(source.chunk("train", [0])))
@@ -245,19 +253,26 @@ def test_grid_runs_on_a_prepared_vtab_task(pretrained, tmp_path):
     build = _dtd_like(tmp_path / "tfds")
     data_root = tmp_path / "prepared"
     cli = [sys.executable, "-m", "vitray.cli"]
-    prepared = subprocess.run([*cli, "data", "prepare", f"vtab:dtd:{build}", str(data_root / "vtab_dtd"), "--serial"],
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+    prepared = subprocess.run(
+        [*cli, "data", "prepare", f"vtab:dtd:{build}", str(data_root / "vtab_dtd"), "--serial"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert prepared.returncode == 0, prepared.stderr[-3000:]
     said = prepared.stdout + prepared.stderr  # the CLI's console writes to stderr
     assert "train: 1000 samples" in said and "test: 94 samples" in said
     grid = {
-        "data_root": str(data_root), "output": str(tmp_path / "eval"), "benchmarks": ["vtab/dtd"],
+        "data_root": str(data_root),
+        "output": str(tmp_path / "eval"),
+        "benchmarks": ["vtab/dtd"],
         "fewshot": {"shots": [1, 5], "seeds": 1},
         "finetune": {"steps": 4, "batch_size": 16, "warmup_steps": 1, "resolution": 16, "checkpoint_every": 4},
-    }  # fmt: skip
+    }
     (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid))
-    run = subprocess.run([*cli, "evaluate", pretrained, "-c", str(tmp_path / "grid.yaml")],
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    run = subprocess.run(
+        [*cli, "evaluate", pretrained, "-c", str(tmp_path / "grid.yaml")], capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
     from vitray.evaluation.results import ResultsTable
 
@@ -277,25 +292,42 @@ def test_chunks_pickle_for_the_ray_tasks_that_write_shards(tmp_path):
     import pickle
 
     build = _dtd_like(tmp_path / "tfds")
-    for spec, split, indices in ((f"vtab:dtd:{build}", "train", range(795, 805)), (f"tfds:{build}", "validation", range(3))):
+    for spec, split, indices in (
+        (f"vtab:dtd:{build}", "train", range(795, 805)),
+        (f"tfds:{build}", "validation", range(3)),
+    ):
         chunk = open_source(spec).chunk(split, list(indices))
         assert [(s.image, s.label) for s in pickle.loads(pickle.dumps(chunk))] == [(s.image, s.label) for s in chunk]
     assert [s.label for s in open_source(f"vtab:dtd:{build}").chunk("train", list(range(798, 802)))] == [
-        _train_label(798), _train_label(799), _val_label(0), _val_label(1)]  # train800 ends, val200 begins
+        _train_label(798),
+        _train_label(799),
+        _val_label(0),
+        _val_label(1),
+    ]  # train800 ends, val200 begins
 
 
 def test_tfds_multi_label_sequences_and_split_renames(tmp_path):
     # ImageNet-ReaL's shape: only a validation split, `real_label` a Sequence of ClassLabel (may be empty).
     real = [[1], [0, 2], [], [3]]
     examples = [{"image": png(i), "original_label": i % 4, "real_label": labels} for i, labels in enumerate(real)]
-    build = write_tfds_build(tmp_path / "imagenet2012_real" / "1.0.0", "imagenet2012_real", {"validation": examples},
-                             shards=1, num_classes={"original_label": 4})  # fmt: skip
+    build = write_tfds_build(
+        tmp_path / "imagenet2012_real" / "1.0.0",
+        "imagenet2012_real",
+        {"validation": examples},
+        shards=1,
+        num_classes={"original_label": 4},
+    )
     spec = json.loads((build / "features.json").read_text())
     spec["featuresDict"]["features"]["real_label"] = {
         "pythonClassName": "tensorflow_datasets.core.features.sequence_feature.Sequence",
-        "sequence": {"feature": {"pythonClassName": "tensorflow_datasets.core.features.class_label_feature.ClassLabel",
-                                 "classLabel": {"numClasses": "4"}}, "length": "-1"},
-    }  # fmt: skip
+        "sequence": {
+            "feature": {
+                "pythonClassName": "tensorflow_datasets.core.features.class_label_feature.ClassLabel",
+                "classLabel": {"numClasses": "4"},
+            },
+            "length": "-1",
+        },
+    }
     (build / "features.json").write_text(json.dumps(spec))
     source = open_source(f"tfds:{build}?label=real_label&split=validation:val")
     assert source.label_kind == "multi" and source.classes == ["0", "1", "2", "3"]
@@ -310,12 +342,24 @@ def test_tfds_multi_label_sequences_and_split_renames(tmp_path):
 
 
 def test_vtab_checks_the_builder_config_where_vtab_names_one(tmp_path):
-    examples = {split: [{"image": png(i), "label": i % 5} for i in range(n)]
-                for split, n in (("train", 810), ("validation", 205), ("test", 7))}  # fmt: skip
-    original = write_tfds_build(tmp_path / "diabetic_retinopathy_detection" / "original" / "3.0.0",
-                                "diabetic_retinopathy_detection", examples, num_classes={"label": 5}, config="original")
+    examples = {
+        split: [{"image": png(i), "label": i % 5} for i in range(n)]
+        for split, n in (("train", 810), ("validation", 205), ("test", 7))
+    }
+    original = write_tfds_build(
+        tmp_path / "diabetic_retinopathy_detection" / "original" / "3.0.0",
+        "diabetic_retinopathy_detection",
+        examples,
+        num_classes={"label": 5},
+        config="original",
+    )
     with pytest.raises(ValueError, match="btgraham-300 config"):
         open_source(f"vtab:retinopathy:{original}")
-    graham = write_tfds_build(tmp_path / "diabetic_retinopathy_detection" / "btgraham-300" / "3.0.0",
-                              "diabetic_retinopathy_detection", examples, num_classes={"label": 5}, config="btgraham-300")
+    graham = write_tfds_build(
+        tmp_path / "diabetic_retinopathy_detection" / "btgraham-300" / "3.0.0",
+        "diabetic_retinopathy_detection",
+        examples,
+        num_classes={"label": 5},
+        config="btgraham-300",
+    )
     assert open_source(f"vtab:retinopathy:{graham}").split_sizes() == {"train": 1000, "test": 7}

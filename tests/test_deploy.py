@@ -95,7 +95,11 @@ def strict(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = {key: strict(value) for key, value in schema.items()}
-    if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -242,8 +246,11 @@ def test_schema_validation_catches_mistakes():
 
 def test_rayjobs_bring_the_same_cluster_as_the_long_lived_one():
     clusters = by_name("RayCluster")
-    expected = {"vitray-pretrain-b16": "vitray-gpu", "vitray-evaluate-b16": "vitray-gpu",
-                "vitray-pretrain-b16-tpu": "vitray-tpu"}  # fmt: skip
+    expected = {
+        "vitray-pretrain-b16": "vitray-gpu",
+        "vitray-evaluate-b16": "vitray-gpu",
+        "vitray-pretrain-b16-tpu": "vitray-tpu",
+    }
     jobs = by_name("RayJob")
     assert set(jobs) == set(expected)
     for job, cluster in expected.items():
@@ -343,11 +350,19 @@ def test_ray_up_nodes_get_s3_access_without_credentials_in_commands():
     for path in sorted(RAY_UP.glob("*.yaml")):
         config = yaml.safe_load(path.read_text())
         commands = [*config.get("docker", {}).get("run_options", [])]
-        for key in ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
-                    "head_start_ray_commands", "worker_start_ray_commands"):  # fmt: skip
+        for key in (
+            "initialization_commands",
+            "setup_commands",
+            "head_setup_commands",
+            "worker_setup_commands",
+            "head_start_ray_commands",
+            "worker_start_ray_commands",
+        ):
             commands += config.get(key) or []
         for command in commands:
-            assert not re.search(r"AWS_(SECRET_ACCESS_KEY|ACCESS_KEY_ID|SESSION_TOKEN)", command), f"{path.name}: {command}"
+            assert not re.search(r"AWS_(SECRET_ACCESS_KEY|ACCESS_KEY_ID|SESSION_TOKEN)", command), (
+                f"{path.name}: {command}"
+            )
         if config["provider"]["type"] == "aws":
             for node_type, node in config["available_node_types"].items():
                 if node_type != config["head_node_type"]:  # the head gets Ray's default profile (S3 access)
@@ -413,8 +428,8 @@ def test_jobs_name_their_runs_so_that_a_restarted_job_resumes():
 
 
 def test_runs_fit_the_worker_groups_that_carry_them():
-    from vitray.common.config import load_config
     from vitray.cluster.pretrain import scaling_config
+    from vitray.common.config import load_config
     from vitray.trainers.config import TrainingConfig
     from vitray.trainers.xla_slices import tpu_slice
 
@@ -424,7 +439,9 @@ def test_runs_fit_the_worker_groups_that_carry_them():
         if args[1] != "pretrain":
             continue
         sets = overrides(args)
-        cfg = load_config(TrainingConfig, REPO / args[args.index("-c") + 1], [f"{k}={json.dumps(v)}" for k, v in sets.items()])
+        cfg = load_config(
+            TrainingConfig, REPO / args[args.index("-c") + 1], [f"{k}={json.dumps(v)}" for k, v in sets.items()]
+        )
         (group,) = clusters["vitray-tpu" if "tpu" in name else "vitray-gpu"]["spec"]["workerGroupSpecs"]
         (container,) = group["template"]["spec"]["containers"]
         per_pod = {k: float(str(v).removesuffix("Gi")) for k, v in container["resources"]["limits"].items()}
@@ -439,7 +456,9 @@ def test_runs_fit_the_worker_groups_that_carry_them():
             accelerator = group["template"]["spec"]["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"]
             tpu = tpu_slice(cfg.cluster.tpu, cfg.cluster.tpu_topology)
             assert tpu.accelerator_type == "TPU-" + accelerator.removeprefix("tpu-").removesuffix("-slice").upper()
-            assert (tpu.topology, tpu.hosts, tpu.chips_per_host) == (topology, hosts, chips), "the run's slice is the pod's"
+            assert (tpu.topology, tpu.hosts, tpu.chips_per_host) == (topology, hosts, chips), (
+                "the run's slice is the pod's"
+            )
             resources = scaling_config(cfg).resources_per_worker
             assert resources["TPU"] == chips, "each worker asks for its host's chips"
             assert cfg.cluster.cpus_per_worker <= per_pod["cpu"]
@@ -482,7 +501,7 @@ def test_tpu_node_types_match_their_slices():
     config = yaml_docs(RAY_UP / "gcp-tpu.yaml")[0]
     tpu_types = {n: t for n, t in config["available_node_types"].items() if "acceleratorType" in t["node_config"]}
     assert tpu_types
-    for name, node_type in tpu_types.items():
+    for node_type in tpu_types.values():
         accelerator = node_type["node_config"]["acceleratorType"]
         assert TPUAcceleratorManager.is_valid_tpu_accelerator_type(accelerator)
         assert "machineType" not in node_type["node_config"] and node_type["node_config"]["runtimeVersion"]
@@ -535,8 +554,11 @@ def dockerignore_excludes(patterns: list[str], path: str) -> bool:
 def test_dockerfiles_install_pinned_from_the_repository_and_run_unprivileged(kind):
     dockerfile = DOCKER / f"Dockerfile.{kind}"
     steps = instructions(dockerfile)
-    ignore = [l.strip() for l in (DOCKER / f"Dockerfile.{kind}.dockerignore").read_text().splitlines()
-              if l.strip() and not l.startswith("#")]  # fmt: skip
+    ignore = [
+        line.strip()
+        for line in (DOCKER / f"Dockerfile.{kind}.dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert dockerignore_excludes(ignore, ".venv") and dockerignore_excludes(ignore, ".git")
     copied = set()
     for _, keyword, args in steps:
@@ -559,7 +581,7 @@ def test_dockerfiles_install_pinned_from_the_repository_and_run_unprivileged(kin
         if "install" not in words or words[words.index("install") - 1] != "pip":
             continue
         constraints = [words[i + 1] for i, w in enumerate(words) if w in ("--constraint", "-c")]
-        packages = [w for w in words[words.index("install") + 1:] if not w.startswith("-") and w not in constraints]
+        packages = [w for w in words[words.index("install") + 1 :] if not w.startswith("-") and w not in constraints]
         if packages == ["pip==26.3"]:
             continue
         assert sorted(constraints) == sorted(expected_locks), command
@@ -586,7 +608,7 @@ def readme_section() -> str:
     text = (REPO / "README.md").read_text()
     start = text.index("## Running on a cluster")
     end = text.find("\n## ", start + 1)
-    return text[start: end if end > 0 else len(text)]
+    return text[start : end if end > 0 else len(text)]
 
 
 def shell_lines(markdown: str) -> list[str]:
@@ -609,12 +631,14 @@ def vitray_args(words: list[str]) -> list[str] | None:
     submit); None for other commands."""
     if words[:1] == ["vitray"]:
         return words[1:]
-    if "--" in words and words[words.index("--") + 1: words.index("--") + 2] == ["vitray"]:
-        return words[words.index("--") + 2:]
+    if "--" in words and words[words.index("--") + 1 : words.index("--") + 2] == ["vitray"]:
+        return words[words.index("--") + 2 :]
     return None
 
 
-_COMMENTED_COMMAND = re.compile(r"^\s*#\s*vitray\s+(pretrain|evaluate|finetune|fewshot|submit|runs|export|data|demo|inspect)\b")
+_COMMENTED_COMMAND = re.compile(
+    r"^\s*#\s*vitray\s+(pretrain|evaluate|finetune|fewshot|submit|runs|export|data|demo|inspect)\b"
+)
 
 
 def command_lines() -> list[tuple[str, list[str]]]:
@@ -682,7 +706,7 @@ def test_every_command_line_runs_as_written(where, args):
 
     parse_with_the_cli(args)
     if args[0] == "submit":
-        args = args[args.index("--") + 1:]
+        args = args[args.index("--") + 1 :]
         parse_with_the_cli(args)
     if args[0] not in ("pretrain", "evaluate", "finetune"):
         return  # no config to resolve (runs, export, data prepare): parsed above
@@ -710,6 +734,12 @@ def test_the_readme_walks_through_every_deploy_file_and_build():
             if word.startswith("deploy/"):
                 assert (REPO / word).exists(), f"README: {word} does not exist"
     steps = " ".join(lines)
-    for needed in ("kubectl create secret generic vitray-s3", "kubectl create secret generic vitray-ray-token",
-                   "ray get-auth-token", "vitray runs", "ray up", "kubectl port-forward"):  # fmt: skip
+    for needed in (
+        "kubectl create secret generic vitray-s3",
+        "kubectl create secret generic vitray-ray-token",
+        "ray get-auth-token",
+        "vitray runs",
+        "ray up",
+        "kubectl port-forward",
+    ):
         assert needed in steps, f"the README misses the step {needed!r}"

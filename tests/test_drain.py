@@ -11,17 +11,21 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run, running
 from ray_cluster import loopback_cluster
+
 from vitray.trainers.checkpoint import latest_complete_checkpoint
 from vitray.trainers.run_files import RunFiles
 
 pytestmark = pytest.mark.slow
 
 STEPS, EVERY = 30, 25
-COMMON = (f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "checkpoint.preemption_check_every=2",
-          "data.min_crop_area=1.0")  # fmt: skip
+COMMON = (
+    f"train.steps={STEPS}",
+    f"checkpoint.every={EVERY}",
+    "checkpoint.preemption_check_every=2",
+    "data.min_crop_area=1.0",
+)
 # Never on the head node; the nodes share this machine's disk, which the run is told.
 ON_WORKER_NODES = ("cluster.resources_per_worker={vitray_node: 1}", "cluster.shared_filesystem=true")
 
@@ -40,8 +44,9 @@ def test_a_drained_worker_node_is_left_at_a_checkpoint_and_the_run_ends_as_unint
     with loopback_cluster() as cluster:
         for _ in range(2):  # room for the two workers on either node
             cluster.add_worker_node({"vitray_node": 2})
-        args = pretrain_args(str(digits_dataset), str(storage), "ref", *COMMON, *ON_WORKER_NODES,
-                             f"cluster.address={cluster.address}")  # fmt: skip
+        args = pretrain_args(
+            str(digits_dataset), str(storage), "ref", *COMMON, *ON_WORKER_NODES, f"cluster.address={cluster.address}"
+        )
         with running(args) as driver:
             deadline = time.monotonic() + 300
             while _logged_step(run_dir) < 2:

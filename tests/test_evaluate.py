@@ -7,6 +7,7 @@ the pre-training few-shot hook."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -19,16 +20,19 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from vitray.common.config import load_config
-from vitray.trainers.checkpoint import load_checkpoint
 from vitray.cluster.transfer import resolve_checkpoints
+from vitray.common.config import load_config
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.grid import CheckpointRef, plan_grid
-from vitray.evaluation.report import setting_label, summarize
+from vitray.evaluation.report import summarize
 from vitray.evaluation.results import ResultsTable
-from vitray.evaluation.transfer import final_top1, fewshot_probe, split_top1
-from vitray.trainers.checkpoint import IncompleteCheckpointError
-from vitray.trainers.checkpoint import find_checkpoints, latest_complete_checkpoint
+from vitray.evaluation.transfer import fewshot_probe, final_top1, split_top1
+from vitray.trainers.checkpoint import (
+    IncompleteCheckpointError,
+    find_checkpoints,
+    latest_complete_checkpoint,
+    load_checkpoint,
+)
 from vitray.trainers.evals import VAL_TOP1
 from vitray.trainers.run_files import RunFiles
 
@@ -61,9 +65,16 @@ def _write_grid(path: Path, data_root: Path, output: Path) -> Path:
         # be written before the kill below, and each invocation writes one row per failed cell.
         "retries": 0,
         # VTAB-1k style: select the lr on the held-out slice, then re-train it on another split.
-        "finetune": {"learning_rates": list(LEARNING_RATES), "steps": FINETUNE_STEPS, "batch_size": 16,
-                     "warmup_steps": 2, "resolution": 24, "checkpoint_every": 4, "final_train_split": FINAL_SPLIT},
-    }  # fmt: skip
+        "finetune": {
+            "learning_rates": list(LEARNING_RATES),
+            "steps": FINETUNE_STEPS,
+            "batch_size": 16,
+            "warmup_steps": 2,
+            "resolution": 24,
+            "checkpoint_every": 4,
+            "final_train_split": FINAL_SPLIT,
+        },
+    }
     path.write_text(yaml.safe_dump(grid))
     return path
 
@@ -87,10 +98,8 @@ def _kill_when(proc: subprocess.Popen, ready, timeout: float = 400) -> None:
         raise AssertionError("the grid never reached the point to stop it")
     finally:
         for _ in range(2):  # Ray daemons re-parented to init stay in the group: kill again
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             proc.wait()
 
 
@@ -105,7 +114,9 @@ def killed_and_rerun(pretrained, data_root, tmp_path_factory) -> dict:
 
     def half_done() -> bool:
         rows = table.to_table()
-        ok_fewshot = [m == "fewshot" and s == "ok" for m, s in zip(rows["method"].to_pylist(), rows["status"].to_pylist())]
+        ok_fewshot = [
+            m == "fewshot" and s == "ok" for m, s in zip(rows["method"].to_pylist(), rows["status"].to_pylist())
+        ]
         steps = _complete_finetune_steps(output / "finetune_runs")
         return any(ok_fewshot) and any(s < FINETUNE_STEPS for s in steps)
 
@@ -116,10 +127,16 @@ def killed_and_rerun(pretrained, data_root, tmp_path_factory) -> dict:
 
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     return {
-        "output": output, "config": config, "cmd": cmd, "after_kill": after_kill, "data_root": data_root,
-        "finetune_steps_at_kill": finetune_steps_at_kill, "rerun": rerun,
-        "final": table.to_table(latest=False).to_pandas(), "latest": table.to_pandas(),
-    }  # fmt: skip
+        "output": output,
+        "config": config,
+        "cmd": cmd,
+        "after_kill": after_kill,
+        "data_root": data_root,
+        "finetune_steps_at_kill": finetune_steps_at_kill,
+        "rerun": rerun,
+        "final": table.to_table(latest=False).to_pandas(),
+        "latest": table.to_pandas(),
+    }
 
 
 def test_rows_were_written_before_the_kill(killed_and_rerun):
@@ -127,7 +144,9 @@ def test_rows_were_written_before_the_kill(killed_and_rerun):
     assert set(first[first["method"] == "fewshot"]["status"]) >= {"ok", "failed"}
     assert (first[first["benchmark"] == "cifar10"]["status"] == "missing").all()
     assert "finetune" not in set(first[first["status"] == "ok"]["method"])  # killed before it finished
-    assert killed_and_rerun["finetune_steps_at_kill"] and max(killed_and_rerun["finetune_steps_at_kill"]) < FINETUNE_STEPS
+    assert (
+        killed_and_rerun["finetune_steps_at_kill"] and max(killed_and_rerun["finetune_steps_at_kill"]) < FINETUNE_STEPS
+    )
 
 
 def test_rerun_skips_finished_cells_and_completes_the_grid(killed_and_rerun):
@@ -165,8 +184,10 @@ def test_missing_benchmark_gives_the_prepare_command(killed_and_rerun, data_root
     assert len(missing) == 8 and (missing["status"] == "missing").all()  # 3 shots x 2 seeds + 2 fine-tune lrs
     command = CIFAR10_PREPARE.format(root=data_root)
     assert all(command in e for e in missing["error"])
-    assert command in killed_and_rerun["rerun"].stdout.replace("\n", "") or command in (
-        killed_and_rerun["output"] / "report" / "report.md").read_text()  # fmt: skip
+    assert (
+        command in killed_and_rerun["rerun"].stdout.replace("\n", "")
+        or command in (killed_and_rerun["output"] / "report" / "report.md").read_text()
+    )
 
 
 def test_finetune_selects_the_lr_on_val_resumes_its_runs_and_retrains_the_choice(killed_and_rerun):
@@ -181,9 +202,11 @@ def test_finetune_selects_the_lr_on_val_resumes_its_runs_and_retrains_the_choice
         cells[cell_id] = (yaml.safe_load(part["settings"].iloc[0]), dict(zip(part["metric"], part["value"])), run)
     sweep = {s["lr"]: (m, run) for s, m, run in cells.values() if "val_split" in s}
     assert set(sweep) == set(LEARNING_RATES)
-    for lr, (metrics, run) in sweep.items():
+    for metrics, run in sweep.values():
         # The run validated on the held-out slice; the test top-1 came from its last checkpoint.
-        assert metrics["val_accuracy"] == pytest.approx(final_top1(RunFiles(str(run)).read_metrics(), FINETUNE_STEPS, VAL_TOP1))
+        assert metrics["val_accuracy"] == pytest.approx(
+            final_top1(RunFiles(str(run)).read_metrics(), FINETUNE_STEPS, VAL_TOP1)
+        )
         model, _ = load_checkpoint(str(run))
         test = split_top1(model, str(killed_and_rerun["data_root"] / "digits"), "test", batch_size=128)
         assert metrics["accuracy"] == pytest.approx(test, abs=1.5 / 360)  # at most one prediction flipped by rounding
@@ -191,7 +214,9 @@ def test_finetune_selects_the_lr_on_val_resumes_its_runs_and_retrains_the_choice
     settings, metrics, run = final
     best = max(sorted(sweep), key=lambda lr: sweep[lr][0]["val_accuracy"])
     assert settings["lr"] == best and settings["train_split"] == FINAL_SPLIT
-    assert metrics == {"accuracy": pytest.approx(final_top1(RunFiles(str(run)).read_metrics(), FINETUNE_STEPS, VAL_TOP1))}
+    assert metrics == {
+        "accuracy": pytest.approx(final_top1(RunFiles(str(run)).read_metrics(), FINETUNE_STEPS, VAL_TOP1))
+    }
     summary = summarize(latest)
     (reported,) = summary[summary["method"] == "finetune"].itertuples()
     assert reported.mean == metrics["accuracy"] and reported.lr == f"{best:g}"
@@ -248,7 +273,9 @@ def test_checkpoints_of_a_run(pretrained, tmp_path):
     newest = Path(find_checkpoints(str(copy))[-1].path)
     (newest / "complete-rank-0001.json").unlink()  # a checkpoint whose upload never finished
     assert [r.step for r in resolve_checkpoints(str(copy), all_checkpoints=True)] == [4]
-    with pytest.raises(IncompleteCheckpointError, match=rf"checkpoint \S*{newest.name}: rank 1 never finished writing it"):
+    with pytest.raises(
+        IncompleteCheckpointError, match=rf"checkpoint \S*{newest.name}: rank 1 never finished writing it"
+    ):
         resolve_checkpoints(str(newest))
     with pytest.raises(FileNotFoundError, match="neither a checkpoint folder"):
         resolve_checkpoints(str(tmp_path))
@@ -261,9 +288,27 @@ def test_watch_evaluates_new_checkpoints_until_the_run_finishes(pretrained, data
     held_back = tmp_path / "held-back"
     final.rename(held_back)  # training "has not reached" step 8 yet
     output = tmp_path / "eval"
-    cmd = [*CLI, "evaluate", str(run_copy), "--watch", "--poll", "1", "--watch-timeout", "400",
-           "--data-root", str(data_root), "--output", str(output), "--no-progress",
-           "--set", "finetune.enabled=false", "--set", "fewshot.shots=[5]", "--set", "fewshot.seeds=1"]  # fmt: skip
+    cmd = [
+        *CLI,
+        "evaluate",
+        str(run_copy),
+        "--watch",
+        "--poll",
+        "1",
+        "--watch-timeout",
+        "400",
+        "--data-root",
+        str(data_root),
+        "--output",
+        str(output),
+        "--no-progress",
+        "--set",
+        "finetune.enabled=false",
+        "--set",
+        "fewshot.shots=[5]",
+        "--set",
+        "fewshot.seeds=1",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     table = ResultsTable(str(output / "results"))
     try:
@@ -273,7 +318,7 @@ def test_watch_evaluates_new_checkpoints_until_the_run_finishes(pretrained, data
             time.sleep(0.5)
         shutil.copytree(held_back, run_copy / ".incoming")
         (run_copy / ".incoming").rename(final)  # the run writes its last checkpoint
-        stdout, stderr = proc.communicate(timeout=300)
+        _stdout, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -292,8 +337,13 @@ def test_missing_data_and_report_on_s3(moto_server):
     from vitray.data import storage
     from vitray.evaluation.results import Cell
 
-    grid = GridConfig(data_root=moto_server.url("prepared"), output=moto_server.url("eval"), benchmarks=["pets"],
-                      fewshot={"shots": [5], "seeds": 2}, finetune={"learning_rates": [0.01]})  # fmt: skip
+    grid = GridConfig(
+        data_root=moto_server.url("prepared"),
+        output=moto_server.url("eval"),
+        benchmarks=["pets"],
+        fewshot={"shots": [5], "seeds": 2},
+        finetune={"learning_rates": [0.01]},
+    )
     ref = CheckpointRef(moto_server.url("runs", "r", "checkpoint_1"), 100, {"name": "B/16", "img_size": 224})
     summary = run_grid(grid, [ref], show_progress=False)  # nothing is prepared: no Ray needed
     assert (summary.total, summary.missing, summary.ok) == (3, 3, 0)
@@ -315,9 +365,14 @@ def test_missing_data_and_report_on_s3(moto_server):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, benchmarks, cells", [
-    ("grid_digits", 1, 4 * 3 + 2), ("grid_vtab1k", 19, 19), ("grid_paper", 6, 6 * 4 * 3 + 24),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, benchmarks, cells",
+    [
+        ("grid_digits", 1, 4 * 3 + 2),
+        ("grid_vtab1k", 19, 19),
+        ("grid_paper", 6, 6 * 4 * 3 + 24),
+    ],
+)
 def test_shipped_grid_configs_validate(name, benchmarks, cells):
     grid = load_config(GridConfig, REPO / "configs" / f"{name}.yaml")
     ref = CheckpointRef("/runs/r/checkpoint_1", 1, {"name": "B/16", "img_size": 224})
@@ -327,8 +382,12 @@ def test_shipped_grid_configs_validate(name, benchmarks, cells):
 def test_bad_grid_values_fail_before_ray_with_the_valid_choices(pretrained, tmp_path):
     def evaluate(*sets):
         args = [a for s in sets for a in ("--set", s)]
-        return subprocess.run([*CLI, "evaluate", pretrained, "--data-root", str(tmp_path), *args],
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        return subprocess.run(
+            [*CLI, "evaluate", pretrained, "--data-root", str(tmp_path), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     out = evaluate("benchmarks=[digits,imagenet21k]")
     assert out.returncode == 2 and "unknown benchmark(s) 'imagenet21k'" in out.stderr and "vtab/dtd" in out.stderr
@@ -336,8 +395,9 @@ def test_bad_grid_values_fail_before_ray_with_the_valid_choices(pretrained, tmp_
     assert out.returncode == 2 and "did you mean 'fewshot.shots'" in out.stderr
     out = evaluate("fewshot.shots=[0,5]")
     assert out.returncode == 2 and "positive integers" in out.stderr
-    out = subprocess.run([*CLI, "evaluate", str(tmp_path), "--data-root", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [*CLI, "evaluate", str(tmp_path), "--data-root", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2 and "neither a checkpoint folder" in out.stderr
 
 

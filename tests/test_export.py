@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from pretrain_helpers import vitray_cmd
 from safetensors.torch import save_file
 
-from pretrain_helpers import vitray_cmd
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.export import ExportRefused, export
@@ -104,13 +104,21 @@ def test_cli_refuses_an_existing_output_in_one_line(checkpoint, tmp_path):
     folder, _ = checkpoint
     target = tmp_path / "m.npz"
     target.write_bytes(b"keep me")
-    out = subprocess.run(vitray_cmd("export", folder, "--format", "npz", "--out", str(target)),
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        vitray_cmd("export", folder, "--format", "npz", "--out", str(target)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     message = " ".join((out.stdout + out.stderr).split())
     assert f"error: --out {target} already exists; pass --overwrite to replace it" in message
     assert target.read_bytes() == b"keep me"
-    done = subprocess.run(vitray_cmd("export", folder, "--format", "npz", "--out", str(target), "--overwrite"),
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        vitray_cmd("export", folder, "--format", "npz", "--out", str(target), "--overwrite"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert np.load(target)["head/kernel"].shape == (192, 10)

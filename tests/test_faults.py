@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from disk_helpers import mounted_tmpfs
 
 from vitray.data.storage import write_bytes_atomic
@@ -300,24 +299,33 @@ def test_runs_lists_attempts_and_marks_a_vanished_one_lost(tmp_path):
 def full_disk(tmp_path):
     """A 4 MiB tmpfs filled to the last byte (mounting it needs root)."""
     with mounted_tmpfs(tmp_path / "staging", "4m") as mount:
-        with open(mount / "filler", "wb") as f:
-            with pytest.raises(OSError) as full:
-                while True:
-                    f.write(b"\0" * 65536)
-                    f.flush()
+        with open(mount / "filler", "wb") as f, pytest.raises(OSError) as full:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
         assert full.value.errno == errno.ENOSPC
         yield mount
 
 
 def test_a_full_staging_disk_raises_what_to_free_and_leaves_no_partial_files(full_disk):
     import torch
-
     from test_checkpointer import FakeBackend, FakeLoader
-    from vitray.trainers.checkpointer import Checkpointer, CheckpointDiskFull
+
+    from vitray.trainers.checkpointer import CheckpointDiskFull, Checkpointer
 
     reports = []
-    saver = Checkpointer(FakeBackend(), rank=0, world_size=1, every=2, last_step=4, report=lambda m, d: reports.append(d),
-                         states={"data": FakeLoader()}, weights={}, record={}, staging_dir=str(full_disk))  # fmt: skip
+    saver = Checkpointer(
+        FakeBackend(),
+        rank=0,
+        world_size=1,
+        every=2,
+        last_step=4,
+        report=lambda m, d: reports.append(d),
+        states={"data": FakeLoader()},
+        weights={},
+        record={},
+        staging_dir=str(full_disk),
+    )
     saver.backend.module = torch.nn.Linear(64, 64)
     saver.save(2, {})
     with pytest.raises(CheckpointDiskFull) as stopped:
@@ -328,4 +336,3 @@ def test_a_full_staging_disk_raises_what_to_free_and_leaves_no_partial_files(ful
     assert f"Free space in {full_disk}" in message and "checkpoint.staging_dir" in message
     assert reports == []  # nothing handed to the run
     assert [p.name for p in full_disk.iterdir()] == ["filler"]  # the partial folder is gone
-

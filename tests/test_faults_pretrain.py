@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from disk_helpers import mounted_tmpfs
 from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run, running, vitray_cmd
+
 from vitray.trainers.checkpoint import find_checkpoints, latest_complete_checkpoint, verify_complete
 from vitray.trainers.lease import read_lease
 from vitray.trainers.run_files import RunFiles
@@ -94,10 +94,18 @@ def preempted(digits_dataset, reference, tmp_path_factory):
     by_user = latest_complete_checkpoint(run_dir)
     rerun = run(args)
     return {
-        "run_dir": run_dir, "storage": storage, "second": second, "signalled_at": signalled_at,
-        "first": (first.returncode, stdout, stderr), "stopped": stopped, "stopped_state": stopped_state,
-        "runs_while_stopped": runs_while_stopped, "ctrl_c": ctrl_c, "by_user": by_user, "rerun": rerun,
-    }  # fmt: skip
+        "run_dir": run_dir,
+        "storage": storage,
+        "second": second,
+        "signalled_at": signalled_at,
+        "first": (first.returncode, stdout, stderr),
+        "stopped": stopped,
+        "stopped_state": stopped_state,
+        "runs_while_stopped": runs_while_stopped,
+        "ctrl_c": ctrl_c,
+        "by_user": by_user,
+        "rerun": rerun,
+    }
 
 
 def test_a_second_start_of_a_running_run_refuses(preempted):
@@ -128,7 +136,9 @@ def test_ctrl_c_checkpoints_and_stops_like_sigterm_recorded_as_stopped_by_user(p
     assert code == 130, stdout[-2000:] + stderr[-4000:]
     assert "stopped by user" in _flat(stderr) and "re-run the same command to resume" in _flat(stderr)
     assert "Traceback" not in stderr
-    assert preempted["stopped"].step < preempted["by_user"].step < STEPS and preempted["by_user"].step % CHECK_EVERY == 0
+    assert (
+        preempted["stopped"].step < preempted["by_user"].step < STEPS and preempted["by_user"].step % CHECK_EVERY == 0
+    )
     attempt = RunFiles(preempted["run_dir"]).read_attempts()[1]
     assert attempt["status"] == "stopped" and attempt["error"] == "stopped by user (Ctrl-C)", attempt
 
@@ -171,8 +181,11 @@ def test_a_full_staging_disk_stops_with_what_to_free_and_loses_nothing(digits_da
     args = _args(digits_dataset, storage, f"checkpoint.every={EVERY}", f"checkpoint.staging_dir={small_disk}")
     with running(args) as proc:
         # Once the first checkpoint is uploaded (and its staging copy removed), fill the disk.
-        _wait_for(lambda: latest_complete_checkpoint(run_dir) is not None and not list(small_disk.glob("vitray-ckpt-*")),
-                  proc, "the first checkpoint was uploaded")  # fmt: skip
+        _wait_for(
+            lambda: latest_complete_checkpoint(run_dir) is not None and not list(small_disk.glob("vitray-ckpt-*")),
+            proc,
+            "the first checkpoint was uploaded",
+        )
         filler = _fill(small_disk)
         stdout, stderr = proc.communicate(timeout=240)
     message = _flat(stdout + stderr)
@@ -193,7 +206,9 @@ def test_a_full_staging_disk_stops_with_what_to_free_and_loses_nothing(digits_da
     assert_same_weights(final_weights(run_dir), reference["weights"])
 
 
-def test_a_grid_cell_failing_every_time_is_retried_then_recorded_and_the_rest_completes(reference, digits_dataset, tmp_path):
+def test_a_grid_cell_failing_every_time_is_retried_then_recorded_and_the_rest_completes(
+    reference, digits_dataset, tmp_path
+):
     from vitray.evaluation.results import ResultsTable
 
     data_root = tmp_path / "prepared"
@@ -201,12 +216,21 @@ def test_a_grid_cell_failing_every_time_is_retried_then_recorded_and_the_rest_co
     (data_root / "digits").symlink_to(digits_dataset)
     grid = tmp_path / "grid.yaml"
     # 500 shots: more examples per class than digits has, so that cell fails on every try.
-    grid.write_text(yaml.safe_dump({
-        "data_root": str(data_root), "output": str(tmp_path / "eval"), "benchmarks": ["digits"],
-        "fewshot": {"shots": [1, 5, 500], "seeds": 1}, "finetune": {"enabled": False}, "retries": 2,
-    }))  # fmt: skip
-    out = subprocess.run(vitray_cmd("evaluate", reference["run_dir"], "-c", str(grid)),
-                         capture_output=True, text=True, timeout=400)  # fmt: skip
+    grid.write_text(
+        yaml.safe_dump(
+            {
+                "data_root": str(data_root),
+                "output": str(tmp_path / "eval"),
+                "benchmarks": ["digits"],
+                "fewshot": {"shots": [1, 5, 500], "seeds": 1},
+                "finetune": {"enabled": False},
+                "retries": 2,
+            }
+        )
+    )
+    out = subprocess.run(
+        vitray_cmd("evaluate", reference["run_dir"], "-c", str(grid)), capture_output=True, text=True, timeout=400
+    )
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]  # a failed cell remains
     table = ResultsTable(str(tmp_path / "eval" / "results"))
     rows = table.to_table().to_pylist()
@@ -232,8 +256,9 @@ def test_sigterm_to_a_worker_restarts_the_group_and_the_run_finishes_identically
     with running(args) as proc:
         _wait_for(lambda: latest_complete_checkpoint(run_dir) is not None, proc, "the first checkpoint")
         # The Ray Train workers themselves (their DataLoader processes are named pt_data_worker).
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if p.name().startswith("ray::RayTrainWorker")]  # fmt: skip
+        workers = [
+            p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("ray::RayTrainWorker")
+        ]
         assert len(workers) == 2, [p.name() for p in workers]
         workers[-1].send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=300)
@@ -247,8 +272,15 @@ def test_when_the_grace_period_runs_out_the_driver_exits_without_a_new_checkpoin
     the driver past `run.preemption_grace_s`; the previous complete checkpoint is what remains."""
     storage = tmp_path / "runs"
     run_dir = str(storage / "ref")
-    args = pretrain_args(str(digits_dataset), str(storage), "ref", "train.steps=200", "checkpoint.every=4",
-                         "checkpoint.preemption_check_every=1000", "run.preemption_grace_s=3")  # fmt: skip
+    args = pretrain_args(
+        str(digits_dataset),
+        str(storage),
+        "ref",
+        "train.steps=200",
+        "checkpoint.every=4",
+        "checkpoint.preemption_check_every=1000",
+        "run.preemption_grace_s=3",
+    )
     with running(args) as proc:
         _wait_for(lambda: latest_complete_checkpoint(run_dir) is not None, proc, "the first checkpoint")
         proc.send_signal(signal.SIGTERM)

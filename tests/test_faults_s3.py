@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load
-
 from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run
 from s3_proxy import FlakyS3Proxy
+from safetensors.torch import load
+
 from vitray.data import EvalLoader, prepare_dataset, storage
 from vitray.trainers.checkpoint import latest_complete_checkpoint
 

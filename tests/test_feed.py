@@ -67,7 +67,16 @@ def test_host_read_counter_sees_every_kind_of_read():
 
 
 def _loader(dataset, **kw):
-    args = dict(rank=0, world_size=1, batch_size=16, img_size=16, train=True, seed=3, num_slots=8, num_workers=0)
+    args = {
+        "rank": 0,
+        "world_size": 1,
+        "batch_size": 16,
+        "img_size": 16,
+        "train": True,
+        "seed": 3,
+        "num_slots": 8,
+        "num_workers": 0,
+    }
     return ShardLoader(str(dataset), "train", **{**args, **kw})
 
 

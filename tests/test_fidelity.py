@@ -50,9 +50,15 @@ def test_sigmoid_recipes_start_the_head_bias_at_minus_10(recipe):
 def test_fine_tune_recipe_resets_the_head_bias():
     model = {"name": "Ti/16", "img_size": 32, "representation_size": 192, "head_bias_init": -10.0}
     recipe = finetune_recipe(
-        get_benchmark("digits"), {"lr": 0.01, "steps": 10, "batch_size": 8, "warmup_steps": 1, "resolution": 32},
-        checkpoint="/ckpt", model=model, data_root="/data", run_name="r", run_storage="/runs", val_evaluator="val",
-    )  # fmt: skip
+        get_benchmark("digits"),
+        {"lr": 0.01, "steps": 10, "batch_size": 8, "warmup_steps": 1, "resolution": 32},
+        checkpoint="/ckpt",
+        model=model,
+        data_root="/data",
+        run_name="r",
+        run_storage="/runs",
+        val_evaluator="val",
+    )
     assert recipe["model"]["head_bias_init"] == 0.0 and recipe["init"]["reset_head"] is True
 
 
@@ -101,8 +107,7 @@ def _checkpoint(folder: Path, model: torch.nn.Module, ema_state: dict | None) ->
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / ckpt.MODEL_FILE))
     if ema_state is not None:
         save_file(ema_state, str(folder / ckpt.EMA_FILE))
-    state = {"step": 1, "world_size": 1, "num_classes": 3,
-             "model": {"name": "Ti/16", "img_size": 32}}  # fmt: skip
+    state = {"step": 1, "world_size": 1, "num_classes": 3, "model": {"name": "Ti/16", "img_size": 32}}
     ckpt.write_state(folder, state)
     ckpt.mark_complete(folder, 0, ckpt.files_under(folder))
     return folder
@@ -127,10 +132,15 @@ def test_fine_tuning_uses_the_authors_inception_crop_and_resize_eval():
     # vision_transformer vit_jax/input_pipeline.py: every fine-tuning dataset (CIFAR included)
     # trains on sample_distorted_bounding_box(area_range=(0.05, 1)) + flip.
     recipe = finetune_recipe(
-        get_benchmark("cifar10"), {"lr": 0.01, "steps": 10, "batch_size": 8, "warmup_steps": 1, "resolution": 384},
-        checkpoint="/ckpt", model={"name": "B/16", "img_size": 224}, data_root="/data", run_name="r",
-        run_storage="/runs", val_evaluator="val",
-    )  # fmt: skip
+        get_benchmark("cifar10"),
+        {"lr": 0.01, "steps": 10, "batch_size": 8, "warmup_steps": 1, "resolution": 384},
+        checkpoint="/ckpt",
+        model={"name": "B/16", "img_size": 224},
+        data_root="/data",
+        run_name="r",
+        run_storage="/runs",
+        val_evaluator="val",
+    )
     cfg = TrainingConfig.model_validate({**recipe, "cluster": {**recipe["cluster"], "num_workers": 1}})
     assert cfg.data.min_crop_area == TRAIN_CROP_SCALE[0] == 0.05 and cfg.data.flip is True
     assert cfg.train.label_smoothing == 0.0 and cfg.train.mixup_alpha == 0.0

@@ -15,18 +15,17 @@ import pytest
 import torch
 import yaml
 from PIL import Image
+from pretrain_helpers import run
 from safetensors.torch import load_file
 
-from pretrain_helpers import run
-from vitray.common.config import ConfigError
 from vitray.cluster.transfer import finetune_config, finetune_training_config, resolve_checkpoints, validate_recipe
+from vitray.common.config import ConfigError
 from vitray.evaluation.config import FinetuneGrid, GridConfig
 from vitray.evaluation.grid import CheckpointRef, finetune_settings, plan_grid
 from vitray.evaluation.suite import get_benchmark
 from vitray.evaluation.transfer import finetune_recipe
 from vitray.models import resample_posemb
-from vitray.trainers.checkpoint import read_state
-from vitray.trainers.checkpoint import latest_complete_checkpoint
+from vitray.trainers.checkpoint import latest_complete_checkpoint, read_state
 from vitray.trainers.evals import VAL, ValEvalConfig
 from vitray.trainers.run_files import RunFiles
 
@@ -71,16 +70,26 @@ def _pretrained_ref(pretrained: str) -> CheckpointRef:
 def test_recipe_is_the_papers_finetuning_recipe(pretrained, tmp_path):
     ref = _pretrained_ref(pretrained)
     assert ref.step == 8 and ref.img_size == 16 and ref.target_steps == 8
-    grid = GridConfig(data_root=str(tmp_path / "data"), output=str(tmp_path / "eval"),
-                      finetune={"resolution": 24, "steps": 30})  # fmt: skip
+    grid = GridConfig(
+        data_root=str(tmp_path / "data"), output=str(tmp_path / "eval"), finetune={"resolution": 24, "steps": 30}
+    )
     (job, *_) = plan_grid(grid, [ref]).finetune
     cfg = finetune_config(job, grid)
     train, optim, schedule = cfg.train, cfg.optim, cfg.schedule
     assert (optim.name, optim.momentum, schedule.decay, optim.weight_decay, optim.grad_clip) == (
-        "sgd", 0.9, "cosine", 0.0, 1.0)  # fmt: skip
+        "sgd",
+        0.9,
+        "cosine",
+        0.0,
+        1.0,
+    )
     digits = get_benchmark("digits").finetune
     assert (optim.lr, train.steps, train.batch_size, schedule.warmup_steps) == (
-        digits.learning_rates[0], 30, digits.batch_size, digits.warmup_steps)  # fmt: skip
+        digits.learning_rates[0],
+        30,
+        digits.batch_size,
+        digits.warmup_steps,
+    )
     assert cfg.evals[VAL] == ValEvalConfig(type="val", every=30)  # the test top-1 at the end
     assert cfg.init.checkpoint == ref.path and cfg.init.reset_head
     assert cfg.model.name == "Ti/4" and cfg.model.img_size == 24 and cfg.model.representation_size is None
@@ -95,16 +104,32 @@ def test_recipe_is_the_papers_finetuning_recipe(pretrained, tmp_path):
 def test_recipe_validates_for_any_worker_count(workers, micro, batch, tmp_path):
     options = FinetuneGrid(num_workers=workers, micro_batch_size=micro, batch_size=batch)
     settings = finetune_settings(get_benchmark("cifar10"), options)[0]
-    cfg = finetune_training_config(get_benchmark("cifar10"), settings, checkpoint="/ckpt", model={"name": "B/16"},
-                                   data_root=str(tmp_path), run_name="r", run_storage=str(tmp_path), options=options)  # fmt: skip
+    cfg = finetune_training_config(
+        get_benchmark("cifar10"),
+        settings,
+        checkpoint="/ckpt",
+        model={"name": "B/16"},
+        data_root=str(tmp_path),
+        run_name="r",
+        run_storage=str(tmp_path),
+        options=options,
+    )
     assert cfg.train.batch_size == batch and cfg.cluster.num_workers == workers
     assert cfg.train.micro_batch_size * workers * cfg.grad_accumulation == batch
 
 
 def test_recipe_overrides_are_validated_with_clear_errors(tmp_path):
     settings = finetune_settings(get_benchmark("digits"), FinetuneGrid())[0]
-    raw = finetune_recipe(get_benchmark("digits"), settings, checkpoint="/ckpt", model={"name": "Ti/4"},
-                          data_root=str(tmp_path), run_name="r", run_storage=str(tmp_path), val_evaluator=VAL)  # fmt: skip
+    raw = finetune_recipe(
+        get_benchmark("digits"),
+        settings,
+        checkpoint="/ckpt",
+        model={"name": "Ti/4"},
+        data_root=str(tmp_path),
+        run_name="r",
+        run_storage=str(tmp_path),
+        val_evaluator=VAL,
+    )
     assert validate_recipe(raw, {"precision.dtype": "bf16"}).precision.dtype == "bf16"
     assert validate_recipe(raw, ["optim.lr=0.5"]).optim.lr == 0.5
     with pytest.raises(ConfigError, match=r"precision\.dtpye: unknown key; did you mean 'precision\.dtype'"):
@@ -118,10 +143,28 @@ def test_benchmark_form_builds_the_protocol_recipe(pretrained, digits_dataset, t
     root.mkdir()
     (root / "digits").symlink_to(digits_dataset)
     out = subprocess.run(
-        [*CLI, "finetune", pretrained, "--benchmark", "digits", "--data-root", str(root), "--lr", "0.03",
-         "--steps", "50", "--storage", str(tmp_path / "runs"), "--set", "model.img_size=24", "--dry-run"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            *CLI,
+            "finetune",
+            pretrained,
+            "--benchmark",
+            "digits",
+            "--data-root",
+            str(root),
+            "--lr",
+            "0.03",
+            "--steps",
+            "50",
+            "--storage",
+            str(tmp_path / "runs"),
+            "--set",
+            "model.img_size=24",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     cfg = yaml.safe_load(out.stdout)
     assert cfg["init"] == {"checkpoint": _pretrained_ref(pretrained).path, "reset_head": True}
@@ -132,15 +175,22 @@ def test_benchmark_form_builds_the_protocol_recipe(pretrained, digits_dataset, t
 
     missing = subprocess.run(
         [*CLI, "finetune", pretrained, "--benchmark", "cifar10", "--data-root", str(root), "--dry-run"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 2
     assert f"vitray data prepare cifar10:/path/to/cifar-10-binary.tar.gz {root}/cifar10" in missing.stderr
 
 
 def _grid_plan(tmp_path, benchmarks, **finetune):
-    grid = GridConfig(data_root=str(tmp_path), output=str(tmp_path / "eval"), benchmarks=benchmarks,
-                      fewshot={"enabled": False}, finetune={"seeds": 2, **finetune})  # fmt: skip
+    grid = GridConfig(
+        data_root=str(tmp_path),
+        output=str(tmp_path / "eval"),
+        benchmarks=benchmarks,
+        fewshot={"enabled": False},
+        finetune={"seeds": 2, **finetune},
+    )
     ref = CheckpointRef("/runs/r/checkpoint_1", 1, {"name": "B/16", "img_size": 224})
     return grid, plan_grid(grid, [ref])
 
@@ -173,19 +223,23 @@ def test_vtab_selects_on_800_200_then_retrains_the_chosen_lr_on_1000(tmp_path):
     grid, plan = _grid_plan(tmp_path, ["vtab/dtd"], learning_rates=[0.003, 0.01, 0.03])
     assert len(plan.finetune) == 3 * 2 and len(plan.finals) == 2 and len(plan) == 8
     assert {(j.cell.settings["train_split"], j.cell.settings["val_split"]) for j in plan.finetune} == {
-        ("train[:800]", "train[800:1000]")}  # fmt: skip
+        ("train[:800]", "train[800:1000]")
+    }
     final = plan.finals[1]
     assert final.seed == 1 and [c.settings["lr"] for c in final.selection] == [0.003, 0.01, 0.03]
     assert all(c.seed == 1 for c in final.selection)
     job = final.job(0.01)
-    assert job.cell.settings == {**{k: v for k, v in final.selection[1].settings.items() if k != "val_split"},
-                                 "train_split": "train[:1000]"}  # fmt: skip
+    assert job.cell.settings == {
+        **{k: v for k, v in final.selection[1].settings.items() if k != "val_split"},
+        "train_split": "train[:1000]",
+    }
     _, lone = _grid_plan(tmp_path, ["vtab/dtd"], learning_rates=[0.01])
     assert job.cell.cell_id == lone.finetune[1].cell.cell_id  # the same run as a grid of that lr alone
     assert finetune_config(job, grid).data.train_split == "train[:1000]"
     # The splits can be set per grid, and bad ones fail with the config.
-    _, plan = _grid_plan(tmp_path, ["digits"], train_split="train[:1000]", val_split="train[1000:]",
-                         final_train_split="train")  # fmt: skip
+    _, plan = _grid_plan(
+        tmp_path, ["digits"], train_split="train[:1000]", val_split="train[1000:]", final_train_split="train"
+    )
     assert plan.finetune[0].cell.settings["val_split"] == "train[1000:]" and plan.finals[0].train_split == "train"
     with pytest.raises(ValueError, match="malformed"):
         FinetuneGrid(val_split="train[1000]")
@@ -198,12 +252,30 @@ def test_vtab_selects_on_800_200_then_retrains_the_chosen_lr_on_1000(tmp_path):
 
 def test_finetune_resets_head_resamples_posemb_and_reports_top1(pretrained, three_digits, tmp_path):
     steps = 6
-    sets = [f"init.checkpoint={pretrained}", f"data.train={three_digits}", f"run.storage={tmp_path}",
-            "run.name=three", f"train.steps={steps}", "train.batch_size=16", "train.micro_batch_size=16",
-            "schedule.warmup_steps=2", "log.every=1", "checkpoint.every=3", f"evals.val.every={steps}",
-            "data.shuffle_buffer=64", "model.img_size=24"]  # fmt: skip
-    out = run([*CLI, "finetune", "-c", str(REPO / "configs" / "finetune_digits.yaml"),
-               *[a for s in sets for a in ("--set", s)]])  # fmt: skip
+    sets = [
+        f"init.checkpoint={pretrained}",
+        f"data.train={three_digits}",
+        f"run.storage={tmp_path}",
+        "run.name=three",
+        f"train.steps={steps}",
+        "train.batch_size=16",
+        "train.micro_batch_size=16",
+        "schedule.warmup_steps=2",
+        "log.every=1",
+        "checkpoint.every=3",
+        f"evals.val.every={steps}",
+        "data.shuffle_buffer=64",
+        "model.img_size=24",
+    ]
+    out = run(
+        [
+            *CLI,
+            "finetune",
+            "-c",
+            str(REPO / "configs" / "finetune_digits.yaml"),
+            *[a for s in sets for a in ("--set", s)],
+        ]
+    )
     printed = re.search(r"top-1 \(.* split test\): ([0-9.]+)", out.stdout)
     assert printed, out.stdout
 

@@ -17,9 +17,8 @@ from PIL import Image
 from sklearn.decomposition import PCA
 from typer.testing import CliRunner
 
-from vitray.cli.main import app
 from vitray.cli.inspection import InspectionInputError, validation_images
-from vitray.trainers.checkpoint import load_checkpoint
+from vitray.cli.main import app
 from vitray.evaluation.inspect import (
     attention_rollout,
     attention_statistics,
@@ -29,6 +28,7 @@ from vitray.evaluation.inspect import (
 )
 from vitray.evaluation.inspect_plots import FIGURES, inspect_model
 from vitray.models import create_model
+from vitray.trainers.checkpoint import load_checkpoint
 
 NUMBERS = {
     "patch_embedding_pcs": "patch_embedding_pcs.json",
@@ -61,7 +61,9 @@ def _with_class_token(patch_attention: torch.Tensor, class_share: float = 0.0) -
 
 def test_attention_on_the_query_itself_is_distance_zero():
     attention = _with_class_token(torch.eye(9).expand(2, 3, 9, 9))
-    assert torch.equal(mean_attention_distance(attention, grid_size=3, patch_size=16), torch.zeros(3, dtype=torch.float64))
+    assert torch.equal(
+        mean_attention_distance(attention, grid_size=3, patch_size=16), torch.zeros(3, dtype=torch.float64)
+    )
 
 
 def test_uniform_attention_on_a_2x2_grid_is_the_mean_patch_distance():
@@ -98,17 +100,23 @@ def test_attention_that_does_not_fit_the_grid_is_refused():
 def test_rollout_of_identity_attention():
     layers = [torch.eye(5).expand(2, 3, 5, 5)] * 4
     # Every token keeps to itself: the class token never reaches a patch ...
-    torch.testing.assert_close(attention_rollout(layers, has_class_token=True), torch.zeros(2, 2, 2, dtype=torch.float64))
+    torch.testing.assert_close(
+        attention_rollout(layers, has_class_token=True), torch.zeros(2, 2, 2, dtype=torch.float64)
+    )
     # ... and the mean of the 2x2 patch tokens (GAP) covers each patch equally.
     layers = [torch.eye(4).expand(2, 3, 4, 4)] * 4
-    torch.testing.assert_close(attention_rollout(layers, has_class_token=False), torch.full((2, 2, 2), 0.25, dtype=torch.float64))
+    torch.testing.assert_close(
+        attention_rollout(layers, has_class_token=False), torch.full((2, 2, 2), 0.25, dtype=torch.float64)
+    )
 
 
 def test_rollout_of_uniform_attention():
     # (U + I) / 2 with U = ones/N idempotent: two layers give I/4 + 3U/4, so the class token
     # row reaches each of the N - 1 = 4 patches with 3 / (4 * 5).
     layers = [torch.full((1, 2, 5, 5), 0.2)] * 2
-    torch.testing.assert_close(attention_rollout(layers, has_class_token=True), torch.full((1, 2, 2), 0.15, dtype=torch.float64))
+    torch.testing.assert_close(
+        attention_rollout(layers, has_class_token=True), torch.full((1, 2, 2), 0.15, dtype=torch.float64)
+    )
 
 
 def test_rollout_averages_heads_adds_the_residual_and_multiplies_in_layer_order():
@@ -117,7 +125,9 @@ def test_rollout_averages_heads_adds_the_residual_and_multiplies_in_layer_order(
     # R = M2 @ M1 = [[.375, .625], ...]: the class token's share of the patch is 0.625 (M1 @ M2 gives 0.5).
     layer1 = torch.tensor([[[1.0, 0.0], [0.0, 1.0]], [[0.0, 1.0], [0.0, 1.0]]])[None]
     layer2 = torch.tensor([[[0.0, 1.0], [1.0, 0.0]]])[None]
-    torch.testing.assert_close(attention_rollout([layer1, layer2], has_class_token=True), torch.tensor([[[0.625]]], dtype=torch.float64))
+    torch.testing.assert_close(
+        attention_rollout([layer1, layer2], has_class_token=True), torch.tensor([[[0.625]]], dtype=torch.float64)
+    )
 
 
 def test_rollout_refuses_tokens_that_are_not_a_square_grid():

@@ -15,7 +15,9 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from vitray.data import transforms
 from vitray.data.transforms import CorruptSample, TrainCrop
 
-needs_extension = pytest.mark.skipif(transforms._jpeg_region is None, reason="the _jpeg_region extension is not built (no libjpeg headers)")  # fmt: skip
+needs_extension = pytest.mark.skipif(
+    transforms._jpeg_region is None, reason="the _jpeg_region extension is not built (no libjpeg headers)"
+)
 
 
 def _photo(width: int, height: int) -> np.ndarray:

@@ -30,7 +30,6 @@ from vitray.trainers.masked_patch import (
     draw_corruption,
     num_corrupted,
     patch_targets,
-    patchify,
 )
 from vitray.trainers.objectives import build_objective
 
@@ -129,21 +128,24 @@ def test_model_corruption_hides_masked_patches_and_moves_replaced_ones():
     identity = torch.arange(4).expand(2, 4)
     everywhere = torch.arange(4).expand(2, 4)
     with torch.no_grad():
-        untouched = model(images, patch_source=identity, patch_mask=torch.zeros(2, 4, dtype=torch.bool),
-                          predict_at=everywhere)  # fmt: skip
+        untouched = model(
+            images, patch_source=identity, patch_mask=torch.zeros(2, 4, dtype=torch.bool), predict_at=everywhere
+        )
         expected = model.masked_patch.predictor(model.forward_tokens(images)[:, 1:])
         torch.testing.assert_close(untouched, expected)
         # Every patch masked: the predictions no longer depend on the pixels.
-        masked = model(images, patch_source=identity, patch_mask=torch.ones(2, 4, dtype=torch.bool),
-                       predict_at=everywhere)  # fmt: skip
+        masked = model(
+            images, patch_source=identity, patch_mask=torch.ones(2, 4, dtype=torch.bool), predict_at=everywhere
+        )
         torch.testing.assert_close(masked[0], masked[1], atol=1e-4, rtol=1e-4)  # batched-matmul rounding
         # Patch 0 of image 0 takes the embedding of its patch 3 = moving those pixels there.
         source = identity.clone()
         source[0, 0] = 3
         moved = images.clone()
         moved[0, :, :4, :4] = images[0, :, 4:, 4:]
-        replaced = model(images, patch_source=source, patch_mask=torch.zeros(2, 4, dtype=torch.bool),
-                         predict_at=everywhere[:, :2])  # fmt: skip
+        replaced = model(
+            images, patch_source=source, patch_mask=torch.zeros(2, 4, dtype=torch.bool), predict_at=everywhere[:, :2]
+        )
         torch.testing.assert_close(replaced[0], model.masked_patch.predictor(model.forward_tokens(moved)[0, 1:3]))
     with pytest.raises(ValueError, match="all of patch_source, patch_mask and predict_at"):
         model(images, patch_source=identity)
@@ -188,11 +190,15 @@ def test_objective_loss_in_bf16_reaches_the_mask_embedding_and_predictor(target)
     if target != "patch_l2":  # about ln(512) = 6.24 from a near-zero predictor
         assert loss.item() == pytest.approx(np.log(512), abs=0.3)
     loss.backward()
-    assert model.masked_patch.mask_token.grad.abs().sum() > 0 and model.masked_patch.predictor.weight.grad.abs().sum() > 0
+    assert (
+        model.masked_patch.mask_token.grad.abs().sum() > 0 and model.masked_patch.predictor.weight.grad.abs().sum() > 0
+    )
     with pytest.raises(ValueError, match="needs 48"):
-        MaskedPatchObjective("patch_l2").loss(_Backend(create_model("Ti/4", num_classes=0, img_size=8,
-                                                                     masked_patch_outputs=512), torch.float32),
-                                              batch, np.random.default_rng(0))  # fmt: skip
+        MaskedPatchObjective("patch_l2").loss(
+            _Backend(create_model("Ti/4", num_classes=0, img_size=8, masked_patch_outputs=512), torch.float32),
+            batch,
+            np.random.default_rng(0),
+        )
 
 
 # -- configuration ----------------------------------------------------------------------------
@@ -202,8 +208,9 @@ def test_config_gives_the_model_its_predictor_only_for_masked_patch_prediction()
     base = ["data.train=/data", "model.name=B/16", "model.img_size=224"]
     sizes = {"mean_color": 512, "downsized_4x4": 16 * 512, "patch_l2": 3 * 16 * 16}
     for target, outputs in sizes.items():
-        cfg = load_config(TrainingConfig, None, [*base, "train.objective=masked_patch",
-                                                 f"train.masked_patch.target={target}"])  # fmt: skip
+        cfg = load_config(
+            TrainingConfig, None, [*base, "train.objective=masked_patch", f"train.masked_patch.target={target}"]
+        )
         assert cfg.model.masked_patch_outputs == outputs
     # A fine-tune config that copies a masked-patch checkpoint's model section drops the predictor.
     cfg = load_config(TrainingConfig, None, [*base, "model.masked_patch_outputs=512"])
@@ -243,8 +250,18 @@ def test_unlabelled_shards_hold_images_only_and_read_as_label_minus_one(unlabell
     assert info.source == "unlabelled:builtin:digits" and info.splits["train"].num_samples == 1437
     with tarfile.open(Path(unlabelled_digits) / "train-000000.tar") as tar:
         assert {name.rsplit(".", 1)[1] for name in tar.getnames()} == {"png"}
-    loader = ShardLoader(unlabelled_digits, "train", rank=0, world_size=1, batch_size=8, img_size=8, train=True,
-                         seed=0, num_slots=2, num_workers=0)  # fmt: skip
+    loader = ShardLoader(
+        unlabelled_digits,
+        "train",
+        rank=0,
+        world_size=1,
+        batch_size=8,
+        img_size=8,
+        train=True,
+        seed=0,
+        num_slots=2,
+        num_workers=0,
+    )
     batch = next(iter(loader))
     assert batch.images.shape == (8, 3, 8, 8) and batch.labels.tolist() == [-1] * 8
     # A folder of images without class folders is unlabelled by itself.
@@ -273,20 +290,36 @@ def _run_loop(overrides: list[str], run_dir: Path) -> list[tuple[dict, str | Non
 
 
 @pytest.fixture(scope="module")
-def mpp_checkpoint(process_group, unlabelled_digits, digits_dataset, tmp_path_factory, single_thread) -> tuple[str, list[dict]]:
+def mpp_checkpoint(
+    process_group, unlabelled_digits, digits_dataset, tmp_path_factory, single_thread
+) -> tuple[str, list[dict]]:
     """20 steps of masked patch prediction (mean colour, 3 bits) of a Ti/4 at 16 px on unlabelled
     digits, ZeRO-2 with 2 accumulated micro-batches; (final checkpoint, reported metrics)."""
     storage = tmp_path_factory.mktemp("mpp")
     reports = _run_loop(
         [
-            f"data.train={unlabelled_digits}", "model.img_size=16", "train.objective=masked_patch",
-            "train.steps=20", "train.batch_size=32", "train.micro_batch_size=16", "optim.lr=0.002",
-            "schedule.warmup_steps=4", "schedule.decay=cosine", "log.every=4", "checkpoint.every=20",
-            f"evals.probe={{type: fewshot, every: 20, datasets: {{digits: {digits_dataset}}}}}", "train.zero_stage=2", "precision.dtype=fp32", "cluster.num_workers=1",
-            "data.num_workers=0", "data.min_crop_area=0.5", "data.flip=false", f"run.storage={storage}",
+            f"data.train={unlabelled_digits}",
+            "model.img_size=16",
+            "train.objective=masked_patch",
+            "train.steps=20",
+            "train.batch_size=32",
+            "train.micro_batch_size=16",
+            "optim.lr=0.002",
+            "schedule.warmup_steps=4",
+            "schedule.decay=cosine",
+            "log.every=4",
+            "checkpoint.every=20",
+            f"evals.probe={{type: fewshot, every: 20, datasets: {{digits: {digits_dataset}}}}}",
+            "train.zero_stage=2",
+            "precision.dtype=fp32",
+            "cluster.num_workers=1",
+            "data.num_workers=0",
+            "data.min_crop_area=0.5",
+            "data.flip=false",
+            f"run.storage={storage}",
         ],
         storage / "run",
-    )  # fmt: skip
+    )
     saved = [d for _, d in reports if d is not None]
     assert len(saved) == 1
     return saved[0], [m for m, _ in reports]
@@ -310,7 +343,7 @@ def test_masked_patch_checkpoint_transfers_to_fewshot_and_finetuning(
     from vitray.evaluation.transfer import fewshot_probe
 
     folder, _ = mpp_checkpoint
-    model, state = ckpt.load_model(folder)  # strict: the [mask] embedding and predictor load too
+    model, _state = ckpt.load_model(folder)  # strict: the [mask] embedding and predictor load too
     assert model.num_classes == 0 and model.masked_patch_outputs == 512
     scores = fewshot_probe(model.eval(), {"digits": str(digits_dataset)}, shots=(10,))
     assert scores["fewshot/digits_10shot"] > 0.3  # chance is 0.1
@@ -319,13 +352,22 @@ def test_masked_patch_checkpoint_transfers_to_fewshot_and_finetuning(
     # Fine-tuning on labelled digits from the checkpoint: a plain ViT with a 10-class head comes out.
     reports = _run_loop(
         [
-            f"data.train={digits_dataset}", f"init.checkpoint={folder}", "model.img_size=16", "optim.name=sgd",
-            "train.steps=2", "train.batch_size=16", "train.micro_batch_size=16", "schedule.warmup_steps=1",
-            "checkpoint.every=2", "cluster.num_workers=1", "data.num_workers=0", f"run.storage={tmp_path}",
+            f"data.train={digits_dataset}",
+            f"init.checkpoint={folder}",
+            "model.img_size=16",
+            "optim.name=sgd",
+            "train.steps=2",
+            "train.batch_size=16",
+            "train.micro_batch_size=16",
+            "schedule.warmup_steps=1",
+            "checkpoint.every=2",
+            "cluster.num_workers=1",
+            "data.num_workers=0",
+            f"run.storage={tmp_path}",
         ],
         tmp_path / "finetune",
-    )  # fmt: skip
-    tuned, tuned_state = ckpt.load_model([d for _, d in reports if d is not None][0])
+    )
+    tuned, tuned_state = ckpt.load_model(next(d for _, d in reports if d is not None))
     assert tuned.num_classes == 10 and tuned.masked_patch is None
     assert tuned_state["model"]["masked_patch_outputs"] is None
     assert not any(key.startswith("masked_patch.") for key in tuned.state_dict())
@@ -340,14 +382,27 @@ def test_masked_patch_pretraining_on_the_xla_backend(process_group, unlabelled_d
     os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
     reports = _run_loop(
         [
-            f"data.train={unlabelled_digits}", "model.img_size=16", "train.objective=masked_patch",
-            "train.backend=xla", "precision.dtype=bf16", "train.steps=6", "train.batch_size=64",
-            "train.micro_batch_size=32", "optim.lr=0.003", "schedule.warmup_steps=2", "schedule.decay=cosine",
-            "log.every=2", "checkpoint.every=6", "cluster.num_workers=1", "data.num_workers=0",
-            "data.min_crop_area=0.5", "data.flip=false", f"run.storage={tmp_path}",
+            f"data.train={unlabelled_digits}",
+            "model.img_size=16",
+            "train.objective=masked_patch",
+            "train.backend=xla",
+            "precision.dtype=bf16",
+            "train.steps=6",
+            "train.batch_size=64",
+            "train.micro_batch_size=32",
+            "optim.lr=0.003",
+            "schedule.warmup_steps=2",
+            "schedule.decay=cosine",
+            "log.every=2",
+            "checkpoint.every=6",
+            "cluster.num_workers=1",
+            "data.num_workers=0",
+            "data.min_crop_area=0.5",
+            "data.flip=false",
+            f"run.storage={tmp_path}",
         ],
         tmp_path / "run",
-    )  # fmt: skip
+    )
     logged = [m for m, _ in reports if "loss" in m]
     assert [m["step"] for m in logged] == [2, 4, 6]
     assert logged[-1]["loss"] < logged[0]["loss"] - 2.0, logged

@@ -9,6 +9,7 @@ loop reaches it by URL exactly as it reaches ``s3://``.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import threading
 import time
@@ -75,8 +76,9 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_training_steps_never_wait_for_a_slow_metrics_upload(process_group, single_thread, digits_dataset, slow_storage,
-                                                           tmp_path):
+def test_training_steps_never_wait_for_a_slow_metrics_upload(
+    process_group, single_thread, digits_dataset, slow_storage, tmp_path
+):
     """The real loop, logging every step into a run folder whose every write takes 2.5 s: the
     steps go on at their own pace while uploads run beside them; at the end every line and every
     TensorBoard scalar is in the run folder, and the checkpoint's step was uploaded before the
@@ -85,11 +87,24 @@ def test_training_steps_never_wait_for_a_slow_metrics_upload(process_group, sing
 
     delay, steps = 2.5, 10
     SlowFileSystem.delay_s = delay
-    cfg = load_config(TrainingConfig, None, [
-        f"data.train={digits_dataset}", "model.img_size=16", "train.steps=10", "train.batch_size=8", "train.micro_batch_size=8",
-        "schedule.warmup_steps=1", "log.every=1", "log.upload_every_s=0", "checkpoint.every=5",
-        "cluster.num_workers=1", "data.num_workers=0", f"run.storage={tmp_path}",
-    ])  # fmt: skip
+    cfg = load_config(
+        TrainingConfig,
+        None,
+        [
+            f"data.train={digits_dataset}",
+            "model.img_size=16",
+            "train.steps=10",
+            "train.batch_size=8",
+            "train.micro_batch_size=8",
+            "schedule.warmup_steps=1",
+            "log.every=1",
+            "log.upload_every_s=0",
+            "checkpoint.every=5",
+            "cluster.num_workers=1",
+            "data.num_workers=0",
+            f"run.storage={tmp_path}",
+        ],
+    )
     reports = []
     ctx = WorkerContext(rank=0, world_size=1, run_dir="slowfs://run", report=lambda m, d: reports.append((m, d)))
     loop = TrainingLoop(cfg, ctx)
@@ -111,7 +126,7 @@ def test_training_steps_never_wait_for_a_slow_metrics_upload(process_group, sing
     # 2 x 2.5 s between two records. The steps did not wait (a step here takes about 0.2 s), and
     # records were written while uploads ran. (The last step is left out: a checkpoint step
     # waits for the previous checkpoint's write to finish, which includes its metrics upload.)
-    gaps = sorted(b["time"] - a["time"] for a, b in zip(records[:-2], records[1:-1]))
+    gaps = sorted(b["time"] - a["time"] for a, b in itertools.pairwise(records))
     assert gaps[len(gaps) // 2] < delay and gaps[-1] < 2 * delay, f"steps waited for the uploads: {gaps}"
     uploads = [w for w in SlowFileSystem.writes if w[2].endswith(METRICS_FILE)]
     during = [r["step"] for r in records if any(start < r["time"] < end for start, end, *_ in SlowFileSystem.writes)]

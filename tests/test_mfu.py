@@ -17,8 +17,9 @@ from vitray.trainers.metrics import (
 def test_forward_flops_of_a_tiny_vit_match_the_formula():
     # Ti-like widths at 32 px, patch 8: 16 patches + the class token, with a pre-logits layer.
     counted = forward_flops(lambda: create_model("Ti/8", num_classes=7, img_size=32, representation_size=24), 32)
-    formula = vit_forward_flops(width=192, depth=12, mlp_dim=768, patch_size=8, img_size=32, num_classes=7,
-                                representation_size=24)  # fmt: skip
+    formula = vit_forward_flops(
+        width=192, depth=12, mlp_dim=768, patch_size=8, img_size=32, num_classes=7, representation_size=24
+    )
     assert counted == formula
 
 
@@ -35,9 +36,14 @@ def test_b16_train_flops_do_not_count_the_recomputation_of_activation_checkpoint
 
 @pytest.mark.parametrize(
     ("name", "peak"),
-    [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H200", 989.0),
-     ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L4", 121.0)],
-)  # fmt: skip
+    [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA L4", 121.0),
+    ],
+)
 def test_peak_by_the_exact_device_name(name, peak):
     assert accelerator_peak_tflops(None, "bf16", name) == peak
     assert accelerator_peak_tflops(None, "fp16", name) == peak

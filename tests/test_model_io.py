@@ -25,7 +25,6 @@ from vitray.models import (
 )
 from vitray.models.io_safetensors import read_safetensors_metadata
 
-
 # These models are tiny: one thread avoids OpenMP contention on a busy 2-core machine.
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -227,9 +226,13 @@ def test_safetensors_round_trip_and_metadata(tmp_path):
     save_safetensors(model, tmp_path / "w.safetensors")
     metadata = read_safetensors_metadata(tmp_path / "w.safetensors")
     assert metadata == {
-        "format": "vitray", "name": "Ti/4", "img_size": "32", "head": "gap", "num_classes": "10",
+        "format": "vitray",
+        "name": "Ti/4",
+        "img_size": "32",
+        "head": "gap",
+        "num_classes": "10",
         "representation_size": "16",
-    }  # fmt: skip
+    }
     restored = create_model("Ti/4", num_classes=10, img_size=32, head="gap", representation_size=16)
     load_safetensors(restored, tmp_path / "w.safetensors")
     assert_same_weights(model, restored)
@@ -315,7 +318,9 @@ def test_other_num_classes_needs_load_head_false(tmp_path):
 
 def test_pre_logits_mismatch_names_representation_size(tmp_path):
     _, path = saved_npz(tmp_path, representation_size=16)
-    with pytest.raises(ValueError, match=r"not in the model: \['pre_logits.bias', 'pre_logits.weight'\].*representation_size=16"):
+    with pytest.raises(
+        ValueError, match=r"not in the model: \['pre_logits.bias', 'pre_logits.weight'\].*representation_size=16"
+    ):
         load_npz(create_model("Ti/4", num_classes=10, img_size=32), path)
     target = create_model("Ti/4", num_classes=10, img_size=32)
     load_npz(target, path, load_head=False)  # the fine-tuning start: drop pre-logits and head
@@ -341,7 +346,9 @@ def test_state_dict_key_problems_are_named(tmp_path):
     state["blocks.0.extra"] = torch.zeros(1)
     del state["norm.bias"]
     target = create_model("Ti/4", num_classes=10, img_size=32)
-    with pytest.raises(ValueError, match=r"missing from the checkpoint: \['norm.bias'\]; not in the model: \['blocks.0.extra'\]"):
+    with pytest.raises(
+        ValueError, match=r"missing from the checkpoint: \['norm.bias'\]; not in the model: \['blocks.0.extra'\]"
+    ):
         load_timm_state_dict(target, state)
     with pytest.raises(ValueError, match="not a ViT"):
         load_timm_state_dict(target, {"foo": torch.zeros(1)})

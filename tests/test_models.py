@@ -21,7 +21,6 @@ from vitray.models import (
 )
 from vitray.models.resnet import same_padding
 
-
 # These models are tiny: one thread avoids OpenMP contention on a busy 2-core machine.
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -117,7 +116,20 @@ def test_representation_size_and_hybrid_counts():
 
 # -- shapes -----------------------------------------------------------------------------
 
-SHAPE_NAMES = ["Ti/16", "S/16", "B/16", "L/16", "H/14", "g/14", "B/32", "L/32", "B/8", "R50+B/16", "R50+L/32", "R26+S/32"]
+SHAPE_NAMES = [
+    "Ti/16",
+    "S/16",
+    "B/16",
+    "L/16",
+    "H/14",
+    "g/14",
+    "B/32",
+    "L/32",
+    "B/8",
+    "R50+B/16",
+    "R50+L/32",
+    "R26+S/32",
+]
 
 
 @pytest.mark.parametrize("img_size", [224, 384])
@@ -349,7 +361,7 @@ def test_set_img_size_resamples_the_position_embedding():
 
 def scipy_reference(posemb: torch.Tensor, prefix: int, new_h: int, new_w: int) -> np.ndarray:
     grid = posemb[0, prefix:].double().numpy()
-    side = int(math.isqrt(grid.shape[0]))
+    side = math.isqrt(grid.shape[0])
     zoomed = scipy.ndimage.zoom(grid.reshape(side, side, -1), (new_h / side, new_w / side, 1), order=1)
     return np.concatenate([posemb[0, :prefix].double().numpy(), zoomed.reshape(new_h * new_w, -1)])
 
@@ -414,8 +426,12 @@ def test_create_model_from_config():
     cfg = ModelConfig(name="Ti/4", img_size=32, head="gap", representation_size=8, attn_dropout=0.1)
     model = create_model_from_config(cfg, num_classes=3)
     assert (model.name, model.img_size, model.head_type, model.num_features, model.num_classes) == (
-        "Ti/4", 32, "gap", 8, 3,
-    )  # fmt: skip
+        "Ti/4",
+        32,
+        "gap",
+        8,
+        3,
+    )
     assert model.blocks[0].attn.attn_dropout == 0.1
     with pytest.raises(ValueError, match="head"):
         ModelConfig(head="map")

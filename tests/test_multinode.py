@@ -14,10 +14,10 @@ import subprocess
 import time
 
 import pytest
-from safetensors.torch import load
-
 from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run, running
 from ray_cluster import loopback_cluster
+from safetensors.torch import load
+
 from vitray.data import prepare_dataset, storage
 from vitray.trainers.checkpoint import latest_complete_checkpoint
 from vitray.trainers.run_files import RunFiles
@@ -51,8 +51,9 @@ def _wait(driver: subprocess.Popen, condition, what: str, timeout: float = 400) 
 def test_local_paths_on_a_multi_node_cluster_are_refused(digits_dataset, tmp_path):
     with loopback_cluster() as cluster:
         cluster.add_worker_node({"vitray_node": 1})
-        args = pretrain_args(str(digits_dataset), str(tmp_path), "local", *ONE_PER_NODE,
-                             f"cluster.address={cluster.address}")  # fmt: skip
+        args = pretrain_args(
+            str(digits_dataset), str(tmp_path), "local", *ONE_PER_NODE, f"cluster.address={cluster.address}"
+        )
         out = subprocess.run(args, capture_output=True, text=True, timeout=300)
     text = " ".join(out.stderr.split())
     assert out.returncode == 2, text[-3000:]
@@ -70,8 +71,9 @@ def test_a_node_killed_mid_run_is_replaced_and_the_run_ends_as_uninterrupted(mot
     run_dir = f"{runs}/multi"
     with loopback_cluster() as cluster:
         first, second = (cluster.add_worker_node({"vitray_node": 1}) for _ in range(2))
-        args = pretrain_args(data, runs, "multi", *COMMON, *ONE_PER_NODE, "cluster.max_failures=2",
-                             f"cluster.address={cluster.address}")  # fmt: skip
+        args = pretrain_args(
+            data, runs, "multi", *COMMON, *ONE_PER_NODE, "cluster.max_failures=2", f"cluster.address={cluster.address}"
+        )
         with running(args) as driver:
             _wait(driver, lambda: _logged_step(run_dir) >= 2, "step 2 logged")
             assert sorted(cluster.nodes_in_use("vitray_node")) == sorted([first, second])  # one worker per node

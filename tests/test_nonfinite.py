@@ -45,8 +45,13 @@ def _finite(module: torch.nn.Module) -> bool:
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_skip_drops_the_poisoned_step_counts_it_and_trains_on(process_group, digits_dataset, tmp_path, dtype):
-    loop = in_process_loop(digits_dataset, tmp_path, f"precision.dtype={dtype}", "train.nonfinite=skip",
-                           "debug.nonfinite_loss_at_steps=[2]")  # fmt: skip
+    loop = in_process_loop(
+        digits_dataset,
+        tmp_path,
+        f"precision.dtype={dtype}",
+        "train.nonfinite=skip",
+        "debug.nonfinite_loss_at_steps=[2]",
+    )
     last = loop.run()
     assert last["nonfinite_steps"] == 1 and loop.backend.skipped_steps() == 1
     assert math.isfinite(last["loss"])  # the mean of the finite losses
@@ -68,8 +73,14 @@ def test_stop_raises_at_the_log_step_naming_the_steps(process_group, digits_data
 
 
 def test_stop_checks_a_checkpoint_step_that_does_not_log(process_group, digits_dataset, tmp_path):
-    loop = in_process_loop(digits_dataset, tmp_path, "precision.dtype=bf16", "debug.nonfinite_loss_at_steps=[1]",
-                           "checkpoint.every=2", "log.every=4")  # fmt: skip
+    loop = in_process_loop(
+        digits_dataset,
+        tmp_path,
+        "precision.dtype=bf16",
+        "debug.nonfinite_loss_at_steps=[1]",
+        "checkpoint.every=2",
+        "log.every=4",
+    )
     with pytest.raises(FloatingPointError, match=r"between 1 and 2"):
         loop.run()
     assert loop.step == 2 and not list((tmp_path / "run").rglob("model.safetensors"))
@@ -103,8 +114,9 @@ def test_skipped_steps_are_counted_across_a_kill_and_the_resume_is_exact(digits_
 
 @pytest.mark.slow
 def test_stop_fails_the_run_and_leaves_the_latest_checkpoint_finite(digits_dataset, tmp_path):
-    args = pretrain_args(str(digits_dataset), str(tmp_path), "nan", *COMMON, "precision.dtype=bf16",
-                         "debug.nonfinite_loss_at_steps=[13]")  # fmt: skip
+    args = pretrain_args(
+        str(digits_dataset), str(tmp_path), "nan", *COMMON, "precision.dtype=bf16", "debug.nonfinite_loss_at_steps=[13]"
+    )
     failed = subprocess.run(args, capture_output=True, text=True, timeout=480)
     assert failed.returncode != 0
     text = " ".join((failed.stdout + failed.stderr).split())

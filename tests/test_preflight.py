@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import ray
+from pretrain_helpers import BASE, in_process_loop
 from typer.testing import CliRunner
 
-from pretrain_helpers import BASE, in_process_loop
 from vitray.cli.main import app
 from vitray.common.config import load_config
 from vitray.common.failures import describe_failure
@@ -80,8 +80,12 @@ def _damaged_copy(digits_dataset: Path, folder: Path, keep_bytes: int | None) ->
     ],
 )
 def test_pretrain_refuses_bad_input_before_ray(case, expected, digits_dataset, tmp_path):
-    folders = {"MISSING": tmp_path / "nowhere", "EMPTY": tmp_path / "empty", "TARS": tmp_path / "tars",
-               "DAMAGED": tmp_path / "damaged"}  # fmt: skip
+    folders = {
+        "MISSING": tmp_path / "nowhere",
+        "EMPTY": tmp_path / "empty",
+        "TARS": tmp_path / "tars",
+        "DAMAGED": tmp_path / "damaged",
+    }
     (tmp_path / "empty").mkdir()
     (tmp_path / "tars").mkdir()
     (tmp_path / "tars" / "train-000000.tar").write_bytes(b"\x01" * 2048)
@@ -120,8 +124,17 @@ def test_a_finished_run_exits_at_once_saying_so(pretrained, digits_dataset, tmp_
 
 
 def test_what_may_change_on_resume_is_allowed_and_said(pretrained, digits_dataset):
-    sets = [*BASE, f"data.train={digits_dataset}", f"run.storage={Path(pretrained).parent}", "run.name=pre",
-            "train.steps=12", "checkpoint.every=4", "optim.lr=0.002", "cluster.num_workers=1", "data.num_slots=8"]  # fmt: skip
+    sets = [
+        *BASE,
+        f"data.train={digits_dataset}",
+        f"run.storage={Path(pretrained).parent}",
+        "run.name=pre",
+        "train.steps=12",
+        "checkpoint.every=4",
+        "optim.lr=0.002",
+        "cluster.num_workers=1",
+        "data.num_slots=8",
+    ]
     cfg = load_config(TrainingConfig, None, sets)
     plan = check_resume(cfg, pretrained, check_inputs(cfg))
     assert plan.chosen is not None and plan.chosen.step == 8 and not plan.finished
@@ -152,7 +165,9 @@ def test_a_failure_is_reduced_to_its_root_cause_with_advice_that_fits():
     cause = describe_failure(RAY_REPORT)
     assert cause.one_line() == "FileNotFoundError: no dataset.json at /data/x: not prepared or still being written"
     assert not cause.transient and cause.advice().startswith("fix the cause")
-    lost = describe_failure("...\nray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.")
+    lost = describe_failure(
+        "...\nray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task."
+    )
     assert lost.kind == "ActorDiedError" and lost.transient and cause.advice() != lost.advice()
     try:
         raise RuntimeError("checkpoint upload failed") from ConnectionResetError("connection reset by peer")
@@ -166,13 +181,29 @@ def test_evaluate_refuses_a_resolution_the_patch_does_not_divide_before_ray(pret
     (root / "digits").symlink_to(digits_dataset)
     started = time.monotonic()
     grid = Path(__file__).resolve().parents[1] / "configs" / "grid_digits.yaml"
-    result = CliRunner().invoke(app, ["evaluate", pretrained, "-c", str(grid), "--data-root", str(root),
-                                      "--output", str(tmp_path / "eval"), "--set", "finetune.resolution=30"])  # fmt: skip
+    result = CliRunner().invoke(
+        app,
+        [
+            "evaluate",
+            pretrained,
+            "-c",
+            str(grid),
+            "--data-root",
+            str(root),
+            "--output",
+            str(tmp_path / "eval"),
+            "--set",
+            "finetune.resolution=30",
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert not ray.is_initialized() and time.monotonic() - started < 30
     assert "Traceback" not in result.output
     message = " ".join(result.output.split())
-    assert "fine-tune cells of" in message and "at 30 px: model: img_size 30 is not divisible by the patch size 4" in message
+    assert (
+        "fine-tune cells of" in message
+        and "at 30 px: model: img_size 30 is not divisible by the patch size 4" in message
+    )
 
 
 CHAINED = """[Rank 0 Error Snippet]:

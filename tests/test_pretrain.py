@@ -3,18 +3,20 @@ exact resume after a pre-emption and after a worker is killed, re-sharding onto 
 
 from __future__ import annotations
 
-import json
 import re
-from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run, run_until_checkpoint
-from vitray.trainers.checkpoint import IncompleteCheckpointError, verify_complete
-from vitray.trainers.keys import collect_keys
-from vitray.trainers.checkpoint import find_checkpoints, latest_complete_checkpoint
+
+from vitray.trainers.checkpoint import (
+    IncompleteCheckpointError,
+    find_checkpoints,
+    latest_complete_checkpoint,
+    verify_complete,
+)
 from vitray.trainers.checkpointer import staging_prefix
+from vitray.trainers.keys import collect_keys
 from vitray.trainers.run_files import RunFiles
 
 pytestmark = pytest.mark.slow
@@ -33,11 +35,17 @@ def reference(digits_dataset, tmp_path_factory):
     keys = root / "keys"
     run(
         pretrain_args(
-            str(digits_dataset), str(root / "runs"), "ref",
-            f"train.steps={STEPS}", f"checkpoint.every={EVERY}", WHOLE_DIGITS, f"evals.val={{type: val, every: {STEPS}}}",
-            f"debug.record_sample_keys={keys}", f"evals.fewshot={{type: fewshot, every: {STEPS}, datasets: {{digits: {digits_dataset}}}}}",
+            str(digits_dataset),
+            str(root / "runs"),
+            "ref",
+            f"train.steps={STEPS}",
+            f"checkpoint.every={EVERY}",
+            WHOLE_DIGITS,
+            f"evals.val={{type: val, every: {STEPS}}}",
+            f"debug.record_sample_keys={keys}",
+            f"evals.fewshot={{type: fewshot, every: {STEPS}, datasets: {{digits: {digits_dataset}}}}}",
         )
-    )  # fmt: skip
+    )
     run_dir = str(root / "runs" / "ref")
     return {"run_dir": run_dir, "weights": final_weights(run_dir), "keys": collect_keys(keys)}
 
@@ -70,17 +78,25 @@ def test_stop_and_rerun_resumes_exactly(digits_dataset, reference, tmp_path):
     storage = str(tmp_path / "runs")
     keys = tmp_path / "keys"
     args = pretrain_args(
-        str(digits_dataset), storage, "ref",
-        f"train.steps={STEPS}", f"checkpoint.every={EVERY}", WHOLE_DIGITS, f"evals.val={{type: val, every: {STEPS}}}",
+        str(digits_dataset),
+        storage,
+        "ref",
+        f"train.steps={STEPS}",
+        f"checkpoint.every={EVERY}",
+        WHOLE_DIGITS,
+        f"evals.val={{type: val, every: {STEPS}}}",
         f"debug.record_sample_keys={keys}",
-    )  # fmt: skip
+    )
     staging = tmp_path / "staging"
     args += ["--set", f"checkpoint.staging_dir={staging}"]
     stopped_at = run_until_checkpoint(args, str(tmp_path / "runs" / "ref"), min_step=EVERY)
     assert stopped_at < STEPS
     # What a kill mid-upload leaves on the node: shares of this run's checkpoints (each rank's),
     # beside another run's staging folder, which is not this run's to touch.
-    own = [staging / f"{staging_prefix(str(tmp_path / 'runs' / 'ref'))}{step:08d}-r{rank}-x1" for step, rank in [(4, 0), (8, 1)]]
+    own = [
+        staging / f"{staging_prefix(str(tmp_path / 'runs' / 'ref'))}{step:08d}-r{rank}-x1"
+        for step, rank in [(4, 0), (8, 1)]
+    ]
     other = staging / f"{staging_prefix(str(tmp_path / 'runs' / 'other'))}00000004-r0-x2"
     for folder in [*own, other]:
         folder.mkdir(parents=True, exist_ok=True)
@@ -97,11 +113,18 @@ def test_killed_worker_is_restarted_and_run_finishes_identically(digits_dataset,
     keys = tmp_path / "keys"
     run(
         pretrain_args(
-            str(digits_dataset), str(tmp_path / "runs"), "ref",
-            f"train.steps={STEPS}", f"checkpoint.every={EVERY}", WHOLE_DIGITS, f"evals.val={{type: val, every: {STEPS}}}",
-            f"debug.record_sample_keys={keys}", "debug.kill_worker_at_step=6", "cluster.max_failures=1",
+            str(digits_dataset),
+            str(tmp_path / "runs"),
+            "ref",
+            f"train.steps={STEPS}",
+            f"checkpoint.every={EVERY}",
+            WHOLE_DIGITS,
+            f"evals.val={{type: val, every: {STEPS}}}",
+            f"debug.record_sample_keys={keys}",
+            "debug.kill_worker_at_step=6",
+            "cluster.max_failures=1",
         )
-    )  # fmt: skip
+    )
     run_dir = str(tmp_path / "runs" / "ref")
     assert (Path(run_dir) / "vitray" / "markers" / "killed-at-step-6").exists()
     assert_same_weights(final_weights(run_dir), reference["weights"])
@@ -115,7 +138,11 @@ def test_resume_on_one_worker_from_two_worker_checkpoint(digits_dataset, referen
     stopped_at = run_until_checkpoint(
         pretrain_args(str(digits_dataset), storage, "ref", *common), str(tmp_path / "runs" / "ref"), min_step=EVERY
     )
-    run(pretrain_args(str(digits_dataset), storage, "ref", *common, "cluster.num_workers=1", "train.micro_batch_size=32"))
+    run(
+        pretrain_args(
+            str(digits_dataset), storage, "ref", *common, "cluster.num_workers=1", "train.micro_batch_size=32"
+        )
+    )
     run_dir = str(tmp_path / "runs" / "ref")
     state = verify_complete(latest_complete_checkpoint(run_dir).path)
     assert state["step"] == STEPS and state["world_size"] == 1
@@ -150,10 +177,15 @@ def test_half_written_checkpoint_is_never_taken(digits_dataset, reference, tmp_p
     weights.write_bytes(whole[: len(whole) // 2])
     run(
         pretrain_args(
-            str(digits_dataset), str(tmp_path / "runs"), "ref",
-            f"train.steps={STEPS}", f"checkpoint.every={EVERY}", WHOLE_DIGITS, f"evals.val={{type: val, every: {STEPS}}}",
+            str(digits_dataset),
+            str(tmp_path / "runs"),
+            "ref",
+            f"train.steps={STEPS}",
+            f"checkpoint.every={EVERY}",
+            WHOLE_DIGITS,
+            f"evals.val={{type: val, every: {STEPS}}}",
         )
-    )  # fmt: skip
+    )
     assert_same_weights(final_weights(str(run_dir)), reference["weights"])
 
 
@@ -164,14 +196,23 @@ def test_more_workers_than_the_local_instance_has_fails_at_once(digits_dataset, 
     import time
 
     cpus = os.cpu_count()
-    args = pretrain_args(str(digits_dataset), str(tmp_path), "too-big", "train.steps=2", "schedule.warmup_steps=1",
-                         f"cluster.num_workers={2 * cpus}", f"data.num_slots={2 * cpus}",
-                         f"train.batch_size={32 * cpus}")  # fmt: skip
+    args = pretrain_args(
+        str(digits_dataset),
+        str(tmp_path),
+        "too-big",
+        "train.steps=2",
+        "schedule.warmup_steps=1",
+        f"cluster.num_workers={2 * cpus}",
+        f"data.num_slots={2 * cpus}",
+        f"train.batch_size={32 * cpus}",
+    )
     started = time.monotonic()
     out = subprocess.run(args, capture_output=True, text=True, timeout=240)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
     message = " ".join(out.stderr.split())
-    found = re.search(rf"needs {2 * cpus} CPU \(cluster.cpus_per_worker x {2 * cpus} workers\) but it has (\d+)", message)
+    found = re.search(
+        rf"needs {2 * cpus} CPU \(cluster.cpus_per_worker x {2 * cpus} workers\) but it has (\d+)", message
+    )
     assert found and int(found[1]) < 2 * cpus, message
     assert "cluster.address" in message
     assert time.monotonic() - started < 120

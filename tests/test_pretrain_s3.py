@@ -6,9 +6,9 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+from pretrain_helpers import assert_same_weights, pretrain_args, run, vitray_cmd
 from safetensors.torch import load, load_file
 
-from pretrain_helpers import assert_same_weights, pretrain_args, run, vitray_cmd
 from vitray.data import prepare_dataset
 from vitray.data.storage import read_bytes
 from vitray.models.io_safetensors import read_safetensors_metadata
@@ -22,7 +22,9 @@ def test_pretrain_on_s3_lists_exports_and_resumes(moto_server, tmp_path):
     data = moto_server.url("datasets", "digits")
     storage = moto_server.url("runs")
     prepare_dataset("builtin:digits", data, samples_per_shard=200)
-    args = pretrain_args(data, storage, "s3run", "train.steps=8", "checkpoint.every=4", "evals.val={type: val, every: 8}")
+    args = pretrain_args(
+        data, storage, "s3run", "train.steps=8", "checkpoint.every=4", "evals.val={type: val, every: 8}"
+    )
     run(args)
 
     run_dir = f"{storage}/s3run"
@@ -36,8 +38,14 @@ def test_pretrain_on_s3_lists_exports_and_resumes(moto_server, tmp_path):
     out = tmp_path / "model.safetensors"
     run(vitray_cmd("export", run_dir, "--format", "safetensors", "--out", str(out)))
     weights = load_file(str(out))
-    assert read_safetensors_metadata(out) == {"format": "vitray", "name": "Ti/4", "img_size": "16", "head": "token",
-                                              "num_classes": "10", "representation_size": ""}  # fmt: skip
+    assert read_safetensors_metadata(out) == {
+        "format": "vitray",
+        "name": "Ti/4",
+        "img_size": "16",
+        "head": "token",
+        "num_classes": "10",
+        "representation_size": "",
+    }
     assert_same_weights(weights, load(read_bytes(f"{checkpoints[-1].path}/{ckpt.MODEL_FILE}")))  # step 8's
 
     # The same command again: the run is already complete, so it says so and stops, without Ray.
@@ -50,7 +58,9 @@ def test_pretrain_on_s3_lists_exports_and_resumes(moto_server, tmp_path):
 def test_export_refuses_a_folder_without_checkpoints(tmp_path):
     out = subprocess.run(
         vitray_cmd("export", str(tmp_path), "--format", "npz", "--out", str(tmp_path / "m.npz")),
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert "neither a checkpoint folder" in " ".join(out.stderr.split())

@@ -19,8 +19,8 @@ from vitray.cli.main import app
 from vitray.common.config import load_config
 from vitray.evaluation.config import GridConfig
 from vitray.trainers import checkpoint as ckpt
-from vitray.trainers.config import TrainingConfig
 from vitray.trainers.checkpoint import latest_complete_checkpoint
+from vitray.trainers.config import TrainingConfig
 from vitray.trainers.run_files import RunFiles
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,7 +168,14 @@ def test_finetuning_recipes_are_table_4(dataset):
     steps, sweep = TABLE_4[dataset]
     t = cfg.train
     o, s = cfg.optim, cfg.schedule
-    assert (o.name, o.momentum, t.batch_size, o.weight_decay, o.grad_clip, s.decay) == ("sgd", 0.9, 512, 0.0, 1.0, "cosine")
+    assert (o.name, o.momentum, t.batch_size, o.weight_decay, o.grad_clip, s.decay) == (
+        "sgd",
+        0.9,
+        512,
+        0.0,
+        1.0,
+        "cosine",
+    )
     assert t.steps == steps and o.lr in sweep and cfg.evals["val"].every == steps
     assert cfg.model.img_size == 384 and cfg.init.reset_head and cfg.init.checkpoint
     assert cfg.data.train.endswith(f"/{dataset}") and cfg.data.val_path.endswith(f"/{dataset}")
@@ -177,7 +184,12 @@ def test_finetuning_recipes_are_table_4(dataset):
 def test_grid_recipes_follow_the_protocols():
     vtab = load(PAPER / "vtab1k.yaml")
     assert vtab.benchmarks == ["vtab"] and not vtab.fewshot.enabled
-    assert (vtab.finetune.learning_rates, vtab.finetune.steps, vtab.finetune.batch_size, vtab.finetune.resolution) == ([0.01], 2500, 512, 384)
+    assert (vtab.finetune.learning_rates, vtab.finetune.steps, vtab.finetune.batch_size, vtab.finetune.resolution) == (
+        [0.01],
+        2500,
+        512,
+        384,
+    )
     assert len(vtab.resolved_benchmarks()) == 19
     fewshot = load(PAPER / "fewshot.yaml")
     assert fewshot.benchmarks == ["paper"] and not fewshot.finetune.enabled
@@ -189,13 +201,26 @@ def test_grid_recipes_follow_the_protocols():
 # ---------------------------------------------------------------------------------------------
 
 SMALL_TRAIN = [
-    "train.steps=4", "train.batch_size=16", "train.micro_batch_size=16", "schedule.warmup_steps=1",
-    "checkpoint.every=4", "checkpoint.keep=1", "evals.val={type: val, every: 4, batch_size: 128}", "log.every=2",
+    "train.steps=4",
+    "train.batch_size=16",
+    "train.micro_batch_size=16",
+    "schedule.warmup_steps=1",
+    "checkpoint.every=4",
+    "checkpoint.keep=1",
+    "evals.val={type: val, every: 4, batch_size: 128}",
+    "log.every=2",
     "precision.dtype=fp32",
-    "cluster.num_workers=1", "cluster.cpus_per_worker=1", "cluster.gpus_per_worker=0", "cluster.max_failures=0",
-    "data.num_slots=8", "data.num_workers=0", "data.shuffle_buffer=64", "data.min_crop_area=0.5", "data.flip=false",
+    "cluster.num_workers=1",
+    "cluster.cpus_per_worker=1",
+    "cluster.gpus_per_worker=0",
+    "cluster.max_failures=0",
+    "data.num_slots=8",
+    "data.num_workers=0",
+    "data.shuffle_buffer=64",
+    "data.min_crop_area=0.5",
+    "data.flip=false",
     "data.val_split=test",
-]  # fmt: skip
+]
 SMALL_MODEL = ["model.name=Ti/4", "model.img_size=16", "model.representation_size=32"]
 
 
@@ -223,18 +248,37 @@ def _finished_state(run_dir: Path, steps: int) -> dict:
     "recipe, kept",
     [
         # the JFT-style family: sigmoid cross-entropy, linear decay, Table 3's JFT lr / weight decay, no dropout
-        ("pretrain_b16_jft", {"train.objective": "sigmoid", "schedule.decay": "linear", "optim.lr": 8e-4,
-                              "optim.weight_decay": 0.1, "model.dropout": 0.0}),
+        (
+            "pretrain_b16_jft",
+            {
+                "train.objective": "sigmoid",
+                "schedule.decay": "linear",
+                "optim.lr": 8e-4,
+                "optim.weight_decay": 0.1,
+                "model.dropout": 0.0,
+            },
+        ),
         # ImageNet-1k from scratch: the paper's stronger regularisation
-        ("pretrain_b16_imagenet1k", {"schedule.decay": "cosine", "optim.weight_decay": 0.3, "model.dropout": 0.1,
-                                     "optim.grad_clip": 1.0, "optim.lr": 3e-3}),
+        (
+            "pretrain_b16_imagenet1k",
+            {
+                "schedule.decay": "cosine",
+                "optim.weight_decay": 0.3,
+                "model.dropout": 0.1,
+                "optim.grad_clip": 1.0,
+                "optim.lr": 3e-3,
+            },
+        ),
     ],
     ids=["jft-style", "imagenet1k-from-scratch"],
-)  # fmt: skip
+)
 def test_scaled_down_pretraining_recipe_runs(recipe, kept, digits_dataset, tmp_path):
-    _run_vitray("pretrain", "-c", str(PAPER / f"{recipe}.yaml"),
-                *_sets(*SMALL_MODEL, *SMALL_TRAIN, f"data.train={digits_dataset}", f"run.storage={tmp_path}",
-                       "run.name=small"))  # fmt: skip
+    _run_vitray(
+        "pretrain",
+        "-c",
+        str(PAPER / f"{recipe}.yaml"),
+        *_sets(*SMALL_MODEL, *SMALL_TRAIN, f"data.train={digits_dataset}", f"run.storage={tmp_path}", "run.name=small"),
+    )
     state = _finished_state(tmp_path / "small", 4)
     config = state["config"]
     for dotted, value in kept.items():
@@ -245,10 +289,20 @@ def test_scaled_down_pretraining_recipe_runs(recipe, kept, digits_dataset, tmp_p
 
 @pytest.mark.slow
 def test_scaled_down_finetuning_recipe_runs(pretrained, digits_dataset, tmp_path):
-    out = _run_vitray("finetune", "-c", str(PAPER / "finetune_cifar10_384.yaml"),
-                      *_sets(*SMALL_TRAIN, f"init.checkpoint={pretrained}", "model.img_size=24",
-                             f"data.train={digits_dataset}", f"data.val={digits_dataset}", f"run.storage={tmp_path}",
-                             "run.name=small-ft"))  # fmt: skip
+    out = _run_vitray(
+        "finetune",
+        "-c",
+        str(PAPER / "finetune_cifar10_384.yaml"),
+        *_sets(
+            *SMALL_TRAIN,
+            f"init.checkpoint={pretrained}",
+            "model.img_size=24",
+            f"data.train={digits_dataset}",
+            f"data.val={digits_dataset}",
+            f"run.storage={tmp_path}",
+            "run.name=small-ft",
+        ),
+    )
     assert re.search(r"top-1 \(.*split test\): [01]\.\d{4}", out.stdout), out.stdout
     state = _finished_state(tmp_path / "small-ft", 4)
     assert state["model"]["name"] == "Ti/4" and state["model"]["img_size"] == 24  # from the checkpoint, resampled
@@ -272,11 +326,26 @@ def _results(output: Path):
 
 @pytest.mark.slow
 def test_scaled_down_vtab_recipe_runs(pretrained, data_root, tmp_path):
-    _run_vitray("evaluate", pretrained, "-c", str(PAPER / "vtab1k.yaml"), "--no-progress",
-                *_sets("benchmarks=[digits]", f"data_root={data_root}", f"output={tmp_path}", "finetune.steps=4",
-                       "finetune.batch_size=16", "finetune.micro_batch_size=16", "finetune.warmup_steps=1",
-                       "finetune.resolution=24", "finetune.cpus_per_worker=1", "finetune.gpus_per_worker=0",
-                       "finetune.overrides={precision.dtype: fp32, data.num_workers: 0}"))  # fmt: skip
+    _run_vitray(
+        "evaluate",
+        pretrained,
+        "-c",
+        str(PAPER / "vtab1k.yaml"),
+        "--no-progress",
+        *_sets(
+            "benchmarks=[digits]",
+            f"data_root={data_root}",
+            f"output={tmp_path}",
+            "finetune.steps=4",
+            "finetune.batch_size=16",
+            "finetune.micro_batch_size=16",
+            "finetune.warmup_steps=1",
+            "finetune.resolution=24",
+            "finetune.cpus_per_worker=1",
+            "finetune.gpus_per_worker=0",
+            "finetune.overrides={precision.dtype: fp32, data.num_workers: 0}",
+        ),
+    )
     results = _results(tmp_path)
     assert set(results["method"]) == {"finetune"} and set(results["status"]) == {"ok"}
     settings = [json.loads(s) for s in results["settings"]]
@@ -286,10 +355,24 @@ def test_scaled_down_vtab_recipe_runs(pretrained, data_root, tmp_path):
 
 @pytest.mark.slow
 def test_scaled_down_fewshot_recipe_runs(pretrained, data_root, tmp_path):
-    _run_vitray("evaluate", pretrained, "-c", str(PAPER / "fewshot.yaml"), "--no-progress",
-                *_sets("benchmarks=[digits]", f"data_root={data_root}", f"output={tmp_path}", "fewshot.shots=[1, 5]",
-                       "fewshot.seeds=1", "fewshot.num_gpus=0", "fewshot.num_cpus=1", "fewshot.data_workers=0",
-                       "fewshot.batch_size=128"))  # fmt: skip
+    _run_vitray(
+        "evaluate",
+        pretrained,
+        "-c",
+        str(PAPER / "fewshot.yaml"),
+        "--no-progress",
+        *_sets(
+            "benchmarks=[digits]",
+            f"data_root={data_root}",
+            f"output={tmp_path}",
+            "fewshot.shots=[1, 5]",
+            "fewshot.seeds=1",
+            "fewshot.num_gpus=0",
+            "fewshot.num_cpus=1",
+            "fewshot.data_workers=0",
+            "fewshot.batch_size=128",
+        ),
+    )
     results = _results(tmp_path)
     assert set(results["method"]) == {"fewshot"} and set(results["status"]) == {"ok"}
     assert sorted(results.drop_duplicates("cell_id")["settings"].map(lambda s: yaml.safe_load(s)["shots"])) == [1, 5]

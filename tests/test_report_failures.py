@@ -18,14 +18,18 @@ RECORDED = (
     "[Rank 0 Error Snippet]:\nTraceback (most recent call last):\n"
     '  File "/work/main/evaluation/transfer.py", line 300, in finetune\n    model = build(cfg)\n'
     + "  ... a long frame ...\n" * 300
-    + CAUSE + "\n"
+    + CAUSE
+    + "\n"
 )
 
 
 def results(tmp_path) -> ResultsTable:
     table = ResultsTable(str(tmp_path / "results"))
-    table.append(Cell("runs/r1/checkpoint_000010", "digits", "fewshot", {"shots": 5, "l2": 1024}, 0, 10)
-                 .ok({"accuracy": 0.5}, 1.0))  # fmt: skip
+    table.append(
+        Cell("runs/r1/checkpoint_000010", "digits", "fewshot", {"shots": 5, "l2": 1024}, 0, 10).ok(
+            {"accuracy": 0.5}, 1.0
+        )
+    )
     table.append(Cell("runs/r1/checkpoint_000010", "digits", "finetune", {"lr": 0.01}, 0, 10).failed(RECORDED, 2.0))
     return table
 
@@ -51,7 +55,12 @@ def test_the_table_and_the_report_show_the_cause_on_one_line(tmp_path):
 def test_summary_json(tmp_path):
     summary = json.loads(summary_json(results(tmp_path)))
     (row,) = summary["results"]
-    assert (row["benchmark"], row["settings"], row["mean"], row["seeds"]) == ("digits", {"shots": 5, "l2": 1024}, 0.5, 1)
+    assert (row["benchmark"], row["settings"], row["mean"], row["seeds"]) == (
+        "digits",
+        {"shots": 5, "l2": 1024},
+        0.5,
+        1,
+    )
     (failed,) = summary["not_finished"]
     assert failed["status"] == "failed" and failed["cause"] == CAUSE and failed["settings"] == {"lr": 0.01}
 

@@ -44,14 +44,25 @@ def test_a_local_start_that_times_out_is_one_line(monkeypatch):
     with pytest.raises(RayUnavailable) as caught:
         connect(None)
     message = str(caught.value)
-    assert message.startswith("the local Ray instance did not start (Exception: The current node timed out during startup")
+    assert message.startswith(
+        "the local Ray instance did not start (Exception: The current node timed out during startup"
+    )
     assert "ray stop" in message and "\n" not in message
 
 
 def test_the_cli_says_it_in_one_line(tmp_path):
     address = f"127.0.0.1:{closed_port()}"
-    command = [sys.executable, "-m", "vitray.cli", "data", "prepare", "builtin:digits", str(tmp_path / "d"),
-               "--address", address]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "vitray.cli",
+        "data",
+        "prepare",
+        "builtin:digits",
+        str(tmp_path / "d"),
+        "--address",
+        address,
+    ]
     out = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "1000"})
     assert out.returncode == 2, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.strip()]

@@ -43,10 +43,21 @@ def big_dataset(tmp_path_factory) -> str:
 
 def test_a_rank_and_its_workers_plan_300m_samples_in_300k_shards_for_1024x8_within_bounds(big_dataset):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--one", "--json", "--no-reference", f"--shards={SHARDS}",
-         f"--ranks={RANKS}", f"--workers={WORKERS}", f"--dataset={big_dataset}"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "scale.py"),
+            "--one",
+            "--json",
+            "--no-reference",
+            f"--shards={SHARDS}",
+            f"--ranks={RANKS}",
+            f"--workers={WORKERS}",
+            f"--dataset={big_dataset}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     f = json.loads(result.stdout.strip().splitlines()[-1])
     assert f["shards"] == SHARDS and 290e6 < f["samples"] < 310e6 and f["num_slots"] == RANKS * WORKERS
@@ -63,11 +74,25 @@ def test_a_rank_and_its_workers_plan_300m_samples_in_300k_shards_for_1024x8_with
 def test_the_slots_a_worker_plans_are_those_of_the_whole_plan(big_dataset):
     """At 300k shards: each rank's slots, planned alone, are exactly the previous implementation's
     whole-plan slots (runs resume across the change on the same samples)."""
-    loader = ShardLoader(big_dataset, "train", rank=RANKS - 1, world_size=RANKS, batch_size=WORKERS * 4, img_size=224,
-                         train=True, seed=7, num_slots=RANKS * WORKERS, num_workers=WORKERS)  # fmt: skip
+    loader = ShardLoader(
+        big_dataset,
+        "train",
+        rank=RANKS - 1,
+        world_size=RANKS,
+        batch_size=WORKERS * 4,
+        img_size=224,
+        train=True,
+        seed=7,
+        num_slots=RANKS * WORKERS,
+        num_workers=WORKERS,
+    )
     table = loader._spec.extents
-    reference = bench.reference_plan(7, 2, [bench._RefRange(*r) for r in zip(table.shard.tolist(), table.start.tolist(),
-                                                                                 table.stop.tolist())], RANKS * WORKERS)  # fmt: skip
+    reference = bench.reference_plan(
+        7,
+        2,
+        [bench._RefRange(*r) for r in zip(table.shard.tolist(), table.start.tolist(), table.stop.tolist())],
+        RANKS * WORKERS,
+    )
     for rank in (0, 511, RANKS - 1):
         mine = rank_slots(rank, RANKS, RANKS * WORKERS)
         plan = epoch_plan(7, 2, table, RANKS * WORKERS, slots=mine)
@@ -95,8 +120,9 @@ def test_partial_plans_and_array_extents_match_the_reference_on_random_splits():
         assert table.ranges() == extents
         num_slots = rng.randint(1, min(40, table.total))
         seed, epoch = rng.randint(0, 99), rng.randint(0, 9)
-        ref_size, ref_slots = bench.reference_plan(seed, epoch, [bench._RefRange(e.shard, e.start, e.stop) for e in extents],
-                                                   num_slots)  # fmt: skip
+        ref_size, ref_slots = bench.reference_plan(
+            seed, epoch, [bench._RefRange(e.shard, e.start, e.stop) for e in extents], num_slots
+        )
         whole = epoch_plan(seed, epoch, extents, num_slots)
         assert whole.slot_size == ref_size
         assert [[(r.shard, r.start, r.stop) for r in s] for s in whole.slots] == [
@@ -142,15 +168,24 @@ class DelayingProxy:
             try:
                 await asyncio.sleep(self.delay_s)
                 headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
-                async with ClientSession(auto_decompress=False) as session:
-                    async with session.request(request.method, self.upstream + request.path_qs, headers=headers,
-                                               data=await request.read(), allow_redirects=False) as answer:  # fmt: skip
-                        body = await answer.read()
-                        dropped = ("transfer-encoding", "connection", "content-encoding") + (
-                            () if request.method == "HEAD" else ("content-length",))  # a HEAD's length is the object's
-                        keep = {k: v for k, v in answer.headers.items() if k.lower() not in dropped}
-                        return web.Response(status=answer.status, body=None if request.method == "HEAD" else body,
-                                            headers=keep)  # fmt: skip
+                async with (
+                    ClientSession(auto_decompress=False) as session,
+                    session.request(
+                        request.method,
+                        self.upstream + request.path_qs,
+                        headers=headers,
+                        data=await request.read(),
+                        allow_redirects=False,
+                    ) as answer,
+                ):
+                    body = await answer.read()
+                    dropped = ("transfer-encoding", "connection", "content-encoding") + (
+                        () if request.method == "HEAD" else ("content-length",)
+                    )  # a HEAD's length is the object's
+                    keep = {k: v for k, v in answer.headers.items() if k.lower() not in dropped}
+                    return web.Response(
+                        status=answer.status, body=None if request.method == "HEAD" else body, headers=keep
+                    )
             finally:
                 self.in_flight -= 1
 
@@ -166,7 +201,7 @@ class DelayingProxy:
         self._loop.run_until_complete(start())
         self._loop.run_forever()
 
-    def __enter__(self) -> "DelayingProxy":
+    def __enter__(self) -> DelayingProxy:
         self._thread.start()
         self._ready.wait(10)
         return self
@@ -206,12 +241,15 @@ def test_completion_records_are_checked_concurrently_on_s3(moto_server, tmp_path
     fs.put(str(local / "complete-rank-0017.json"), f"{remote}/complete-rank-0017.json")
     fs.pipe(f"{remote}/deepspeed/zero_pp_rank_5_mp_rank_00_optim_states.pt", b"cut")
     fs.invalidate_cache()
-    with pytest.raises(ckpt.IncompleteCheckpointError, match="zero_pp_rank_5_mp_rank_00_optim_states.pt is missing or truncated"):
+    with pytest.raises(
+        ckpt.IncompleteCheckpointError, match="zero_pp_rank_5_mp_rank_00_optim_states.pt is missing or truncated"
+    ):
         ckpt.verify_complete(remote, fs)
 
 
-def test_ranks_starting_from_the_announced_checkpoint_do_not_each_recheck_it_on_storage(moto_server, tmp_path,
-                                                                                       monkeypatch):
+def test_ranks_starting_from_the_announced_checkpoint_do_not_each_recheck_it_on_storage(
+    moto_server, tmp_path, monkeypatch
+):
     """The driver verifies the checkpoint it resumes from and sends its step with it; before, each
     rank verified it again on storage: world_size + 2 requests per rank, 1M at 1,024 ranks. Each
     rank then downloads only its own shards and the shared files, reading 2 completion records."""
@@ -236,11 +274,18 @@ def test_ranks_starting_from_the_announced_checkpoint_do_not_each_recheck_it_on_
         proxy.requests.clear()
         folder, state = ckpt.rank_copy(announced, restore_files(5, world, zero_stage=1), tmp_path / "r5", 5)
         assert state["step"] == 1000
-        got = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and ".locks" not in p.parts)
-        assert got == ["deepspeed/zero_pp_rank_5_mp_rank_00_model_states.pt", "deepspeed/zero_pp_rank_5_mp_rank_00_optim_states.pt",
-                       ckpt.STATE_FILE]  # fmt: skip
+        got = sorted(
+            p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and ".locks" not in p.parts
+        )
+        assert got == [
+            "deepspeed/zero_pp_rank_5_mp_rank_00_model_states.pt",
+            "deepspeed/zero_pp_rank_5_mp_rank_00_optim_states.pt",
+            ckpt.STATE_FILE,
+        ]
         records = [path for method, path in proxy.requests if method == "GET" and "complete-rank-" in path]
-        assert sorted(records) == sorted(f"/{moto_server.bucket}/run/checkpoint_000001/complete-rank-{r:04d}.json" for r in (0, 5))
+        assert sorted(records) == sorted(
+            f"/{moto_server.bucket}/run/checkpoint_000001/complete-rank-{r:04d}.json" for r in (0, 5)
+        )
         assert len(proxy.requests) < 12, proxy.requests  # the same for any world size
         # Onto another number of ranks, the whole checkpoint is wanted (with the shared conversion).
         assert ckpt.rank_copy(announced, restore_files(5, world * 2, zero_stage=1), tmp_path / "r5b", 5) is None
@@ -256,8 +301,7 @@ def test_ranks_of_one_node_share_the_files_they_all_read(moto_server, tmp_path):
     local = bench.make_checkpoint(tmp_path / "checkpoint", 4)
     shared = local / "deepspeed" / "mp_rank_00_model_states.pt"
     shared.write_bytes(b"m" * 1000)
-    ckpt.mark_complete(local, 0, [shared, local / ckpt.STATE_FILE,
-                                  *(local / "deepspeed").glob("zero_pp_rank_0_*")])  # fmt: skip
+    ckpt.mark_complete(local, 0, [shared, local / ckpt.STATE_FILE, *(local / "deepspeed").glob("zero_pp_rank_0_*")])
     s3fs.S3FileSystem().put(str(local), f"{moto_server.bucket}/run/checkpoint_000002", recursive=True)
     remote = moto_server.url("run", "checkpoint_000002")
     with ckpt.node_restore_dir(remote, str(tmp_path / "node")) as node:
@@ -268,7 +312,9 @@ def test_ranks_of_one_node_share_the_files_they_all_read(moto_server, tmp_path):
             second = ckpt.rank_copy(remote, restore_files(2, 4, zero_stage=1), again, 2)[0]
         assert (second / "deepspeed" / "mp_rank_00_model_states.pt").stat().st_mtime_ns == stamp  # not fetched again
         names = sorted(p.name for p in (node / "deepspeed").iterdir())
-        assert names == ["mp_rank_00_model_states.pt", *(f"zero_pp_rank_{r}_mp_rank_00_{k}_states.pt"
-                                                           for r in (1, 2) for k in ("model", "optim"))]  # fmt: skip
+        assert names == [
+            "mp_rank_00_model_states.pt",
+            *(f"zero_pp_rank_{r}_mp_rank_00_{k}_states.pt" for r in (1, 2) for k in ("model", "optim")),
+        ]
         assert node.is_dir()  # the first rank is still using it
     assert not node.exists()

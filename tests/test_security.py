@@ -46,11 +46,25 @@ PLANTED = (CONFIG_SECRET, KEY_ID, ENV_SECRET, SESSION_TOKEN)
 
 @pytest.mark.parametrize(
     "name, secret",
-    [("key", True), ("secret", True), ("token", True), ("password", True), ("aws_secret_access_key", True),
-     ("AWS_SESSION_TOKEN", True), ("RAY_AUTH_TOKEN", True), ("apiKey", True), ("client_credentials", True),
-     ("record_sample_keys", False), ("head", False), ("endpoint_url", False), ("RAY_AUTH_MODE", False),
-     ("SSH_AUTH_SOCK", False), ("keep_checkpoints", False), ("monkey", False)],
-)  # fmt: skip
+    [
+        ("key", True),
+        ("secret", True),
+        ("token", True),
+        ("password", True),
+        ("aws_secret_access_key", True),
+        ("AWS_SESSION_TOKEN", True),
+        ("RAY_AUTH_TOKEN", True),
+        ("apiKey", True),
+        ("client_credentials", True),
+        ("record_sample_keys", False),
+        ("head", False),
+        ("endpoint_url", False),
+        ("RAY_AUTH_MODE", False),
+        ("SSH_AUTH_SOCK", False),
+        ("keep_checkpoints", False),
+        ("monkey", False),
+    ],
+)
 def test_secret_names_are_recognised_by_their_words(name, secret):
     assert is_secret_name(name) is secret
 
@@ -85,7 +99,9 @@ def test_redact_masks_secret_keys_at_any_depth_and_leaves_the_rest(monkeypatch):
     assert config["data"]["storage_options"]["secret"] == CONFIG_SECRET  # the input is not changed
     assert not any(s in repr(out) for s in PLANTED)
     # An unset secret stays unset: the output still says there was none.
-    assert redact({"storage_options": {"token": None, "secret": ""}}) == {"storage_options": {"token": None, "secret": ""}}
+    assert redact({"storage_options": {"token": None, "secret": ""}}) == {
+        "storage_options": {"token": None, "secret": ""}
+    }
 
 
 def test_redact_text_masks_environment_secrets_and_url_passwords(monkeypatch):
@@ -109,8 +125,10 @@ def test_logging_filter_masks_records(monkeypatch, caplog):
     assert caplog.records[-1].getMessage() == f"retrying with secret {MASK} on s3://bucket"
 
 
-@pytest.mark.parametrize("recipe", ["configs/demo.yaml", "configs/finetune_digits.yaml", "configs/grid_digits.yaml",
-                                    "configs/grid_paper.yaml"])  # fmt: skip
+@pytest.mark.parametrize(
+    "recipe",
+    ["configs/demo.yaml", "configs/finetune_digits.yaml", "configs/grid_digits.yaml", "configs/grid_paper.yaml"],
+)
 def test_ordinary_configs_are_written_unchanged(recipe):
     from vitray.evaluation.config import GridConfig
     from vitray.trainers.config import TrainingConfig
@@ -134,9 +152,16 @@ def _cli(*args: str):
 
 def test_dry_run_prints_the_config_with_its_secrets_masked(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", ENV_SECRET)
-    result = _cli("pretrain", "-c", str(REPO / "configs/demo.yaml"),
-                  "--set", f"data.storage_options={{key: {KEY_ID}, secret: {CONFIG_SECRET}, endpoint_url: http://minio:9000}}",
-                  "--set", f"data.train=s3://bucket/{ENV_SECRET}/digits", "--dry-run")  # fmt: skip
+    result = _cli(
+        "pretrain",
+        "-c",
+        str(REPO / "configs/demo.yaml"),
+        "--set",
+        f"data.storage_options={{key: {KEY_ID}, secret: {CONFIG_SECRET}, endpoint_url: http://minio:9000}}",
+        "--set",
+        f"data.train=s3://bucket/{ENV_SECRET}/digits",
+        "--dry-run",
+    )
     assert result.exit_code == 0, result.output
     printed = yaml.safe_load(result.output)
     assert printed["data"]["storage_options"] == {"key": MASK, "secret": MASK, "endpoint_url": "http://minio:9000"}
@@ -152,8 +177,11 @@ def test_config_errors_do_not_echo_secrets():
         load_config(TrainingConfig, REPO / "configs/demo.yaml", [f"data.storage_options={CONFIG_SECRET}"])
     assert "data.storage_options" in str(err.value) and CONFIG_SECRET not in str(err.value)
     with pytest.raises(ConfigError) as err:
-        load_config(TrainingConfig, REPO / "configs/demo.yaml",
-                    [f"data.storage_options={{token: {CONFIG_SECRET}}}", "data.storage_options.token.inner=1"])  # fmt: skip
+        load_config(
+            TrainingConfig,
+            REPO / "configs/demo.yaml",
+            [f"data.storage_options={{token: {CONFIG_SECRET}}}", "data.storage_options.token.inner=1"],
+        )
     assert "is a value" in str(err.value) and CONFIG_SECRET not in str(err.value)
 
 
@@ -170,8 +198,20 @@ def test_a_planted_secret_is_in_no_file_or_output_of_a_real_run(digits_dataset, 
     monkeypatch.setenv("AWS_SESSION_TOKEN", SESSION_TOKEN)
     storage = tmp_path / "runs"
     options = f"data.storage_options={{key: {KEY_ID}, secret: {CONFIG_SECRET}}}"  # fsspec ignores them locally
-    out = run(pretrain_args(str(digits_dataset), str(storage), "planted", options, "cluster.num_workers=1",
-                            "train.steps=2", "schedule.warmup_steps=1", "checkpoint.every=2", "log.every=1", "evals.val={type: val, every: 2}"))  # fmt: skip
+    out = run(
+        pretrain_args(
+            str(digits_dataset),
+            str(storage),
+            "planted",
+            options,
+            "cluster.num_workers=1",
+            "train.steps=2",
+            "schedule.warmup_steps=1",
+            "checkpoint.every=2",
+            "log.every=1",
+            "evals.val={type: val, every: 2}",
+        )
+    )
     files = [p for p in storage.rglob("*") if p.is_file()]
     names = {p.name for p in files}
     # The run wrote what a run writes: a checkpoint with its config, metrics and TensorBoard events.
@@ -208,7 +248,7 @@ def unsafe_loads(root: Path) -> list[str]:
         relative = path.relative_to(root).as_posix()
         source = path.read_text()
         for match in _UNSAFE_LOAD.finditer(source):
-            call = source[match.start(): source.find(")", match.end()) + 1]
+            call = source[match.start() : source.find(")", match.end()) + 1]
             if call.startswith("torch.load(") and "weights_only=True" in call:
                 continue
             if relative not in UNPICKLING_ALLOWED:
@@ -217,7 +257,9 @@ def unsafe_loads(root: Path) -> list[str]:
 
 
 def test_vitray_code_never_unpickles_checkpoints_or_weights():
-    assert {"models", "data", "trainers", "evaluation", "cluster"} <= {p.parent.name for p in REPO.glob("*/__init__.py")}
+    assert {"models", "data", "trainers", "evaluation", "cluster"} <= {
+        p.parent.name for p in REPO.glob("*/__init__.py")
+    }
     found = unsafe_loads(REPO)
     assert not found, "loading that can run pickled code:\n" + "\n".join(found)
 

@@ -40,8 +40,11 @@ class StepCounts:
 
     def read_origins(self) -> Counter:
         # The loader's reads are of its own host tensors (data.num_workers=0 runs it in this process).
-        return Counter((origin, name) for step, origin, name in self.reads.reads
-                       if step < STEPS - 1 and not origin.startswith("loader"))  # fmt: skip
+        return Counter(
+            (origin, name)
+            for step, origin, name in self.reads.reads
+            if step < STEPS - 1 and not origin.startswith("loader")
+        )
 
     @contextmanager
     def counting(self):
@@ -86,8 +89,9 @@ class StepCounts:
 
 
 def measure(dataset, tmp_path, *overrides: str) -> StepCounts:
-    loop = in_process_loop(dataset, tmp_path, f"train.steps={STEPS}", f"log.every={STEPS}",
-                           f"checkpoint.every={10 * STEPS}", *overrides)  # fmt: skip
+    loop = in_process_loop(
+        dataset, tmp_path, f"train.steps={STEPS}", f"log.every={STEPS}", f"checkpoint.every={10 * STEPS}", *overrides
+    )
     counts = StepCounts(loop)
     with counts.counting():
         loop.run()
@@ -140,14 +144,14 @@ def test_the_counters_see_a_sync_a_hook_and_a_read(process_group, digits_dataset
     counts = StepCounts(loop)
     with counts.counting():
         loop.run()
-    assert counts.non_log("syncs") == counts.non_log("hooks") == {s: 1 for s in range(STEPS - 1)}
+    assert counts.non_log("syncs") == counts.non_log("hooks") == dict.fromkeys(range(STEPS - 1), 1)
     assert counts.read_origins()["other:test_step_overhead.py:train_step_with_a_sync_and_a_read", "item"] == STEPS - 1
 
     with deepspeed_as_before():
         before = measure(digits_dataset, tmp_path / "before")
     params = sum(1 for p in before.loop.backend.module.parameters() if p.requires_grad)
     # DeepSpeed's throughput timer: one synchronisation in forward and one in step, from step 3 on.
-    assert before.non_log("syncs") == {0: 0, 1: 0, **{s: 2 for s in range(2, STEPS - 1)}}
+    assert before.non_log("syncs") == {0: 0, 1: 0, **dict.fromkeys(range(2, STEPS - 1), 2)}
     # ... and reads: the grad norm checked for inf/NaN (overflow, clipping), AdamW's step count (unfused).
     assert summary(before) == {"syncs": 2, "hooks": params, "reads": 4}, before.read_origins()
 

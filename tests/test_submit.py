@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -37,13 +38,23 @@ def ray_head():
     env.pop("RAY_ADDRESS", None)
     head = subprocess.Popen(
         [
-            str(BIN / "ray"), "start", "--head", "--block",
-            "--node-ip-address=127.0.0.1", f"--port={port}",
-            "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-            "--num-cpus=2", "--include-dashboard=true", f"--temp-dir={temp_dir}",
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={port}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard}",
+            "--num-cpus=2",
+            "--include-dashboard=true",
+            f"--temp-dir={temp_dir}",
         ],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, start_new_session=True,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+    )
     address = f"http://127.0.0.1:{dashboard}"
     try:
         _wait_for_jobs_api(address, head)
@@ -61,10 +72,8 @@ def _stop(head: subprocess.Popen) -> None:
         return
     except subprocess.TimeoutExpired:
         pass
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(head.pid, signal.SIGKILL)  # daemons left in the session
-    except ProcessLookupError:
-        pass
     head.wait()
 
 
@@ -105,7 +114,9 @@ def _job_record(address: str, job_id: str) -> dict:
     """The job as anyone who can list jobs sees it (the Jobs API behind `ray job list`), asked from
     a process of its own: token auth must be on before `ray` is imported, which this one may have done."""
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
-    out = subprocess.run([sys.executable, "-c", LIST_JOBS, address], capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", LIST_JOBS, address], capture_output=True, text=True, timeout=120, env=env
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     (job,) = [job for job in json.loads(out.stdout.splitlines()[-1]) if job["submission_id"] == job_id]
     return job
@@ -119,10 +130,23 @@ def test_submit_runs_a_vitray_command_as_a_ray_job(ray_head, tmp_path):
     dest = tmp_path / "digits"
     env = {**os.environ, **SHELL_CREDENTIALS, "AWS_REGION": "eu-west-1"}
     out = subprocess.run(
-        [str(BIN / "vitray"), "submit", "--address", ray_head, "--",
-         "data", "prepare", "builtin:digits", str(dest), "--serial"],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+        [
+            str(BIN / "vitray"),
+            "submit",
+            "--address",
+            ray_head,
+            "--",
+            "data",
+            "prepare",
+            "builtin:digits",
+            str(dest),
+            "--serial",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     assert "submitted job" in out.stderr and "SUCCEEDED" in out.stderr
     # The shell's credentials stay out of the job record; the region (not a secret) goes along.
@@ -160,10 +184,23 @@ def test_runtime_env_forwards_settings_never_credentials(monkeypatch):
 def test_failed_job_fails_the_submit(ray_head, tmp_path):
     # An explicit --env still reaches the job, with a warning that the job record shows it.
     out = subprocess.run(
-        [str(BIN / "vitray"), "submit", "--address", ray_head, "--env", "VITRAY_TEST_SETTING=on", "--",
-         "data", "prepare", "nosuch:x", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            str(BIN / "vitray"),
+            "submit",
+            "--address",
+            ray_head,
+            "--env",
+            "VITRAY_TEST_SETTING=on",
+            "--",
+            "data",
+            "prepare",
+            "nosuch:x",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2  # the driver's own exit code (a refused input), passed on
     assert "FAILED (exit code 2)" in out.stderr
     warning = " ".join(out.stderr.split())
@@ -187,8 +224,20 @@ def test_a_command_that_would_fail_is_not_submitted(tmp_path):
 
     (tmp_path / "run.yaml").write_text("data: {train: /data/x}\nmodel: {name: Ti/16, img_size: 30}\n")
     # Nothing listens at the address: the refusal comes before any connection is tried.
-    result = CliRunner().invoke(app, ["submit", "--address", "http://127.0.0.1:9", "--working-dir", str(tmp_path),
-                                      "--", "pretrain", "-c", "run.yaml"])  # fmt: skip
+    result = CliRunner().invoke(
+        app,
+        [
+            "submit",
+            "--address",
+            "http://127.0.0.1:9",
+            "--working-dir",
+            str(tmp_path),
+            "--",
+            "pretrain",
+            "-c",
+            "run.yaml",
+        ],
+    )
     assert result.exit_code == 2, result.output
     message = " ".join(result.output.split())
     assert "not submitted: `vitray pretrain -c run.yaml` would fail" in message

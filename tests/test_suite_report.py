@@ -32,11 +32,26 @@ from vitray.evaluation.suite import (
 
 # The VTAB-1k tasks and class counts as published (Zhai et al. 2019, Table / TFDS builders).
 VTAB_TASKS = {
-    "natural": {"caltech101": 102, "cifar100": 100, "dtd": 47, "flowers102": 102, "pets": 37, "sun397": 397,
-                "svhn": 10},
+    "natural": {
+        "caltech101": 102,
+        "cifar100": 100,
+        "dtd": 47,
+        "flowers102": 102,
+        "pets": 37,
+        "sun397": 397,
+        "svhn": 10,
+    },
     "specialized": {"patch_camelyon": 2, "eurosat": 10, "resisc45": 45, "retinopathy": 5},
-    "structured": {"clevr_count": 8, "clevr_dist": 6, "dmlab": 6, "dsprites_loc": 16, "dsprites_ori": 16,
-                   "kitti_dist": 4, "smallnorb_azimuth": 18, "smallnorb_elevation": 9},
+    "structured": {
+        "clevr_count": 8,
+        "clevr_dist": 6,
+        "dmlab": 6,
+        "dsprites_loc": 16,
+        "dsprites_ori": 16,
+        "kitti_dist": 4,
+        "smallnorb_azimuth": 18,
+        "smallnorb_elevation": 9,
+    },
 }
 
 
@@ -54,14 +69,23 @@ def test_vtab_tasks_groups_and_class_counts():
             assert b.vtab_group == group
             assert (b.finetune.learning_rates, b.finetune.steps, b.finetune.batch_size) == ((0.01,), 2500, 512)
             assert (b.finetune.train_split, b.finetune.val_split, b.finetune.final_train_split) == (
-                "train[:800]", "train[800:1000]", "train[:1000]")  # fmt: skip
+                "train[:800]",
+                "train[800:1000]",
+                "train[:1000]",
+            )
 
 
 def test_paper_benchmarks_follow_the_paper():
     names = {b.name for b in benchmarks_in_group("paper")}
     assert names == {"imagenet", "imagenet_real", "cifar10", "cifar100", "pets", "flowers102"}
     assert {n: get_benchmark(n).num_classes for n in names} == {
-        "imagenet": 1000, "imagenet_real": 1000, "cifar10": 10, "cifar100": 100, "pets": 37, "flowers102": 102}
+        "imagenet": 1000,
+        "imagenet_real": 1000,
+        "cifar10": 10,
+        "cifar100": 100,
+        "pets": 37,
+        "flowers102": 102,
+    }
     assert get_benchmark("imagenet").finetune.steps == 20_000
     assert get_benchmark("imagenet").finetune.learning_rates == (0.003, 0.01, 0.03, 0.06)  # Table 4
     assert get_benchmark("cifar10").finetune.learning_rates == (0.001, 0.003, 0.01, 0.03)
@@ -93,9 +117,14 @@ def test_locate_paths_local_and_s3():
 
 def _write_dataset_json(folder, splits=("train", "test"), num_classes=10, label_kind="single") -> None:
     """dataset.json through the data layer's own writer (`folder` local Path or s3:// URL)."""
-    info = DatasetInfo(name=str(folder).rsplit("/", 1)[-1], source="test", classes=[str(i) for i in range(num_classes)],
-                       num_classes=num_classes, label_kind=label_kind,
-                       splits={s: SplitInfo(num_samples=10, num_shards=1) for s in splits})
+    info = DatasetInfo(
+        name=str(folder).rsplit("/", 1)[-1],
+        source="test",
+        classes=[str(i) for i in range(num_classes)],
+        num_classes=num_classes,
+        label_kind=label_kind,
+        splits={s: SplitInfo(num_samples=10, num_shards=1) for s in splits},
+    )
     write_dataset_info(str(folder), info)
 
 
@@ -112,7 +141,6 @@ def test_missing_dataset_message_is_the_prepare_command(tmp_path):
     (tmp_path / "digits").mkdir()
     (tmp_path / "digits" / "train-000000.tar").write_bytes(b"partial")
     assert "no dataset.json" in str(find_missing("digits", str(tmp_path)))
-
 
 
 def test_really_prepared_digits_are_found(digits_dataset):
@@ -298,8 +326,11 @@ def grid_table(tmp_path):
                     cell = Cell(checkpoint, benchmark, "fewshot", {"shots": shots, "l2": 1024}, seed, step)
                     rows += cell.ok({"accuracy": float(rng.uniform(0.1, 0.9))}, 0.5)
                 table.append(rows)
-    table.append(Cell("runs/r1/checkpoint_000200", "cifar10", "finetune", {"lr": 0.01}, 0, 200)
-                 .failed("CUDA out of memory | retry with a smaller batch", 3.0))
+    table.append(
+        Cell("runs/r1/checkpoint_000200", "cifar10", "finetune", {"lr": 0.01}, 0, 200).failed(
+            "CUDA out of memory | retry with a smaller batch", 3.0
+        )
+    )
     return table
 
 
@@ -307,7 +338,7 @@ def _markdown_rows(text: str, header_start: str) -> list[list[str]]:
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
     rows = []
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]])
@@ -326,7 +357,7 @@ def test_report_numbers_equal_the_table(grid_table, tmp_path):
             raw.setdefault(key, []).append(r["value"])
     rows = _markdown_rows(text, "| checkpoint | step | benchmark |")
     assert len(rows) == len(raw) == 24
-    for checkpoint, step, benchmark, setting, metric, mean, std, seeds, lr in rows:
+    for checkpoint, step, benchmark, setting, metric, mean, std, seeds, _lr in rows:
         values = raw[(checkpoint, benchmark, int(setting.split("-shot")[0]))]
         assert (metric, int(seeds), int(step)) == ("accuracy", 3, int(checkpoint[-6:]))
         assert float(mean) == pytest.approx(np.mean(values), abs=5e-5)
@@ -335,8 +366,12 @@ def test_report_numbers_equal_the_table(grid_table, tmp_path):
     groups = _markdown_rows(text, "| checkpoint | step | setting | metric | group |")
     for checkpoint, _, setting, _, group, mean, tasks in groups:
         shots = int(setting.split("-shot")[0])
-        members = {"natural": ["vtab/dtd"], "specialized": ["vtab/eurosat"], "structured": ["vtab/dmlab"],
-                   "all": ["vtab/dtd", "vtab/eurosat", "vtab/dmlab"]}[group]
+        members = {
+            "natural": ["vtab/dtd"],
+            "specialized": ["vtab/eurosat"],
+            "structured": ["vtab/dmlab"],
+            "all": ["vtab/dtd", "vtab/eurosat", "vtab/dmlab"],
+        }[group]
         expected = np.mean([np.mean(raw[(checkpoint, b, shots)]) for b in members])
         assert float(mean) == pytest.approx(expected, abs=5e-5)
         assert tasks == {"natural": "1/7", "specialized": "1/4", "structured": "1/8", "all": "3/19"}[group]
@@ -373,15 +408,19 @@ def test_report_plots_are_real_figures(grid_table, tmp_path):
 def test_report_only_draws_what_the_data_supports(tmp_path):
     table = ResultsTable(str(tmp_path / "results"))
     for seed in range(2):
-        table.append(Cell("runs/r2/checkpoint_000050", "cifar10", "finetune", {"lr": 0.01}, seed, 50)
-                     .ok({"accuracy": 0.9 + seed / 100}, 10.0))
+        table.append(
+            Cell("runs/r2/checkpoint_000050", "cifar10", "finetune", {"lr": 0.01}, seed, 50).ok(
+                {"accuracy": 0.9 + seed / 100}, 10.0
+            )
+        )
     files = write_report(table, tmp_path / "report")
     assert set(files.plots) == {"accuracy_per_benchmark"}
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["accuracy_per_benchmark.png", "report.md"]
     rows = _markdown_rows(files.markdown.read_text(), "| checkpoint | step | benchmark |")
     # Cells from before held-out selection (no splits in their settings) are runs of their own.
-    assert rows == [["runs/r2/checkpoint_000050", "50", "cifar10", "finetune lr=0.01", "accuracy", "0.9050",
-                     "0.0050", "2", "0.01"]]
+    assert rows == [
+        ["runs/r2/checkpoint_000050", "50", "cifar10", "finetune lr=0.01", "accuracy", "0.9050", "0.0050", "2", "0.01"]
+    ]
     assert "VTAB" not in files.markdown.read_text()
 
     empty = write_report(ResultsTable(str(tmp_path / "none")), tmp_path / "empty")
@@ -439,10 +478,16 @@ def test_finetune_reports_the_test_top1_of_the_lr_best_on_val(tmp_path):
     # VTAB-1k: a sweep on train[:800] / train[800:1000], then the selected lr re-trained on train[:1000].
     vtab = {"train_split": "train[:800]", "val_split": "train[800:1000]"}
     for lr, val in ((0.01, 0.8), (0.03, 0.6)):
-        table.append(Cell(checkpoint, "vtab/dtd", "finetune", {"lr": lr, **common, **vtab}, 0, 100)
-                     .ok({"val_accuracy": val, "accuracy": 0.5}, 1.0))  # fmt: skip
-    table.append(Cell(checkpoint, "vtab/dtd", "finetune", {"lr": 0.01, **common, "train_split": "train[:1000]"}, 0,
-                      100).ok({"accuracy": 0.625}, 1.0))  # fmt: skip
+        table.append(
+            Cell(checkpoint, "vtab/dtd", "finetune", {"lr": lr, **common, **vtab}, 0, 100).ok(
+                {"val_accuracy": val, "accuracy": 0.5}, 1.0
+            )
+        )
+    table.append(
+        Cell(checkpoint, "vtab/dtd", "finetune", {"lr": 0.01, **common, "train_split": "train[:1000]"}, 0, 100).ok(
+            {"accuracy": 0.625}, 1.0
+        )
+    )
 
     summary = summarize(table).set_index("benchmark")
     digits = summary.loc["digits"]

@@ -5,12 +5,12 @@ each wrote; a resumed run goes on in the same tracker run."""
 from __future__ import annotations
 
 import pytest
-
 from pretrain_helpers import in_process_loop
-from vitray.trainers.run_files import RunFiles
-from vitray.trainers.trackers import MlflowSettings, Trackers, WandbSettings
 from wandb_records import config as wandb_config
 from wandb_records import history as wandb_history
+
+from vitray.trainers.run_files import RunFiles
+from vitray.trainers.trackers import MlflowSettings, Trackers, WandbSettings
 
 
 @pytest.fixture(autouse=True)
@@ -30,8 +30,14 @@ def _mlflow_runs(uri: str):
 
 def test_mlflow_and_wandb_hold_the_runs_metrics_and_config(process_group, digits_dataset, tmp_path):
     uri = f"file://{tmp_path / 'mlruns'}"
-    loop = in_process_loop(digits_dataset, tmp_path, "log.every=2", f"log.mlflow={{tracking_uri: '{uri}'}}",
-                           f"log.wandb={{mode: offline, dir: '{tmp_path}'}}", "run.name=tracked")  # fmt: skip
+    loop = in_process_loop(
+        digits_dataset,
+        tmp_path,
+        "log.every=2",
+        f"log.mlflow={{tracking_uri: '{uri}'}}",
+        f"log.wandb={{mode: offline, dir: '{tmp_path}'}}",
+        "run.name=tracked",
+    )
     loop.run()
     logged = [m for m in RunFiles(str(tmp_path / "run")).read_metrics() if "loss" in m]
     assert [m["step"] for m in logged] == [2, 4]
@@ -51,8 +57,13 @@ def test_mlflow_and_wandb_hold_the_runs_metrics_and_config(process_group, digits
 def test_a_resumed_run_goes_on_in_the_same_tracker_runs(tmp_path):
     uri = f"file://{tmp_path / 'mlruns'}"
     for step in (1, 2):  # two attempts of one run folder
-        trackers = Trackers(MlflowSettings(tracking_uri=uri), WandbSettings(mode="offline", dir=str(tmp_path)),
-                            run_name="r", run_dir="s3://bucket/runs/r", config={"seed": 0})  # fmt: skip
+        trackers = Trackers(
+            MlflowSettings(tracking_uri=uri),
+            WandbSettings(mode="offline", dir=str(tmp_path)),
+            run_name="r",
+            run_dir="s3://bucket/runs/r",
+            config={"seed": 0},
+        )
         trackers.log(step, {"loss": 1.0 / step, "note": "not a number"})
         trackers.close()
     client, runs = _mlflow_runs(uri)
@@ -72,6 +83,8 @@ def test_the_progress_bar_reads_only_the_new_lines_of_the_metrics_file(tmp_path)
     assert [r["step"] for r in tail.read()] == [1, 2] and tail.offset == len("".join(lines[:2]))
     path.write_text("".join(lines[:4]))  # replaced whole by a longer copy
     assert [r["step"] for r in tail.read()] == [1, 2, 3, 4] and tail.offset == path.stat().st_size
-    path.write_text("".join(lines[:2]) + '{"step": 3, "loss": 9.0}\n{"step": 4, "loss": 8.0}\n{"step": 5, "loss": 7.0}\n')
+    path.write_text(
+        "".join(lines[:2]) + '{"step": 3, "loss": 9.0}\n{"step": 4, "loss": 8.0}\n{"step": 5, "loss": 7.0}\n'
+    )
     records = tail.read()  # a resumed attempt rewrote it from step 2, and it grew past the old length
     assert [(r["step"], r["loss"]) for r in records] == [(1, 1.0), (2, 0.5), (3, 9.0), (4, 8.0), (5, 7.0)]

@@ -25,7 +25,7 @@ from vitray.trainers.schedule import lr_multiplier
 
 
 def test_warmup_then_linear_and_cosine_decay():
-    kw = dict(total_steps=100, warmup_steps=10)
+    kw = {"total_steps": 100, "warmup_steps": 10}
     assert lr_multiplier(0, decay="linear", **kw) == pytest.approx(0.1)
     assert lr_multiplier(9, decay="linear", **kw) == pytest.approx(1.0)
     assert lr_multiplier(55, decay="linear", **kw) == pytest.approx(0.5)
@@ -127,12 +127,24 @@ def test_loop_in_process_with_zero2_bf16_ema_mixup(process_group, digits_dataset
         TrainingConfig,
         None,
         [
-            f"data.train={digits_dataset}", "model.img_size=16", "train.steps=4", "train.batch_size=16",
-            "train.micro_batch_size=8", "schedule.warmup_steps=1", "log.every=2", "checkpoint.every=4",
-            "train.zero_stage=2", "precision.dtype=bf16", "optim.ema_decay=0.9", "train.mixup_alpha=0.2",
-            "train.label_smoothing=0.1", "cluster.num_workers=1", "data.num_workers=0", f"run.storage={tmp_path}",
+            f"data.train={digits_dataset}",
+            "model.img_size=16",
+            "train.steps=4",
+            "train.batch_size=16",
+            "train.micro_batch_size=8",
+            "schedule.warmup_steps=1",
+            "log.every=2",
+            "checkpoint.every=4",
+            "train.zero_stage=2",
+            "precision.dtype=bf16",
+            "optim.ema_decay=0.9",
+            "train.mixup_alpha=0.2",
+            "train.label_smoothing=0.1",
+            "cluster.num_workers=1",
+            "data.num_workers=0",
+            f"run.storage={tmp_path}",
         ],
-    )  # fmt: skip
+    )
     reports = []
     ctx = WorkerContext(rank=0, world_size=1, run_dir=str(tmp_path / "run"), report=lambda m, d: reports.append((m, d)))
     loop = TrainingLoop(cfg, ctx)
@@ -152,8 +164,10 @@ def test_loop_in_process_with_zero2_bf16_ema_mixup(process_group, digits_dataset
     # The checkpoint loads back (ZeRO-2 bf16 optimizer states through weights_only loading), ...
     more_workers = cfg.model_copy(update={"data": cfg.data.model_copy(update={"num_workers": 2})})
     assert more_workers.new_run_num_slots() == 2
-    resumed = TrainingLoop(more_workers, WorkerContext(rank=0, world_size=1, run_dir=ctx.run_dir, report=ctx.report,
-                                                       restore_dir=Path(saved[0])))  # fmt: skip
+    resumed = TrainingLoop(
+        more_workers,
+        WorkerContext(rank=0, world_size=1, run_dir=ctx.run_dir, report=ctx.report, restore_dir=Path(saved[0])),
+    )
     assert resumed.step == 4
     # ... with the slots the run started with, not those a new run of this config would take.
     assert resumed.loader.state_dict()["num_slots"] == 1

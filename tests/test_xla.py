@@ -21,7 +21,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "4")
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
-from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run  # noqa: E402
+from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run
 
 pytestmark = pytest.mark.xla
 
@@ -29,8 +29,13 @@ STEPS = 24
 EVERY = 12
 # One Ray worker (one "host") feeding the 4 devices one batch of 32 per step; uncropped digits,
 # on which this tiny ViT's loss visibly falls within the run.
-XLA = ["train.backend=xla", "cluster.num_workers=1", "train.micro_batch_size=32", "schedule.warmup_steps=2",
-       "data.min_crop_area=1.0"]  # fmt: skip
+XLA = [
+    "train.backend=xla",
+    "cluster.num_workers=1",
+    "train.micro_batch_size=32",
+    "schedule.warmup_steps=2",
+    "data.min_crop_area=1.0",
+]
 
 
 def _metrics(run_dir: str) -> list[dict]:
@@ -46,15 +51,23 @@ def reference(digits_dataset, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("xla-reference")
     keys = root / "keys"
-    run(pretrain_args(str(digits_dataset), str(root / "runs"), "ref", *XLA, f"train.steps={STEPS}",
-                      f"checkpoint.every={EVERY}", f"debug.record_sample_keys={keys}"))  # fmt: skip
+    run(
+        pretrain_args(
+            str(digits_dataset),
+            str(root / "runs"),
+            "ref",
+            *XLA,
+            f"train.steps={STEPS}",
+            f"checkpoint.every={EVERY}",
+            f"debug.record_sample_keys={keys}",
+        )
+    )
     run_dir = str(root / "runs" / "ref")
     return {"run_dir": run_dir, "weights": final_weights(run_dir), "keys": collect_keys(keys)}
 
 
 def test_xla_run_trains_compiles_once_and_checkpoints_with_dcp(reference):
-    from vitray.trainers.checkpoint import verify_complete
-    from vitray.trainers.checkpoint import find_checkpoints
+    from vitray.trainers.checkpoint import find_checkpoints, verify_complete
 
     metrics = _metrics(reference["run_dir"])
     assert [m["step"] for m in metrics] == list(range(2, STEPS + 1, 2))
@@ -74,7 +87,11 @@ def test_xla_run_trains_compiles_once_and_checkpoints_with_dcp(reference):
     state = verify_complete(folder)
     assert state["backend"] == "xla" and state["world_size"] == 1
     # 24 steps of one batch of 32 over data.num_slots=8, within the first epoch of digits' 1,437 samples
-    assert (state["data"]["epoch"], state["data"]["num_slots"], state["data"]["consumed_per_slot"]) == (0, 8, STEPS * 32 // 8)
+    assert (state["data"]["epoch"], state["data"]["num_slots"], state["data"]["consumed_per_slot"]) == (
+        0,
+        8,
+        STEPS * 32 // 8,
+    )
     assert (folder / "xla" / ".metadata").is_file() and list((folder / "xla").glob("*.distcp"))
     listed = (folder / "complete-rank-0000.json").read_text()
     assert "xla/.metadata" in listed  # the DCP shards count for completeness like every other file
@@ -90,8 +107,9 @@ def test_parameters_and_optimizer_state_are_sharded_over_the_devices(digits_data
     from vitray.trainers.config import TrainingConfig
     from vitray.trainers.xla_backend import XlaBackend
 
-    cfg = load_config(TrainingConfig, None, [f"data.train={digits_dataset}", "model.img_size=16", "train.batch_size=32",
-                                             *XLA])  # fmt: skip
+    cfg = load_config(
+        TrainingConfig, None, [f"data.train={digits_dataset}", "model.img_size=16", "train.batch_size=32", *XLA]
+    )
     torch.manual_seed(0)
     model = create_model("Ti/4", num_classes=10, img_size=16)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
@@ -121,9 +139,19 @@ def test_killed_worker_resumes_exactly(digits_dataset, reference, tmp_path):
     from vitray.trainers.keys import collect_keys
 
     keys = tmp_path / "keys"
-    run(pretrain_args(str(digits_dataset), str(tmp_path / "runs"), "ref", *XLA, f"train.steps={STEPS}",
-                      f"checkpoint.every={EVERY}", f"debug.record_sample_keys={keys}",
-                      f"debug.kill_worker_at_step={EVERY + 2}", "cluster.max_failures=1"))  # fmt: skip
+    run(
+        pretrain_args(
+            str(digits_dataset),
+            str(tmp_path / "runs"),
+            "ref",
+            *XLA,
+            f"train.steps={STEPS}",
+            f"checkpoint.every={EVERY}",
+            f"debug.record_sample_keys={keys}",
+            f"debug.kill_worker_at_step={EVERY + 2}",
+            "cluster.max_failures=1",
+        )
+    )
     run_dir = str(tmp_path / "runs" / "ref")
     assert (Path(run_dir) / "vitray" / "markers" / f"killed-at-step-{EVERY + 2}").exists()
     # Bit for bit: the DCP round trip is exact and every step's graph and inputs are the same.
@@ -134,8 +162,8 @@ def test_killed_worker_resumes_exactly(digits_dataset, reference, tmp_path):
 def test_checkpoint_from_four_devices_resumes_on_two(digits_dataset, reference, tmp_path):
     import torch
 
-    from vitray.trainers.keys import collect_keys
     from vitray.trainers.checkpoint import find_checkpoints
+    from vitray.trainers.keys import collect_keys
 
     run_dir = tmp_path / "runs" / "ref"
     shutil.copytree(reference["run_dir"], run_dir)
@@ -144,9 +172,19 @@ def test_checkpoint_from_four_devices_resumes_on_two(digits_dataset, reference, 
     # Cut the final checkpoint short: re-running resumes from the step-EVERY one (4 devices).
     newest = Path(find_checkpoints(str(run_dir))[-1].path) / "model.safetensors"
     newest.write_bytes(newest.read_bytes()[:1000])
-    run(pretrain_args(str(digits_dataset), str(tmp_path / "runs"), "ref", *XLA, f"train.steps={STEPS}",
-                      f"checkpoint.every={EVERY}", f"debug.record_sample_keys={keys}", f"evals.val={{type: val, every: {STEPS}}}"),
-        env={"CPU_NUM_DEVICES": "2"})  # fmt: skip
+    run(
+        pretrain_args(
+            str(digits_dataset),
+            str(tmp_path / "runs"),
+            "ref",
+            *XLA,
+            f"train.steps={STEPS}",
+            f"checkpoint.every={EVERY}",
+            f"debug.record_sample_keys={keys}",
+            f"evals.val={{type: val, every: {STEPS}}}",
+        ),
+        env={"CPU_NUM_DEVICES": "2"},
+    )
     resumed = [m for m in _metrics(str(run_dir)) if m["step"] > EVERY]
     assert resumed and all(m["xla/devices"] == 2 for m in resumed)
     assert 0.0 <= resumed[-1]["val/top1"] <= 1.0  # validation on the XLA device too
@@ -172,20 +210,27 @@ def test_exported_weights_give_the_same_logits_on_deepspeed(reference, process_g
     import torch
 
     from vitray.common.config import load_config
-    from vitray.trainers.checkpoint import load_checkpoint
-    from vitray.trainers.export import export
     from vitray.data import EvalLoader
     from vitray.models import create_model, load_safetensors
+    from vitray.trainers.checkpoint import load_checkpoint
     from vitray.trainers.config import TrainingConfig
     from vitray.trainers.deepspeed_backend import DeepSpeedBackend
+    from vitray.trainers.export import export
     from vitray.trainers.xla_backend import XlaBackend
 
     out = tmp_path / "vit.safetensors"
     export(reference["run_dir"], "safetensors", str(out))
-    images = next(iter(EvalLoader(str(digits_dataset), "test", rank=0, world_size=1, batch_size=32, img_size=16))).images
+    images = next(
+        iter(EvalLoader(str(digits_dataset), "test", rank=0, world_size=1, batch_size=32, img_size=16))
+    ).images
 
-    common = [f"data.train={digits_dataset}", "model.img_size=16", "train.batch_size=32", "train.micro_batch_size=32",
-              "cluster.num_workers=1"]  # fmt: skip
+    common = [
+        f"data.train={digits_dataset}",
+        "model.img_size=16",
+        "train.batch_size=32",
+        "train.micro_batch_size=32",
+        "cluster.num_workers=1",
+    ]
     model = create_model("Ti/4", num_classes=10, img_size=16)
     load_safetensors(model, out)
     ds = DeepSpeedBackend(load_config(TrainingConfig, None, common), model, world_size=1, restore=None)
@@ -194,7 +239,9 @@ def test_exported_weights_give_the_same_logits_on_deepspeed(reference, process_g
         on_deepspeed = ds(images).float()
 
     trained, _ = load_checkpoint(reference["run_dir"])
-    xla = XlaBackend(load_config(TrainingConfig, None, [*common, "train.backend=xla"]), trained, world_size=1, restore=None)
+    xla = XlaBackend(
+        load_config(TrainingConfig, None, [*common, "train.backend=xla"]), trained, world_size=1, restore=None
+    )
     xla.module.eval()
     with torch.no_grad():
         on_xla = xla(images.to(xla.device)).float().cpu()
@@ -223,15 +270,29 @@ def test_tpu_slice_names(name, chips, hosts, topology, accelerator):
 
 
 def test_tpu_slice_becomes_ray_trains_tpu_scaling_config():
-    from vitray.common.config import ConfigError, load_config
     from vitray.cluster.pretrain import scaling_config
+    from vitray.common.config import ConfigError, load_config
     from vitray.trainers.config import TrainingConfig
 
-    cfg = load_config(TrainingConfig, None, ["data.train=/data", "train.backend=xla", "cluster.tpu=v4-32",
-                                             "train.batch_size=128", "cluster.cpus_per_worker=8"])  # fmt: skip
+    cfg = load_config(
+        TrainingConfig,
+        None,
+        [
+            "data.train=/data",
+            "train.backend=xla",
+            "cluster.tpu=v4-32",
+            "train.batch_size=128",
+            "cluster.cpus_per_worker=8",
+        ],
+    )
     assert cfg.cluster.num_workers == 4  # one worker per host, from the slice
     scaling = scaling_config(cfg)
-    assert (scaling.use_tpu, scaling.num_workers, scaling.topology, scaling.accelerator_type) == (True, 4, "2x2x4", "TPU-V4")
+    assert (scaling.use_tpu, scaling.num_workers, scaling.topology, scaling.accelerator_type) == (
+        True,
+        4,
+        "2x2x4",
+        "TPU-V4",
+    )
     assert scaling.resources_per_worker == {"CPU": 8.0, "TPU": 4}
     wrong = {
         "cluster.num_workers=2": "v4-32 has 4 host",
@@ -242,5 +303,8 @@ def test_tpu_slice_becomes_ray_trains_tpu_scaling_config():
     }
     for override, message in wrong.items():
         with pytest.raises(ConfigError, match=message):
-            load_config(TrainingConfig, None, ["data.train=/data", "train.backend=xla", "cluster.tpu=v4-32",
-                                               "train.batch_size=128", override])  # fmt: skip
+            load_config(
+                TrainingConfig,
+                None,
+                ["data.train=/data", "train.backend=xla", "cluster.tpu=v4-32", "train.batch_size=128", override],
+            )

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from pretrain_helpers import assert_same_weights, pretrain_args, run
 from safetensors.torch import load_file
 
-from pretrain_helpers import assert_same_weights, pretrain_args, run
 from vitray.trainers.checkpoint import find_checkpoints, latest_complete_checkpoint, verify_complete
 from vitray.trainers.run_files import RunFiles
 
@@ -30,13 +30,21 @@ def _args(digits_dataset, storage: Path, stage: int, dtype: str, *extra: str) ->
     # Validation on the 1,437 train samples in batches of 718: rank 0 scores 718 samples in one
     # batch, rank 1 719 in two, so under ZeRO-3 rank 0 makes a padding forward call.
     return pretrain_args(
-        str(digits_dataset), str(storage), "run",
-        f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "checkpoint.keep=3", "data.min_crop_area=1.0",
-        f"train.zero_stage={stage}", f"precision.dtype={dtype}", "optim.ema_decay=0.9",
-        f"evals.val={{type: val, every: {EVERY}, batch_size: 718}}", "data.val_split=train",
+        str(digits_dataset),
+        str(storage),
+        "run",
+        f"train.steps={STEPS}",
+        f"checkpoint.every={EVERY}",
+        "checkpoint.keep=3",
+        "data.min_crop_area=1.0",
+        f"train.zero_stage={stage}",
+        f"precision.dtype={dtype}",
+        "optim.ema_decay=0.9",
+        f"evals.val={{type: val, every: {EVERY}, batch_size: 718}}",
+        "data.val_split=train",
         f"evals.probe={{type: fewshot, every: {EVERY}, datasets: {{digits: {digits_dataset}}}, batch_size: 64}}",
         *extra,
-    )  # fmt: skip
+    )
 
 
 def _final(run_dir: Path) -> tuple[dict, dict]:
@@ -46,8 +54,11 @@ def _final(run_dir: Path) -> tuple[dict, dict]:
 
 def _evals(run_dir: Path) -> dict[int, dict[str, float]]:
     metrics = RunFiles(str(run_dir)).read_metrics()
-    return {m["step"]: {k: v for k, v in m.items() if k.startswith(("val/", "probe/"))} for m in metrics
-            if any(k.startswith(("val/", "probe/")) for k in m)}  # fmt: skip
+    return {
+        m["step"]: {k: v for k, v in m.items() if k.startswith(("val/", "probe/"))}
+        for m in metrics
+        if any(k.startswith(("val/", "probe/")) for k in m)
+    }
 
 
 def _check_reference(run_dir: Path, dtype: str) -> tuple[dict, dict, dict]:

@@ -50,22 +50,39 @@ def write_tfds_build(
             part = records[bounds[i] : bounds[i + 1]]
             write_records(str(folder / f"{name}-{split}.tfrecord-{i:05d}-of-{shards:05d}"), part)
             lengths.append(str(len(part)))
-        info_splits.append({"name": split, "shardLengths": lengths, "numBytes": str(sum(map(len, records))),
-                            "filepathTemplate": "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}"})  # fmt: skip
-    info = {"name": name, "version": folder.name, "fileFormat": file_format, "splits": info_splits,
-            "moduleName": f"tensorflow_datasets.image_classification.{name}"}  # fmt: skip
+        info_splits.append(
+            {
+                "name": split,
+                "shardLengths": lengths,
+                "numBytes": str(sum(map(len, records))),
+                "filepathTemplate": "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}",
+            }
+        )
+    info = {
+        "name": name,
+        "version": folder.name,
+        "fileFormat": file_format,
+        "splits": info_splits,
+        "moduleName": f"tensorflow_datasets.image_classification.{name}",
+    }
     if config:
         info["configName"] = config
     (folder / "dataset_info.json").write_text(json.dumps(info, indent=2))
     features: dict[str, Any] = {
-        "image": {"pythonClassName": "tensorflow_datasets.core.features.image_feature.Image",
-                  "image": {"shape": {"dimensions": ["-1", "-1", "3"]}, "dtype": "uint8", "encodingFormat": "png"}},
-    }  # fmt: skip
+        "image": {
+            "pythonClassName": "tensorflow_datasets.core.features.image_feature.Image",
+            "image": {"shape": {"dimensions": ["-1", "-1", "3"]}, "dtype": "uint8", "encodingFormat": "png"},
+        },
+    }
     for label, count in {**{k: len(v) for k, v in (class_names or {}).items()}, **(num_classes or {})}.items():
-        features[label] = {"pythonClassName": "tensorflow_datasets.core.features.class_label_feature.ClassLabel",
-                           "classLabel": {"numClasses": str(count)}}  # fmt: skip
-    spec = {"pythonClassName": "tensorflow_datasets.core.features.features_dict.FeaturesDict",
-            "featuresDict": {"features": features}}  # fmt: skip
+        features[label] = {
+            "pythonClassName": "tensorflow_datasets.core.features.class_label_feature.ClassLabel",
+            "classLabel": {"numClasses": str(count)},
+        }
+    spec = {
+        "pythonClassName": "tensorflow_datasets.core.features.features_dict.FeaturesDict",
+        "featuresDict": {"features": features},
+    }
     (folder / "features.json").write_text(json.dumps(spec, indent=2))
     for label, names in (class_names or {}).items():
         (folder / f"{label}.labels.txt").write_text("\n".join(names) + "\n")

@@ -18,7 +18,7 @@ checkpoints' `trainer_state.json` as `attention_kernel`).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,12 @@ _BACKENDS = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "math": SDPBackend.MATH,
 }
-_CUDA_PRIORITY = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_CUDA_PRIORITY = [
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
 
 # The aten op each fused kernel dispatches to; the math path has none (it decomposes into
 # matmuls and a softmax before reaching a dispatch mode).
@@ -46,7 +51,7 @@ _KERNEL_OPS = {
 }
 
 
-def attention_context(setting: str, device: torch.device) -> Callable[[], ContextManager]:
+def attention_context(setting: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
     """A factory of the context the training step runs in for `train.attention` = `setting`."""
     if setting not in ATTENTION_SETTINGS:
         raise ValueError(f"train.attention={setting!r}: expected one of {', '.join(ATTENTION_SETTINGS)}")
@@ -91,11 +96,7 @@ def attention_kernel(
         with context(), recorder:
             F.scaled_dot_product_attention(query, query, query, dropout_p=dropout_p)
     except RuntimeError as err:
-        usable = [
-            name
-            for name in _BACKENDS
-            if name != setting and _runs(name, query.detach(), dropout_p)
-        ]
+        usable = [name for name in _BACKENDS if name != setting and _runs(name, query.detach(), dropout_p)]
         raise ValueError(
             f"train.attention={setting!r}: no {setting} attention kernel for {tokens} tokens x {heads} heads x "
             f"{head_dim} in {str(dtype).removeprefix('torch.')} on {device.type} (dropout {dropout_p}); this device "

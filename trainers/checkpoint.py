@@ -19,13 +19,12 @@ Finding and opening checkpoints (local or s3://), the one way every command does
 from __future__ import annotations
 
 import contextlib
-
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import fsspec
 
@@ -117,7 +116,9 @@ def rank_copy(path: str, select: FileSelector, node_dir: Path, rank: int) -> tup
         return Path(path), state
     records = sorted({f"{root}/{_COMPLETE.format(rank=r)}" for r in (0, rank) if r < state["world_size"]})
     sizes: dict[str, int] = {}
-    for text in storage.with_retries(lambda: fs.cat(records), what=f"reading the records of checkpoint {path}").values():
+    for text in storage.with_retries(
+        lambda: fs.cat(records), what=f"reading the records of checkpoint {path}"
+    ).values():
         sizes.update(json.loads(text))
     wanted = select(state, sorted(sizes))
     if wanted is None:
@@ -136,8 +137,10 @@ def rank_copy(path: str, select: FileSelector, node_dir: Path, rank: int) -> tup
         for part in parts.values():
             part.parent.mkdir(parents=True, exist_ok=True)
         if missing:
-            storage.with_retries(lambda: fs.get([f"{root}/{n}" for n in missing], [str(parts[n]) for n in missing]),
-                                 what=f"downloading {len(missing)} files of checkpoint {path}")  # fmt: skip
+            storage.with_retries(
+                lambda: fs.get([f"{root}/{n}" for n in missing], [str(parts[n]) for n in missing]),
+                what=f"downloading {len(missing)} files of checkpoint {path}",
+            )
         for name, part in parts.items():
             if part.stat().st_size != sizes[name]:
                 raise IncompleteCheckpointError(
@@ -257,7 +260,9 @@ def resume_point(run_dir: str) -> tuple[CheckpointInfo | None, list[CheckpointIn
     chosen = complete[-1] if complete else None
     # Incomplete folders carry no readable step: newer means a later folder name (Ray names them
     # checkpoint_<date-time>), which sorts in time order.
-    skipped = [c for c in found if not c.complete and (chosen is None or _folder_name(c.path) > _folder_name(chosen.path))]
+    skipped = [
+        c for c in found if not c.complete and (chosen is None or _folder_name(c.path) > _folder_name(chosen.path))
+    ]
     return chosen, skipped
 
 

@@ -23,9 +23,10 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.backend import PendingSave, TrainBackend
@@ -81,10 +82,10 @@ def remove_stale_staging(staging_dir: str | None, run_dir: str) -> list[Path]:
 class Checkpointer:
     """Saves every `every` steps and at `last_step`; restores from a complete checkpoint folder.
 
-    `states`: name in `trainer_state.json` -> component (JSON-able state); `weights`: file name ->
-    component (tensor state: its `state_dict()` is collective and gives whole CPU tensors on rank 0,
-as `Ema`'s does through `backend.to_host`); `record`:
-    what `trainer_state.json` also says about the run (classes, architecture, config).
+        `states`: name in `trainer_state.json` -> component (JSON-able state); `weights`: file name ->
+        component (tensor state: its `state_dict()` is collective and gives whole CPU tensors on rank 0,
+    as `Ema`'s does through `backend.to_host`); `record`:
+        what `trainer_state.json` also says about the run (classes, architecture, config).
     """
 
     def __init__(
@@ -227,8 +228,9 @@ class _Writer:
     """Writes one rank's checkpoint files on a background thread: waits for the backend's shards,
     writes rank 0's weight files and trainer state, and the completion record last."""
 
-    def __init__(self, folder: Path, rank: int, shards: PendingSave, files: dict[str, dict], state: dict | None,
-                 also_wait=None):  # fmt: skip
+    def __init__(
+        self, folder: Path, rank: int, shards: PendingSave, files: dict[str, dict], state: dict | None, also_wait=None
+    ):
         self.seconds = 0.0
         self._error: BaseException | None = None
         self._args = (folder, rank, shards, files, state, also_wait)

@@ -9,7 +9,6 @@ scales it down to one CPU machine.
 from __future__ import annotations
 
 import math
-
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -33,12 +32,16 @@ class RunConfig(_Section):
     name: str = Field("vitray-run", description="Run id; re-running with the same name and storage resumes.")
     storage: str = Field("./runs", description="Where runs live: a local folder or s3://bucket/prefix.")
     lease_timeout_s: float = Field(
-        120.0, gt=0, description="A second driver of the same run refuses while the first's lease heartbeat is "
-        "younger than this; an older lease is taken over (vitray.trainers.lease)."
+        120.0,
+        gt=0,
+        description="A second driver of the same run refuses while the first's lease heartbeat is "
+        "younger than this; an older lease is taken over (vitray.trainers.lease).",
     )
     preemption_grace_s: float = Field(
-        30.0, gt=0, description="After SIGTERM to the driver: how long the workers have to write a checkpoint "
-        "and stop before the driver exits without one."
+        30.0,
+        gt=0,
+        description="After SIGTERM to the driver: how long the workers have to write a checkpoint "
+        "and stop before the driver exits without one.",
     )
 
     @field_validator("name")
@@ -62,18 +65,24 @@ class MaskedPatchConfig(_Section):
     """Masked patch prediction (paper appendix B.1.2), used when train.objective=masked_patch."""
 
     corrupt_rate: float = Field(0.5, gt=0, le=1, description="Fraction of each image's patches corrupted (rounded).")
-    mask_rate: float = Field(0.8, ge=0, le=1, description="Of the corrupted: replaced by the learnable [mask] embedding.")
-    random_rate: float = Field(0.1, ge=0, le=1, description="Of the corrupted: replaced by another random patch's embedding.")
+    mask_rate: float = Field(
+        0.8, ge=0, le=1, description="Of the corrupted: replaced by the learnable [mask] embedding."
+    )
+    random_rate: float = Field(
+        0.1, ge=0, le=1, description="Of the corrupted: replaced by another random patch's embedding."
+    )
     keep_rate: float = Field(0.1, ge=0, le=1, description="Of the corrupted: kept as they are (still predicted).")
     target: MaskedPatchTarget = Field(
         "mean_color",
         description="mean_color: the patch's mean colour (one class of 2^(3 bits)); downsized_4x4: the patch "
         "downsized to 4x4 (16 such classes); patch_l2: L2 regression on the patch's pixels.",
     )
-    color_bits: int = Field(3, ge=1, le=8, description="Bits per colour channel of the colour classes (3: 512 classes).")
+    color_bits: int = Field(
+        3, ge=1, le=8, description="Bits per colour channel of the colour classes (3: 512 classes)."
+    )
 
     @model_validator(mode="after")
-    def _rates_sum_to_one(self) -> "MaskedPatchConfig":
+    def _rates_sum_to_one(self) -> MaskedPatchConfig:
         total = self.mask_rate + self.random_rate + self.keep_rate
         if abs(total - 1.0) > 1e-6:
             raise ValueError(
@@ -151,15 +160,18 @@ class ScheduleConfig(_Section):
 
 
 class PrecisionConfig(_Section):
-    dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Training precision (DeepSpeed mixed precision; XLA: bf16 autocast).")
+    dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Training precision (DeepSpeed mixed precision; XLA: bf16 autocast)."
+    )
 
 
 class CheckpointConfig(_Section):
     every: int = Field(1000, gt=0, description="Checkpoint every N steps (and at the end).")
     keep: int = Field(3, gt=0, description="Complete checkpoints kept; older ones are deleted.")
     staging_dir: str | None = Field(
-        None, description="Local folder where each worker writes a checkpoint before it is uploaded; the "
-        "system's temporary folder when unset."
+        None,
+        description="Local folder where each worker writes a checkpoint before it is uploaded; the "
+        "system's temporary folder when unset.",
     )
     preemption_check_every: int = Field(
         5, gt=0, description="Steps between checks for a pre-emption notice (one small broadcast each)."
@@ -172,7 +184,9 @@ class LogConfig(_Section):
         None, gt=0, description="Accelerator peak TFLOP/s per worker for MFU; known GPUs are detected."
     )
     upload_every_s: float = Field(
-        10.0, ge=0, description="Least seconds between two background uploads of the metrics to the run folder "
+        10.0,
+        ge=0,
+        description="Least seconds between two background uploads of the metrics to the run folder "
         "(steps never wait for them; checkpoints and the end of the run upload at once).",
     )
     mlflow: MlflowSettings | None = Field(
@@ -204,7 +218,7 @@ class ClusterConfig(_Section):
     tpu_topology: str | None = Field(None, description='The slice\'s topology, e.g. "2x2x4"; default: its usual one.')
 
     @model_validator(mode="after")
-    def _tpu_slice(self) -> "ClusterConfig":
+    def _tpu_slice(self) -> ClusterConfig:
         if self.tpu is None:
             if self.tpu_topology is not None:
                 raise ValueError("cluster.tpu_topology needs cluster.tpu (the slice, e.g. v4-32)")
@@ -301,13 +315,13 @@ class TrainingConfig(_Section):
         return evals
 
     @model_validator(mode="after")
-    def _xla_precision(self) -> "TrainingConfig":
+    def _xla_precision(self) -> TrainingConfig:
         if self.train.backend == "xla" and self.precision.dtype == "fp16":
             raise ValueError("precision.dtype=fp16 is for GPUs; train.backend=xla trains in bf16 (TPUs) or fp32")
         return self
 
     @model_validator(mode="after")
-    def _val_needs_classifier(self) -> "TrainingConfig":
+    def _val_needs_classifier(self) -> TrainingConfig:
         if self.train.objective == "masked_patch":
             for name, ev in self.evals.items():
                 if ev.type == "val":
@@ -318,7 +332,7 @@ class TrainingConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _tpu_needs_xla(self) -> "TrainingConfig":
+    def _tpu_needs_xla(self) -> TrainingConfig:
         if self.cluster.tpu is not None and self.train.backend != "xla":
             raise ValueError(
                 f"cluster.tpu={self.cluster.tpu} needs train.backend=xla (got {self.train.backend}): TPUs run torch-xla"
@@ -334,7 +348,7 @@ class TrainingConfig(_Section):
         return self.cluster.num_workers * math.gcd(self.train.micro_batch_size, max(1, self.data.num_workers))
 
     @model_validator(mode="after")
-    def _batch_divides(self) -> "TrainingConfig":
+    def _batch_divides(self) -> TrainingConfig:
         per_step = self.train.micro_batch_size * self.cluster.num_workers
         if self.train.batch_size % per_step:
             raise ValueError(
@@ -357,7 +371,7 @@ class TrainingConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _warmup_fits(self) -> "TrainingConfig":
+    def _warmup_fits(self) -> TrainingConfig:
         # Only a warm-up that was asked for: the default (the paper's 10k steps) is clamped to the
         # run by the schedule, so a short run that never named it still trains.
         warmup, steps = self.schedule.warmup_steps, self.train.steps
@@ -369,7 +383,7 @@ class TrainingConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _nonfinite_policy(self) -> "TrainingConfig":
+    def _nonfinite_policy(self) -> TrainingConfig:
         if self.train.nonfinite == "skip" and self.train.backend != "deepspeed":
             raise ValueError(
                 "train.nonfinite=skip needs train.backend=deepspeed (its overflow check drops the step); with "
@@ -378,7 +392,7 @@ class TrainingConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _masked_patch_model(self) -> "TrainingConfig":
+    def _masked_patch_model(self) -> TrainingConfig:
         """The model gets masked patch prediction's parts exactly when the objective needs them,
         so a checkpoint's model section (its architecture) always says whether it has them."""
         outputs = None

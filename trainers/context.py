@@ -5,9 +5,10 @@ Keeping this a plain interface is what keeps `trainers/` free of Ray.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 
 class Reporter(Protocol):

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import logging
+import re
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -43,7 +43,9 @@ def deepspeed_config(cfg: TrainingConfig, *, world_size: int, load_universal: bo
     train = cfg.train
     zero: dict[str, Any] = {"stage": train.zero_stage}
     if train.zero_stage in (1, 2):
-        zero.update(overlap_comm=True, reduce_bucket_size=ZERO_BUCKET_ELEMENTS, allgather_bucket_size=ZERO_BUCKET_ELEMENTS)
+        zero.update(
+            overlap_comm=True, reduce_bucket_size=ZERO_BUCKET_ELEMENTS, allgather_bucket_size=ZERO_BUCKET_ELEMENTS
+        )
     if train.zero_stage == 1 and world_size == 1:
         # Overlapping the reduction with the backward pass takes a hook on every parameter's gradient
         # (host work per parameter, in every step); one worker has nothing to communicate, so ZeRO-1
@@ -61,8 +63,10 @@ def deepspeed_config(cfg: TrainingConfig, *, world_size: int, load_universal: bo
         "checkpoint": {"load_universal": load_universal},
         # train.nonfinite=skip: DeepSpeed's overflow check drops a step with non-finite gradients (fp32
         # ZeRO always checks the grad norm; fp16 always checks).
-        "bf16": {"enabled": cfg.precision.dtype == "bf16",
-                 "check_grad_overflow": train.check_grad_overflow or train.nonfinite == "skip"},  # fmt: skip
+        "bf16": {
+            "enabled": cfg.precision.dtype == "bf16",
+            "check_grad_overflow": train.check_grad_overflow or train.nonfinite == "skip",
+        },
         "fp16": {"enabled": cfg.precision.dtype == "fp16", "initial_scale_power": 16},
         "steps_per_print": 10**12,  # vitray logs its own metrics
         "wall_clock_breakdown": False,
@@ -136,7 +140,11 @@ def save(engine, checkpoint_dir: Path, client_state: dict[str, Any]) -> None:
 
 def load(engine, checkpoint_dir: Path, *, universal_dir: Path | None = None) -> dict[str, Any]:
     """Load every rank's state; `universal_dir` is the output of `to_universal` when re-sharding."""
-    load_dir, tag = (universal_dir.parent, universal_dir.name) if universal_dir else (checkpoint_dir / CHECKPOINT_SUBDIR, CHECKPOINT_TAG)
+    load_dir, tag = (
+        (universal_dir.parent, universal_dir.name)
+        if universal_dir
+        else (checkpoint_dir / CHECKPOINT_SUBDIR, CHECKPOINT_TAG)
+    )
     path, client_state = engine.load_checkpoint(
         str(load_dir),
         tag=tag,
@@ -192,10 +200,17 @@ def _flat_fp32_masters(engine) -> dict[int, torch.Tensor]:
     if not groups:
         return {}
     if getattr(optimizer, "fp32_groups", None):  # the unfused wrapper (any torch optimizer): per parameter
-        return {id(p): master for group, masters in zip(groups, optimizer.fp32_groups) for p, master in zip(group, masters)}
-    if getattr(optimizer, "fp32_groups_flat", None):  # the fused wrapper (DeepSpeed's own Adam): one flat tensor per group
-        return {id(p): master for flat, group in zip(optimizer.fp32_groups_flat, groups)
-                for p, master in zip(group, _unflatten_dense_tensors(flat, group))}  # fmt: skip
+        return {
+            id(p): master for group, masters in zip(groups, optimizer.fp32_groups) for p, master in zip(group, masters)
+        }
+    if getattr(
+        optimizer, "fp32_groups_flat", None
+    ):  # the fused wrapper (DeepSpeed's own Adam): one flat tensor per group
+        return {
+            id(p): master
+            for flat, group in zip(optimizer.fp32_groups_flat, groups)
+            for p, master in zip(group, _unflatten_dense_tensors(flat, group))
+        }
     return {}
 
 
@@ -310,7 +325,9 @@ def shared_universal(checkpoint: str) -> str:
             name = path.relative_to(out).as_posix()
             storage.upload_file(str(path), storage.join(shared, name))
             listing[name] = path.stat().st_size
-    storage.write_bytes_atomic(storage.join(shared, UNIVERSAL_RECORD), json.dumps(listing, indent=1, sort_keys=True).encode())
+    storage.write_bytes_atomic(
+        storage.join(shared, UNIVERSAL_RECORD), json.dumps(listing, indent=1, sort_keys=True).encode()
+    )
     return shared
 
 
@@ -395,7 +412,9 @@ class DeepSpeedBackend:
     name = "deepspeed"
     spmd = False
 
-    def __init__(self, cfg: TrainingConfig, model: nn.Module, world_size: int, restore: tuple[Path, dict[str, Any]] | None):
+    def __init__(
+        self, cfg: TrainingConfig, model: nn.Module, world_size: int, restore: tuple[Path, dict[str, Any]] | None
+    ):
         self._universal_dir = None
         if restore is not None and restore[1]["world_size"] != world_size and cfg.train.zero_stage > 0:
             # The driver converted once into the checkpoint (`shared_universal`); a checkpoint
@@ -458,13 +477,17 @@ class DeepSpeedBackend:
 
     def local_weights(self) -> dict[str, torch.Tensor]:
         partitioned = self._partitioned()
-        return {name: partitioned[name].ds_tensor if name in partitioned else tensor
-                for name, tensor in self.module.state_dict(keep_vars=True).items()}  # fmt: skip
+        return {
+            name: partitioned[name].ds_tensor if name in partitioned else tensor
+            for name, tensor in self.module.state_dict(keep_vars=True).items()
+        }
 
     def local_part(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         partitioned = self._partitioned()
-        return {name: _partition_of(partitioned[name], value) if name in partitioned else value
-                for name, value in tensors.items()}  # fmt: skip
+        return {
+            name: _partition_of(partitioned[name], value) if name in partitioned else value
+            for name, value in tensors.items()
+        }
 
     def weights_changed(self) -> None:
         # ZeRO-3 keeps small parameters whole on every rank between steps (`ds_persist`, gathered
@@ -507,5 +530,7 @@ def _wrapped_optimizer(engine):
 
 def _group_settings(engine) -> list[dict[str, Any]]:
     """Each parameter group's hyperparameters but its parameters and learning rate."""
-    return [{k: copy.deepcopy(v) for k, v in group.items() if k not in ("params", "lr", "initial_lr")}
-            for group in _wrapped_optimizer(engine).param_groups]  # fmt: skip
+    return [
+        {k: copy.deepcopy(v) for k, v in group.items() if k not in ("params", "lr", "initial_lr")}
+        for group in _wrapped_optimizer(engine).param_groups
+    ]

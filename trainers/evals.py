@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -47,7 +48,8 @@ class _EvalSection(BaseModel):
 
     every: int = Field(gt=0, description="Run every N steps (and at the last step).")
     weights: Literal["ema", "live"] = Field(
-        "ema", description="ema: score the EMA weights when optim.ema_decay is set (else the live ones); live: always the live ones."
+        "ema",
+        description="ema: score the EMA weights when optim.ema_decay is set (else the live ones); live: always the live ones.",
     )
 
 
@@ -78,7 +80,7 @@ class FewshotEvalConfig(_EvalSection):
         return shots
 
 
-EvalConfig = Annotated[Union[ValEvalConfig, FewshotEvalConfig], Field(discriminator="type")]
+EvalConfig = Annotated[ValEvalConfig | FewshotEvalConfig, Field(discriminator="type")]
 
 # type -> implementation, by dotted name (imported when a run builds its evaluators).
 EVALUATORS: dict[str, str] = {
@@ -161,7 +163,9 @@ class ValEvaluator(Evaluator):
             if env.collective_forward:
                 # Ranks' shares can differ by a batch; the forward is a collective, so a rank with
                 # fewer batches makes as many forward calls (on a blank image, not scored).
-                counts = env.sum_over_ranks([float(len(loader)) if r == env.rank else 0.0 for r in range(env.world_size)])
+                counts = env.sum_over_ranks(
+                    [float(len(loader)) if r == env.rank else 0.0 for r in range(env.world_size)]
+                )
                 img = self.training.model.img_size
                 blank = torch.zeros(1, 3, img, img, device=env.device, dtype=env.dtype)
                 for _ in range(int(max(counts)) - len(loader)):
@@ -182,8 +186,15 @@ class FewshotEvaluator(Evaluator):
         # Rank 0 alone, or (collective forward) every rank the same passes over the same data.
         probe = import_by_name(self.PROBE)
         cfg = self.config
-        return probe(module, cfg.datasets, shots=tuple(cfg.shots), seeds=cfg.seeds, batch_size=cfg.batch_size,
-                     storage_options=self.training.data.storage_options, prefix="")  # fmt: skip
+        return probe(
+            module,
+            cfg.datasets,
+            shots=tuple(cfg.shots),
+            seeds=cfg.seeds,
+            batch_size=cfg.batch_size,
+            storage_options=self.training.data.storage_options,
+            prefix="",
+        )
 
 
 def import_by_name(dotted: str) -> Any:

@@ -97,14 +97,25 @@ def export_onnx(model, path: str) -> None:
     try:
         import onnxscript  # noqa: F401 - torch's ONNX exporter builds the graph with it
     except ImportError:
-        raise ExportRefused("--format onnx needs the onnx and onnxscript packages: pip install onnx onnxscript") from None
+        raise ExportRefused(
+            "--format onnx needs the onnx and onnxscript packages: pip install onnx onnxscript"
+        ) from None
     size = sum(t.numel() * 4 for t in model.state_dict().values())
     if size > ONNX_MAX_BYTES:
-        raise ExportRefused(f"{model.name} has {size / 2**30:.1f} GiB of fp32 weights; a single .onnx file holds "
-                            "at most 2 GiB: export safetensors or timm instead")  # fmt: skip
+        raise ExportRefused(
+            f"{model.name} has {size / 2**30:.1f} GiB of fp32 weights; a single .onnx file holds "
+            "at most 2 GiB: export safetensors or timm instead"
+        )
     example = torch.zeros(2, 3, model.img_size, model.img_size)
     torch.onnx.export(
-        model, (example,), path, dynamo=True, opset_version=ONNX_OPSET, external_data=False,
-        input_names=["images"], output_names=["logits"],
-        dynamic_shapes=({0: torch.export.Dim("batch")},), verbose=False,
-    )  # fmt: skip
+        model,
+        (example,),
+        path,
+        dynamo=True,
+        opset_version=ONNX_OPSET,
+        external_data=False,
+        input_names=["images"],
+        output_names=["logits"],
+        dynamic_shapes=({0: torch.export.Dim("batch")},),
+        verbose=False,
+    )

@@ -79,7 +79,9 @@ class DeviceFeed:
 
     def _hand_over(self, batch: Batch, ready: Any) -> Batch:
         if ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(ready)  # the step's kernels wait for the copy, not the host
+            torch.cuda.current_stream(self.device).wait_event(
+                ready
+            )  # the step's kernels wait for the copy, not the host
             for tensor in (batch.images, batch.labels):
                 # Made on the side stream, used on the step's: the allocator must not reuse the
                 # memory before the step's stream is done with it.

@@ -32,8 +32,8 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 from vitray.data import storage
 from vitray.trainers import lease_s3
@@ -97,8 +97,15 @@ class RunLease:
     `timeout_s / 4` on a background thread. `on_lost` is called (once, from that thread) when
     another driver took the lease over."""
 
-    def __init__(self, run_dir: str, *, timeout_s: float, force: bool = False, settle_s: float | None = None,
-                 on_lost: Callable[[LeaseRecord], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        timeout_s: float,
+        force: bool = False,
+        settle_s: float | None = None,
+        on_lost: Callable[[LeaseRecord], None] | None = None,
+    ):
         from vitray.trainers.run_files import RunFiles
 
         self.path = RunFiles(run_dir).lease_path
@@ -112,8 +119,15 @@ class RunLease:
         import psutil
 
         now = time.time()
-        self.record = LeaseRecord(uuid.uuid4().hex[:12], socket.gethostname(), os.getpid(),
-                                  psutil.Process().create_time(), now, now, timeout_s)  # fmt: skip
+        self.record = LeaseRecord(
+            uuid.uuid4().hex[:12],
+            socket.gethostname(),
+            os.getpid(),
+            psutil.Process().create_time(),
+            now,
+            now,
+            timeout_s,
+        )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost = False
@@ -168,13 +182,17 @@ class RunLease:
         if held.owner == self.owner:
             return None
         if age > self.timeout_s:
-            return (f"taking over the lease of {held.describe()}: its last heartbeat is {age:.0f} s old "
-                    f"(run.lease_timeout_s={self.timeout_s:g})")  # fmt: skip
+            return (
+                f"taking over the lease of {held.describe()}: its last heartbeat is {age:.0f} s old "
+                f"(run.lease_timeout_s={self.timeout_s:g})"
+            )
         if held.gone_from_this_host():
             return f"taking over the lease of {held.describe()}: that process is gone from this host"
         if self.force:
-            return (f"--force: taking over the lease of {held.describe()} although its heartbeat is only "
-                    f"{age:.0f} s old; make sure that run is stopped")  # fmt: skip
+            return (
+                f"--force: taking over the lease of {held.describe()} although its heartbeat is only "
+                f"{age:.0f} s old; make sure that run is stopped"
+            )
         raise RunLeaseHeld(
             f"run {self.run_dir} is already running: {held.describe()} holds {self.path}, last heartbeat "
             f"{age:.0f} s ago. Two runs must not write one run's checkpoints. Wait for it to end or stop it; if it "
@@ -210,7 +228,7 @@ class RunLease:
                     if self.on_lost is not None:
                         self.on_lost(held)
                     return
-            except Exception as error:  # noqa: BLE001 - a missed beat is retried; the timeout allows 3
+            except Exception as error:
                 print(f"vitray: lease heartbeat failed ({error}); retrying", flush=True)
 
     def _beat(self) -> LeaseRecord | None:
@@ -249,7 +267,7 @@ class RunLease:
         if held is not None and held.owner == self.owner:
             storage.remove(self.path)
 
-    def __enter__(self) -> "RunLease":
+    def __enter__(self) -> RunLease:
         self.acquire()
         return self
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +27,6 @@ import torch
 from vitray.common.redact import redacted_config
 from vitray.data import ShardLoader, read_dataset_info
 from vitray.data.batch import UnreadableData
-from vitray.trainers.trackers import Trackers
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.trainers import checkpoint as ckpt
 from vitray.trainers.attention import attention_context, attention_kernel, model_attention_shape
@@ -44,6 +43,7 @@ from vitray.trainers.metrics import MetricsWriter, accelerator_peak_tflops, trai
 from vitray.trainers.objectives import build_objective
 from vitray.trainers.preemption import PreemptionWatch
 from vitray.trainers.run_files import RunFiles
+from vitray.trainers.trackers import Trackers
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -72,23 +72,25 @@ class TrainingLoop:
         self.attention, self.attention_kernel = self._attention()
         # The backend puts batches on the device one step ahead (DeepSpeed: `trainers/feed.py`;
         # XLA: sharded, by torch-xla's prefetching loader).
-        self.loader = self.backend.device_loader(ShardLoader(
-            cfg.data.train,
-            cfg.data.train_split,
-            rank=self.rank,
-            world_size=self.world,
-            batch_size=cfg.train.micro_batch_size,
-            img_size=cfg.model.img_size,
-            train=True,
-            seed=cfg.seed,
-            num_slots=self._num_slots(restore_state),
-            num_workers=cfg.data.num_workers,
-            shuffle_buffer=cfg.data.shuffle_buffer,
-            storage_options=cfg.data.storage_options,
-            min_crop_area=cfg.data.min_crop_area,
-            flip=cfg.data.flip,
-            float_images=False,  # uint8 crosses to the device; the objective converts it there
-        ))
+        self.loader = self.backend.device_loader(
+            ShardLoader(
+                cfg.data.train,
+                cfg.data.train_split,
+                rank=self.rank,
+                world_size=self.world,
+                batch_size=cfg.train.micro_batch_size,
+                img_size=cfg.model.img_size,
+                train=True,
+                seed=cfg.seed,
+                num_slots=self._num_slots(restore_state),
+                num_workers=cfg.data.num_workers,
+                shuffle_buffer=cfg.data.shuffle_buffer,
+                storage_options=cfg.data.storage_options,
+                min_crop_area=cfg.data.min_crop_area,
+                flip=cfg.data.flip,
+                float_images=False,  # uint8 crosses to the device; the objective converts it there
+            )
+        )
         self.checkpointer = Checkpointer(
             self.backend,
             rank=self.rank,
@@ -109,8 +111,13 @@ class TrainingLoop:
             },
         )
         self.step = self.checkpointer.restore(*restore) if restore is not None else 0
-        self.preemption = PreemptionWatch(ctx.run_dir, rank=self.rank, every=cfg.checkpoint.preemption_check_every,
-                                          device=self.backend.device, drain_notice=ctx.drain_notice)  # fmt: skip
+        self.preemption = PreemptionWatch(
+            ctx.run_dir,
+            rank=self.rank,
+            every=cfg.checkpoint.preemption_check_every,
+            device=self.backend.device,
+            drain_notice=ctx.drain_notice,
+        )
         self.keys = None
         if cfg.debug.record_sample_keys:
             attempt = _broadcast_int(time.time_ns(), device=self.backend.device)  # one id for this attempt's ranks
@@ -132,8 +139,9 @@ class TrainingLoop:
             self.checkpointer.before_complete = self.metrics.flush
         self.trackers = None
         if self.rank == 0 and (cfg.log.mlflow or cfg.log.wandb):
-            self.trackers = Trackers(cfg.log.mlflow, cfg.log.wandb, run_name=cfg.run.name, run_dir=ctx.run_dir,
-                                     config=redacted_config(cfg))  # fmt: skip
+            self.trackers = Trackers(
+                cfg.log.mlflow, cfg.log.wandb, run_name=cfg.run.name, run_dir=ctx.run_dir, config=redacted_config(cfg)
+            )
 
     def _num_slots(self, restore_state: dict[str, Any] | None) -> int:
         """``data.num_slots``; when unset, the number the run started with (which its checkpoints
@@ -262,12 +270,21 @@ class TrainingLoop:
             return contextlib.nullcontext, "xla" if shape is not None else "none"
         tokens, heads, head_dim, dropout = shape
         device = self.backend.device
-        kernel = attention_kernel(self.cfg.train.attention, tokens=tokens, heads=heads, head_dim=head_dim,
-                                  dtype=self.backend.dtype, device=device, dropout_p=dropout)  # fmt: skip
+        kernel = attention_kernel(
+            self.cfg.train.attention,
+            tokens=tokens,
+            heads=heads,
+            head_dim=head_dim,
+            dtype=self.backend.dtype,
+            device=device,
+            dropout_p=dropout,
+        )
         if self.rank == 0:
-            print(f"vitray: attention kernel {kernel} (train.attention={self.cfg.train.attention}; {tokens} tokens x "
-                  f"{heads} heads x {head_dim}, {str(self.backend.dtype).removeprefix('torch.')} on {device.type})",
-                  flush=True)  # fmt: skip
+            print(
+                f"vitray: attention kernel {kernel} (train.attention={self.cfg.train.attention}; {tokens} tokens x "
+                f"{heads} heads x {head_dim}, {str(self.backend.dtype).removeprefix('torch.')} on {device.type})",
+                flush=True,
+            )
         return attention_context(self.cfg.train.attention, device), kernel
 
     def _initial_model(self) -> torch.nn.Module:
@@ -282,9 +299,11 @@ class TrainingLoop:
         model.set_img_size(self.cfg.model.img_size)
         return model
 
-    def _step_metrics(self, window: "_Window", grad_norm: torch.Tensor | float) -> dict[str, Any]:
+    def _step_metrics(self, window: _Window, grad_norm: torch.Tensor | float) -> dict[str, Any]:
         values = [float(window.skipped), *window.read()]
-        skipped, loss_sum, finite, *flags = _all_reduce(values, average=[False] * len(values), device=self.backend.device)
+        skipped, loss_sum, finite, *flags = _all_reduce(
+            values, average=[False] * len(values), device=self.backend.device
+        )
         loss = loss_sum / finite if finite else float("nan")  # over the finite losses of all ranks
         elapsed = time.perf_counter() - window.started
         images_per_s = window.steps * self.cfg.train.batch_size / elapsed
@@ -323,7 +342,7 @@ class TrainingLoop:
                 "train.nonfinite=skip to drop such steps and go on"
             )
 
-    def _check_finite(self, window: "_Window | None") -> None:
+    def _check_finite(self, window: _Window | None) -> None:
         """Before a checkpoint: under `stop`, the steps not yet checked (a checkpoint step that is
         not a log step); under any policy, the weights themselves (a collective; DeepSpeed only)."""
         if window is not None and self.cfg.train.nonfinite == "stop":
@@ -344,9 +363,15 @@ class TrainingLoop:
 
     def _eval_env(self) -> EvalEnv:
         device = self.backend.device
-        return EvalEnv(self.rank, self.world, device, self.backend.dtype,
-                       lambda values: _all_reduce(values, average=[False] * len(values), device=device),
-                       ema=self.ema, collective_forward=self.backend.collective_forward)  # fmt: skip
+        return EvalEnv(
+            self.rank,
+            self.world,
+            device,
+            self.backend.dtype,
+            lambda values: _all_reduce(values, average=[False] * len(values), device=device),
+            ema=self.ema,
+            collective_forward=self.backend.collective_forward,
+        )
 
     def _architecture(self) -> dict[str, Any]:
         """The model as built (fine-tuning changes the head and resolution of `init.checkpoint`'s)."""

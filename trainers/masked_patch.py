@@ -207,9 +207,13 @@ class MaskedPatchObjective:
 
     def corrupt(self, rng: np.random.Generator, batch_size: int, num_patches: int) -> Corruption:
         return draw_corruption(
-            rng, batch_size, num_patches,
-            corrupt_rate=self.corrupt_rate, mask_rate=self.mask_rate, random_rate=self.random_rate,
-        )  # fmt: skip
+            rng,
+            batch_size,
+            num_patches,
+            corrupt_rate=self.corrupt_rate,
+            mask_rate=self.mask_rate,
+            random_rate=self.random_rate,
+        )
 
     def loss(self, model, batch, rng: np.random.Generator) -> torch.Tensor:
         module = model.module

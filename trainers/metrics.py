@@ -37,7 +37,9 @@ PEAK_TFLOPS = {
 METRICS_FILE = "metrics.jsonl"
 
 
-def accelerator_peak_tflops(configured: float | None, dtype: str = "bf16", device_name: str | None = None) -> float | None:
+def accelerator_peak_tflops(
+    configured: float | None, dtype: str = "bf16", device_name: str | None = None
+) -> float | None:
     """The peak MFU divides by: `log.peak_tflops` if set, else the table's bf16/fp16 peak of this
     GPU (`device_name`, default the current CUDA device's). None (no MFU) for an unknown GPU, no GPU,
     or fp32 training, whose peak (TF32 or plain fp32) the table does not hold."""
@@ -74,8 +76,16 @@ def train_flops_per_image(build_model_on_meta, img_size: int) -> float:
     return 3.0 * forward_flops(build_model_on_meta, img_size)
 
 
-def vit_forward_flops(*, width: int, depth: int, mlp_dim: int, patch_size: int, img_size: int, num_classes: int,
-                      representation_size: int | None = None) -> float:  # fmt: skip
+def vit_forward_flops(
+    *,
+    width: int,
+    depth: int,
+    mlp_dim: int,
+    patch_size: int,
+    img_size: int,
+    num_classes: int,
+    representation_size: int | None = None,
+) -> float:
     """The forward FLOPs of one image through a plain ViT with a class-token head, by formula
     (matmuls only; norms, softmax and GELU are left out, as the MFU convention does): the patch
     embedding; per block the q/k/v and output projections, the attention scores and weighted

@@ -23,8 +23,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class UploadHandle:
     """What `BackgroundMirror.flush` returns: `wait()` blocks until everything written before
     the flush is on storage, or raises `MetricsUploadError` if that upload failed."""
 
-    def __init__(self, mirror: "BackgroundMirror", generation: int):
+    def __init__(self, mirror: BackgroundMirror, generation: int):
         self._mirror, self._generation = mirror, generation
 
     def wait(self) -> None:
@@ -120,7 +120,7 @@ class BackgroundMirror:
             try:
                 self._upload(sizes)
                 error = None
-            except Exception as failure:  # noqa: BLE001 - reported to waiters and retried next time
+            except Exception as failure:
                 error = failure
                 log.warning("uploading the metrics to the run folder failed (%s); trying again later", failure)
             with self._cond:

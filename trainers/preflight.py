@@ -37,9 +37,17 @@ __all__ = ["PreflightError", "ResumePlan", "check_inputs", "check_model", "check
 # Config keys whose change makes a checkpoint unloadable into the new run: the weights' shapes,
 # what the head predicts, and the layout of the optimizer state that DeepSpeed / XLA restore.
 FIXED_ON_RESUME = (
-    "model.name", "model.img_size", "model.head", "model.representation_size", "model.masked_patch_outputs",
-    "train.backend", "train.objective", "train.zero_stage", "precision.dtype", "optim.name",
-)  # fmt: skip
+    "model.name",
+    "model.img_size",
+    "model.head",
+    "model.representation_size",
+    "model.masked_patch_outputs",
+    "train.backend",
+    "train.objective",
+    "train.zero_stage",
+    "precision.dtype",
+    "optim.name",
+)
 # Keys that name the run itself or only where things are read from: a change is not reported.
 _UNREPORTED = ("run.", "init.", "cluster.address")
 
@@ -72,7 +80,9 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
             _check_dataset(f"evals.{name}.datasets.{dataset_name}", path, None, options)
     missing = missing_tracker_packages(cfg.log.mlflow, cfg.log.wandb)
     if missing:
-        raise PreflightError(f"{' and '.join(missing)} not installed: pip install 'vitray[trackers]', or unset the setting")
+        raise PreflightError(
+            f"{' and '.join(missing)} not installed: pip install 'vitray[trackers]', or unset the setting"
+        )
     model = _check_init_checkpoint(cfg) if cfg.init.checkpoint else cfg.model
     check_model(model, info.num_classes)
     return info
@@ -98,8 +108,10 @@ def check_resume(cfg: TrainingConfig, run_dir: str, info: DatasetInfo) -> Resume
             f"{where} cannot resume with a changed {', '.join(fixed)}: its checkpoint would not load. Keep "
             f"{'that value' if len(fixed) == 1 else 'those values'} as recorded, or start a new run (another run.name)"
         )
-    for what, old, new in (("classes", state.get("num_classes"), info.num_classes),
-                           ("label kind", state.get("label_kind"), info.label_kind)):  # fmt: skip
+    for what, old, new in (
+        ("classes", state.get("num_classes"), info.num_classes),
+        ("label kind", state.get("label_kind"), info.label_kind),
+    ):
         if old is not None and old != new:
             raise PreflightError(
                 f"{where} was trained on {old} {what} but data.train={cfg.data.train} has {new}: its head would "
@@ -149,11 +161,15 @@ def _check_first_shard(key: str, url: str, options: dict[str, Any] | None) -> No
             header = f.read(tarfile.BLOCKSIZE)
         tarfile.TarInfo.frombuf(header, tarfile.ENCODING, "surrogateescape")
     except FileNotFoundError:
-        raise PreflightError(f"{key}: shard {url} is listed in the manifest but missing; prepare the dataset "
-                             "again (`vitray data prepare ... --overwrite`)") from None  # fmt: skip
+        raise PreflightError(
+            f"{key}: shard {url} is listed in the manifest but missing; prepare the dataset "
+            "again (`vitray data prepare ... --overwrite`)"
+        ) from None
     except tarfile.TarError as err:
-        raise PreflightError(f"{key}: shard {url} is not a tar archive ({err}); prepare the dataset again "
-                             "(`vitray data prepare ... --overwrite`)") from None  # fmt: skip
+        raise PreflightError(
+            f"{key}: shard {url} is not a tar archive ({err}); prepare the dataset again "
+            "(`vitray data prepare ... --overwrite`)"
+        ) from None
 
 
 def _check_init_checkpoint(cfg: TrainingConfig) -> ModelConfig:

@@ -80,7 +80,7 @@ class TrainingProgress:
         self._task = self._progress.add_task("steps", total=total_steps, status="starting workers...")
         self._thread = threading.Thread(target=self._follow, daemon=True)
 
-    def __enter__(self) -> "TrainingProgress":
+    def __enter__(self) -> TrainingProgress:
         self._progress.start()
         self._thread.start()
         return self
@@ -98,7 +98,7 @@ class TrainingProgress:
     def _refresh(self) -> None:
         try:
             records = self.metrics.read()
-        except Exception:  # noqa: BLE001 - the display must never take the run down
+        except Exception:
             return
         if not records:
             return

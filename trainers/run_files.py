@@ -77,8 +77,14 @@ class RunFiles:
         import os
         import socket
 
-        record = {"id": attempt_id, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-                  "status": "running", **fields}  # fmt: skip
+        record = {
+            "id": attempt_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.time(),
+            "status": "running",
+            **fields,
+        }
         self.write_attempt(record)
         return record
 

@@ -40,8 +40,9 @@ class RunSummary:
         """For `vitray runs --format json`: every field, and each attempt's one-line `cause` beside
         its recorded `error` (which may hold a whole traceback)."""
         fields = asdict(self)
-        fields["attempts"] = [{**a, "cause": failure_cause(a.get("error")) if a.get("error") else None}
-                              for a in self.attempts]  # fmt: skip
+        fields["attempts"] = [
+            {**a, "cause": failure_cause(a.get("error")) if a.get("error") else None} for a in self.attempts
+        ]
         return fields
 
 
@@ -103,5 +104,7 @@ def _attempts(files: RunFiles, lease) -> list[dict]:
             continue
         if lease is None or lease.owner != a["id"] or not lease.fresh():
             a["status"] = "lost"
-            a["error"] = f"killed or lost without a record (started {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(a['started']))} UTC)"
+            a["error"] = (
+                f"killed or lost without a record (started {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(a['started']))} UTC)"
+            )
     return attempts

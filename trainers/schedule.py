@@ -34,7 +34,10 @@ def build_lr_schedule(optimizer: torch.optim.Optimizer, cfg) -> torch.optim.lr_s
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: lr_multiplier(
-            step, total_steps=cfg.train.steps, warmup_steps=schedule.warmup_steps, decay=schedule.decay,
+            step,
+            total_steps=cfg.train.steps,
+            warmup_steps=schedule.warmup_steps,
+            decay=schedule.decay,
             min_ratio=schedule.min_lr / cfg.optim.lr,
         ),
-    )  # fmt: skip
+    )

@@ -31,8 +31,10 @@ HYBRIDS = {
 def timm_config(model) -> dict:
     """config.json for `model` (a vitray VisionTransformer without pre-logits)."""
     if model.stem is not None and model.name not in HYBRIDS:
-        raise ValueError(f"timm has no architecture with the ResNet of {model.name}; hybrids it has: "
-                         f"{', '.join(HYBRIDS)}. Export npz or safetensors instead")  # fmt: skip
+        raise ValueError(
+            f"timm has no architecture with the ResNet of {model.name}; hybrids it has: "
+            f"{', '.join(HYBRIDS)}. Export npz or safetensors instead"
+        )
     gap = model.head_type == "gap"
     model_args = {
         "img_size": model.img_size,

@@ -37,21 +37,34 @@ class WandbSettings(BaseModel):
 
     project: str = Field("vitray", description="W&B project.")
     entity: str | None = Field(None, description="W&B entity (team or user); your default when unset.")
-    mode: Literal["online", "offline"] = Field("online", description="offline: write the run locally (`wandb sync` later).")
+    mode: Literal["online", "offline"] = Field(
+        "online", description="offline: write the run locally (`wandb sync` later)."
+    )
     dir: str | None = Field(None, description="Local folder for W&B's files; the working directory when unset.")
 
 
 def missing_tracker_packages(mlflow: MlflowSettings | None, wandb: WandbSettings | None) -> list[str]:
     """The settings whose package is not installed, as "log.mlflow (mlflow)"."""
     wanted = {"log.mlflow (mlflow)": (mlflow, "mlflow"), "log.wandb (wandb)": (wandb, "wandb")}
-    return [key for key, (settings, module) in wanted.items() if settings is not None and not importlib.util.find_spec(module)]
+    return [
+        key
+        for key, (settings, module) in wanted.items()
+        if settings is not None and not importlib.util.find_spec(module)
+    ]
 
 
 class Trackers:
     """The trackers a run's `log` section enables, started for the run folder `run_dir`."""
 
-    def __init__(self, mlflow: MlflowSettings | None, wandb: WandbSettings | None, *, run_name: str, run_dir: str,
-                 config: dict[str, Any]):  # fmt: skip
+    def __init__(
+        self,
+        mlflow: MlflowSettings | None,
+        wandb: WandbSettings | None,
+        *,
+        run_name: str,
+        run_dir: str,
+        config: dict[str, Any],
+    ):
         self._mlflow = _Mlflow(mlflow, run_name, run_dir, config) if mlflow is not None else None
         self._wandb = _Wandb(wandb, run_name, run_dir, config) if wandb is not None else None
 
@@ -77,13 +90,16 @@ class _Mlflow:
         self.client = MlflowClient(tracking_uri=settings.tracking_uri)
         experiment = self.client.get_experiment_by_name(settings.experiment)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(settings.experiment)
-        found = self.client.search_runs([experiment_id], filter_string=f"tags.`vitray.run_dir` = '{run_dir}'",
-                                        max_results=1)  # fmt: skip
+        found = self.client.search_runs(
+            [experiment_id], filter_string=f"tags.`vitray.run_dir` = '{run_dir}'", max_results=1
+        )
         if found:  # a resume: the same MLflow run goes on
             self.run_id = found[0].info.run_id
             self.client.update_run(self.run_id, status="RUNNING")
             return
-        self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags={"vitray.run_dir": run_dir}).info.run_id
+        self.run_id = self.client.create_run(
+            experiment_id, run_name=run_name, tags={"vitray.run_dir": run_dir}
+        ).info.run_id
         params = [Param(k, str(v)[:_PARAM_VALUE_CHARS]) for k, v in sorted(flatten_config(config).items())]
         for start in range(0, len(params), _PARAMS_PER_CALL):
             self.client.log_batch(self.run_id, params=params[start : start + _PARAMS_PER_CALL])
@@ -103,9 +119,17 @@ class _Wandb:
         import wandb
 
         run_id = "vitray-" + hashlib.sha256(run_dir.encode()).hexdigest()[:16]
-        self.run = wandb.init(project=settings.project, entity=settings.entity, name=run_name, id=run_id,
-                              resume="allow", mode=settings.mode, dir=settings.dir, config=config,
-                              settings=wandb.Settings(console="off", silent=True))  # fmt: skip
+        self.run = wandb.init(
+            project=settings.project,
+            entity=settings.entity,
+            name=run_name,
+            id=run_id,
+            resume="allow",
+            mode=settings.mode,
+            dir=settings.dir,
+            config=config,
+            settings=wandb.Settings(console="off", silent=True),
+        )
 
     def log(self, step: int, numbers: dict[str, float]) -> None:
         self.run.log(numbers, step=step)

@@ -78,7 +78,9 @@ class XlaBackend:
     name = "xla"
     spmd = True  # one program on all hosts: per-step randomness must not depend on the rank
 
-    def __init__(self, cfg: TrainingConfig, model: nn.Module, world_size: int, restore: tuple[Path, dict[str, Any]] | None):
+    def __init__(
+        self, cfg: TrainingConfig, model: nn.Module, world_size: int, restore: tuple[Path, dict[str, Any]] | None
+    ):
         import torch_xla
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
@@ -223,7 +225,11 @@ class XlaBackend:
         return {key: _assemble(parts) for key, parts in pieces.items()}
 
     def _state(self) -> dict[str, Any]:
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict()}
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+        }
 
     def save(self, folder: Path) -> PendingSave:
         import torch.distributed.checkpoint as dcp
@@ -236,8 +242,12 @@ class XlaBackend:
 
         def write() -> None:
             _quiet_warnings()
-            dcp.save(snapshot, storage_writer=dcp.FileSystemWriter(str(target)), planner=SPMDSavePlanner(),
-                     process_group=self._group)  # fmt: skip
+            dcp.save(
+                snapshot,
+                storage_writer=dcp.FileSystemWriter(str(target)),
+                planner=SPMDSavePlanner(),
+                process_group=self._group,
+            )
 
         return PendingSave([self._writer.submit(write)])
 
@@ -257,8 +267,12 @@ class XlaBackend:
         if not (source / ".metadata").is_file():
             raise FileNotFoundError(f"checkpoint {folder} has no {CHECKPOINT_SUBDIR}/.metadata (DCP shards)")
         target = self._state()  # DCP loads in place, re-sharding onto this mesh
-        dcp.load(target, storage_reader=dcp.FileSystemReader(str(source)), planner=SPMDLoadPlanner(),
-                 process_group=self._group)  # fmt: skip
+        dcp.load(
+            target,
+            storage_reader=dcp.FileSystemReader(str(source)),
+            planner=SPMDLoadPlanner(),
+            process_group=self._group,
+        )
         self.optimizer.load_state_dict(target["optimizer"])
         self.schedule.load_state_dict(target["schedule"])
         torch_xla.sync()
@@ -289,7 +303,9 @@ def _pieces(value: Any) -> list[tuple[Any, torch.Tensor, torch.Size]]:
 
 def _assemble(parts: list[tuple[Any, torch.Tensor, torch.Size]]) -> torch.Tensor:
     index, data, shape = parts[0]
-    whole = torch.empty(shape, dtype=torch.float32) if data.is_floating_point() else torch.empty(shape, dtype=data.dtype)
+    whole = (
+        torch.empty(shape, dtype=torch.float32) if data.is_floating_point() else torch.empty(shape, dtype=data.dtype)
+    )
     for index, data, _ in parts:
         whole[index] = data
     return whole

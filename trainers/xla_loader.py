@@ -37,7 +37,9 @@ def fill_to(batch: Batch, size: int) -> Batch:
     if have == size:
         return batch
     if have == 0:
-        raise RuntimeError(f"a training batch lost all {size} samples to corrupt data (epoch {batch.epoch}, step {batch.step})")
+        raise RuntimeError(
+            f"a training batch lost all {size} samples to corrupt data (epoch {batch.epoch}, step {batch.step})"
+        )
     index = torch.arange(size) % have
     return replace(batch, images=batch.images[index], labels=batch.labels[index])
 
@@ -83,9 +85,12 @@ class DeviceLoader:
                 batch = fill_to(next(source), self._batch_size)
 
         self._parallel = pl.ParallelLoader(
-            host_batches(), [self._device], input_sharding=sharding,
-            loader_prefetch_size=self._prefetch, device_prefetch_size=self._prefetch,
-        )  # fmt: skip
+            host_batches(),
+            [self._device],
+            input_sharding=sharding,
+            loader_prefetch_size=self._prefetch,
+            device_prefetch_size=self._prefetch,
+        )
         return self._device_batches(self._parallel.per_device_loader(self._device), reads)
 
     def _device_batches(self, on_device, reads: collections.deque) -> Iterator[Batch]:

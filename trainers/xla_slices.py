@@ -66,9 +66,13 @@ def tpu_slice(name: str, topology: str | None = None) -> TpuSlice:
     else:
         dims = topology.lower().split("x")
         if len(dims) != rank or not all(d.isdigit() and int(d) > 0 for d in dims):
-            raise ValueError(f"TPU topology {topology!r}: expected {rank} dimensions like {default_topology(chips, rank)}")
+            raise ValueError(
+                f"TPU topology {topology!r}: expected {rank} dimensions like {default_topology(chips, rank)}"
+            )
         if math.prod(int(d) for d in dims) != chips:
-            raise ValueError(f"TPU topology {topology!r} has {math.prod(int(d) for d in dims)} chips, but {name} has {chips}")
+            raise ValueError(
+                f"TPU topology {topology!r} has {math.prod(int(d) for d in dims)} chips, but {name} has {chips}"
+            )
         topology = topology.lower()
     return TpuSlice(name=f"{generation}-{size}", accelerator_type=accelerator, chips=chips, topology=topology)
 
