@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vitray.data import tfrecord
+from vitray.data.sources import tfrecord
 
 IMAGENET21K_BYTES = 1.3e12
 RECORD_BYTES = 110_000  # about one ImageNet JPEG per record

@@ -14,6 +14,18 @@ Prepare once, read anywhere::
 Split arguments may slice a split, TFDS style: ``"train[:98%]"``, ``"train[800:1000]"`` (see
 :mod:`vitray.data.splits`).
 
+The rooms of this package:
+
+- write side (``vitray data prepare``): :mod:`.sources` (one sub-package: the registry, the shared
+  types in :mod:`.sources.base`, one module per source format), :mod:`.prepare`, :mod:`.shards`,
+  :mod:`.image_check`;
+- what both sides agree on: :mod:`.layout` (``dataset.json``, shard names, manifests),
+  :mod:`.splits`, :mod:`.storage` (fsspec), :mod:`.reachable`, :mod:`.config`;
+- read side (training and evaluation workers): :mod:`.plan` (the epoch plan), :mod:`.slots`,
+  :mod:`.reader`, :mod:`.loader` (:class:`ShardLoader`), :mod:`.batch`, :mod:`.shared_memory`,
+  :mod:`.transforms`, :mod:`.eval_loader` (:class:`EvalLoader`). It never imports the write side
+  (tests/test_architecture.py checks it), so a worker that reads shards does not load the sources.
+
 This package imports nothing else from vitray and never imports ray.
 """
 

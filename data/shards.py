@@ -22,7 +22,7 @@ import numpy as np
 from . import storage
 from .image_check import image_problem
 from .layout import LabelKind, ManifestRow, check_split_name, key_width, sample_key, shard_name
-from .sources import SampleChunk, Source
+from .sources.base import SampleChunk, Source
 
 DEFAULT_SAMPLES_PER_SHARD = 1000
 DEFAULT_MAX_SHARD_BYTES = 256 * 1024 * 1024

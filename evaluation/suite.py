@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from vitray.data import storage
 from vitray.data.layout import DatasetInfo, read_dataset_info
-from vitray.data.source_vtab import VTAB_TASKS
+from vitray.data.sources.vtab import VTAB_TASKS
 
 VTAB_GROUPS = ("natural", "specialized", "structured")
 # ImageNet from its TFDS builds (TFDS names the validation split `validation`; the benchmarks read `val`).

@@ -54,8 +54,15 @@ HOMES: dict[str, frozenset[str]] = {
 }
 
 # module -> why its module-level import cycle is accepted (a registry and its plug-ins). None today:
-# data/sources.py imports its sources inside `open_source`.
+# the source registry (data/sources/__init__.py) imports its adapters inside `source_kinds`, and the
+# adapters import only the types of data/sources/base.py (see the data rooms below).
 CYCLE_EXEMPT: dict[str, str] = {}
+
+# The rooms of data/ (a package has no row of its own in MAY_IMPORT; these are rules within it).
+# The read side never reaches the write side or the source adapters: a training worker reads shards
+# without importing what prepares them.
+DATA_READ_SIDE = ("plan", "slots", "reader", "loader", "batch", "shared_memory", "eval_loader", "transforms")
+DATA_WRITE_SIDE = ("prepare", "shards", "image_check", "sources")
 
 # Known cycles, each with the issue that removes it: the test of the package is xfail(strict=True),
 # so it fails the day the cycle is gone, until its entry is removed. None today: issue #12 step 1
@@ -306,6 +313,32 @@ def test_packages_import_only_downwards_and_ray_only_in_cluster() -> None:
 )
 def test_no_import_cycle_within_a_package(package: str) -> None:
     assert cycles(REPO, package) == []
+
+
+def test_source_adapters_import_only_the_shared_types_and_the_registry_imports_them_when_used() -> None:
+    sources = REPO / "data" / "sources"
+    adapters = sorted(path for path in sources.glob("*.py") if path.stem not in ("__init__", "base"))
+    assert {path.stem for path in adapters} >= {"imagefolder", "cifar", "parquet", "hf", "tfds", "vtab", "builtin"}
+    for path in adapters:
+        for imp in collect_imports(REPO, path):
+            if imp.module_level and imp.target.startswith("vitray.data.sources"):
+                assert imp.target != "vitray.data.sources", f"{imp.file}:{imp.line}: `{imp.text}` imports the registry"
+    registry = collect_imports(REPO, sources / "__init__.py")
+    eager = {imp.target for imp in registry if imp.module_level and imp.target.startswith("vitray.")}
+    assert eager == {"vitray.data.sources.base"}, eager
+    assert {imp.target.rpartition(".")[2] for imp in registry if not imp.module_level} == {
+        path.stem for path in adapters if path.stem != "tfrecord"
+    }
+
+
+def test_the_data_read_side_never_imports_the_write_side() -> None:
+    write_side = tuple(f"vitray.data.{name}" for name in DATA_WRITE_SIDE)
+    for name in DATA_READ_SIDE:
+        for imp in collect_imports(REPO, REPO / "data" / f"{name}.py"):
+            reached = [imp.target, *(f"{imp.target}.{n}" for n in imp.names)]
+            assert not [t for t in reached if t in write_side or t.startswith(tuple(w + "." for w in write_side))], (
+                f"{imp.file}:{imp.line}: `{imp.text}` -- the read side imports the write side"
+            )
 
 
 def test_the_scan_sees_the_imports_it_must() -> None:

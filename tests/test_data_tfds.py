@@ -18,10 +18,9 @@ from PIL import Image
 from tfds_helpers import png, write_tfds_build
 
 from vitray.data import prepare_dataset, read_labels
-from vitray.data.source_tfds import TfdsSource
-from vitray.data.source_vtab import VTAB_TASKS, VtabSource
 from vitray.data.sources import open_source
-from vitray.data.tfrecord import (
+from vitray.data.sources.tfds import TfdsSource
+from vitray.data.sources.tfrecord import (
     CorruptRecord,
     count_records,
     crc32c,
@@ -31,6 +30,7 @@ from vitray.data.tfrecord import (
     parse_example,
     write_records,
 )
+from vitray.data.sources.vtab import VTAB_TASKS, VtabSource
 from vitray.evaluation.suite import get_benchmark, prepare_command
 
 
@@ -52,7 +52,7 @@ CRC32C_VECTORS = [
 
 
 def test_the_c_crc32c_is_used_and_agrees_with_the_python_fallback():
-    from vitray.data import tfrecord
+    from vitray.data.sources import tfrecord
 
     # google-crc32c is a dependency: the fast path is the one that runs (decided once, at import).
     assert tfrecord._crc32c_impl is tfrecord._crc32c_c, "google_crc32c's C extension is not installed"

@@ -234,7 +234,7 @@ def test_a_planted_secret_is_in_no_file_or_output_of_a_real_run(digits_dataset, 
 UNPICKLING_ALLOWED = {
     # The CIFAR "python version" batches are pickles by format; `cifar10:PATH` must be trusted data
     # (the module docstring says so). Tracked for a restricted unpickler.
-    "data/source_cifar.py": "CIFAR python batches are pickles",
+    "data/sources/cifar.py": "CIFAR python batches are pickles",
 }
 _UNSAFE_LOAD = re.compile(r"\bpickle\.loads?\(|\bcloudpickle\.loads?\(|allow_pickle\s*=\s*True|\btorch\.load\(")
 
@@ -276,7 +276,8 @@ def test_the_scan_would_see_an_unsafe_load(tmp_path):
         "pickle.load(f)\n"
         "np.load(p, allow_pickle=True)\n"
     )
-    (tmp_path / "data" / "source_cifar.py").write_text("pickle.load(f)\n")  # reviewed: UNPICKLING_ALLOWED
+    (tmp_path / "data" / "sources").mkdir()
+    (tmp_path / "data" / "sources" / "cifar.py").write_text("pickle.load(f)\n")  # reviewed: UNPICKLING_ALLOWED
     assert unsafe_loads(tmp_path) == [
         "common/io.py: torch.load(path)",
         "common/io.py: torch.load(path, weights_only=False)",

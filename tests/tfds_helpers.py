@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vitray.data.tfrecord import make_example, write_records
+from vitray.data.sources.tfrecord import make_example, write_records
 
 
 def png(value: int, size: int = 8, mode: str = "RGB") -> bytes:

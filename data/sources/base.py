@@ -1,12 +1,10 @@
-"""Dataset sources that ``vitray data prepare`` turns into shards.
+"""The types every dataset source shares: :class:`Source`, :class:`SampleChunk`, :class:`Sample`.
 
-A source spec is ``KIND:PATH`` (``imagefolder:/data/pets``, ``cifar10:/data/cifar-10-binary.tar.gz``,
-``cifar100:PATH``, ``parquet:PATH``, ``hf:PATH``, ``tfds:DATA_DIR/NAME/VERSION``,
-``vtab:TASK:DATA_DIR/NAME/VERSION``, the original archives ``pets:DIR`` and ``flowers102:DIR``)
-or ``builtin:NAME`` (``builtin:digits``); ``unlabelled:SPEC``
-is any of them without its labels (see :mod:`vitray.data.source_unlabelled`). A :class:`Source`
-knows its splits, classes and label kind, and hands out picklable :class:`SampleChunk` objects for
-any list of sample indices, so that shards can be written in other processes or on other machines.
+A :class:`Source` knows its splits, classes and label kind, and hands out picklable
+:class:`SampleChunk` objects for any list of sample indices, so that shards can be written in other
+processes or on other machines. The adapters of this package (one module per format) import only
+this module (and, where one wraps another, that one); the registry in :mod:`vitray.data.sources`
+imports them.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from .layout import LabelKind
+from ..layout import LabelKind
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 JPEG_SIGNATURE = b"\xff\xd8\xff"
@@ -96,44 +94,3 @@ def image_ext(data: bytes, name: str = "") -> str:
             raise ValueError(f"{name or 'image'} is {fmt}; only PNG and JPEG images are supported")
     suffix = "." + name.rsplit(".", 1)[-1].lower() if "." in name else ""
     return IMAGE_SUFFIXES.get(suffix, "jpg")
-
-
-def source_kinds() -> dict[str, type[Source]]:
-    """Source kinds by spec prefix."""
-    from .source_archives import Flowers102Source, PetsSource
-    from .source_builtin import BuiltinSource
-    from .source_cifar import Cifar10Source, Cifar100Source
-    from .source_hf import HfSource
-    from .source_imagefolder import ImageFolderSource
-    from .source_parquet import ParquetSource
-    from .source_tfds import TfdsSource
-    from .source_unlabelled import UnlabelledSource
-    from .source_vtab import VtabSource
-
-    kinds: list[type[Source]] = [
-        ImageFolderSource,
-        Cifar10Source,
-        Cifar100Source,
-        ParquetSource,
-        HfSource,
-        TfdsSource,
-        VtabSource,
-        PetsSource,
-        Flowers102Source,
-        BuiltinSource,
-        UnlabelledSource,
-    ]
-    return {k.kind: k for k in kinds}
-
-
-def open_source(spec: str) -> Source:
-    """Open a source from its spec ``KIND:PATH`` (e.g. ``imagefolder:/data/pets``, ``builtin:digits``)."""
-    kinds = source_kinds()
-    kind, sep, location = str(spec).partition(":")
-    if not sep or kind not in kinds or not location:
-        raise ValueError(
-            f"source {spec!r} is not KIND:PATH; KIND is one of {sorted(kinds)} "
-            "(e.g. imagefolder:/data/pets, cifar10:/data/cifar-10-batches-py, tfds:~/tensorflow_datasets/dtd/3.0.1, "
-            "vtab:dtd:~/tensorflow_datasets/dtd/3.0.1, builtin:digits, unlabelled:builtin:digits)"
-        )
-    return kinds[kind].open(location)

@@ -1,6 +1,6 @@
 """``vtab:TASK:PATH``: one VTAB-1k task from its TFDS build on disk, split as VTAB defines it.
 
-PATH is the TFDS build's version folder (see :mod:`vitray.data.source_tfds`), TASK one of
+PATH is the TFDS build's version folder (see :mod:`vitray.data.sources.tfds`), TASK one of
 :data:`VTAB_TASKS` (the names of vitray's benchmarks ``vtab/TASK``). Two splits are written:
 
 - ``train``: VTAB's ``train800val200``, exactly 1000 examples: ``train800`` first (positions
@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from .source_tfds import (
+from .base import Sample, Source, image_ext
+from .tfds import (
     Example,
     Segment,
     TfdsBuild,
@@ -37,7 +38,6 @@ from .source_tfds import (
     example_int,
     segment_nbytes,
 )
-from .sources import Sample, Source, image_ext
 from .tfrecord import CorruptRecord
 
 TRAIN800, VAL200 = 800, 200

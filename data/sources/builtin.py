@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 from PIL import Image
 
-from .sources import Sample, SampleChunk, Source
+from .base import Sample, SampleChunk, Source
 
 DIGITS_TEST_SIZE = 360
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .sources import Sample, SampleChunk, Source, image_ext
+from .base import Sample, SampleChunk, Source, image_ext
 
 
 class ArchiveChunk(SampleChunk):

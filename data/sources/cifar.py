@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import numpy as np
 from PIL import Image
 
-from .sources import Sample, SampleChunk, Source
+from .base import Sample, SampleChunk, Source
 
 PNG_BYTES_ESTIMATE = 2600  # a 32x32 RGB photo as PNG; only used to cap shard sizes
 

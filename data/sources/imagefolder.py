@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .sources import IMAGE_SUFFIXES, UNSUPPORTED_IMAGE_SUFFIXES, Sample, SampleChunk, Source, image_ext
+from .base import IMAGE_SUFFIXES, UNSUPPORTED_IMAGE_SUFFIXES, Sample, SampleChunk, Source, image_ext
 
 log = logging.getLogger(__name__)
 

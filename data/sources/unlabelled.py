@@ -7,7 +7,7 @@
 (``train.objective=masked_patch``) train on such a dataset; the supervised ones refuse it.
 
 An image folder without class folders (``PATH/IMAGE.jpg``) is unlabelled by itself, without
-this prefix (see :mod:`vitray.data.source_imagefolder`).
+this prefix (see :mod:`vitray.data.sources.imagefolder`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from .sources import Sample, SampleChunk, Source, open_source
+from .base import Sample, SampleChunk, Source
 
 
 class UnlabelledChunk(SampleChunk):
@@ -37,7 +37,9 @@ class UnlabelledSource(Source):
         self.random_access = inner.random_access  # the wrapped source's sample order
 
     @classmethod
-    def open(cls, location: str) -> UnlabelledSource:
+    def open(cls, location: str) -> Source:
+        from . import open_source  # the registry imports this module: a module-level import would be a cycle
+
         inner = open_source(location)
         return inner if inner.label_kind == "none" else cls(inner)
 

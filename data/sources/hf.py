@@ -1,7 +1,7 @@
 """``hf:PATH``: a Hugging Face dataset saved as Parquet (a hub repository's files, or ``to_parquet``).
 
 PATH is the dataset's folder (e.g. a ``huggingface-cli download --repo-type dataset`` copy), searched
-recursively for ``SPLIT-*.parquet`` / ``SPLIT.parquet`` files, as :mod:`vitray.data.source_parquet`
+recursively for ``SPLIT-*.parquet`` / ``SPLIT.parquet`` files, as :mod:`vitray.data.sources.parquet`
 reads them. Unlike ``parquet:``, the columns need not be called ``image`` and ``label``:
 
 - ``hf:PATH?image=img&label=fine_label`` names them;
@@ -21,7 +21,7 @@ from urllib.parse import parse_qs
 
 import yaml
 
-from .source_parquet import ParquetSource
+from .parquet import ParquetSource
 
 CARD = "README.md"
 

@@ -17,7 +17,7 @@ same examples as TFDS's ``train[:800]``. Images are kept as stored (the encoded 
 (``split=validation:val``: ImageNet's validation set as the benchmark's ``val``). Builds in the
 ``array_record`` format are refused: no reader for it is installed here (rebuild with
 ``file_format="tfrecord"``). For VTAB-1k's tasks, with their 800/200
-splits and derived labels, see ``vtab:TASK:PATH`` (:mod:`vitray.data.source_vtab`).
+splits and derived labels, see ``vtab:TASK:PATH`` (:mod:`vitray.data.sources.vtab`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from urllib.parse import parse_qs
 
 import numpy as np
 
-from .layout import check_split_name
-from .sources import Sample, SampleChunk, Source, image_ext
+from ..layout import check_split_name
+from .base import Sample, SampleChunk, Source, image_ext
 from .tfrecord import CorruptRecord, iter_records, parse_example
 
 Example = dict[str, list[Any]]

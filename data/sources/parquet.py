@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .layout import check_split_name
-from .sources import Sample, SampleChunk, Source, image_ext
+from ..layout import check_split_name
+from .base import Sample, SampleChunk, Source, image_ext
 
 
 class ParquetChunk(SampleChunk):
