@@ -1,5 +1,6 @@
 """The `vitray` app and what its commands share: the options every command takes, the one
-console for messages and :func:`fail`.
+console for messages, and :func:`handled`, the one place where an error becomes a message and an
+exit status (common/exit_codes.py; README "Exit codes").
 
 Every command takes `--config/-c FILE.yaml` and `--set key=value` overrides; a bad value fails here,
 before any Ray resources are taken. The command modules (`cli/pretrain.py`, `cli/data.py`, ...)
@@ -8,19 +9,26 @@ import this module and add their commands to :data:`app`; `cli/main.py` imports 
 
 from __future__ import annotations
 
+import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, NoReturn, TypeVar
 
+import click
 import typer
 from pydantic import BaseModel
 from rich.console import Console
 from rich.markup import escape
 
+from vitray.common import exit_codes
 from vitray.common.config import ConfigError, dump_config, load_config
+from vitray.common.failures import describe_failure
 
 M = TypeVar("M", bound=BaseModel)
+log = logging.getLogger("vitray.cli")
 
 app = typer.Typer(
     name="vitray",
@@ -90,9 +98,50 @@ CheckpointArg = Annotated[
 OPTION_HINTS = {"data_root": "give --data-root ROOT, or `data_root:` in the -c file"}
 
 
-def fail(message: str, code: int = 2) -> NoReturn:
+def fail(message: str, code: int = exit_codes.INPUT_ERROR) -> NoReturn:
+    """`error: MESSAGE` on the console (stderr) and exit with `code` (by default: refused, 2)."""
     console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     raise typer.Exit(code)
+
+
+Errors = tuple[type[BaseException], ...]
+
+
+@contextmanager
+def handled(
+    refused: Errors = (), *, failed: Errors = (), doing: str = "the command", traceback_at: str = ""
+) -> Iterator[None]:
+    """The one wrapper that turns what a command raises into one line on the console and the exit
+    status of common/exit_codes.py; a traceback goes to the log (`vitray.cli` at debug level), never
+    to the console. Around a command's work (`with handled(...):`) or on the command function itself
+    (below `@app.command()`: `@handled((ValueError,))`).
+
+    - a config error (ConfigError), no Ray cluster at the address (RayUnavailable) and ``refused``
+      (a config or input refused before Ray started): `error: MESSAGE`, exit 2;
+    - ``failed`` (the work failed): `error: DOING failed: ROOT CAUSE` (:func:`describe_failure`),
+      the advice that fits the cause and ``traceback_at`` (where the whole traceback is), exit 1;
+    - Ctrl-C: exit 130 (a command that checkpoints first catches it itself);
+    - `typer.Exit` (a command's own :func:`fail`) and anything else: as raised.
+    """
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise typer.Exit(exit_codes.STOPPED_BY_USER) from None
+    except (typer.Exit, typer.Abort, click.ClickException):
+        raise
+    except Exception as err:
+        from vitray.cluster.runtime import RayUnavailable  # light (no Ray); only on the way out
+
+        if isinstance(err, ConfigError):
+            fail(config_message(err), exit_codes.INPUT_ERROR)
+        if isinstance(err, (RayUnavailable, *refused)):
+            log.debug("refused", exc_info=err)
+            fail(str(err), exit_codes.INPUT_ERROR)
+        if isinstance(err, failed):
+            log.debug("%s failed", doing, exc_info=err)
+            cause = describe_failure(err)
+            fail(f"{doing} failed: {cause.one_line()}\n  {cause.advice()}{traceback_at}", exit_codes.FAILED)
+        raise
 
 
 def load(schema: type[M], config: Path | None, overrides: list[str] | None) -> M:
@@ -100,8 +149,12 @@ def load(schema: type[M], config: Path | None, overrides: list[str] | None) -> M
     try:
         return load_config(schema, config, overrides or [])
     except ConfigError as err:
-        hints = "".join(f"\n  ({key}: {hint})" for key, hint in OPTION_HINTS.items() if f"{key}:" in str(err))
-        fail(str(err) + hints)
+        fail(config_message(err))
+
+
+def config_message(err: ConfigError) -> str:
+    """A config error's text, and the command-line options that set the keys it names."""
+    return str(err) + "".join(f"\n  ({key}: {hint})" for key, hint in OPTION_HINTS.items() if f"{key}:" in str(err))
 
 
 def print_config(config: BaseModel) -> None:

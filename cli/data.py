@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from vitray.cli.app import console, data_app, fail
+from vitray.cli.app import console, data_app, handled
 
 
 def plural(count: int, noun: str, many: str = "") -> str:
@@ -39,34 +39,26 @@ def data_prepare(
 
     # Everything the input decides is checked here, before Ray starts: the source, the
     # destination's storage and what the destination already holds.
-    try:
+    with handled((ValueError, FileNotFoundError)):
         src = open_source(source)
         if storage.is_remote(dest):
             storage.check_reachable(dest)
         existing = check_destination(dest, overwrite=overwrite)
-    except (ValueError, FileNotFoundError) as err:
-        fail(str(err))
     if existing is not None:
         console.print(f"{dest} is already prepared from {existing.source}; nothing to do (--overwrite redoes it)")
         return
-    bad_images = "skip" if skip_bad else "refuse"
-    try:
-        if serial:
-            from vitray.data import prepare_dataset
+    from vitray.cluster.prepare import prepare
 
-            info = prepare_dataset(
-                src, dest, samples_per_shard=samples_per_shard, overwrite=overwrite, bad_images=bad_images
-            )
-        else:
-            from vitray.cluster.prepare import prepare_dataset_on_ray
-            from vitray.cluster.runtime import connect
-
-            connect(address)
-            info = prepare_dataset_on_ray(
-                src, dest, samples_per_shard=samples_per_shard, overwrite=overwrite, bad_images=bad_images
-            )
-    except ValueError as err:  # bad images, or a destination that changed meanwhile
-        fail(str(err))
+    with handled((ValueError,)):  # bad images, or a destination that changed meanwhile
+        info = prepare(
+            src,
+            dest,
+            address=address,
+            serial=serial,
+            samples_per_shard=samples_per_shard,
+            overwrite=overwrite,
+            bad_images="skip" if skip_bad else "refuse",
+        )
     splits = ", ".join(
         f"{name}: {plural(split.num_samples, 'sample')} in {plural(split.num_shards, 'shard')}"
         for name, split in info.splits.items()

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from vitray.cli.app import ConfigOpt, DryRunOpt, SetOpt, VerboseOpt, app, console, fail, load, print_config
+from vitray.cli.app import ConfigOpt, DryRunOpt, SetOpt, VerboseOpt, app, console, handled, load, print_config
 from vitray.common import exit_codes
 
 
@@ -32,65 +32,45 @@ def pretrain(
     if dry_run:  # the config and the model it builds; the data is checked when the run starts
         from vitray.trainers.preflight import PreflightError, check_model
 
-        try:
+        with handled((PreflightError,)):
             check_model(cfg.model)
-        except PreflightError as err:
-            fail(str(err), exit_codes.INPUT_ERROR)
         print_config(cfg)
         return
-    from vitray.cluster.pretrain import AlreadyFinished, Preempted, TrainingFailedError
-    from vitray.cluster.pretrain import pretrain as run_pretrain
-    from vitray.cluster.runtime import LocalPathsOnCluster, NotEnoughResources, run_dir
-    from vitray.common.failures import describe_failure
-    from vitray.trainers.lease import RunLeaseHeld
-    from vitray.trainers.preflight import PreflightError
+    from vitray.cluster import pretrain as training
 
-    folder = run_dir(cfg.run.storage, cfg.run.name)
-    try:
-        run_pretrain(cfg, verbose=verbose, force=force)
-    except (PreflightError, NotEnoughResources, LocalPathsOnCluster, RunLeaseHeld) as err:
-        fail(str(err), exit_codes.INPUT_ERROR)  # refused before the workers started
-    except AlreadyFinished as done:
-        console.print(
-            f"{cfg.run.name} is finished: its latest checkpoint is at step {done.checkpoint.step} of "
-            f"train.steps={cfg.train.steps} ({done.checkpoint.path}); raise train.steps to train further"
-        )
-        return
-    except Preempted as stopped:
-        what = "stopped by user" if stopped.by_user else f"stopped on a pre-emption notice ({stopped})"
-        console.print(f"{what}; latest complete checkpoint: {_latest_text(folder)}; re-run the same command to resume")
-        raise typer.Exit(exit_codes.STOPPED_BY_USER if stopped.by_user else exit_codes.PREEMPTED) from None
-    except KeyboardInterrupt:
-        console.print(
-            f"stopped by user at once (no new checkpoint); latest complete checkpoint: {_latest_text(folder)}"
-        )
-        raise typer.Exit(exit_codes.STOPPED_BY_USER) from None
-    except TrainingFailedError as err:
-        # One line: the root cause and the advice that fits it; the tracebacks are in the run's
-        # attempt record and Ray's logs (`--verbose` shows the workers' output).
-        cause = describe_failure(err)
-        fail(
-            f"pre-training failed: {cause.one_line()}\n  {cause.advice()}; the full traceback is in the "
-            f"attempt record ({folder}/vitray/attempts) and with --verbose",
-            exit_codes.FAILED,
-        )
+    folder = training.run_dir(cfg.run.storage, cfg.run.name)
+    # Refused before the workers started: exit 2. Failed: one line, the root cause and the advice that
+    # fits it; the tracebacks are in the run's attempt record and Ray's logs (`--verbose`: the workers').
+    failed_at = f"; the full traceback is in the attempt record ({folder}/vitray/attempts) and with --verbose"
+    with handled(
+        training.REFUSED, failed=(training.TrainingFailedError,), doing="pre-training", traceback_at=failed_at
+    ):
+        try:
+            training.pretrain(cfg, verbose=verbose, force=force)
+        except training.AlreadyFinished as done:
+            console.print(
+                f"{cfg.run.name} is finished: its latest checkpoint is at step {done.checkpoint.step} of "
+                f"train.steps={cfg.train.steps} ({done.checkpoint.path}); raise train.steps to train further"
+            )
+            return
+        except training.Preempted as stopped:
+            what = "stopped by user" if stopped.by_user else f"stopped on a pre-emption notice ({stopped})"
+            console.print(
+                f"{what}; latest complete checkpoint: {_latest_text(training, folder)}; re-run the same command to resume"
+            )
+            raise typer.Exit(exit_codes.STOPPED_BY_USER if stopped.by_user else exit_codes.PREEMPTED) from None
+        except KeyboardInterrupt:
+            console.print(
+                "stopped by user at once (no new checkpoint); latest complete checkpoint: "
+                f"{_latest_text(training, folder)}"
+            )
+            raise typer.Exit(exit_codes.STOPPED_BY_USER) from None
     console.print(f"run folder: {folder}")
-    latest = _latest_complete(folder)
+    latest = training.latest_complete(folder)
     if latest is not None:
         console.print(f"latest checkpoint: {latest.path} (step {latest.step})")
 
 
-def _latest_text(folder: str) -> str:
-    latest = _latest_complete(folder)
+def _latest_text(training, folder: str) -> str:
+    latest = training.latest_complete(folder)
     return f"step {latest.step} ({latest.path})" if latest else "no checkpoint"
-
-
-def _latest_complete(folder: str):
-    """The run folder's newest complete checkpoint (what a re-run or `vitray export` takes), not
-    Ray's last reported one, which a failed upload could leave incomplete; from a fresh listing
-    (this process listed the folder before training, and s3fs caches listings)."""
-    from vitray.data import storage
-    from vitray.trainers.checkpoint import latest_complete_checkpoint
-
-    storage.filesystem(folder)[0].invalidate_cache()
-    return latest_complete_checkpoint(folder)

@@ -13,6 +13,7 @@ from typing import Any
 import ray
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from vitray.cluster.runtime import connect
 from vitray.data import (
     DEFAULT_MAX_SHARD_BYTES,
     DEFAULT_SAMPLES_PER_SHARD,
@@ -24,6 +25,7 @@ from vitray.data import (
     finalize,
     open_source,
     plan_shards,
+    prepare_dataset,
     settle_bad_images,
     write_shard_checked,
 )
@@ -91,3 +93,13 @@ def prepare_dataset_on_ray(
                 elapsed = progress.tasks[bar].elapsed or 0.0
                 progress.update(bar, rate=progress.tasks[bar].completed / elapsed if elapsed else 0.0)
     return finalize(src, tasks, settle_bad_images(results.values(), bad_images), dest, storage_options)  # type: ignore[arg-type]
+
+
+def prepare(source: Source, dest: str, *, address: str | None = None, serial: bool = False, **options) -> DatasetInfo:
+    """What `vitray data prepare` runs once its input is checked: the shards written in this process
+    (``serial``) or by one Ray task per shard on the cluster at ``address`` (an embedded local Ray when
+    None). ``options`` are :func:`prepare_dataset_on_ray`'s."""
+    if serial:
+        return prepare_dataset(source, dest, **options)
+    connect(address)
+    return prepare_dataset_on_ray(source, dest, **options)

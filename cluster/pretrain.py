@@ -35,12 +35,22 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig,
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from vitray.cluster.drain import current_node, drain_watch, draining_nodes
-from vitray.cluster.runtime import check_local_resources, check_paths_reach_every_node, connect, ray_storage, run_dir
+from vitray.cluster.runtime import (
+    LocalPathsOnCluster,
+    NotEnoughResources,
+    check_local_resources,
+    check_paths_reach_every_node,
+    connect,
+    ray_storage,
+    run_dir,
+)
 from vitray.data import storage
 from vitray.trainers.checkpointer import remove_stale_staging
 from vitray.trainers.collectives import broadcast_json
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
+from vitray.trainers.lease import RunLeaseHeld
+from vitray.trainers.preflight import PreflightError
 from vitray.trainers.progress import TrainingProgress
 
 # What `pretrain` raises when the run fails for good (each failed rank's traceback in its message).
@@ -243,6 +253,12 @@ def build_trainer(cfg: TrainingConfig, resume_from: str | None = None, resume_st
             checkpoint_config=CheckpointConfig(num_to_keep=None),  # vitray prunes (checkpoint.keep)
         ),
     )
+
+
+# What `pretrain` raises when it refuses a run before the workers start (the CLI's exit 2): a config or
+# input pre-flight rejects, resources the cluster lacks, local paths the nodes cannot see, a run that
+# another driver holds.
+REFUSED = (PreflightError, NotEnoughResources, LocalPathsOnCluster, RunLeaseHeld)
 
 
 class Preempted(Exception):
@@ -449,6 +465,16 @@ def _lease_lost(holder) -> None:
         file=sys.stderr,
         flush=True,
     )
+
+
+def latest_complete(folder: str):
+    """The run folder's newest complete checkpoint (what a re-run or `vitray export` takes), not
+    Ray's last reported one, which a failed upload could leave incomplete; from a fresh listing
+    (this process listed the folder before training, and s3fs caches listings)."""
+    from vitray.trainers.checkpoint import latest_complete_checkpoint
+
+    storage.filesystem(folder)[0].invalidate_cache()
+    return latest_complete_checkpoint(folder)
 
 
 def _last_step(folder: str) -> dict:

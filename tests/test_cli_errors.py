@@ -1,0 +1,86 @@
+"""cli/app.py's `handled`: the one wrapper that turns what a command raises into one line on the
+console and an exit status (common/exit_codes.py), on a throwaway Typer app (nothing of vitray runs)."""
+
+from __future__ import annotations
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from vitray.cli.app import handled
+from vitray.cluster.runtime import RayUnavailable
+from vitray.common import exit_codes
+from vitray.common.config import ConfigError
+
+
+class Refusal(ValueError):
+    pass
+
+
+class WorkFailed(RuntimeError):
+    pass
+
+
+def run(error: BaseException):
+    app = typer.Typer()
+
+    @app.command()
+    @handled((Refusal,), failed=(WorkFailed,), doing="frobbing", traceback_at=" (the full traceback: --verbose)")
+    def frob(name: str = "x"):
+        """Raises `error`."""
+        raise error
+
+    @app.command()
+    def other():  # a second command, so that `frob` is named on the command line
+        pass
+
+    return CliRunner().invoke(app, ["frob", "--name", "y"])
+
+
+def test_a_refusal_is_one_line_and_exit_2():
+    result = run(Refusal("run.storage 's3://nope' cannot be reached"))
+    assert result.exit_code == exit_codes.INPUT_ERROR
+    assert result.output.strip() == "error: run.storage 's3://nope' cannot be reached"
+
+
+@pytest.mark.parametrize("error", [ConfigError("train.steps: expected an integer"), RayUnavailable("no Ray at x")])
+def test_config_errors_and_no_ray_are_refusals_of_every_command(error):
+    result = run(error)
+    assert result.exit_code == exit_codes.INPUT_ERROR
+    assert result.output.strip() == f"error: {error}"
+
+
+def test_a_failure_is_its_root_cause_and_advice_and_exit_1():
+    try:
+        raise WorkFailed("the workers died") from ConnectionResetError("peer went away")
+    except WorkFailed as err:
+        result = run(err)
+    assert result.exit_code == exit_codes.FAILED
+    lines = result.output.strip().splitlines()
+    assert lines[0] == "error: frobbing failed: ConnectionResetError: peer went away"
+    assert (
+        lines[1]
+        == "  re-run the same command to resume from the latest complete checkpoint (the full traceback: --verbose)"
+    )
+    assert "Traceback" not in result.output
+
+
+def test_ctrl_c_is_exit_130():
+    assert run(KeyboardInterrupt()).exit_code == exit_codes.STOPPED_BY_USER
+
+
+def test_anything_else_is_raised_as_it_is():
+    result = run(ZeroDivisionError("a bug"))
+    assert isinstance(result.exception, ZeroDivisionError)
+
+
+def test_the_command_keeps_its_options():
+    """Typer reads the wrapped function's signature: --help lists its options."""
+    app = typer.Typer()
+
+    @app.command()
+    @handled()
+    def frob(name: str = "x"):
+        typer.echo(f"hello {name}")
+
+    assert CliRunner().invoke(app, ["--name", "y"]).output == "hello y\n"
