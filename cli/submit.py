@@ -6,8 +6,7 @@ from typing import Annotated
 
 import typer
 
-from vitray.cli.app import app, fail
-from vitray.common import exit_codes
+from vitray.cli.app import app, fail, handled
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -33,8 +32,6 @@ def submit(
     no_follow: Annotated[bool, typer.Option("--no-follow", help="Print the job id and return.")] = False,
 ):
     """Submit `vitray ARGS...` as a Ray job: vitray submit --address http://HOST:8265 -- pretrain -c run.yaml"""
-    from vitray.cluster.submit import submit as run_submit
-
     args = list(ctx.args)
     if not args:
         fail("nothing to submit: give the vitray command after --, e.g. -- pretrain -c configs/demo.yaml")
@@ -44,27 +41,7 @@ def submit(
         if not sep or not name:
             fail(f"--env {item!r}: expected NAME=VALUE")
         env_vars[name] = value
-    _check_here(args, working_dir)
-    run_submit(address, args, working_dir=working_dir, env=env_vars, follow=not no_follow)
+    from vitray.cluster import submit as jobs
 
-
-# Commands whose --dry-run validates the config (and, for pretrain, that the model builds).
-_DRY_RUNNABLE = ("pretrain", "finetune", "evaluate")
-
-
-def _check_here(args: list[str], working_dir: str | None) -> None:
-    """The submitted command's own --dry-run, here and in seconds, so that a config mistake is
-    refused before the job reaches the cluster. Only with --working-dir: then the job sees the
-    same files (without it, paths are the cluster image's, which this machine may not have)."""
-    import subprocess
-    import sys
-
-    if working_dir is None or args[0] not in _DRY_RUNNABLE or "--dry-run" in args:
-        return
-    checked = subprocess.run(
-        [sys.executable, "-m", "vitray.cli", *args, "--dry-run"], cwd=working_dir, capture_output=True, text=True
-    )
-    if checked.returncode != 0:
-        said = [line for line in checked.stderr.splitlines() if line.strip()]
-        reason = "\n".join(said[-5:]).removeprefix("error: ") or f"exit code {checked.returncode}"
-        fail(f"not submitted: `vitray {' '.join(args)}` would fail: {reason}", exit_codes.INPUT_ERROR)
+    with handled((jobs.NotSubmitted,)):  # the command's own --dry-run refused it here
+        jobs.submit(address, args, working_dir=working_dir, env=env_vars, follow=not no_follow)

@@ -53,9 +53,18 @@ def runtime_env(working_dir: str | None, env: dict[str, str]) -> dict[str, Any]:
     return runtime
 
 
+class NotSubmitted(ValueError):
+    """The submitted command's own --dry-run refused it here: it would have failed on the cluster."""
+
+
 def submit(address: str, args: list[str], *, working_dir: str | None, env: dict[str, str], follow: bool) -> str:
+    """Submit `vitray ARGS...` as a Ray job to the Jobs API at `address` and, with `follow`, print
+    its logs until it ends (exiting with the driver's exit code when it did not succeed).
+
+    Raises :class:`NotSubmitted` when the command's --dry-run fails here (:func:`check_here`)."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
+    check_here(args, working_dir)
     for line in env_notices(env):
         print(line, file=sys.stderr)
     enable_token_auth_if_available()
@@ -77,6 +86,27 @@ def submit(address: str, args: list[str], *, working_dir: str | None, env: dict[
         # whatever runs `vitray submit` can tell a pre-emption from a failure.
         raise SystemExit(info.driver_exit_code or 1)
     return job_id
+
+
+# Commands whose --dry-run validates the config (and, for pretrain, that the model builds).
+DRY_RUNNABLE = ("pretrain", "finetune", "evaluate")
+
+
+def check_here(args: list[str], working_dir: str | None) -> None:
+    """The submitted command's own --dry-run, here and in seconds, so that a config mistake is
+    refused before the job reaches the cluster. Only with `working_dir`: then the job sees the
+    same files (without it, paths are the cluster image's, which this machine may not have)."""
+    import subprocess
+
+    if working_dir is None or args[0] not in DRY_RUNNABLE or "--dry-run" in args:
+        return
+    checked = subprocess.run(
+        [sys.executable, "-m", "vitray.cli", *args, "--dry-run"], cwd=working_dir, capture_output=True, text=True
+    )
+    if checked.returncode != 0:
+        said = [line for line in checked.stderr.splitlines() if line.strip()]
+        reason = "\n".join(said[-5:]).removeprefix("error: ") or f"exit code {checked.returncode}"
+        raise NotSubmitted(f"not submitted: `vitray {' '.join(args)}` would fail: {reason}")
 
 
 # The driver's exit codes that are not failures of the work.
