@@ -52,7 +52,8 @@ from vitray.data.layout import (
     write_dataset_info,
 )
 from vitray.data.loader import ShardLoader, _share, _TrainStream
-from vitray.trainers import checkpoint as ckpt
+from vitray.runfolder import checkpoints as ckpt
+from vitray.trainers.checkpoint import mark_complete, write_state
 
 SEED, EPOCH = 0, 3
 
@@ -92,7 +93,7 @@ def make_checkpoint(folder: Path, ranks: int) -> Path:
     completion record (rank 0 also the trainer state)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "deepspeed").mkdir(exist_ok=True)
-    ckpt.write_state(folder, {"step": 1000, "world_size": ranks, "data": {"epoch": 0}})
+    write_state(folder, {"step": 1000, "world_size": ranks, "data": {"epoch": 0}})
     for rank in range(ranks):
         files = []
         for name in (
@@ -102,7 +103,7 @@ def make_checkpoint(folder: Path, ranks: int) -> Path:
             path = folder / "deepspeed" / name
             path.write_bytes(b"x" * (64 + rank % 7))
             files.append(path)
-        ckpt.mark_complete(folder, rank, files + ([folder / ckpt.STATE_FILE] if rank == 0 else []))
+        mark_complete(folder, rank, files + ([folder / ckpt.STATE_FILE] if rank == 0 else []))
     return folder
 
 

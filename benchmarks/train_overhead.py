@@ -40,8 +40,8 @@ import torch.nn.functional as F
 
 from vitray.data import ShardLoader, prepare_dataset, read_dataset_info
 from vitray.models import create_model
-from vitray.trainers.checkpoint import latest_complete_checkpoint
-from vitray.trainers.run_files import RunFiles
+from vitray.runfolder.checkpoints import latest_complete_checkpoint
+from vitray.runfolder.files import RunFiles
 
 
 def plain_loop(data: str, args) -> float:

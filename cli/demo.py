@@ -43,10 +43,10 @@ def run_demo(
     from vitray.cluster.runtime import connect, run_dir
     from vitray.cluster.transfer import resolve_checkpoints
     from vitray.evaluation.config import GridConfig
-    from vitray.trainers.checkpoint import latest_complete_checkpoint
+    from vitray.runfolder.checkpoints import latest_complete_checkpoint
+    from vitray.runfolder.files import RunFiles
     from vitray.trainers.config import TrainingConfig
     from vitray.trainers.evals import VAL_TOP1
-    from vitray.trainers.run_files import RunFiles
 
     out = Path(out_dir).absolute()
     data = out / "data" / "digits"

@@ -113,7 +113,7 @@ def inspect_checkpoint(
     remote ``out`` those of the temporary copy, already uploaded)."""
     from vitray.data import storage
     from vitray.evaluation.inspect_plots import inspect_model
-    from vitray.trainers.checkpoint import load_checkpoint
+    from vitray.runfolder.checkpoints import load_checkpoint
 
     model, state = load_checkpoint(checkpoint)
     if images:
@@ -164,7 +164,7 @@ def inspect(
 ):
     """Paper figures of a checkpoint: embedding-filter PCA, position-embedding similarity, mean attention
     distance per head and layer, attention rollout maps. Writes PNGs and the numbers behind them (JSON/Parquet)."""
-    from vitray.trainers.checkpoint import IncompleteCheckpointError
+    from vitray.runfolder.checkpoints import IncompleteCheckpointError
 
     try:
         files = inspect_checkpoint(

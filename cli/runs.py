@@ -22,7 +22,7 @@ def runs(
     from rich.table import Table
 
     from vitray.data.storage import check_reachable
-    from vitray.trainers.run_listing import list_runs
+    from vitray.runfolder.listing import list_runs
 
     try:
         # A mistyped path, missing credentials or an unreachable endpoint: one line, at once.
@@ -64,8 +64,8 @@ def export(
 ):
     """Write consolidated model weights: the original ViT .npz layout, safetensors, a folder timm
     loads (timm.create_model("local-dir:OUT", pretrained=True)), or the network as ONNX."""
-    from vitray.trainers.export import FORMATS
-    from vitray.trainers.export import export as run_export
+    from vitray.runfolder.export import FORMATS
+    from vitray.runfolder.export import export as run_export
 
     if format_ not in FORMATS:
         fail(f"--format {format_!r} is not supported; expected one of: {', '.join(FORMATS)}")

@@ -364,7 +364,7 @@ def fewshot_on_checkpoint(
     from vitray.evaluation.grid import fewshot_group
     from vitray.evaluation.suite import require_prepared
     from vitray.evaluation.transfer import run_fewshot_group
-    from vitray.trainers.checkpoint import load_checkpoint
+    from vitray.runfolder.checkpoints import load_checkpoint
 
     require_prepared(benchmark, data_root, storage_options=storage_options)
     group = fewshot_group(checkpoint, benchmark, settings)

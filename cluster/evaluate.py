@@ -48,7 +48,7 @@ from vitray.evaluation.results import ResultsTable
 from vitray.evaluation.selection import select_lr
 from vitray.evaluation.suite import find_missing
 from vitray.evaluation.transfer import CellOutcome, error_text, run_fewshot_group
-from vitray.trainers.checkpoint import find_checkpoints, is_checkpoint, load_checkpoint
+from vitray.runfolder.checkpoints import find_checkpoints, is_checkpoint, load_checkpoint
 
 
 @dataclass

@@ -8,7 +8,7 @@ snapshot file) is removed before each start: vitray deletes old checkpoints itse
 
 Before anything is written or started, `vitray.trainers.preflight` checks storage, datasets and
 model, and under the lease whether the run's checkpoint can load into this config. Around `fit()`
-the driver holds the run's lease (one driver per run, `vitray.trainers.lease`), records the attempt
+the driver holds the run's lease (one driver per run, `vitray.runfolder.lease`), records the attempt
 in the run folder (what `vitray runs` lists), says where it resumes from and why when it falls
 back, and turns a SIGTERM or a Ctrl-C into a stop notice for the workers
 (`vitray.trainers.preemption`): checkpoint at the next agreed step, stop, exit 75 (or 130 after
@@ -45,13 +45,14 @@ from vitray.cluster.runtime import (
     run_dir,
 )
 from vitray.data import storage
+from vitray.runfolder.lease import RunLeaseHeld
+from vitray.runfolder.progress import TrainingProgress
 from vitray.trainers.checkpointer import remove_stale_staging
 from vitray.trainers.collectives import broadcast_json
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
-from vitray.trainers.lease import RunLeaseHeld
+from vitray.trainers.evals import VAL_TOP1
 from vitray.trainers.preflight import PreflightError
-from vitray.trainers.progress import TrainingProgress
 
 # What `pretrain` raises when the run fails for good (each failed rank's traceback in its message).
 __all__ = [
@@ -129,7 +130,7 @@ def train_worker(loop_config: dict[str, Any]) -> None:
 
 
 def _prune(run_dir: str, keep: int) -> None:
-    from vitray.trainers.checkpoint import prune_checkpoints
+    from vitray.runfolder.checkpoints import prune_checkpoints
 
     try:
         prune_checkpoints(run_dir, keep)
@@ -144,33 +145,24 @@ def _prune(run_dir: str, keep: int) -> None:
 def _choose_restore(checkpoint: ray.train.Checkpoint | None, loop_config: dict[str, Any]) -> list | None:
     """[path, step] of the checkpoint to resume from, or None (from scratch); run on rank 0.
 
-    Ray's latest checkpoint (after a restart inside this run) when it is complete, else the newest
-    complete one in the run folder (a checkpoint whose files were lost or cut short after Ray
-    registered it is never loaded); the one the driver announced when that is newer (a kill
-    between the upload and Ray's bookkeeping)."""
-    from vitray.trainers.checkpoint import IncompleteCheckpointError, checkpoint_state, latest_complete_checkpoint
+    At the start of an attempt (Ray has no checkpoint of its own yet), the one the driver chose with
+    `resume_point` and verified, sent with its step: nothing is read again. After a restart inside
+    the run (a lost worker: Ray hands back its latest checkpoint), `resume_point` again, knowing the
+    driver's choice: only the checkpoints written since are read, and one whose files were lost or
+    cut short after Ray registered it is never loaded."""
+    from vitray.runfolder.checkpoints import CheckpointInfo, resume_point
 
     run = loop_config["run_dir"]
-    chosen = None
-    if checkpoint is not None:
-        path = storage.join(run, Path(checkpoint.path).name)
-        try:
-            chosen = [path, int(checkpoint_state(path)["step"])]
-        except (IncompleteCheckpointError, FileNotFoundError) as err:
-            fallback = latest_complete_checkpoint(run)
-            if fallback is None:
-                raise RuntimeError(f"{err}; and the run {run} has no other complete checkpoint") from None
-            print(f"vitray: {err}; resuming from {fallback.path} (step {fallback.step}) instead", flush=True)
-            chosen = [fallback.path, fallback.step]
     announced, step = loop_config.get("resume_from"), loop_config.get("resume_step")
-    if announced and step is None:
-        try:
-            step = int(checkpoint_state(announced)["step"])
-        except (OSError, ValueError, KeyError, RuntimeError):  # rotated away since (checkpoint.keep): Ray's is newer
-            step = None
-    if announced and step is not None and (chosen is None or chosen[1] < int(step)):
-        chosen = [announced, int(step)]  # the driver verified it (and sent its step)
-    return chosen
+    known = CheckpointInfo(announced, int(step), True) if announced and step is not None else None
+    if checkpoint is None and (known is not None or not announced):
+        return [known.path, known.step] if known is not None else None
+    chosen, skipped = resume_point(run, known=known)
+    for c in skipped:
+        print(f"vitray: skipped newer checkpoint {c.path}: {c.problem}", flush=True)
+    if chosen is None and checkpoint is not None:
+        raise RuntimeError(f"Ray restarted the run {run} from a checkpoint, but it has no complete checkpoint")
+    return [chosen.path, chosen.step] if chosen is not None else None
 
 
 def _rank_copy(
@@ -179,7 +171,8 @@ def _rank_copy(
     """This rank's local copy of the chosen checkpoint and its trainer state: only the files it
     reads for DeepSpeed on the same number of workers; otherwise the whole folder, which Ray
     downloads once per node."""
-    from vitray.trainers.checkpoint import node_restore_dir, rank_copy, read_state
+    from vitray.runfolder.checkpoints import read_state
+    from vitray.trainers.checkpoint import node_restore_dir, rank_copy
 
     path = choice[0]
     select = lambda state, names: None  # noqa: E731 -- XLA reads its whole checkpoint
@@ -286,11 +279,11 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
     finished run, RunLeaseHeld when another driver runs it, and Preempted after a SIGTERM or Ctrl-C
     once the workers have checkpointed and stopped.
     """
-    from vitray.trainers.checkpoint import describe_resume, resume_point
-    from vitray.trainers.lease import RunLease
+    from vitray.runfolder.checkpoints import describe_resume, resume_point
+    from vitray.runfolder.files import RunFiles
+    from vitray.runfolder.lease import RunLease
     from vitray.trainers.preemption import clear_stop
     from vitray.trainers.preflight import check_inputs, check_resume
-    from vitray.trainers.run_files import RunFiles
 
     info = check_inputs(cfg)  # seconds, before anything is written or started
     folder = run_dir(cfg.run.storage, cfg.run.name)
@@ -332,7 +325,7 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
         )
         scaling = scaling_config(cfg)
         check_local_resources(scaling.num_workers, scaling.resources_per_worker, RESOURCE_SETTINGS)
-        progress = TrainingProgress(folder, total_steps=cfg.train.steps)
+        progress = TrainingProgress(folder, total_steps=cfg.train.steps, headline=VAL_TOP1, label="val top-1")
         with (
             _StopOnSignal(folder, cfg.run.preemption_grace_s) as stop,
             progress if show_progress else contextlib.nullcontext(),
@@ -429,10 +422,7 @@ def _convert_once_for_new_world_size(cfg: TrainingConfig, chosen) -> None:
     every rank on the whole checkpoint."""
     if chosen is None or cfg.train.backend != "deepspeed" or cfg.train.zero_stage == 0:
         return
-    from vitray.trainers.checkpoint import read_state
-
-    fs, fs_path = storage.filesystem(chosen.path)
-    written_by = int(read_state(fs_path.rstrip("/"), fs)["world_size"])  # resume_point verified it
+    written_by = int(chosen.state["world_size"])  # what resume_point read when it verified it
     if written_by == cfg.cluster.num_workers:
         return
     from vitray.trainers.deepspeed_backend import shared_universal
@@ -471,14 +461,14 @@ def latest_complete(folder: str):
     """The run folder's newest complete checkpoint (what a re-run or `vitray export` takes), not
     Ray's last reported one, which a failed upload could leave incomplete; from a fresh listing
     (this process listed the folder before training, and s3fs caches listings)."""
-    from vitray.trainers.checkpoint import latest_complete_checkpoint
+    from vitray.runfolder.checkpoints import latest_complete_checkpoint
 
     storage.filesystem(folder)[0].invalidate_cache()
     return latest_complete_checkpoint(folder)
 
 
 def _last_step(folder: str) -> dict:
-    from vitray.trainers.checkpoint import latest_complete_checkpoint
+    from vitray.runfolder.checkpoints import latest_complete_checkpoint
 
     try:
         latest = latest_complete_checkpoint(folder)

@@ -3,7 +3,7 @@
 The pieces `vitray finetune`, `vitray fewshot` and the grid (`cluster/evaluate.py`) share:
 
 - :func:`resolve_checkpoints`: a checkpoint folder, or a run folder's latest / every complete one,
-  as grid inputs (found and opened by :mod:`vitray.trainers.checkpoint`);
+  as grid inputs (found and opened by :mod:`vitray.runfolder.checkpoints`);
 - :func:`finetune_training_config` / :func:`finetune_config` + :func:`run_finetune`: the paper's
   fine-tune recipe for one cell, validated as a TrainingConfig and run as a TorchTrainer (`pretrain`), resumed when the run
   already exists, skipped when it already finished; :func:`finetune_cell_metrics` adds the test
@@ -24,10 +24,10 @@ from vitray.evaluation.config import GridConfig
 from vitray.evaluation.grid import METRIC, VAL_METRIC, CheckpointRef, FinetuneJob, is_selection
 from vitray.evaluation.suite import Benchmark, locate
 from vitray.evaluation.transfer import final_top1, finetune_recipe, finetune_run_name, split_top1
-from vitray.trainers import checkpoint as ckpt
+from vitray.runfolder import checkpoints as ckpt
+from vitray.runfolder.files import RunFiles
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.evals import VAL, VAL_TOP1
-from vitray.trainers.run_files import RunFiles
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoints

@@ -33,9 +33,12 @@ MAY_IMPORT: dict[str, frozenset[str] | None] = {
     "models": frozenset(),
     "data": frozenset(),
     "configs": frozenset({"common"}),  # recipes (YAML); a config loader living here may use common
-    "trainers": frozenset({"common", "data", "models"}),
-    "evaluation": frozenset({"common", "data", "models"}),
-    "cluster": frozenset({"common", "configs", "trainers", "evaluation", "data", "models"}),
+    # run folders on storage: checkpoints found and checked, the resume decision, lease, attempts,
+    # listing, export -- what the driver and any reader of a checkpoint use, below the worker's loop
+    "runfolder": frozenset({"common", "data", "models"}),
+    "trainers": frozenset({"common", "runfolder", "data", "models"}),
+    "evaluation": frozenset({"common", "runfolder", "data", "models"}),
+    "cluster": frozenset({"common", "configs", "trainers", "evaluation", "runfolder", "data", "models"}),
     "cli": None,  # the command line (vitray.cli) sits on top of everything
 }
 
@@ -431,7 +434,7 @@ def test_checker_reports_each_forbidden_import_with_file_line_import_and_rule(tm
         "models/registry.py:1: `'vitray.trainers.loop:TrainingLoop' (by name)` -- imports vitray.trainers; rule: models -> nothing of vitray",
         "models/sub/deep.py:1: `from ...trainers import config` -- imports vitray.trainers; rule: models -> nothing of vitray",
         "models/vit.py:3: `from vitray.trainers.loop import TrainingLoop` -- imports vitray.trainers; rule: models -> nothing of vitray",
-        "trainers/loop.py:3: `from vitray.evaluation.fewshot import probe` -- imports vitray.evaluation; rule: trainers -> common, data, models",
+        "trainers/loop.py:3: `from vitray.evaluation.fewshot import probe` -- imports vitray.evaluation; rule: trainers -> common, data, models, runfolder",
         "trainers/loop.py:4: `from vitray.nowhere import thing` -- vitray.nowhere has no row in the rule table MAY_IMPORT",
         "cluster/run.py:4: `importlib.import_module('deepspeed.ops')` -- imports deepspeed; rule: only trainers imports deepspeed",
     ]
@@ -462,7 +465,7 @@ def test_checker_allows_a_by_name_edge_only_where_by_name_lists_it(tmp_path: Pat
     assert not [p for p in layer_violations(root, ["trainers"]) if "plugins.py" in p]
     assert [p for p in layer_violations(root, ["trainers"], by_name={}) if "plugins.py" in p] == [
         "trainers/plugins.py:1: `'vitray.evaluation.fewshot:probe' (by name)` -- imports vitray.evaluation; "
-        "rule: trainers -> common, data, models"
+        "rule: trainers -> common, data, models, runfolder"
     ]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from vitray.cli.main import app
-from vitray.trainers.run_files import RunFiles
+from vitray.runfolder.files import RunFiles
 
 # What Ray Train records for a worker failure: the whole traceback of each failed rank.
 WORKER_TRACEBACK = """Training failed due to worker errors:

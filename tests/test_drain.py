@@ -14,8 +14,8 @@ import pytest
 from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run, running
 from ray_cluster import loopback_cluster
 
-from vitray.trainers.checkpoint import latest_complete_checkpoint
-from vitray.trainers.run_files import RunFiles
+from vitray.runfolder.checkpoints import latest_complete_checkpoint
+from vitray.runfolder.files import RunFiles
 
 pytestmark = pytest.mark.slow
 

@@ -27,14 +27,14 @@ from vitray.evaluation.grid import CheckpointRef, plan_grid
 from vitray.evaluation.report import summarize
 from vitray.evaluation.results import ResultsTable
 from vitray.evaluation.transfer import fewshot_probe, final_top1, split_top1
-from vitray.trainers.checkpoint import (
+from vitray.runfolder.checkpoints import (
     IncompleteCheckpointError,
     find_checkpoints,
     latest_complete_checkpoint,
     load_checkpoint,
 )
+from vitray.runfolder.files import RunFiles
 from vitray.trainers.evals import VAL_TOP1
-from vitray.trainers.run_files import RunFiles
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ from pretrain_helpers import vitray_cmd
 from safetensors.torch import save_file
 
 from vitray.models import ModelConfig, create_model_from_config
+from vitray.runfolder.export import ExportRefused, export
 from vitray.trainers import checkpoint as ckpt
-from vitray.trainers.export import ExportRefused, export
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

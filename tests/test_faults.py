@@ -20,13 +20,13 @@ import pytest
 from disk_helpers import mounted_tmpfs
 
 from vitray.data.storage import write_bytes_atomic
-from vitray.trainers.lease import LeaseRecord, RunLease, RunLeaseHeld, read_lease
-from vitray.trainers.run_files import RunFiles
+from vitray.runfolder.files import RunFiles
+from vitray.runfolder.lease import LeaseRecord, RunLease, RunLeaseHeld, read_lease
 
 HOLD = textwrap.dedent(
     """
     import sys, time
-    from vitray.trainers.lease import RunLease
+    from vitray.runfolder.lease import RunLease
     lease = RunLease(sys.argv[1], timeout_s=float(sys.argv[2]))
     lease.acquire()
     print(lease.owner, flush=True)
@@ -160,7 +160,7 @@ def test_two_drivers_starting_at_once_one_goes_on(where, before, tmp_path, reque
 def test_s3_lease_writes_are_conditional_and_the_server_enforces_them(moto_server):
     """The S3 server (moto here, S3 itself in production) refuses a create over an existing lease
     and a write over a version other than the one read -- what the race above relies on."""
-    from vitray.trainers.lease_s3 import ConditionalObject, WriteConflict
+    from vitray.runfolder.lease_s3 import ConditionalObject, WriteConflict
 
     obj = ConditionalObject(moto_server.url("runs", "cas", "lease.json"))
     assert obj.get() is None
@@ -227,15 +227,16 @@ def test_a_results_writer_killed_mid_part_leaves_no_half_written_parquet(tmp_pat
 
 
 def test_resume_point_names_the_newer_checkpoints_it_skips_and_why(tmp_path):
-    from vitray.trainers import checkpoint as ckpt
+    from vitray.runfolder import checkpoints as ckpt
+    from vitray.trainers.checkpoint import files_under, mark_complete, write_state
 
     run_dir = tmp_path / "run"
     for name, step in (("checkpoint_2026-01-01_00-00-00.000001", 6), ("checkpoint_2026-01-01_00-01-00.000001", 12)):
         folder = run_dir / name
         folder.mkdir(parents=True)
         (folder / "model.safetensors").write_bytes(b"x" * 100)
-        ckpt.write_state(folder, {"step": step, "world_size": 1})
-        ckpt.mark_complete(folder, 0, ckpt.files_under(folder))
+        write_state(folder, {"step": step, "world_size": 1})
+        mark_complete(folder, 0, files_under(folder))
     newest = run_dir / "checkpoint_2026-01-01_00-01-00.000001" / "model.safetensors"
     newest.write_bytes(b"x" * 50)  # cut short
     chosen, skipped = ckpt.resume_point(str(run_dir))
@@ -249,7 +250,8 @@ def test_resume_point_names_the_newer_checkpoints_it_skips_and_why(tmp_path):
 def test_pruning_keeps_the_newest_complete_checkpoints_and_anything_newer(tmp_path):
     """checkpoint.keep counts complete checkpoints only: uploads that failed (silently, as Ray's
     pyarrow upload can) never push the last complete checkpoint out."""
-    from vitray.trainers import checkpoint as ckpt
+    from vitray.runfolder import checkpoints as ckpt
+    from vitray.trainers.checkpoint import files_under, mark_complete, write_state
 
     run_dir = tmp_path / "run"
     names = []
@@ -257,8 +259,8 @@ def test_pruning_keeps_the_newest_complete_checkpoints_and_anything_newer(tmp_pa
         folder = run_dir / f"checkpoint_2026-01-01_00-{minute:02d}-00.000001"
         folder.mkdir(parents=True)
         (folder / "model.safetensors").write_bytes(b"x" * 100)
-        ckpt.write_state(folder, {"step": step, "world_size": 1})
-        ckpt.mark_complete(folder, 0, ckpt.files_under(folder))
+        write_state(folder, {"step": step, "world_size": 1})
+        mark_complete(folder, 0, files_under(folder))
         names.append(folder.name)
     for name in names[3:]:  # the newest three uploads lost a file each
         (run_dir / name / "model.safetensors").write_bytes(b"x" * 10)
@@ -274,7 +276,7 @@ def test_pruning_keeps_the_newest_complete_checkpoints_and_anything_newer(tmp_pa
 
 
 def test_runs_lists_attempts_and_marks_a_vanished_one_lost(tmp_path):
-    from vitray.trainers.run_listing import list_runs
+    from vitray.runfolder.listing import list_runs
 
     files = RunFiles(str(tmp_path / "run"))
     done = files.new_attempt("a1")

@@ -24,9 +24,9 @@ import yaml
 from disk_helpers import mounted_tmpfs
 from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run, running, vitray_cmd
 
-from vitray.trainers.checkpoint import find_checkpoints, latest_complete_checkpoint, verify_complete
-from vitray.trainers.lease import read_lease
-from vitray.trainers.run_files import RunFiles
+from vitray.runfolder.checkpoints import find_checkpoints, latest_complete_checkpoint, verify_complete
+from vitray.runfolder.files import RunFiles
+from vitray.runfolder.lease import read_lease
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from s3_proxy import FlakyS3Proxy
 from safetensors.torch import load
 
 from vitray.data import EvalLoader, prepare_dataset, storage
-from vitray.trainers.checkpoint import latest_complete_checkpoint
+from vitray.runfolder.checkpoints import latest_complete_checkpoint
 
 
 @pytest.fixture

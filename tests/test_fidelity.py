@@ -17,7 +17,8 @@ from vitray.data.transforms import EVAL_CROP_FRACTION, TRAIN_CROP_SCALE
 from vitray.evaluation.suite import get_benchmark
 from vitray.evaluation.transfer import finetune_recipe
 from vitray.models import ModelConfig, create_model
-from vitray.trainers import checkpoint as ckpt
+from vitray.runfolder import checkpoints as ckpt
+from vitray.trainers.checkpoint import files_under, mark_complete, write_state
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.ema import Ema, WholeWeights
 from vitray.trainers.evals import EvalEnv, Evaluator, FewshotEvalConfig, ValEvalConfig
@@ -108,8 +109,8 @@ def _checkpoint(folder: Path, model: torch.nn.Module, ema_state: dict | None) ->
     if ema_state is not None:
         save_file(ema_state, str(folder / ckpt.EMA_FILE))
     state = {"step": 1, "world_size": 1, "num_classes": 3, "model": {"name": "Ti/16", "img_size": 32}}
-    ckpt.write_state(folder, state)
-    ckpt.mark_complete(folder, 0, ckpt.files_under(folder))
+    write_state(folder, state)
+    mark_complete(folder, 0, files_under(folder))
     return folder
 
 

@@ -25,9 +25,9 @@ from vitray.evaluation.grid import CheckpointRef, finetune_settings, plan_grid
 from vitray.evaluation.suite import get_benchmark
 from vitray.evaluation.transfer import finetune_recipe
 from vitray.models import resample_posemb
-from vitray.trainers.checkpoint import latest_complete_checkpoint, read_state
+from vitray.runfolder.checkpoints import latest_complete_checkpoint, read_state
+from vitray.runfolder.files import RunFiles
 from vitray.trainers.evals import VAL, ValEvalConfig
-from vitray.trainers.run_files import RunFiles
 
 pytestmark = pytest.mark.slow
 

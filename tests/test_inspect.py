@@ -28,7 +28,7 @@ from vitray.evaluation.inspect import (
 )
 from vitray.evaluation.inspect_plots import FIGURES, inspect_model
 from vitray.models import create_model
-from vitray.trainers.checkpoint import load_checkpoint
+from vitray.runfolder.checkpoints import load_checkpoint
 
 NUMBERS = {
     "patch_embedding_pcs": "patch_embedding_pcs.json",

@@ -21,12 +21,12 @@ from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from vitray.common.config import load_config
-from vitray.trainers import checkpoint as ckpt
+from vitray.runfolder import checkpoints as ckpt
+from vitray.runfolder.files import RunFiles
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
 from vitray.trainers.metrics import METRICS_FILE, MetricsWriter
 from vitray.trainers.metrics_upload import BackgroundMirror, MetricsUploadError
-from vitray.trainers.run_files import RunFiles
 
 
 class SlowFileSystem(DirFileSystem):

@@ -19,8 +19,8 @@ from ray_cluster import loopback_cluster
 from safetensors.torch import load
 
 from vitray.data import prepare_dataset, storage
-from vitray.trainers.checkpoint import latest_complete_checkpoint
-from vitray.trainers.run_files import RunFiles
+from vitray.runfolder.checkpoints import latest_complete_checkpoint
+from vitray.runfolder.files import RunFiles
 
 pytestmark = pytest.mark.slow
 

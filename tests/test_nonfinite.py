@@ -34,9 +34,9 @@ from pretrain_helpers import (
 
 from vitray.common.config import ConfigError, load_config
 from vitray.data.layout import read_manifest
-from vitray.trainers.checkpoint import latest_complete_checkpoint
+from vitray.runfolder.checkpoints import latest_complete_checkpoint
+from vitray.runfolder.files import RunFiles
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.run_files import RunFiles
 
 
 def _finite(module: torch.nn.Module) -> bool:

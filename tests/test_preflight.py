@@ -23,9 +23,9 @@ from vitray.cli.main import app
 from vitray.common.config import load_config
 from vitray.common.failures import describe_failure
 from vitray.data.batch import UnreadableData
+from vitray.runfolder.files import RunFiles
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.preflight import check_inputs, check_resume
-from vitray.trainers.run_files import RunFiles
 
 PRETRAINED = ["train.steps=8", "checkpoint.every=4"]  # as the `pretrained` fixture ran it
 

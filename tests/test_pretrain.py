@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run, run_until_checkpoint
 
-from vitray.trainers.checkpoint import (
+from vitray.runfolder.checkpoints import (
     IncompleteCheckpointError,
     find_checkpoints,
     latest_complete_checkpoint,
     verify_complete,
 )
+from vitray.runfolder.files import RunFiles
 from vitray.trainers.checkpointer import staging_prefix
 from vitray.trainers.keys import collect_keys
-from vitray.trainers.run_files import RunFiles
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ from safetensors.torch import load, load_file
 from vitray.data import prepare_dataset
 from vitray.data.storage import read_bytes
 from vitray.models.io_safetensors import read_safetensors_metadata
+from vitray.runfolder.checkpoints import find_checkpoints
 from vitray.trainers import checkpoint as ckpt
-from vitray.trainers.checkpoint import find_checkpoints
 
 pytestmark = pytest.mark.slow
 

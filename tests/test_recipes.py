@@ -18,10 +18,10 @@ from typer.testing import CliRunner
 from vitray.cli.main import app
 from vitray.common.config import load_config
 from vitray.evaluation.config import GridConfig
-from vitray.trainers import checkpoint as ckpt
-from vitray.trainers.checkpoint import latest_complete_checkpoint
+from vitray.runfolder import checkpoints as ckpt
+from vitray.runfolder.checkpoints import latest_complete_checkpoint
+from vitray.runfolder.files import RunFiles
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.run_files import RunFiles
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER = REPO / "configs" / "paper"

@@ -25,7 +25,8 @@ import pytest
 from vitray.data.loader import ShardLoader
 from vitray.data.plan import ExtentTable, ShardRange, epoch_plan, rank_slots
 from vitray.data.splits import split_extents, split_table
-from vitray.trainers import checkpoint as ckpt
+from vitray.runfolder import checkpoints as ckpt
+from vitray.trainers.checkpoint import mark_complete, node_restore_dir, rank_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -272,7 +273,7 @@ def test_ranks_starting_from_the_announced_checkpoint_do_not_each_recheck_it_on_
         assert len(proxy.requests) >= world
 
         proxy.requests.clear()
-        folder, state = ckpt.rank_copy(announced, restore_files(5, world, zero_stage=1), tmp_path / "r5", 5)
+        folder, state = rank_copy(announced, restore_files(5, world, zero_stage=1), tmp_path / "r5", 5)
         assert state["step"] == 1000
         got = sorted(
             p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and ".locks" not in p.parts
@@ -288,7 +289,7 @@ def test_ranks_starting_from_the_announced_checkpoint_do_not_each_recheck_it_on_
         )
         assert len(proxy.requests) < 12, proxy.requests  # the same for any world size
         # Onto another number of ranks, the whole checkpoint is wanted (with the shared conversion).
-        assert ckpt.rank_copy(announced, restore_files(5, world * 2, zero_stage=1), tmp_path / "r5b", 5) is None
+        assert rank_copy(announced, restore_files(5, world * 2, zero_stage=1), tmp_path / "r5b", 5) is None
 
 
 def test_ranks_of_one_node_share_the_files_they_all_read(moto_server, tmp_path):
@@ -301,15 +302,15 @@ def test_ranks_of_one_node_share_the_files_they_all_read(moto_server, tmp_path):
     local = bench.make_checkpoint(tmp_path / "checkpoint", 4)
     shared = local / "deepspeed" / "mp_rank_00_model_states.pt"
     shared.write_bytes(b"m" * 1000)
-    ckpt.mark_complete(local, 0, [shared, local / ckpt.STATE_FILE, *(local / "deepspeed").glob("zero_pp_rank_0_*")])
+    mark_complete(local, 0, [shared, local / ckpt.STATE_FILE, *(local / "deepspeed").glob("zero_pp_rank_0_*")])
     s3fs.S3FileSystem().put(str(local), f"{moto_server.bucket}/run/checkpoint_000002", recursive=True)
     remote = moto_server.url("run", "checkpoint_000002")
-    with ckpt.node_restore_dir(remote, str(tmp_path / "node")) as node:
-        first = ckpt.rank_copy(remote, restore_files(1, 4, zero_stage=1), node, 1)[0]
+    with node_restore_dir(remote, str(tmp_path / "node")) as node:
+        first = rank_copy(remote, restore_files(1, 4, zero_stage=1), node, 1)[0]
         stamp = (first / "deepspeed" / "mp_rank_00_model_states.pt").stat().st_mtime_ns
-        with ckpt.node_restore_dir(remote, str(tmp_path / "node")) as again:
+        with node_restore_dir(remote, str(tmp_path / "node")) as again:
             assert again == node
-            second = ckpt.rank_copy(remote, restore_files(2, 4, zero_stage=1), again, 2)[0]
+            second = rank_copy(remote, restore_files(2, 4, zero_stage=1), again, 2)[0]
         assert (second / "deepspeed" / "mp_rank_00_model_states.pt").stat().st_mtime_ns == stamp  # not fetched again
         names = sorted(p.name for p in (node / "deepspeed").iterdir())
         assert names == [

@@ -9,7 +9,7 @@ from pretrain_helpers import in_process_loop
 from wandb_records import config as wandb_config
 from wandb_records import history as wandb_history
 
-from vitray.trainers.run_files import RunFiles
+from vitray.runfolder.files import RunFiles
 from vitray.trainers.trackers import MlflowSettings, Trackers, WandbSettings
 
 
@@ -74,7 +74,7 @@ def test_a_resumed_run_goes_on_in_the_same_tracker_runs(tmp_path):
 
 
 def test_the_progress_bar_reads_only_the_new_lines_of_the_metrics_file(tmp_path):
-    from vitray.trainers.progress import MetricsTail
+    from vitray.runfolder.progress import MetricsTail
 
     path = tmp_path / "metrics.jsonl"
     lines = [f'{{"step": {s}, "loss": {1 / s}}}\n' for s in range(1, 6)]

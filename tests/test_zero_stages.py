@@ -17,8 +17,8 @@ import torch
 from pretrain_helpers import assert_same_weights, pretrain_args, run
 from safetensors.torch import load_file
 
-from vitray.trainers.checkpoint import find_checkpoints, latest_complete_checkpoint, verify_complete
-from vitray.trainers.run_files import RunFiles
+from vitray.runfolder.checkpoints import find_checkpoints, latest_complete_checkpoint, verify_complete
+from vitray.runfolder.files import RunFiles
 
 pytestmark = pytest.mark.slow
 

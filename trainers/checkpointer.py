@@ -6,7 +6,7 @@ The checkpointer collects state from the components that own it, each with `stat
 under its name, tensor state (the EMA weights) into a safetensors file of its own. The backend
 writes and reads its shards itself (DeepSpeed and XLA each have their own format); the checkpointer
 adds the consolidated weights (`model.safetensors`) and the trainer's step. The folder layout is
-`vitray.trainers.checkpoint`'s.
+`vitray.runfolder.checkpoints`'s (this rank writes it with `vitray.trainers.checkpoint`).
 
 Saving costs training little more than a snapshot: at a save step every rank snapshots its share
 and goes on training while a background thread writes the files and, last, the rank's completion

@@ -35,7 +35,7 @@ class RunConfig(_Section):
         120.0,
         gt=0,
         description="A second driver of the same run refuses while the first's lease heartbeat is "
-        "younger than this; an older lease is taken over (vitray.trainers.lease).",
+        "younger than this; an older lease is taken over (vitray.runfolder.lease).",
     )
     preemption_grace_s: float = Field(
         30.0,

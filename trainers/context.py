@@ -23,8 +23,8 @@ class WorkerContext:
     run_dir: str  # <storage>/<run name>, local path or s3:// URL
     report: Reporter
     restore_dir: Path | None = None  # a local copy of the checkpoint to resume from
-    # Its trainer state, when whoever opened it verified the checkpoint where it is stored (the
-    # copy may hold only this rank's files); None: the loop verifies `restore_dir` itself.
+    # Its trainer state (the copy may hold only this rank's files); None: the loop reads it from
+    # `restore_dir`. Either way the checkpoint was chosen complete by `resume_point`, not re-verified.
     restore_state: dict[str, Any] | None = None
     # Asked on rank 0 at each pre-emption check: whether the cluster is about to take a worker's
     # node away (Ray's drain notice), as (reason, deadline in epoch seconds), else None.

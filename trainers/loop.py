@@ -28,7 +28,8 @@ from vitray.common.redact import redacted_config
 from vitray.data import ShardLoader, read_dataset_info
 from vitray.data.batch import UnreadableData
 from vitray.models import ModelConfig, create_model_from_config
-from vitray.trainers import checkpoint as ckpt
+from vitray.runfolder import checkpoints as ckpt
+from vitray.runfolder.files import RunFiles
 from vitray.trainers.attention import attention_context, attention_kernel, model_attention_shape
 from vitray.trainers.backend import TrainBackend, create_backend
 from vitray.trainers.checkpointer import Checkpointer
@@ -42,7 +43,6 @@ from vitray.trainers.keys import SampleKeyRecorder
 from vitray.trainers.metrics import MetricsWriter, accelerator_peak_tflops, train_flops_per_image
 from vitray.trainers.objectives import build_objective
 from vitray.trainers.preemption import PreemptionWatch
-from vitray.trainers.run_files import RunFiles
 from vitray.trainers.trackers import Trackers
 
 
@@ -62,7 +62,8 @@ class TrainingLoop:
 
         restore_state = None
         if ctx.restore_dir is not None:
-            restore_state = ctx.restore_state or ckpt.verify_complete(ctx.restore_dir)
+            # Chosen complete by `resume_point` (the driver's or rank 0's): read, not verified again.
+            restore_state = ctx.restore_state or ckpt.read_state(ctx.restore_dir)
         restore = (ctx.restore_dir, restore_state) if restore_state is not None else None
 
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from vitray.runfolder.files import METRICS_FILE
+
 # Dense (no sparsity) bf16/fp16 tensor-core peak TFLOP/s per GPU, from the vendor's datasheets,
 # keyed by the exact name `torch.cuda.get_device_name()` gives: the same chip differs by form
 # factor (H100 SXM5 989 vs PCIe 756), so a substring match would credit a PCIe card with SXM
@@ -33,8 +35,6 @@ PEAK_TFLOPS = {
     "NVIDIA L4": 121.0,
     "NVIDIA A10": 125.0,
 }
-
-METRICS_FILE = "metrics.jsonl"
 
 
 def accelerator_peak_tflops(

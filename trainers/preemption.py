@@ -37,7 +37,7 @@ _NONE, _SAVE_AND_STOP, _STOP = 0, 1, 2
 def request_stop(run_dir: str, reason: str, grace_s: float, kind: str = "sigterm") -> None:
     """Ask the run's workers to checkpoint and stop before `grace_s` is over (the driver, on
     SIGTERM; rank 0, on a drain notice: `kind` says which)."""
-    from vitray.trainers.run_files import RunFiles
+    from vitray.runfolder.files import RunFiles
 
     now = time.time()
     record = {"reason": reason, "kind": kind, "requested": now, "deadline": now + grace_s}
@@ -46,7 +46,7 @@ def request_stop(run_dir: str, reason: str, grace_s: float, kind: str = "sigterm
 
 def read_stop(run_dir: str) -> dict | None:
     """The run's stop notice (reason, kind, requested, deadline), or None when there is none."""
-    from vitray.trainers.run_files import RunFiles
+    from vitray.runfolder.files import RunFiles
 
     path = RunFiles(run_dir).stop_path
     try:
@@ -57,7 +57,7 @@ def read_stop(run_dir: str) -> dict | None:
 
 def clear_stop(run_dir: str) -> None:
     """Driver side, before a run starts: an old notice must not stop the new attempt."""
-    from vitray.trainers.run_files import RunFiles
+    from vitray.runfolder.files import RunFiles
 
     path = RunFiles(run_dir).stop_path
     if storage.exists(path):
@@ -75,7 +75,7 @@ class PreemptionWatch:
     every rank, at the first check step after a notice, else None."""
 
     def __init__(self, run_dir: str, *, rank: int, every: int, device, drain_notice=None):
-        from vitray.trainers.run_files import RunFiles
+        from vitray.runfolder.files import RunFiles
 
         self.run_dir, self.path = run_dir, RunFiles(run_dir).stop_path
         self.rank, self.every, self.device = rank, every, device

@@ -28,7 +28,7 @@ from vitray.common.redact import redacted_config
 from vitray.data import storage
 from vitray.data.layout import DatasetInfo, read_dataset_info, read_split
 from vitray.models import ModelConfig, create_model_from_config
-from vitray.trainers import checkpoint as ckpt
+from vitray.runfolder import checkpoints as ckpt
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.trackers import missing_tracker_packages
 
@@ -93,8 +93,7 @@ def check_resume(cfg: TrainingConfig, run_dir: str, info: DatasetInfo) -> Resume
     chosen, skipped = ckpt.resume_point(run_dir)
     if chosen is None:
         return ResumePlan(None, skipped)
-    fs, fs_path = storage.filesystem(chosen.path)
-    state = ckpt.read_state(fs_path.rstrip("/"), fs)  # resume_point verified it complete
+    state = chosen.state  # what resume_point read when it verified the checkpoint
     recorded = state.get("config") or {}
     new = redacted_config(cfg)
     for config in (recorded, new):  # "auto" and what it resolves to on this dataset are the same objective
@@ -177,8 +176,7 @@ def _check_init_checkpoint(cfg: TrainingConfig) -> ModelConfig:
     path = cfg.init.checkpoint
     try:
         storage.check_reachable(path, must_exist=True, storage_options=cfg.data.storage_options)
-        folder = ckpt.resolve_checkpoint(path)
-        state = ckpt.checkpoint_state(folder)
+        state = ckpt.resolve_checkpoint(path).state
     except (FileNotFoundError, ckpt.IncompleteCheckpointError, storage.StorageUnreachable) as err:
         raise PreflightError(f"init.checkpoint: {err}") from None
     return ModelConfig.model_validate({**state["model"], "img_size": cfg.model.img_size})

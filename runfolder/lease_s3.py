@@ -2,7 +2,7 @@
 
 S3 has conditional writes (PutObject with `If-None-Match: *` creates only when no object has the
 key; with `If-Match: <etag>` it replaces only the version that was read). The run lease
-(`vitray.trainers.lease`) is built on them, so that of two drivers writing at once exactly one
+(`vitray.runfolder.lease`) is built on them, so that of two drivers writing at once exactly one
 succeeds and the other is told so by S3 itself, whatever the timing.
 
 The calls go through s3fs's client (the filesystem `vitray.data.storage` opens, with its

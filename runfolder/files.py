@@ -4,11 +4,11 @@
   <storage>/<run name>/vitray/metrics.jsonl    one JSON object per logged step
   <storage>/<run name>/vitray/tensorboard/     TensorBoard events
   <storage>/<run name>/vitray/markers/         one-shot markers (fault-injection in tests)
-  <storage>/<run name>/vitray/lease.json       the driver that holds the run (`vitray.trainers.lease`)
+  <storage>/<run name>/vitray/lease.json       the driver that holds the run (`vitray.runfolder.lease`)
   <storage>/<run name>/vitray/attempts/        one JSON record per `vitray pretrain` of the run
   <storage>/<run name>/vitray/stop.json        a pre-emption notice for the workers (`vitray.trainers.preemption`)
 
-The checkpoint_* folders are found and opened by :mod:`vitray.trainers.checkpoint`.
+The checkpoint_* folders are found and opened by :mod:`vitray.runfolder.checkpoints`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from vitray.data import storage
-from vitray.trainers.metrics import METRICS_FILE
 
 VITRAY_DIR = "vitray"
+METRICS_FILE = "metrics.jsonl"  # written by rank 0 (`vitray.trainers.metrics`)
 
 
 class RunFiles:

@@ -10,7 +10,7 @@ taken over with a warning; `--force` takes over a fresh one.
 What is guaranteed, plainly:
 - S3 (and S3-compatible stores with conditional writes): the first lease is created with
   `If-None-Match: *` and every later write -- a take-over, each heartbeat -- is a compare-and-swap
-  on the ETag that was read (`If-Match`, `vitray.trainers.lease_s3`). S3 itself lets exactly one of
+  on the ETag that was read (`If-Match`, `vitray.runfolder.lease_s3`). S3 itself lets exactly one of
   two racing writers through and refuses the other (412), whatever their timing, so of two drivers
   starting at once exactly one goes on, and a heartbeat that finds another ETag knows that it was
   taken over. No waiting is needed.
@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from vitray.data import storage
-from vitray.trainers import lease_s3
+from vitray.runfolder import lease_s3
 
 LEASE_FILE = "lease.json"
 
@@ -106,7 +106,7 @@ class RunLease:
         settle_s: float | None = None,
         on_lost: Callable[[LeaseRecord], None] | None = None,
     ):
-        from vitray.trainers.run_files import RunFiles
+        from vitray.runfolder.files import RunFiles
 
         self.path = RunFiles(run_dir).lease_path
         self.run_dir = run_dir

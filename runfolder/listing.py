@@ -8,9 +8,9 @@ from typing import Any
 
 from vitray.common.failures import describe_failure
 from vitray.data import storage
-from vitray.trainers.checkpoint import find_checkpoints, read_state
-from vitray.trainers.lease import read_lease
-from vitray.trainers.run_files import RunFiles
+from vitray.runfolder.checkpoints import find_checkpoints, read_state
+from vitray.runfolder.files import RunFiles
+from vitray.runfolder.lease import read_lease
 
 
 @dataclass

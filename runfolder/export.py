@@ -3,7 +3,7 @@
 Formats: `npz` (the original ViT layout), `safetensors` (vitray's names and metadata), `onnx` (the
 whole network, opset 18, a dynamic batch dimension) -- single files -- and `timm`, the folder that
 `timm.create_model("local-dir:PATH", pretrained=True)` loads (`config.json` + `model.safetensors`,
-see `vitray.trainers.timm_folder`). An existing output is never replaced unless `overwrite` is set.
+see `vitray.runfolder.timm_folder`). An existing output is never replaced unless `overwrite` is set.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import shutil
 import tempfile
 
 from vitray.data import storage
-from vitray.trainers.checkpoint import load_checkpoint
+from vitray.runfolder.checkpoints import load_checkpoint
 
 FORMATS = ("npz", "safetensors", "timm", "onnx")
 FOLDER_FORMATS = ("timm",)
@@ -37,7 +37,7 @@ def export(path: str, fmt: str, out: str, *, overwrite: bool = False) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, os.path.basename(out.rstrip("/")) or "weights")
         if fmt == "timm":
-            from vitray.trainers.timm_folder import write_timm_folder
+            from vitray.runfolder.timm_folder import write_timm_folder
 
             os.makedirs(local)
             names = write_timm_folder(model, local)
@@ -73,7 +73,7 @@ def check_output(out: str, fmt: str, *, overwrite: bool) -> None:
 
 
 def _folder_files(fmt: str) -> tuple[str, ...]:
-    from vitray.trainers.timm_folder import FILES
+    from vitray.runfolder.timm_folder import FILES
 
     return FILES
 

@@ -9,8 +9,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from vitray.data import storage
-from vitray.trainers.evals import VAL_TOP1
-from vitray.trainers.run_files import RunFiles
+from vitray.runfolder.files import RunFiles
 
 
 class MetricsTail:
@@ -61,10 +60,20 @@ class MetricsTail:
 
 
 class TrainingProgress:
-    """Polls `<run>/vitray/metrics.jsonl` (local or S3) and shows step, loss, images/s and ETA."""
+    """Polls `<run>/vitray/metrics.jsonl` (local or S3) and shows step, loss, images/s and ETA, and
+    the metric named `headline` (`label` before it) when a record has it."""
 
-    def __init__(self, run_dir: str, total_steps: int, poll_seconds: float = 2.0):
+    def __init__(
+        self,
+        run_dir: str,
+        total_steps: int,
+        poll_seconds: float = 2.0,
+        *,
+        headline: str | None = None,
+        label: str = "",
+    ):
         self.metrics = MetricsTail(RunFiles(run_dir).metrics_path)
+        self.headline, self.label = headline, label or headline
         self.total = total_steps
         self.poll = poll_seconds
         self._stop = threading.Event()
@@ -104,8 +113,8 @@ class TrainingProgress:
             return
         last = records[-1]
         status = f"loss {last.get('loss', float('nan')):.4f}  {last.get('images_per_s', 0):.1f} img/s"
-        if VAL_TOP1 in last:
-            status += f"  val top-1 {last[VAL_TOP1]:.3f}"
+        if self.headline is not None and self.headline in last:
+            status += f"  {self.label} {last[self.headline]:.3f}"
         skipped = sum(int(r.get("skipped_samples", 0)) for r in records)
         if skipped:
             status += f"  {skipped} corrupt sample{'s' if skipped != 1 else ''} skipped"

@@ -1,0 +1,256 @@
+"""A run's checkpoint folders as the driver (and whoever reads a checkpoint) sees them: the layout,
+when one counts, which one a run resumes from, and opening one.
+
+Layout of a checkpoint folder:
+  deepspeed/state/...        each rank's DeepSpeed shards (model, optimizer, schedule)
+  model.safetensors          consolidated fp32 weights (rank 0) -- what `vitray export` reads
+  ema.safetensors            the EMA weights, when enabled (rank 0)
+  trainer_state.json         step, data-loader position, world size, resolved config (rank 0)
+  complete-rank-NNNN.json    written by each rank LAST, listing its files and sizes
+
+A checkpoint counts only when every rank's completion record is there and every file it lists
+has the recorded size, so a half-written or half-uploaded checkpoint is never loaded. The ranks
+write it (`vitray.trainers.checkpoint`); everything here only reads.
+
+Finding and opening checkpoints (local or s3://), the one way every command does it:
+:func:`find_checkpoints` (a run's checkpoint folders, oldest first, each checked),
+:func:`resume_point` (the one answer to "which checkpoint does this run resume from", for the
+driver, pre-flight and the workers), :func:`latest_complete_checkpoint` (the same checkpoint),
+:func:`resolve_checkpoint` (a checkpoint folder, or a run folder's latest complete one) and
+:func:`load_checkpoint` (its model and trainer state). Each checks a checkpoint's completion
+records once and hands on what it read (`CheckpointInfo.state`), so a use of a checkpoint -- a
+listing, a resume, a load -- reads them once, not once per step of the way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+from vitray.data import storage
+
+STATE_FILE = "trainer_state.json"
+MODEL_FILE = "model.safetensors"
+EMA_FILE = "ema.safetensors"
+COMPLETION_PREFIX = "complete-rank-"
+_COMPLETE = COMPLETION_PREFIX + "{rank:04d}.json"
+
+
+class IncompleteCheckpointError(RuntimeError):
+    pass
+
+
+def completion_record(rank: int) -> str:
+    """The name of rank `rank`'s completion record in a checkpoint folder."""
+    return _COMPLETE.format(rank=rank)
+
+
+def read_state(folder: str | Path, fs=None) -> dict[str, Any]:
+    fs = fs or fsspec.filesystem("file")
+    with fs.open(f"{folder}/{STATE_FILE}", "r") as f:
+        return json.load(f)
+
+
+def verify_complete(folder: str | Path, fs=None) -> dict[str, Any]:
+    """Raises IncompleteCheckpointError unless all ranks finished; returns the trainer state.
+
+    `folder` is local, or remote with the fsspec filesystem `fs` (S3 for `vitray runs`/`export`).
+    """
+    fs = fs or fsspec.filesystem("file")
+    folder = str(folder).rstrip("/")
+    if not fs.isfile(f"{folder}/{STATE_FILE}"):
+        raise IncompleteCheckpointError(f"checkpoint {folder} has no {STATE_FILE}: it was not finished")
+    state = read_state(folder, fs)
+    sizes = {info["name"].rstrip("/"): info["size"] for info in fs.find(folder, detail=True).values()}
+    prefix = fs._strip_protocol(folder).rstrip("/")
+    # The listing above says which records exist; they are then read in one call, which s3fs
+    # sends concurrently (not one request after another: 1,024 round trips in turn at 1,024 ranks).
+    records = [f"{prefix}/{_COMPLETE.format(rank=rank)}" for rank in range(state["world_size"])]
+    for rank, record in enumerate(records):
+        if record not in sizes:
+            raise IncompleteCheckpointError(f"checkpoint {folder}: rank {rank} never finished writing it")
+    contents = fs.cat(records) if records else {}
+    for record in records:
+        listing = json.loads(contents[record])
+        for name, size in listing.items():
+            if sizes.get(f"{prefix}/{name}") != size:
+                raise IncompleteCheckpointError(f"checkpoint {folder}: {name} is missing or truncated")
+    return state
+
+
+def load_model(folder: str, fs=None, *, ema: bool = True, state: dict[str, Any] | None = None):
+    """The trained model stored in a complete checkpoint folder (built from its own config), and
+    the checkpoint's trainer state, with the weights file read under ``"weights_file"``. `state`:
+    the trainer state of a checkpoint this use already verified (`CheckpointInfo.state`): it is
+    not verified again.
+
+    With ``ema`` (the default) a run trained with ``optim.ema_decay`` gives its EMA weights -- the
+    averaged weights are the model, as the paper reports its Polyak-averaged models; ``ema=False``
+    (or a run without EMA) gives the raw weights."""
+    from safetensors.torch import load
+
+    from vitray.models import ModelConfig, create_model_from_config
+
+    fs = fs or fsspec.filesystem("file")
+    state = state if state is not None else verify_complete(folder, fs)
+    model = create_model_from_config(ModelConfig.model_validate(state["model"]), int(state["num_classes"]))
+    name = EMA_FILE if ema and fs.isfile(f"{str(folder).rstrip('/')}/{EMA_FILE}") else MODEL_FILE
+    with fs.open(f"{str(folder).rstrip('/')}/{name}", "rb") as f:
+        model.load_state_dict(load(f.read()), strict=True)
+    return model, {**state, "weights_file": name}
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding and opening checkpoints by path (local or s3://)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CheckpointInfo:
+    path: str
+    step: int | None
+    complete: bool
+    problem: str = ""  # why it does not count (an incomplete one): what `vitray runs` shows
+    state: dict[str, Any] | None = field(default=None, repr=False, compare=False)  # a complete one's trainer state
+
+
+def check_checkpoint(path: str) -> CheckpointInfo:
+    """The checkpoint folder `path` (local or s3://), its completion records read once: complete
+    with its step and trainer state, or not, with why."""
+    fs, fs_path = storage.filesystem(path)
+    try:
+        state = verify_complete(fs_path, fs)
+        return CheckpointInfo(str(path).rstrip("/"), int(state["step"]), True, state=state)
+    except (IncompleteCheckpointError, KeyError, ValueError) as err:
+        return CheckpointInfo(str(path).rstrip("/"), None, False, str(err) or type(err).__name__)
+
+
+def is_checkpoint(path: str) -> bool:
+    """True for a checkpoint folder (complete or not), False for anything else (e.g. a run folder)."""
+    fs, fs_path = storage.filesystem(path)
+    return fs.isfile(f"{fs_path.rstrip('/')}/{STATE_FILE}")
+
+
+def checkpoint_state(path: str) -> dict[str, Any]:
+    """The trainer state of the complete checkpoint folder `path` (IncompleteCheckpointError otherwise)."""
+    fs, fs_path = storage.filesystem(path)
+    return verify_complete(fs_path, fs)
+
+
+def checkpoint_folders(run_dir: str) -> list[str]:
+    """The paths of the run's checkpoint folders, complete or not, oldest first: Ray Train names
+    them checkpoint_<date-time>, which sorts in time order. One listing; nothing is verified."""
+    fs, root = storage.filesystem(run_dir)
+    protocol_root = str(run_dir).rstrip("/")
+    names = sorted(n for n in storage.list_names(run_dir) if n.startswith("checkpoint_") and fs.isdir(f"{root}/{n}"))
+    return [storage.join(protocol_root, name) for name in names]
+
+
+def find_checkpoints(run_dir: str) -> list[CheckpointInfo]:
+    """The run's checkpoint folders, each checked once (:func:`check_checkpoint`), complete or not:
+    oldest step first, the incomplete ones (no readable step) last."""
+    found = [check_checkpoint(path) for path in checkpoint_folders(run_dir)]
+    return sorted(found, key=lambda c: (c.step is None, c.step or 0, c.path))
+
+
+def resume_point(
+    run_dir: str, *, known: CheckpointInfo | None = None
+) -> tuple[CheckpointInfo | None, list[CheckpointInfo]]:
+    """Where the run at `run_dir` resumes: its newest complete checkpoint (None: from scratch), and
+    the checkpoints newer than that which are not complete, each with what is wrong with it (an
+    unfinished write or a cut-short upload), so that a fall back to an older one says why.
+
+    The one answer to "which checkpoint does this run resume from": the driver asks it (through
+    pre-flight's `check_resume`) and announces the answer to the workers, whose rank 0 asks it
+    again with that answer as `known` -- after a restart inside the run (a lost worker, a node
+    drain) the run folder has newer checkpoints than the driver saw. Folders are tried newest
+    first and only until a complete one: the older ones are not read. `known` is a checkpoint of
+    this run already verified in this use; it is not read again, nor is anything older than it."""
+    skipped: list[CheckpointInfo] = []
+    known_name = _folder_name(known.path) if known is not None else None
+    for path in reversed(checkpoint_folders(run_dir)):
+        if known_name is not None and _folder_name(path) <= known_name:
+            if _folder_name(path) == known_name:
+                return CheckpointInfo(path, known.step, True, state=known.state), skipped
+            known_name = None  # gone since (checkpoint.keep): the older ones are read as usual
+        checked = check_checkpoint(path)
+        if checked.complete:
+            return checked, skipped
+        skipped.append(checked)
+    return None, skipped
+
+
+def latest_complete_checkpoint(run_dir: str) -> CheckpointInfo | None:
+    """The run's newest complete checkpoint (where it resumes, :func:`resume_point`), or None."""
+    return resume_point(run_dir)[0]
+
+
+def describe_resume(run_name: str, chosen: CheckpointInfo | None, skipped: list[CheckpointInfo]) -> str:
+    """The line a (re-)started run prints: where it resumes and, on a fall back, why."""
+    if chosen is None:
+        line = f"starting {run_name} from scratch (no complete checkpoint)"
+    else:
+        line = f"resuming {run_name} from step {chosen.step} ({chosen.path})"
+    for c in skipped:
+        line += f"\n  skipped newer checkpoint {c.path}: {c.problem}"
+    return line
+
+
+def prune_checkpoints(run_dir: str, keep: int) -> list[str]:
+    """Delete the run's checkpoint folders older than its `keep` newest complete ones; returns
+    their paths.
+
+    Only what a complete checkpoint has superseded goes: the `keep` newest complete ones stay, and
+    so does everything newer than the oldest of them, complete or not (an upload still under
+    way). Ray Train's own rotation (`num_to_keep`) is not used: it counts the checkpoints it
+    uploaded, and an upload whose last write failed in silence would count, so a few such failures
+    in a row could delete the last complete checkpoint."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    found = find_checkpoints(run_dir)
+    complete = [c for c in found if c.complete]
+    if len(complete) <= keep:
+        return []
+    oldest_kept = _folder_name(complete[-keep].path)
+    doomed = [c.path for c in found if _folder_name(c.path) < oldest_kept]
+    for path in doomed:
+        fs, fs_path = storage.filesystem(path)
+        with contextlib.suppress(FileNotFoundError):  # another prune (rank 0's, the driver's) got there first
+            fs.rm(fs_path, recursive=True)
+    return doomed
+
+
+def _folder_name(path: str) -> str:
+    return str(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+def resolve_checkpoint(path: str) -> CheckpointInfo:
+    """A complete checkpoint folder as given, or the latest complete checkpoint of a run folder,
+    verified (IncompleteCheckpointError for a checkpoint folder that is not complete), with its
+    trainer state: what uses it reads that, not the records again."""
+    if is_checkpoint(path):
+        fs, fs_path = storage.filesystem(path)
+        state = verify_complete(fs_path, fs)
+        return CheckpointInfo(path, int(state["step"]), True, state=state)
+    latest = latest_complete_checkpoint(path)
+    if latest is None:
+        raise FileNotFoundError(
+            f"{path} is neither a checkpoint folder (no {STATE_FILE}) nor a run folder with a complete "
+            "checkpoint (see `vitray runs STORAGE`)"
+        )
+    return latest
+
+
+def load_checkpoint(path: str, *, ema: bool = True):
+    """The model of a checkpoint (or of a run's latest complete one) and its trainer state, with
+    the checkpoint folder it came from under ``"checkpoint"``; its EMA weights when it has them
+    and ``ema`` is true (see :func:`load_model`)."""
+    checkpoint = resolve_checkpoint(path)
+    fs, fs_path = storage.filesystem(checkpoint.path)
+    model, state = load_model(fs_path, fs, ema=ema, state=checkpoint.state)
+    return model, {**state, "checkpoint": checkpoint.path}
