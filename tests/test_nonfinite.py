@@ -95,24 +95,6 @@ COMMON = ("train.steps=20", "checkpoint.every=10", "log.every=2", "data.min_crop
 
 
 @pytest.mark.slow
-def test_skipped_steps_are_counted_across_a_kill_and_the_resume_is_exact(digits_dataset, tmp_path):
-    poisoned = ("train.nonfinite=skip", "debug.nonfinite_loss_at_steps=[3, 7]")
-    reference = tmp_path / "reference"
-    run(pretrain_args(str(digits_dataset), str(reference), "nan", *COMMON, *poisoned))
-    metrics = RunFiles(str(reference / "nan")).read_metrics()
-    assert metrics[-1]["nonfinite_steps"] == 2 and all(math.isfinite(m["loss"]) for m in metrics)
-    assert [m["nonfinite_steps"] for m in metrics if m["step"] in (2, 4, 8)] == [0, 1, 2]
-
-    killed = tmp_path / "killed"
-    args = pretrain_args(str(digits_dataset), str(killed), "nan", *COMMON, *poisoned)
-    assert run_until_checkpoint(args, str(killed / "nan"), min_step=10) >= 10
-    run(args)
-    assert RunFiles(str(killed / "nan")).read_metrics()[-1]["nonfinite_steps"] == 2  # DeepSpeed's count was restored
-    assert_same_weights(final_weights(str(killed / "nan")), final_weights(str(reference / "nan")))
-    assert all(bool(w.isfinite().all()) for w in final_weights(str(reference / "nan")).values())
-
-
-@pytest.mark.slow
 def test_stop_fails_the_run_and_leaves_the_latest_checkpoint_finite(digits_dataset, tmp_path):
     args = pretrain_args(
         str(digits_dataset), str(tmp_path), "nan", *COMMON, "precision.dtype=bf16", "debug.nonfinite_loss_at_steps=[13]"
@@ -146,18 +128,28 @@ def _damage(dataset, dest):
 
 
 @pytest.mark.slow
-def test_damaged_shards_are_skipped_at_the_same_positions_on_every_attempt(digits_dataset, tmp_path):
+def test_skipped_steps_and_damaged_samples_are_counted_across_a_kill_and_the_resume_is_exact(digits_dataset, tmp_path):
+    """One run over damaged shards with NaN losses at steps 3 and 7 (`skip`), and the same run
+    killed with SIGKILL after its step-10 checkpoint and re-run: the skipped steps' count is
+    restored (DeepSpeed's), the damaged samples are skipped at the same steps, and the weights are
+    the uninterrupted run's. (One pair of runs for both counts keeps the suite's time down.)"""
     damaged = str(_damage(digits_dataset, tmp_path / "damaged"))
+    poisoned = ("train.nonfinite=skip", "debug.nonfinite_loss_at_steps=[3, 7]")
     reference = tmp_path / "reference"
-    run(pretrain_args(damaged, str(reference), "bad", *COMMON))
-    logged = {m["step"]: m["skipped_samples"] for m in RunFiles(str(reference / "bad")).read_metrics()}
+    run(pretrain_args(damaged, str(reference), "bad", *COMMON, *poisoned))
+    metrics = RunFiles(str(reference / "bad")).read_metrics()
+    assert metrics[-1]["nonfinite_steps"] == 2 and all(math.isfinite(m["loss"]) for m in metrics)
+    assert [m["nonfinite_steps"] for m in metrics if m["step"] in (2, 4, 8)] == [0, 1, 2]
+    logged = {m["step"]: m["skipped_samples"] for m in metrics}
     assert sum(logged.values()) > 0, f"the run never met a damaged sample: {logged}"
 
     killed = tmp_path / "killed"
-    args = pretrain_args(damaged, str(killed), "bad", *COMMON)
+    args = pretrain_args(damaged, str(killed), "bad", *COMMON, *poisoned)
     assert run_until_checkpoint(args, str(killed / "bad"), min_step=10) >= 10
     rerun = run(args)
     assert "resuming bad from step" in " ".join(rerun.stderr.split())
-    resumed = {m["step"]: m["skipped_samples"] for m in RunFiles(str(killed / "bad")).read_metrics()}
-    assert resumed == logged  # the same samples skipped at the same steps
+    resumed = RunFiles(str(killed / "bad")).read_metrics()
+    assert resumed[-1]["nonfinite_steps"] == 2  # DeepSpeed's count was restored
+    assert {m["step"]: m["skipped_samples"] for m in resumed} == logged  # the same samples skipped at the same steps
     assert_same_weights(final_weights(str(killed / "bad")), final_weights(str(reference / "bad")))
+    assert all(bool(w.isfinite().all()) for w in final_weights(str(reference / "bad")).values())
