@@ -1,14 +1,15 @@
 """The transfer commands of the `vitray` CLI: `fewshot`, `finetune` and `evaluate`.
 
 Like every vitray command they take `--config/-c FILE.yaml` and `--set dotted.key=value`; a bad
-value fails before any Ray resources are taken. `fewshot` runs in this process
-(:func:`fewshot_on_checkpoint`); `finetune` and `evaluate` run on Ray (`cluster/`).
+value fails before any Ray resources are taken. Each parses its arguments and calls one function of
+`cluster/`: `fewshot` runs in this process (`cluster/fewshot_cells.py`), `finetune` (`cluster/finetune.py`)
+and `evaluate` (`cluster/evaluate.py`) on Ray.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -31,12 +32,6 @@ from vitray.cli.app import (
 from vitray.common import exit_codes
 from vitray.common.config import ConfigError
 from vitray.common.failures import describe_failure
-
-if TYPE_CHECKING:
-    from vitray.evaluation.config import FewShotGrid
-    from vitray.evaluation.grid import CheckpointRef
-    from vitray.evaluation.suite import Benchmark
-    from vitray.evaluation.transfer import CellOutcome
 
 
 def _grid(config: Path | None, overrides: list[str]):
@@ -90,16 +85,13 @@ def fewshot(
     if img_size:
         overrides.append(f"fewshot.img_size={img_size}")
     grid = _grid(config, overrides + list(set_ or []))
-
-    from vitray.cluster.transfer import resolve_checkpoints
-    from vitray.evaluation.suite import MissingDataset
-    from vitray.evaluation.transfer import summarize_scores
+    from vitray.cluster.fewshot_cells import fewshot_checkpoint
 
     try:
-        (ref,) = resolve_checkpoints(checkpoint)
+        summary = fewshot_checkpoint(checkpoint, grid)
     except (FileNotFoundError, ValueError, RuntimeError) as err:
         fail(str(err))
-    table = Table(title=f"few-shot linear probe: {ref.path} (step {ref.step})")
+    table = Table(title=f"few-shot linear probe: {summary.checkpoint.path} (step {summary.checkpoint.step})")
     for name, justify in [
         ("benchmark", "left"),
         ("shots", "right"),
@@ -108,25 +100,11 @@ def fewshot(
         ("seeds", "right"),
     ]:
         table.add_column(name, justify=justify)
-    problems = []
-    for bench in grid.resolved_benchmarks():
-        try:
-            outcomes = fewshot_on_checkpoint(
-                ref, bench, grid.data_root, grid.fewshot, storage_options=grid.storage_options
-            )
-        except (MissingDataset, ValueError) as err:
-            problems.append(str(err))
-            continue
-        for k, (mean, std, n) in summarize_scores(outcomes).items():
-            table.add_row(bench.name, str(k), f"{mean:.4f}", f"{std:.4f}", str(n))
-        problems += [
-            f"{bench.name} {o.cell.settings['shots']}-shot seed {o.cell.seed}: {describe_failure(o.error).one_line()}"
-            for o in outcomes
-            if not o.ok
-        ]
+    for bench, k, mean, std, n in summary.rows:
+        table.add_row(bench, str(k), f"{mean:.4f}", f"{std:.4f}", str(n))
     table_console().print(table)
-    if problems:
-        fail("\n".join(problems), code=1)
+    if summary.problems:
+        fail("\n".join(summary.problems), code=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,6 +142,8 @@ def finetune(
     the test split (VTAB-1k: trains on train[:1000], prints the test top-1).
     Re-running the same command resumes the run.
     """
+    from vitray.cluster.finetune import benchmark_config, finetune_and_score, reporting_top1
+
     overrides = list(set_ or [])
     bench = None
     if benchmark is not None:
@@ -172,7 +152,17 @@ def finetune(
         if checkpoint is None or data_root is None:
             fail("--benchmark needs the CHECKPOINT argument and --data-root")
         try:
-            cfg, bench = _benchmark_recipe(checkpoint, benchmark, data_root, lr, steps, seed, storage, name, overrides)
+            cfg, bench = benchmark_config(
+                checkpoint,
+                benchmark,
+                data_root,
+                lr=lr,
+                steps=steps,
+                seed=seed,
+                storage=storage,
+                name=name,
+                overrides=overrides,
+            )
         except ConfigError as err:
             fail(str(err))
         except (FileNotFoundError, ValueError, RuntimeError) as err:
@@ -181,26 +171,20 @@ def finetune(
         if checkpoint is not None:
             overrides.insert(0, f"init.checkpoint={checkpoint}")
         from vitray.trainers.config import TrainingConfig
-        from vitray.trainers.evals import VAL, ValEvalConfig
 
         cfg = load(TrainingConfig, config, overrides)
         if cfg.init.checkpoint is None:
             fail("fine-tuning starts from a checkpoint: give CHECKPOINT or --set init.checkpoint=PATH")
-        if VAL not in cfg.evals:  # the test top-1 this command reports, at the end
-            cfg.evals = {**cfg.evals, VAL: ValEvalConfig(type="val", every=cfg.train.steps)}
+        cfg = reporting_top1(cfg)  # the top-1 this command reports, at the end
     if dry_run:
         print_config(cfg)
         return
     from vitray.cluster.runtime import run_dir
-    from vitray.cluster.transfer import run_finetune, top1_on_test_split
     from vitray.evaluation.suite import locate
     from vitray.trainers.preflight import PreflightError
 
     try:
-        top1 = run_finetune(cfg, show_progress=True, verbose=verbose)
-        # A protocol run that validated on a held-out slice is scored on the test split too.
-        held_out = bench is not None and cfg.data.val_split != bench.test_split
-        test = top1_on_test_split(cfg, bench, data_root, verbose=verbose) if held_out else None
+        result = finetune_and_score(cfg, bench, data_root, show_progress=True, verbose=verbose)
     except PreflightError as err:  # refused before Ray started
         fail(str(err), exit_codes.INPUT_ERROR)
     except Exception as err:
@@ -210,50 +194,11 @@ def finetune(
             exit_codes.FAILED,
         )
     console.print(f"run folder: {run_dir(cfg.run.storage, cfg.run.name)}")
-    if test is not None:
-        typer.echo(f"val top-1 ({cfg.data.val_path} split {cfg.data.val_split}): {top1:.4f}")
-        typer.echo(f"test top-1 ({locate(bench, data_root)} split {bench.test_split}): {test:.4f}")
+    if result.test is not None:
+        typer.echo(f"val top-1 ({cfg.data.val_path} split {cfg.data.val_split}): {result.top1:.4f}")
+        typer.echo(f"test top-1 ({locate(bench, data_root)} split {bench.test_split}): {result.test:.4f}")
     else:
-        typer.echo(f"top-1 ({cfg.data.val_path} split {cfg.data.val_split}): {top1:.4f}")
-
-
-def _benchmark_recipe(
-    checkpoint: str,
-    benchmark: str,
-    data_root: str,
-    lr: float | None,
-    steps: int | None,
-    seed: int,
-    storage: str,
-    name: str | None,
-    overrides: list[str],
-) -> tuple[Any, Any]:
-    from vitray.cluster.transfer import finetune_training_config, resolve_checkpoints
-    from vitray.evaluation.config import FinetuneGrid
-    from vitray.evaluation.grid import finetune_settings
-    from vitray.evaluation.results import Cell
-    from vitray.evaluation.suite import get_benchmark, require_prepared
-    from vitray.evaluation.transfer import finetune_run_name
-
-    bench = get_benchmark(benchmark)
-    options = FinetuneGrid(learning_rates=[lr] if lr else None, steps=steps)
-    settings = finetune_settings(bench, options)[0]
-    (ref,) = resolve_checkpoints(checkpoint)
-    require_prepared(bench, data_root)
-    cell = Cell(ref.path, bench.name, "finetune", settings, seed, ref.step)
-    cfg = finetune_training_config(
-        bench,
-        settings,
-        overrides=overrides,
-        checkpoint=ref.path,
-        model=ref.model,
-        data_root=data_root,
-        run_name=name or finetune_run_name(cell),
-        run_storage=storage,
-        seed=seed,
-        options=options,
-    )
-    return cfg, bench
+        typer.echo(f"top-1 ({cfg.data.val_path} split {cfg.data.val_split}): {result.top1:.4f}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,8 +239,8 @@ def evaluate(
     if dry_run:
         print_config(grid)
         return
+    from vitray.cluster.checkpoint_inputs import resolve_checkpoints
     from vitray.cluster.evaluate import report_grid, run_grid, watch_run
-    from vitray.cluster.transfer import resolve_checkpoints
     from vitray.trainers.preflight import PreflightError
 
     if watch:
@@ -340,41 +285,3 @@ def evaluate(
     console.print(f"results: {grid.results_path}\nreport:  {files}")
     if failed or missing:
         raise typer.Exit(1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Few-shot in this process (what `vitray fewshot` runs)
-# ---------------------------------------------------------------------------------------------
-
-
-def fewshot_on_checkpoint(
-    checkpoint: CheckpointRef,
-    benchmark: Benchmark,
-    data_root: str,
-    settings: FewShotGrid,
-    *,
-    storage_options: dict[str, Any] | None = None,
-    device: Any = "cpu",
-) -> list[CellOutcome]:
-    """Every (shots, seed) few-shot cell of one benchmark on one checkpoint, without Ray.
-
-    Raises :class:`vitray.evaluation.suite.MissingDataset` (whose message is the prepare
-    command) when the benchmark's data is not prepared.
-    """
-    from vitray.evaluation.grid import fewshot_group
-    from vitray.evaluation.suite import require_prepared
-    from vitray.evaluation.transfer import run_fewshot_group
-    from vitray.runfolder.checkpoints import load_checkpoint
-
-    require_prepared(benchmark, data_root, storage_options=storage_options)
-    group = fewshot_group(checkpoint, benchmark, settings)
-    model, _ = load_checkpoint(checkpoint.path)
-    return run_fewshot_group(
-        model,
-        group,
-        data_root,
-        batch_size=settings.batch_size,
-        num_workers=settings.data_workers,
-        storage_options=storage_options,
-        device=device,
-    )

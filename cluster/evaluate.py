@@ -31,8 +31,10 @@ import ray
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from vitray.cluster.checkpoint_inputs import absolute, checkpoint_ref
+from vitray.cluster.fewshot_cells import submit_fewshot
+from vitray.cluster.finetune import finetune_cell_metrics, finetune_config
 from vitray.cluster.runtime import connect
-from vitray.cluster.transfer import absolute, checkpoint_ref, finetune_cell_metrics, finetune_config
 from vitray.data import storage
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.grid import (
@@ -44,11 +46,10 @@ from vitray.evaluation.grid import (
     GridPlan,
     plan_grid,
 )
-from vitray.evaluation.results import ResultsTable
+from vitray.evaluation.results import CellOutcome, ResultsTable, error_text
 from vitray.evaluation.selection import select_lr
 from vitray.evaluation.suite import find_missing
-from vitray.evaluation.transfer import CellOutcome, error_text, run_fewshot_group
-from vitray.runfolder.checkpoints import find_checkpoints, is_checkpoint, load_checkpoint
+from vitray.runfolder.checkpoints import find_checkpoints, is_checkpoint
 
 
 @dataclass
@@ -68,29 +69,6 @@ class GridSummary:
             self.ok += 1
         else:
             self.failed += 1
-
-
-@ray.remote
-def _fewshot_task(
-    group: FewShotGroup, data_root: str, batch_size: int, data_workers: int, storage_options: dict | None, use_gpu: bool
-) -> list[CellOutcome]:
-    """In a Ray worker: load the checkpoint's model, extract features once, solve every cell."""
-    import torch
-
-    try:
-        model, _ = load_checkpoint(group.checkpoint.path)
-    except Exception as error:
-        return [CellOutcome(cell, error=error_text(error)) for cell in group.cells]
-    device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
-    return run_fewshot_group(
-        model,
-        group,
-        data_root,
-        batch_size=batch_size,
-        num_workers=data_workers,
-        storage_options=storage_options,
-        device=device,
-    )
 
 
 def run_grid(
@@ -123,7 +101,7 @@ def run_grid(
     with _progress(console, len(pending.cells) + len(ready) + len(finals.waiting), show_progress) as bar:
         futures: dict[Future, FewShotGroup | FinetuneJob] = {}
         for group in pending.fewshot:
-            futures[_submit_fewshot(group, grid)] = group
+            futures[submit_fewshot(group, grid)] = group
         pool = ThreadPoolExecutor(max_workers=_finetune_slots(grid), thread_name_prefix="finetune")
         try:
             for job in [*pending.finetune, *ready]:
@@ -199,15 +177,6 @@ def _record_unprepared(plan: GridPlan, grid: GridConfig, table: ResultsTable, su
     return plan
 
 
-def _submit_fewshot(group: FewShotGroup, grid: GridConfig) -> Future:
-    settings = grid.fewshot
-    task = _fewshot_task.options(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus)
-    ref = task.remote(
-        group, grid.data_root, settings.batch_size, settings.data_workers, grid.storage_options, settings.num_gpus > 0
-    )
-    return ref.future()
-
-
 class _Retries:
     """Re-runs failed work up to `retries` more times in this invocation (a crashed Ray worker,
     a flaky read); a cell that still fails is recorded as failed, saying how often it was tried,
@@ -242,7 +211,7 @@ class _Retries:
 
 def _resubmit(work: FewShotGroup | FinetuneJob, grid: GridConfig, pool: ThreadPoolExecutor, verbose: bool) -> Future:
     if isinstance(work, FewShotGroup):
-        return _submit_fewshot(work, grid)
+        return submit_fewshot(work, grid)
     return pool.submit(_finetune_cell, work, grid, verbose)
 
 
@@ -429,7 +398,7 @@ def watch_run(
         refs = []
         for info in new:
             try:
-                refs.append(checkpoint_ref(info.path))
+                refs.append(checkpoint_ref(info))
             except Exception as error:
                 console.print(f"skipping {info.path}: {error}")
             done.add(info.path)

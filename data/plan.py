@@ -30,6 +30,7 @@ the same thing for any number of ranks or loader workers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -163,6 +164,13 @@ def rank_slots(rank: int, world_size: int, num_slots: int) -> list[int]:
             f"so world_size must be one of {divisors} (or choose num_slots as a multiple of the world size)"
         )
     return list(range(rank, num_slots, world_size))
+
+
+def default_num_slots(world_size: int, micro_batch_size: int, streams_per_rank: int) -> int:
+    """The canonical slots of a new run that does not name its own: ``world_size`` ranks, each owning as
+    many slots as it reads streams in parallel (``streams_per_rank``, at least one) while dividing its
+    micro batch (their gcd): every slot advances in lock-step, giving each batch the same samples."""
+    return world_size * math.gcd(micro_batch_size, max(1, streams_per_rank))
 
 
 def window_offset(slot: int, num_slots: int, shuffle_buffer: int, staggered: bool = True) -> int:

@@ -21,6 +21,7 @@ import io
 import json
 import math
 import time
+import traceback
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -129,6 +130,33 @@ class Cell:
             "status": status,
             "error": error,
         }
+
+
+@dataclass(frozen=True)
+class CellOutcome:
+    """What became of one cell: metrics when it succeeded, else the error text."""
+
+    cell: Cell
+    metrics: Mapping[str, float] | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The cell's rows for :class:`ResultsTable`."""
+        if self.error is not None:
+            return self.cell.failed(self.error, self.seconds)
+        return self.cell.ok(dict(self.metrics or {}), self.seconds)
+
+
+def error_text(error: BaseException, limit: int = 12) -> str:
+    """`Type: message` and the innermost frames of the traceback: enough to act on, small to store."""
+    frames = traceback.format_exception(type(error), error, error.__traceback__)
+    tail = "".join(frames[-limit:]).strip()
+    return f"{type(error).__name__}: {error}\n{tail}"
 
 
 class ResultsTable:

@@ -4,7 +4,7 @@
   `data` and `common` import nothing else of vitray; `ray` is imported only under `cluster/`.
   Every import counts, at any depth (module level, inside functions, under `if TYPE_CHECKING`),
   `import x`, `from x import y`, relative imports resolved, and `importlib.import_module("...")`.
-  A registry's dotted name (`"vitray.evaluation.transfer:fewshot_probe"`, imported when used) counts
+  A registry's dotted name (`"vitray.evaluation.fewshot_probe:evaluate"`, imported when used) counts
   too: such a by-name edge between packages is allowed only where `BY_NAME` lists it, with why.
 - No import cycle between the modules of one package through module-level imports (those run when
   the module is imported; an import inside a function is how a module defers one). A registry
@@ -45,8 +45,9 @@ MAY_IMPORT: dict[str, frozenset[str] | None] = {
 # (package, vitray package it reaches by dotted name only) -> why. Such an edge is invisible to
 # the import statements, so each one is written down here; an unlisted one fails like an import.
 BY_NAME: dict[tuple[str, str], str] = {
-    ("trainers", "evaluation"): "the fewshot evaluator (trainers/evals.py) runs evaluation's probe during "
-    "training, imported by name when a run uses it (big_vision's registry of evaluators)",
+    ("trainers", "evaluation"): "the training loop's evaluators (trainers/evals.py) run evaluation's few-shot "
+    "probe and top-1 loop during training, imported by name when a run uses them (big_vision's registry of "
+    "evaluators): what evaluates has one home, evaluation/",
 }
 
 # third-party top-level module -> the only packages that may import it.
@@ -481,3 +482,50 @@ def test_the_fewshot_evaluator_is_the_listed_by_name_edge() -> None:
         if other != package
     }
     assert edges == set(BY_NAME)
+
+
+# -- transfer evaluation has one home -----------------------------------------------------------
+
+# What evaluates -> the one module of the packages that uses it (issue #25: the top-1 loop was
+# written twice, the few-shot probe started from three places). The training loop, the CLI and
+# the grid's Ray tasks reach these modules, never the pieces they are made of.
+EVALUATES: dict[str, str] = {
+    "top1_hits": "evaluation/top1.py",  # the top-1 count (vitray.data's per-batch hits)
+    "sample_few_shot": "evaluation/fewshot_probe.py",  # a few-shot set drawn ...
+    "score_few_shot_set": "evaluation/fewshot_probe.py",  # ... and solved
+    "run_fewshot_group": "cluster/fewshot_cells.py",  # the grid's and `vitray fewshot`'s cells on a checkpoint
+    "FinetuneRecipe": "cluster/finetune.py",  # the typed recipe, made a TrainingConfig once
+}
+
+
+def test_what_evaluates_is_used_by_one_module() -> None:
+    users: dict[str, set[str]] = {name: set() for name in EVALUATES}
+    for package in present_packages():
+        for path in package_files(REPO, package):
+            if path.name == "__init__.py":  # a package's public names, re-exported
+                continue
+            for imp in collect_imports(REPO, path):
+                for name in set(imp.names) & set(EVALUATES):
+                    users[name].add(imp.file)
+    assert users == {name: {home} for name, home in EVALUATES.items()}
+
+
+def test_no_two_rooms_share_a_module_name_for_transfer_evaluation() -> None:
+    """Three `transfer.py` (cli/, cluster/, evaluation/) were one concern in three rooms; the CLI's
+    command group keeps the name, the rooms below say what they hold."""
+    assert sorted(path.parent.name for path in REPO.glob("*/transfer.py")) == ["cli"]
+    rooms = [room for room in ("cluster", "evaluation", "runfolder") if (REPO / room).is_dir()]
+    names = [path.stem for room in rooms for path in (REPO / room).glob("*.py") if path.stem != "__init__"]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_every_by_name_import_names_a_module_that_exists() -> None:
+    named = [
+        imp
+        for package in present_packages()
+        for path in package_files(REPO, package)
+        for imp in collect_imports(REPO, path)
+        if imp.by_name
+    ]
+    assert named, "no by-name import found (trainers/evals.py's registry names its evaluators)"
+    assert [f"{imp.file}:{imp.line}: {imp.text}" for imp in named if not module_exists(REPO, imp.target)] == []

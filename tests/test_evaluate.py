@@ -20,13 +20,15 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from vitray.cluster.transfer import resolve_checkpoints
+from vitray.cluster.checkpoint_inputs import resolve_checkpoints
+from vitray.cluster.finetune import final_top1
 from vitray.common.config import load_config
+from vitray.evaluation import fewshot_probe
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.grid import CheckpointRef, plan_grid
 from vitray.evaluation.report import summarize
 from vitray.evaluation.results import ResultsTable
-from vitray.evaluation.transfer import fewshot_probe, final_top1, split_top1
+from vitray.evaluation.top1 import split_top1
 from vitray.runfolder.checkpoints import (
     IncompleteCheckpointError,
     find_checkpoints,
@@ -248,11 +250,11 @@ def test_a_grid_with_nothing_left_to_do_does_not_start_ray(killed_and_rerun):
 def test_pretraining_fewshot_hook_matches_the_grid(killed_and_rerun, pretrained, digits_dataset):
     model, _ = load_checkpoint(pretrained)
     model.train()
-    metrics = fewshot_probe(model, {"digits": str(digits_dataset)}, shots=(1, 5), seeds=2)
+    metrics = dict(fewshot_probe.evaluate(model, {"digits": str(digits_dataset)}, shots=(1, 5), seeds=2))
     assert model.training
     latest = killed_and_rerun["latest"]
     grid = summarize(latest[latest["method"] == "fewshot"])
-    expected = {f"fewshot/digits_{yaml.safe_load(s)['shots']}shot": m for s, m in zip(grid["settings"], grid["mean"])}
+    expected = {f"digits_{yaml.safe_load(s)['shots']}shot": m for s, m in zip(grid["settings"], grid["mean"])}
     # Same code, same features; only float rounding (other thread counts in the Ray task) could
     # flip one of the 360 test predictions.
     assert metrics == pytest.approx(expected, abs=1 / 360 + 1e-9)

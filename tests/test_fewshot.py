@@ -382,10 +382,10 @@ class _CountingPixels(torch.nn.Module):
 
 def test_probe_encodes_only_the_sampled_train_images_and_matches_the_whole_split_probe(digits_dataset):
     from vitray.data import EvalLoader, read_labels
-    from vitray.evaluation.transfer import fewshot_probe
+    from vitray.evaluation import fewshot_probe
 
     model = _CountingPixels()
-    probed = fewshot_probe(model, {"digits": str(digits_dataset)}, shots=(1, 5, 10), seeds=2)
+    probed = dict(fewshot_probe.evaluate(model, {"digits": str(digits_dataset)}, shots=(1, 5, 10), seeds=2))
 
     # Reference: every train image encoded, sets drawn from the decoded pool (the former path),
     # with the authors' few-shot pre-processing (squashed square, then the central crop).
@@ -396,7 +396,7 @@ def test_probe_encodes_only_the_sampled_train_images_and_matches_the_whole_split
     (train_x, train_y), (test_x, test_y) = features("train"), features("test")
     for k in (1, 5, 10):
         scores = fewshot_accuracy(train_x, train_y, test_x, test_y, num_classes=10, shots=k, seeds=2)
-        assert probed[f"fewshot/digits_{k}shot"] == pytest.approx(np.mean([s.accuracy for s in scores]), abs=1e-12)
+        assert probed[f"digits_{k}shot"] == pytest.approx(np.mean([s.accuracy for s in scores]), abs=1e-12)
 
     keys, labels = read_labels(str(digits_dataset), "train")
     np.testing.assert_array_equal(labels, train_y)  # the labels read without decoding are the decoded ones

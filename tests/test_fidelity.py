@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 
 from vitray.common.config import load_config
 from vitray.data.transforms import EVAL_CROP_FRACTION, TRAIN_CROP_SCALE
+from vitray.evaluation.finetune_recipe import FinetuneRecipe
 from vitray.evaluation.suite import get_benchmark
-from vitray.evaluation.transfer import finetune_recipe
 from vitray.models import ModelConfig, create_model
 from vitray.runfolder import checkpoints as ckpt
 from vitray.trainers.checkpoint import files_under, mark_complete, write_state
@@ -50,7 +50,7 @@ def test_sigmoid_recipes_start_the_head_bias_at_minus_10(recipe):
 
 def test_fine_tune_recipe_resets_the_head_bias():
     model = {"name": "Ti/16", "img_size": 32, "representation_size": 192, "head_bias_init": -10.0}
-    recipe = finetune_recipe(
+    recipe = FinetuneRecipe.for_cell(
         get_benchmark("digits"),
         {"lr": 0.01, "steps": 10, "batch_size": 8, "warmup_steps": 1, "resolution": 32},
         checkpoint="/ckpt",
@@ -58,8 +58,7 @@ def test_fine_tune_recipe_resets_the_head_bias():
         data_root="/data",
         run_name="r",
         run_storage="/runs",
-        val_evaluator="val",
-    )
+    ).config("val")
     assert recipe["model"]["head_bias_init"] == 0.0 and recipe["init"]["reset_head"] is True
 
 
@@ -132,7 +131,7 @@ def test_checkpoints_load_their_ema_weights_when_they_have_them(tmp_path):
 def test_fine_tuning_uses_the_authors_inception_crop_and_resize_eval():
     # vision_transformer vit_jax/input_pipeline.py: every fine-tuning dataset (CIFAR included)
     # trains on sample_distorted_bounding_box(area_range=(0.05, 1)) + flip.
-    recipe = finetune_recipe(
+    recipe = FinetuneRecipe.for_cell(
         get_benchmark("cifar10"),
         {"lr": 0.01, "steps": 10, "batch_size": 8, "warmup_steps": 1, "resolution": 384},
         checkpoint="/ckpt",
@@ -140,8 +139,7 @@ def test_fine_tuning_uses_the_authors_inception_crop_and_resize_eval():
         data_root="/data",
         run_name="r",
         run_storage="/runs",
-        val_evaluator="val",
-    )
+    ).config("val")
     cfg = TrainingConfig.model_validate({**recipe, "cluster": {**recipe["cluster"], "num_workers": 1}})
     assert cfg.data.min_crop_area == TRAIN_CROP_SCALE[0] == 0.05 and cfg.data.flip is True
     assert cfg.train.label_smoothing == 0.0 and cfg.train.mixup_alpha == 0.0

@@ -18,12 +18,13 @@ from PIL import Image
 from pretrain_helpers import run
 from safetensors.torch import load_file
 
-from vitray.cluster.transfer import finetune_config, finetune_training_config, resolve_checkpoints, validate_recipe
+from vitray.cluster.checkpoint_inputs import resolve_checkpoints
+from vitray.cluster.finetune import finetune_config, training_config
 from vitray.common.config import ConfigError
 from vitray.evaluation.config import FinetuneGrid, GridConfig
+from vitray.evaluation.finetune_recipe import FinetuneRecipe
 from vitray.evaluation.grid import CheckpointRef, finetune_settings, plan_grid
 from vitray.evaluation.suite import get_benchmark
-from vitray.evaluation.transfer import finetune_recipe
 from vitray.models import resample_posemb
 from vitray.runfolder.checkpoints import latest_complete_checkpoint, read_state
 from vitray.runfolder.files import RunFiles
@@ -104,7 +105,7 @@ def test_recipe_is_the_papers_finetuning_recipe(pretrained, tmp_path):
 def test_recipe_validates_for_any_worker_count(workers, micro, batch, tmp_path):
     options = FinetuneGrid(num_workers=workers, micro_batch_size=micro, batch_size=batch)
     settings = finetune_settings(get_benchmark("cifar10"), options)[0]
-    cfg = finetune_training_config(
+    recipe = FinetuneRecipe.for_cell(
         get_benchmark("cifar10"),
         settings,
         checkpoint="/ckpt",
@@ -114,13 +115,14 @@ def test_recipe_validates_for_any_worker_count(workers, micro, batch, tmp_path):
         run_storage=str(tmp_path),
         options=options,
     )
+    cfg = training_config(recipe)
     assert cfg.train.batch_size == batch and cfg.cluster.num_workers == workers
     assert cfg.train.micro_batch_size * workers * cfg.grad_accumulation == batch
 
 
 def test_recipe_overrides_are_validated_with_clear_errors(tmp_path):
     settings = finetune_settings(get_benchmark("digits"), FinetuneGrid())[0]
-    raw = finetune_recipe(
+    recipe = FinetuneRecipe.for_cell(
         get_benchmark("digits"),
         settings,
         checkpoint="/ckpt",
@@ -128,14 +130,13 @@ def test_recipe_overrides_are_validated_with_clear_errors(tmp_path):
         data_root=str(tmp_path),
         run_name="r",
         run_storage=str(tmp_path),
-        val_evaluator=VAL,
     )
-    assert validate_recipe(raw, {"precision.dtype": "bf16"}).precision.dtype == "bf16"
-    assert validate_recipe(raw, ["optim.lr=0.5"]).optim.lr == 0.5
+    assert training_config(recipe, {"precision.dtype": "bf16"}).precision.dtype == "bf16"
+    assert training_config(recipe, ["optim.lr=0.5"]).optim.lr == 0.5
     with pytest.raises(ConfigError, match=r"precision\.dtpye: unknown key; did you mean 'precision\.dtype'"):
-        validate_recipe(raw, {"precision.dtpye": "bf16"})
+        training_config(recipe, {"precision.dtpye": "bf16"})
     with pytest.raises(ConfigError, match=r"optim\.lr.*greater than 0"):
-        validate_recipe(raw, ["optim.lr=-1"])
+        training_config(recipe, ["optim.lr=-1"])
 
 
 def test_benchmark_form_builds_the_protocol_recipe(pretrained, digits_dataset, tmp_path):

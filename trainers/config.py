@@ -8,12 +8,12 @@ scales it down to one CPU machine.
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vitray.data.config import DataConfig
+from vitray.data.plan import default_num_slots
 from vitray.models.config import ModelConfig
 from vitray.models.variants import get_variant
 from vitray.trainers.evals import EVAL_NAME, EvalConfig
@@ -345,7 +345,7 @@ class TrainingConfig(_Section):
         every slot gives each batch the same number of samples)."""
         if self.data.num_slots is not None:
             return self.data.num_slots
-        return self.cluster.num_workers * math.gcd(self.train.micro_batch_size, max(1, self.data.num_workers))
+        return default_num_slots(self.cluster.num_workers, self.train.micro_batch_size, self.data.num_workers)
 
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainingConfig:

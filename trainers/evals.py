@@ -11,9 +11,10 @@ read). When the run keeps an EMA of the weights (``optim.ema_decay``), evaluator
 weights, as the authors report them (``weights: live`` in an evaluator's section scores the raw
 weights instead); the raw weights are put back before training goes on.
 Implementations are found by dotted name (:data:`EVALUATORS`), so adding one is adding a
-config model here and a class anywhere below `cluster/`; the few-shot probe itself lives in
-`vitray.evaluation.transfer` and is imported by name when a run uses it, never when this module
-is imported (`trainers/` and `evaluation/` do not import each other).
+config model here and a class anywhere below `cluster/`. What evaluates lives in `evaluation/`
+(the top-1 loop in `vitray.evaluation.top1`, the few-shot probe in `vitray.evaluation.fewshot_probe`),
+imported by name when a run uses it, never when this module is imported (`trainers/` and
+`evaluation/` do not import each other); this module adds the names, the EMA weights and the ranks.
 """
 
 from __future__ import annotations
@@ -139,12 +140,13 @@ class Evaluator:
 class ValEvaluator(Evaluator):
     """``top1`` on the validation split; every rank scores its share, the counts are summed."""
 
+    COUNT = "vitray.evaluation.top1:count_top1"
+
     def evaluate(self, module: torch.nn.Module, env: EvalEnv) -> dict[str, float]:
-        from vitray.data import EvalLoader, top1_hits
+        from vitray.data import EvalLoader
 
         data = self.training.data
         module.eval()
-        correct = seen = 0
         loader = EvalLoader(
             data.val_path,
             data.val_split,
@@ -155,11 +157,8 @@ class ValEvaluator(Evaluator):
             num_workers=data.num_workers,
             storage_options=data.storage_options,
         )
+        correct, seen = import_by_name(self.COUNT)(module, loader, device=env.device, dtype=env.dtype)
         with torch.no_grad():
-            for batch in loader:
-                logits = module(batch.images.to(env.device, env.dtype))
-                hits, scored = top1_hits(logits.float().argmax(1), batch.labels)
-                correct, seen = correct + hits, seen + scored
             if env.collective_forward:
                 # Ranks' shares can differ by a batch; the forward is a collective, so a rank with
                 # fewer batches makes as many forward calls (on a blank image, not scored).
@@ -179,22 +178,22 @@ class FewshotEvaluator(Evaluator):
     """``<dataset>_<k>shot`` for every dataset and shots value, on rank 0 (the other ranks go on,
     unless the forward is a collective: then every rank runs it and rank 0 reports)."""
 
-    PROBE = "vitray.evaluation.transfer:fewshot_probe"
+    PROBE = "vitray.evaluation.fewshot_probe:evaluate"
     rank0_only = True
 
     def evaluate(self, module: torch.nn.Module, env: EvalEnv) -> dict[str, float]:
         # Rank 0 alone, or (collective forward) every rank the same passes over the same data.
         probe = import_by_name(self.PROBE)
         cfg = self.config
-        return probe(
+        metrics = probe(
             module,
             cfg.datasets,
             shots=tuple(cfg.shots),
             seeds=cfg.seeds,
             batch_size=cfg.batch_size,
             storage_options=self.training.data.storage_options,
-            prefix="",
         )
+        return dict(metrics)
 
 
 def import_by_name(dotted: str) -> Any:

@@ -1,0 +1,335 @@
+"""The few-shot evaluator: closed-form linear probes (`vitray.evaluation.fewshot`) on a model's
+features of prepared datasets.
+
+:func:`probe` is the one function that runs the probe. It reads a train split's labels (no image
+decoded), draws every requested (shots, seed) few-shot set, extracts features once for the drawn
+examples and for the test split (batched, through :class:`vitray.data.EvalLoader`) and solves
+every set. Its two callers:
+
+- :func:`evaluate`, on the model being trained (the training loop's evaluators of type
+  ``fewshot``, `vitray.trainers.evals`, import it by name): yields ``("digits_10shot", accuracy)``
+  per dataset and shots value (mean over seeds), as every evaluator of this package yields
+  ``(metric_name, value)``;
+- :func:`run_fewshot_group`, a grid's cells of one (checkpoint, benchmark) on a loaded model
+  (`vitray fewshot` and `vitray evaluate`, through `cluster/fewshot_cells.py`): one
+  :class:`~vitray.evaluation.results.CellOutcome` per cell, a cell that cannot be solved (too few
+  examples for its shots) failing alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vitray.evaluation.fewshot import (
+    DEFAULT_L2_REG,
+    FewShotScore,
+    extract_features,
+    sample_few_shot,
+    score_few_shot_set,
+)
+from vitray.evaluation.grid import METRIC, FewShotGroup
+from vitray.evaluation.results import CellOutcome, error_text
+from vitray.evaluation.suite import locate, locate_train
+
+# The few-shot images' pre-processing, as the authors' (big_vision configs/common_fewshot.py,
+# resize(256)|central_crop(224) at 224 px): squashed square to img_size/0.875, then the central
+# crop; for the train shots and the test split alike.
+FEWSHOT_RESIZE = "square"
+
+
+@dataclass(frozen=True)
+class ProbeData:
+    """Where a probe's few-shot sets are drawn from and where it is scored, at which resolution."""
+
+    train_path: str
+    train_split: str
+    test_path: str
+    test_split: str
+    num_classes: int
+    img_size: int
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One few-shot set: `shots` examples per class drawn with `seed`, solved with `l2_reg`."""
+
+    shots: int
+    seed: int
+    l2_reg: Any = DEFAULT_L2_REG  # a number, or "select"
+
+
+def extract_split_features(
+    model: Any,
+    path: str,
+    split: str,
+    *,
+    img_size: int,
+    resize: str = "aspect",
+    batch_size: int = 256,
+    num_workers: int = 0,
+    storage_options: dict[str, Any] | None = None,
+    device: Any = "cpu",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pre-logits features (N, D) and labels of a whole prepared split, streamed in batches."""
+    from vitray.data import EvalLoader
+
+    loader = EvalLoader(
+        path,
+        split,
+        batch_size=batch_size,
+        img_size=img_size,
+        resize=resize,
+        num_workers=num_workers,
+        storage_options=storage_options,
+    )
+    return extract_features(model, loader, device=device)
+
+
+@dataclass(frozen=True)
+class FewShotPool:
+    """The examples few-shot sets are drawn from: a train split's labels, read without decoding
+    any image (samples whose label cannot be read are left out). Features are then extracted for
+    the drawn examples only (:func:`sampled_features`)."""
+
+    keys: list[str]
+    labels: np.ndarray  # class ids, pool order = stored order
+    positions: np.ndarray  # each member's position in the split (or slice)
+
+    @classmethod
+    def read(cls, path: str, split: str, storage_options: dict[str, Any] | None = None) -> FewShotPool:
+        from vitray.data import read_labels
+
+        keys, labels = read_labels(path, split, storage_options=storage_options)
+        readable = np.flatnonzero(labels >= 0)
+        return cls([keys[i] for i in readable], labels[readable], readable)
+
+
+def sampled_features(
+    model: Any,
+    path: str,
+    split: str,
+    pool: FewShotPool,
+    picks: Mapping[Any, np.ndarray],
+    *,
+    img_size: int,
+    resize: str = FEWSHOT_RESIZE,
+    batch_size: int = 256,
+    num_workers: int = 0,
+    storage_options: dict[str, Any] | None = None,
+    device: Any = "cpu",
+) -> dict[Any, tuple[np.ndarray, np.ndarray]]:
+    """Features and labels of every few-shot set in `picks` (name -> pool indices, e.g. from
+    :func:`vitray.evaluation.fewshot.sample_few_shot`), each picked image extracted once.
+
+    An image that turns out undecodable is left out of the sets that picked it (it is reported
+    by the data layer as a skipped sample).
+    """
+    from vitray.data import EvalLoader
+
+    union = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in picks.values()]))
+    loader = EvalLoader(
+        path,
+        split,
+        batch_size=batch_size,
+        img_size=img_size,
+        resize=resize,
+        num_workers=num_workers,
+        storage_options=storage_options,
+        indices=pool.positions[union].tolist(),
+    )
+    keys: list[str] = []
+
+    def batches():
+        for batch in loader:
+            keys.extend(batch.keys)
+            yield batch
+
+    features, _ = extract_features(model, batches(), device=device)
+    row_of = {key: row for row, key in enumerate(keys)}
+    sets = {}
+    for name, picked in picks.items():
+        picked = np.asarray(picked, dtype=np.int64)
+        found = [(i, row_of[pool.keys[i]]) for i in picked if pool.keys[i] in row_of]
+        members = np.array([i for i, _ in found], dtype=np.int64)
+        sets[name] = features[[row for _, row in found]], pool.labels[members]
+    return sets
+
+
+def probe(
+    model: Any,
+    data: ProbeData,
+    draws: Mapping[Hashable, Draw],
+    *,
+    batch_size: int = 256,
+    num_workers: int = 0,
+    storage_options: dict[str, Any] | None = None,
+    device: Any = "cpu",
+) -> dict[Hashable, FewShotScore | Exception]:
+    """Every few-shot set of `draws` probed on `model`'s features at `data.img_size`: its score, or
+    the error that drawing or solving it raised (e.g. fewer examples than shots: that set alone).
+    Reading or extraction errors raise."""
+    common = {
+        "img_size": data.img_size,
+        "resize": FEWSHOT_RESIZE,
+        "batch_size": batch_size,
+        "num_workers": num_workers,
+        "storage_options": storage_options,
+        "device": device,
+    }
+    pool = FewShotPool.read(data.train_path, data.train_split, storage_options)
+    results: dict[Hashable, FewShotScore | Exception] = {}
+    picks = {}
+    for key, draw in draws.items():
+        try:
+            picks[key] = sample_few_shot(pool.labels, draw.shots, draw.seed, data.num_classes)
+        except ValueError as error:
+            results[key] = error
+    sets = sampled_features(model, data.train_path, data.train_split, pool, picks, **common) if picks else {}
+    test_x, test_y = extract_split_features(model, data.test_path, data.test_split, **common)
+    for key, draw in draws.items():
+        if key in results:
+            continue
+        try:
+            train_x, train_y = sets[key]
+            results[key] = score_few_shot_set(
+                train_x,
+                train_y,
+                test_x,
+                test_y,
+                num_classes=data.num_classes,
+                shots=draw.shots,
+                seed=draw.seed,
+                l2_reg=draw.l2_reg,
+            )
+        except Exception as error:
+            results[key] = error
+    return {key: results[key] for key in draws}
+
+
+def run_fewshot_group(
+    model: Any,
+    group: FewShotGroup,
+    data_root: str,
+    *,
+    batch_size: int = 256,
+    num_workers: int = 0,
+    storage_options: dict[str, Any] | None = None,
+    device: Any = "cpu",
+) -> list[CellOutcome]:
+    """Every cell of `group` on `model` (resampled to `group.img_size` in place when it differs).
+
+    Reading or extraction errors fail every cell of the group; a sampling or solve error (e.g.
+    fewer examples than shots) fails its own cell only. A cell's `seconds` is its share of the
+    group's time.
+    """
+    benchmark = group.benchmark
+    started = time.perf_counter()
+    draws = {cell.cell_id: Draw(cell.settings["shots"], cell.seed, cell.settings["l2_reg"]) for cell in group.cells}
+    try:
+        if model.img_size != group.img_size:
+            model.set_img_size(group.img_size)
+        data = ProbeData(
+            locate_train(benchmark, data_root),
+            benchmark.train_split,
+            locate(benchmark, data_root),
+            benchmark.test_split,
+            benchmark.num_classes,
+            group.img_size,
+        )
+        results = probe(
+            model,
+            data,
+            draws,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            storage_options=storage_options,
+            device=device,
+        )
+    except Exception as error:
+        seconds = (time.perf_counter() - started) / len(group.cells)
+        return [CellOutcome(cell, error=error_text(error), seconds=seconds) for cell in group.cells]
+    share = (time.perf_counter() - started) / len(group.cells)
+    outcomes = []
+    for cell in group.cells:
+        result = results[cell.cell_id]
+        if isinstance(result, Exception):
+            outcomes.append(CellOutcome(cell, error=f"{type(result).__name__}: {result}", seconds=share))
+        else:
+            outcomes.append(CellOutcome(cell, {METRIC: result.accuracy}, seconds=share))
+    return outcomes
+
+
+def evaluate(
+    model: Any,
+    datasets: Mapping[str, str],
+    *,
+    shots: Sequence[int] = (10,),
+    seeds: int = 1,
+    l2_reg: float = DEFAULT_L2_REG,
+    train_split: str = "train",
+    test_split: str = "test",
+    batch_size: int = 256,
+    num_workers: int = 0,
+    storage_options: dict[str, Any] | None = None,
+) -> Iterator[tuple[str, float]]:
+    """Few-shot accuracy of a model being trained: ``("NAME_{k}shot", mean over seeds)`` per dataset
+    and shots value.
+
+    `datasets` maps a short name to a prepared dataset folder (local or s3://), e.g.
+    ``{"digits": "/data/digits"}``. The model is probed at its own resolution on its own device
+    and dtype, and is left in the train/eval mode it was in. Same probe as `vitray fewshot`.
+    """
+    if not datasets:
+        raise ValueError('datasets is empty: give {name: prepared dataset folder}, e.g. {"digits": "/data/digits"}')
+    param = next(model.parameters())
+    features_of = model if param.dtype == torch.float32 else _CastInputs(model, param.dtype)
+    for name, path in datasets.items():
+        data = ProbeData(path, train_split, path, test_split, _num_classes(path, storage_options), model.img_size)
+        draws = {(k, seed): Draw(k, seed, l2_reg) for k in shots for seed in range(seeds)}
+        results = probe(
+            features_of,
+            data,
+            draws,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            storage_options=storage_options,
+            device=param.device,
+        )
+        for result in results.values():
+            if isinstance(result, Exception):
+                raise result
+        for k in shots:
+            yield f"{name}_{k}shot", float(np.mean([results[k, seed].accuracy for seed in range(seeds)]))
+
+
+def _num_classes(path: str, storage_options: dict[str, Any] | None) -> int:
+    from vitray.data import read_dataset_info
+
+    return read_dataset_info(path, storage_options).num_classes
+
+
+class _CastInputs(torch.nn.Module):
+    """Feeds the loaders' float32 images to a bf16/fp16 model."""
+
+    def __init__(self, inner: torch.nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.inner, self.dtype = inner, dtype
+        self.training = inner.training  # extract_features restores this mode afterwards
+
+    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
+        return self.inner.forward_features(images.to(self.dtype))
+
+
+def summarize_scores(outcomes: Iterable[CellOutcome]) -> dict[int, tuple[float, float, int]]:
+    """Few-shot outcomes per shots value: (mean, population std, number of seeds) of the ok ones."""
+    by_shots: dict[int, list[float]] = {}
+    for outcome in outcomes:
+        if outcome.ok:
+            by_shots.setdefault(int(outcome.cell.settings["shots"]), []).append(outcome.metrics[METRIC])
+    return {k: (float(np.mean(v)), float(np.std(v)), len(v)) for k, v in sorted(by_shots.items())}

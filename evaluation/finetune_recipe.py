@@ -1,0 +1,160 @@
+"""The ViT paper's fine-tuning recipe for one cell, typed: :class:`FinetuneRecipe`.
+
+SGD momentum 0.9, cosine decay after a linear warm-up, no weight decay, grad-norm clip 1, a
+zero-initialised head (the pre-logits layer dropped) and position embeddings resampled to the
+fine-tuning resolution. :meth:`FinetuneRecipe.for_cell` builds it once from a cell's settings (see
+:func:`vitray.evaluation.grid.finetune_settings`); pydantic checks it there. `cluster/finetune.py`
+makes it the run's `vitray.trainers.config.TrainingConfig` (:meth:`FinetuneRecipe.config` is that
+config's shape: this package does not import the trainers) and runs it on Ray Train.
+
+A selection cell's run trains on the train slice and reports top-1 at its last step on the
+held-out slice; its final weights are then scored on the test split (`vitray.evaluation.top1`). A
+final run reports its test top-1 itself.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from vitray.data.plan import default_num_slots
+from vitray.evaluation.config import FinetuneGrid
+from vitray.evaluation.grid import TRAIN_SPLIT, VAL_SPLIT, is_selection
+from vitray.evaluation.results import Cell
+from vitray.evaluation.suite import Benchmark, locate, locate_train
+
+# Data streams per fine-tuning worker that the plan's slots are cut for (as many as divide the
+# micro batch; see `vitray.data.plan.default_num_slots`). Fixed, not the loader's worker count:
+# a fine-tune run's data order does not depend on how its data is decoded.
+STREAMS_PER_WORKER = 8
+
+
+class FinetuneRecipe(BaseModel):
+    """One fine-tune run: what it starts from, what it trains on, how, and where it lives."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    checkpoint: str = Field(description="The pre-trained checkpoint the run starts from.")
+    model: dict[str, Any] = Field(description="The checkpoint's model section (its architecture).")
+    run_name: str
+    run_storage: str
+    seed: int = Field(0, ge=0)
+    train: str = Field(description="Prepared dataset trained on.")
+    train_split: str
+    val: str = Field(description="Prepared dataset whose `val_split` top-1 the run reports at its last step.")
+    val_split: str
+    lr: float = Field(gt=0)
+    steps: int = Field(gt=0)
+    batch_size: int = Field(gt=0)
+    micro_batch_size: int = Field(gt=0)
+    warmup_steps: int = Field(ge=0)
+    resolution: int = Field(gt=0)
+    num_slots: int = Field(gt=0)
+    checkpoint_every: int = Field(gt=0)
+    eval_batch_size: int = Field(gt=0)
+    num_workers: int = Field(gt=0)
+    cpus_per_worker: float = Field(gt=0)
+    gpus_per_worker: float = Field(ge=0)
+    address: str | None = None
+    storage_options: dict[str, Any] | None = None
+
+    @classmethod
+    def for_cell(
+        cls,
+        benchmark: Benchmark,
+        settings: Mapping[str, Any],
+        *,
+        checkpoint: str,
+        model: Mapping[str, Any],
+        data_root: str,
+        run_name: str,
+        run_storage: str,
+        seed: int = 0,
+        options: FinetuneGrid | None = None,
+        address: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> FinetuneRecipe:
+        """The recipe of a cell with resolved `settings` (lr, steps, batch_size, warmup_steps,
+        resolution, train_split and -- for a selection cell -- val_split). The run trains on
+        `train_split` of the benchmark's train data and reports top-1 on `val_split` of the same data,
+        or, without `val_split` (a final run), on the test split. `options` is the grid's fine-tune
+        section (workers, micro batch, checkpoint interval); its `overrides` are dotted keys for the
+        config loader, applied by `cluster/finetune.py`."""
+        options = options or FinetuneGrid()
+        steps, batch = int(settings["steps"]), int(settings["batch_size"])
+        workers = options.num_workers
+        micro = max(1, min(options.micro_batch_size, batch // workers))
+        selection = is_selection(settings)
+        return cls(
+            checkpoint=checkpoint,
+            model=dict(model),
+            run_name=run_name,
+            run_storage=run_storage,
+            seed=int(seed),
+            train=locate_train(benchmark, data_root),
+            train_split=settings.get(TRAIN_SPLIT, benchmark.train_split),
+            # The held-out slice comes from the train data (ImageNet-ReaL: ImageNet's train split).
+            val=locate_train(benchmark, data_root) if selection else locate(benchmark, data_root),
+            val_split=settings[VAL_SPLIT] if selection else benchmark.test_split,
+            lr=float(settings["lr"]),
+            steps=steps,
+            batch_size=batch,
+            micro_batch_size=micro,
+            warmup_steps=int(settings["warmup_steps"]),
+            resolution=int(settings["resolution"]),
+            num_slots=default_num_slots(workers, micro, STREAMS_PER_WORKER),
+            checkpoint_every=options.checkpoint_every or max(1, steps // 4),
+            eval_batch_size=options.eval_batch_size,
+            num_workers=workers,
+            cpus_per_worker=options.cpus_per_worker,
+            gpus_per_worker=options.gpus_per_worker,
+            address=address,
+            storage_options=storage_options,
+        )
+
+    def config(self, val_evaluator: str) -> dict[str, Any]:
+        """The run in the shape of `vitray.trainers.config.TrainingConfig`; `val_evaluator` names the
+        evaluator that reports the run's top-1 once, at its last step (`vitray.trainers.evals.VAL`)."""
+        return {
+            "seed": self.seed,
+            "run": {"name": self.run_name, "storage": self.run_storage},
+            # Fine-tuning drops the pre-logits layer (reset_head) and starts from a zero head (weights
+            # and bias, whatever the pre-training head's bias was), as the paper does.
+            "model": {**self.model, "img_size": self.resolution, "representation_size": None, "head_bias_init": 0.0},
+            "init": {"checkpoint": self.checkpoint, "reset_head": True},
+            "data": {
+                "train": self.train,
+                "train_split": self.train_split,
+                "val": self.val,
+                "val_split": self.val_split,
+                "num_slots": self.num_slots,
+                "storage_options": self.storage_options,
+            },
+            "train": {
+                "steps": self.steps,
+                "batch_size": self.batch_size,
+                "micro_batch_size": self.micro_batch_size,
+                "label_smoothing": 0.0,
+                "mixup_alpha": 0.0,
+            },
+            "optim": {"name": "sgd", "lr": self.lr, "weight_decay": 0.0, "momentum": 0.9, "grad_clip": 1.0},
+            "schedule": {"warmup_steps": self.warmup_steps, "decay": "cosine", "min_lr": 0.0},
+            "checkpoint": {"every": self.checkpoint_every, "keep": 1},
+            "log": {"every": max(1, min(50, self.steps // 4))},
+            "evals": {val_evaluator: {"type": "val", "every": self.steps, "batch_size": self.eval_batch_size}},
+            "cluster": {
+                "address": self.address,
+                "num_workers": self.num_workers,
+                "cpus_per_worker": self.cpus_per_worker,
+                "gpus_per_worker": self.gpus_per_worker,
+            },
+        }
+
+
+def finetune_run_name(cell: Cell) -> str:
+    """A run name that is unique per cell and stable across re-runs (so a re-run resumes it)."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", cell.benchmark).strip("-")
+    return f"{slug}-lr{cell.settings['lr']:g}-seed{cell.seed}-{cell.cell_id}"
