@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 from torch.utils.data import get_worker_info
 
+from .device_decode import EncodedCrops
 from .layout import LabelKind
 from .reader import Corrupt, RawSample
 from .shared_memory import BatchMemory, uint8_images
@@ -35,7 +36,11 @@ class Batch:
     from loaders made with ``float_images=False``: channels-last in memory for training batches,
     see :func:`decode_chunk`); ``labels`` int64 ``(B,)`` (all -1 for unlabelled
     data) or float32 multi-hot ``(B, K)``; ``keys`` the sample keys. Corrupt samples are left out,
-    so B is the requested batch size minus ``num_skipped``."""
+    so B is the requested batch size minus ``num_skipped``.
+
+    From a loader made with ``device_decode=True``, ``encoded`` holds the JPEGs still to be decoded
+    and cropped (on the accelerator, :func:`vitray.data.device_decode.decode_batch`) and ``images``
+    only the other samples' crops, in sample order."""
 
     images: torch.Tensor
     labels: torch.Tensor
@@ -44,6 +49,7 @@ class Batch:
     epoch: int = 0
     step: int = 0  # index of this batch within its epoch (training) or pass (evaluation)
     skipped_shards: tuple[str, ...] = ()  # the shards of the skipped samples, each once
+    encoded: tuple[EncodedCrops, ...] = ()  # JPEGs for the accelerator to decode (device_decode)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -63,6 +69,12 @@ class Chunk:
     num_skipped: int = 0
     ring: tuple[int, int] | None = None  # (worker, slot): the images are in that worker's ChunkRing
     skipped_shards: tuple[str, ...] = ()  # the shards of the skipped samples, each once
+    encoded: EncodedCrops | None = None  # samples left encoded for the accelerator; not in ``images``
+
+    @property
+    def num_images(self) -> int:
+        """The samples decoded here (in ``images``, or in the ring slot)."""
+        return len(self.keys) - (len(self.encoded) if self.encoded is not None else 0)
 
 
 class SkipReporter:
@@ -94,6 +106,7 @@ def decode_chunk(
     reporter: SkipReporter,
     where: str,
     out: torch.Tensor | None = None,
+    device_decode: bool = False,
 ) -> Chunk:
     """Decode raw samples (``RawSample`` or ``Corrupt``) into a chunk, skipping corrupt ones.
 
@@ -108,6 +121,10 @@ def decode_chunk(
     ``(n, 3, H, W)``, unless ``out`` says otherwise): the crop comes out of its resize
     channels-last, and copying it into planar memory (a transpose) would cost a sixth as much
     as decoding it; the device feed makes the batch planar on the accelerator, where it is free.
+
+    ``device_decode`` (with a ``TrainCrop`` transform): JPEGs the accelerator can decode are not
+    decoded here; their bytes and crop boxes go into the chunk's ``encoded`` and ``images`` holds
+    only the other samples' crops (see :mod:`vitray.data.device_decode`).
     """
     from_bytes = getattr(transform, "from_bytes", None)  # e.g. TrainCrop: decode + crop in one step
     if out is None:
@@ -119,12 +136,24 @@ def decode_chunk(
     images = out[: len(raws)]
     planes = images.numpy()  # writable view of the same memory
     labels, keys, skipped, skipped_shards = [], [], 0, {}
+    device_box = getattr(transform, "device_box", None) if device_decode else None
+    if device_decode and device_box is None:
+        raise ValueError("device_decode needs a transform with a device_box method (TrainCrop)")
+    jpegs, boxes, positions, decoded = [], [], [], 0
     for raw, seed in zip(raws, seeds, strict=True):
         try:
             if isinstance(raw, Corrupt):
                 raise CorruptSample("unreadable tar data (truncated or damaged shard)")
             assert isinstance(raw, RawSample)
             label = decode_label(raw.fields, label_kind, num_classes)
+            box = device_box(image_bytes(raw.fields), seed) if device_box is not None else None
+            if box is not None:  # decoded on the accelerator: the bytes and the box travel
+                jpegs.append(image_bytes(raw.fields))
+                boxes.append(box)
+                positions.append(len(keys))
+                labels.append(label)
+                keys.append(raw.key)
+                continue
             if from_bytes is not None:  # decodes only as much of the image as the crop needs
                 image = from_bytes(image_bytes(raw.fields), seed)
             else:
@@ -134,15 +163,17 @@ def decode_chunk(
             skipped_shards[raw.shard or where] = None
             reporter.skipped(raw.key if isinstance(raw, RawSample) else raw.shard or where, str(error))
             continue
-        _put_image(planes[len(keys)], image)
+        _put_image(planes[decoded], image)
+        decoded += 1
         labels.append(label)
         keys.append(raw.key)
     return Chunk(
-        images[: len(keys)],
+        images[:decoded],
         _stack_labels(labels, label_kind, num_classes),
         keys,
         skipped,
         skipped_shards=tuple(skipped_shards),
+        encoded=EncodedCrops.of(jpegs, boxes, positions, img_size) if device_decode else None,
     )
 
 
@@ -191,6 +222,10 @@ def concat_chunks(
     the chunks' memory layout (planar or channels-last); float32 ones are planar."""
     parts = list(chunks)
     memory = memory if memory is not None else BatchMemory(max_regions=0)
+    offsets = np.cumsum([0] + [len(c.keys) for c in parts[:-1]]).tolist()
+    encoded = tuple(c.encoded.shifted(at) for c, at in zip(parts, offsets) if c.encoded is not None and len(c.encoded))
+    if float_images and encoded:
+        raise ValueError("chunks with encoded JPEGs (device_decode) give uint8 batches: use float_images=False")
     if float_images:
         images = _model_range_batch([c.images for c in parts], memory)
     elif len(parts) == 1 and not copy:
@@ -209,6 +244,7 @@ def concat_chunks(
         epoch=epoch,
         step=step,
         skipped_shards=tuple(dict.fromkeys(s for c in parts for s in c.skipped_shards)),
+        encoded=encoded,
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -37,6 +37,13 @@ class DataConfig(BaseModel):
         0.05, gt=0, le=1, description="Smallest inception crop, as a fraction of the image (the paper: 0.05)."
     )
     flip: bool = Field(True, description="Random horizontal flips in training.")
+    decode: Literal["auto", "cpu", "gpu"] = Field(
+        "auto",
+        description="Where training JPEGs are decoded, cropped and resized: cpu (the loader workers), gpu (nvjpeg "
+        "on each worker's GPU, overlapped with the step; the loader workers only read the shards and draw the same "
+        "crops; PNGs, CMYK and JPEGs nvjpeg does not decode stay on the CPU), auto: gpu when the run trains on "
+        "CUDA (cluster.gpus_per_worker > 0, train.backend=deepspeed), cpu otherwise.",
+    )
     storage_options: dict[str, Any] | None = Field(
         None, description="fsspec options for remote paths (endpoint and credentials default to the AWS environment)."
     )

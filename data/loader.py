@@ -73,6 +73,7 @@ class _Spec:
     staggered: bool = True  # shuffle windows staggered across slots (see plan.window_offset)
     shard_cache: str | None = None  # local folder for whole remote shards (storage.ShardCache)
     shard_cache_bytes: int = 0
+    device_decode: bool = False  # JPEGs handed over encoded, with their crop boxes (device_decode.py)
 
 
 def _start_workers(loader: DataLoader) -> Iterable[Any]:
@@ -252,6 +253,7 @@ class _TrainStream(IterableDataset):
             reporter=reporter,
             where=f"epoch {epoch}",
             out=ring.buffers[slot] if ring is not None else None,
+            device_decode=spec.device_decode,
         )
         if ring is None:
             return chunk
@@ -282,6 +284,10 @@ class ShardLoader:
         float_images: float32 images in [-1, 1]; False gives uint8 images in [0, 255], a quarter
             of the bytes to copy, for converting later with :func:`vitray.data.to_model_range`
             (e.g. on the accelerator, which spares the training process the conversion).
+        device_decode: training JPEGs are handed over undecoded, with the crop box and flip the
+            CPU path draws for them (the same samples, keys and positions): batches carry them in
+            ``encoded`` for :func:`vitray.data.device_decode.decode_batch` (the device feed runs it
+            on the accelerator); needs ``train`` and ``float_images=False``.
     """
 
     def __init__(
@@ -304,8 +310,14 @@ class ShardLoader:
         flip: bool = True,
         shard_cache: str | None = None,
         shard_cache_gb: float | None = None,
+        device_decode: bool = False,
     ) -> None:
         slots = rank_slots(rank, world_size, num_slots)
+        if device_decode and (float_images or not train):
+            raise ValueError(
+                "device_decode hands training JPEGs to the accelerator undecoded: it needs train=True and "
+                f"float_images=False (got train={train}, float_images={float_images})"
+            )
         if not 0 < min_crop_area <= 1:
             raise ValueError(f"min_crop_area must be in (0, 1], got {min_crop_area}")
         if batch_size < 1 or batch_size % len(slots):
@@ -341,6 +353,7 @@ class ShardLoader:
             storage_options=storage_options,
             shard_cache=shard_cache or os.environ.get("VITRAY_SHARD_CACHE") or None,
             shard_cache_bytes=int(float(shard_cache_gb or os.environ.get("VITRAY_SHARD_CACHE_GB") or 100) * 2**30),
+            device_decode=device_decode,
         )
         if self._spec.shard_cache and self._spec.shard_cache_bytes < 1:
             raise ValueError(f"shard_cache_gb must be positive, got {shard_cache_gb}")
@@ -446,7 +459,7 @@ class ShardLoader:
                     return  # superseded by a newer iterator or a loaded state; its workers stop with it
                 in_rings = [c.ring for c in chunks if c.ring is not None]
                 if rings is not None:
-                    chunks = [replace(c, images=rings[c.ring[0]].images(c.ring[1], len(c.keys))) for c in chunks]
+                    chunks = [replace(c, images=rings[c.ring[0]].images(c.ring[1], c.num_images)) for c in chunks]
                 step = self._position // spec.per_slot
                 batch = concat_chunks(
                     chunks,

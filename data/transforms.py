@@ -116,6 +116,20 @@ class TrainCrop:
         flip = self.flip and bool(torch.rand(1, generator=generator).item() < 0.5)
         return top, left, h, w, flip
 
+    def device_box(self, data: bytes, seed: int | None) -> tuple[int, int, int, int, bool] | None:
+        """The crop (top, left, height, width, flip) that :meth:`from_bytes` takes from ``data``,
+        drawn from the same seeded generator, for the accelerator to decode and crop
+        (``data.decode=gpu``, :mod:`vitray.data.device_decode`); None where ``data`` must take
+        the CPU path (not a JPEG nvjpeg decodes as libjpeg does: see :func:`jpeg_device_size`)."""
+        size = jpeg_device_size(data)
+        if size is None:
+            return None
+        generator = None
+        if seed is not None:
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+        return self.params(*size, generator)
+
     def draft_scale(self, crop_width: int, crop_height: int) -> int:
         """The largest DCT reduction that keeps a ``crop_width x crop_height`` crop at least
         ``img_size`` pixels in each direction (so the final resize still only shrinks)."""
@@ -237,9 +251,38 @@ _STANDALONE_MARKERS = frozenset([0x01, *range(0xD0, 0xD9)])  # markers without a
 def jpeg_size(data: bytes) -> tuple[int, int] | None:
     """(width, height) from a JPEG's start-of-frame marker; None if ``data`` is not a JPEG whose
     frame header comes before any image data (then PIL reads the header)."""
+    frame = _jpeg_frame(data)
+    return frame[:2] if frame is not None else None
+
+
+# Start-of-frame markers of the codings nvjpeg decodes: baseline, extended sequential, progressive
+# (all Huffman-coded); lossless, hierarchical and arithmetic-coded JPEGs go to the CPU.
+_DEVICE_SOF_MARKERS = frozenset([0xC0, 0xC1, 0xC2])
+
+
+def jpeg_device_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) of a JPEG that torchvision's ``decode_jpeg(..., device="cuda")`` (nvjpeg)
+    decodes to the pixels libjpeg gives: 8-bit, grayscale or YCbCr (no CMYK / YCCK, no Adobe RGB),
+    a coding nvjpeg supports, ending with the end-of-image marker (a cut-short JPEG is left to the
+    CPU, whose decoder decides whether it is corrupt). None for anything else (PNGs included)."""
+    frame = _jpeg_frame(data)
+    if frame is None or data[-2:] != b"\xff\xd9":
+        return None
+    width, height, marker, precision, components, adobe_transform = frame
+    if marker not in _DEVICE_SOF_MARKERS or precision != 8 or components not in (1, 3):
+        return None
+    if components == 3 and adobe_transform not in (None, 1):  # 0: RGB stored as is (no YCbCr)
+        return None
+    return width, height
+
+
+def _jpeg_frame(data: bytes) -> tuple[int, int, int, int, int, int | None] | None:
+    """(width, height, start-of-frame marker, sample precision, components, Adobe colour transform
+    or None) from the markers before the frame header; None if ``data`` is not such a JPEG."""
     if data[:2] != b"\xff\xd8":
         return None
     at, end = 2, len(data) - 9
+    adobe_transform = None
     while at < end:
         if data[at] != 0xFF:
             return None
@@ -248,12 +291,16 @@ def jpeg_size(data: bytes) -> tuple[int, int] | None:
             at += 1
         elif marker in _SOF_MARKERS:
             height, width = int.from_bytes(data[at + 5 : at + 7], "big"), int.from_bytes(data[at + 7 : at + 9], "big")
-            return (width, height) if width and height else None
+            if not (width and height):
+                return None
+            return width, height, marker, data[at + 4], data[at + 9], adobe_transform
         elif marker in _STANDALONE_MARKERS:
             at += 2
         elif marker == 0xDA:  # start of scan before any frame header: not a JPEG to trust
             return None
         else:
+            if marker == 0xEE and data[at + 4 : at + 9] == b"Adobe" and at + 15 < len(data):  # APP14
+                adobe_transform = data[at + 15]
             at += 2 + int.from_bytes(data[at + 2 : at + 4], "big")
     return None
 

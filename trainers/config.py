@@ -332,6 +332,18 @@ class TrainingConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _gpu_decode_needs_cuda(self) -> TrainingConfig:
+        if self.data.decode == "gpu" and (self.train.backend != "deepspeed" or not self.cluster.gpus_per_worker):
+            where = (
+                "TPUs (train.backend=xla)" if self.train.backend != "deepspeed" else "CPUs (cluster.gpus_per_worker=0)"
+            )
+            raise ValueError(
+                f"data.decode=gpu decodes JPEGs with nvjpeg on the workers' GPUs, but this run trains on {where}: "
+                "use data.decode=auto (gpu on CUDA, cpu otherwise) or data.decode=cpu"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _tpu_needs_xla(self) -> TrainingConfig:
         if self.cluster.tpu is not None and self.train.backend != "xla":
             raise ValueError(

@@ -7,6 +7,11 @@ compute. Images arrive channels-last (how the crops come out of their resize) an
 on the device after the copy. Conversion to the model's range, targets, mixup and masked-patch targets then happen on
 the device (`trainers/objectives.py`, `trainers/masked_patch.py`).
 
+With ``data.decode=gpu`` (a loader made with ``device_decode=True``) a batch's JPEGs arrive
+undecoded with their crop boxes; the feed decodes, crops, resizes and flips them on the device
+(nvjpeg, :mod:`vitray.data.device_decode`) on the same side stream, after the copy of the crops
+the loader workers made on the CPU (PNGs, CMYK), so that it too overlaps the previous step.
+
 On the CPU the same code runs with the copy a no-op (there is no side stream and nothing to pin),
 so the CPU tests cover the feed the GPU uses.
 
@@ -19,6 +24,7 @@ checkpoint resumes exactly.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -26,6 +32,9 @@ from typing import Any
 import torch
 
 from vitray.data.batch import Batch, is_channels_last
+from vitray.data.device_decode import decode_batch
+
+log = logging.getLogger(__name__)
 
 
 class DeviceFeed:
@@ -70,10 +79,14 @@ class DeviceFeed:
         state = self._loader.state_dict()  # right after this batch
         stream = torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()
         with stream:
-            images, labels = (_to_device(t, self.device, pin=self._cuda) for t in (batch.images, batch.labels))
+            images = _to_device(batch.images, self.device, pin=self._cuda)
             # Training batches leave the loader channels-last (the crops' own layout); made planar
             # here, after the copy: a transpose on the accelerator instead of in every decode.
             images = images.contiguous()
+            if batch.encoded:  # data.decode=gpu: the JPEGs are decoded and cropped here
+                images, failed = decode_batch(images, batch.encoded, len(batch))
+                batch = _without(replace(batch, encoded=()), failed)
+            labels = _to_device(batch.labels, self.device, pin=self._cuda)
             ready = self._stream.record_event() if self._cuda else None
         return replace(batch, images=images, labels=labels), state, ready
 
@@ -87,6 +100,42 @@ class DeviceFeed:
                 # memory before the step's stream is done with it.
                 tensor.record_stream(torch.cuda.current_stream(self.device))
         return batch
+
+
+def decodes_on_device(setting: str, device: torch.device) -> bool:
+    """Whether the training loader hands JPEGs to ``device`` to decode (``data.decode``): gpu, or
+    auto on a CUDA device whose torchvision decodes JPEGs there (nvjpeg; checked on a tiny JPEG)."""
+    if setting == "cpu" or (setting == "auto" and device.type != "cuda"):
+        return False
+    if device.type != "cuda":
+        raise ValueError(
+            f"data.decode=gpu needs a CUDA device, but this worker trains on {device}: "
+            "use data.decode=auto (gpu on CUDA, cpu otherwise) or data.decode=cpu"
+        )
+    from torchvision.io import decode_jpeg, encode_jpeg
+
+    try:
+        decode_jpeg([encode_jpeg(torch.zeros((3, 16, 16), dtype=torch.uint8))], device=device)
+    except RuntimeError as error:
+        if setting == "gpu":
+            raise ValueError(f"data.decode=gpu: torchvision cannot decode JPEGs on {device} ({error})") from None
+        log.warning("data.decode=auto: torchvision cannot decode JPEGs on %s (%s); decoding on the CPU", device, error)
+        return False
+    return True
+
+
+def _without(batch: Batch, positions: list[int]) -> Batch:
+    """``batch`` less the samples at ``positions`` (JPEGs no decoder could read: corrupt samples)."""
+    if not positions:
+        return batch
+    gone = set(positions)
+    keep = [i for i in range(len(batch)) if i not in gone]
+    return replace(
+        batch,
+        labels=batch.labels[keep],
+        keys=[batch.keys[i] for i in keep],
+        num_skipped=batch.num_skipped + len(gone),
+    )
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device, *, pin: bool) -> torch.Tensor:

@@ -39,6 +39,7 @@ from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
 from vitray.trainers.ema import Ema
 from vitray.trainers.evals import EvalEnv, build_evaluators
+from vitray.trainers.feed import decodes_on_device
 from vitray.trainers.keys import SampleKeyRecorder
 from vitray.trainers.metrics import MetricsWriter, accelerator_peak_tflops, train_flops_per_image
 from vitray.trainers.objectives import build_objective
@@ -90,6 +91,7 @@ class TrainingLoop:
                 min_crop_area=cfg.data.min_crop_area,
                 flip=cfg.data.flip,
                 float_images=False,  # uint8 crosses to the device; the objective converts it there
+                device_decode=decodes_on_device(cfg.data.decode, self.backend.device),
             )
         )
         self.checkpointer = Checkpointer(

@@ -1,0 +1,225 @@
+"""JPEG decoding on the accelerator (``data.decode=gpu``), run with ``device="cpu"``.
+
+The loader workers draw the crops the CPU path draws and hand over the JPEGs; the feed decodes,
+crops, resizes and flips them where the model runs. On the CPU the very same code decodes with
+libjpeg-turbo instead of nvjpeg: the boxes, keys, labels and loader positions must be the CPU
+path's exactly, and the pixels its pixels to within resampling.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vitray.common.config import ConfigError, load_config
+from vitray.data import ShardLoader, prepare_dataset, read_manifest
+from vitray.data.batch import SkipReporter, decode_chunk
+from vitray.data.device_decode import EncodedCrops, decode_batch
+from vitray.data.plan import ShardRange
+from vitray.data.reader import SampleStream
+from vitray.data.transforms import TrainCrop, jpeg_device_size, train_augment
+from vitray.trainers.config import TrainingConfig
+from vitray.trainers.feed import DeviceFeed, decodes_on_device
+
+SIZE = 32
+# (format, PIL mode, save options) per image, in turn: the JPEGs nvjpeg takes, and what stays on the CPU
+KINDS = [
+    ("JPEG", "RGB", {"quality": 90}),
+    ("JPEG", "RGB", {"quality": 80, "progressive": True}),
+    ("JPEG", "L", {"quality": 90}),
+    ("JPEG", "CMYK", {"quality": 90}),  # CPU
+    ("PNG", "RGB", {}),  # CPU
+    ("JPEG", "RGB", {"quality": 85, "subsampling": 0}),
+]
+
+
+def _photo(rng: np.random.Generator, width: int, height: int) -> Image.Image:
+    """Smooth gradients with edges and a little noise: photo-like, so resampling differences stay small."""
+    ys, xs = np.mgrid[0:height, 0:width]
+    pixels = np.stack([xs * 255 // width, ys * 255 // height, ((xs // 13 + ys // 9) % 2) * 180], axis=-1)
+    return Image.fromarray(np.clip(pixels + rng.integers(-8, 8, size=pixels.shape), 0, 255).astype(np.uint8))
+
+
+@pytest.fixture(scope="module")
+def mixed_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """48 images of 40-150 px, 2 classes: RGB, progressive, grayscale and 4:4:4 JPEGs, CMYK JPEGs, PNGs."""
+    root = tmp_path_factory.mktemp("mixed")
+    rng = np.random.default_rng(0)
+    for i in range(48):
+        fmt, mode, options = KINDS[i % len(KINDS)]
+        width, height = (int(v) for v in rng.integers(40, 150, size=2))
+        path = root / "images" / f"class{i % 2}" / f"{i:03d}.{'png' if fmt == 'PNG' else 'jpg'}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _photo(rng, width, height).convert(mode).save(path, format=fmt, **options)
+    prepare_dataset(f"imagefolder:{root / 'images'}", str(root / "shards"), samples_per_shard=20)
+    return root / "shards"
+
+
+def _loader(path: Path, *, workers: int = 0, world_size: int = 1, rank: int = 0, **kwargs) -> ShardLoader:
+    return ShardLoader(
+        str(path),
+        "train",
+        rank=rank,
+        world_size=world_size,
+        batch_size=8 // world_size,
+        img_size=SIZE,
+        train=True,
+        seed=7,
+        num_slots=4,
+        num_workers=workers,
+        shuffle_buffer=4,
+        **{"float_images": False, **kwargs},
+    )
+
+
+def _decoded(batch) -> torch.Tensor:
+    images, failed = decode_batch(batch.images.contiguous(), batch.encoded, len(batch))
+    assert failed == []
+    return images
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """The CPU path's pixels to within resampling: its crops of 2x the output and more are decoded at
+    a reduced DCT scale and resized in uint8 arithmetic, the device's from the full decode in float."""
+    assert got.shape == expected.shape and got.dtype == expected.dtype == torch.uint8
+    diff = (got.float() - expected.float()).abs()
+    assert diff.mean() < 1.5 and diff.flatten(1).mean(1).max() < 5, (diff.mean(), diff.flatten(1).mean(1).max())
+
+
+def test_only_jpegs_that_nvjpeg_decodes_as_libjpeg_are_left_to_the_device(mixed_dataset):
+    rng = np.random.default_rng(1)
+    for fmt, mode, options in KINDS:
+        out = io.BytesIO()
+        _photo(rng, 60, 40).convert(mode).save(out, format=fmt, **options)
+        data = out.getvalue()
+        assert (jpeg_device_size(data) is not None) == (fmt == "JPEG" and mode != "CMYK"), (fmt, mode)
+        if fmt == "JPEG" and mode != "CMYK":
+            assert jpeg_device_size(data) == (60, 40)
+            assert jpeg_device_size(data[:-40]) is None  # cut short: the CPU decides whether it is corrupt
+
+
+def test_chunks_carry_the_cpu_paths_boxes_and_the_cpu_crops_of_pngs_and_cmyk(mixed_dataset):
+    first_shard = read_manifest(str(mixed_dataset), "train")[0].name
+    stream = SampleStream([str(mixed_dataset / first_shard)], [ShardRange(0, 0, 12)])
+    raws = [stream.read(want=True) for _ in range(12)]
+    seeds = list(range(300, 312))
+    common = {"img_size": SIZE, "label_kind": "single", "num_classes": 2, "reporter": SkipReporter(), "where": "t"}
+    cpu = decode_chunk(raws, seeds, transform=train_augment(SIZE), **common)
+    dev = decode_chunk(raws, seeds, transform=train_augment(SIZE), device_decode=True, **common)
+    assert dev.keys == cpu.keys and torch.equal(dev.labels, cpu.labels)
+
+    encoded = dev.encoded
+    on_cpu = [p for p in range(12) if p not in encoded.positions]
+    kinds = [("png" if "png" in r.fields else "jpg") for r in raws]
+    assert 0 < len(on_cpu) < 12 and len(encoded) + dev.num_images == 12
+    assert {kinds[p] for p in encoded.positions} == {"jpg"}
+    assert {kinds[p] for p in on_cpu} == {"png", "jpg"}  # PNGs and CMYK JPEGs
+    # The CPU's crops of the samples it kept are the CPU path's, bit for bit, in sample order.
+    assert torch.equal(dev.images, cpu.images[on_cpu])
+    # The boxes: the same seeded draws from the full image size as the CPU path's.
+    crop = TrainCrop(SIZE)
+    for position, box, jpeg in zip(encoded.positions, encoded.boxes, encoded.jpegs()):
+        width, height = Image.open(io.BytesIO(bytes(jpeg))).size
+        assert bytes(jpeg) == raws[position].fields["jpg"]
+        assert box == crop.params(width, height, torch.Generator().manual_seed(seeds[position]))
+    images = decode_batch(dev.images, [encoded], 12)[0]
+    _close(images, cpu.images)
+    # Crops under twice the output size, which the CPU decodes at full scale: within a level or two.
+    full_scale = [p for p, box in zip(encoded.positions, encoded.boxes) if crop.draft_scale(box[3], box[2]) == 1]
+    assert full_scale and (images[full_scale].int() - cpu.images[full_scale].int()).abs().max() <= 2
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_device_decoded_batches_are_the_cpu_paths(mixed_dataset, workers):
+    cpu_loader = _loader(mixed_dataset, workers=workers)
+    cpu = list(itertools.islice(cpu_loader, 8))  # into the second epoch (6 batches each)
+    dev_loader = _loader(mixed_dataset, workers=workers, device_decode=True)
+    dev = list(itertools.islice(dev_loader, 8))
+    assert sum(len(e) for b in dev for e in b.encoded) > len(cpu) * 8 // 2  # most go to the device
+    for c, d in zip(cpu, dev):
+        assert (d.keys, d.epoch, d.step, d.num_skipped) == (c.keys, c.epoch, c.step, c.num_skipped)
+        assert torch.equal(d.labels, c.labels)
+        _close(_decoded(d), c.images.contiguous())
+    assert dev_loader.state_dict() == cpu_loader.state_dict()
+
+
+def test_resume_and_another_world_size_give_the_cpu_paths_samples(mixed_dataset):
+    """Exact resume and the sample-key audit: with device decoding the positions and keys are the
+    CPU path's, also when a run resumes on another number of workers."""
+    first = _loader(mixed_dataset, device_decode=True)
+    before = list(itertools.islice(first, 3))
+    state = first.state_dict()
+    after = []
+    for rank in range(2):
+        resumed = _loader(mixed_dataset, world_size=2, rank=rank, device_decode=True)
+        resumed.load_state_dict(state)
+        after.append(list(itertools.islice(resumed, 4)))
+    cpu_first = _loader(mixed_dataset)
+    cpu_before = list(itertools.islice(cpu_first, 3))
+    cpu_after = []
+    for rank in range(2):
+        resumed = _loader(mixed_dataset, world_size=2, rank=rank)
+        resumed.load_state_dict(cpu_first.state_dict())
+        cpu_after.append(list(itertools.islice(resumed, 4)))
+    assert [b.keys for b in before] == [b.keys for b in cpu_before]
+    assert [[b.keys for b in rank] for rank in after] == [[b.keys for b in rank] for rank in cpu_after]
+    for d, c in zip([b for rank in after for b in rank], [b for rank in cpu_after for b in rank]):
+        _close(_decoded(d), c.images.contiguous())
+
+
+def test_the_feed_decodes_on_the_device_and_resumes_exactly(mixed_dataset):
+    plain = iter(DeviceFeed(_loader(mixed_dataset), "cpu"))
+    feed = DeviceFeed(_loader(mixed_dataset, workers=1, device_decode=True), "cpu")
+    fed, states = iter(feed), []
+    for _ in range(3):
+        expected, batch = next(plain), next(fed)
+        assert batch.keys == expected.keys and torch.equal(batch.labels, expected.labels) and not batch.encoded
+        assert batch.images.is_contiguous() and batch.images.dtype == torch.uint8
+        _close(batch.images, expected.images)
+        states.append(feed.state_dict())
+    assert [s["consumed_per_slot"] for s in states] == [2, 4, 6]
+    resumed = DeviceFeed(_loader(mixed_dataset, device_decode=True), "cpu")
+    resumed.load_state_dict(states[1])
+    again = next(iter(resumed))
+    assert again.keys == batch.keys and torch.equal(again.images, batch.images)  # the third batch again
+
+
+def test_jpegs_no_decoder_reads_are_left_out_as_corrupt():
+    out = io.BytesIO()
+    _photo(np.random.default_rng(2), 48, 40).save(out, format="JPEG")
+    good, bad = out.getvalue(), b"\xff\xd8\xff\xc0 this is not a JPEG \xff\xd9"
+    box = (0, 0, 40, 48, False)
+    encoded = EncodedCrops.of([good, bad, good], [box, box, (4, 8, 20, 20, True)], [0, 2, 3], SIZE)
+    cpu_crops = torch.full((1, 3, SIZE, SIZE), 7, dtype=torch.uint8)  # position 1 was decoded by the CPU
+    images, failed = decode_batch(cpu_crops, [encoded], 4)
+    assert failed == [2] and images.shape == (3, 3, SIZE, SIZE)
+    assert torch.equal(images[1], cpu_crops[0])
+    whole = Image.open(io.BytesIO(good)).convert("RGB")
+    expected = torch.from_numpy(np.array(whole.resize((SIZE, SIZE), Image.Resampling.BILINEAR))).permute(2, 0, 1)
+    assert (images[0].float() - expected.float()).abs().mean() < 1.5
+    flipped = whole.crop((8, 4, 28, 24)).resize((SIZE, SIZE), Image.Resampling.BILINEAR).transpose(0)
+    assert (images[2].float() - torch.from_numpy(np.array(flipped)).permute(2, 0, 1).float()).abs().mean() < 1.5
+
+
+def test_gpu_decode_is_refused_where_no_gpu_trains(mixed_dataset):
+    base = [f"data.train={mixed_dataset}", "cluster.num_workers=1", "train.batch_size=8", "train.micro_batch_size=8"]
+    with pytest.raises(ConfigError, match=r"data.decode=gpu .* trains on CPUs \(cluster.gpus_per_worker=0\): use data"):
+        load_config(TrainingConfig, None, [*base, "data.decode=gpu"])
+    with pytest.raises(ConfigError, match=r"trains on TPUs \(train.backend=xla\)"):
+        load_config(TrainingConfig, None, [*base, "data.decode=gpu", "train.backend=xla"])
+    assert (
+        load_config(TrainingConfig, None, [*base, "data.decode=gpu", "cluster.gpus_per_worker=1"]).data.decode == "gpu"
+    )
+    assert load_config(TrainingConfig, None, base).data.decode == "auto"
+    # On the worker: auto decodes on CUDA only; gpu on another device is refused by name.
+    assert not decodes_on_device("auto", torch.device("cpu")) and not decodes_on_device("cpu", torch.device("cpu"))
+    with pytest.raises(ValueError, match="data.decode=gpu needs a CUDA device, but this worker trains on cpu"):
+        decodes_on_device("gpu", torch.device("cpu"))
+    with pytest.raises(ValueError, match="device_decode .* needs train=True and float_images=False"):
+        _loader(mixed_dataset, device_decode=True, float_images=True)
