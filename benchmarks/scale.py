@@ -160,11 +160,11 @@ def reference_verify(folder: Path) -> dict:
     for rank in range(state["world_size"]):
         record = f"{folder}/complete-rank-{rank:04d}.json"
         if not fs.isfile(record):
-            raise ckpt.IncompleteCheckpointError(record)
+            raise ckpt.IncompleteCheckpointError(str(folder), f"{record} is missing")
         with fs.open(record, "r") as f:
             for name, size in json.load(f).items():
                 if sizes.get(f"{prefix}/{name}") != size:
-                    raise ckpt.IncompleteCheckpointError(name)
+                    raise ckpt.IncompleteCheckpointError(str(folder), f"{name} is missing or truncated")
     return state
 
 

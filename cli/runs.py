@@ -18,7 +18,8 @@ def runs(
         OutputFormat, typer.Option("--format", "-f", help="json: one object per run.")
     ] = OutputFormat.table,
 ):
-    """List the runs under STORAGE with their latest step, checkpoints and status."""
+    """List the runs under STORAGE with their latest step, checkpoints and status, and why any
+    checkpoint does not count (an unfinished write, a cut-short upload)."""
     from rich.table import Table
 
     from vitray.data.storage import check_reachable
@@ -43,7 +44,8 @@ def runs(
                     str(run.latest_step or "-"),
                     str(run.num_checkpoints),
                     run.latest_checkpoint or "-",
-                    run.status,
+                    # the status, then each checkpoint that does not count and why, one a line
+                    "\n".join([run.status, *(f"  ignored {line}" for line in run.incomplete_lines)]),
                     run.attempts_summary,
                 )
             )

@@ -42,7 +42,13 @@ _COMPLETE = COMPLETION_PREFIX + "{rank:04d}.json"
 
 
 class IncompleteCheckpointError(RuntimeError):
-    pass
+    """A checkpoint that does not count; `reason` says why without its path (what `vitray runs`
+    and a run's resume line show next to the checkpoint)."""
+
+    def __init__(self, folder: str, reason: str = ""):
+        # One argument: a whole message (how pickle, e.g. Ray returning the error, rebuilds it).
+        super().__init__(f"checkpoint {folder}: {reason}" if reason else folder)
+        self.reason = reason or folder
 
 
 def completion_record(rank: int) -> str:
@@ -64,7 +70,7 @@ def verify_complete(folder: str | Path, fs=None) -> dict[str, Any]:
     fs = fs or fsspec.filesystem("file")
     folder = str(folder).rstrip("/")
     if not fs.isfile(f"{folder}/{STATE_FILE}"):
-        raise IncompleteCheckpointError(f"checkpoint {folder} has no {STATE_FILE}: it was not finished")
+        raise IncompleteCheckpointError(folder, f"no {STATE_FILE}: it was not finished")
     state = read_state(folder, fs)
     sizes = {info["name"].rstrip("/"): info["size"] for info in fs.find(folder, detail=True).values()}
     prefix = fs._strip_protocol(folder).rstrip("/")
@@ -73,13 +79,13 @@ def verify_complete(folder: str | Path, fs=None) -> dict[str, Any]:
     records = [f"{prefix}/{_COMPLETE.format(rank=rank)}" for rank in range(state["world_size"])]
     for rank, record in enumerate(records):
         if record not in sizes:
-            raise IncompleteCheckpointError(f"checkpoint {folder}: rank {rank} never finished writing it")
+            raise IncompleteCheckpointError(folder, f"rank {rank} never finished writing it")
     contents = fs.cat(records) if records else {}
     for record in records:
         listing = json.loads(contents[record])
         for name, size in listing.items():
             if sizes.get(f"{prefix}/{name}") != size:
-                raise IncompleteCheckpointError(f"checkpoint {folder}: {name} is missing or truncated")
+                raise IncompleteCheckpointError(folder, f"{name} is missing or truncated")
     return state
 
 
@@ -126,8 +132,12 @@ def check_checkpoint(path: str) -> CheckpointInfo:
     try:
         state = verify_complete(fs_path, fs)
         return CheckpointInfo(str(path).rstrip("/"), int(state["step"]), True, state=state)
-    except (IncompleteCheckpointError, KeyError, ValueError) as err:
-        return CheckpointInfo(str(path).rstrip("/"), None, False, str(err) or type(err).__name__)
+    except IncompleteCheckpointError as err:
+        return CheckpointInfo(str(path).rstrip("/"), None, False, err.reason)
+    except (KeyError, ValueError) as err:  # a trainer state that is not vitray's
+        return CheckpointInfo(
+            str(path).rstrip("/"), None, False, f"unreadable {STATE_FILE} ({type(err).__name__}: {err})"
+        )
 
 
 def is_checkpoint(path: str) -> bool:

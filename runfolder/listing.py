@@ -8,7 +8,7 @@ from typing import Any
 
 from vitray.common.failures import describe_failure
 from vitray.data import storage
-from vitray.runfolder.checkpoints import find_checkpoints, read_state
+from vitray.runfolder.checkpoints import find_checkpoints
 from vitray.runfolder.files import RunFiles
 from vitray.runfolder.lease import read_lease
 
@@ -21,6 +21,14 @@ class RunSummary:
     latest_checkpoint: str | None
     status: str
     attempts: list[dict] = field(default_factory=list)  # each `vitray pretrain` of the run, oldest first
+    # each checkpoint folder that does not count, oldest first: {"path": ..., "problem": why}
+    incomplete: list[dict] = field(default_factory=list)
+
+    @property
+    def incomplete_lines(self) -> list[str]:
+        """One line per checkpoint that does not count: its folder name and why (an unfinished
+        write, a cut-short upload), e.g. "checkpoint_2026-...: rank 1 never finished writing it"."""
+        return [f"{c['path'].rstrip('/').rsplit('/', 1)[-1]}: {c['problem']}" for c in self.incomplete]
 
     @property
     def attempts_summary(self) -> str:
@@ -61,37 +69,42 @@ def list_runs(storage_root: str) -> list[RunSummary]:
     runs = []
     for name in storage.list_names(storage_root):
         run_dir = storage.join(storage_root, name)
-        checkpoints = find_checkpoints(run_dir)
+        checkpoints = find_checkpoints(run_dir)  # each checked once: its state or why it does not count
         files = RunFiles(run_dir)
         if not checkpoints and not storage.exists(files.root):
             continue  # not a vitray run
         complete = [c for c in checkpoints if c.complete]
         metrics = files.read_metrics()
         latest_step = metrics[-1].get("step") if metrics else None
-        target = _target_steps(complete[-1].path) if complete else None
+        target = _target_steps(complete[-1].state) if complete else None
         if complete and target is not None and complete[-1].step >= target:
             status = "finished"
         elif complete:
             status = f"resumable from step {complete[-1].step}"
         else:
             status = "no complete checkpoint yet"
-        if len(complete) < len(checkpoints):
-            status += f" ({len(checkpoints) - len(complete)} incomplete checkpoint(s) ignored)"
+        incomplete = [
+            {"path": c.path, "problem": c.problem} for c in sorted(checkpoints, key=lambda c: c.path) if not c.complete
+        ]
+        if incomplete:
+            status += f" ({len(incomplete)} incomplete checkpoint(s) ignored)"
         lease = read_lease(files.lease_path)
         attempts = _attempts(files, lease)
         if lease is not None and lease.fresh():
             status = f"running ({lease.describe()}, heartbeat {lease.age():.0f} s ago); " + status
         runs.append(
-            RunSummary(name, latest_step, len(complete), complete[-1].path if complete else None, status, attempts)
+            RunSummary(
+                name, latest_step, len(complete), complete[-1].path if complete else None, status, attempts, incomplete
+            )
         )
     return runs
 
 
-def _target_steps(checkpoint_path: str) -> int | None:
-    fs, path = storage.filesystem(checkpoint_path)
+def _target_steps(state: dict[str, Any] | None) -> int | None:
+    """The train.steps a checkpoint's run was configured for, from the state its check read."""
     try:
-        return int(read_state(path, fs)["config"]["train"]["steps"])
-    except (KeyError, FileNotFoundError, ValueError):
+        return int((state or {})["config"]["train"]["steps"])
+    except (KeyError, TypeError, ValueError):
         return None
 
 

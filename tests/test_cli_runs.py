@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from vitray.cli.main import app
 from vitray.runfolder.files import RunFiles
+from vitray.trainers.checkpoint import files_under, mark_complete, write_state
 
 # What Ray Train records for a worker failure: the whole traceback of each failed rank.
 WORKER_TRACEBACK = """Training failed due to worker errors:
@@ -88,6 +89,33 @@ def test_json_format(tmp_path):
     assert attempt["cause"] == "ValueError: img_size 30 is not a multiple of the patch size 16"
     assert attempt["error"] == WORKER_TRACEBACK  # the whole record stays available
     assert invoke("runs", str(tmp_path), "--format", "yaml").exit_code == 2
+
+
+def a_run_with_incomplete_checkpoints(storage: Path) -> None:
+    """A complete checkpoint at step 6, then one whose rank 1 never finished and one cut short."""
+    for minute, world, cut in ((0, 1, False), (1, 2, False), (2, 1, True)):
+        folder = storage / "r1" / f"checkpoint_2026-01-01_00-0{minute}-00.000001"
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 100)
+        write_state(folder, {"step": 6 * (minute + 1), "world_size": world, "config": {"train": {"steps": 100}}})
+        mark_complete(folder, 0, files_under(folder))  # rank 0 only: with world 2, rank 1 is missing
+        if cut:
+            (folder / "model.safetensors").write_bytes(b"x" * 50)
+
+
+def test_runs_show_why_a_checkpoint_does_not_count(tmp_path):
+    a_run_with_incomplete_checkpoints(tmp_path)
+    result = invoke("runs", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert "resumable from step 6 (2 incomplete checkpoint(s) ignored)" in result.stdout
+    assert "ignored checkpoint_2026-01-01_00-01-00.000001: rank 1 never finished writing it" in result.stdout
+    assert "ignored checkpoint_2026-01-01_00-02-00.000001: model.safetensors is missing or truncated" in result.stdout
+    (run,) = json.loads(invoke("runs", str(tmp_path), "--format", "json").stdout)
+    assert run["num_checkpoints"] == 1 and run["latest_checkpoint"].endswith("00-00-00.000001")
+    assert [(Path(c["path"]).name, c["problem"]) for c in run["incomplete"]] == [
+        ("checkpoint_2026-01-01_00-01-00.000001", "rank 1 never finished writing it"),
+        ("checkpoint_2026-01-01_00-02-00.000001", "model.safetensors is missing or truncated"),
+    ]
 
 
 def test_version():

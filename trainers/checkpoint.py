@@ -109,7 +109,7 @@ def rank_copy(path: str, select: FileSelector, node_dir: Path, rank: int) -> tup
         for name, part in parts.items():
             if part.stat().st_size != sizes[name]:
                 raise IncompleteCheckpointError(
-                    f"checkpoint {path}: {name} came down with {part.stat().st_size} bytes, its record lists {sizes[name]}"
+                    path, f"{name} came down with {part.stat().st_size} bytes, its record lists {sizes[name]}"
                 )
             os.replace(part, node_dir / name)  # whole, or not there
     finally:
