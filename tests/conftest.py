@@ -176,3 +176,31 @@ def pretrained(digits_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -
     storage = tmp_path_factory.mktemp("pretrain")
     run(pretrain_args(str(digits_dataset), str(storage), "pre", "train.steps=8", "checkpoint.every=4"))
     return str(storage / "pre")
+
+
+@pytest.fixture(scope="session")
+def reference_run(digits_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted run of `pretrain_helpers.REFERENCE` (checkpoints every 10 steps, the val
+    evaluator and the few-shot probe at the last step, the keys of every step's samples recorded),
+    shared by the modules whose stopped, killed or resumed runs must end with its weights and
+    samples: ``{"run_dir", "weights", "keys"}``. Treat it as read-only."""
+    from pretrain_helpers import REFERENCE, REFERENCE_NAME, REFERENCE_STEPS, final_weights, pretrain_args, run
+
+    from vitray.trainers.keys import collect_keys
+
+    root = tmp_path_factory.mktemp("reference")
+    keys = root / "keys"
+    run(
+        pretrain_args(
+            str(digits_dataset),
+            str(root / "runs"),
+            REFERENCE_NAME,
+            *REFERENCE,
+            "checkpoint.every=10",
+            f"evals.val={{type: val, every: {REFERENCE_STEPS}}}",
+            f"evals.fewshot={{type: fewshot, every: {REFERENCE_STEPS}, datasets: {{digits: {digits_dataset}}}}}",
+            f"debug.record_sample_keys={keys}",
+        )
+    )
+    run_dir = str(root / "runs" / REFERENCE_NAME)
+    return {"run_dir": run_dir, "weights": final_weights(run_dir), "keys": collect_keys(keys)}

@@ -35,6 +35,14 @@ BASE = [
     "data.flip=false",
 ]
 
+# The uninterrupted run (the `reference_run` fixture) that runs killed, restarted, stopped by a
+# signal or a full disk, drained or short of a node must end up equal to: 30 steps on whole digits,
+# named `ref`. The checkpoint and pre-emption-check intervals do not change the weights (a resume is
+# exact), so each module picks its own and all share the one run.
+REFERENCE_NAME = "ref"
+REFERENCE_STEPS = 30
+REFERENCE = (f"train.steps={REFERENCE_STEPS}", "data.min_crop_area=1.0")
+
 
 def vitray_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "vitray.cli", *args]

@@ -7,7 +7,15 @@ import re
 from pathlib import Path
 
 import pytest
-from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run, run_until_checkpoint
+from pretrain_helpers import (
+    REFERENCE,
+    REFERENCE_STEPS,
+    assert_same_weights,
+    final_weights,
+    pretrain_args,
+    run,
+    run_until_checkpoint,
+)
 
 from vitray.runfolder.checkpoints import (
     IncompleteCheckpointError,
@@ -21,33 +29,20 @@ from vitray.trainers.keys import collect_keys
 
 pytestmark = pytest.mark.slow
 
-STEPS = 24
-EVERY = 6
+# The shared reference run's recipe (`reference_run`): 30 steps, a checkpoint every 10.
+STEPS = REFERENCE_STEPS
+EVERY = 10
 # Uncropped digits: with crops of half the image, 24 steps of this tiny ViT hardly move the loss
 # from chance (ln 10): it fell by 0.12 with one torch build and rose with another.
 WHOLE_DIGITS = "data.min_crop_area=1.0"
+assert WHOLE_DIGITS in REFERENCE
 
 
 @pytest.fixture(scope="module")
-def reference(digits_dataset, tmp_path_factory):
-    """An uninterrupted 2-worker run: the yardstick for every resume test."""
-    root = tmp_path_factory.mktemp("reference")
-    keys = root / "keys"
-    run(
-        pretrain_args(
-            str(digits_dataset),
-            str(root / "runs"),
-            "ref",
-            f"train.steps={STEPS}",
-            f"checkpoint.every={EVERY}",
-            WHOLE_DIGITS,
-            f"evals.val={{type: val, every: {STEPS}}}",
-            f"debug.record_sample_keys={keys}",
-            f"evals.fewshot={{type: fewshot, every: {STEPS}, datasets: {{digits: {digits_dataset}}}}}",
-        )
-    )
-    run_dir = str(root / "runs" / "ref")
-    return {"run_dir": run_dir, "weights": final_weights(run_dir), "keys": collect_keys(keys)}
+def reference(reference_run):
+    """An uninterrupted 2-worker run: the yardstick for every resume test (shared with the fault
+    tests of test_faults_pretrain, test_drain and test_multinode)."""
+    return reference_run
 
 
 def test_run_trains_and_loss_falls(reference):
@@ -121,35 +116,45 @@ def test_killed_worker_is_restarted_and_run_finishes_identically(digits_dataset,
             WHOLE_DIGITS,
             f"evals.val={{type: val, every: {STEPS}}}",
             f"debug.record_sample_keys={keys}",
-            "debug.kill_worker_at_step=6",
+            "debug.kill_worker_at_step=12",
             "cluster.max_failures=1",
         )
     )
     run_dir = str(tmp_path / "runs" / "ref")
-    assert (Path(run_dir) / "vitray" / "markers" / "killed-at-step-6").exists()
+    assert (Path(run_dir) / "vitray" / "markers" / "killed-at-step-12").exists()
     assert_same_weights(final_weights(run_dir), reference["weights"])
     assert collect_keys(keys) == reference["keys"]
 
 
 def test_resume_on_one_worker_from_two_worker_checkpoint(digits_dataset, reference, tmp_path):
-    storage = str(tmp_path / "runs")
+    import shutil
+
+    # The reference run as a kill after its next-to-last checkpoint leaves it: the last one unfinished
+    # by rank 1. (A kill's own resume is test_stop_and_rerun_resumes_exactly's.)
+    run_dir = tmp_path / "runs" / "ref"
+    shutil.copytree(reference["run_dir"], run_dir)
+    (Path(find_checkpoints(str(run_dir))[-1].path) / "complete-rank-0001.json").unlink()
     keys = tmp_path / "keys"
-    common = [f"train.steps={STEPS}", f"checkpoint.every={EVERY}", WHOLE_DIGITS, f"debug.record_sample_keys={keys}"]
-    stopped_at = run_until_checkpoint(
-        pretrain_args(str(digits_dataset), storage, "ref", *common), str(tmp_path / "runs" / "ref"), min_step=EVERY
-    )
-    run(
+    out = run(
         pretrain_args(
-            str(digits_dataset), storage, "ref", *common, "cluster.num_workers=1", "train.micro_batch_size=32"
+            str(digits_dataset),
+            str(tmp_path / "runs"),
+            "ref",
+            f"train.steps={STEPS}",
+            f"checkpoint.every={EVERY}",
+            WHOLE_DIGITS,
+            f"debug.record_sample_keys={keys}",
+            "cluster.num_workers=1",
+            "train.micro_batch_size=32",
         )
     )
-    run_dir = str(tmp_path / "runs" / "ref")
-    state = verify_complete(latest_complete_checkpoint(run_dir).path)
+    assert f"resuming ref from step {STEPS - EVERY} (" in " ".join(out.stderr.split())
+    state = verify_complete(latest_complete_checkpoint(str(run_dir)).path)
     assert state["step"] == STEPS and state["world_size"] == 1
-    recorded = collect_keys(keys)
     # The global batches are the same samples whatever the number of workers.
-    assert recorded == reference["keys"], f"stopped at {stopped_at}"
-    metrics = RunFiles(run_dir).read_metrics()
+    resumed = {step: k for step, k in reference["keys"].items() if step >= STEPS - EVERY}  # keys count from 0
+    assert collect_keys(keys) == resumed
+    metrics = RunFiles(str(run_dir)).read_metrics()
     assert [m["step"] for m in metrics] == list(range(2, STEPS + 1, 2))
 
 
