@@ -49,9 +49,14 @@ class LoopbackCluster:
         """Start a node with 2 CPUs and `resources`; returns its node id (`self.processes[id]` is its
         `ray start` process, the leader of the node's process group)."""
         before = set(self.node_ids())
-        process = self._start(f"--address={self.address}", "--num-cpus=2", f"--resources={json.dumps(resources)}")
+        # No settling time: the wait for the node to register below also notices a failed start.
+        process = self._start(
+            f"--address={self.address}", "--num-cpus=2", f"--resources={json.dumps(resources)}", settle_s=0
+        )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise AssertionError(f"ray start of a worker node failed: {process.stderr.read()[-3000:]}")
             new = set(self.node_ids()) - before
             if new:
                 node = new.pop()
@@ -105,7 +110,7 @@ class LoopbackCluster:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=60)
 
-    def _start(self, *args: str) -> subprocess.Popen:
+    def _start(self, *args: str, settle_s: float = 3) -> subprocess.Popen:
         node = subprocess.Popen(
             [
                 str(BIN / "ray"),
@@ -122,7 +127,7 @@ class LoopbackCluster:
             start_new_session=True,
         )
         self.nodes.append(node)
-        time.sleep(3)
+        time.sleep(settle_s)
         if node.poll() is not None:
             raise AssertionError(f"ray start {' '.join(args)} failed: {node.stderr.read()[-3000:]}")
         return node

@@ -11,7 +11,15 @@ from __future__ import annotations
 import time
 
 import pytest
-from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run, running
+from pretrain_helpers import (
+    REFERENCE,
+    REFERENCE_NAME,
+    REFERENCE_STEPS,
+    assert_same_weights,
+    final_weights,
+    pretrain_args,
+    running,
+)
 from ray_cluster import loopback_cluster
 
 from vitray.runfolder.checkpoints import latest_complete_checkpoint
@@ -19,13 +27,8 @@ from vitray.runfolder.files import RunFiles
 
 pytestmark = pytest.mark.slow
 
-STEPS, EVERY = 30, 25
-COMMON = (
-    f"train.steps={STEPS}",
-    f"checkpoint.every={EVERY}",
-    "checkpoint.preemption_check_every=2",
-    "data.min_crop_area=1.0",
-)
+STEPS, EVERY = REFERENCE_STEPS, 25
+COMMON = (*REFERENCE, f"checkpoint.every={EVERY}", "checkpoint.preemption_check_every=2")
 # Never on the head node; the nodes share this machine's disk, which the run is told.
 ON_WORKER_NODES = ("cluster.resources_per_worker={vitray_node: 1}", "cluster.shared_filesystem=true")
 
@@ -35,17 +38,21 @@ def _logged_step(run_dir: str) -> int:
     return metrics[-1]["step"] if metrics else 0
 
 
-def test_a_drained_worker_node_is_left_at_a_checkpoint_and_the_run_ends_as_uninterrupted(digits_dataset, tmp_path):
-    reference = tmp_path / "reference"
-    run(pretrain_args(str(digits_dataset), str(reference), "ref", *COMMON))
-
+def test_a_drained_worker_node_is_left_at_a_checkpoint_and_the_run_ends_as_uninterrupted(
+    digits_dataset, reference_run, tmp_path
+):
     storage = tmp_path / "drained"
-    run_dir = str(storage / "ref")
+    run_dir = str(storage / REFERENCE_NAME)
     with loopback_cluster() as cluster:
         for _ in range(2):  # room for the two workers on either node
             cluster.add_worker_node({"vitray_node": 2})
         args = pretrain_args(
-            str(digits_dataset), str(storage), "ref", *COMMON, *ON_WORKER_NODES, f"cluster.address={cluster.address}"
+            str(digits_dataset),
+            str(storage),
+            REFERENCE_NAME,
+            *COMMON,
+            *ON_WORKER_NODES,
+            f"cluster.address={cluster.address}",
         )
         with running(args) as driver:
             deadline = time.monotonic() + 300
@@ -68,4 +75,4 @@ def test_a_drained_worker_node_is_left_at_a_checkpoint_and_the_run_ends_as_unint
     # The drain's own checkpoint (before the every-25 one) is where the new group resumed.
     assert 2 <= stopped["checkpoint_step"] < EVERY and resumed["resumed_from_step"] == stopped["checkpoint_step"]
     assert latest_complete_checkpoint(run_dir).step == STEPS
-    assert_same_weights(final_weights(run_dir), final_weights(str(reference / "ref")))
+    assert_same_weights(final_weights(run_dir), reference_run["weights"])

@@ -14,7 +14,7 @@ import subprocess
 import time
 
 import pytest
-from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run, running
+from pretrain_helpers import REFERENCE, REFERENCE_NAME, REFERENCE_STEPS, assert_same_weights, pretrain_args, running
 from ray_cluster import loopback_cluster
 from safetensors.torch import load
 
@@ -24,8 +24,8 @@ from vitray.runfolder.files import RunFiles
 
 pytestmark = pytest.mark.slow
 
-STEPS, EVERY = 40, 10
-COMMON = (f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "data.min_crop_area=1.0")
+STEPS, EVERY = REFERENCE_STEPS, 10
+COMMON = (*REFERENCE, f"checkpoint.every={EVERY}")
 ONE_PER_NODE = ("cluster.resources_per_worker={vitray_node: 1}",)
 
 
@@ -62,17 +62,20 @@ def test_local_paths_on_a_multi_node_cluster_are_refused(digits_dataset, tmp_pat
     assert latest_complete_checkpoint(str(tmp_path / "local")) is None
 
 
-def test_a_node_killed_mid_run_is_replaced_and_the_run_ends_as_uninterrupted(moto_server, digits_dataset, tmp_path):
-    reference = tmp_path / "reference"
-    run(pretrain_args(str(digits_dataset), str(reference), "multi", *COMMON))
-
+def test_a_node_killed_mid_run_is_replaced_and_the_run_ends_as_uninterrupted(moto_server, reference_run):
     data, runs = moto_server.url("datasets", "digits"), moto_server.url("runs")
     prepare_dataset("builtin:digits", data, samples_per_shard=100)
-    run_dir = f"{runs}/multi"
+    run_dir = f"{runs}/{REFERENCE_NAME}"
     with loopback_cluster() as cluster:
         first, second = (cluster.add_worker_node({"vitray_node": 1}) for _ in range(2))
         args = pretrain_args(
-            data, runs, "multi", *COMMON, *ONE_PER_NODE, "cluster.max_failures=2", f"cluster.address={cluster.address}"
+            data,
+            runs,
+            REFERENCE_NAME,
+            *COMMON,
+            *ONE_PER_NODE,
+            "cluster.max_failures=2",
+            f"cluster.address={cluster.address}",
         )
         with running(args) as driver:
             _wait(driver, lambda: _logged_step(run_dir) >= 2, "step 2 logged")
@@ -88,4 +91,4 @@ def test_a_node_killed_mid_run_is_replaced_and_the_run_ends_as_uninterrupted(mot
     latest = latest_complete_checkpoint(run_dir)
     assert latest.step == STEPS
     weights = load(storage.read_bytes(f"{latest.path}/model.safetensors"))
-    assert_same_weights(weights, final_weights(str(reference / "multi")))
+    assert_same_weights(weights, reference_run["weights"])
