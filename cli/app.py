@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.markup import escape
 
+from vitray.cluster.runtime import RayUnavailable  # light: Ray itself is imported when a command connects
 from vitray.common import exit_codes
 from vitray.common.config import ConfigError, dump_config, load_config
 from vitray.common.failures import describe_failure
@@ -130,8 +131,6 @@ def handled(
     except (typer.Exit, typer.Abort, click.ClickException):
         raise
     except Exception as err:
-        from vitray.cluster.runtime import RayUnavailable  # light (no Ray); only on the way out
-
         if isinstance(err, ConfigError):
             fail(config_message(err), exit_codes.INPUT_ERROR)
         if isinstance(err, (RayUnavailable, *refused)):

@@ -1,123 +1,14 @@
-"""`vitray demo` / `make demo`: the whole path on built-in real data, on this machine.
-
-prepare (scikit-learn's handwritten digits -> webdataset shards) -> pre-train a small ViT on an
-embedded local Ray with 2 workers and DeepSpeed (held-out top-1 and a 10-shot probe as it goes)
--> an evaluation grid (few-shot probes + fine-tuning at a higher resolution) -> table and report
--> the paper's inspection figures of the checkpoint (`vitray inspect`), added to the report.
-"""
+"""`vitray demo` / `make demo`: the whole path on built-in real data, on this machine
+(:func:`vitray.cluster.demo.run_demo`: prepare -> pretrain -> evaluate -> report -> inspect)."""
 
 from __future__ import annotations
 
-import os
-from importlib import resources
-from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
-from vitray.cli.app import SetOpt, VerboseOpt, app, fail, table_console
-from vitray.common.config import ConfigError, load_config
-
-console = Console()
-
-
-# The demo keeps one fine-tune learning rate of the digits grid to stay within a few minutes.
-DEMO_GRID = ["finetune.learning_rates=[0.01]"]
-INSPECTION_DIR = "inspection"  # beside report.md
-
-
-def config_path(name: str) -> Path:
-    return Path(str(resources.files("vitray.configs").joinpath(name)))
-
-
-def run_demo(
-    out_dir: str = "demo-output",
-    overrides: list[str] | None = None,
-    grid_overrides: list[str] | None = None,
-    verbose: bool = False,
-) -> dict:
-    from vitray.cluster.evaluate import report_grid, run_grid
-    from vitray.cluster.prepare import prepare_dataset_on_ray
-    from vitray.cluster.pretrain import AlreadyFinished, pretrain
-    from vitray.cluster.runtime import connect, run_dir
-    from vitray.cluster.transfer import resolve_checkpoints
-    from vitray.evaluation.config import GridConfig
-    from vitray.runfolder.checkpoints import latest_complete_checkpoint
-    from vitray.runfolder.files import RunFiles
-    from vitray.trainers.config import TrainingConfig
-    from vitray.trainers.evals import VAL_TOP1
-
-    out = Path(out_dir).absolute()
-    data = out / "data" / "digits"
-    cfg = load_config(
-        TrainingConfig,
-        config_path("demo.yaml"),
-        [
-            f"data.train={data}",
-            f"run.storage={out / 'runs'}",
-            f"evals.fewshot={{type: fewshot, every: 100, datasets: {{digits: {data}}}}}",
-            *(overrides or []),
-        ],
-    )
-    console.rule("[bold]1/4 prepare: builtin:digits -> webdataset shards")
-    connect(cfg.cluster.address, num_cpus=os.cpu_count(), verbose=verbose)
-    prepare_dataset_on_ray("builtin:digits", str(data), samples_per_shard=200)
-
-    console.rule(
-        f"[bold]2/4 pretrain {cfg.model.name} at {cfg.model.img_size}px on {cfg.cluster.num_workers} Ray workers (DeepSpeed ZeRO-{cfg.train.zero_stage})"
-    )
-    try:
-        pretrain(cfg, verbose=verbose)  # raises TrainingFailedError when the run fails
-    except AlreadyFinished as done:
-        console.print(f"{cfg.run.name} was already trained to step {done.checkpoint.step}: going on with it")
-    run = run_dir(cfg.run.storage, cfg.run.name)
-    files = RunFiles(run)
-    metrics = files.read_metrics()
-    top1 = next((m[VAL_TOP1] for m in reversed(metrics) if VAL_TOP1 in m), None)
-    checkpoint = latest_complete_checkpoint(run)
-
-    console.rule("[bold]3/4 evaluate: few-shot probes and fine-tuning on digits (vitray evaluate)")
-    grid = load_config(
-        GridConfig,
-        config_path("grid_digits.yaml"),
-        [f"data_root={out / 'data'}", f"output={out / 'eval'}", *(grid_overrides or DEMO_GRID)],
-    )
-    summary = run_grid(grid, resolve_checkpoints(run), console=console)
-    report = report_grid(grid, console=table_console())  # full width when stdout is not a terminal
-
-    console.rule("[bold]4/4 inspect: the paper's figures of the checkpoint (vitray inspect)")
-    inspection = add_inspection_to_report(checkpoint.path, Path(report)) if checkpoint else None
-
-    console.rule("[bold]results")
-    if top1 is not None:
-        console.print(f"held-out top-1 after {metrics[-1]['step']} steps: [bold]{top1:.3f}[/] (chance: 0.100)")
-    console.print(f"run folder:   {run}")
-    console.print(f"checkpoint:   {checkpoint.path if checkpoint else '-'}")
-    console.print(f"metrics:      {files.metrics_path} (TensorBoard: {files.root}/tensorboard)")
-    console.print(f"evaluation:   {grid.results_path} (parquet)")
-    console.print(f"report/plots: {report}")
-    if inspection is not None:
-        console.print(f"inspection:   {inspection.out_dir} (figures in the report)")
-    return {
-        "top1": top1,
-        "run_dir": run,
-        "checkpoint": checkpoint.path if checkpoint else None,
-        "report": report,
-        "grid": summary,
-        "inspection": inspection,
-    }
-
-
-def add_inspection_to_report(checkpoint: str, report: Path):
-    """Writes the inspection figures of `checkpoint` (on its own validation images) next to the
-    report and appends them to `report` (report.md) as a section; returns the InspectionFiles."""
-    from vitray.cli.inspection import inspect_checkpoint
-
-    files = inspect_checkpoint(checkpoint, str(report.parent / INSPECTION_DIR))
-    with report.open("a") as markdown:
-        markdown.write("\n" + files.markdown(link_prefix=f"{INSPECTION_DIR}/"))
-    return files
+from vitray.cli.app import SetOpt, VerboseOpt, app, handled, table_console
 
 
 @app.command()
@@ -127,7 +18,7 @@ def demo(
     verbose: VerboseOpt = False,
 ):
     """The whole pipeline on built-in data: prepare -> pretrain -> evaluate -> report."""
-    try:
-        run_demo(out, overrides=set_ or [], verbose=verbose)
-    except ConfigError as err:
-        fail(str(err))
+    from vitray.cluster.demo import run_demo
+
+    with handled():  # a bad --set: one line, exit 2
+        run_demo(out, overrides=set_ or [], verbose=verbose, console=Console(), tables=table_console())

@@ -9,13 +9,12 @@ import typer
 # In `vitray --help` order; importing a command module adds its commands to `app`.
 from vitray.cli import data, demo, inspection, pretrain, runs, submit, transfer  # noqa: F401
 from vitray.cli.app import app, handled
+from vitray.cluster.runtime import enable_token_auth_if_available
 
 __all__ = ["app", "main"]
 
 
 def main() -> None:
-    from vitray.cluster.runtime import enable_token_auth_if_available
-
     # Ray reads its auth mode when first imported, so this comes before any command runs.
     enable_token_auth_if_available()
     try:

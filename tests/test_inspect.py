@@ -17,7 +17,6 @@ from PIL import Image
 from sklearn.decomposition import PCA
 from typer.testing import CliRunner
 
-from vitray.cli.inspection import InspectionInputError, validation_images
 from vitray.cli.main import app
 from vitray.evaluation.inspect import (
     attention_rollout,
@@ -27,6 +26,7 @@ from vitray.evaluation.inspect import (
     posemb_similarity,
 )
 from vitray.evaluation.inspect_plots import FIGURES, inspect_model
+from vitray.evaluation.inspection import InspectionInputError, validation_images
 from vitray.models import create_model
 from vitray.runfolder.checkpoints import load_checkpoint
 
@@ -352,15 +352,15 @@ def test_validation_data_that_cannot_be_found_asks_for_images(tmp_path):
 
 @pytest.mark.slow
 def test_demo_report_gets_the_inspection_figures(pretrained, tmp_path):
-    from vitray.cli.demo import INSPECTION_DIR, add_inspection_to_report
+    from vitray.evaluation.inspection import REPORT_FOLDER, add_to_report
 
     report = tmp_path / "report" / "report.md"
     report.parent.mkdir()
     report.write_text("# vitray evaluation report\n\n## Results\n")
-    files = add_inspection_to_report(pretrained, report)
+    files = add_to_report(pretrained, report)
     text = report.read_text()
     assert text.startswith("# vitray evaluation report") and "## Model inspection" in text
     links = re.findall(r"\]\(([^)]+)\)", text)
-    assert {f"{INSPECTION_DIR}/{name}.png" for name in FIGURES} <= set(links)
+    assert {f"{REPORT_FOLDER}/{name}.png" for name in FIGURES} <= set(links)
     assert all((report.parent / link).is_file() for link in links)
-    assert files.out_dir == report.parent / INSPECTION_DIR
+    assert files.out_dir == report.parent / REPORT_FOLDER
