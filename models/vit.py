@@ -36,14 +36,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .config import ModelConfig
 from .initializers import lecun_normal_, xavier_uniform_square_blocks_
 from .masked_patch import MaskedPatchPrediction
 from .posemb import resample_posemb
 from .resnet import ResNetStem
-from .variants import Variant
+from .variants import get_variant
 
 LAYERNORM_EPS = 1e-6
-HEAD_TYPES = ("token", "gap")
 
 
 class SelfAttention(nn.Module):
@@ -145,13 +145,11 @@ def _check_num_classes(value: object) -> None:
         raise ValueError(f"num_classes must be a non-negative integer (0: no classification head), got {value!r}")
 
 
-def _check_rate(name: str, value: float) -> None:
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
-
-
 class VisionTransformer(nn.Module):
     """ViT (or hybrid ResNet+ViT) classifier; build it with :func:`vitray.models.create_model`.
+
+    Its arguments are the fields of :class:`~vitray.models.ModelConfig`, declared there once (the
+    run config's ``model`` section, :func:`create_model`'s keywords and checkpoints' ``model`` record).
 
     Attributes: ``name``, ``num_classes``, ``img_size``, ``patch_size`` (pixels per token side;
     for a hybrid the ResNet's stride), ``grid_size`` (tokens per side), ``width``, ``depth``,
@@ -160,35 +158,17 @@ class VisionTransformer(nn.Module):
     ``masked_patch_outputs`` (predictions per patch of the masked patch predictor, or None).
     """
 
-    def __init__(
-        self,
-        variant: Variant,
-        *,
-        num_classes: int,
-        img_size: int = 224,
-        head: str = "token",
-        representation_size: int | None = None,
-        dropout: float = 0.0,
-        attn_dropout: float = 0.0,
-        grad_checkpointing: bool = False,
-        masked_patch_outputs: int | None = None,
-        head_bias_init: float = 0.0,
-    ) -> None:
+    def __init__(self, config: ModelConfig, *, num_classes: int) -> None:
+        """The model that ``config`` (validated: head, sizes and rates are in range) describes, with
+        ``num_classes`` outputs (0: no classification head)."""
         super().__init__()
         _check_num_classes(num_classes)
-        if head not in HEAD_TYPES:
-            raise ValueError(f"head must be one of {HEAD_TYPES}, got {head!r}")
-        if representation_size is not None:
-            _check_positive_int("representation_size", representation_size)
-        _check_rate("dropout", dropout)
-        _check_rate("attn_dropout", attn_dropout)
-        if masked_patch_outputs is not None:
-            _check_positive_int("masked_patch_outputs", masked_patch_outputs)
-            if variant.is_hybrid:
-                raise ValueError(
-                    f"masked patch prediction needs a plain ViT: the ResNet of {variant.name} sees every pixel, "
-                    "including those of the corrupted patches"
-                )
+        variant = get_variant(config.name)
+        if config.masked_patch_outputs is not None and variant.is_hybrid:
+            raise ValueError(
+                f"masked patch prediction needs a plain ViT: the ResNet of {variant.name} sees every pixel, "
+                "including those of the corrupted patches"
+            )
         size = variant.size
         self.variant = variant
         self.name = variant.name
@@ -197,10 +177,10 @@ class VisionTransformer(nn.Module):
         self.depth = size.depth
         self.num_heads = size.num_heads
         self.mlp_dim = size.mlp_dim
-        self.head_type = head
-        self.num_prefix_tokens = 1 if head == "token" else 0
-        self.grad_checkpointing = grad_checkpointing
-        self._set_resolution_attributes(img_size)
+        self.head_type = config.head
+        self.num_prefix_tokens = 1 if config.head == "token" else 0
+        self.grad_checkpointing = config.grad_checkpointing
+        self._set_resolution_attributes(config.img_size)
 
         if variant.resnet_stages is None:
             self.stem = None
@@ -213,29 +193,32 @@ class VisionTransformer(nn.Module):
         lecun_normal_(self.patch_embed.weight)
         nn.init.zeros_(self.patch_embed.bias)
 
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, self.width)) if head == "token" else None
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, self.width)) if config.head == "token" else None
         num_tokens = self.num_prefix_tokens + self.grid_size**2
         self.pos_embed = nn.Parameter(torch.empty(1, num_tokens, self.width).normal_(std=0.02))
-        self.embed_dropout = nn.Dropout(dropout)
+        self.embed_dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
-            EncoderBlock(self.width, self.mlp_dim, self.num_heads, dropout, attn_dropout) for _ in range(self.depth)
+            EncoderBlock(self.width, self.mlp_dim, self.num_heads, config.dropout, config.attn_dropout)
+            for _ in range(self.depth)
         )
         self.norm = nn.LayerNorm(self.width, eps=LAYERNORM_EPS)
 
-        self.representation_size = representation_size
-        if representation_size is None:
+        self.representation_size = config.representation_size
+        if config.representation_size is None:
             self.pre_logits = None
         else:
-            self.pre_logits = nn.Linear(self.width, representation_size)
+            self.pre_logits = nn.Linear(self.width, config.representation_size)
             lecun_normal_(self.pre_logits.weight)
             nn.init.zeros_(self.pre_logits.bias)
-        self.num_features = representation_size or self.width
+        self.num_features = config.representation_size or self.width
         self.num_classes = num_classes
-        self.head = self._zero_linear(self.num_features, num_classes, head_bias_init) if num_classes else nn.Identity()
+        self.head = (
+            self._zero_linear(self.num_features, num_classes, config.head_bias_init) if num_classes else nn.Identity()
+        )
 
         self.masked_patch: MaskedPatchPrediction | None = None
-        if masked_patch_outputs is not None:
-            self.masked_patch = MaskedPatchPrediction(self.width, masked_patch_outputs)
+        if config.masked_patch_outputs is not None:
+            self.masked_patch = MaskedPatchPrediction(self.width, config.masked_patch_outputs)
 
     # -- construction helpers -------------------------------------------------------------
 

@@ -402,12 +402,14 @@ def test_resample_posemb_rejects_non_grids():
     ("kwargs", "message"),
     [
         ({"num_classes": -1}, "num_classes must be a non-negative integer"),
-        ({"num_classes": 10, "head": "map"}, r"head must be one of \('token', 'gap'\)"),
         ({"num_classes": 10, "img_size": 30}, "img_size 30 is not divisible by the patch size 4"),
-        ({"num_classes": 10, "img_size": 0}, "img_size must be a positive integer"),
-        ({"num_classes": 10, "representation_size": 0}, "representation_size must be a positive integer"),
-        ({"num_classes": 10, "dropout": 1.0}, r"dropout must be in \[0, 1\)"),
-        ({"num_classes": 10, "attn_dropout": -0.1}, r"attn_dropout must be in \[0, 1\)"),
+        # the model's arguments are ModelConfig's fields: its validation names the argument and the bound
+        ({"num_classes": 10, "head": "map"}, r"head\n  Input should be 'token' or 'gap'"),
+        ({"num_classes": 10, "img_size": 0}, r"img_size\n  Input should be greater than 0"),
+        ({"num_classes": 10, "representation_size": 0}, r"representation_size\n  Input should be greater than 0"),
+        ({"num_classes": 10, "dropout": 1.0}, r"dropout\n  Input should be less than 1"),
+        ({"num_classes": 10, "attn_dropout": -0.1}, r"attn_dropout\n  Input should be greater than or equal to 0"),
+        ({"num_classes": 10, "head_type": "gap"}, r"head_type\n  Extra inputs are not permitted"),
     ],
 )
 def test_bad_arguments_are_clear_errors(kwargs, message):
