@@ -8,7 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class ModelConfig(BaseModel):
-    """Which ViT to build; the arguments of :func:`vitray.models.create_model`."""
+    """Which ViT to build: the one declaration of the model's arguments, which :func:`create_model`,
+    :class:`~vitray.models.VisionTransformer` and a checkpoint's ``model`` record take from here."""
 
     model_config = ConfigDict(extra="forbid")
 
