@@ -5,7 +5,7 @@
   the run's TrainingConfig (:func:`training_config`), whose `val` evaluator reports the run's top-1
   at its last step;
 - :func:`run_finetune`: runs it as a TorchTrainer (`pretrain`), resumed when the run already
-  exists, not started again when it already finished;
+  exists, not started again when it already logged its top-1 (:func:`final_top1`);
 - :func:`top1_on_test_split`: the test top-1 of a selection cell's final weights, in a Ray task with
   one worker's resources (`vitray.evaluation.top1`);
 - :func:`finetune_cell_metrics` (a grid cell) and :func:`finetune_and_score` (`vitray finetune`) put
