@@ -22,7 +22,16 @@ from pathlib import Path
 import pytest
 import yaml
 from disk_helpers import mounted_tmpfs
-from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run, running, vitray_cmd
+from pretrain_helpers import (
+    REFERENCE,
+    REFERENCE_STEPS,
+    assert_same_weights,
+    final_weights,
+    pretrain_args,
+    run,
+    running,
+    vitray_cmd,
+)
 
 from vitray.runfolder.checkpoints import find_checkpoints, latest_complete_checkpoint, verify_complete
 from vitray.runfolder.files import RunFiles
@@ -30,10 +39,10 @@ from vitray.runfolder.lease import read_lease
 
 pytestmark = pytest.mark.slow
 
-STEPS = 30
+STEPS = REFERENCE_STEPS
 EVERY = 10
 CHECK_EVERY = 2
-COMMON = (f"train.steps={STEPS}", "data.min_crop_area=1.0", f"checkpoint.preemption_check_every={CHECK_EVERY}")
+COMMON = (*REFERENCE, f"checkpoint.preemption_check_every={CHECK_EVERY}")
 
 
 def _args(dataset, storage, *extra: str) -> list[str]:
@@ -45,12 +54,10 @@ def _flat(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(digits_dataset, tmp_path_factory):
-    """The uninterrupted run every faulted one must end up equal to."""
-    storage = tmp_path_factory.mktemp("reference")
-    run(_args(digits_dataset, storage, f"checkpoint.every={EVERY}"))
-    run_dir = str(storage / "ref")
-    return {"run_dir": run_dir, "weights": final_weights(run_dir)}
+def reference(reference_run):
+    """The uninterrupted run every faulted one must end up equal to (shared with test_drain and
+    test_multinode)."""
+    return reference_run
 
 
 def _wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 300) -> None:
