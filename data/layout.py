@@ -33,7 +33,7 @@ FORMAT_VERSION = 1
 DATASET_JSON = "dataset.json"
 SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+$")  # split names become part of keys, which have no dots
 
-LabelKind = Literal["single", "multi", "none"]  # "none": unlabelled (num_classes 0), see sources.UnlabelledSource
+LabelKind = Literal["single", "multi", "none"]  # "none": unlabelled (num_classes 0), see sources.unlabelled
 
 
 class SplitInfo(BaseModel):
