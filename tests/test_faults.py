@@ -247,6 +247,38 @@ def test_resume_point_names_the_newer_checkpoints_it_skips_and_why(tmp_path):
     assert ckpt.describe_resume("r", None, []) == "starting r from scratch (no complete checkpoint)"
 
 
+def test_resume_point_knowing_a_checkpoint_reads_only_the_newer_ones(tmp_path, monkeypatch):
+    """The workers' rank 0 after a restart inside the run asks resume_point again, knowing the
+    checkpoint the driver chose and verified: only what was written since is read."""
+    import shutil
+
+    from vitray.runfolder import checkpoints as ckpt
+    from vitray.trainers.checkpoint import files_under, mark_complete, write_state
+
+    run_dir = tmp_path / "run"
+    folders = []
+    for minute, step in enumerate((6, 12, 18)):
+        folder = run_dir / f"checkpoint_2026-01-01_00-{minute:02d}-00.000001"
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 100)
+        write_state(folder, {"step": step, "world_size": 1})
+        mark_complete(folder, 0, files_under(folder))
+        folders.append(folder)
+    (folders[2] / "model.safetensors").write_bytes(b"x")  # the newest cut short
+    checked = []
+    check = ckpt.check_checkpoint
+    monkeypatch.setattr(ckpt, "check_checkpoint", lambda path: checked.append(Path(path).name) or check(path))
+    known = ckpt.CheckpointInfo(str(folders[1]), 12, True)
+    chosen, skipped = ckpt.resume_point(str(run_dir), known=known)
+    assert (Path(chosen.path).name, chosen.step) == (folders[1].name, 12)
+    assert checked == [folders[2].name] and [Path(c.path).name for c in skipped] == [folders[2].name]
+    checked.clear()
+    assert ckpt.resume_point(str(run_dir))[0].step == 12  # not knowing it: the same answer, newest first
+    assert checked == [folders[2].name, folders[1].name]  # and nothing older is read
+    shutil.rmtree(folders[1])  # the known one deleted since (checkpoint.keep): the older ones are read
+    assert ckpt.resume_point(str(run_dir), known=known)[0].step == 6
+
+
 def test_pruning_keeps_the_newest_complete_checkpoints_and_anything_newer(tmp_path):
     """checkpoint.keep counts complete checkpoints only: uploads that failed (silently, as Ray's
     pyarrow upload can) never push the last complete checkpoint out."""
