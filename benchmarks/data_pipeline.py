@@ -16,7 +16,10 @@ into local shards and measures samples per CPU-second of
 3. ``ShardLoader`` decoding in the calling process (``num_workers=0``);
 4. where the region decoder is built: the same as 2. with ``REGION_DECODE`` off (every JPEG
    decoded whole, then cropped: the loader before region decoding);
-5. (``256`` set only) the same as 2. over S3 (a moto server on 127.0.0.1: the S3 code path, not a
+5. the same as 2. with ``device_decode=True`` (``data.decode=gpu``): the workers read the shards
+   and draw the crops but hand the JPEGs over undecoded, for the accelerator to decode; this
+   measures only the CPU's side (the decode itself is the GPU's, see ``vitray.data.device_decode``);
+6. (``256`` set only) the same as 2. over S3 (a moto server on 127.0.0.1: the S3 code path, not a
    network; moto's own CPU time is not counted).
 
 CPU time is summed over the main process and its workers (``getrusage``; worker start-up, the
@@ -164,12 +167,19 @@ def whole_image_decodes() -> Iterator[None]:
 
 
 def loader_run(
-    path: str, *, workers: int, batch_size: int, samples: int, floats: bool = False, whole: bool = False
+    path: str,
+    *,
+    workers: int,
+    batch_size: int,
+    samples: int,
+    floats: bool = False,
+    whole: bool = False,
+    device_decode: bool = False,
 ) -> Rate:
     if whole:
         with whole_image_decodes():
             return loader_run(path, workers=workers, batch_size=batch_size, samples=samples, floats=floats)
-    data_loader = make_loader(path, workers=workers, batch_size=batch_size, floats=floats)
+    data_loader = make_loader(path, workers=workers, batch_size=batch_size, floats=floats, device_decode=device_decode)
     threads = torch.get_num_threads()
     if workers == 0:
         torch.set_num_threads(1)  # decoding in this process: one thread, as in the plain loop
@@ -318,6 +328,9 @@ def main() -> None:
                     readers[f"ShardLoader, {args.workers} workers, uint8, whole decodes"] = lambda: loader_run(
                         local, workers=args.workers, whole=True, **common
                     )
+                readers[f"ShardLoader, {args.workers} workers, JPEGs for the device"] = lambda: loader_run(
+                    local, workers=args.workers, device_decode=True, **common
+                )
                 if kind == "256" and not args.skip_s3:
                     remote = stack.enter_context(s3_shards(root / "jpegs"))
                     readers[f"ShardLoader S3 (moto), {args.workers} workers"] = lambda: loader_run(
@@ -342,6 +355,11 @@ def main() -> None:
                     f"{kind} region / whole decodes {loader.per_cpu_second / whole.per_cpu_second:.2f} "
                     f"(steady {loader.steady_per_cpu_second / whole.steady_per_cpu_second:.2f})"
                 )
+            device = rates[f"ShardLoader, {args.workers} workers, JPEGs for the device"]
+            summary.append(
+                f"{kind} JPEGs for the device / decoded {device.per_cpu_second / loader.per_cpu_second:.2f} "
+                f"(steady {device.steady_per_cpu_second / loader.steady_per_cpu_second:.2f})"
+            )
             if kind == args.sets.split(",")[0] and args.probe_batches:
                 median, longest, switch, switches = stall_probe(
                     local, window=args.probe_window, batch_size=args.batch_size, batches=args.probe_batches

@@ -231,7 +231,7 @@ def concat_chunks(
     elif len(parts) == 1 and not copy:
         images = parts[0].images  # a worker's shared memory, or this process's own buffer: no copy
     else:  # numpy: no intra-op threads for a copy; in memory order, so channels-last is not transposed
-        last = is_channels_last(parts[0].images)
+        last = any(is_channels_last(c.images) for c in parts)  # an empty part (device_decode) has no layout
         stored = [c.images.permute(0, 2, 3, 1) if last else c.images for c in parts]
         images = memory.empty((sum(len(s) for s in stored), *stored[0].shape[1:]), torch.uint8)
         np.concatenate([s.numpy() for s in stored], out=images.numpy())

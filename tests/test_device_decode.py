@@ -223,3 +223,33 @@ def test_gpu_decode_is_refused_where_no_gpu_trains(mixed_dataset):
         decodes_on_device("gpu", torch.device("cpu"))
     with pytest.raises(ValueError, match="device_decode .* needs train=True and float_images=False"):
         _loader(mixed_dataset, device_decode=True, float_images=True)
+
+
+def test_training_with_device_decoding_trains_on_the_cpu_paths_samples(
+    process_group, mixed_dataset, tmp_path, monkeypatch
+):
+    """The sample-key audit of a run whose JPEGs the feed decodes (forced on the CPU, where
+    data.decode=gpu is refused) is the CPU path's, step by step, and it trains."""
+    from pretrain_helpers import in_process_loop
+
+    import vitray.trainers.feed as feed_module
+    import vitray.trainers.loop as loop_module
+    from vitray.trainers.keys import collect_keys
+
+    decoded = []
+
+    def counting_decode(images, encoded, count):
+        decoded.append(sum(len(e) for e in encoded))
+        return decode_batch(images, encoded, count)
+
+    monkeypatch.setattr(feed_module, "decode_batch", counting_decode)
+    keys, losses = {}, {}
+    for setting in ("cpu", "device"):
+        monkeypatch.setattr(loop_module, "decodes_on_device", lambda _setting, _device, on=setting == "device": on)
+        folder = tmp_path / setting
+        loop = in_process_loop(mixed_dataset, folder, f"debug.record_sample_keys={folder / 'keys'}", "data.flip=true")
+        losses[setting] = loop.run()["loss"]
+        keys[setting] = collect_keys(folder / "keys")
+    assert keys["device"] == keys["cpu"] and sorted(keys["cpu"]) == [0, 1, 2, 3]
+    assert len(decoded) >= 4 and sum(decoded) > 16  # the feed decoded most JPEGs of every batch
+    assert losses["device"] == pytest.approx(losses["cpu"], abs=0.05)
