@@ -31,7 +31,14 @@ class DataConfig(BaseModel):
         "own; fewer per rank where they would not divide train.micro_batch_size) and a resumed run the number its "
         "checkpoint records. Set a number with many divisors (the paper configs: 1024) to resume on other world sizes.",
     )
-    num_workers: int = Field(1, ge=0, description="DataLoader worker processes per rank (0: decode in the trainer).")
+    num_workers: int | None = Field(
+        None,
+        ge=0,
+        description="DataLoader worker processes per rank (0: decode in the trainer). Unset: from the CPUs Ray gives "
+        "each training worker (cluster.cpus_per_worker): all but one when the run trains on GPUs or TPUs (the one "
+        "left runs the training process), at least 1; 1 on a CPU run, whose step needs the cores far more than its "
+        "loader. A run's config records the number it resolved to.",
+    )
     shuffle_buffer: int = Field(512, gt=0, description="Samples per shuffle window within a slot.")
     min_crop_area: float = Field(
         0.05, gt=0, le=1, description="Smallest inception crop, as a fraction of the image (the paper: 0.05)."

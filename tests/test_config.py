@@ -91,6 +91,37 @@ def test_data_slots_default_to_one_per_loader_worker(overrides, slots):
     assert cfg.new_run_num_slots() == slots
 
 
+@pytest.mark.parametrize(
+    "overrides, workers, slots",
+    [
+        ([], 1, 2),  # a CPU run: its step needs the cores; one slot per rank's worker
+        (["cluster.cpus_per_worker=8"], 1, 2),
+        (["cluster.gpus_per_worker=1", "cluster.cpus_per_worker=16"], 15, 2),  # all CPUs but the trainer's
+        (["cluster.gpus_per_worker=1", "cluster.cpus_per_worker=8.5"], 7, 2),  # whole CPUs
+        (["cluster.gpus_per_worker=1", "cluster.cpus_per_worker=9"], 8, 16),  # 8 divide the micro batch: a slot each
+        (["cluster.gpus_per_worker=1", "cluster.cpus_per_worker=1"], 1, 2),  # at least one
+        (["cluster.gpus_per_worker=1", "cluster.cpus_per_worker=16", "data.num_workers=3"], 3, 2),  # as set
+        (["cluster.gpus_per_worker=1", "cluster.cpus_per_worker=16", "data.num_workers=0"], 0, 2),
+    ],
+)
+def test_loader_workers_default_to_the_cpus_ray_gives_a_worker(overrides, workers, slots):
+    cfg = load_config(TrainingConfig, None, ["data.train=d", "train.batch_size=64", *overrides])
+    assert cfg.data.num_workers == workers
+    assert cfg.new_run_num_slots() == slots
+    # Recorded: the run's config (what workers and checkpoints get) names the number it resolved to.
+    assert cfg.model_dump(mode="json")["data"]["num_workers"] == workers
+    assert TrainingConfig.model_validate(cfg.model_dump(mode="json")).data.num_workers == workers
+
+
+def test_loader_workers_default_on_a_tpu_slice():
+    cfg = load_config(
+        TrainingConfig,
+        None,
+        ["data.train=d", "train.backend=xla", "cluster.tpu=v4-8", "cluster.cpus_per_worker=96", "train.batch_size=64"],
+    )
+    assert cfg.data.num_workers == 95
+
+
 def test_malformed_override():
     with pytest.raises(ConfigError, match="expected dotted.key=value"):
         load_config(TrainingConfig, None, ["train.steps"])

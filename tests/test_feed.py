@@ -172,3 +172,15 @@ def test_compiled_steps_train_as_the_eager_ones(process_group, digits_dataset, t
     assert list(weights["true"]) == list(weights["false"])  # no `_orig_mod.` prefix in checkpoints
     for name, eager in weights["false"].items():
         torch.testing.assert_close(weights["true"][name], eager, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_loader_only_steps_read_batches_and_train_on_none(process_group, digits_dataset, tmp_path):
+    """debug.loader_only (benchmarks/loader_in_run.py): the loop reads its batches through the feed,
+    counts them as trained on, and leaves the weights as they were."""
+    loop = in_process_loop(digits_dataset, tmp_path, "debug.loader_only=true")
+    before = {k: v.clone() for k, v in loop.backend.module.state_dict().items()}
+    last = loop.run()
+    assert loop.step == 4 and last["images_per_s"] > 0 and last["loss"] == 0.0
+    assert loop.loader.state_dict()["consumed_per_slot"] > 0
+    after = loop.backend.module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -24,6 +24,14 @@ from vitray.trainers.trackers import MlflowSettings, WandbSettings
 _RUN_NAME = EVAL_NAME
 
 
+def default_loader_workers(cpus_per_worker: float, *, accelerated: bool) -> int:
+    """``data.num_workers`` when unset: on GPUs or TPUs every CPU Ray gives the training worker but
+    the one its own process runs on (its step is the accelerator's), at least 1; on the CPU 1: there
+    the step needs the cores far more than decoding does (a ViT step costs a CPU tens of times what
+    decoding its images does)."""
+    return max(1, int(cpus_per_worker) - 1) if accelerated else 1
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -248,6 +256,12 @@ class DebugConfig(_Section):
         description="Fault-injection for tests: the last rank's loss is multiplied by NaN at these steps (a real "
         "NaN through the backward pass and the optimizer).",
     )
+    loader_only: bool = Field(
+        False,
+        description="Benchmarks: every step reads its batches through the device feed and trains on none (no "
+        "forward, backward or optimizer step), so that images_per_s is what the loader delivers inside a run "
+        "(benchmarks/loader_in_run.py).",
+    )
 
 
 _EVALS_EXAMPLE = "e.g. evals: {val: {type: val, every: 100, batch_size: 256}}"
@@ -349,6 +363,17 @@ class TrainingConfig(_Section):
             raise ValueError(
                 f"cluster.tpu={self.cluster.tpu} needs train.backend=xla (got {self.train.backend}): TPUs run torch-xla"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _loader_workers(self) -> TrainingConfig:
+        """An unset ``data.num_workers`` resolved here, so that the run's config (and its checkpoints)
+        record the number it read with, and the default ``num_slots`` below derives from it."""
+        if self.data.num_workers is None:
+            cluster = self.cluster
+            accelerated = cluster.gpus_per_worker > 0 or cluster.tpu is not None
+            workers = default_loader_workers(cluster.cpus_per_worker, accelerated=accelerated)
+            self.data = self.data.model_copy(update={"num_workers": workers})
         return self
 
     def new_run_num_slots(self) -> int:

@@ -242,11 +242,15 @@ class TrainingLoop:
                 self._no_readable_sample(batch)
             if self.keys is not None:
                 self.keys.record(self.step, batch.keys)
+            if self.cfg.debug.loader_only:
+                continue
             loss = self.objective.loss(self.backend, batch, rng)
             if self.step + 1 in self.cfg.debug.nonfinite_loss_at_steps and self.rank == self.world - 1:
                 loss = loss * float("nan")  # fault injection: a real NaN through backward and the optimizer
             self.backend.backward_step(loss)
             losses.append(loss.detach())
+        if self.cfg.debug.loader_only:  # read, not trained on (benchmarks/loader_in_run.py)
+            return torch.zeros((), device=self.backend.device), 0.0, data_wait, skipped
         loss = torch.stack(losses).float().mean()  # before end_step: within the step's XLA graph
         self.backend.end_step()
         if self.ema is not None:
