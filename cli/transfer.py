@@ -25,13 +25,11 @@ from vitray.cli.app import (
     app,
     console,
     fail,
+    handled,
     load,
     print_config,
     table_console,
 )
-from vitray.common import exit_codes
-from vitray.common.config import ConfigError
-from vitray.common.failures import describe_failure
 
 
 def _grid(config: Path | None, overrides: list[str]):
@@ -87,10 +85,8 @@ def fewshot(
     grid = _grid(config, overrides + list(set_ or []))
     from vitray.cluster.fewshot_cells import fewshot_checkpoint
 
-    try:
+    with handled((FileNotFoundError, ValueError, RuntimeError)):
         summary = fewshot_checkpoint(checkpoint, grid)
-    except (FileNotFoundError, ValueError, RuntimeError) as err:
-        fail(str(err))
     table = Table(title=f"few-shot linear probe: {summary.checkpoint.path} (step {summary.checkpoint.step})")
     for name, justify in [
         ("benchmark", "left"),
@@ -151,7 +147,7 @@ def finetune(
             fail("give either -c FILE (a fine-tune config) or --benchmark (the protocol's recipe), not both")
         if checkpoint is None or data_root is None:
             fail("--benchmark needs the CHECKPOINT argument and --data-root")
-        try:
+        with handled((FileNotFoundError, ValueError, RuntimeError)):
             cfg, bench = benchmark_config(
                 checkpoint,
                 benchmark,
@@ -163,10 +159,6 @@ def finetune(
                 name=name,
                 overrides=overrides,
             )
-        except ConfigError as err:
-            fail(str(err))
-        except (FileNotFoundError, ValueError, RuntimeError) as err:
-            fail(str(err))
     else:
         if checkpoint is not None:
             overrides.insert(0, f"init.checkpoint={checkpoint}")
@@ -183,16 +175,11 @@ def finetune(
     from vitray.evaluation.suite import locate
     from vitray.trainers.preflight import PreflightError
 
-    try:
+    # PreflightError: refused before Ray started (exit 2); anything else: the run failed (exit 1)
+    with handled(
+        (PreflightError,), failed=(Exception,), doing="fine-tuning", traceback_at=" (the full traceback: --verbose)"
+    ):
         result = finetune_and_score(cfg, bench, data_root, show_progress=True, verbose=verbose)
-    except PreflightError as err:  # refused before Ray started
-        fail(str(err), exit_codes.INPUT_ERROR)
-    except Exception as err:
-        cause = describe_failure(err)
-        fail(
-            f"fine-tuning failed: {cause.one_line()}\n  {cause.advice()} (the full traceback: --verbose)",
-            exit_codes.FAILED,
-        )
     console.print(f"run folder: {run_dir(cfg.run.storage, cfg.run.name)}")
     if result.test is not None:
         typer.echo(f"val top-1 ({cfg.data.val_path} split {cfg.data.val_split}): {result.top1:.4f}")
@@ -239,37 +226,25 @@ def evaluate(
     if dry_run:
         print_config(grid)
         return
-    from vitray.cluster.checkpoint_inputs import resolve_checkpoints
-    from vitray.cluster.evaluate import report_grid, run_grid, watch_run
-    from vitray.trainers.preflight import PreflightError
+    from vitray.cluster.evaluate import evaluate_checkpoint, report_grid
 
-    if watch:
-        try:
-            # The report follows the run: accuracy vs step is up to date after every new checkpoint.
-            watched = watch_run(
-                checkpoint,
-                grid,
-                poll_seconds=poll,
-                timeout_seconds=watch_timeout,
-                console=console,
-                show_progress=progress,
-                verbose=verbose,
-                on_grid=lambda _: report_grid(grid, show=False),
-            )
-        except ValueError as err:
-            fail(str(err))
-        summaries = watched.grids
-        if not watched.finished:
-            console.print(f"[yellow]stopped watching after {watch_timeout:g} s: the run has not finished[/]")
-    else:
-        try:
-            refs = resolve_checkpoints(checkpoint, all_checkpoints=all_checkpoints)
-        except (FileNotFoundError, ValueError, RuntimeError) as err:
-            fail(str(err))
-        try:
-            summaries = [run_grid(grid, refs, console=console, show_progress=progress, verbose=verbose)]
-        except PreflightError as err:  # refused before Ray started
-            fail(str(err), exit_codes.INPUT_ERROR)
+    # A checkpoint that is not there, or a grid its model cannot run (pre-flight, before Ray): exit 2;
+    # the grid itself failing (not one of its cells: those are in the table): exit 1
+    with handled((FileNotFoundError, ValueError, RuntimeError), failed=(Exception,), doing="evaluation"):
+        watched = evaluate_checkpoint(
+            checkpoint,
+            grid,
+            all_checkpoints=all_checkpoints,
+            watch=watch,
+            poll_seconds=poll,
+            timeout_seconds=watch_timeout,
+            console=console,
+            show_progress=progress,
+            verbose=verbose,
+        )
+    summaries = watched.grids
+    if not watched.finished:
+        console.print(f"[yellow]stopped watching after {watch_timeout:g} s: the run has not finished[/]")
     files = report_grid(grid, table_console(), show=format_ == OutputFormat.table)
     if format_ == OutputFormat.json:
         from vitray.evaluation.report import summary_json

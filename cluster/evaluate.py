@@ -31,7 +31,7 @@ import ray
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from vitray.cluster.checkpoint_inputs import absolute, checkpoint_ref
+from vitray.cluster.checkpoint_inputs import absolute, checkpoint_ref, resolve_checkpoints
 from vitray.cluster.fewshot_cells import submit_fewshot
 from vitray.cluster.finetune import finetune_cell_metrics, finetune_config
 from vitray.cluster.runtime import connect
@@ -416,4 +416,36 @@ def watch_run(
         time.sleep(poll_seconds)
 
 
-__all__ = ["GridSummary", "WatchSummary", "report_grid", "run_grid", "watch_run"]
+def evaluate_checkpoint(
+    checkpoint: str,
+    grid: GridConfig,
+    *,
+    all_checkpoints: bool = False,
+    watch: bool = False,
+    poll_seconds: float = 60.0,
+    timeout_seconds: float = 24 * 3600.0,
+    console: Console | None = None,
+    show_progress: bool = True,
+    verbose: bool = False,
+) -> WatchSummary:
+    """What `vitray evaluate` runs: the grid on CHECKPOINT (a checkpoint, or a run folder's newest
+    complete checkpoint, or every one with ``all_checkpoints``), or with ``watch`` on each new
+    checkpoint of a run still training, the report brought up to date after each. ``finished`` is
+    True unless a watch stopped at its time-out before the run's last step."""
+    if watch:
+        return watch_run(
+            checkpoint,
+            grid,
+            poll_seconds=poll_seconds,
+            timeout_seconds=timeout_seconds,
+            console=console,
+            show_progress=show_progress,
+            verbose=verbose,
+            on_grid=lambda _: report_grid(grid, show=False),
+        )
+    refs = resolve_checkpoints(checkpoint, all_checkpoints=all_checkpoints)
+    summary = run_grid(grid, refs, console=console, show_progress=show_progress, verbose=verbose)
+    return WatchSummary(grids=[summary], finished=True)
+
+
+__all__ = ["GridSummary", "WatchSummary", "evaluate_checkpoint", "report_grid", "run_grid", "watch_run"]
