@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from vitray.cli.app import CheckpointArg, OutputFormat, app, console, fail, table_console
+from vitray.cli.app import CheckpointArg, OutputFormat, app, console, handled, table_console
 
 
 @app.command()
@@ -25,12 +25,10 @@ def runs(
     from vitray.data.storage import check_reachable
     from vitray.runfolder.listing import list_runs
 
-    try:
-        # A mistyped path, missing credentials or an unreachable endpoint: one line, at once.
+    # A mistyped path, missing credentials or an unreachable endpoint: one line, at once.
+    with handled((ValueError, FileNotFoundError, PermissionError)):
         check_reachable(storage, must_exist=True)
         found = list_runs(storage)
-    except (ValueError, FileNotFoundError, PermissionError) as err:
-        fail(str(err))
     if format_ == OutputFormat.json:
         typer.echo(json.dumps([run.as_dict() for run in found], indent=1))
         return
@@ -66,13 +64,9 @@ def export(
 ):
     """Write consolidated model weights: the original ViT .npz layout, safetensors, a folder timm
     loads (timm.create_model("local-dir:OUT", pretrained=True)), or the network as ONNX."""
-    from vitray.runfolder.export import FORMATS
     from vitray.runfolder.export import export as run_export
 
-    if format_ not in FORMATS:
-        fail(f"--format {format_!r} is not supported; expected one of: {', '.join(FORMATS)}")
-    try:
+    # An unknown --format, an output in the way, a checkpoint that is not there: one line, exit 2
+    with handled((FileNotFoundError, ValueError)):
         source = run_export(checkpoint, format_, out, overwrite=overwrite)
-    except (FileNotFoundError, ValueError) as err:
-        fail(str(err))
     console.print(f"wrote {out} ({format_}) from {source}")

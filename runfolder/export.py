@@ -30,7 +30,7 @@ def export(path: str, fmt: str, out: str, *, overwrite: bool = False) -> str:
     """Write the checkpoint's model (its EMA weights when it has them) to `out`; returns the
     checkpoint folder it came from."""
     if fmt not in FORMATS:
-        raise ValueError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+        raise ValueError(f"--format {fmt!r} is not supported; expected one of: {', '.join(FORMATS)}")
     check_output(out, fmt, overwrite=overwrite)  # before the checkpoint is read: fail fast
     model, state = load_checkpoint(path)
     model.eval()

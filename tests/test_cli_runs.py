@@ -121,3 +121,10 @@ def test_runs_show_why_a_checkpoint_does_not_count(tmp_path):
 def test_version():
     result = invoke("--version")
     assert result.exit_code == 0 and result.stdout.strip() == f"vitray {version('vitray')}"
+
+
+def test_export_refuses_an_unknown_format_naming_those_it_writes(tmp_path):
+    # Checked once, by the exporter, before the checkpoint (here: none) is read.
+    line = one_error_line(invoke("export", str(tmp_path / "nowhere"), "--format", "bmp"))
+    assert "--format 'bmp' is not supported" in line
+    assert all(fmt in line for fmt in ("npz", "safetensors", "timm", "onnx")), line
