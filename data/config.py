@@ -35,8 +35,9 @@ class DataConfig(BaseModel):
         None,
         ge=0,
         description="DataLoader worker processes per rank (0: decode in the trainer). Unset: from the CPUs Ray gives "
-        "each training worker (cluster.cpus_per_worker): all but one when the run trains on GPUs or TPUs (the one "
-        "left runs the training process), at least 1; 1 on a CPU run, whose step needs the cores far more than its "
+        "each training worker (cluster.cpus_per_worker): when the run trains on GPUs or TPUs, as many of them but one "
+        "(the one left runs the training process) as divide train.micro_batch_size (a slot each), at least 1; "
+        "1 on a CPU run, whose step needs the cores far more than its "
         "loader. A run's config records the number it resolved to.",
     )
     shuffle_buffer: int = Field(512, gt=0, description="Samples per shuffle window within a slot.")

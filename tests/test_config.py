@@ -96,8 +96,19 @@ def test_data_slots_default_to_one_per_loader_worker(overrides, slots):
     [
         ([], 1, 2),  # a CPU run: its step needs the cores; one slot per rank's worker
         (["cluster.cpus_per_worker=8"], 1, 2),
-        (["cluster.gpus_per_worker=1", "cluster.cpus_per_worker=16"], 15, 2),  # all CPUs but the trainer's
-        (["cluster.gpus_per_worker=1", "cluster.cpus_per_worker=8.5"], 7, 2),  # whole CPUs
+        # all CPUs but the trainer's that divide the micro batch (32): a slot each, no slot shared
+        (["cluster.gpus_per_worker=1", "cluster.cpus_per_worker=16"], 8, 16),
+        (["cluster.gpus_per_worker=1", "cluster.cpus_per_worker=8.5"], 4, 8),  # whole CPUs: 7, of which 4 divide
+        (
+            [
+                "cluster.gpus_per_worker=1",
+                "cluster.cpus_per_worker=16",
+                "train.micro_batch_size=24",
+                "train.batch_size=96",
+            ],
+            12,
+            24,
+        ),
         (["cluster.gpus_per_worker=1", "cluster.cpus_per_worker=9"], 8, 16),  # 8 divide the micro batch: a slot each
         (["cluster.gpus_per_worker=1", "cluster.cpus_per_worker=1"], 1, 2),  # at least one
         (["cluster.gpus_per_worker=1", "cluster.cpus_per_worker=16", "data.num_workers=3"], 3, 2),  # as set
@@ -119,7 +130,7 @@ def test_loader_workers_default_on_a_tpu_slice():
         None,
         ["data.train=d", "train.backend=xla", "cluster.tpu=v4-8", "cluster.cpus_per_worker=96", "train.batch_size=64"],
     )
-    assert cfg.data.num_workers == 95
+    assert cfg.data.num_workers == 32  # of the host's 95 spare CPUs, as many as divide its micro batch (32)
 
 
 def test_malformed_override():

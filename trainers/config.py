@@ -24,12 +24,20 @@ from vitray.trainers.trackers import MlflowSettings, WandbSettings
 _RUN_NAME = EVAL_NAME
 
 
-def default_loader_workers(cpus_per_worker: float, *, accelerated: bool) -> int:
-    """``data.num_workers`` when unset: on GPUs or TPUs every CPU Ray gives the training worker but
-    the one its own process runs on (its step is the accelerator's), at least 1; on the CPU 1: there
-    the step needs the cores far more than decoding does (a ViT step costs a CPU tens of times what
-    decoding its images does)."""
-    return max(1, int(cpus_per_worker) - 1) if accelerated else 1
+def default_loader_workers(cpus_per_worker: float, micro_batch_size: int, *, accelerated: bool) -> int:
+    """``data.num_workers`` when unset: on GPUs or TPUs as many of the CPUs Ray gives the training
+    worker, less the one its own process runs on (its step is the accelerator's), as divide the
+    micro batch, at least 1; on the CPU 1: there the step needs the cores far more than decoding
+    does (a ViT step costs a CPU tens of times what decoding its images does).
+
+    Dividing the micro batch gives every worker a slot of its own (the default ``num_slots`` is one
+    per worker that divides it): 15 workers on a micro batch of 256 would share one slot per rank,
+    each reading all of its bytes (15 times the reads, over S3 too) to decode every 15th batch;
+    8 read 8 slots, once each."""
+    if not accelerated:
+        return 1
+    budget = max(1, int(cpus_per_worker) - 1)
+    return max(n for n in range(1, budget + 1) if micro_batch_size % n == 0)
 
 
 class _Section(BaseModel):
@@ -372,7 +380,9 @@ class TrainingConfig(_Section):
         if self.data.num_workers is None:
             cluster = self.cluster
             accelerated = cluster.gpus_per_worker > 0 or cluster.tpu is not None
-            workers = default_loader_workers(cluster.cpus_per_worker, accelerated=accelerated)
+            workers = default_loader_workers(
+                cluster.cpus_per_worker, self.train.micro_batch_size, accelerated=accelerated
+            )
             self.data = self.data.model_copy(update={"num_workers": workers})
         return self
 
