@@ -83,7 +83,11 @@ def train_worker(loop_config: dict[str, Any]) -> None:
     )
 
     def report(metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
-        if not reported_to_ray(checkpoint_dir):
+        if checkpoint_dir is None:
+            # Every report is a barrier across the ranks that Ray holds until its controller
+            # collects it (every 2 s): on log steps faster than that it stalls the step and the
+            # loader behind it (BENCHMARKS.md, the loader inside a run). Not removed yet: see there.
+            ray.train.report(metrics)
             return
         # Uploads in the background; training goes on as soon as the local files are written.
         ray.train.report(
@@ -126,20 +130,6 @@ def train_worker(loop_config: dict[str, Any]) -> None:
         finally:
             if pruner is not None:
                 pruner.shutdown(wait=True)
-
-
-def reported_to_ray(checkpoint_dir: Path | None) -> bool:
-    """Whether a step's report goes to Ray Train: only with a checkpoint (its metrics with it).
-
-    Every ``ray.train.report`` is a barrier across the ranks (Ray Train V2 agrees on a checkpoint
-    folder name for each, metrics-only ones included), and Ray holds one report per worker until its
-    controller collects it, every 2 s: reporting each log step stalled the step, and the loader
-    behind it, for up to 2 s whenever log steps came faster (the loader inside a run delivered 0.47x
-    of what it delivers alone). Made on a thread of their own, skipping the stale ones, the ranks'
-    reports would no longer pair up: one rank's checkpoint could meet another's metrics in the
-    barrier and the ranks write to different folders. vitray's metrics file and trackers have every
-    log step; Ray gets each checkpoint step's."""
-    return checkpoint_dir is not None
 
 
 def _prune(run_dir: str, keep: int) -> None:
