@@ -138,17 +138,16 @@ def finetune(
     the test split (VTAB-1k: trains on train[:1000], prints the test top-1).
     Re-running the same command resumes the run.
     """
-    from vitray.cluster.finetune import benchmark_config, finetune_and_score, reporting_top1
+    from vitray.cluster.finetune import benchmark_config, reporting_top1, run_finetune
 
     overrides = list(set_ or [])
-    bench = None
     if benchmark is not None:
         if config is not None:
             fail("give either -c FILE (a fine-tune config) or --benchmark (the protocol's recipe), not both")
         if checkpoint is None or data_root is None:
             fail("--benchmark needs the CHECKPOINT argument and --data-root")
         with handled((FileNotFoundError, ValueError, RuntimeError)):
-            cfg, bench = benchmark_config(
+            cfg = benchmark_config(
                 checkpoint,
                 benchmark,
                 data_root,
@@ -172,18 +171,19 @@ def finetune(
         print_config(cfg)
         return
     from vitray.cluster.runtime import run_dir
-    from vitray.evaluation.suite import locate
+    from vitray.trainers.evals import TEST
     from vitray.trainers.preflight import PreflightError
 
     # PreflightError: refused before Ray started (exit 2); anything else: the run failed (exit 1)
     with handled(
         (PreflightError,), failed=(Exception,), doing="fine-tuning", traceback_at=" (the full traceback: --verbose)"
     ):
-        result = finetune_and_score(cfg, bench, data_root, show_progress=True, verbose=verbose)
+        result = run_finetune(cfg, show_progress=True, verbose=verbose)
     console.print(f"run folder: {run_dir(cfg.run.storage, cfg.run.name)}")
     if result.test is not None:
+        test_path, test_split = cfg.evals[TEST].dataset(cfg.data)
         typer.echo(f"val top-1 ({cfg.data.val_path} split {cfg.data.val_split}): {result.top1:.4f}")
-        typer.echo(f"test top-1 ({locate(bench, data_root)} split {bench.test_split}): {result.test:.4f}")
+        typer.echo(f"test top-1 ({test_path} split {test_split}): {result.test:.4f}")
     else:
         typer.echo(f"top-1 ({cfg.data.val_path} split {cfg.data.val_split}): {result.top1:.4f}")
 

@@ -8,9 +8,10 @@
   controller actor (0 CPUs, pinned to the driver's node; it skips its SIGINT handler off the main
   thread), so threads cost no cluster resources, whereas a Ray task wrapping `fit()` would hold a
   CPU for nothing and could starve the workers it waits for.
-- A fine-tune selection cell trains on the train slice, then scores its last checkpoint on the
-  test split in a Ray task with a worker's resources. Where the protocol re-trains the selected
-  learning rate (VTAB-1k), that final run is submitted as soon as its seed's sweep is scored.
+- A fine-tune selection cell trains on the train slice; at its last step the run scores the
+  held-out slice and the test split (two evaluators of one type), so the cell is its run. Where the
+  protocol re-trains the selected learning rate (VTAB-1k), that final run is submitted as soon as
+  its seed's sweep is scored.
 - The driver alone appends to the results table, each cell as soon as it finishes. A cell that
   fails (an error, or its Ray worker crashed) is tried again up to `retries` times in the same
   invocation, then recorded as failed with its last error while the rest of the grid goes on.

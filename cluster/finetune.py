@@ -3,13 +3,13 @@
 - :func:`finetune_config` / :func:`benchmark_config`: the cell's typed recipe
   (:class:`vitray.evaluation.finetune_recipe.FinetuneRecipe`) + dotted overrides, validated once as
   the run's TrainingConfig (:func:`training_config`), whose `val` evaluator reports the run's top-1
-  at its last step;
+  at its last step and -- a selection cell, which validates on a held-out slice -- whose `test`
+  evaluator (the same type on the benchmark's test split) reports the test top-1 then too;
 - :func:`run_finetune`: runs it as a TorchTrainer (`pretrain`), resumed when the run already
-  exists, not started again when it already logged its top-1 (:func:`final_top1`);
-- :func:`top1_on_test_split`: the test top-1 of a selection cell's final weights, in a Ray task with
-  one worker's resources (`vitray.evaluation.top1`);
-- :func:`finetune_cell_metrics` (a grid cell) and :func:`finetune_and_score` (`vitray finetune`) put
-  them together.
+  exists, not started again when it already logged its top-1s (:func:`final_top1`), and returns
+  them (:class:`FinetuneResult`);
+- :func:`finetune_cell_metrics`: a grid cell's numbers, read off its run (`vitray finetune` prints
+  :func:`run_finetune`'s): the run is the cell's only trip through the training code.
 """
 
 from __future__ import annotations
@@ -19,18 +19,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vitray.cluster.checkpoint_inputs import load_on_device, resolve_checkpoints
+from vitray.cluster.checkpoint_inputs import resolve_checkpoints
 from vitray.common.config import validate_config
 from vitray.evaluation.config import FinetuneGrid, GridConfig
 from vitray.evaluation.finetune_recipe import FinetuneRecipe, finetune_run_name
 from vitray.evaluation.grid import METRIC, VAL_METRIC, FinetuneJob, finetune_settings, is_selection
 from vitray.evaluation.results import Cell
-from vitray.evaluation.suite import Benchmark, get_benchmark, locate, require_prepared
-from vitray.evaluation.top1 import split_top1
-from vitray.runfolder import checkpoints as ckpt
+from vitray.evaluation.suite import get_benchmark, require_prepared
 from vitray.runfolder.files import RunFiles
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.evals import VAL, VAL_TOP1, ValEvalConfig
+from vitray.trainers.evals import TEST, TEST_TOP1, VAL, VAL_TOP1, ValEvalConfig
 
 # ---------------------------------------------------------------------------------------------
 # The run's config
@@ -41,8 +39,9 @@ def training_config(
     recipe: FinetuneRecipe, overrides: Mapping[str, Any] | Sequence[str] = (), *, source: str = "the fine-tune recipe"
 ) -> TrainingConfig:
     """The recipe + dotted overrides as a validated TrainingConfig (see `validate_config`) whose
-    evaluator :data:`~vitray.trainers.evals.VAL` reports the run's top-1 at its last step."""
-    return validate_config(TrainingConfig, recipe.config(VAL), overrides, source=source)
+    evaluator :data:`~vitray.trainers.evals.VAL` reports the run's top-1 at its last step (and, a
+    selection cell's, :data:`~vitray.trainers.evals.TEST` its top-1 on the test split)."""
+    return validate_config(TrainingConfig, recipe.config(VAL, TEST), overrides, source=source)
 
 
 def finetune_config(job: FinetuneJob, grid: GridConfig) -> TrainingConfig:
@@ -74,9 +73,10 @@ def benchmark_config(
     storage: str = "./runs",
     name: str | None = None,
     overrides: Sequence[str] = (),
-) -> tuple[TrainingConfig, Benchmark]:
+) -> TrainingConfig:
     """`vitray finetune CHECKPOINT --benchmark NAME`: the protocol's first cell (or `lr`, `steps`) of
-    the benchmark on the checkpoint (or a run folder's latest), as a run under `storage`."""
+    the benchmark on the checkpoint (or a run folder's latest), as a run under `storage`. Where the
+    protocol validates on a held-out slice, the run scores the test split too (its `test` evaluator)."""
     bench = get_benchmark(benchmark)
     options = FinetuneGrid(learning_rates=[lr] if lr else None, steps=steps)
     settings = finetune_settings(bench, options)[0]
@@ -94,12 +94,13 @@ def benchmark_config(
         seed=seed,
         options=options,
     )
-    return training_config(recipe, overrides, source=f"the {bench.name} fine-tune recipe"), bench
+    return training_config(recipe, overrides, source=f"the {bench.name} fine-tune recipe")
 
 
 def reporting_top1(cfg: TrainingConfig) -> TrainingConfig:
     """A fine-tune config (`vitray finetune -c FILE`) with the `val` evaluator at its last step
-    added unless it has one: the top-1 the command reports."""
+    added unless it has one: the top-1 the command reports (and a `test` evaluator of type val, when
+    the file has one, the test top-1 it reports too)."""
     if VAL in cfg.evals:
         return cfg
     cfg.evals = {**cfg.evals, VAL: ValEvalConfig(type="val", every=cfg.train.steps)}
@@ -111,32 +112,58 @@ def reporting_top1(cfg: TrainingConfig) -> TrainingConfig:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_finetune(cfg: TrainingConfig, *, show_progress: bool = False, verbose: bool = False) -> float:
-    """Runs (or resumes) a fine-tune run and returns its top-1 on `data.val_split` at the last step.
+@dataclass(frozen=True)
+class FinetuneResult:
+    """A fine-tune run's numbers at its last step: its top-1 on `data.val_split` (evaluator `val`)
+    and, when it has a `test` evaluator (a selection cell, a protocol run that validated on a
+    held-out slice), the top-1 on that evaluator's split (the benchmark's test split)."""
 
-    A run that already logged its final top-1 is not started again; one that stopped halfway
-    resumes from its latest checkpoint (same run.name and run.storage).
+    top1: float
+    test: float | None = None
+
+
+def run_finetune(cfg: TrainingConfig, *, show_progress: bool = False, verbose: bool = False) -> FinetuneResult:
+    """Runs (or resumes) a fine-tune run and returns the top-1s its evaluators `val` and (when it has
+    one) `test` logged at the last step.
+
+    A run that already logged them is not started again; one that stopped halfway resumes from its
+    latest checkpoint (same run.name and run.storage).
     """
     from vitray.cluster.pretrain import AlreadyFinished, pretrain
     from vitray.cluster.runtime import run_dir
 
     files = RunFiles(run_dir(cfg.run.storage, cfg.run.name))
-    top1 = final_top1(files.read_metrics(), cfg.train.steps, VAL_TOP1)
+    metrics = files.read_metrics()
+    top1 = final_top1(metrics, cfg.train.steps, VAL_TOP1)
     if top1 is None:
         with contextlib.suppress(AlreadyFinished):  # trained to the end; its top-1 is checked just below
             pretrain(cfg, show_progress=show_progress, verbose=verbose)  # raises TrainingFailedError on failure
-        top1 = final_top1(files.read_metrics(), cfg.train.steps, VAL_TOP1)
+        metrics = files.read_metrics()
+        top1 = final_top1(metrics, cfg.train.steps, VAL_TOP1)
     if top1 is None:
         raise RuntimeError(
             f"fine-tune run {files.run_dir} ended without {VAL_TOP1} at step {cfg.train.steps} "
             f"(it needs an evaluator named {VAL!r} of type val: it always runs at the last step)"
         )
-    return top1
+    if TEST not in cfg.evals or cfg.evals[TEST].type != "val":
+        return FinetuneResult(top1)
+    # Both evaluators run at the last step and are logged in one record: a run that has the one
+    # and not the other was made without the test evaluator (before the test split was scored in
+    # the run), and its weights at the last step are all that is left of it.
+    test = final_top1(metrics, cfg.train.steps, TEST_TOP1)
+    if test is None:
+        raise RuntimeError(
+            f"fine-tune run {files.run_dir} finished without {TEST_TOP1} at step {cfg.train.steps}: it was "
+            f"made without the {TEST!r} evaluator (before the test split was scored in the run). Delete the run "
+            f"folder {files.run_dir} to re-run the cell"
+        )
+    return FinetuneResult(top1, test)
 
 
 def final_top1(metrics: Iterable[Mapping[str, Any]], steps: int, metric: str = VAL_TOP1) -> float | None:
-    """The top-1 on its `data.val_split` a fine-tune run logged at its last step as `metric` (the
-    held-out slice of a selection cell, the test split of a final run), or None if it has not."""
+    """The top-1 a fine-tune run logged at its last step as `metric` (:data:`VAL_TOP1`: on its
+    `data.val_split`, the held-out slice of a selection cell or the test split of a final run;
+    :data:`TEST_TOP1`: a selection cell's on the test split), or None if it has not."""
     found = None
     for record in metrics:
         if record.get("step") == steps and metric in record:
@@ -146,86 +173,10 @@ def final_top1(metrics: Iterable[Mapping[str, Any]], steps: int, metric: str = V
 
 def finetune_cell_metrics(job: FinetuneJob, grid: GridConfig, *, verbose: bool = False) -> dict[str, float]:
     """Runs (or resumes) one fine-tune cell: ``{"val_accuracy": ..., "accuracy": test top-1}`` for a
-    selection cell, ``{"accuracy": test top-1}`` for a final run."""
-    cfg = finetune_config(job, grid)
-    top1 = run_finetune(cfg, verbose=verbose)
+    selection cell, ``{"accuracy": test top-1}`` for a final run; both read off the run's metrics at
+    its last step."""
+    result = run_finetune(finetune_config(job, grid), verbose=verbose)
     if not is_selection(job.cell.settings):
-        return {METRIC: top1}
-    test = top1_on_test_split(cfg, job.benchmark, grid.data_root, verbose=verbose)
-    return {VAL_METRIC: top1, METRIC: test}
-
-
-@dataclass(frozen=True)
-class FinetuneResult:
-    """`vitray finetune`'s numbers: the run's top-1 on `data.val_split`, and for a protocol run that
-    validated on a held-out slice, the test split's."""
-
-    top1: float
-    test: float | None = None
-
-
-def finetune_and_score(
-    cfg: TrainingConfig,
-    benchmark: Benchmark | None = None,
-    data_root: str | None = None,
-    *,
-    show_progress: bool = False,
-    verbose: bool = False,
-) -> FinetuneResult:
-    """Runs (or resumes) one fine-tune run; a protocol run (`benchmark`) that validated on a
-    held-out slice is scored on the test split too."""
-    top1 = run_finetune(cfg, show_progress=show_progress, verbose=verbose)
-    held_out = benchmark is not None and cfg.data.val_split != benchmark.test_split
-    test = top1_on_test_split(cfg, benchmark, data_root, verbose=verbose) if held_out else None
-    return FinetuneResult(top1, test)
-
-
-def top1_on_test_split(cfg: TrainingConfig, benchmark: Benchmark, data_root: str, *, verbose: bool = False) -> float:
-    """The test top-1 of a finished fine-tune run's last checkpoint, computed in a Ray task with one
-    of the run's workers' resources (a GPU when its workers have one)."""
-    from vitray.cluster.runtime import connect, run_dir
-
-    path = run_dir(cfg.run.storage, cfg.run.name)
-    checkpoint = ckpt.latest_complete_checkpoint(path)
-    if checkpoint is None or checkpoint.step != cfg.train.steps:
-        found = "none" if checkpoint is None else f"step {checkpoint.step}"
-        raise RuntimeError(
-            f"fine-tune run {path} has no complete checkpoint at its last step {cfg.train.steps} "
-            f"(found {found}) to score on the test split"
-        )
-    connect(cfg.cluster.address, verbose=verbose)  # before Ray is imported (token auth), see runtime.connect
-    import ray
-
-    cluster = cfg.cluster
-    task = ray.remote(num_cpus=cluster.cpus_per_worker, num_gpus=cluster.gpus_per_worker)(_test_top1_task)
-    ref = task.remote(
-        checkpoint.path,
-        locate(benchmark, data_root),
-        benchmark.test_split,
-        cfg.evals[VAL].batch_size,
-        cfg.data.num_workers,
-        cfg.data.storage_options,
-        cluster.gpus_per_worker > 0,
-    )
-    return float(ray.get(ref))
-
-
-def _test_top1_task(
-    checkpoint: str,
-    path: str,
-    split: str,
-    batch_size: int,
-    data_workers: int,
-    storage_options: dict[str, Any] | None,
-    use_gpu: bool,
-) -> float:
-    model, device = load_on_device(checkpoint, use_gpu=use_gpu)
-    return split_top1(
-        model,
-        path,
-        split,
-        batch_size=batch_size,
-        num_workers=data_workers,
-        storage_options=storage_options,
-        device=device,
-    )
+        return {METRIC: result.top1}
+    # The recipe gives a selection cell's run a test evaluator unless it validates on the test split itself.
+    return {VAL_METRIC: result.top1, METRIC: result.top1 if result.test is None else result.test}

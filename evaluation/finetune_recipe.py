@@ -7,9 +7,11 @@ fine-tuning resolution. :meth:`FinetuneRecipe.for_cell` builds it once from a ce
 makes it the run's `vitray.trainers.config.TrainingConfig` (:meth:`FinetuneRecipe.config` is that
 config's shape: this package does not import the trainers) and runs it on Ray Train.
 
-A selection cell's run trains on the train slice and reports top-1 at its last step on the
-held-out slice; its final weights are then scored on the test split (`vitray.evaluation.top1`). A
-final run reports its test top-1 itself.
+A selection cell's run trains on the train slice and, at its last step, reports two top-1s from
+two evaluators of the same type (big_vision's pattern): the validation one on the held-out slice
+(which selects the learning rate) and the test one on the benchmark's test split (the cell's
+headline number), so the cell's path through the code ends with its run. A final run has one
+evaluator: its validation split is the test split.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vitray.data.plan import default_num_slots
 from vitray.evaluation.config import FinetuneGrid
@@ -46,6 +48,10 @@ class FinetuneRecipe(BaseModel):
     train_split: str
     val: str = Field(description="Prepared dataset whose `val_split` top-1 the run reports at its last step.")
     val_split: str
+    test: str | None = Field(
+        None, description="Prepared dataset whose `test_split` top-1 a selection run reports too (None: a final run)."
+    )
+    test_split: str | None = Field(None, description="The benchmark's test split (with `test`).")
     lr: float = Field(gt=0)
     steps: int = Field(gt=0)
     batch_size: int = Field(gt=0)
@@ -60,6 +66,12 @@ class FinetuneRecipe(BaseModel):
     gpus_per_worker: float = Field(ge=0)
     address: str | None = None
     storage_options: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _test_with_its_split(self) -> FinetuneRecipe:
+        if (self.test is None) != (self.test_split is None):
+            raise ValueError("test and test_split are set together (a selection cell's run) or not at all")
+        return self
 
     @classmethod
     def for_cell(
@@ -79,15 +91,21 @@ class FinetuneRecipe(BaseModel):
     ) -> FinetuneRecipe:
         """The recipe of a cell with resolved `settings` (lr, steps, batch_size, warmup_steps,
         resolution, train_split and -- for a selection cell -- val_split). The run trains on
-        `train_split` of the benchmark's train data and reports top-1 on `val_split` of the same data,
-        or, without `val_split` (a final run), on the test split. `options` is the grid's fine-tune
-        section (workers, micro batch, checkpoint interval); its `overrides` are dotted keys for the
-        config loader, applied by `cluster/finetune.py`."""
+        `train_split` of the benchmark's train data and reports top-1 on `val_split` of the same data
+        and on the benchmark's test split (`test`, `test_split`), or, without `val_split` (a final
+        run), on the test split alone. `options` is the grid's fine-tune section (workers, micro
+        batch, checkpoint interval); its `overrides` are dotted keys for the config loader, applied by
+        `cluster/finetune.py`."""
         options = options or FinetuneGrid()
         steps, batch = int(settings["steps"]), int(settings["batch_size"])
         workers = options.num_workers
         micro = max(1, min(options.micro_batch_size, batch // workers))
-        selection = is_selection(settings)
+        test, test_split = locate(benchmark, data_root), benchmark.test_split
+        if is_selection(settings):  # the held-out slice comes from the train data (ImageNet-ReaL: ImageNet's train)
+            val, val_split = locate_train(benchmark, data_root), settings[VAL_SPLIT]
+        else:
+            val, val_split = test, test_split
+        held_out = (val, val_split) != (test, test_split)  # scored on the test split by a second evaluator
         return cls(
             checkpoint=checkpoint,
             model=dict(model),
@@ -96,9 +114,10 @@ class FinetuneRecipe(BaseModel):
             seed=int(seed),
             train=locate_train(benchmark, data_root),
             train_split=settings.get(TRAIN_SPLIT, benchmark.train_split),
-            # The held-out slice comes from the train data (ImageNet-ReaL: ImageNet's train split).
-            val=locate_train(benchmark, data_root) if selection else locate(benchmark, data_root),
-            val_split=settings[VAL_SPLIT] if selection else benchmark.test_split,
+            val=val,
+            val_split=val_split,
+            test=test if held_out else None,
+            test_split=test_split if held_out else None,
             lr=float(settings["lr"]),
             steps=steps,
             batch_size=batch,
@@ -115,9 +134,19 @@ class FinetuneRecipe(BaseModel):
             storage_options=storage_options,
         )
 
-    def config(self, val_evaluator: str) -> dict[str, Any]:
+    def config(self, val_evaluator: str, test_evaluator: str | None = None) -> dict[str, Any]:
         """The run in the shape of `vitray.trainers.config.TrainingConfig`; `val_evaluator` names the
-        evaluator that reports the run's top-1 once, at its last step (`vitray.trainers.evals.VAL`)."""
+        evaluator that reports the run's top-1 on `val_split` once, at its last step
+        (`vitray.trainers.evals.VAL`), and -- a selection cell's run -- `test_evaluator` the one that
+        reports its top-1 on the test split then (`vitray.trainers.evals.TEST`)."""
+        scored = {"type": "val", "every": self.steps, "batch_size": self.eval_batch_size}
+        evals = {val_evaluator: scored}
+        if self.test is not None:
+            if test_evaluator is None or test_evaluator == val_evaluator:
+                raise ValueError(
+                    f"a selection cell's run scores the test split too: name its evaluator (got {test_evaluator!r})"
+                )
+            evals[test_evaluator] = {**scored, "path": self.test, "split": self.test_split}
         return {
             "seed": self.seed,
             "run": {"name": self.run_name, "storage": self.run_storage},
@@ -144,7 +173,7 @@ class FinetuneRecipe(BaseModel):
             "schedule": {"warmup_steps": self.warmup_steps, "decay": "cosine", "min_lr": 0.0},
             "checkpoint": {"every": self.checkpoint_every, "keep": 1},
             "log": {"every": max(1, min(50, self.steps // 4))},
-            "evals": {val_evaluator: {"type": "val", "every": self.steps, "batch_size": self.eval_batch_size}},
+            "evals": evals,
             "cluster": {
                 "address": self.address,
                 "num_workers": self.num_workers,

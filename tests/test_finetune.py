@@ -19,7 +19,7 @@ from pretrain_helpers import run
 from safetensors.torch import load_file
 
 from vitray.cluster.checkpoint_inputs import resolve_checkpoints
-from vitray.cluster.finetune import finetune_config, training_config
+from vitray.cluster.finetune import finetune_cell_metrics, finetune_config, run_finetune, training_config
 from vitray.common.config import ConfigError
 from vitray.evaluation.config import FinetuneGrid, GridConfig
 from vitray.evaluation.finetune_recipe import FinetuneRecipe
@@ -28,7 +28,7 @@ from vitray.evaluation.suite import get_benchmark
 from vitray.models import resample_posemb
 from vitray.runfolder.checkpoints import latest_complete_checkpoint, read_state
 from vitray.runfolder.files import RunFiles
-from vitray.trainers.evals import VAL, ValEvalConfig
+from vitray.trainers.evals import TEST, TEST_TOP1, VAL, VAL_TOP1, EvalEnv, ValEvalConfig, ValEvaluator
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +91,9 @@ def test_recipe_is_the_papers_finetuning_recipe(pretrained, tmp_path):
         digits.batch_size,
         digits.warmup_steps,
     )
-    assert cfg.evals[VAL] == ValEvalConfig(type="val", every=30)  # the test top-1 at the end
+    # At the end, the top-1 on the held-out slice and, a second evaluator of the same type, on the test split.
+    assert cfg.evals[VAL] == ValEvalConfig(type="val", every=30)
+    assert cfg.evals[TEST] == ValEvalConfig(type="val", every=30, path=str(tmp_path / "data" / "digits"), split="test")
     assert cfg.init.checkpoint == ref.path and cfg.init.reset_head
     assert cfg.model.name == "Ti/4" and cfg.model.img_size == 24 and cfg.model.representation_size is None
     # Trained on the train-minus-validation slice; the run's top-1 is on the held-out slice.
@@ -173,6 +175,9 @@ def test_benchmark_form_builds_the_protocol_recipe(pretrained, digits_dataset, t
     assert cfg["model"]["img_size"] == 24 and cfg["data"]["val"] == str(root / "digits")
     assert (cfg["data"]["train_split"], cfg["data"]["val_split"]) == ("train[:90%]", "train[90%:]")
     assert re.fullmatch(r"digits-lr0\.03-seed0-[0-9a-f]{16}", cfg["run"]["name"])
+    # Validated on the held-out slice, it scores the test split in the same run (a second val evaluator).
+    assert set(cfg["evals"]) == {VAL, TEST} and cfg["evals"][VAL].get("split") is None
+    assert (cfg["evals"][TEST]["path"], cfg["evals"][TEST]["split"]) == (str(root / "digits"), "test")
 
     missing = subprocess.run(
         [*CLI, "finetune", pretrained, "--benchmark", "cifar10", "--data-root", str(root), "--dry-run"],
@@ -244,6 +249,119 @@ def test_vtab_selects_on_800_200_then_retrains_the_chosen_lr_on_1000(tmp_path):
     assert plan.finetune[0].cell.settings["val_split"] == "train[1000:]" and plan.finals[0].train_split == "train"
     with pytest.raises(ValueError, match="malformed"):
         FinetuneGrid(val_split="train[1000]")
+
+
+def test_a_selection_cell_scores_the_held_out_slice_and_the_test_split_in_its_run(tmp_path):
+    grid, plan = _grid_plan(tmp_path, ["vtab/dtd"], learning_rates=[0.003, 0.01])
+    for job in plan.finetune:  # selection cells: train[:800], validated on train[800:1000]
+        cfg = finetune_config(job, grid)
+        assert list(cfg.evals) == [VAL, TEST]
+        assert cfg.evals[VAL].dataset(cfg.data) == (str(tmp_path / "vtab_dtd"), "train[800:1000]")
+        assert cfg.evals[TEST].dataset(cfg.data) == (str(tmp_path / "vtab_dtd"), "test")
+        assert cfg.evals[VAL].every == cfg.evals[TEST].every == cfg.train.steps
+        assert cfg.evals[VAL].batch_size == cfg.evals[TEST].batch_size == grid.finetune.eval_batch_size
+    final = finetune_config(plan.finals[0].job(0.01), grid)  # validated on the test split: one evaluator
+    assert list(final.evals) == [VAL] and final.evals[VAL].dataset(final.data) == (str(tmp_path / "vtab_dtd"), "test")
+    # ImageNet-ReaL holds out part of ImageNet's train split; its test evaluator reads ReaL's folder.
+    grid, plan = _grid_plan(tmp_path, ["imagenet_real"], learning_rates=[0.01])
+    cfg = finetune_config(plan.finetune[0], grid)
+    assert cfg.evals[VAL].dataset(cfg.data) == (str(tmp_path / "imagenet"), "train[99%:]")
+    bench = get_benchmark("imagenet_real")
+    assert cfg.evals[TEST].dataset(cfg.data) == (str(tmp_path / bench.dataset), bench.test_split)
+    # The recipe's shape names the test evaluator only where it has one to name.
+    recipe = FinetuneRecipe.for_cell(
+        get_benchmark("digits"),
+        plan.finetune[0].cell.settings | {"val_split": "train[90%:]"},
+        checkpoint="/ckpt",
+        model={"name": "Ti/4"},
+        data_root=str(tmp_path),
+        run_name="r",
+        run_storage=str(tmp_path),
+    )
+    assert (recipe.test, recipe.test_split) == (str(tmp_path / "digits"), "test")
+    with pytest.raises(ValueError, match="name its evaluator"):
+        recipe.config(VAL)
+
+
+def test_the_val_evaluator_scores_the_path_and_split_its_section_names(digits_dataset, single_thread):
+    from vitray.common.config import load_config
+    from vitray.evaluation.top1 import split_top1
+    from vitray.models import create_model
+    from vitray.trainers.config import TrainingConfig
+
+    torch.manual_seed(0)
+    model = create_model("Ti/4", num_classes=10, img_size=16).eval()
+    cfg = load_config(
+        TrainingConfig,
+        None,
+        [
+            f"data.train={digits_dataset}",
+            "data.val_split=train[:10%]",
+            "model.img_size=16",
+            "data.num_workers=0",
+            f"evals.{VAL}={{type: val, every: 1, batch_size: 64}}",
+            f"evals.{TEST}={{type: val, every: 1, batch_size: 64, split: test}}",
+            "evals.other={type: val, every: 1, batch_size: 64, path: /nowhere, split: 'train[10%:20%]'}",
+        ],
+    )
+    env = EvalEnv(rank=0, world_size=1, device="cpu", dtype=torch.float32, sum_over_ranks=lambda values: values)
+    val, test = (ValEvaluator(name, cfg.evals[name], cfg)(model, env) for name in (VAL, TEST))
+    assert val == {VAL_TOP1: pytest.approx(split_top1(model, str(digits_dataset), "train[:10%]", batch_size=64))}
+    assert test == {TEST_TOP1: pytest.approx(split_top1(model, str(digits_dataset), "test", batch_size=64))}
+    assert cfg.evals["other"].dataset(cfg.data) == ("/nowhere", "train[10%:20%]")
+    with pytest.raises(ConfigError, match=r"evals\.test\.val\.split"):
+        load_config(
+            TrainingConfig, None, [f"data.train={digits_dataset}", "evals.test={type: val, every: 1, split: 'test[1'}"]
+        )
+
+
+def test_preflight_checks_every_split_a_val_evaluator_scores(digits_dataset, tmp_path):
+    from vitray.common.config import load_config
+    from vitray.trainers.config import TrainingConfig
+    from vitray.trainers.preflight import PreflightError, check_inputs
+
+    base = [
+        f"data.train={digits_dataset}",
+        "model.img_size=16",
+        f"run.storage={tmp_path}",
+        "evals.val={type: val, every: 1}",
+    ]
+    assert check_inputs(load_config(TrainingConfig, None, [*base, "evals.test={type: val, every: 1, split: train}"]))
+    with pytest.raises(PreflightError, match=r"evals\.test: .*nowhere does not exist"):
+        check_inputs(
+            load_config(
+                TrainingConfig, None, [*base, f"evals.test={{type: val, every: 1, path: {tmp_path / 'nowhere'}}}"]
+            )
+        )
+    with pytest.raises(PreflightError, match=r"evals\.test=.*validation.*pick one"):
+        check_inputs(load_config(TrainingConfig, None, [*base, "evals.test={type: val, every: 1, split: validation}"]))
+
+
+def _finished_run(tmp_path, grid, job, **top1s):
+    """A run folder of `job`'s cell that logged `top1s` at its last step (no Ray needed to read it)."""
+    import json
+
+    cfg = finetune_config(job, grid)
+    files = RunFiles(str(Path(cfg.run.storage) / cfg.run.name))
+    Path(files.metrics_path).parent.mkdir(parents=True)
+    Path(files.metrics_path).write_text(json.dumps({"step": cfg.train.steps, "loss": 0.1, **top1s}) + "\n")
+    return cfg, files
+
+
+def test_a_cell_reads_both_top1s_off_its_run_and_an_old_run_without_the_test_one_is_named(tmp_path):
+    grid, plan = _grid_plan(tmp_path, ["vtab/dtd"], learning_rates=[0.003, 0.01])
+    selection, other = plan.finetune[:2]
+    _finished_run(tmp_path, grid, selection, **{VAL_TOP1: 0.5, TEST_TOP1: 0.25})
+    assert finetune_cell_metrics(selection, grid) == {"val_accuracy": 0.5, "accuracy": 0.25}
+    final = plan.finals[0].job(0.01)
+    cfg, _ = _finished_run(tmp_path, grid, final, **{VAL_TOP1: 0.75})
+    assert finetune_cell_metrics(final, grid) == {"accuracy": 0.75}
+    assert run_finetune(cfg).test is None
+    # A run made before the test split was scored in the run: nothing is deleted, the message says what to.
+    cfg, files = _finished_run(tmp_path, grid, other, **{VAL_TOP1: 0.5})
+    with pytest.raises(RuntimeError, match=rf"without {TEST_TOP1}.*Delete the run folder {re.escape(files.run_dir)}"):
+        finetune_cell_metrics(other, grid)
+    assert Path(files.metrics_path).exists()
 
 
 # ---------------------------------------------------------------------------------------------

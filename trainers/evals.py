@@ -3,11 +3,15 @@ type; the loop builds them once and runs whichever is due.
 
     evals:
       val:   {type: val, every: 100, batch_size: 256}            # top-1 on data.val_path / data.val_split
+      test:  {type: val, every: 1000, path: /data/cifar10, split: test}   # another split, same evaluator
       probe: {type: fewshot, every: 1000, datasets: {digits: /data/digits}, shots: [10], seeds: 1}
 
+Several evaluators of one type score different splits (big_vision's pattern): a `val` evaluator
+reads `data.val_path` / `data.val_split` unless its section names a `path` / `split`.
 An evaluator's metrics are named ``<name>/<metric>`` (:func:`metric_name`): the evaluator named
 ``val`` reports ``val/top1`` (:data:`VAL_TOP1`, what the fine-tune recipe and the progress bar
-read). When the run keeps an EMA of the weights (``optim.ema_decay``), evaluators score the EMA
+read), the one named ``test`` ``test/top1`` (:data:`TEST_TOP1`: a fine-tune run that selects its
+learning rate on a held-out slice scores the benchmark's test split with it, in the same run). When the run keeps an EMA of the weights (``optim.ema_decay``), evaluators score the EMA
 weights, as the authors report them (``weights: live`` in an evaluator's section scores the raw
 weights instead); the raw weights are put back before training goes on.
 Implementations are found by dotted name (:data:`EVALUATORS`), so adding one is adding a
@@ -28,7 +32,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from vitray.data.splits import parse_split
+
 if TYPE_CHECKING:  # the config imports this module for its `evals:` section
+    from vitray.data.config import DataConfig
     from vitray.trainers.config import TrainingConfig
 
 EVAL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -41,6 +48,8 @@ def metric_name(evaluator: str, metric: str) -> str:
 
 VAL = "val"  # the evaluator whose top-1 a fine-tune run reports
 VAL_TOP1 = metric_name(VAL, "top1")
+TEST = "test"  # a selection fine-tune run's second val evaluator: the benchmark's test split
+TEST_TOP1 = metric_name(TEST, "top1")
 
 
 # -- config ------------------------------------------------------------------------------------
@@ -55,10 +64,24 @@ class _EvalSection(BaseModel):
 
 
 class ValEvalConfig(_EvalSection):
-    """Top-1 of the model being trained on `data.val_path` / `data.val_split`, on every rank (all-reduced)."""
+    """Top-1 of the model being trained on `path` / `split` (by default `data.val_path` /
+    `data.val_split`), on every rank (all-reduced)."""
 
     type: Literal["val"]
     batch_size: int = Field(256, gt=0, description="Samples per worker per forward.")
+    path: str | None = Field(None, description="Prepared dataset scored (local or s3://); data.val_path when unset.")
+    split: str | None = Field(None, description="Split (or slice: train[98%:]) scored; data.val_split when unset.")
+
+    @field_validator("split")
+    @classmethod
+    def _split_syntax(cls, split: str | None) -> str | None:
+        if split is not None:
+            parse_split(split)  # a malformed slice fails with the config, before any worker starts
+        return split
+
+    def dataset(self, data: DataConfig) -> tuple[str, str]:
+        """(path, split) this evaluator scores, given the run's data section."""
+        return self.path or data.val_path, self.split or data.val_split
 
 
 class FewshotEvalConfig(_EvalSection):
@@ -138,7 +161,8 @@ class Evaluator:
 
 
 class ValEvaluator(Evaluator):
-    """``top1`` on the validation split; every rank scores its share, the counts are summed."""
+    """``top1`` on its section's `path` / `split` (the run's validation split by default); every rank
+    scores its share, the counts are summed."""
 
     COUNT = "vitray.evaluation.top1:count_top1"
 
@@ -146,10 +170,11 @@ class ValEvaluator(Evaluator):
         from vitray.data import EvalLoader
 
         data = self.training.data
+        path, split = self.config.dataset(data)
         module.eval()
         loader = EvalLoader(
-            data.val_path,
-            data.val_split,
+            path,
+            split,
             rank=env.rank,
             world_size=env.world_size,
             batch_size=self.config.batch_size,

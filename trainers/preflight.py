@@ -73,8 +73,14 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
         except storage.StorageUnreachable as err:
             raise PreflightError(f"run.storage: {err}") from None
     info = _check_dataset("data.train", cfg.data.train, cfg.data.train_split, options)
-    if any(ev.type == "val" for ev in cfg.evals.values()):
-        _check_dataset("data.val", cfg.data.val_path, cfg.data.val_split, options)
+    checked = set()  # (path, split) of the val evaluators: data.val's unless a section names its own
+    for name, ev in cfg.evals.items():
+        scored = ev.dataset(cfg.data) if ev.type == "val" else None
+        if scored is None or scored in checked:
+            continue
+        key = "data.val" if scored == (cfg.data.val_path, cfg.data.val_split) else f"evals.{name}"
+        _check_dataset(key, *scored, options)
+        checked.add(scored)
     for name, ev in cfg.evals.items():
         for dataset_name, path in getattr(ev, "datasets", {}).items():
             _check_dataset(f"evals.{name}.datasets.{dataset_name}", path, None, options)
