@@ -82,13 +82,9 @@ def train_worker(loop_config: dict[str, Any]) -> None:
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitray-prune") if context.get_world_rank() == 0 else None
     )
 
-    def report(metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
-        if checkpoint_dir is None:
-            # Every report is a barrier across the ranks that Ray holds until its controller
-            # collects it (every 2 s): on log steps faster than that it stalls the step and the
-            # loader behind it (BENCHMARKS.md, the loader inside a run). Not removed yet: see there.
-            ray.train.report(metrics)
-            return
+    def report(metrics: dict[str, Any], checkpoint_dir: Path) -> None:
+        # Only checkpoints go to Ray Train (see `vitray.trainers.context.Reporter`): every report is
+        # a barrier across the ranks that Ray holds until its controller collects it (every 2 s).
         # Uploads in the background; training goes on as soon as the local files are written.
         ray.train.report(
             metrics,

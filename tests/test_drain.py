@@ -12,6 +12,7 @@ import time
 
 import pytest
 from pretrain_helpers import (
+    HELD,
     REFERENCE,
     REFERENCE_NAME,
     REFERENCE_STEPS,
@@ -28,7 +29,7 @@ from vitray.runfolder.files import RunFiles
 pytestmark = pytest.mark.slow
 
 STEPS, EVERY = REFERENCE_STEPS, 25
-COMMON = (*REFERENCE, f"checkpoint.every={EVERY}", "checkpoint.preemption_check_every=2")
+COMMON = (*REFERENCE, f"checkpoint.every={EVERY}", "checkpoint.preemption_check_every=2", HELD)
 # Never on the head node; the nodes share this machine's disk, which the run is told.
 ON_WORKER_NODES = ("cluster.resources_per_worker={vitray_node: 1}", "cluster.shared_filesystem=true")
 

@@ -279,14 +279,16 @@ def test_unlabelled_shards_hold_images_only_and_read_as_label_minus_one(unlabell
 # -- pre-training and transfer in one process -------------------------------------------------
 
 
-def _run_loop(overrides: list[str], run_dir: Path) -> list[tuple[dict, str | None]]:
+def _run_loop(overrides: list[str], run_dir: Path) -> tuple[list[str], list[dict]]:
+    """(the checkpoint folders the loop handed over, the metrics it logged)."""
+    from vitray.runfolder.files import RunFiles
     from vitray.trainers.loop import TrainingLoop
 
     cfg = load_config(TrainingConfig, None, overrides)
-    reports: list[tuple[dict, str | None]] = []
-    ctx = WorkerContext(rank=0, world_size=1, run_dir=str(run_dir), report=lambda m, d: reports.append((m, d)))
+    saved: list[str] = []
+    ctx = WorkerContext(rank=0, world_size=1, run_dir=str(run_dir), report=lambda m, d: saved.append(str(d)))
     TrainingLoop(cfg, ctx).run()
-    return reports
+    return saved, RunFiles(str(run_dir)).read_metrics()
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +298,7 @@ def mpp_checkpoint(
     """20 steps of masked patch prediction (mean colour, 3 bits) of a Ti/4 at 16 px on unlabelled
     digits, ZeRO-2 with 2 accumulated micro-batches; (final checkpoint, reported metrics)."""
     storage = tmp_path_factory.mktemp("mpp")
-    reports = _run_loop(
+    saved, metrics = _run_loop(
         [
             f"data.train={unlabelled_digits}",
             "model.img_size=16",
@@ -320,15 +322,14 @@ def mpp_checkpoint(
         ],
         storage / "run",
     )
-    saved = [d for _, d in reports if d is not None]
     assert len(saved) == 1
-    return saved[0], [m for m, _ in reports]
+    return saved[0], metrics
 
 
 def test_masked_patch_pretraining_loss_falls(mpp_checkpoint):
-    folder, reports = mpp_checkpoint
-    losses = [m["loss"] for m in reports if "loss" in m]
-    assert not any("val/top1" in m for m in reports)  # an evaluator runs, but there is no classifier
+    folder, metrics = mpp_checkpoint
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    assert not any("val/top1" in m for m in metrics)  # an evaluator runs, but there is no classifier
     assert len(losses) == 5 and all(np.isfinite(losses))
     # Starts near the uniform distribution over 512 colours (ln 512 = 6.24) and must fall well below.
     assert losses[0] > 4.0 and losses[-1] < losses[0] - 2.0 and losses[-1] < 2.5, losses
@@ -350,7 +351,7 @@ def test_masked_patch_checkpoint_transfers_to_fewshot_and_finetuning(
     model.reset_head(10)
     assert model(torch.zeros(2, 3, 16, 16)).shape == (2, 10) and model.masked_patch is None
     # Fine-tuning on labelled digits from the checkpoint: a plain ViT with a 10-class head comes out.
-    reports = _run_loop(
+    saved, _ = _run_loop(
         [
             f"data.train={digits_dataset}",
             f"init.checkpoint={folder}",
@@ -367,7 +368,7 @@ def test_masked_patch_checkpoint_transfers_to_fewshot_and_finetuning(
         ],
         tmp_path / "finetune",
     )
-    tuned, tuned_state = ckpt.load_model(next(d for _, d in reports if d is not None))
+    tuned, tuned_state = ckpt.load_model(saved[0])
     assert tuned.num_classes == 10 and tuned.masked_patch is None
     assert tuned_state["model"]["masked_patch_outputs"] is None
     assert not any(key.startswith("masked_patch.") for key in tuned.state_dict())
@@ -380,7 +381,7 @@ def test_masked_patch_pretraining_on_the_xla_backend(process_group, unlabelled_d
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     os.environ.setdefault("CPU_NUM_DEVICES", "4")
     os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
-    reports = _run_loop(
+    saved, metrics = _run_loop(
         [
             f"data.train={unlabelled_digits}",
             "model.img_size=16",
@@ -403,11 +404,11 @@ def test_masked_patch_pretraining_on_the_xla_backend(process_group, unlabelled_d
         ],
         tmp_path / "run",
     )
-    logged = [m for m, _ in reports if "loss" in m]
+    logged = [m for m in metrics if "loss" in m]
     assert [m["step"] for m in logged] == [2, 4, 6]
     assert logged[-1]["loss"] < logged[0]["loss"] - 2.0, logged
     assert len({m["xla/compilations"] for m in logged}) == 1  # no recompilation after the first step
-    model, state = ckpt.load_model([d for _, d in reports if d is not None][-1])
+    model, state = ckpt.load_model(saved[-1])
     assert state["backend"] == "xla" and model.masked_patch_outputs == 512
 
 

@@ -14,7 +14,15 @@ import subprocess
 import time
 
 import pytest
-from pretrain_helpers import REFERENCE, REFERENCE_NAME, REFERENCE_STEPS, assert_same_weights, pretrain_args, running
+from pretrain_helpers import (
+    HELD,
+    REFERENCE,
+    REFERENCE_NAME,
+    REFERENCE_STEPS,
+    assert_same_weights,
+    pretrain_args,
+    running,
+)
 from ray_cluster import loopback_cluster
 from safetensors.torch import load
 
@@ -25,7 +33,7 @@ from vitray.runfolder.files import RunFiles
 pytestmark = pytest.mark.slow
 
 STEPS, EVERY = REFERENCE_STEPS, 10
-COMMON = (*REFERENCE, f"checkpoint.every={EVERY}")
+COMMON = (*REFERENCE, f"checkpoint.every={EVERY}", HELD)
 ONE_PER_NODE = ("cluster.resources_per_worker={vitray_node: 1}",)
 
 

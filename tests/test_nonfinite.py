@@ -24,6 +24,7 @@ import tarfile
 import pytest
 import torch
 from pretrain_helpers import (
+    HELD,
     assert_same_weights,
     final_weights,
     in_process_loop,
@@ -145,7 +146,7 @@ def test_skipped_steps_and_damaged_samples_are_counted_across_a_kill_and_the_res
 
     killed = tmp_path / "killed"
     args = pretrain_args(damaged, str(killed), "bad", *COMMON, *poisoned)
-    assert run_until_checkpoint(args, str(killed / "bad"), min_step=10) >= 10
+    assert run_until_checkpoint([*args, "--set", HELD], str(killed / "bad"), min_step=10) >= 10
     rerun = run(args)
     assert "resuming bad from step" in " ".join(rerun.stderr.split())
     resumed = RunFiles(str(killed / "bad")).read_metrics()

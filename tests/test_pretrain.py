@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from pretrain_helpers import (
+    HELD,
     REFERENCE,
     REFERENCE_STEPS,
     assert_same_weights,
@@ -84,7 +85,8 @@ def test_stop_and_rerun_resumes_exactly(digits_dataset, reference, tmp_path):
     )
     staging = tmp_path / "staging"
     args += ["--set", f"checkpoint.staging_dir={staging}"]
-    stopped_at = run_until_checkpoint(args, str(tmp_path / "runs" / "ref"), min_step=EVERY)
+    # Killed while it runs (held: a step a half second); the re-run does not wait.
+    stopped_at = run_until_checkpoint([*args, "--set", HELD], str(tmp_path / "runs" / "ref"), min_step=EVERY)
     assert stopped_at < STEPS
     # What a kill mid-upload leaves on the node: shares of this run's checkpoints (each rank's),
     # beside another run's staging folder, which is not this run's to touch.

@@ -264,6 +264,13 @@ class DebugConfig(_Section):
         description="Fault-injection for tests: the last rank's loss is multiplied by NaN at these steps (a real "
         "NaN through the backward pass and the optimizer).",
     )
+    step_delay_s: float = Field(
+        0.0,
+        ge=0,
+        le=60,
+        description="Tests: every step waits this long before its work, so that a test can act on a run in "
+        "progress (a small model's run otherwise ends in seconds). Changes no result.",
+    )
     loader_only: bool = Field(
         False,
         description="Benchmarks: every step reads its batches through the device feed and trains on none (no "

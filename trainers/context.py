@@ -12,8 +12,16 @@ from typing import Any, Protocol
 
 
 class Reporter(Protocol):
-    def __call__(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
-        """Publish metrics and, when given, a local checkpoint folder (every rank calls it)."""
+    def __call__(self, metrics: dict[str, Any], checkpoint_dir: Path) -> None:
+        """Hand a local checkpoint folder, with its step's metrics, to the run (every rank calls it,
+        at the same step).
+
+        Only checkpoints are reported: every log step's metrics are in the run's metrics file and
+        trackers already. Under Ray Train every report is a barrier across the ranks that Ray holds
+        until its controller collects it (every 2 s); reporting each log step stalled the step, and
+        the loader behind it, whenever log steps came faster (BENCHMARKS.md, the loader inside a
+        run). Made on a thread of their own instead, the ranks' reports could pair one rank's
+        checkpoint with another's metrics in that barrier."""
 
 
 @dataclass

@@ -180,6 +180,8 @@ class TrainingLoop:
         self._skipped_seen = self._nonfinite_total = self.backend.skipped_steps()
         last: dict[str, Any] = {}
         while self.step < train.steps:
+            if self.cfg.debug.step_delay_s:  # tests: a run to act on while it runs
+                time.sleep(self.cfg.debug.step_delay_s)
             with self.attention():  # forward and backward on the kernel of `train.attention`
                 loss, grad_norm, data_wait, skipped = self.train_step(batches)
             self.step += 1
@@ -206,8 +208,6 @@ class TrainingLoop:
             self.checkpointer.finish(wait=save)
             if save:
                 self.checkpointer.save(self.step, metrics)
-            elif metrics:
-                self.ctx.report({"step": self.step, **metrics}, None)
             last = metrics or last
             self._maybe_inject_failure()
             if (stop := self.preemption.check(self.step)) is not None:
