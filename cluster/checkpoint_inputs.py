@@ -4,7 +4,8 @@
   as grid inputs (:class:`~vitray.evaluation.grid.CheckpointRef`, found and opened by
   :mod:`vitray.runfolder.checkpoints`);
 - :func:`load_on_device`: a checkpoint's model on the GPU when asked for and present, else the CPU
-  (`vitray fewshot`, the grid's few-shot tasks and the test-split scoring of fine-tune cells).
+  (`vitray fewshot` and the grid's few-shot tasks; a fine-tune cell scores its test split in its
+  own run, `vitray.cluster.finetune`).
 """
 
 from __future__ import annotations

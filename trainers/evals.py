@@ -2,18 +2,19 @@
 type; the loop builds them once and runs whichever is due.
 
     evals:
-      val:   {type: val, every: 100, batch_size: 256}            # top-1 on data.val_path / data.val_split
-      test:  {type: val, every: 1000, path: /data/cifar10, split: test}   # another split, same evaluator
+      val:   {type: val, every: 100, batch_size: 256}             # top-1 on data.val_path / data.val_split
+      test:  {type: val, every: 1000, path: /data/cifar10, split: test}   # the same type on another split
       probe: {type: fewshot, every: 1000, datasets: {digits: /data/digits}, shots: [10], seeds: 1}
 
-Several evaluators of one type score different splits (big_vision's pattern): a `val` evaluator
-reads `data.val_path` / `data.val_split` unless its section names a `path` / `split`.
-An evaluator's metrics are named ``<name>/<metric>`` (:func:`metric_name`): the evaluator named
-``val`` reports ``val/top1`` (:data:`VAL_TOP1`, what the fine-tune recipe and the progress bar
-read), the one named ``test`` ``test/top1`` (:data:`TEST_TOP1`: a fine-tune run that selects its
-learning rate on a held-out slice scores the benchmark's test split with it, in the same run). When the run keeps an EMA of the weights (``optim.ema_decay``), evaluators score the EMA
-weights, as the authors report them (``weights: live`` in an evaluator's section scores the raw
-weights instead); the raw weights are put back before training goes on.
+Several evaluators of one type score different splits: a `val` evaluator reads `data.val_path` /
+`data.val_split` unless its section names a `path` / `split`. An evaluator's metrics are named
+``<name>/<metric>`` (:func:`metric_name`): the evaluator named ``val`` reports ``val/top1``
+(:data:`VAL_TOP1`, what the fine-tune recipe and the progress bar read), the one named ``test``
+``test/top1`` (:data:`TEST_TOP1`: a fine-tune run that selects its learning rate on a held-out
+slice scores the benchmark's test split with it, in the same run). When the run keeps an EMA of
+the weights (``optim.ema_decay``), evaluators score the EMA weights, as the authors report them
+(``weights: live`` in an evaluator's section scores the raw weights instead); the raw weights are
+put back before training goes on.
 Implementations are found by dotted name (:data:`EVALUATORS`), so adding one is adding a
 config model here and a class anywhere below `cluster/`. What evaluates lives in `evaluation/`
 (the top-1 loop in `vitray.evaluation.top1`, the few-shot probe in `vitray.evaluation.fewshot_probe`),
