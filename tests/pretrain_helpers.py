@@ -43,9 +43,9 @@ REFERENCE_NAME = "ref"
 REFERENCE_STEPS = 30
 REFERENCE = (f"train.steps={REFERENCE_STEPS}", "data.min_crop_area=1.0")
 
-# For a run a test acts on while it runs (a signal, a kill, a drain, a full disk): half a second a
-# step, so that its 30 steps last ~15 s instead of the few seconds they take (weights unchanged).
-HELD = "debug.step_delay_s=0.5"
+# For a run a test acts on while it runs (a signal, a kill, a full disk): a quarter second a step,
+# so that its 30 steps last ~8 s instead of the few seconds they take (weights unchanged).
+HELD = "debug.step_delay_s=0.25"
 
 
 def vitray_cmd(*args: str) -> list[str]:

@@ -137,7 +137,7 @@ class LoopbackCluster:
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:
                     os.killpg(node.pid, sig)
-                    node.wait(timeout=30)
+                    node.wait(timeout=3)  # then SIGKILL: nothing of a throw-away node needs saving
                     break
                 except ProcessLookupError:
                     break

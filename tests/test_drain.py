@@ -12,7 +12,6 @@ import time
 
 import pytest
 from pretrain_helpers import (
-    HELD,
     REFERENCE,
     REFERENCE_NAME,
     REFERENCE_STEPS,
@@ -29,7 +28,8 @@ from vitray.runfolder.files import RunFiles
 pytestmark = pytest.mark.slow
 
 STEPS, EVERY = REFERENCE_STEPS, 25
-COMMON = (*REFERENCE, f"checkpoint.every={EVERY}", "checkpoint.preemption_check_every=2", HELD)
+# Half a second a step: the drain goes through `ray drain-node` and Ray's GCS before rank 0 sees it.
+COMMON = (*REFERENCE, f"checkpoint.every={EVERY}", "checkpoint.preemption_check_every=2", "debug.step_delay_s=0.5")
 # Never on the head node; the nodes share this machine's disk, which the run is told.
 ON_WORKER_NODES = ("cluster.resources_per_worker={vitray_node: 1}", "cluster.shared_filesystem=true")
 
