@@ -6,14 +6,20 @@
   replacement node joins, and the run finishes by itself (`cluster.max_failures`) from its latest
   complete checkpoint, with the weights of an uninterrupted run;
 - local paths on such a cluster are refused at once, naming them and what to use instead.
+
+Both tests share one cluster (a head and two worker nodes, started once for the module instead of
+once a test) and one S3 endpoint, which the nodes' environment names, so it must exist first.
 """
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import time
+from collections.abc import Iterator
 
 import pytest
+from conftest import AWS_CLEARED_ENV, AWS_TEST_ENV, S3Endpoint, _clear_s3fs_cache, _free_port
 from pretrain_helpers import (
     HELD,
     REFERENCE,
@@ -23,7 +29,7 @@ from pretrain_helpers import (
     pretrain_args,
     running,
 )
-from ray_cluster import loopback_cluster
+from ray_cluster import LoopbackCluster, loopback_cluster
 from safetensors.torch import load
 
 from vitray.data import prepare_dataset, storage
@@ -56,44 +62,89 @@ def _wait(driver: subprocess.Popen, condition, what: str, timeout: float = 400) 
         time.sleep(0.3)
 
 
-def test_local_paths_on_a_multi_node_cluster_are_refused(digits_dataset, tmp_path):
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Endpoint]:
+    """conftest's `moto_server`, for the whole module: the cluster's nodes (and so the run's
+    workers) take the S3 endpoint and credentials from the environment they are started in."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = S3Endpoint(f"http://127.0.0.1:{port}", "vitray-test-multinode")
+    with pytest.MonkeyPatch.context() as env:
+        for name in AWS_CLEARED_ENV:
+            env.delenv(name, raising=False)
+        aws = {**AWS_TEST_ENV, "AWS_ENDPOINT_URL": endpoint.endpoint_url, "AWS_EC2_METADATA_DISABLED": "true"}
+        for name, value in aws.items():
+            env.setenv(name, value)
+        _clear_s3fs_cache()
+        try:
+            boto3.client("s3", endpoint_url=endpoint.endpoint_url).create_bucket(Bucket=endpoint.bucket)
+            yield endpoint
+        finally:
+            _clear_s3fs_cache()
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(s3) -> Iterator[LoopbackCluster]:
+    """A head node and two worker nodes with room for one worker each (`vitray_node: 1`), shared by
+    the module's tests; the kill test kills one of the two and adds a replacement."""
     with loopback_cluster() as cluster:
-        cluster.add_worker_node({"vitray_node": 1})
-        args = pretrain_args(
-            str(digits_dataset), str(tmp_path), "local", *ONE_PER_NODE, f"cluster.address={cluster.address}"
-        )
-        out = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        for _ in range(2):
+            cluster.add_worker_node({"vitray_node": 1})
+        yield cluster
+
+
+# The refusal test comes first on purpose (pytest runs a module's tests in file order): it needs the
+# cluster as the fixture started it, all of whose nodes are alive. After the kill test, the killed
+# node stays listed as alive until the head's health checks give up on it (~15 s) and a replacement
+# has joined, so the number of nodes the refusal names would depend on timing.
+
+
+def test_local_paths_on_a_multi_node_cluster_are_refused(cluster, digits_dataset, tmp_path):
+    nodes = sum(node.poll() is None for node in cluster.nodes)  # the head and the worker nodes
+    assert nodes > 1
+    args = pretrain_args(
+        str(digits_dataset), str(tmp_path), "local", *ONE_PER_NODE, f"cluster.address={cluster.address}"
+    )
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300)
     text = " ".join(out.stderr.split())
     assert out.returncode == 2, text[-3000:]
-    assert f"run.storage={tmp_path}, data.train={digits_dataset}: local paths, but the Ray cluster has 2 nodes" in text
+    expected = (
+        f"run.storage={tmp_path}, data.train={digits_dataset}: local paths, but the Ray cluster has {nodes} nodes"
+    )
+    assert expected in text
     assert "s3://" in text and "cluster.shared_filesystem=true" in text
     assert latest_complete_checkpoint(str(tmp_path / "local")) is None
 
 
-def test_a_node_killed_mid_run_is_replaced_and_the_run_ends_as_uninterrupted(moto_server, reference_run):
-    data, runs = moto_server.url("datasets", "digits"), moto_server.url("runs")
+def test_a_node_killed_mid_run_is_replaced_and_the_run_ends_as_uninterrupted(cluster, s3, reference_run):
+    data, runs = s3.url("datasets", "digits"), s3.url("runs")
     prepare_dataset("builtin:digits", data, samples_per_shard=100)
     run_dir = f"{runs}/{REFERENCE_NAME}"
-    with loopback_cluster() as cluster:
-        first, second = (cluster.add_worker_node({"vitray_node": 1}) for _ in range(2))
-        args = pretrain_args(
-            data,
-            runs,
-            REFERENCE_NAME,
-            *COMMON,
-            *ONE_PER_NODE,
-            "cluster.max_failures=2",
-            f"cluster.address={cluster.address}",
-        )
-        with running(args) as driver:
-            _wait(driver, lambda: _logged_step(run_dir) >= 2, "step 2 logged")
-            assert sorted(cluster.nodes_in_use("vitray_node")) == sorted([first, second])  # one worker per node
-            _wait(driver, lambda: (_latest_step(run_dir) or 0) >= EVERY, f"a checkpoint at step {EVERY}")
-            cluster.kill_node(second)
-            assert driver.poll() is None and _latest_step(run_dir) < STEPS, "killed too late"
-            cluster.add_worker_node({"vitray_node": 1})  # the replacement an autoscaler would bring
-            stdout, stderr = driver.communicate(timeout=600)
-        assert driver.returncode == 0, f"the run failed:\n{stdout[-2000:]}\n{stderr[-5000:]}"
+    first, second = cluster.processes  # the fixture's two worker nodes (the refusal test ran nothing)
+    args = pretrain_args(
+        data,
+        runs,
+        REFERENCE_NAME,
+        *COMMON,
+        *ONE_PER_NODE,
+        "cluster.max_failures=2",
+        f"cluster.address={cluster.address}",
+    )
+    with running(args) as driver:
+        _wait(driver, lambda: _logged_step(run_dir) >= 2, "step 2 logged")
+        assert sorted(cluster.nodes_in_use("vitray_node")) == sorted([first, second])  # one worker per node
+        _wait(driver, lambda: (_latest_step(run_dir) or 0) >= EVERY, f"a checkpoint at step {EVERY}")
+        cluster.kill_node(second)
+        assert driver.poll() is None and _latest_step(run_dir) < STEPS, "killed too late"
+        cluster.add_worker_node({"vitray_node": 1})  # the replacement an autoscaler would bring
+        stdout, stderr = driver.communicate(timeout=600)
+    assert driver.returncode == 0, f"the run failed:\n{stdout[-2000:]}\n{stderr[-5000:]}"
 
     storage.filesystem(run_dir)[0].invalidate_cache()
     latest = latest_complete_checkpoint(run_dir)
