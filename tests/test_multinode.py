@@ -21,7 +21,6 @@ from collections.abc import Iterator
 import pytest
 from conftest import AWS_CLEARED_ENV, AWS_TEST_ENV, S3Endpoint, _clear_s3fs_cache, _free_port
 from pretrain_helpers import (
-    HELD,
     REFERENCE,
     REFERENCE_NAME,
     REFERENCE_STEPS,
@@ -39,7 +38,9 @@ from vitray.runfolder.files import RunFiles
 pytestmark = pytest.mark.slow
 
 STEPS, EVERY = REFERENCE_STEPS, 10
-COMMON = (*REFERENCE, f"checkpoint.every={EVERY}", HELD)
+# Half a second a step: the node is killed once a checkpoint shows on S3 (through moto), and the
+# run must still have steps to go then.
+COMMON = (*REFERENCE, f"checkpoint.every={EVERY}", "debug.step_delay_s=0.5")
 ONE_PER_NODE = ("cluster.resources_per_worker={vitray_node: 1}",)
 
 
