@@ -8,6 +8,7 @@ import os
 import socket
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,32 +72,38 @@ def _clear_s3fs_cache() -> None:
     s3fs.S3FileSystem.clear_instance_cache()
 
 
-@pytest.fixture
-def moto_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Endpoint]:
-    """Start moto's S3 server on a free local port, create a bucket, point AWS_* env vars at it.
-
-    The environment is restored and the server stopped after the test.
-    """
+@contextmanager
+def running_moto_s3(env: pytest.MonkeyPatch, bucket: str, **extra_env: str) -> Iterator[S3Endpoint]:
+    """moto's S3 server on a free local port with `bucket` created and the AWS_* variables (and
+    `extra_env`) pointing at it through `env`; the server stopped at the end (`env` restores the
+    variables when its owner undoes it)."""
+    import boto3
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
     port = _free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    endpoint = S3Endpoint(f"http://127.0.0.1:{port}", f"vitray-test-{uuid.uuid4().hex[:8]}")
+    endpoint = S3Endpoint(f"http://127.0.0.1:{port}", bucket)
     for name in AWS_CLEARED_ENV:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in {**AWS_TEST_ENV, "AWS_ENDPOINT_URL": endpoint.endpoint_url}.items():
-        monkeypatch.setenv(name, value)
+        env.delenv(name, raising=False)
+    for name, value in {**AWS_TEST_ENV, "AWS_ENDPOINT_URL": endpoint.endpoint_url, **extra_env}.items():
+        env.setenv(name, value)
     _clear_s3fs_cache()
     try:
-        import boto3
-
         boto3.client("s3", endpoint_url=endpoint.endpoint_url).create_bucket(Bucket=endpoint.bucket)
         yield endpoint
     finally:
         _clear_s3fs_cache()
         server.stop()
+
+
+@pytest.fixture
+def moto_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Endpoint]:
+    """moto's S3 server for one test (`running_moto_s3`, a bucket of its own); the environment is
+    restored and the server stopped after the test."""
+    with running_moto_s3(monkeypatch, f"vitray-test-{uuid.uuid4().hex[:8]}") as endpoint:
+        yield endpoint
 
 
 DIGITS_SAMPLES_PER_SHARD = 100

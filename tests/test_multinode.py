@@ -13,13 +13,12 @@ once a test) and one S3 endpoint, which the nodes' environment names, so it must
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import AWS_CLEARED_ENV, AWS_TEST_ENV, S3Endpoint, _clear_s3fs_cache, _free_port
+from conftest import S3Endpoint, running_moto_s3
 from pretrain_helpers import (
     REFERENCE,
     REFERENCE_NAME,
@@ -67,27 +66,11 @@ def _wait(driver: subprocess.Popen, condition, what: str, timeout: float = 400) 
 def s3() -> Iterator[S3Endpoint]:
     """conftest's `moto_server`, for the whole module: the cluster's nodes (and so the run's
     workers) take the S3 endpoint and credentials from the environment they are started in."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = S3Endpoint(f"http://127.0.0.1:{port}", "vitray-test-multinode")
-    with pytest.MonkeyPatch.context() as env:
-        for name in AWS_CLEARED_ENV:
-            env.delenv(name, raising=False)
-        aws = {**AWS_TEST_ENV, "AWS_ENDPOINT_URL": endpoint.endpoint_url, "AWS_EC2_METADATA_DISABLED": "true"}
-        for name, value in aws.items():
-            env.setenv(name, value)
-        _clear_s3fs_cache()
-        try:
-            boto3.client("s3", endpoint_url=endpoint.endpoint_url).create_bucket(Bucket=endpoint.bucket)
-            yield endpoint
-        finally:
-            _clear_s3fs_cache()
-            server.stop()
+    with (
+        pytest.MonkeyPatch.context() as env,
+        running_moto_s3(env, "vitray-test-multinode", AWS_EC2_METADATA_DISABLED="true") as endpoint,
+    ):
+        yield endpoint
 
 
 @pytest.fixture(scope="module")
