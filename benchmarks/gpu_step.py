@@ -86,7 +86,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def vitray_steps(cfg: TrainingConfig, warmup: int, steps: int) -> tuple[float, float]:
+def profile_steps(step, count: int) -> None:
+    """Prints what the host does in ``count`` steps: the ops and CUDA runtime calls by self CPU time,
+    and how often it waits for the device (a non-log step should not)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(count):
+            step()
+    events = prof.key_averages()
+    print(f"profile of {count} vitray steps (no log step), top 20 by self CPU time:")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    waits = {
+        e.key: e.count for e in events if "Synchronize" in e.key or e.key in ("cudaMemcpy", "aten::_local_scalar_dense")
+    }
+    print(f"host waits per step: { {k: round(v / count, 2) for k, v in waits.items()} }")
+    if torch.cuda.is_available():
+        gpu_us = sum(e.self_device_time_total for e in events) / count
+        print(f"GPU kernel time per step: {gpu_us / 1000:.1f} ms")
+
+
+def vitray_steps(cfg: TrainingConfig, warmup: int, steps: int, profile: int = 0) -> tuple[float, float]:
     """(images/s, train FLOPs per image) of TrainingLoop.train_step on the DeepSpeed backend."""
     torch.manual_seed(cfg.seed)
     model = create_model_from_config(cfg.model, NUM_CLASSES)
@@ -110,6 +131,9 @@ def vitray_steps(cfg: TrainingConfig, warmup: int, steps: int) -> tuple[float, f
 
     run(warmup)
     seconds = run(steps)
+    if profile:
+        profile_steps(lambda: loop.train_step(batches), profile)
+        _sync(device)
     flops = train_flops_per_image(
         lambda: create_model_from_config(cfg.model.model_copy(update={"grad_checkpointing": False}), NUM_CLASSES),
         cfg.model.img_size,
@@ -167,6 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included (default 5)")
     parser.add_argument("--grad-checkpointing", action="store_true", help="activation checkpointing in both models")
     parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="auto: on for CUDA")
+    parser.add_argument("--profile", type=int, default=0, help="then profile this many vitray steps (torch.profiler)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's bf16 peak, if not in the table")
     args = parser.parse_args(argv)
     for option in ("batch", "steps", "img_size"):
@@ -196,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
     _process_group()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     peak = accelerator_peak_tflops(args.peak_tflops, "bf16")
-    ours, flops = vitray_steps(cfg, args.warmup, args.steps)
+    ours, flops = vitray_steps(cfg, args.warmup, args.steps, args.profile)
     theirs = reference_steps(cfg, args.warmup, args.steps, compiled)
     mfu = {
         name: (rate * flops / 1e12 / peak if peak else None) for name, rate in (("vitray", ours), ("reference", theirs))
