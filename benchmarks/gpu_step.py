@@ -92,7 +92,8 @@ def profile_steps(step, count: int) -> None:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    stacks = torch._C._profiler._ExperimentalConfig(verbose=True)  # without it events carry no Python stack
+    with torch.profiler.profile(activities=activities, with_stack=True, experimental_config=stacks) as prof:
         for _ in range(count):
             step()
     events = prof.key_averages()
@@ -102,9 +103,19 @@ def profile_steps(step, count: int) -> None:
         e.key: e.count for e in events if "Synchronize" in e.key or e.key in ("cudaMemcpy", "aten::_local_scalar_dense")
     }
     print(f"host waits per step: { {k: round(v / count, 2) for k, v in waits.items()} }")
-    if torch.cuda.is_available():
-        gpu_us = sum(e.self_device_time_total for e in events) / count
-        print(f"GPU kernel time per step: {gpu_us / 1000:.1f} ms")
+    callers: dict[tuple[str, tuple[str, ...]], int] = {}
+    for event in prof.events():  # each wait, with the Python frames of the nearest op that has them
+        if "Synchronize" in event.name or event.name == "aten::_local_scalar_dense":
+            parent = event
+            while parent is not None and not parent.stack:
+                parent = parent.cpu_parent
+            frames = tuple(f for f in (parent.stack if parent else []) if "torch/" not in f and "<built-in" not in f)[
+                :6
+            ]
+            callers[(event.name, frames)] = callers.get((event.name, frames), 0) + 1
+    for (name, frames), n in sorted(callers.items(), key=lambda item: -item[1]):
+        print(f"{name} x{n / count:.2f} per step (thread of the caller below):")
+        print("    " + "\n    ".join(frames or ("(no Python caller found)",)))
 
 
 def vitray_steps(cfg: TrainingConfig, warmup: int, steps: int, profile: int = 0) -> tuple[float, float]:

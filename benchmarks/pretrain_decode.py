@@ -77,6 +77,7 @@ def pretrain(data: str, storage: str, decode: str, args: argparse.Namespace) -> 
         "cluster.gpus_per_worker": 1,
         "log.every": args.log_every,
         "checkpoint.every": args.steps,
+        **dict(item.split("=", 1) for item in args.set),
     }
     cmd = [sys.executable, "-m", "vitray.cli", "pretrain", *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
     start = time.perf_counter()
@@ -118,6 +119,7 @@ def main() -> None:
         "--decode", default="gpu,cpu", help='comma-separated data.decode settings, run in this order ("": prepare only)'
     )
     parser.add_argument("--step-rate", type=float, default=None, help="gpu_step.py's vitray img/s, same model/batch")
+    parser.add_argument("--set", action="append", default=[], help="more KEY=VALUE settings for both runs")
     parser.add_argument("--run-timeout", type=float, default=300, help="seconds each `vitray pretrain` may take")
     parser.add_argument("--workdir", default=None, help="keep the JPEGs, shards and runs here (default: a temp dir)")
     args = parser.parse_args()

@@ -208,3 +208,31 @@ def test_zero1_without_hooks_trains_as_with_them(process_group, digits_dataset, 
         weights[world] = loop.backend.full_state_dict()
     assert hooks[1] == 0 and hooks[2] > 0
     assert [k for k in weights[1] if not torch.equal(weights[1][k], weights[2][k])] == []
+
+
+def _operator_reads(fn, *args) -> int:
+    """Reads of tensor values by the host (``aten::_local_scalar_dense``) while ``fn`` runs, those
+    inside C++ operators too (which the Python-level counters above do not see): the profiler's."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        fn(*args)
+    return sum(1 for event in profile.events() if event.name == "aten::_local_scalar_dense")
+
+
+def test_zero_grad_norm_masking_reads_nothing(process_group, digits_dataset, tmp_path):
+    """DeepSpeed's inf/NaN masking of the ZeRO grad norm read the value back inside `masked_fill_`
+    (two device synchronisations a step on an H100/H200, seen with `benchmarks/gpu_step.py
+    --profile`); the ZeRO optimizers use vitray's instead, which marks the same norms, reading
+    nothing."""
+    from deepspeed.runtime import utils as deepspeed_utils
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
+
+    from vitray.trainers.deepspeed_backend import _mask_nonfinite_on_device
+
+    in_process_loop(digits_dataset, tmp_path, "train.steps=1")  # builds the engine, which swaps it in
+    assert stage_1_and_2.mask_nan_or_inf_with_val_inplace is stage3.mask_nan_or_inf_with_val_inplace
+    assert stage_1_and_2.mask_nan_or_inf_with_val_inplace is _mask_nonfinite_on_device
+    for value in (2.5, float("inf"), float("-inf"), float("nan")):
+        ours, theirs = torch.tensor(value), torch.tensor(value)
+        assert _operator_reads(_mask_nonfinite_on_device, ours) == 0
+        assert _operator_reads(deepspeed_utils.mask_nan_or_inf_with_val_inplace, theirs) >= 1  # the counter counts
+        assert ours.item() == theirs.item() == (value if value == 2.5 else -1.0)

@@ -98,7 +98,23 @@ def build_engine(model: nn.Module, cfg: TrainingConfig, *, world_size: int, load
         dist_init_required=False,
     )
     _clip_on_device(engine.optimizer)
+    _mask_nonfinite_norms_on_device()
     return engine
+
+
+def _mask_nonfinite_on_device(input: torch.Tensor, device=None, val: float = -1.0) -> None:
+    """DeepSpeed's ``mask_nan_or_inf_with_val_inplace`` without its two host round trips: it makes
+    the fill value a new device tensor (a blocking host-to-device copy) and fills with that tensor
+    (read back to the host), two device synchronisations per parameter group in every ZeRO step."""
+    input.masked_fill_(~torch.isfinite(input), val)
+
+
+def _mask_nonfinite_norms_on_device() -> None:
+    """Swaps :func:`_mask_nonfinite_on_device` in where the ZeRO optimizers call DeepSpeed's."""
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
+
+    for module in (stage_1_and_2, stage3):
+        module.mask_nan_or_inf_with_val_inplace = _mask_nonfinite_on_device
 
 
 def _clip_on_device(optimizer) -> None:
