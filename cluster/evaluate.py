@@ -305,7 +305,7 @@ def _finetune_slots(grid: GridConfig) -> int:
     if settings.gpus_per_worker > 0:
         fits = resources.get("GPU", 0) / (settings.gpus_per_worker * settings.num_workers)
     else:
-        fits = resources.get("CPU", 0) / (settings.cpus_per_worker * settings.num_workers)
+        fits = resources.get("CPU", 0) / ((settings.cpus_per_worker or 1.0) * settings.num_workers)  # CPU runs: 1
     return max(1, math.floor(fits))
 
 

@@ -41,6 +41,7 @@ from vitray.cluster.runtime import (
     check_local_resources,
     check_paths_reach_every_node,
     connect,
+    node_resources,
     ray_storage,
     run_dir,
 )
@@ -270,6 +271,21 @@ class AlreadyFinished(Exception):
         self.checkpoint = checkpoint
 
 
+def _with_worker_cpus(cfg: TrainingConfig) -> TrainingConfig:
+    """`cluster.cpus_per_worker` (and `data.num_workers`) resolved from the cluster's nodes where
+    left unset on an accelerator run, said once on the console."""
+    resolved = cfg.with_worker_cpus(node_resources())
+    if resolved is not cfg:
+        print(
+            f"vitray: {resolved.cluster.cpus_per_worker:g} CPUs per training worker (cluster.cpus_per_worker unset: "
+            f"a {'TPU host' if cfg.cluster.tpu else 'GPU node'}'s CPUs but one"
+            f"{'' if cfg.cluster.tpu else ' per GPU'}), {resolved.data.num_workers} loader workers each",
+            file=sys.stderr,
+            flush=True,
+        )
+    return resolved
+
+
 def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool = False, force: bool = False):
     """Run (or resume) the pre-training run described by `cfg`; returns Ray Train's Result.
 
@@ -308,6 +324,7 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
             skipped=[f"{c.path}: {c.problem}" for c in plan.skipped],
         )
         connect(cfg.cluster.address, verbose=verbose)
+        cfg = _with_worker_cpus(cfg)
         check_paths_reach_every_node(
             {
                 "run.storage": cfg.run.storage,

@@ -147,6 +147,13 @@ class LocalPathsOnCluster(ValueError):
     """Local paths given for a run on a cluster of several nodes (see `check_paths_reach_every_node`)."""
 
 
+def node_resources() -> list[dict[str, float]]:
+    """The resources of each live node of the Ray cluster this process is connected to."""
+    import ray
+
+    return [dict(node.get("Resources", {})) for node in ray.nodes() if node.get("Alive")]
+
+
 def check_paths_reach_every_node(paths: dict[str, str | None], *, shared_filesystem: bool) -> None:
     """Refuse local paths when the connected Ray cluster has more than one node, unless the user
     says they are on a shared filesystem: workers on other nodes would read and write their own

@@ -91,7 +91,9 @@ class FinetuneGrid(_Section):
     )
     eval_batch_size: int = Field(256, gt=0)
     num_workers: int = Field(1, gt=0, description="Ray Train workers per fine-tune run.")
-    cpus_per_worker: float = Field(1.0, gt=0)
+    cpus_per_worker: float | None = Field(
+        None, gt=0, description="CPUs per fine-tune worker; unset: as `cluster.cpus_per_worker` of a pre-training run."
+    )
     gpus_per_worker: float = Field(0.0, ge=0)
     max_concurrent: int | None = Field(
         None, gt=0, description="Fine-tune runs at once; what the cluster's CPUs/GPUs hold when unset."

@@ -62,7 +62,7 @@ class FinetuneRecipe(BaseModel):
     checkpoint_every: int = Field(gt=0)
     eval_batch_size: int = Field(gt=0)
     num_workers: int = Field(gt=0)
-    cpus_per_worker: float = Field(gt=0)
+    cpus_per_worker: float | None = Field(gt=0)  # None: resolved as `cluster.cpus_per_worker`
     gpus_per_worker: float = Field(ge=0)
     address: str | None = None
     storage_options: dict[str, Any] | None = None

@@ -124,6 +124,58 @@ def test_loader_workers_default_to_the_cpus_ray_gives_a_worker(overrides, worker
     assert TrainingConfig.model_validate(cfg.model_dump(mode="json")).data.num_workers == workers
 
 
+GPU_RUN = ["data.train=d", "train.batch_size=256", "train.micro_batch_size=256", "cluster.num_workers=1"]
+
+
+@pytest.mark.parametrize(
+    "overrides, nodes, cpus, workers, slots",
+    [
+        # one 16-core node with one GPU (the H100 box): 15 CPUs, 14 spare, 8 of them divide 256
+        (["cluster.gpus_per_worker=1"], [{"CPU": 16.0, "GPU": 1.0}], 15, 8, 8),
+        # 8 GPUs on 96 cores: 95 / 8 = 11.9 -> 11; the CPU-only head node does not count
+        (["cluster.gpus_per_worker=1"], [{"CPU": 4.0}, {"CPU": 96.0, "GPU": 8.0}], 11, 8, 8),
+        (["cluster.gpus_per_worker=2"], [{"CPU": 96.0, "GPU": 8.0}], 23, 16, 16),  # two GPUs' share
+        (["cluster.gpus_per_worker=1"], [{"CPU": 96.0, "GPU": 8.0}, {"CPU": 16.0, "GPU": 4.0}], 3, 2, 2),  # smallest
+        (["cluster.gpus_per_worker=1"], [{"CPU": 8.0}], 1, 1, 1),  # no GPU node yet (an autoscaler adds it): 1
+        (
+            ["cluster.gpus_per_worker=1", "data.num_workers=3"],
+            [{"CPU": 16.0, "GPU": 1.0}],
+            15,
+            3,
+            1,
+        ),  # as set; 1 slot: 3 does not divide 256
+        (["cluster.gpus_per_worker=1", "cluster.cpus_per_worker=4"], [{"CPU": 16.0, "GPU": 1.0}], 4, 2, 2),  # as set
+    ],
+)
+def test_gpu_workers_get_their_nodes_cpus_once_ray_is_up(overrides, nodes, cpus, workers, slots):
+    """An accelerator run's unset cluster.cpus_per_worker comes from the cluster's nodes, once Ray is up
+    (the driver may be a CPU-only head node); Ray's default of 1 CPU left a 16-core, one-GPU node
+    reading with one loader worker."""
+    cfg = load_config(TrainingConfig, None, [*GPU_RUN, *overrides])
+    if "cluster.cpus_per_worker=4" not in overrides:
+        assert cfg.cluster.cpus_per_worker is None
+        assert cfg.data.num_workers == (3 if "data.num_workers=3" in overrides else None)
+    resolved = cfg.with_worker_cpus(nodes)
+    assert (resolved.cluster.cpus_per_worker, resolved.data.num_workers) == (cpus, workers)
+    assert resolved.new_run_num_slots() == slots
+    assert resolved.with_worker_cpus([{"CPU": 2.0, "GPU": 1.0}]) is resolved  # resolved once
+
+
+def test_a_cpu_run_gets_one_cpu_per_worker_without_ray():
+    cfg = load_config(TrainingConfig, None, ["data.train=d", "train.batch_size=64"])
+    assert (cfg.cluster.cpus_per_worker, cfg.data.num_workers) == (1, 1)
+    assert cfg.with_worker_cpus([{"CPU": 64.0}]) is cfg
+
+
+def test_an_unresolved_gpu_run_checks_its_slots_once_resolved():
+    cfg = load_config(
+        TrainingConfig, None, [*GPU_RUN, "cluster.gpus_per_worker=1", "train.micro_batch_size=6", "train.batch_size=6"]
+    )
+    with pytest.raises(ValueError, match="resolved once Ray is up"):
+        cfg.new_run_num_slots()
+    assert cfg.with_worker_cpus([{"CPU": 16.0, "GPU": 1.0}]).new_run_num_slots() == 6  # 14 spare: 6 divide 6
+
+
 def test_loader_workers_default_on_a_tpu_slice():
     cfg = load_config(
         TrainingConfig,

@@ -8,6 +8,7 @@ scales it down to one CPU machine.
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -218,7 +219,13 @@ class ClusterConfig(_Section):
 
     address: str | None = Field(None, description="Ray address; none starts an embedded local Ray.")
     num_workers: int = Field(2, gt=0)
-    cpus_per_worker: float = Field(1.0, gt=0)
+    cpus_per_worker: float | None = Field(
+        None,
+        gt=0,
+        description="CPUs Ray reserves for each training worker (its data loader's workers run on them). "
+        "Unset: 1 on a CPU run; on GPUs, once Ray is up, a GPU node's CPUs but one per GPU (times "
+        "gpus_per_worker); on TPUs a TPU host's CPUs but one (see `with_worker_cpus`).",
+    )
     gpus_per_worker: float = Field(0.0, ge=0)
     resources_per_worker: dict[str, float] = Field(default_factory=dict)
     max_failures: int = Field(0, ge=-1, description="Worker-group restarts from the latest checkpoint; -1 = unlimited.")
@@ -232,6 +239,16 @@ class ClusterConfig(_Section):
         None, description='A TPU slice, e.g. "v4-32", "v5e-16", "v6e-16" (train.backend=xla): one worker per TPU host.'
     )
     tpu_topology: str | None = Field(None, description='The slice\'s topology, e.g. "2x2x4"; default: its usual one.')
+
+    @property
+    def accelerated(self) -> bool:
+        return self.gpus_per_worker > 0 or self.tpu is not None
+
+    @model_validator(mode="after")
+    def _cpu_run_cpus(self) -> ClusterConfig:
+        if self.cpus_per_worker is None and not self.accelerated:
+            self.cpus_per_worker = 1.0  # a CPU run's worker: its step takes whatever cores it finds
+        return self
 
     @model_validator(mode="after")
     def _tpu_slice(self) -> ClusterConfig:
@@ -384,14 +401,37 @@ class TrainingConfig(_Section):
     def _loader_workers(self) -> TrainingConfig:
         """An unset ``data.num_workers`` resolved here, so that the run's config (and its checkpoints)
         record the number it read with, and the default ``num_slots`` below derives from it."""
-        if self.data.num_workers is None:
-            cluster = self.cluster
-            accelerated = cluster.gpus_per_worker > 0 or cluster.tpu is not None
+        cluster = self.cluster
+        if self.data.num_workers is None and cluster.cpus_per_worker is not None:  # else: `with_worker_cpus`
             workers = default_loader_workers(
-                cluster.cpus_per_worker, self.train.micro_batch_size, accelerated=accelerated
+                cluster.cpus_per_worker, self.train.micro_batch_size, accelerated=cluster.accelerated
             )
             self.data = self.data.model_copy(update={"num_workers": workers})
         return self
+
+    def with_worker_cpus(self, nodes: list[dict[str, float]]) -> TrainingConfig:
+        """This config with an unset ``cluster.cpus_per_worker`` (and an unset ``data.num_workers``
+        derived from it) resolved from the resources of the Ray cluster's ``nodes`` (Ray's per-node
+        resource dicts): on GPUs the CPUs of a GPU node per GPU, one CPU of each node left to Ray's
+        own processes and tasks, times ``gpus_per_worker``; on TPUs a TPU host's CPUs but one; the
+        smallest such node counts, and 1 where Ray has no such node yet (an autoscaler adds it later).
+        A GPU node's cores are its GPUs' to share: with Ray's default of 1 CPU per worker a 16-core
+        one-GPU node read the data with one loader worker (data_wait_fraction 0.7, an H100)."""
+        cluster = self.cluster
+        if cluster.cpus_per_worker is not None:
+            return self
+        if cluster.tpu is not None:
+            shares = [node["CPU"] - 1 for node in nodes if node.get("TPU") and node.get("CPU")]
+        else:
+            shares = [
+                (node["CPU"] - 1) / node["GPU"] * cluster.gpus_per_worker
+                for node in nodes
+                if node.get("GPU") and node.get("CPU")
+            ]
+        cpus = max(1, math.floor(min(shares))) if shares else 1
+        settings = self.model_dump()
+        settings["cluster"]["cpus_per_worker"] = float(cpus)
+        return type(self).model_validate(settings)
 
     def new_run_num_slots(self) -> int:
         """The data slots a run starting from scratch uses: ``data.num_slots``, or when unset one
@@ -399,6 +439,8 @@ class TrainingConfig(_Section):
         every slot gives each batch the same number of samples)."""
         if self.data.num_slots is not None:
             return self.data.num_slots
+        if self.data.num_workers is None:
+            raise ValueError("data.num_workers is resolved once Ray is up (TrainingConfig.with_worker_cpus)")
         return default_num_slots(self.cluster.num_workers, self.train.micro_batch_size, self.data.num_workers)
 
     @model_validator(mode="after")
@@ -410,6 +452,8 @@ class TrainingConfig(_Section):
                 f"cluster.num_workers = {self.train.micro_batch_size} x {self.cluster.num_workers} = {per_step} "
                 "(gradient accumulation is derived from them)"
             )
+        if self.data.num_slots is None and self.data.num_workers is None:
+            return self  # the slots are known once Ray is up (`with_worker_cpus`), and checked then
         num_slots = self.new_run_num_slots()
         if num_slots % self.cluster.num_workers:
             raise ValueError(
