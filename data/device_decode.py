@@ -9,10 +9,13 @@ decoded on the CPU as before and travel as pixels. The batch's keys, labels and 
 position are those of the CPU path, so exact resume and the sample-key audit do not change.
 
 :func:`decode_batch` then decodes the JPEGs with torchvision's ``decode_jpeg`` on a list (nvjpeg
-on CUDA, libjpeg-turbo on the CPU), crops each box, resizes it antialiased (bilinear), flips it and
-puts the batch together in sample order with the CPU crops: uint8 ``(B, 3, S, S)``, the values
-of the CPU path's crops to within resampling (the CPU path decodes large crops at a reduced DCT
-scale and resizes in uint8 arithmetic). The same code runs with ``device="cpu"``, which the tests
+on CUDA, libjpeg-turbo on the CPU) and makes the crops a chunk of up to 64 at a time, with a
+constant number of operators per chunk (the feed that runs it shares the GIL with the training
+step, whose kernel launches need most of the host): the boxes copied into one zero-padded tensor,
+resized antialiased (bilinear, with ``F.interpolate``'s weights) and flipped by two batched
+matmuls with per-sample weight matrices. It writes them and the CPU crops into the batch in
+sample order: uint8 ``(B, 3, S, S)``, the values of the CPU path's crops to within resampling
+(the CPU path decodes large crops at a reduced DCT scale and resizes in uint8 arithmetic). The same code runs with ``device="cpu"``, which the tests
 use. Only torch and torchvision: no Ray, no CUDA needed to import it.
 """
 
@@ -23,7 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torchvision.io import ImageReadMode, decode_jpeg
 
 log = logging.getLogger(__name__)
@@ -90,27 +92,118 @@ def decode_batch(
     images = _decode_jpegs(jpegs, device)
     good = [i for i, image in enumerate(images) if image is not None]
     failed = sorted(positions[i] for i, image in enumerate(images) if image is None)
-    if good:
-        resized = torch.stack([_crop(images[i], boxes[i], size) for i in good])
-        crops = resized.round_().clamp_(0, 255).to(torch.uint8)
-    else:
-        crops = torch.empty((0, 3, size, size), dtype=torch.uint8, device=device)
-    by_position = dict(zip((positions[i] for i in good), crops.unbind(0)))
-    if len(cpu_crops) == 0 and list(by_position) == list(range(count)):
-        return crops, failed  # every sample decoded here, in order: no reassembly
-    from_cpu = iter(cpu_crops.unbind(0))
     skipped = set(failed)
-    ordered = [by_position[p] if p in by_position else next(from_cpu) for p in range(count) if p not in skipped]
-    return torch.stack(ordered) if ordered else crops, failed
+    kept = [p for p in range(count) if p not in skipped]  # the positions of the batch's rows
+    row = {p: r for r, p in enumerate(kept)}
+    # Every crop is written straight into its row: no stacking or reordering afterwards.
+    batch = torch.empty((len(kept), 3, size, size), dtype=torch.uint8, device=device)
+    if good:
+        _resize_into(batch, [row[positions[i]] for i in good], [images[i] for i in good], [boxes[i] for i in good])
+    if len(cpu_crops):
+        here = {positions[i] for i in good}
+        batch.index_copy_(0, _on([r for r, p in enumerate(kept) if p not in here], device), cpu_crops)
+    return batch, failed
 
 
-def _crop(image: torch.Tensor, box: tuple[int, int, int, int, bool], size: int) -> torch.Tensor:
-    """float32 ``(3, size, size)``: ``image``'s box resized (bilinear, antialiased) and flipped."""
+# Crops resized in one go: up to this many, padded to the largest box among them (taken in order
+# of area, so that few pad much). Bounds the chunk's float copy (64 boxes of 500x400: 77 MB in
+# float16, on CUDA) and keeps the operators per batch few (4 chunks of a batch of 256).
+CHUNK = 64
+
+
+def _resize_into(
+    batch: torch.Tensor,
+    rows: list[int],
+    images: list[torch.Tensor],
+    boxes: list[tuple[int, int, int, int, bool]],
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Writes ``images``' ``boxes``, resized to ``batch``'s side (bilinear, antialiased, as
+    ``F.interpolate(..., antialias=True)`` does) and flipped where asked, into ``batch``'s ``rows``.
+
+    Two views per image and otherwise a constant number of operators per chunk of up to
+    :data:`CHUNK` boxes: the feed runs this on a thread that shares the GIL with the training
+    step's, and a resize per image (five operators and ~50 us of Python each) starved the step.
+    A chunk: one copy of every box into a zero-padded ``(n, H, 3, W)`` tensor (``_foreach_copy_``:
+    one call, the loop in C++), one conversion to float, the resize weights of all its boxes at
+    once (:func:`_weights`; a flip is the horizontal weights' rows reversed) and two batched
+    matmuls, ``Wy @ x @ Wx^T``. In ``dtype``: by default float16 on CUDA (the pixels are exact in
+    it, the weights keep 11 bits, cuBLAS sums the products in float32: within a level of float32,
+    see the tests), float32 elsewhere."""
+    size, device = batch.shape[-1], batch.device
+    if dtype is None:
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+    # Clipped to the image as slicing would (the boxes come from the JPEG's header): a view past
+    # the edge would read the next row's pixels.
+    boxes = [_inside(box, image) for box, image in zip(boxes, images)]
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i][2] * boxes[i][3])
+    for start in range(0, len(order), CHUNK):
+        chunk = order[start : start + CHUNK]
+        n = len(chunk)
+        hs, ws = [boxes[i][2] for i in chunk], [boxes[i][3] for i in chunk]
+        height, width = max(hs), max(ws)
+        # Channels between rows and columns: both matmuls are then plain batched ones over the
+        # samples, the channels folded into the other operand (no broadcast copies of weights).
+        padded = torch.zeros((n, height, 3, width), dtype=torch.uint8, device=device)
+        strides = (width, 3 * width, 1)
+        into = [padded.as_strided((3, h, w), strides, k * height * 3 * width) for k, (h, w) in enumerate(zip(hs, ws))]
+        torch._foreach_copy_(into, [_box(images[i], boxes[i]) for i in chunk])
+        x = padded.to(dtype)
+        # One small copy to the device for the chunk: box sides (heights, then widths), flips, rows.
+        meta = _on([hs + ws, [0] * n + [int(boxes[i][4]) for i in chunk], [rows[i] for i in chunk] * 2], device)
+        weights = _weights(meta[0], meta[1].bool(), size, max(height, width)).to(dtype)
+        wy, wx_t = weights[:n, :, :height], weights[n:, :, :width].transpose(1, 2)
+        if height >= width:  # the longer side first: fewer multiplications
+            out = wy @ x.view(n, height, 3 * width)
+            out = (out.view(n, size * 3, width) @ wx_t).view(n, size, 3, size)
+        else:
+            out = (x.view(n, height * 3, width) @ wx_t).view(n, height, 3 * size)
+            out = (wy @ out).view(n, size, 3, size)
+        out = out.round_().clamp_(0, 255).to(torch.uint8)
+        batch.index_copy_(0, meta[2, :n], out.permute(0, 2, 1, 3))
+
+
+def _inside(box: tuple[int, int, int, int, bool], image: torch.Tensor) -> tuple[int, int, int, int, bool]:
     top, left, h, w, flip = box
-    crop = image[:, top : top + h, left : left + w].unsqueeze(0).float()
-    if (h, w) != (size, size):
-        crop = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-    return crop[0].flip(-1) if flip else crop[0]
+    height, width = image.shape[-2:]
+    return top, left, min(h, height - top), min(w, width - left), flip
+
+
+def _box(image: torch.Tensor, box: tuple[int, int, int, int, bool]) -> torch.Tensor:
+    """The view of ``box`` in the (3, H, W) ``image``: one operator (slicing would take two)."""
+    top, left, h, w, _ = box
+    stride = image.stride()
+    return image.as_strided((3, h, w), stride, image.storage_offset() + top * stride[1] + left * stride[2])
+
+
+def _weights(lengths: torch.Tensor, flips: torch.Tensor, size: int, span: int) -> torch.Tensor:
+    """float32 ``(k, size, span)``: row ``i`` of sample ``s`` weighs the input pixels of output
+    pixel ``i`` when resizing ``lengths[s]`` pixels to ``size`` (zero from ``lengths[s]`` on), the
+    rows in reverse order where ``flips[s]``.
+
+    aten's weights of the antialiased bilinear resize (``_compute_indices_min_size_weights_aa``),
+    in float32 as it computes them for float input: scale = in / out; output pixel ``i`` centred
+    at ``scale * (i + 0.5)`` in the input; a triangle filter of half-width ``support`` =
+    max(scale, 1) (widened by the scale when shrinking, so that every input pixel counts); the
+    inputs ``j`` in ``[trunc(center - support + 0.5), trunc(center + support + 0.5))`` clipped to
+    the input, weighed ``1 - |j + 0.5 - center| / support`` and normalised to sum to one. That
+    window holds every ``j`` the triangle weighs above zero, so only the clipping to the input
+    needs a mask."""
+    length = lengths.to(torch.float32)[:, None, None]
+    scale = length / size
+    support = scale.clamp(min=1.0)
+    out = torch.arange(size, device=lengths.device, dtype=torch.float32)[:, None]
+    center = scale * (torch.where(flips[:, None, None], size - 1 - out, out) + 0.5)  # (k, size, 1)
+    j = torch.arange(span, device=lengths.device, dtype=torch.float32)
+    # In place from the first (k, size, span) tensor on: these are the largest of the chunk's.
+    weights = (j + 0.5 - center).abs_().mul_(-1 / support).add_(1).clamp_(min=0).mul_(j < length)
+    return weights.div_(weights.sum(-1, keepdim=True).clamp_(min=1e-12))
+
+
+def _on(values: list, device: torch.device) -> torch.Tensor:
+    """int64 ``values`` on ``device``, without waiting for the device (a copy from pageable
+    memory is staged at once)."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _decode_jpegs(jpegs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:

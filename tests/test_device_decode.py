@@ -15,10 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
+from torch.utils._python_dispatch import TorchDispatchMode
+from torchvision.io import ImageReadMode, decode_jpeg
 
 from vitray.common.config import ConfigError, load_config
-from vitray.data import ShardLoader, prepare_dataset, read_manifest
+from vitray.data import ShardLoader, device_decode, prepare_dataset, read_manifest
 from vitray.data.batch import SkipReporter, decode_chunk
 from vitray.data.device_decode import EncodedCrops, decode_batch
 from vitray.data.plan import ShardRange
@@ -253,3 +256,123 @@ def test_training_with_device_decoding_trains_on_the_cpu_paths_samples(
     assert keys["device"] == keys["cpu"] and sorted(keys["cpu"]) == [0, 1, 2, 3]
     assert len(decoded) >= 4 and sum(decoded) > 16  # the feed decoded most JPEGs of every batch
     assert losses["device"] == pytest.approx(losses["cpu"], abs=0.05)
+
+
+def _reference_crop(image: torch.Tensor, box: tuple[int, int, int, int, bool], size: int) -> torch.Tensor:
+    """The per-image crop, resize and flip decode_batch made before it batched them (and the
+    reference of the batched resize): float32 ``(3, size, size)``."""
+    top, left, h, w, flip = box
+    crop = image[:, top : top + h, left : left + w].unsqueeze(0).float()
+    if (h, w) != (size, size):
+        crop = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    return crop[0].flip(-1) if flip else crop[0]
+
+
+def _jpegs(count: int, seed: int = 3) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        width, height = (int(v) for v in rng.integers(40, 150, size=2))
+        data = io.BytesIO()
+        _photo(rng, width, height).save(data, format="JPEG", quality=90)
+        out.append(data.getvalue())
+    return out
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the torch operators called under it: views (no kernel) and the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.views = self.others = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.is_view:
+            self.views += 1
+        else:
+            self.others += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_host_work_of_decode_batch_does_not_grow_per_image():
+    """The feed decodes on a thread that shares the GIL with the training step's: past the
+    decoder's own work (torchvision's, one call for the list with nvjpeg), decode_batch resizes
+    the crops with a constant number of operators per chunk of images; per image only two views,
+    of its box in the decoded image and in the chunk's tensor (copied by one operator for all)."""
+    jpegs, crop, cpu = _jpegs(8), TrainCrop(SIZE), torch.device("cpu")
+    counts = {}
+    for count in (8, 64):
+        data = [jpegs[i % len(jpegs)] for i in range(count)]
+        boxes = [crop.device_box(d, i) for i, d in enumerate(data)]
+        encoded = EncodedCrops.of(data, boxes, range(count), SIZE)
+        with _CountOps() as decoding:
+            device_decode._decode_jpegs(encoded.jpegs(), cpu)
+        with _CountOps() as ops:
+            images, failed = decode_batch(torch.empty((0, 3, SIZE, SIZE), dtype=torch.uint8), [encoded], count)
+        assert images.shape == (count, 3, SIZE, SIZE) and failed == []
+        counts[count] = (ops.others - decoding.others, ops.views - decoding.views)
+    (others_8, views_8), (others_64, views_64) = counts[8], counts[64]
+    assert others_64 - others_8 <= 4, counts
+    assert views_64 - views_8 <= 2 * 56, counts
+
+
+def _boxes(images: list[torch.Tensor], count: int) -> list[tuple[int, int, int, int, bool]]:
+    """Boxes of every kind, flipped and not: whole images, the output size, shrinking, enlarging,
+    thin, against each edge, anywhere."""
+    rng = np.random.default_rng(4)
+    boxes = []
+    for i in range(count):
+        height, width = images[i % len(images)].shape[1:]
+        kind = i % 6
+        if kind == 0:
+            h, w = height, width
+        elif kind == 1:
+            h, w = min(SIZE, height), min(SIZE, width)
+        elif kind == 2:  # enlarged, one side at most
+            h, w = int(rng.integers(1, SIZE)), int(rng.integers(1, width + 1))
+        else:
+            h, w = int(rng.integers(1, height + 1)), int(rng.integers(1, width + 1))
+        top = [0, height - h, int(rng.integers(0, height - h + 1))][i % 3]
+        left = [width - w, int(rng.integers(0, width - w + 1)), 0][i % 3]
+        boxes.append((top, left, h, w, bool(i // 6 % 2)))
+    return boxes
+
+
+def _within_a_level(got: torch.Tensor, expected: torch.Tensor) -> None:
+    diff = (got.int() - expected.int()).abs()
+    assert diff.max() <= 1 and diff.float().mean() < 0.1, (diff.max(), diff.float().mean())
+
+
+def test_the_batched_resize_is_the_per_image_one():
+    """decode_batch resizes all crops with two batched matmuls (weights built as aten builds
+    them): the per-image F.interpolate(antialias=True) and flip to within rounding, for boxes
+    shrunk and enlarged, flipped, not square, against the edges, over more than one chunk."""
+    count = device_decode.CHUNK + 26
+    jpegs = _jpegs(8, seed=5)
+    data = [jpegs[i % len(jpegs)] for i in range(count)]
+    images = [decode_jpeg(torch.frombuffer(bytearray(d), dtype=torch.uint8), mode=ImageReadMode.RGB) for d in data]
+    boxes = _boxes(images, count)
+    expected = torch.stack([_reference_crop(image, box, SIZE) for image, box in zip(images, boxes)])
+    expected = expected.round_().clamp_(0, 255).to(torch.uint8)
+    # Every fourth sample decoded by the CPU (given as pixels), two positions left for corrupt ones.
+    on_cpu = list(range(0, count, 4))
+    on_device = [p for p in range(count) if p not in on_cpu]
+    encoded = EncodedCrops.of(
+        [data[p] for p in on_device] + [b"\xff\xd8 not a JPEG"] * 2,
+        [boxes[p] for p in on_device] + [boxes[0]] * 2,
+        [p + (p >= 10) + (p >= 30) for p in on_device] + [10, 31],
+        SIZE,
+    )
+    cpu_crops = expected[on_cpu].clone()
+    got, failed = decode_batch(cpu_crops, [encoded], count + 2)
+    assert failed == [10, 31] and got.shape == expected.shape and got.is_contiguous()
+    assert torch.equal(got[on_cpu], expected[on_cpu])
+    _within_a_level(got[on_device], expected[on_device])
+    # Every sample decoded here, in order; and the float16 the device computes in.
+    encoded = EncodedCrops.of(data, boxes, range(count), SIZE)
+    got, failed = decode_batch(torch.empty((0, 3, SIZE, SIZE), dtype=torch.uint8), [encoded], count)
+    assert failed == []
+    _within_a_level(got, expected)
+    half = torch.empty_like(expected)
+    device_decode._resize_into(half, list(range(count)), images, boxes, dtype=torch.float16)
+    _within_a_level(half, expected)
