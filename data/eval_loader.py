@@ -14,6 +14,8 @@ crop, see :mod:`vitray.data.transforms`).
 from __future__ import annotations
 
 import itertools
+import multiprocessing
+import multiprocessing.forkserver
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,6 +30,19 @@ from .layout import LabelKind, read_split
 from .plan import ShardRange
 from .reader import RawSample, SampleStream
 from .transforms import CorruptSample, EvalResize, decode_label, eval_transform
+
+# Evaluation workers start from a forkserver, not as forks of this process: evaluations run inside
+# training processes, whose other threads (the device feed's, Ray's, the metrics uploader's) may
+# hold a lock (the allocator's, say) at the moment of a fork, and the child then waits for it for
+# ever (seen once in the suite: a rank's evaluation worker stuck in `os.fork`, the other rank
+# waiting in its all_reduce). The forkserver is a single-threaded process started once per process,
+# with this module imported (preloaded), so each evaluation's workers start in milliseconds. As
+# with any workers started this way (Python 3.14's default on Linux), a script that evaluates must
+# guard its top level with `if __name__ == "__main__":`.
+WORKER_START = "forkserver"
+# A batch that takes longer than this fails the evaluation (and the attempt, which Ray Train
+# restarts under cluster.max_failures) instead of hanging it: a worker that stopped answering.
+BATCH_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -153,7 +168,12 @@ class EvalLoader:
     def __iter__(self) -> Iterator[Batch]:
         workers = self.num_workers
         loader = DataLoader(
-            _EvalStream(self._spec), batch_size=None, num_workers=workers, prefetch_factor=2 if workers else None
+            _EvalStream(self._spec),
+            batch_size=None,
+            num_workers=workers,
+            prefetch_factor=2 if workers else None,
+            multiprocessing_context=_worker_context() if workers else None,
+            timeout=BATCH_TIMEOUT_S if workers else 0,
         )
         for number, chunks in in_order(loader, parts_per_item=1):
             batch = concat_chunks(chunks, epoch=0, step=number, float_images=self.float_images)
@@ -165,6 +185,21 @@ class EvalLoader:
     def stats(self) -> dict[str, int]:
         """Counts since this loader was created: samples yielded and corrupt samples skipped."""
         return {"samples": self._yielded, "skipped": self._skipped}
+
+
+def start_worker_server() -> None:
+    """Starts the evaluation workers' forkserver now: it imports its modules (a few seconds) while
+    the caller goes on (building its model, say) instead of at the first evaluation."""
+    _worker_context()
+    multiprocessing.forkserver.ensure_running()
+
+
+def _worker_context():
+    context = multiprocessing.get_context(WORKER_START)
+    # Effective until the forkserver first starts. The main module too: each worker would otherwise
+    # import it again (Ray's worker script: Ray, a second each), as workers started so always do.
+    context.set_forkserver_preload(["__main__", __name__])
+    return context
 
 
 def top1_hits(predicted: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:

@@ -27,6 +27,7 @@ import torch
 from vitray.common.redact import redacted_config
 from vitray.data import ShardLoader, read_dataset_info
 from vitray.data.batch import UnreadableData
+from vitray.data.eval_loader import start_worker_server
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.runfolder import checkpoints as ckpt
 from vitray.runfolder.files import RunFiles
@@ -59,6 +60,8 @@ class TrainingLoop:
         self.info = read_dataset_info(cfg.data.train, cfg.data.storage_options)
         self.objective = build_objective(cfg.train, self.info.label_kind, self.info.num_classes)
         self.evaluators = build_evaluators(cfg)
+        if self.evaluators and cfg.data.num_workers:
+            start_worker_server()  # evaluation workers' server imports while the model is built
         self.run_files = RunFiles(ctx.run_dir)
 
         restore_state = None
