@@ -14,10 +14,29 @@ from pathlib import Path
 
 import pytest
 
+# The modules of long end-to-end runs, longest first (`--durations`, session 13): `make test` runs
+# the suite on two pytest-xdist workers, a module to a worker (`--dist loadfile`), and hands the
+# modules out in collection order, so these go first and the short ones fill in at the end instead of
+# one long module running alone for minutes after the rest.
+LONG_MODULES = (
+    "test_zero_stages.py",
+    "test_faults_pretrain.py",
+    "test_pretrain.py",
+    "test_recipes.py",
+    "test_evaluate.py",
+    "test_multinode.py",
+    "test_nonfinite.py",
+    "test_faults_s3.py",
+    "test_drain.py",
+    "test_pretrain_s3.py",
+)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`xla` tests need torch-xla (the `xla` extra, which `make install` includes): skip them
-    where it is not installed."""
+    """The long modules first (see LONG_MODULES); `xla` tests need torch-xla (the `xla` extra,
+    which `make install` includes): skipped where it is not installed."""
+    rank = {name: i for i, name in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_MODULES)))  # stable: the rest as collected
     if importlib.util.find_spec("torch_xla") is not None:
         return
     skip = pytest.mark.skip(reason="needs torch-xla: pip install -e '.[xla]' (make install does)")
