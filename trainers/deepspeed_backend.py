@@ -82,6 +82,7 @@ def build_engine(model: nn.Module, cfg: TrainingConfig, *, world_size: int, load
     import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    _without_shared_memory_comm_op()
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
     if compile_enabled(cfg.train.compile):
@@ -115,6 +116,18 @@ def _mask_nonfinite_norms_on_device() -> None:
 
     for module in (stage_1_and_2, stage3):
         module.mask_nan_or_inf_with_val_inplace = _mask_nonfinite_on_device
+
+
+def _without_shared_memory_comm_op() -> None:
+    """DeepSpeed's CPU backend JIT-builds its shared-memory all-reduce extension in every process that
+    starts an engine (or re-checks the build), holding a lock file in torch's extension folder; a
+    process killed in that window (a SIGKILLed worker, a node taken away) leaves the lock behind, and
+    every later start on the machine waits for it for ever (seen: a whole test run stuck there). The
+    extension serves only DeepSpeed's `inference_all_reduce`, which training never calls: marked
+    unavailable, nothing is built or locked (and each start saves the build check)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def _clip_on_device(optimizer) -> None:
