@@ -14,7 +14,9 @@ def local_ray():
     if ray.is_initialized():  # another module's Ray instance: use it, leave it running
         yield
         return
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # A private instance: without an address Ray would join another test's `ray start` cluster
+    # running on this machine at the same time (the suite runs on two workers).
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
