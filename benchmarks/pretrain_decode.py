@@ -33,10 +33,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_pipeline import OUTPUT, write_jpegs
 
-from vitray.common.config import validate_config
 from vitray.data import prepare_dataset
+from vitray.runfolder.checkpoints import latest_complete_checkpoint, read_state
 from vitray.runfolder.files import RunFiles
-from vitray.trainers.config import TrainingConfig
 
 
 def _write_part(args: tuple[Path, int, int]) -> None:
@@ -94,16 +93,19 @@ def pretrain(data: str, storage: str, decode: str, args: argparse.Namespace) -> 
             f"decode={decode}: vitray pretrain exited {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
         )
         return {}
-    cfg = validate_config(TrainingConfig, {}, [f"{k}={v}" for k, v in sets.items()], source=None)
-    windows = [m for m in RunFiles(f"{storage}/{sets['run.name']}").read_metrics() if "images_per_s" in m]
+    run = f"{storage}/{sets['run.name']}"
+    # The loader as the run resolved it (on GPUs its CPUs, hence its workers, are known once Ray is
+    # up): the final checkpoint's record of the config and the data position.
+    state = read_state(latest_complete_checkpoint(run).path)
+    windows = [m for m in RunFiles(run).read_metrics() if "images_per_s" in m]
     steady = windows[1:-1] or windows
     return {
         "images_per_s": float(np.mean([m["images_per_s"] for m in steady])),
         "data_wait_fraction": float(np.mean([m["data_wait_fraction"] for m in steady])),
         "windows": [round(m["images_per_s"], 1) for m in windows],
         "waits": [round(m["data_wait_fraction"], 3) for m in windows],
-        "num_workers": cfg.data.num_workers,
-        "num_slots": cfg.new_run_num_slots(),
+        "num_workers": state["config"]["data"]["num_workers"],
+        "num_slots": state["data"]["num_slots"],
         "wall_s": round(wall, 1),
     }
 
