@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from vitray.cluster.runtime import enable_token_auth_if_available
+from vitray.cluster.runtime import RayUnavailable, enable_token_auth_if_available
 from vitray.common import exit_codes
 
 # What never belongs in a job's uploaded working dir.
@@ -68,7 +68,13 @@ def submit(address: str, args: list[str], *, working_dir: str | None, env: dict[
     for line in env_notices(env):
         print(line, file=sys.stderr)
     enable_token_auth_if_available()
-    client = JobSubmissionClient(address)
+    try:
+        client = JobSubmissionClient(address)
+    except ConnectionError as error:
+        raise RayUnavailable(
+            f"no Ray Jobs API answers at {address}: give --address (or RAY_ADDRESS) as the head node's dashboard "
+            "address, http://HOST:8265, and check that the cluster is up (`ray status` on its head node)"
+        ) from error
     entrypoint = "vitray " + shlex.join(args)
     job_id = _submit_when_ready(client, entrypoint, runtime_env(working_dir, env))
     print(f"submitted job {job_id}: {entrypoint}", file=sys.stderr)
@@ -150,8 +156,15 @@ def _submit_when_ready(client, entrypoint: str, runtime: dict[str, Any], wait_s:
         try:
             return client.submit_job(entrypoint=entrypoint, runtime_env=runtime)
         except RuntimeError as err:
-            if "No available agent" not in str(err) or time.monotonic() > deadline:
+            if "No available agent" not in str(err):
                 raise
+            if time.monotonic() > deadline:
+                raise RayUnavailable(
+                    f"the Ray cluster answers but has no job agent after {wait_s:.0f} s, so it takes no jobs: its "
+                    "dashboard agent could not serve HTTP, most often because its port (52365 unless `ray start "
+                    "--dashboard-agent-listen-port` set another) is taken by another Ray instance or program on the "
+                    "head node; see dashboard_agent.log in the head's Ray session logs"
+                ) from err
             time.sleep(2)
 
 

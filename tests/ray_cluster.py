@@ -119,6 +119,9 @@ class LoopbackCluster:
                 "--node-ip-address=127.0.0.1",
                 "--disable-usage-stats",
                 "--object-store-memory=150000000",
+                # Not Ray's fixed default port (52365): that belongs to whichever Ray instance on the
+                # machine binds it first, and test_submit's head needs its own for the Jobs API.
+                "--dashboard-agent-listen-port=0",
                 *args,
             ],
             stdout=subprocess.DEVNULL,

@@ -46,6 +46,10 @@ def ray_head():
             f"--port={port}",
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dashboard}",
+            # The job agent's HTTP port on a port of its own: at Ray's fixed default (52365) it loses
+            # to any other Ray instance on the machine (the suite runs two at once), and a head whose
+            # agent could not bind refuses every job ("No available agent to submit job").
+            "--dashboard-agent-listen-port=0",
             "--num-cpus=2",
             "--include-dashboard=true",
             f"--temp-dir={temp_dir}",
@@ -244,3 +248,18 @@ def test_a_command_that_would_fail_is_not_submitted(tmp_path):
     message = " ".join(result.output.split())
     assert "not submitted: `vitray pretrain -c run.yaml` would fail" in message
     assert "img_size 30 is not divisible by the patch size 16" in message
+
+
+def test_an_address_where_no_jobs_api_answers_is_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from vitray.cli.main import app
+
+    # Port 9 (discard): nothing listens there, so Ray's client refuses to connect.
+    result = CliRunner().invoke(
+        app, ["submit", "--address", "http://127.0.0.1:9", "--", "data", "prepare", "builtin:digits", str(tmp_path)]
+    )
+    assert result.exit_code == 2, result.output
+    message = " ".join(result.output.split())
+    assert message.startswith("error: no Ray Jobs API answers at http://127.0.0.1:9:"), message
+    assert "Traceback" not in result.output
