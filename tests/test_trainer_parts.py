@@ -213,3 +213,21 @@ def test_checkpoint_loading_refuses_pickled_code(tmp_path):
     torch.save({"x": Payload()}, tmp_path / "evil.pt")
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         BackgroundCheckpointEngine().load(str(tmp_path / "evil.pt"))
+
+
+def test_the_deepspeed_backend_imports_deepspeed_without_mlflow():
+    """DeepSpeed's autotuner imports mlflow when installed (~1 s in every worker's start-up);
+    vitray hides it from that import only: mlflow stays importable afterwards."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; import vitray.trainers.deepspeed_backend; "
+        "from deepspeed.autotuning import autotuner; "
+        "print('result', 'mlflow' in sys.modules, autotuner.has_mlflow); "
+        "import mlflow; print('result', mlflow.__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("result ")]  # not DeepSpeed's logs
+    assert said == [["False", "False"], ["mlflow"]]

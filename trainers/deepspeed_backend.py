@@ -19,6 +19,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import vitray.trainers.deepspeed_import  # noqa: F401  (first: DeepSpeed without its mlflow import)
+
+# isort: split
 import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from torch import nn
