@@ -5,9 +5,10 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
 import socket
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,9 +135,33 @@ def digits_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     test samples, 10 classes, 8x8 grayscale PNGs. Treat it as read-only."""
     from vitray.data import prepare_dataset
 
-    dest = tmp_path_factory.mktemp("digits")
-    prepare_dataset("builtin:digits", str(dest), samples_per_shard=DIGITS_SAMPLES_PER_SHARD)
-    return dest
+    return built_once(
+        tmp_path_factory,
+        "digits",
+        lambda dest: prepare_dataset("builtin:digits", str(dest), samples_per_shard=DIGITS_SAMPLES_PER_SHARD),
+    )
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:
+    """The folder `name`, filled by `build(folder)` once in the whole test run, for a session
+    fixture that is costly (a real pre-training run) or that others' results point at.
+
+    On pytest-xdist every worker is a session of its own and would build each session fixture
+    again (one more reference run per worker): the workers share the folder above their own temp
+    folders, and the first to need `name` builds it under a file lock while another waits for it.
+    Only a finished build is reused (one that failed is removed and built again)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, finished = shared / name, shared / f"{name}.built"
+    with FileLock(shared / f"{name}.lock"):
+        if not finished.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            finished.touch()
+    return folder
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -156,6 +181,26 @@ def _private_temp_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
     finally:
         tempfile.tempdir = saved
         shutil.rmtree(private, ignore_errors=True)
+
+
+# Ray's auth mode as the suite started. vitray switches on token auth (`RAY_AUTH_MODE`) in its own
+# process before it joins a cluster that has a token; a test doing that in the test process would make
+# every later local Ray instance of this worker start its GCS with token auth, which this process's
+# Ray client, configured once at import, does not send.
+RAY_AUTH_MODE_AT_START = os.environ.get("RAY_AUTH_MODE")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """A test that left RAY_AUTH_MODE changed fails (once its fixtures, monkeypatch too, are undone)."""
+    result = yield
+    if os.environ.get("RAY_AUTH_MODE") != RAY_AUTH_MODE_AT_START:
+        if RAY_AUTH_MODE_AT_START is None:  # put back, so that only this test fails
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = RAY_AUTH_MODE_AT_START
+        raise AssertionError(f"{item.nodeid} left RAY_AUTH_MODE changed in the test process (see tests/conftest.py)")
+    return result
 
 
 @pytest.fixture(autouse=True)
@@ -199,8 +244,13 @@ def pretrained(digits_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -
     returns the run folder. Treat it as read-only (copy it to change it)."""
     from pretrain_helpers import pretrain_args, run
 
-    storage = tmp_path_factory.mktemp("pretrain")
-    run(pretrain_args(str(digits_dataset), str(storage), "pre", "train.steps=8", "checkpoint.every=4"))
+    storage = built_once(
+        tmp_path_factory,
+        "pretrain",
+        lambda storage: run(
+            pretrain_args(str(digits_dataset), str(storage), "pre", "train.steps=8", "checkpoint.every=4")
+        ),
+    )
     return str(storage / "pre")
 
 
@@ -214,19 +264,21 @@ def reference_run(digits_dataset: Path, tmp_path_factory: pytest.TempPathFactory
 
     from vitray.trainers.keys import collect_keys
 
-    root = tmp_path_factory.mktemp("reference")
-    keys = root / "keys"
-    run(
-        pretrain_args(
-            str(digits_dataset),
-            str(root / "runs"),
-            REFERENCE_NAME,
-            *REFERENCE,
-            "checkpoint.every=10",
-            f"evals.val={{type: val, every: {REFERENCE_STEPS}}}",
-            f"evals.fewshot={{type: fewshot, every: {REFERENCE_STEPS}, datasets: {{digits: {digits_dataset}}}}}",
-            f"debug.record_sample_keys={keys}",
+    def build(root: Path) -> None:
+        run(
+            pretrain_args(
+                str(digits_dataset),
+                str(root / "runs"),
+                REFERENCE_NAME,
+                *REFERENCE,
+                "checkpoint.every=10",
+                f"evals.val={{type: val, every: {REFERENCE_STEPS}}}",
+                f"evals.fewshot={{type: fewshot, every: {REFERENCE_STEPS}, datasets: {{digits: {digits_dataset}}}}}",
+                f"debug.record_sample_keys={root / 'keys'}",
+            )
         )
-    )
+
+    root = built_once(tmp_path_factory, "reference", build)
+    keys = root / "keys"
     run_dir = str(root / "runs" / REFERENCE_NAME)
     return {"run_dir": run_dir, "weights": final_weights(run_dir), "keys": collect_keys(keys)}

@@ -22,7 +22,9 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-def test_an_address_nobody_answers_is_refused_at_once():
+def test_an_address_nobody_answers_is_refused_at_once(monkeypatch):
+    # Set, so that connect() does not switch on token auth for the rest of this test process.
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     address = f"127.0.0.1:{closed_port()}"
     started = time.monotonic()
     with pytest.raises(RayUnavailable) as caught:
