@@ -23,7 +23,7 @@ The rooms of this package:
   :mod:`.splits`, :mod:`.storage` (fsspec), :mod:`.reachable`, :mod:`.config`;
 - read side (training and evaluation workers): :mod:`.plan` (the epoch plan), :mod:`.slots`,
   :mod:`.reader`, :mod:`.loader` (:class:`ShardLoader`), :mod:`.batch`, :mod:`.shared_memory`,
-  :mod:`.transforms`, :mod:`.eval_loader` (:class:`EvalLoader`). It never imports the write side
+  :mod:`.transforms`, :mod:`.model_range`, :mod:`.eval_loader` (:class:`EvalLoader`). It never imports the write side
   (tests/test_architecture.py checks it), so a worker that reads shards does not load the sources.
 
 This package imports nothing else from vitray and never imports ray.
@@ -78,7 +78,7 @@ _EXPORTS = {
     "open_source": "sources",
     "eval_transform": "transforms",
     "train_transform": "transforms",
-    "to_model_range": "transforms",
+    "to_model_range": "model_range",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -89,6 +89,7 @@ if TYPE_CHECKING:
     from .eval_loader import EvalLoader, load_split, read_labels, top1_hits
     from .layout import DatasetInfo, ManifestRow, ResolvedSplit, SplitInfo, read_dataset_info, read_manifest, read_split
     from .loader import ShardLoader
+    from .model_range import to_model_range
     from .plan import EpochPlan, ShardRange, epoch_plan, rank_slots
     from .prepare import (
         DestinationNotEmpty,
@@ -110,7 +111,7 @@ if TYPE_CHECKING:
     )
     from .sources import Source, open_source
     from .splits import SPLIT_SYNTAX, SplitSpec, parse_split, slice_bounds, split_extents
-    from .transforms import eval_transform, to_model_range, train_transform
+    from .transforms import eval_transform, train_transform
 
 
 def __getattr__(name: str) -> Any:

@@ -237,13 +237,6 @@ def eval_transform(img_size: int, resize: EvalResize = "aspect") -> Transform:
     return transform
 
 
-def to_model_range(images: torch.Tensor) -> torch.Tensor:
-    """uint8 images -> float32 in ``[-1, 1]`` (``x / 127.5 - 1``), for a whole batch at once:
-    one vectorised op instead of a per-image ``ToDtype`` + ``Normalize``, which cost more than the
-    crop itself."""
-    return images.to(torch.float32).mul_(2.0 / 255.0).sub_(1.0)
-
-
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # start-of-frame: they hold the size
 _STANDALONE_MARKERS = frozenset([0x01, *range(0xD0, 0xD9)])  # markers without a length field
 

@@ -529,3 +529,19 @@ def test_every_by_name_import_names_a_module_that_exists() -> None:
     ]
     assert named, "no by-name import found (trainers/evals.py's registry names its evaluators)"
     assert [f"{imp.file}:{imp.line}: {imp.text}" for imp in named if not module_exists(REPO, imp.target)] == []
+
+
+def test_the_driver_does_not_import_torchvision_or_deepspeed() -> None:
+    """A `vitray pretrain` driver loads the config and starts Ray; torchvision (through
+    torch._dynamo ~1.4 s of CPU) and DeepSpeed (~3 s) belong to the workers. Every run and every
+    test's run starts a driver, so what it imports for nothing is paid again and again."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, vitray.cli.main, vitray.cluster.pretrain, vitray.cluster.finetune, vitray.cluster.evaluate; "
+        "print('loaded', *sorted(m for m in ('torchvision', 'deepspeed', 'mlflow') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["loaded"], out.stdout

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vitray.data.transforms import to_model_range
+from vitray.data.model_range import to_model_range
 
 
 def model_images(images: torch.Tensor) -> torch.Tensor:
