@@ -216,7 +216,7 @@ def concat_chunks(
     copy: bool = False,
 ) -> Batch:
     """One batch from chunks in order; uint8 images become float32 in ``[-1, 1]`` if ``float_images``,
-    with the values of :func:`~vitray.data.transforms.to_model_range`. ``memory`` recycles the
+    with the values of :func:`~vitray.data.model_range.to_model_range`. ``memory`` recycles the
     memory of earlier batches that nobody holds any more (fresh memory without it). ``copy``:
     the batch never shares memory with the chunks (whose memory will be reused). uint8 images keep
     the chunks' memory layout (planar or channels-last); float32 ones are planar."""

@@ -17,7 +17,7 @@
   (big_vision ``configs/common_fewshot.py``: ``resize(256)|central_crop(224)``): every image
   squashed to ``round(img_size / 0.875)`` square, then the central ``img_size`` crop;
 - both: RGB (grayscale and palette images are converted); the transforms give uint8 tensors and
-  :func:`to_model_range` maps a stacked batch of them to float32 in ``[-1, 1]``.
+  :func:`~vitray.data.model_range.to_model_range` maps a stacked batch of them to float32 in ``[-1, 1]``.
   :func:`train_augment` and :func:`eval_resize` are the same transforms without the final
   conversion to a tensor: the loaders copy their PIL output plane by plane straight into the
   batch, which costs less than ``PILToTensor`` followed by a stack.

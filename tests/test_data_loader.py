@@ -37,6 +37,7 @@ from vitray.data import (
     top1_hits,
 )
 from vitray.data.batch import SkipReporter, is_channels_last
+from vitray.data.model_range import to_model_range
 from vitray.data.plan import ShardRange
 from vitray.data.reader import SampleStream
 from vitray.data.transforms import (
@@ -45,7 +46,6 @@ from vitray.data.transforms import (
     decode_image,
     eval_resize,
     eval_transform,
-    to_model_range,
     train_augment,
     train_transform,
 )
