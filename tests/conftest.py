@@ -170,10 +170,13 @@ def _private_temp_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
     in-process loops, whose stand-in reporters never upload them; local metrics copies) go to a
     folder of this session's, removed at its end. Never a cleanup of the machine's /tmp: other
     jobs there (a real run, a benchmark, another test session) have vitray-* folders of their own."""
-    import shutil
+    import multiprocessing.util
     import tempfile
 
     tmp_path_factory.getbasetemp()  # pytest's own folders stay where they are (failed tests' are kept)
+    # multiprocessing's own temp folder (forkserver sockets) too: it removes it at exit, after this
+    # fixture (removing it here made that exit print a FileNotFoundError traceback).
+    multiprocessing.util.get_temp_dir()
     private = tempfile.mkdtemp(prefix="vt-")
     saved, tempfile.tempdir = tempfile.tempdir, private
     try:
