@@ -10,10 +10,14 @@
 # - attention: attention.txt: the attention kernel `train.attention=auto` runs for ViT-B/16 in bf16;
 # - data: data_pipeline.txt: `benchmarks/data_pipeline.py` with one loader worker per core but two;
 # - pretrain: pretrain.txt: a real `vitray pretrain` on CUDA (Ray, DeepSpeed ZeRO-1, bf16, compiled), B/16 at
-#   224 px on the built-in digits for 300 steps: checks that nothing in the run is CPU-only.
-# Budget: about 20 minutes on one H100 in all (each step has its own time limit).
+#   224 px on the built-in digits for 300 steps: checks that nothing in the run is CPU-only;
+# - decode (issue #24's goal for a real run): pretrain_decode.txt: `benchmarks/pretrain_decode.py`, B/16 batch
+#   256 on 12,000 ImageNet-size JPEGs with data.decode=gpu then cpu and the loader as the run resolves it,
+#   each against gpu_step_B16's vitray step rate (measured first, while the JPEGs are written and sharded
+#   in the background; the step group's B/16 figure is reused when both groups run). About 7 minutes.
+# Budget: about 20 minutes on one H100 for the first four (each step has its own time limit).
 set -u
-OUT=${1:?usage: run_gpu.sh OUTDIR [attention] [step] [data] [pretrain]}
+OUT=${1:?usage: run_gpu.sh OUTDIR [attention] [step] [data] [pretrain] [decode]}
 shift
 GROUPS_WANTED=${*:-attention step data pretrain}
 PY=${PYTHON:-python3}
@@ -44,7 +48,14 @@ for setting in ('auto', 'flash', 'cudnn', 'efficient'):
         kernel = f'refused: {err}'
     print(f'B/16 bf16 train.attention={setting}: {kernel}')
 "
-wanted step && step gpu_step_B16 420 "$PY" benchmarks/gpu_step.py --model B/16 --batch 256 --steps 30 --warmup 10
+if wanted decode; then  # the JPEGs and shards for the decode group, written while the step is measured
+    DECODE_WORK=$(mktemp -d)
+    "$PY" benchmarks/pretrain_decode.py --workdir "$DECODE_WORK" --decode "" >"$OUT/decode_prepare.txt" 2>&1 &
+    DECODE_PREPARE=$!
+fi
+if wanted step || wanted decode; then
+    step gpu_step_B16 420 "$PY" benchmarks/gpu_step.py --model B/16 --batch 256 --steps 30 --warmup 10
+fi
 wanted step && step gpu_step_L16 420 "$PY" benchmarks/gpu_step.py --model L/16 --batch 128 --steps 20 --warmup 8 --grad-checkpointing
 wanted step && step gpu_step_H14 420 "$PY" benchmarks/gpu_step.py --model H/14 --batch 64 --steps 12 --warmup 6 --grad-checkpointing
 wanted data && step data_pipeline 420 "$PY" benchmarks/data_pipeline.py --workers "$(($(nproc) - 2))" --skip-s3
@@ -58,5 +69,12 @@ step pretrain 540 "$PY" -m vitray.cli pretrain --set run.name=gpu-check --set ru
     --set precision.dtype=bf16 --set cluster.num_workers=1 --set cluster.gpus_per_worker=1 --set data.num_slots=8 \
     --set data.num_workers="$(($(nproc) - 4))" --set data.min_crop_area=0.5 --set log.every=50 \
     --set checkpoint.every=150
+fi
+if wanted decode; then
+    wait "$DECODE_PREPARE"
+    tail -n 3 "$OUT/decode_prepare.txt" >>"$OUT/summary.txt"
+    RATE=$(sed -n 's/^vitray pretrain step[^:]*: \([0-9.]*\) img\/s.*/\1/p' "$OUT/gpu_step_B16.txt")
+    step pretrain_decode 480 "$PY" benchmarks/pretrain_decode.py --workdir "$DECODE_WORK" --steps 150 \
+        --run-timeout 200 ${RATE:+--step-rate "$RATE"}
 fi
 echo "done $(date -u +%H:%M:%S)" >>"$OUT/summary.txt"
