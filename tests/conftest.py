@@ -186,23 +186,41 @@ def _private_temp_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
         shutil.rmtree(private, ignore_errors=True)
 
 
-# Ray's auth mode as the suite started. vitray switches on token auth (`RAY_AUTH_MODE`) in its own
-# process before it joins a cluster that has a token; a test doing that in the test process would make
-# every later local Ray instance of this worker start its GCS with token auth, which this process's
-# Ray client, configured once at import, does not send.
-RAY_AUTH_MODE_AT_START = os.environ.get("RAY_AUTH_MODE")
+def _ray_auth_out_of_step() -> str | None:
+    """How `RAY_AUTH_MODE` and Ray's own auth mode in this process disagree, if they do.
+
+    Ray reads the mode into its config once, at import; a local `ray.init` that switches token auth
+    on sets both. vitray switches it on in its environment only, before Ray is imported (in its own
+    process). Done in the test process, every later local Ray instance of the worker would start its
+    GCS with token auth, and this process's Ray client, still without it, is refused by it."""
+    import sys
+
+    if "ray._raylet" not in sys.modules:
+        return None  # Ray, once imported, reads the variable as it is then
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    wanted, active = os.environ.get("RAY_AUTH_MODE", "").lower() == "token", is_token_auth_enabled()
+    return (
+        None
+        if wanted == active
+        else f"RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE')!r}, Ray's own mode token={active}"
+    )
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """A test that left RAY_AUTH_MODE changed fails (once its fixtures, monkeypatch too, are undone)."""
+    """A test that leaves RAY_AUTH_MODE out of step with Ray's own auth mode in the test process
+    fails (checked once its fixtures, monkeypatch too, are undone)."""
     result = yield
-    if os.environ.get("RAY_AUTH_MODE") != RAY_AUTH_MODE_AT_START:
-        if RAY_AUTH_MODE_AT_START is None:  # put back, so that only this test fails
-            os.environ.pop("RAY_AUTH_MODE", None)
+    disagreement = _ray_auth_out_of_step()
+    if disagreement:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+        if is_token_auth_enabled():  # put back in step, so that only this test fails
+            os.environ["RAY_AUTH_MODE"] = "token"
         else:
-            os.environ["RAY_AUTH_MODE"] = RAY_AUTH_MODE_AT_START
-        raise AssertionError(f"{item.nodeid} left RAY_AUTH_MODE changed in the test process (see tests/conftest.py)")
+            os.environ.pop("RAY_AUTH_MODE", None)
+        raise AssertionError(f"{item.nodeid} left {disagreement} in the test process (see tests/conftest.py)")
     return result
 
 
