@@ -97,6 +97,10 @@ class RunLease:
     `timeout_s / 4` on a background thread. `on_lost` is called (once, from that thread) when
     another driver took the lease over."""
 
+    # On S3, taking over a lease (stale, gone or --force) replaces the very version judged; a write
+    # that the holder's heartbeat beat to it is judged again on the new version, this many times.
+    HEARTBEAT_RETRIES = 50
+
     def __init__(
         self,
         run_dir: str,
@@ -157,18 +161,23 @@ class RunLease:
         return warning
 
     def _acquire_conditional(self) -> str | None:
-        current = self._object.get()
-        held = _parse(current[0]) if current else None
-        warning = self._may_take_over(held) if held is not None else None
-        self.record.heartbeat = time.time()
-        try:
-            if current is None:
-                self._etag = self._object.create(self._data())
-            else:  # replaces exactly the version judged above (stale, gone, forced, or unreadable)
-                self._etag = self._object.replace(self._data(), current[1])
-        except lease_s3.WriteConflict:
-            self._raise_raced(read_lease(self.path))
-        return warning
+        for _ in range(self.HEARTBEAT_RETRIES):
+            current = self._object.get()
+            held = _parse(current[0]) if current else None
+            warning = self._may_take_over(held) if held is not None else None
+            self.record.heartbeat = time.time()
+            try:
+                if current is None:
+                    self._etag = self._object.create(self._data())
+                else:  # replaces exactly the version judged above (stale, gone, forced, or unreadable)
+                    self._etag = self._object.replace(self._data(), current[1])
+                return warning
+            except lease_s3.WriteConflict:
+                now_held = read_lease(self.path)
+                if held is None or now_held is None or now_held.owner != held.owner:
+                    self._raise_raced(now_held)  # another driver took it in the meantime
+                # Only the holder judged above wrote since (its heartbeat): judge its new version.
+        self._raise_raced(read_lease(self.path))
 
     def _raise_raced(self, now_held: LeaseRecord | None) -> None:
         other = f"{now_held.describe()}" if now_held else "another driver (it has since released it)"

@@ -15,31 +15,10 @@ from pathlib import Path
 
 import pytest
 
-# The modules of long end-to-end runs, longest first (each module's total under `make test`,
-# session 14: 450 s down to 80 s). `make test` runs the suite on two pytest-xdist workers, a module to
-# a worker (`--dist loadfile`), and hands the modules out in collection order (`--no-loadscope-reorder`:
-# xdist's default order is by number of tests, which put these last), so these go first and the short
-# ones fill in at the end instead of one long module running alone for minutes after the rest.
-LONG_MODULES = (
-    "test_faults_pretrain.py",
-    "test_zero_stages.py",
-    "test_pretrain.py",
-    "test_evaluate.py",
-    "test_recipes.py",
-    "test_nonfinite.py",
-    "test_multinode.py",
-    "test_faults_s3.py",
-    "test_feed.py",
-    "test_drain.py",
-    "test_pretrain_s3.py",
-)
-
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The long modules first (see LONG_MODULES); `xla` tests need torch-xla (the `xla` extra,
-    which `make install` includes): skipped where it is not installed."""
-    rank = {name: i for i, name in enumerate(LONG_MODULES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_MODULES)))  # stable: the rest as collected
+    """`xla` tests need torch-xla (the `xla` extra, which `make install` includes): skipped where it
+    is not installed."""
     if importlib.util.find_spec("torch_xla") is not None:
         return
     skip = pytest.mark.skip(reason="needs torch-xla: pip install -e '.[xla]' (make install does)")

@@ -115,6 +115,25 @@ def test_the_heartbeat_keeps_the_lease_fresh_and_notices_a_take_over(where, tmp_
     thief.release()
 
 
+def test_a_forced_take_over_on_s3_wins_against_a_live_heartbeat(moto_server):
+    """--force replaces the version of the lease it judged; the holder's heartbeat (here every
+    25 ms, about a moto round trip) often rewrites it in between. That write is the same holder's,
+    so the take-over judges the new version and goes on, instead of stopping as if another driver
+    had started at the same moment (which the first of these ten take-overs nearly always did)."""
+    for attempt in range(10):
+        run_dir = moto_server.url("runs", f"forced-{attempt}")
+        holder = RunLease(run_dir, timeout_s=0.1)
+        holder.acquire()
+        time.sleep(0.05)
+        thief = RunLease(run_dir, timeout_s=60, force=True)
+        try:
+            assert thief.acquire().startswith("--force: taking over the lease of")
+            assert read_lease(thief.path).owner == thief.owner
+        finally:
+            holder.release()
+            thief.release()
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 @pytest.mark.parametrize("before", ["no lease", "a stale lease"])
 def test_two_drivers_starting_at_once_one_goes_on(where, before, tmp_path, request):
