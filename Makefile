@@ -34,7 +34,7 @@ demo: $(STAMP)
 # end-to-end runs spend much of their time waiting (on Ray's start-up and polls, on held steps), and
 # on CI's two cores the whole suite took ~16% less time so (session 13: 26:42 against ~32 min).
 # xdist hands out the modules with the most tests first; the long end-to-end modules first instead
-# (--no-loadscope-reorder) took two minutes longer (session 14: 26:27 against 24:14).
+# (--no-loadscope-reorder) was no faster (session 14: 26:27; xdist's order 24:14 and 26:10).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not xla" -n 2 --dist loadfile
 	$(MAKE) test-xla
