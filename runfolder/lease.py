@@ -99,7 +99,7 @@ class RunLease:
 
     # On S3, taking over a lease (stale, gone or --force) replaces the very version judged; a write
     # that the holder's heartbeat beat to it is judged again on the new version, this many times.
-    HEARTBEAT_RETRIES = 50
+    TAKE_OVER_RETRIES = 50
 
     def __init__(
         self,
@@ -161,7 +161,7 @@ class RunLease:
         return warning
 
     def _acquire_conditional(self) -> str | None:
-        for _ in range(self.HEARTBEAT_RETRIES):
+        for _ in range(self.TAKE_OVER_RETRIES):
             current = self._object.get()
             held = _parse(current[0]) if current else None
             warning = self._may_take_over(held) if held is not None else None

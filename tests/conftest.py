@@ -167,8 +167,9 @@ def _private_temp_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
         shutil.rmtree(private, ignore_errors=True)
 
 
-def _ray_auth_out_of_step() -> str | None:
-    """How `RAY_AUTH_MODE` and Ray's own auth mode in this process disagree, if they do.
+def _put_ray_auth_back_in_step() -> str | None:
+    """How `RAY_AUTH_MODE` and Ray's own auth mode in this process disagreed, if they did; the
+    variable is then set back to Ray's mode, so that only the test that left it so fails.
 
     Ray reads the mode into its config once, at import; a local `ray.init` that switches token auth
     on sets both. vitray switches it on in its environment only, before Ray is imported (in its own
@@ -180,12 +181,14 @@ def _ray_auth_out_of_step() -> str | None:
         return None  # Ray, once imported, reads the variable as it is then
     from ray._private.authentication.authentication_utils import is_token_auth_enabled
 
-    wanted, active = os.environ.get("RAY_AUTH_MODE", "").lower() == "token", is_token_auth_enabled()
-    return (
-        None
-        if wanted == active
-        else f"RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE')!r}, Ray's own mode token={active}"
-    )
+    variable, active = os.environ.get("RAY_AUTH_MODE"), is_token_auth_enabled()
+    if (str(variable).lower() == "token") == active:
+        return None
+    if active:
+        os.environ["RAY_AUTH_MODE"] = "token"
+    else:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    return f"RAY_AUTH_MODE={variable!r}, Ray's own mode token={active}"
 
 
 @pytest.hookimpl(wrapper=True)
@@ -193,14 +196,8 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     """A test that leaves RAY_AUTH_MODE out of step with Ray's own auth mode in the test process
     fails (checked once its fixtures, monkeypatch too, are undone)."""
     result = yield
-    disagreement = _ray_auth_out_of_step()
+    disagreement = _put_ray_auth_back_in_step()
     if disagreement:
-        from ray._private.authentication.authentication_utils import is_token_auth_enabled
-
-        if is_token_auth_enabled():  # put back in step, so that only this test fails
-            os.environ["RAY_AUTH_MODE"] = "token"
-        else:
-            os.environ.pop("RAY_AUTH_MODE", None)
         raise AssertionError(f"{item.nodeid} left {disagreement} in the test process (see tests/conftest.py)")
     return result
 
