@@ -13,8 +13,9 @@
 #   224 px on the built-in digits for 300 steps: checks that nothing in the run is CPU-only;
 # - decode (issue #24's goal for a real run): pretrain_decode.txt: `benchmarks/pretrain_decode.py`, B/16 batch
 #   256 on 12,000 ImageNet-size JPEGs with data.decode=gpu then cpu and the loader as the run resolves it,
-#   each against gpu_step_B16's vitray step rate (measured first, while the JPEGs are written and sharded
-#   in the background; the step group's B/16 figure is reused when both groups run). About 7 minutes.
+#   each against gpu_step_B16's vitray step rate (measured after the JPEGs are written and sharded, so that
+#   nothing competes with it for the CPUs; the step group's B/16 figure is reused when both groups run).
+#   About 8 minutes.
 # Budget: about 20 minutes on one H100 for the first four (each step has its own time limit).
 set -u
 OUT=${1:?usage: run_gpu.sh OUTDIR [attention] [step] [data] [pretrain] [decode]}
@@ -48,10 +49,9 @@ for setting in ('auto', 'flash', 'cudnn', 'efficient'):
         kernel = f'refused: {err}'
     print(f'B/16 bf16 train.attention={setting}: {kernel}')
 "
-if wanted decode; then  # the JPEGs and shards for the decode group, written while the step is measured
+if wanted decode; then  # the JPEGs and shards for the decode group, before any step is timed
     DECODE_WORK=$(mktemp -d)
-    "$PY" benchmarks/pretrain_decode.py --workdir "$DECODE_WORK" --decode "" >"$OUT/decode_prepare.txt" 2>&1 &
-    DECODE_PREPARE=$!
+    step decode_prepare 300 "$PY" benchmarks/pretrain_decode.py --workdir "$DECODE_WORK" --decode ""
 fi
 if wanted step || wanted decode; then
     step gpu_step_B16 420 "$PY" benchmarks/gpu_step.py --model B/16 --batch 256 --steps 30 --warmup 10
@@ -71,8 +71,6 @@ step pretrain 540 "$PY" -m vitray.cli pretrain --set run.name=gpu-check --set ru
     --set checkpoint.every=150
 fi
 if wanted decode; then
-    wait "$DECODE_PREPARE"
-    tail -n 3 "$OUT/decode_prepare.txt" >>"$OUT/summary.txt"
     RATE=$(sed -n 's/^vitray pretrain step[^:]*: \([0-9.]*\) img\/s.*/\1/p' "$OUT/gpu_step_B16.txt")
     step pretrain_decode 480 "$PY" benchmarks/pretrain_decode.py --workdir "$DECODE_WORK" --steps 150 \
         --run-timeout 200 ${RATE:+--step-rate "$RATE"}
