@@ -29,15 +29,14 @@ $(STAMP): pyproject.toml requirements.lock setup.py data/_jpeg_region.c
 demo: $(STAMP)
 	$(BIN)/vitray demo
 
-# Everything but the `xla` tests, then the `xla` tests in a process of their own. The first part on
-# two pytest-xdist workers, a test module to each at a time (module-wide fixtures stay shared): the
-# end-to-end runs spend much of their time waiting (on Ray's start-up and polls, on held steps), and
-# on CI's two cores the whole suite took ~16% less time so (session 13: 26:42 against ~32 min).
-# xdist hands out the modules with the most tests first; the long end-to-end modules first instead
-# (--no-loadscope-reorder) was no faster (session 14: 26:27; xdist's order 24:14 and 26:10).
+# The whole suite on two pytest-xdist workers, a test module to each at a time (module-wide fixtures
+# stay shared): the end-to-end runs spend much of their time waiting (on Ray's start-up and polls,
+# on held steps), and on CI's two cores the suite took ~16% less time so (session 13: 26:42 against
+# ~32 min). The `xla` tests run in the same workers: each worker is a process of its own, and both
+# start PJRT's CPU client with the same 4 devices (XLA_TEST_ENV) if they start it at all; run
+# after the rest, they left a CPU idle a third of their 3-4 minutes (session 15).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not xla" -n 2 --dist loadfile
-	$(MAKE) test-xla
+	$(XLA_TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 test-xla: $(STAMP)
 	$(XLA_TEST_ENV) $(BIN)/python -m pytest -q -m xla
