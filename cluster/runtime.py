@@ -64,6 +64,12 @@ def connect(address: str | None, *, num_cpus: int | None = None, verbose: bool =
     # each checkpoint report wait for that poll (about 2 s of every run). Ray Train passes this
     # setting on to the controller wherever it runs; an explicit value in the environment wins.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(TRAIN_POLL_INTERVAL_S))
+    # Ray Train starts a pre-emption watcher actor for every run, which polls the GCS for the
+    # drain notices behind `ray.train.get_preemption_info()`. vitray does not call that (the
+    # workers read the notices themselves, see `vitray.cluster.drain`), and Ray Train's own
+    # failure handling tells a pre-empted worker from its actor's death cause, not from the
+    # watcher: the actor is a process's start-up and a poll every 5 s for nothing.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     global _started_local
     if address:
         _check_address_answers(address)

@@ -74,6 +74,18 @@ class LoopbackCluster:
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
+    def actor_classes(self) -> set[str]:
+        """Class names of every actor the cluster has run, finished ones included."""
+        # From the GCS's actor table (the state API needs the dashboard, which these nodes leave out).
+        script = (
+            "import json, ray; from ray._private.state import actors; "
+            f"ray.init(address='{self.address}', logging_level='ERROR'); "
+            "print(json.dumps(sorted({a['ActorClassName'] for a in actors().values()})))"
+        )
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=self.env, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
     def nodes_in_use(self, resource: str) -> list[str]:
         """Ids of the nodes where some of `resource` is taken (by the run's workers)."""
         script = (

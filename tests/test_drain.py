@@ -66,6 +66,10 @@ def test_a_drained_worker_node_is_left_at_a_checkpoint_and_the_run_ends_as_unint
             cluster.drain(in_use[0], deadline_s=240)  # the other node has room for the whole group
             stdout, stderr = driver.communicate(timeout=420)
         assert driver.returncode == 0, f"the run failed:\n{stdout[-2000:]}\n{stderr[-5000:]}"
+        # The drain was read by vitray's own watch: Ray Train's pre-emption watcher (an actor per
+        # run, polling for `ray.train.get_preemption_info()`) is switched off.
+        started = cluster.actor_classes()
+        assert "TrainController" in started and "PreemptionWatcher" not in started, started
 
     text = " ".join(stderr.split())
     assert "Ray is draining node" in text and "starting a new worker group away from that node" in text, text[-3000:]

@@ -1,7 +1,8 @@
 """The torch-xla backend for real, on PJRT's CPU client: 4 CPU devices stand in for a TPU host.
 
-Runs in a pytest process of its own (`make test-xla`: PJRT_DEVICE=CPU, CPU_NUM_DEVICES=4; `make
-test` runs the rest first with `-m "not xla"`). `vitray pretrain --set train.backend=xla` on a local Ray with
+`make test` runs it beside the other modules with PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 set (as this
+module also sets them, before torch-xla starts; `make test-xla` runs the `xla` tests alone).
+`vitray pretrain --set train.backend=xla` on a local Ray with
 one worker (one "host") trains with parameters sharded over the 4 devices, compiles its graphs
 once, checkpoints with torch.distributed.checkpoint, resumes exactly after a worker is killed,
 resumes on 2 devices from a 4-device checkpoint, and its weights load into the DeepSpeed backend.
