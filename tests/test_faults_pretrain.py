@@ -301,4 +301,10 @@ def test_when_the_grace_period_runs_out_the_driver_exits_without_a_new_checkpoin
     assert proc.returncode == 128 + signal.SIGTERM, stdout[-2000:] + stderr[-4000:]
     assert "grace period of 3 s over before the workers stopped" in _flat(stderr)
     assert 3 <= waited < 30
-    assert all(c.complete for c in find_checkpoints(run_dir))
+    # The driver is gone, and with it (and `running`'s kill of what is left of its session) the
+    # workers, which went on training and checkpointing (every 4 steps, ~1 s) until then: the
+    # checkpoint one of them was writing may be cut short. It has no completion record, so it is
+    # never taken; everything before it is whole.
+    latest = latest_complete_checkpoint(run_dir)
+    cut_short = [Path(c.path).name for c in find_checkpoints(run_dir) if not c.complete]
+    assert latest is not None and all(name > Path(latest.path).name for name in cut_short), cut_short  # dated names
