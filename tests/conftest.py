@@ -217,13 +217,18 @@ def process_group() -> Iterator[None]:
     """
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    init_one_rank_group()
     yield
     dist.destroy_process_group()
+
+
+def init_one_rank_group() -> None:
+    """A one-rank gloo process group on a free port of 127.0.0.1, in this process (`process_group`,
+    and tests that train in a process of their own)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo", rank=0, world_size=1)
 
 
 @pytest.fixture(scope="module")

@@ -376,16 +376,13 @@ def test_masked_patch_checkpoint_transfers_to_fewshot_and_finetuning(
 
 def _run_xla_loop(overrides: list[str], run_dir: str) -> tuple[list[str], list[dict]]:
     """`_run_loop` on torch-xla's 4 CPU devices, in a process of its own (see below)."""
-    import socket
-
     import torch.distributed as dist
+    from conftest import init_one_rank_group
 
-    os.environ.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", XLA_FLAGS="--xla_backend_optimization_level=0")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    os.environ.setdefault("CPU_NUM_DEVICES", "4")
+    os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    init_one_rank_group()
     try:
         return _run_loop(overrides, Path(run_dir))
     finally:
