@@ -782,7 +782,7 @@ def _png_bytes(width: int, height: int) -> bytes:
     return out.getvalue()
 
 
-def test_worker_chunks_travel_as_ring_slots_from_single_threaded_workers(jpeg_dataset, monkeypatch):
+def test_worker_chunks_travel_as_ring_slots_and_labels_by_value_from_single_threaded_workers(jpeg_dataset, monkeypatch):
     def recording_decode(*args, **kwargs):
         chunk = real_decode(*args, **kwargs)
         state = f"{torch.get_num_threads()},{gc.get_freeze_count() > 0}"
@@ -791,7 +791,7 @@ def test_worker_chunks_travel_as_ring_slots_from_single_threaded_workers(jpeg_da
 
     def recording_in_order(items, **kwargs):
         for index, chunks in real_in_order(items, **kwargs):
-            received.extend((c.ring, c.images.numel()) for c in chunks)
+            received.extend((c.ring, c.images.numel(), c.labels.is_shared()) for c in chunks)
             yield index, chunks
 
     real_decode, real_in_order, received = loader_module.decode_chunk, loader_module.in_order, []
@@ -803,8 +803,11 @@ def test_worker_chunks_travel_as_ring_slots_from_single_threaded_workers(jpeg_da
     # the parent's objects frozen, out of their garbage collections; the parent's are unfrozen.
     assert worker_states == {"1,True"} and gc.get_freeze_count() == 0
     # Images stay in each worker's shared ring; the messages carry (worker, slot), slots in turn.
-    assert [ring for ring, _ in received] == [(w, s % 4) for s in range(5) for w in (0, 1)]
-    assert {numel for _, numel in received} == {0}
+    assert [ring for ring, _, _ in received] == [(w, s % 4) for s in range(5) for w in (0, 1)]
+    assert {numel for _, numel, _ in received} == {0}
+    # The labels came by value, not in a shared-memory segment of their own (a file descriptor
+    # handed over per chunk); they are still right (the labels match the keys' samples elsewhere).
+    assert {shared for _, _, shared in received} == {False}
 
 
 def test_batch_memory_is_reused_only_when_no_tensor_holds_it():

@@ -88,8 +88,9 @@ def test_feed_hands_uint8_batches_with_the_position_of_the_batch_handed_over(dig
     for _ in range(3):
         expected, batch = next(plain), next(fed)
         assert batch.images.dtype == torch.uint8 and batch.images.device == feed.device
-        # The loader's crops are channels-last in memory; the feed makes them planar after the copy.
-        assert is_channels_last(expected.images) and batch.images.is_contiguous()
+        # The loader's crops are channels-last in memory; on the CPU the feed hands them over as they
+        # are (no host transpose in the training process; on CUDA it makes them planar after the copy).
+        assert is_channels_last(expected.images) and is_channels_last(batch.images)
         assert torch.equal(batch.images, expected.images) and torch.equal(batch.labels, expected.labels)
         assert batch.keys == expected.keys
         # The feed has read one batch further, but reports the position after the one it handed over.
@@ -101,6 +102,26 @@ def test_feed_hands_uint8_batches_with_the_position_of_the_batch_handed_over(dig
     resumed.load_state_dict(states[1])
     assert torch.equal(next(iter(resumed)).images, batch.images)  # the third batch again
     assert resumed.epoch == 0 and resumed.steps_per_epoch == feed.steps_per_epoch  # the loader's own attributes
+
+
+def test_the_model_reads_channels_last_batches_as_their_planar_copies(digits_dataset):
+    """What lets the feed hand the CPU's batches over channels-last: the model's outputs and gradients
+    are those of the planar copy (the patch embedding's convolution reads either layout)."""
+    from vitray.models import create_model
+
+    images = next(iter(_loader(digits_dataset, float_images=False))).images
+    assert is_channels_last(images)
+    torch.manual_seed(0)
+    model = create_model("Ti/4", num_classes=10, img_size=16)
+    outputs, grads = [], []
+    for batch in (images, images.contiguous()):
+        model.zero_grad()
+        logits = model(to_model_range(batch))
+        logits.square().mean().backward()
+        outputs.append(logits.detach())
+        grads.append(model.patch_embed.weight.grad.clone())
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
 
 
 def test_feed_refuses_float_batches(digits_dataset):

@@ -3,8 +3,8 @@
 The loader hands uint8 images (a quarter of float32's bytes); the feed puts each batch's tensors
 in pinned host memory and starts their copy to the device on a side stream as soon as the batch
 is read, one batch ahead of the step that uses it, so the copy overlaps the previous step's
-compute. Images arrive channels-last (how the crops come out of their resize) and are made planar
-on the device after the copy. Conversion to the model's range, targets, mixup and masked-patch targets then happen on
+compute. Images arrive channels-last (how the crops come out of their resize); on a GPU they are
+made planar on the device after the copy, on the CPU the model takes them channels-last. Conversion to the model's range, targets, mixup and masked-patch targets then happen on
 the device (`trainers/objectives.py`, `trainers/masked_patch.py`).
 
 With ``data.decode=gpu`` (a loader made with ``device_decode=True``) a batch's JPEGs arrive
@@ -80,9 +80,13 @@ class DeviceFeed:
         stream = torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()
         with stream:
             images = _to_device(batch.images, self.device, pin=self._cuda)
-            # Training batches leave the loader channels-last (the crops' own layout); made planar
-            # here, after the copy: a transpose on the accelerator instead of in every decode.
-            images = images.contiguous()
+            # Training batches leave the loader channels-last (the crops' own layout). On CUDA they
+            # are made planar here, after the copy: a transpose on the GPU instead of in every
+            # decode. On the CPU they stay as they are: the patch embedding's convolution reads
+            # either layout (the same outputs, no slower), and a host transpose here (~6 ms for 64
+            # crops of 224 px) is CPU time taken from the loader workers (BENCHMARKS.md).
+            if self._cuda:
+                images = images.contiguous()
             if batch.encoded:  # data.decode=gpu: the JPEGs are decoded and cropped here
                 images, failed = decode_batch(images, batch.encoded, len(batch))
                 batch = _without(replace(batch, encoded=()), failed)
