@@ -14,10 +14,14 @@ What is guaranteed, plainly:
   two racing writers through and refuses the other (412), whatever their timing, so of two drivers
   starting at once exactly one goes on, and a heartbeat that finds another ETag knows that it was
   taken over. No waiting is needed.
-- Local storage: the first lease is created with a hard link, which fails when the file exists
-  (an atomic create-if-absent); a take-over replaces it atomically. Then every acquirer reads the
-  lease back after `settle_s` and gives up unless it is still its own, so of two drivers racing
-  for a stale lease exactly one goes on.
+- Local storage (a local disk, or a shared file system such as NFS whose locks reach the other
+  hosts): every read-judge-write of the lease -- taking it, each heartbeat, releasing it -- holds
+  an exclusive lock on `lease.json.lock` beside it (filelock: `flock`), so no two of them
+  interleave. Of two drivers starting at once, the second finds the first's lease; a take-over
+  of a stale lease cannot land between the holder's heartbeat read and its write (which would
+  let the holder overwrite it and both go on); a holder stopped while it holds the lock (a
+  suspended VM) keeps the run until it lets go: a driver that cannot get the lock within
+  `LOCK_WAIT_S` refuses, naming the lock file.
 - Other object stores (no conditional writes through fsspec): plain whole-object writes and the
   read-back after `settle_s` (2 s): two drivers that write within one `settle_s` window both see the
   later writer's lease, so the earlier one refuses; a PUT slower than `settle_s` is not covered.
@@ -26,14 +30,17 @@ What is guaranteed, plainly:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+
+import filelock
 
 from vitray.data import storage
 from vitray.runfolder import lease_s3
@@ -100,6 +107,9 @@ class RunLease:
     # On S3, taking over a lease (stale, gone or --force) replaces the very version judged; a write
     # that the holder's heartbeat beat to it is judged again on the new version, this many times.
     TAKE_OVER_RETRIES = 50
+    # Local storage: the lock is held for one read and one write of a small file; a driver that
+    # cannot get it in this time finds its holder stopped mid-write and refuses to take the run.
+    LOCK_WAIT_S = 30.0
 
     def __init__(
         self,
@@ -115,10 +125,12 @@ class RunLease:
         self.path = RunFiles(run_dir).lease_path
         self.run_dir = run_dir
         self.timeout_s, self.force = timeout_s, force
-        self.settle_s = settle_s if settle_s is not None else (2.0 if storage.is_remote(run_dir) else 0.2)
+        self.settle_s = settle_s if settle_s is not None else 2.0  # other object stores: the read-back's wait
         self.on_lost = on_lost
         # S3: conditional writes, with the ETag of the version this driver last wrote.
         self._object = lease_s3.ConditionalObject(self.path) if lease_s3.supports(self.path) else None
+        # Local storage: the lock every read-judge-write holds.
+        self.lock_path = None if storage.is_remote(self.path) else f"{storage.filesystem(self.path)[1]}.lock"
         self._etag: str | None = None
         import psutil
 
@@ -142,10 +154,37 @@ class RunLease:
 
     def acquire(self) -> str | None:
         """Take the lease or raise RunLeaseHeld; returns a warning when a lease was taken over."""
-        warning = self._acquire_conditional() if self._object is not None else self._acquire_settled()
+        if self._object is not None:
+            warning = self._acquire_conditional()
+        elif self.lock_path is not None:
+            warning = self._acquire_locked()
+        else:
+            warning = self._acquire_settled()
         self._thread = threading.Thread(target=self._heartbeat, name="vitray-lease", daemon=True)
         self._thread.start()
         return warning
+
+    def _acquire_locked(self) -> str | None:
+        with self._locked():
+            held = read_lease(self.path)
+            warning = self._may_take_over(held) if held is not None else None
+            self.record.heartbeat = time.time()
+            self._write()
+        return warning
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
+        try:
+            with filelock.FileLock(self.lock_path, timeout=self.LOCK_WAIT_S, thread_local=False):
+                yield
+        except filelock.Timeout:
+            raise RunLeaseHeld(
+                f"run {self.run_dir}: {self.lock_path} has been locked for over {self.LOCK_WAIT_S:g} s by another "
+                "driver that is reading or writing the lease (a process stopped in the middle, or a hung file "
+                "system). Stop that process or wait for it; if no driver of this run exists on any host, the "
+                "file system's lock is stale: delete the lock file"
+            ) from None
 
     def _acquire_settled(self) -> str | None:
         held = read_lease(self.path)
@@ -153,7 +192,7 @@ class RunLease:
         if held is not None:
             warning = self._may_take_over(held)
         self.record.heartbeat = time.time()
-        self._write(create=held is None)
+        self._write()
         time.sleep(self.settle_s)
         now_held = read_lease(self.path)
         if now_held is None or now_held.owner != self.owner:
@@ -212,21 +251,8 @@ class RunLease:
     def _data(self) -> bytes:
         return json.dumps(asdict(self.record), indent=1).encode()
 
-    def _write(self, create: bool) -> None:
-        data = self._data()
-        if create and not storage.is_remote(self.path):
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            tmp = f"{self.path}.{self.owner}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            try:
-                os.link(tmp, self.path)  # fails if another driver created it first
-            except FileExistsError:
-                pass  # the read-back in acquire() names the winner
-            finally:
-                os.unlink(tmp)
-            return
-        storage.write_bytes_atomic(self.path, data)
+    def _write(self) -> None:
+        storage.write_bytes_atomic(self.path, self._data())
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.timeout_s / 4):
@@ -242,11 +268,12 @@ class RunLease:
 
     def _beat(self) -> LeaseRecord | None:
         """Refresh the lease; returns the other driver's record when it was taken over."""
-        held = read_lease(self.path)
-        if held is not None and held.owner != self.owner:
-            return held
-        self.record.heartbeat = time.time()
-        self._write(create=False)
+        with self._locked() if self.lock_path is not None else contextlib.nullcontext():
+            held = read_lease(self.path)
+            if held is not None and held.owner != self.owner:
+                return held
+            self.record.heartbeat = time.time()
+            self._write()
         return None
 
     def _beat_conditional(self) -> LeaseRecord | None:
@@ -272,9 +299,13 @@ class RunLease:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        held = read_lease(self.path)
-        if held is not None and held.owner == self.owner:
-            storage.remove(self.path)
+        try:
+            with self._locked() if self.lock_path is not None else contextlib.nullcontext():
+                held = read_lease(self.path)
+                if held is not None and held.owner == self.owner:
+                    storage.remove(self.path)
+        except RunLeaseHeld as stuck:  # left to expire after run.lease_timeout_s
+            print(f"vitray: the lease was not released: {stuck}", flush=True)
 
     def __enter__(self) -> RunLease:
         self.acquire()

@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import filelock
 import pytest
 from disk_helpers import mounted_tmpfs
 
@@ -134,12 +135,49 @@ def test_a_forced_take_over_on_s3_wins_against_a_live_heartbeat(moto_server):
             thief.release()
 
 
+def test_a_take_over_waits_for_a_heartbeat_between_its_read_and_its_write(tmp_path):
+    """Local storage: the holder's heartbeat reads the lease (its own), then writes it. A driver
+    taking over a stale lease in between used to write its own, find it still there after the
+    settle time, and go on, and then the holder's write put the holder's back: two drivers on one
+    run until the next heartbeat. Now every read-judge-write holds the lease's file lock; here the
+    test holds it for the holder paused between its read and its write."""
+    run_dir = str(tmp_path / "run")
+    path = Path(RunFiles(run_dir).lease_path)
+    _foreign_lease(path, age_s=90)  # the holder's last heartbeat: stale
+    taker = RunLease(run_dir, timeout_s=60)
+    outcome: list[str] = []
+
+    def take() -> None:
+        try:
+            outcome.append(taker.acquire() or "")
+        except RunLeaseHeld as refused:
+            outcome.append(f"refused: {refused}")
+
+    lock = f"{path}.lock"  # beside the lease
+    with filelock.FileLock(lock, thread_local=False):  # the holder, between read and write
+        thread = threading.Thread(target=take)
+        thread.start()
+        thread.join(1.0)
+        assert thread.is_alive() and not outcome, "the take-over did not wait for the heartbeat's write"
+        _foreign_lease(path, age_s=0)  # the holder's write: a fresh heartbeat
+    thread.join(10)
+    assert outcome and outcome[0].startswith("refused: ") and "already running" in outcome[0], outcome
+    assert read_lease(str(path)).owner == "otherdriver1"  # the holder's lease, untouched
+
+    # A lock held longer than LOCK_WAIT_S (a driver stopped mid-write) is reported, not waited on forever.
+    taker.LOCK_WAIT_S = 0.2
+    stopped_mid_write = filelock.FileLock(lock, thread_local=False)
+    with stopped_mid_write, pytest.raises(RunLeaseHeld, match=r"lease\.json\.lock has been locked for over 0\.2 s"):
+        taker.acquire()
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 @pytest.mark.parametrize("before", ["no lease", "a stale lease"])
 def test_two_drivers_starting_at_once_one_goes_on(where, before, tmp_path, request):
     """Two starts at once, with no lease yet (both create) or a stale one (both take it over).
-    Locally: both write, both read back, exactly one still sees its own. On S3: conditional writes
-    (If-None-Match to create, If-Match on the stale lease's ETag): S3 lets exactly one through."""
+    Locally: each reads, judges and writes under the lease's file lock, so the second finds the
+    first's fresh lease. On S3: conditional writes (If-None-Match to create, If-Match on the stale
+    lease's ETag): S3 lets exactly one through."""
     if where == "s3":
         endpoint = request.getfixturevalue("moto_server")
         run_dir = endpoint.url("runs", "race")
@@ -153,8 +191,7 @@ def test_two_drivers_starting_at_once_one_goes_on(where, before, tmp_path, reque
     winners: list[RunLease] = []
 
     def start_driver() -> None:
-        # On S3 no read-back wait is needed: settle_s is the local mechanism's alone.
-        lease = RunLease(run_dir, timeout_s=60, settle_s=1.0 if where == "local" else 0.0)
+        lease = RunLease(run_dir, timeout_s=60)
         start.wait()
         try:
             lease.acquire()
