@@ -215,6 +215,29 @@ def test_checkpoint_loading_refuses_pickled_code(tmp_path):
         BackgroundCheckpointEngine().load(str(tmp_path / "evil.pt"))
 
 
+def test_the_shared_memory_all_reduce_is_off_without_probing_every_op_builder():
+    """DeepSpeed's shared-memory all-reduce extension is never built (its build lock outlives a
+    killed worker), and marking it off does not probe all of DeepSpeed's op builders, which the
+    first read of `deepspeed.ops.__compatible_ops__` does (~0.15 s of CPU in every worker)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import deepspeed.ops.op_builder.builder as builder; probed = []; real = builder.probe_is_compatible; "
+        "builder.probe_is_compatible = lambda b: probed.append(b) or real(b); "
+        "from vitray.trainers.deepspeed_backend import _without_shared_memory_comm_op; "
+        "_without_shared_memory_comm_op(); "
+        "from deepspeed.comm.torch import build_shm_op; "
+        "print('result', build_shm_op() is None, len(probed)); "
+        "import deepspeed.ops; deepspeed.ops.__compatible_ops__; "
+        "print('result', build_shm_op() is None, len(probed))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("result ")]
+    assert said == [["True", "0"], ["True", "0"]]
+
+
 def test_the_deepspeed_backend_imports_deepspeed_without_mlflow_or_inductor():
     """DeepSpeed's autotuner imports mlflow when installed, and its ZeRO engines import its Muon
     optimizer, which compiles three functions and so imports torch's inductor (~1 + ~1.5 s in every

@@ -127,10 +127,14 @@ def _without_shared_memory_comm_op() -> None:
     process killed in that window (a SIGKILLed worker, a node taken away) leaves the lock behind, and
     every later start on the machine waits for it for ever (seen: a whole test run stuck there). The
     extension serves only DeepSpeed's `inference_all_reduce`, which training never calls: marked
-    unavailable, nothing is built or locked (and each start saves the build check)."""
+    unavailable, nothing is built or locked (and each start saves the build check).
+
+    Marked without reading the table first: its first read probes every op builder DeepSpeed has
+    (compiler subprocesses, accelerator queries; ~0.15 s of CPU in every worker here), and its one
+    reader (`deepspeed.comm.torch.build_shm_op`) takes an op missing from it as unavailable."""
     import deepspeed.ops
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
 
 
 def _clip_on_device(optimizer) -> None:
