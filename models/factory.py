@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
 from .config import ModelConfig
 from .vit import VisionTransformer
 
@@ -21,7 +23,24 @@ def create_model(name: str, *, num_classes: int, img_size: int = 224, **options:
     ``config.init_head_bias``). ``num_classes=0`` builds no classification head (``forward``
     returns the representation).
     """
-    return VisionTransformer(ModelConfig(name=name, img_size=img_size, **options), num_classes=num_classes)
+    try:
+        cfg = ModelConfig(name=name, img_size=img_size, **options)
+    except ValidationError as err:
+        raise _argument_error(name, err) from None
+    return VisionTransformer(cfg, num_classes=num_classes)
+
+
+def _argument_error(name: str, err: ValidationError) -> Exception:
+    """pydantic's report on ``create_model``'s arguments as one line in the caller's terms: an
+    unknown argument is a TypeError naming those it takes (as Python's own for a function), a bad
+    value a ValueError naming the argument, what was given and what is allowed."""
+    problems = err.errors(include_url=False)
+    unknown = [str(p["loc"][0]) for p in problems if p["type"] == "extra_forbidden"]
+    if unknown:
+        takes = ", ".join(["num_classes", *(field for field in ModelConfig.model_fields if field != "name")])
+        return TypeError(f"create_model({name!r}) got unknown argument(s) {', '.join(unknown)}; it takes {takes}")
+    said = "; ".join(f"{'.'.join(map(str, p['loc']))}={p['input']!r}: {p['msg']}" for p in problems)
+    return ValueError(f"create_model({name!r}): {said}")
 
 
 def create_model_from_config(cfg: ModelConfig, num_classes: int) -> VisionTransformer:

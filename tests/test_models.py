@@ -403,19 +403,27 @@ def test_resample_posemb_rejects_non_grids():
     [
         ({"num_classes": -1}, "num_classes must be a non-negative integer"),
         ({"num_classes": 10, "img_size": 30}, "img_size 30 is not divisible by the patch size 4"),
-        # the model's arguments are ModelConfig's fields: its validation names the argument and the bound
-        ({"num_classes": 10, "head": "map"}, r"head\n  Input should be 'token' or 'gap'"),
-        ({"num_classes": 10, "img_size": 0}, r"img_size\n  Input should be greater than 0"),
-        ({"num_classes": 10, "representation_size": 0}, r"representation_size\n  Input should be greater than 0"),
-        ({"num_classes": 10, "dropout": 1.0}, r"dropout\n  Input should be less than 1"),
-        ({"num_classes": 10, "attn_dropout": -0.1}, r"attn_dropout\n  Input should be greater than or equal to 0"),
-        ({"num_classes": 10, "head_type": "gap"}, r"head_type\n  Extra inputs are not permitted"),
+        # the model's arguments are ModelConfig's fields: one line naming the argument, the value and the bound
+        ({"num_classes": 10, "head": "map"}, r"^create_model\('Ti/4'\): head='map': Input should be 'token' or 'gap'$"),
+        ({"num_classes": 10, "img_size": 0}, r"^create_model\('Ti/4'\): img_size=0: Input should be greater than 0$"),
+        ({"num_classes": 10, "representation_size": 0}, r"representation_size=0: Input should be greater than 0$"),
+        ({"num_classes": 10, "dropout": 1.0}, r"dropout=1.0: Input should be less than 1$"),
+        ({"num_classes": 10, "attn_dropout": -0.1}, r"attn_dropout=-0.1: Input should be greater than or equal to 0$"),
     ],
 )
 def test_bad_arguments_are_clear_errors(kwargs, message):
     kwargs.setdefault("img_size", 32)
     with pytest.raises(ValueError, match=message):
         create_model("Ti/4", **kwargs)
+
+
+def test_an_unknown_argument_names_the_arguments_create_model_takes():
+    with pytest.raises(TypeError) as error:
+        create_model("Ti/4", num_classes=10, head_type="gap")
+    assert str(error.value) == (
+        "create_model('Ti/4') got unknown argument(s) head_type; it takes num_classes, img_size, head, "
+        "representation_size, dropout, attn_dropout, grad_checkpointing, head_bias_init, masked_patch_outputs"
+    )
 
 
 def test_wrong_input_shape_is_a_clear_error():
