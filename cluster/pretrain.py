@@ -231,7 +231,7 @@ def build_trainer(cfg: TrainingConfig, resume_from: str | None = None, resume_st
     return TorchTrainer(
         train_worker,
         train_loop_config={
-            "config": cfg.model_dump(mode="json"),
+            "config": cfg.settings(),
             "run_dir": run_dir(cfg.run.storage, cfg.run.name),
             "resume_from": resume_from,
             "resume_step": resume_step,

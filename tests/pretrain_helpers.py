@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -52,8 +52,8 @@ def vitray_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "vitray.cli", *args]
 
 
-def pretrain_args(dataset: str, storage: str, name: str, *extra: str) -> list[str]:
-    sets = [*BASE, f"data.train={dataset}", f"run.storage={storage}", f"run.name={name}", *extra]
+def pretrain_args(dataset: str, storage: str, name: str, *extra: str, base: Sequence[str] = BASE) -> list[str]:
+    sets = [*base, f"data.train={dataset}", f"run.storage={storage}", f"run.name={name}", *extra]
     return vitray_cmd("pretrain", *[a for s in sets for a in ("--set", s)])
 
 

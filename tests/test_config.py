@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import operator
 import subprocess
 import sys
@@ -159,6 +160,28 @@ def test_gpu_workers_get_their_nodes_cpus_once_ray_is_up(overrides, nodes, cpus,
     assert (resolved.cluster.cpus_per_worker, resolved.data.num_workers) == (cpus, workers)
     assert resolved.new_run_num_slots() == slots
     assert resolved.with_worker_cpus([{"CPU": 2.0, "GPU": 1.0}]) is resolved  # resolved once
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["data.train=d", "train.steps=50"],  # a CPU run
+        [*GPU_RUN, "train.steps=50", "cluster.gpus_per_worker=1"],  # resolved once Ray is up, below
+        ["data.train=d", "train.backend=xla", "cluster.tpu=v4-8", "train.batch_size=64", "train.steps=50"],
+        ["data.train=d", "train.objective=masked_patch", "train.steps=50", "evals={}"],
+        ["data.train=d", "train.steps=50000", "schedule.warmup_steps=20000", "cluster.num_workers=4"],
+    ],
+)
+def test_the_config_the_workers_get_validates_back_to_the_drivers(overrides):
+    """A run shorter than the default warm-up (the paper's 10k steps, clamped to the run when left
+    unset) is refused only when the warm-up was asked for. The workers rebuild the config from what
+    the driver sends them: that must not turn the default into a request (every run under 10k
+    steps that left it unset failed in its workers with the refusal), nor change anything else."""
+    cfg = load_config(TrainingConfig, None, overrides)
+    for config in (cfg, cfg.with_worker_cpus([{"CPU": 16.0, "GPU": 1.0, "TPU": 4.0}])):
+        again = TrainingConfig.model_validate(config.settings())
+        assert again == config and again.model_dump() == config.model_dump()
+        assert TrainingConfig.model_validate(json.loads(json.dumps(config.settings()))) == config  # as Ray sends it
 
 
 def test_a_cpu_run_gets_one_cpu_per_worker_without_ray():

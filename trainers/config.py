@@ -409,6 +409,14 @@ class TrainingConfig(_Section):
             self.data = self.data.model_copy(update={"num_workers": workers})
         return self
 
+    def settings(self) -> dict[str, Any]:
+        """What was set, by the user or by a validator, as JSON: the dict that validates back to this
+        config in another process (the workers) or with a change. A full dump would make every
+        default a setting, and the rules that judge only what was asked for would then judge the
+        defaults too: the paper's 10k-step warm-up, clamped to a shorter run when left unset, would
+        be refused as longer than the run on the workers of every run under 10k steps."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
     def with_worker_cpus(self, nodes: list[dict[str, float]]) -> TrainingConfig:
         """This config with an unset ``cluster.cpus_per_worker`` (and an unset ``data.num_workers``
         derived from it) resolved from the resources of the Ray cluster's ``nodes`` (Ray's per-node
@@ -429,8 +437,8 @@ class TrainingConfig(_Section):
                 if node.get("GPU") and node.get("CPU")
             ]
         cpus = max(1, math.floor(min(shares))) if shares else 1
-        settings = self.model_dump()
-        settings["cluster"]["cpus_per_worker"] = float(cpus)
+        settings = self.settings()
+        settings.setdefault("cluster", {})["cpus_per_worker"] = float(cpus)
         return type(self).model_validate(settings)
 
     def new_run_num_slots(self) -> int:
