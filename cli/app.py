@@ -121,12 +121,14 @@ def handled(
       (a config or input refused before Ray started): `error: MESSAGE`, exit 2;
     - ``failed`` (the work failed): `error: DOING failed: ROOT CAUSE` (:func:`describe_failure`),
       the advice that fits the cause and ``traceback_at`` (where the whole traceback is), exit 1;
-    - Ctrl-C: exit 130 (a command that checkpoints first catches it itself);
+    - Ctrl-C: `stopped by user (Ctrl-C): DOING did not finish`, exit 130 (a command that checkpoints
+      first catches it itself);
     - `typer.Exit` (a command's own :func:`fail`) and anything else: as raised.
     """
     try:
         yield
     except KeyboardInterrupt:
+        typer.echo(f"stopped by user (Ctrl-C): {doing} did not finish", err=True)
         raise typer.Exit(exit_codes.STOPPED_BY_USER) from None
     except (typer.Exit, typer.Abort, click.ClickException):
         raise

@@ -65,8 +65,10 @@ def test_a_failure_is_its_root_cause_and_advice_and_exit_1():
     assert "Traceback" not in result.output
 
 
-def test_ctrl_c_is_exit_130():
-    assert run(KeyboardInterrupt()).exit_code == exit_codes.STOPPED_BY_USER
+def test_ctrl_c_is_one_line_and_exit_130():
+    result = run(KeyboardInterrupt())
+    assert result.exit_code == exit_codes.STOPPED_BY_USER
+    assert result.output.strip() == "stopped by user (Ctrl-C): frobbing did not finish"
 
 
 def test_anything_else_is_raised_as_it_is():
