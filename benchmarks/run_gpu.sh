@@ -6,7 +6,7 @@
 #
 # GROUPs (all by default; a device call of at most 10 minutes takes one or two):
 # - step: gpu_step_<model>.txt: `benchmarks/gpu_step.py` (vitray's training step vs a plain AMP loop over
-#   timm's ViT) for B/16, L/16 and H/14 (the last two with activation checkpointing);
+#   timm's ViT) for B/16, S/16, L/16 and H/14 (the last two with activation checkpointing);
 # - attention: attention.txt: the attention kernel `train.attention=auto` runs for ViT-B/16 in bf16;
 # - data: data_pipeline.txt: `benchmarks/data_pipeline.py` with one loader worker per core but two;
 # - pretrain: pretrain.txt: a real `vitray pretrain` on CUDA (Ray, DeepSpeed ZeRO-1, bf16, compiled), B/16 at
@@ -56,6 +56,7 @@ fi
 if wanted step || wanted decode; then
     step gpu_step_B16 420 "$PY" benchmarks/gpu_step.py --model B/16 --batch 256 --steps 30 --warmup 10
 fi
+wanted step && step gpu_step_S16 300 "$PY" benchmarks/gpu_step.py --model S/16 --batch 256 --steps 40 --warmup 10
 wanted step && step gpu_step_L16 420 "$PY" benchmarks/gpu_step.py --model L/16 --batch 128 --steps 20 --warmup 8 --grad-checkpointing
 wanted step && step gpu_step_H14 420 "$PY" benchmarks/gpu_step.py --model H/14 --batch 64 --steps 12 --warmup 6 --grad-checkpointing
 wanted data && step data_pipeline 420 "$PY" benchmarks/data_pipeline.py --workers "$(($(nproc) - 2))" --skip-s3
