@@ -219,9 +219,6 @@ def test_the_shared_memory_all_reduce_is_off_without_probing_every_op_builder():
     """DeepSpeed's shared-memory all-reduce extension is never built (its build lock outlives a
     killed worker), and marking it off does not probe all of DeepSpeed's op builders, which the
     first read of `deepspeed.ops.__compatible_ops__` does (~0.15 s of CPU in every worker)."""
-    import subprocess
-    import sys
-
     script = (
         "import deepspeed.ops.op_builder.builder as builder; probed = []; real = builder.probe_is_compatible; "
         "builder.probe_is_compatible = lambda b: probed.append(b) or real(b); "
@@ -232,10 +229,18 @@ def test_the_shared_memory_all_reduce_is_off_without_probing_every_op_builder():
         "import deepspeed.ops; deepspeed.ops.__compatible_ops__; "
         "print('result', build_shm_op() is None, len(probed))"
     )
+    assert _results_in_a_fresh_process(script) == [["True", "0"], ["True", "0"]]
+
+
+def _results_in_a_fresh_process(script: str) -> list[list[str]]:
+    """The words after `result` of each line `script` prints, run in a new Python process (imports
+    and DeepSpeed's module state fresh); not DeepSpeed's own log lines."""
+    import subprocess
+    import sys
+
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    said = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("result ")]
-    assert said == [["True", "0"], ["True", "0"]]
+    return [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("result ")]
 
 
 def test_the_deepspeed_backend_imports_deepspeed_without_mlflow_or_inductor():
@@ -243,9 +248,6 @@ def test_the_deepspeed_backend_imports_deepspeed_without_mlflow_or_inductor():
     optimizer, which compiles three functions and so imports torch's inductor (~1 + ~1.5 s in every
     worker's start-up); vitray keeps both out of those imports only: mlflow stays importable and
     torch.compile compiles as before afterwards."""
-    import subprocess
-    import sys
-
     script = (
         "import sys, torch; import vitray.trainers.deepspeed_backend; "
         "from deepspeed.autotuning import autotuner; "
@@ -258,7 +260,5 @@ def test_the_deepspeed_backend_imports_deepspeed_without_mlflow_or_inductor():
         "square = lambda x: x * x; compiled = torch.compile(square); "
         "print('result', compiled is not square, 'torch._inductor.compile_fx' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    said = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("result ")]  # not DeepSpeed's logs
+    said = _results_in_a_fresh_process(script)
     assert said == [["False", "False"], ["False", "True"], ["mlflow"], ["True", "True"]]
