@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "Batch": "batch",
     "DataConfig": "config",
+    "StoragePath": "config",
     "EvalLoader": "eval_loader",
     "load_split": "eval_loader",
     "read_labels": "eval_loader",

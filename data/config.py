@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from .layout import DatasetInfo, read_dataset_info
 from .splits import parse_split
+from .storage import absolute
 
-__all__ = ["DataConfig", "DatasetInfo", "read_dataset_info"]
+__all__ = ["DataConfig", "DatasetInfo", "StoragePath", "read_dataset_info"]
+
+# A config field naming a local folder or file, or a URL: a relative local path is made absolute
+# when the config is read (on the driver), so that Ray's workers, in other working directories,
+# read and write the same folder.
+StoragePath = Annotated[str, AfterValidator(absolute)]
 
 
 class DataConfig(BaseModel):
@@ -17,11 +23,11 @@ class DataConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    train: str = Field(description="Prepared dataset for training: a local folder or s3://bucket/prefix.")
+    train: StoragePath = Field(description="Prepared dataset for training: a local folder or s3://bucket/prefix.")
     train_split: str = Field(
         "train", description="Split to train on, or a slice of one: train[:98%], train[:800] (see vitray.data.splits)."
     )
-    val: str | None = Field(None, description="Prepared dataset for validation; the training one when unset.")
+    val: StoragePath | None = Field(None, description="Prepared dataset for validation; the training one when unset.")
     val_split: str = Field("test", description="Split (or slice: train[98%:]) whose top-1 the run reports.")
     num_slots: int | None = Field(
         None,

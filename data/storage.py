@@ -41,6 +41,16 @@ T = TypeVar("T")
 READ_BLOCK_SIZE = 8 * 1024 * 1024
 
 
+def absolute(path: str) -> str:
+    """``path`` with a local path made absolute against this process's working directory (``~``
+    expanded); a URL (``s3://...``, ``file://...``) as given. A config's paths are resolved where
+    the config is read: Ray's workers run in working directories of their own, where a relative
+    path names another folder (or none)."""
+    if fsspec.core.split_protocol(str(path))[0] is not None:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def is_remote(path: str) -> bool:
     """True for URLs with a protocol other than the local filesystem (``s3://``, ``gs://``, ...)."""
     protocol, _ = fsspec.core.split_protocol(str(path))

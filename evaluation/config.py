@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from vitray.data.config import StoragePath
 from vitray.data.splits import parse_split
 from vitray.evaluation.fewshot import DEFAULT_L2_REG
 from vitray.evaluation.suite import BENCHMARKS, Benchmark, benchmarks_in_group, group_names
@@ -125,8 +126,12 @@ class EvalClusterConfig(_Section):
 class GridConfig(_Section):
     """The whole evaluation grid (see the module docstring for an example)."""
 
-    data_root: str = Field(description="Folder (local or s3://) holding the prepared benchmark datasets.")
-    output: str = Field("eval-output", description="Results table, report and fine-tune runs go here (local or s3://).")
+    data_root: StoragePath = Field(description="Folder (local or s3://) holding the prepared benchmark datasets.")
+    output: StoragePath = Field(
+        "eval-output",
+        validate_default=True,
+        description="Results table, report and fine-tune runs go here (local or s3://).",
+    )
     benchmarks: list[str] = Field(default_factory=lambda: ["digits"], description="Benchmark names and/or groups.")
     fewshot: FewShotGrid = Field(default_factory=FewShotGrid)
     finetune: FinetuneGrid = Field(default_factory=FinetuneGrid)

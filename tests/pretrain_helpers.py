@@ -57,7 +57,9 @@ def pretrain_args(dataset: str, storage: str, name: str, *extra: str, base: Sequ
     return vitray_cmd("pretrain", *[a for s in sets for a in ("--set", s)])
 
 
-def run(cmd: list[str], timeout: float = 480, env: dict | None = None) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], timeout: float = 480, env: dict | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """Run ``cmd`` to its end; one that outlives ``timeout`` fails with what it printed and where
     each of its Python processes (driver, Ray workers) stood, then is stopped with its embedded Ray."""
     proc = subprocess.Popen(
@@ -66,6 +68,7 @@ def run(cmd: list[str], timeout: float = 480, env: dict | None = None) -> subpro
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, **(env or {})},
+        cwd=cwd,
         start_new_session=True,
     )
     try:

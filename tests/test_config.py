@@ -14,6 +14,8 @@ import pytest
 import yaml
 
 from vitray.common.config import ConfigError, load_config
+from vitray.data.storage import absolute
+from vitray.evaluation.config import GridConfig
 from vitray.trainers.config import MOVED_KEYS, TrainingConfig
 from vitray.trainers.evals import (
     VAL_TOP1,
@@ -184,6 +186,33 @@ def test_the_config_the_workers_get_validates_back_to_the_drivers(overrides):
         assert TrainingConfig.model_validate(json.loads(json.dumps(config.settings()))) == config  # as Ray sends it
 
 
+def test_local_paths_are_read_against_the_drivers_working_directory(tmp_path, monkeypatch):
+    """Ray's workers run in working directories of their own: a relative path in the config (or the
+    default run.storage ./runs) is made absolute where the config is read, and travels so to them;
+    URLs stay as given."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(
+        TrainingConfig,
+        None,
+        [
+            "data.train=data/digits",
+            "data.val=s3://bucket/val",
+            "init.checkpoint=~/runs/ref",
+            "evals.held={type: val, every: 2, path: held}",
+            "evals.few={type: fewshot, every: 2, datasets: {digits: data/digits, cifar: s3://b/cifar}}",
+        ],
+    )
+    here = str(tmp_path)
+    assert (cfg.data.train, cfg.data.val, cfg.run.storage) == (f"{here}/data/digits", "s3://bucket/val", f"{here}/runs")
+    assert cfg.init.checkpoint == str(Path("~/runs/ref").expanduser())
+    assert cfg.evals["held"].path == f"{here}/held"
+    assert cfg.evals["few"].datasets == {"digits": f"{here}/data/digits", "cifar": "s3://b/cifar"}
+    monkeypatch.chdir(REPO)  # a worker's own working directory
+    assert TrainingConfig.model_validate(cfg.settings()) == cfg
+    grid = load_config(GridConfig, None, ["data_root=bench"])
+    assert (grid.data_root, grid.output) == (f"{REPO}/bench", f"{REPO}/eval-output")
+
+
 def test_a_cpu_run_gets_one_cpu_per_worker_without_ray():
     cfg = load_config(TrainingConfig, None, ["data.train=d", "train.batch_size=64"])
     assert (cfg.cluster.cpus_per_worker, cfg.data.num_workers) == (1, 1)
@@ -221,7 +250,9 @@ def test_shipped_configs_validate(path):
     assert type(cfg) is TrainingConfig
     resolved = cfg.model_dump(mode="json")
     for key, value in leaves(yaml.safe_load(path.read_text())):  # each value set is the value the run gets
-        assert functools.reduce(operator.getitem, key, resolved) == value, ".".join(key)
+        got = functools.reduce(operator.getitem, key, resolved)
+        # (a local path as read against the working directory: demo-output/runs -> /cwd/demo-output/runs)
+        assert got == value or (isinstance(value, str) and got == absolute(value) != value), ".".join(key)
 
 
 def leaves(tree: dict, prefix: tuple[str, ...] = ()):

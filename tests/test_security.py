@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -198,10 +199,12 @@ def test_a_planted_secret_is_in_no_file_or_output_of_a_real_run(digits_dataset, 
     monkeypatch.setenv("AWS_SESSION_TOKEN", SESSION_TOKEN)
     storage = tmp_path / "runs"
     options = f"data.storage_options={{key: {KEY_ID}, secret: {CONFIG_SECRET}}}"  # fsspec ignores them locally
+    # Relative paths, as a user types them: read on the driver against its working directory (the
+    # workers run in working directories of their own, where they once named other folders).
     out = run(
         pretrain_args(
-            str(digits_dataset),
-            str(storage),
+            os.path.relpath(digits_dataset, tmp_path),
+            "runs",
             "planted",
             options,
             "cluster.num_workers=1",
@@ -212,7 +215,8 @@ def test_a_planted_secret_is_in_no_file_or_output_of_a_real_run(digits_dataset, 
             # No warm-up named: the default (the paper's 10k steps) clamped to this short run, as a
             # user's first short run gets it (the workers once refused it as longer than the run).
             base=[s for s in BASE if not s.startswith("schedule.warmup_steps=")],
-        )
+        ),
+        cwd=tmp_path,
     )
     files = [p for p in storage.rglob("*") if p.is_file()]
     names = {p.name for p in files}

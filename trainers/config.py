@@ -13,8 +13,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from vitray.data.config import DataConfig
+from vitray.data.config import DataConfig, StoragePath
 from vitray.data.plan import default_num_slots
+from vitray.data.storage import absolute
 from vitray.models.config import ModelConfig
 from vitray.models.variants import get_variant
 from vitray.trainers.evals import EVAL_NAME, EvalConfig
@@ -47,7 +48,10 @@ class _Section(BaseModel):
 
 class RunConfig(_Section):
     name: str = Field("vitray-run", description="Run id; re-running with the same name and storage resumes.")
-    storage: str = Field("./runs", description="Where runs live: a local folder or s3://bucket/prefix.")
+    storage: StoragePath = Field(
+        "./runs",
+        description="Where runs live: a local folder (./runs: under the working directory) or s3://bucket/prefix.",
+    )
     lease_timeout_s: float = Field(
         120.0,
         gt=0,
@@ -72,7 +76,7 @@ class RunConfig(_Section):
 class InitConfig(_Section):
     """Where the weights start. Start-up order: resume the run -> these weights -> scratch."""
 
-    checkpoint: str | None = Field(
+    checkpoint: StoragePath | None = Field(
         None, description="A vitray checkpoint folder, or a run folder (its latest complete checkpoint)."
     )
     reset_head: bool = Field(True, description="Replace the head with a zero-initialised one (fine-tuning).")
@@ -270,7 +274,7 @@ class ClusterConfig(_Section):
 
 
 class DebugConfig(_Section):
-    record_sample_keys: str | None = Field(
+    record_sample_keys: StoragePath | None = Field(
         None, description="A folder: each rank appends the sample keys it trains on, with the step."
     )
     kill_worker_at_step: int | None = Field(
@@ -395,6 +399,15 @@ class TrainingConfig(_Section):
             raise ValueError(
                 f"cluster.tpu={self.cluster.tpu} needs train.backend=xla (got {self.train.backend}): TPUs run torch-xla"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _storage_here(self) -> TrainingConfig:
+        """run.storage's default (./runs) names a folder under this process's working directory: made
+        absolute here and recorded as set, so that the workers, which run in working directories of
+        their own and are sent what was set (:meth:`settings`), write the same run folder."""
+        if "storage" not in self.run.model_fields_set:
+            self.run = self.run.model_copy(update={"storage": absolute(self.run.storage)})
         return self
 
     @model_validator(mode="after")

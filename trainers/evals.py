@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from vitray.data.config import StoragePath
 from vitray.data.splits import parse_split
 
 if TYPE_CHECKING:  # the config imports this module for its `evals:` section
@@ -70,7 +71,9 @@ class ValEvalConfig(_EvalSection):
 
     type: Literal["val"]
     batch_size: int = Field(256, gt=0, description="Samples per worker per forward.")
-    path: str | None = Field(None, description="Prepared dataset scored (local or s3://); data.val_path when unset.")
+    path: StoragePath | None = Field(
+        None, description="Prepared dataset scored (local or s3://); data.val_path when unset."
+    )
     split: str | None = Field(None, description="Split (or slice: train[98%:]) scored; data.val_split when unset.")
 
     @field_validator("split")
@@ -90,7 +93,7 @@ class FewshotEvalConfig(_EvalSection):
     metrics ``<name>/<dataset>_<k>shot`` (mean over seeds)."""
 
     type: Literal["fewshot"]
-    datasets: dict[str, str] = Field(
+    datasets: dict[str, StoragePath] = Field(
         min_length=1, description="name -> prepared dataset (local or s3://), e.g. {digits: /data/digits}."
     )
     shots: list[int] = Field(default_factory=lambda: [10], min_length=1, description="Examples per class.")
