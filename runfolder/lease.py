@@ -174,6 +174,10 @@ class RunLease:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
+        """Holds the lease's file lock on local storage; on object storage there is none to hold."""
+        if self.lock_path is None:
+            yield
+            return
         os.makedirs(os.path.dirname(self.lock_path), exist_ok=True)
         try:
             with filelock.FileLock(self.lock_path, timeout=self.LOCK_WAIT_S, thread_local=False):
@@ -268,7 +272,7 @@ class RunLease:
 
     def _beat(self) -> LeaseRecord | None:
         """Refresh the lease; returns the other driver's record when it was taken over."""
-        with self._locked() if self.lock_path is not None else contextlib.nullcontext():
+        with self._locked():
             held = read_lease(self.path)
             if held is not None and held.owner != self.owner:
                 return held
@@ -300,7 +304,7 @@ class RunLease:
         if self._thread is not None:
             self._thread.join(timeout=30)
         try:
-            with self._locked() if self.lock_path is not None else contextlib.nullcontext():
+            with self._locked():
                 held = read_lease(self.path)
                 if held is not None and held.owner == self.owner:
                     storage.remove(self.path)

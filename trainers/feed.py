@@ -4,8 +4,9 @@ The loader hands uint8 images (a quarter of float32's bytes); the feed puts each
 in pinned host memory and starts their copy to the device on a side stream as soon as the batch
 is read, one batch ahead of the step that uses it, so the copy overlaps the previous step's
 compute. Images arrive channels-last (how the crops come out of their resize); on a GPU they are
-made planar on the device after the copy, on the CPU the model takes them channels-last. Conversion to the model's range, targets, mixup and masked-patch targets then happen on
-the device (`trainers/objectives.py`, `trainers/masked_patch.py`).
+made planar on the device after the copy, on the CPU the model takes them channels-last.
+Conversion to the model's range, targets, mixup and masked-patch targets then happen on the
+device (`trainers/objectives.py`, `trainers/masked_patch.py`).
 
 With ``data.decode=gpu`` (a loader made with ``device_decode=True``) a batch's JPEGs arrive
 undecoded with their crop boxes; the feed decodes, crops, resizes and flips them on the device
