@@ -8,6 +8,7 @@ accumulation, `.item()`-like reads) are those a GPU step pays.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections import Counter
 from contextlib import ExitStack, contextmanager
@@ -101,23 +102,23 @@ def measure(dataset, tmp_path, *overrides: str) -> StepCounts:
 @contextmanager
 def deepspeed_as_before():
     """vitray's DeepSpeed settings before issue 24, the reference: DeepSpeed's throughput timer on,
-    ZeRO-1 reducing through per-parameter hooks, DeepSpeed's own clipping, torch's unfused AdamW on
-    the CPU."""
+    ZeRO-1 reducing through per-parameter hooks, DeepSpeed's own ZeRO step (clipping, grad norm),
+    torch's unfused AdamW on the CPU."""
     from vitray.trainers import deepspeed_backend as ds
 
-    config, clip, build_optimizer = ds.deepspeed_config, ds._clip_on_device, ds.build_optimizer
+    config, streamline, build_optimizer = ds.deepspeed_config, ds.zero_step.streamline, ds.build_optimizer
 
     def reference_config(cfg, *, world_size, load_universal=False):
         settings = config(cfg, world_size=max(world_size, 2), load_universal=load_universal)  # ZeRO-1 with hooks
         settings.pop("timers")
         return settings
 
-    ds.deepspeed_config, ds._clip_on_device = reference_config, lambda optimizer: None
+    ds.deepspeed_config, ds.zero_step.streamline = reference_config, lambda optimizer: None
     ds.build_optimizer = lambda model, optim, fused: build_optimizer(model, optim, fused=torch.cuda.is_available())
     try:
         yield
     finally:
-        ds.deepspeed_config, ds._clip_on_device, ds.build_optimizer = config, clip, build_optimizer
+        ds.deepspeed_config, ds.zero_step.streamline, ds.build_optimizer = config, streamline, build_optimizer
 
 
 def summary(counts: StepCounts) -> dict[str, int]:
@@ -226,13 +227,95 @@ def test_zero_grad_norm_masking_reads_nothing(process_group, digits_dataset, tmp
     from deepspeed.runtime import utils as deepspeed_utils
     from deepspeed.runtime.zero import stage3, stage_1_and_2
 
-    from vitray.trainers.deepspeed_backend import _mask_nonfinite_on_device
+    from vitray.trainers.zero_step import mask_nonfinite_on_device
 
     in_process_loop(digits_dataset, tmp_path, "train.steps=1")  # builds the engine, which swaps it in
     assert stage_1_and_2.mask_nan_or_inf_with_val_inplace is stage3.mask_nan_or_inf_with_val_inplace
-    assert stage_1_and_2.mask_nan_or_inf_with_val_inplace is _mask_nonfinite_on_device
+    assert stage_1_and_2.mask_nan_or_inf_with_val_inplace is mask_nonfinite_on_device
     for value in (2.5, float("inf"), float("-inf"), float("nan")):
         ours, theirs = torch.tensor(value), torch.tensor(value)
-        assert _operator_reads(_mask_nonfinite_on_device, ours) == 0
+        assert _operator_reads(mask_nonfinite_on_device, ours) == 0
         assert _operator_reads(deepspeed_utils.mask_nan_or_inf_with_val_inplace, theirs) >= 1  # the counter counts
         assert ours.item() == theirs.item() == (value if value == 2.5 else -1.0)
+
+
+@contextmanager
+def deepspeeds_own_zero_step():
+    """DeepSpeed's ZeRO step as it comes (vitray's `zero_step.streamline` not applied)."""
+    from vitray.trainers import zero_step
+
+    streamline = zero_step.streamline
+    zero_step.streamline = lambda optimizer: None
+    try:
+        yield
+    finally:
+        zero_step.streamline = streamline
+
+
+def _zero_step_operators(dataset, tmp_path, monkeypatch, depth: int) -> tuple[int, int]:
+    """(parameter tensors, the most operators the host issued in one step's gradient reduction and
+    optimizer step: the engine's `allreduce_gradients` and `step`, the backward pass left out) for a
+    ViT of `depth` layers of width 16 (the same operators per parameter as a B/16's, at no cost)."""
+    from vitray.models import variants
+
+    tiny = variants.TransformerSize(width=16, depth=depth, mlp_dim=32, num_heads=2)
+    monkeypatch.setitem(variants.VARIANTS, "Ti/4", variants.Variant("Ti/4", tiny, 4))
+    loop = in_process_loop(dataset, tmp_path / f"depth{depth}", "train.micro_batch_size=4")
+    engine = loop.backend.engine
+    for name in ("allreduce_gradients", "step"):
+        method = getattr(engine, name)
+
+        def labelled(*args, _method=method, **kwargs):
+            with torch.profiler.record_function(f"zero step {loop.step}"):
+                return _method(*args, **kwargs)
+
+        setattr(engine, name, labelled)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        loop.run()
+    per_step: Counter = Counter()
+    for event in profile.events():
+        parent = event.cpu_parent
+        if not event.name.startswith("aten::") or (parent is not None and parent.name.startswith("aten::")):
+            continue  # operators the host called, not those they call in turn
+        while parent is not None and not parent.name.startswith("zero step"):
+            parent = parent.cpu_parent
+        if parent is not None:
+            per_step[parent.name] += 1
+    params = sum(1 for p in loop.backend.module.parameters() if p.requires_grad)
+    return params, max(count for label, count in per_step.items() if label != "zero step 0")  # 0: first-step setup
+
+
+def test_the_zero_step_issues_no_operator_per_parameter(process_group, digits_dataset, tmp_path, monkeypatch):
+    """A ViT has ~150 parameter tensors, small or huge; DeepSpeed's ZeRO-1 step issued several device
+    operators for each in every step (its grad norm, its reduction on one rank, re-pointing the
+    parameters), which for S/16 on an H100 took the host longer than the GPU took for the step.
+    vitray's (`trainers/zero_step.py`) issues the same number whatever the number of parameters."""
+    shallow, deep = (_zero_step_operators(digits_dataset, tmp_path, monkeypatch, depth) for depth in (1, 4))
+    assert deep[0] - shallow[0] >= 30, (shallow, deep)  # the deeper model has many more parameter tensors
+    assert deep[1] == shallow[1] <= 80, (shallow, deep)
+    with deepspeeds_own_zero_step():
+        shallow_own, deep_own = (
+            _zero_step_operators(digits_dataset, tmp_path / "own", monkeypatch, depth) for depth in (1, 4)
+        )
+    # The counter sees DeepSpeed's own: at least two more operators for each added parameter.
+    assert deep_own[1] - shallow_own[1] >= 2 * (deep[0] - shallow[0]), (shallow_own, deep_own)
+
+
+def test_the_streamlined_zero_step_trains_as_deepspeeds_own(process_group, digits_dataset, tmp_path):
+    """The same weights, bit for bit, and the same grad norms as DeepSpeed's own ZeRO-1 step, with
+    clipping at work and accumulated micro-batches."""
+    results = {}
+    for own in (False, True):
+        with deepspeeds_own_zero_step() if own else contextlib.nullcontext():
+            loop = in_process_loop(
+                digits_dataset, tmp_path / str(own), "train.micro_batch_size=4", "optim.grad_clip=0.05"
+            )
+            batches, norms = iter(loop.loader), []
+            for _ in range(3):
+                _, grad_norm, _, _ = loop.train_step(batches)
+                loop.step += 1
+                norms.append(float(grad_norm))
+        results[own] = norms, loop.backend.full_state_dict()
+    (norms, weights), (own_norms, own_weights) = results[False], results[True]
+    assert norms == own_norms and min(norms) > 0.05, (norms, own_norms)  # clipped in every step
+    assert [k for k in weights if not torch.equal(weights[k], own_weights[k])] == []

@@ -26,6 +26,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from torch import nn
 
+from vitray.trainers import zero_step
 from vitray.trainers.backend import PendingSave
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.optim import build_optimizer
@@ -101,24 +102,9 @@ def build_engine(model: nn.Module, cfg: TrainingConfig, *, world_size: int, load
         config=deepspeed_config(cfg, world_size=world_size, load_universal=load_universal),
         dist_init_required=False,
     )
-    _clip_on_device(engine.optimizer)
-    _mask_nonfinite_norms_on_device()
+    zero_step.streamline(engine.optimizer)
+    zero_step.mask_nonfinite_norms_on_device()
     return engine
-
-
-def _mask_nonfinite_on_device(input: torch.Tensor, device=None, val: float = -1.0) -> None:
-    """DeepSpeed's ``mask_nan_or_inf_with_val_inplace`` without its two host round trips: it makes
-    the fill value a new device tensor (a blocking host-to-device copy) and fills with that tensor
-    (read back to the host), two device synchronisations per parameter group in every ZeRO step."""
-    input.masked_fill_(~torch.isfinite(input), val)
-
-
-def _mask_nonfinite_norms_on_device() -> None:
-    """Swaps :func:`_mask_nonfinite_on_device` in where the ZeRO optimizers call DeepSpeed's."""
-    from deepspeed.runtime.zero import stage3, stage_1_and_2
-
-    for module in (stage_1_and_2, stage3):
-        module.mask_nan_or_inf_with_val_inplace = _mask_nonfinite_on_device
 
 
 def _without_shared_memory_comm_op() -> None:
@@ -135,33 +121,6 @@ def _without_shared_memory_comm_op() -> None:
     import deepspeed.ops
 
     vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
-
-
-def _clip_on_device(optimizer) -> None:
-    """ZeRO 1-2 clip the gradients with a read of the grad norm on the host (is it finite?) in every
-    step; this replacement computes the same scale on the device, with no read: an invalid norm
-    clips as an infinite one would, as DeepSpeed's own does (it only gets there with the overflow
-    check off, where the step goes on with non-finite gradients either way)."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
-        return
-
-    def unscale_and_clip_grads(grad_groups_flat, total_norm):
-        if optimizer.clip_grad == 0.0 and optimizer.loss_scale == 1.0:
-            return
-        combined_scale = optimizer.loss_scale
-        if optimizer.clip_grad > 0.0:
-            # DeepSpeed's group-norm helpers report an inf/NaN norm as -1.
-            invalid = total_norm.isnan() | total_norm.isinf() | (total_norm < 0)
-            clip_norm = total_norm.masked_fill(invalid, float("inf"))
-            clip = ((clip_norm / optimizer.loss_scale) + 1e-6) / optimizer.clip_grad  # the norm is norm * scale
-            combined_scale = torch.clamp(clip, min=1.0) * optimizer.loss_scale
-        for grad in grad_groups_flat:
-            for g in grad if isinstance(grad, list) else [grad]:
-                g.data.mul_(1.0 / combined_scale)
-
-    optimizer.unscale_and_clip_grads = unscale_and_clip_grads
 
 
 def compile_enabled(setting: bool | None) -> bool:
