@@ -86,9 +86,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile_steps(step, count: int) -> None:
-    """Prints what the host does in ``count`` steps: the ops and CUDA runtime calls by self CPU time,
-    and how often it waits for the device (a non-log step should not)."""
+def profile_steps(step, count: int, name: str = "vitray") -> None:
+    """Prints what ``count`` steps of ``name``'s loop cost: the ops and CUDA runtime calls by self CPU
+    time, how often the host waits for the device (a non-log step should not), and on a GPU the
+    device time per step and the kernels that take it (to set the two loops' kernels side by side)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -97,12 +98,16 @@ def profile_steps(step, count: int) -> None:
         for _ in range(count):
             step()
     events = prof.key_averages()
-    print(f"profile of {count} vitray steps (no log step), top 20 by self CPU time:")
+    print(f"profile of {count} {name} steps (no log step), top 20 by self CPU time:")
     print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    if torch.cuda.is_available():
+        device_us = sum(getattr(e, "self_device_time_total", 0) for e in events)
+        print(f"{name}: {device_us / count / 1e3:.1f} ms of device time per step; kernels by device time:")
+        print(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=90))
     waits = {
         e.key: e.count for e in events if "Synchronize" in e.key or e.key in ("cudaMemcpy", "aten::_local_scalar_dense")
     }
-    print(f"host waits per step: { {k: round(v / count, 2) for k, v in waits.items()} }")
+    print(f"{name}: host waits per step: { {k: round(v / count, 2) for k, v in waits.items()} }")
     callers: dict[tuple[str, tuple[str, ...]], int] = {}
     for event in prof.events():  # each wait, with the Python frames of the nearest op that has them
         if "Synchronize" in event.name or event.name == "aten::_local_scalar_dense":
@@ -152,7 +157,7 @@ def vitray_steps(cfg: TrainingConfig, warmup: int, steps: int, profile: int = 0)
     return steps * cfg.train.batch_size / seconds, flops
 
 
-def reference_steps(cfg: TrainingConfig, warmup: int, steps: int, compiled: bool) -> float:
+def reference_steps(cfg: TrainingConfig, warmup: int, steps: int, compiled: bool, profile: int = 0) -> float:
     """images/s of a plain AMP loop over timm's ViT of the same shape."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg.seed)
@@ -166,20 +171,28 @@ def reference_steps(cfg: TrainingConfig, warmup: int, steps: int, compiled: bool
     images = torch.rand(batch, 3, cfg.model.img_size, cfg.model.img_size, device=device) * 2 - 1
     labels = torch.randint(0, NUM_CLASSES, (batch,), device=device)
 
+    def step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = F.cross_entropy(runnable(images).float(), labels)
+        loss.backward()
+        optimizer.step()
+        return loss
+
     def run(count: int) -> float:
         start = time.perf_counter()
         for _ in range(count):
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = F.cross_entropy(runnable(images).float(), labels)
-            loss.backward()
-            optimizer.step()
+            loss = step()
         float(loss.detach())
         _sync(device)
         return time.perf_counter() - start
 
     run(warmup)
-    return steps * batch / run(steps)
+    rate = steps * batch / run(steps)
+    if profile:
+        profile_steps(step, profile, "plain loop")
+        _sync(device)
+    return rate
 
 
 def _process_group() -> None:
@@ -202,7 +215,9 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included (default 5)")
     parser.add_argument("--grad-checkpointing", action="store_true", help="activation checkpointing in both models")
     parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="auto: on for CUDA")
-    parser.add_argument("--profile", type=int, default=0, help="then profile this many vitray steps (torch.profiler)")
+    parser.add_argument(
+        "--profile", type=int, default=0, help="then profile this many steps of each loop (torch.profiler)"
+    )
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's bf16 peak, if not in the table")
     args = parser.parse_args(argv)
     for option in ("batch", "steps", "img_size"):
@@ -233,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     peak = accelerator_peak_tflops(args.peak_tflops, "bf16")
     ours, flops = vitray_steps(cfg, args.warmup, args.steps, args.profile)
-    theirs = reference_steps(cfg, args.warmup, args.steps, compiled)
+    theirs = reference_steps(cfg, args.warmup, args.steps, compiled, args.profile)
     mfu = {
         name: (rate * flops / 1e12 / peak if peak else None) for name, rate in (("vitray", ours), ("reference", theirs))
     }

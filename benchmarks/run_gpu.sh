@@ -57,8 +57,8 @@ if wanted step || wanted decode; then
     step gpu_step_B16 420 "$PY" benchmarks/gpu_step.py --model B/16 --batch 256 --steps 30 --warmup 10
 fi
 wanted step && step gpu_step_S16 300 "$PY" benchmarks/gpu_step.py --model S/16 --batch 256 --steps 40 --warmup 10
-wanted step && step gpu_step_L16 420 "$PY" benchmarks/gpu_step.py --model L/16 --batch 128 --steps 20 --warmup 8 --grad-checkpointing
-wanted step && step gpu_step_H14 420 "$PY" benchmarks/gpu_step.py --model H/14 --batch 64 --steps 12 --warmup 6 --grad-checkpointing
+wanted step && step gpu_step_L16 420 "$PY" benchmarks/gpu_step.py --model L/16 --batch 128 --steps 20 --warmup 8 --grad-checkpointing --profile 2
+wanted step && step gpu_step_H14 420 "$PY" benchmarks/gpu_step.py --model H/14 --batch 64 --steps 12 --warmup 6 --grad-checkpointing --profile 2
 wanted data && step data_pipeline 420 "$PY" benchmarks/data_pipeline.py --workers "$(($(nproc) - 2))" --skip-s3
 
 if wanted pretrain; then
