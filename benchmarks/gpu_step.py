@@ -214,6 +214,13 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per loop (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included (default 5)")
     parser.add_argument("--grad-checkpointing", action="store_true", help="activation checkpointing in both models")
+    parser.add_argument(
+        "--remat-policy",
+        choices=["nothing_saveable", "dots_saveable"],
+        default="nothing_saveable",
+        help="vitray's model.remat_policy with --grad-checkpointing (the plain loop recomputes whole blocks, "
+        "as nothing_saveable does)",
+    )
     parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="auto: on for CUDA")
     parser.add_argument(
         "--profile", type=int, default=0, help="then profile this many steps of each loop (torch.profiler)"
@@ -233,6 +240,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
             f"model.name={args.model}",
             f"model.img_size={args.img_size}",
             f"model.grad_checkpointing={str(args.grad_checkpointing).lower()}",
+            f"model.remat_policy={args.remat_policy}",
             f"train.batch_size={args.batch}",
             f"train.micro_batch_size={args.batch}",
             "train.zero_stage=1",
@@ -254,7 +262,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
     }
     print(
         f"{args.model} at {args.img_size} px, batch {args.batch}, bf16, {device}, "
-        f"{'compiled' if compiled else 'eager'}{', activation checkpointing' if args.grad_checkpointing else ''}, "
+        f"{'compiled' if compiled else 'eager'}{', activation checkpointing' if args.grad_checkpointing else ''}"
+        f"{f' (vitray: {args.remat_policy})' if args.grad_checkpointing else ''}, "
         f"{args.steps} timed steps after {args.warmup}; {flops / 1e9:.2f} GFLOPs per training image"
     )
     for name, rate in (

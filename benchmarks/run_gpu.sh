@@ -16,9 +16,12 @@
 #   each against gpu_step_B16's vitray step rate (measured after the JPEGs are written and sharded, so that
 #   nothing competes with it for the CPUs; the step group's B/16 figure is reused when both groups run).
 #   About 8 minutes.
+# - remat: remat_<model>.txt: `benchmarks/remat.py` (activation checkpointing's two `model.remat_policy`s and no
+#   checkpointing: step time and peak memory) for L/16 and H/14, compiled, then `gpu_step.py` for H/14 with vitray on
+#   `dots_saveable` against the plain loop's whole-block recompute (its own row, not the issue's comparison).
 # Budget: about 20 minutes on one H100 for the first four (each step has its own time limit).
 set -u
-OUT=${1:?usage: run_gpu.sh OUTDIR [attention] [step] [data] [pretrain] [decode]}
+OUT=${1:?usage: run_gpu.sh OUTDIR [attention] [step] [data] [pretrain] [decode] [remat]}
 shift
 GROUPS_WANTED=${*:-attention step data pretrain}
 PY=${PYTHON:-python3}
@@ -59,6 +62,10 @@ fi
 wanted step && step gpu_step_S16 300 "$PY" benchmarks/gpu_step.py --model S/16 --batch 256 --steps 40 --warmup 10
 wanted step && step gpu_step_L16 420 "$PY" benchmarks/gpu_step.py --model L/16 --batch 128 --steps 20 --warmup 8 --grad-checkpointing --profile 2
 wanted step && step gpu_step_H14 420 "$PY" benchmarks/gpu_step.py --model H/14 --batch 64 --steps 12 --warmup 6 --grad-checkpointing --profile 2
+wanted remat && step remat_L16 240 "$PY" benchmarks/remat.py --model L/16 --batch 128 --compile
+wanted remat && step remat_H14 300 "$PY" benchmarks/remat.py --model H/14 --batch 64 --compile --steps 2
+wanted remat && step gpu_step_H14_dots 420 "$PY" benchmarks/gpu_step.py --model H/14 --batch 64 --steps 12 --warmup 6 \
+    --grad-checkpointing --remat-policy dots_saveable
 wanted data && step data_pipeline 420 "$PY" benchmarks/data_pipeline.py --workers "$(($(nproc) - 2))" --skip-s3
 
 if wanted pretrain; then

@@ -21,7 +21,16 @@ class ModelConfig(BaseModel):
     )
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout after the embeddings, attention and MLP layers.")
     attn_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the attention probabilities.")
-    grad_checkpointing: bool = False
+    grad_checkpointing: bool = Field(
+        False, description="Activation checkpointing: keep only what remat_policy saves of each encoder block."
+    )
+    remat_policy: Literal["nothing_saveable", "dots_saveable"] = Field(
+        "nothing_saveable",
+        description="With grad_checkpointing, what each block keeps for the backward pass (big_vision's "
+        "names): nothing_saveable recomputes the whole block (least memory); dots_saveable keeps the "
+        "outputs of its matrix products and attention (~10 values per token and unit of width a block) "
+        "and recomputes only LayerNorm, GELU and the additions (almost no recompute).",
+    )
     head_bias_init: float = Field(
         0.0,
         allow_inf_nan=False,

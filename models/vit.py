@@ -31,10 +31,12 @@ corruption arguments; ``reset_head`` drops them.
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .config import ModelConfig
 from .initializers import lecun_normal_, xavier_uniform_square_blocks_
@@ -44,6 +46,28 @@ from .resnet import ResNetStem
 from .variants import get_variant
 
 LAYERNORM_EPS = 1e-6
+
+# The operators whose outputs `remat_policy="dots_saveable"` keeps (JAX's `dots_saveable`: every
+# matrix product, here with the attention kernels, whose outputs are as costly to recompute).
+_aten = torch.ops.aten
+_DOTS = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten.baddbmm.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _keep_dots(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _DOTS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _dots_saveable():
+    return create_selective_checkpoint_contexts(_keep_dots)
 
 
 class SelfAttention(nn.Module):
@@ -180,6 +204,7 @@ class VisionTransformer(nn.Module):
         self.head_type = config.head
         self.num_prefix_tokens = 1 if config.head == "token" else 0
         self.grad_checkpointing = config.grad_checkpointing
+        self.remat_policy = config.remat_policy
         self._set_resolution_attributes(config.img_size)
 
         if variant.resnet_stages is None:
@@ -270,7 +295,12 @@ class VisionTransformer(nn.Module):
         # -- DeepSpeed ZeRO-3 parameter gathering, FSDP, user hooks -- see every call.
         if self.grad_checkpointing and torch.is_grad_enabled():
             # Non-reentrant checkpointing recomputes the block in backward instead of keeping
-            # its activations, and restores the RNG state so dropout masks match.
+            # its activations (all of them, or all but the products' outputs: `remat_policy`),
+            # and restores the RNG state so dropout masks match.
+            if self.remat_policy == "dots_saveable":
+                return checkpoint(
+                    block, x, first_token_only=first_token_only, use_reentrant=False, context_fn=_dots_saveable
+                )
             return checkpoint(block, x, first_token_only=first_token_only, use_reentrant=False)
         return block(x, first_token_only=first_token_only)
 
@@ -374,8 +404,14 @@ class VisionTransformer(nn.Module):
             resampled = resample_posemb(self.pos_embed, self.grid_size, num_prefix_tokens=self.num_prefix_tokens)
         self.pos_embed = nn.Parameter(resampled, requires_grad=self.pos_embed.requires_grad)
 
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        """Turns activation checkpointing of the encoder blocks on or off."""
+    def set_grad_checkpointing(self, enable: bool = True, remat_policy: str | None = None) -> None:
+        """Turns activation checkpointing of the encoder blocks on or off; ``remat_policy`` as
+        :class:`ModelConfig`'s (unchanged if not given)."""
+        if remat_policy is not None:
+            allowed = get_args(ModelConfig.model_fields["remat_policy"].annotation)
+            if remat_policy not in allowed:
+                raise ValueError(f"remat_policy={remat_policy!r} is not one of {', '.join(allowed)}")
+            self.remat_policy = remat_policy
         self.grad_checkpointing = enable
 
     def extra_repr(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import scipy.ndimage
 import timm
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vitray.models import (
     ModelConfig,
@@ -287,20 +289,51 @@ def test_dropout_is_active_only_in_training():
     assert not torch.equal(model(images), model(images))
 
 
+class _Counted(TorchDispatchMode):
+    """Counts the operators that run while it is on (the backward pass's too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def test_grad_checkpointing_recomputes_blocks_and_keeps_gradients():
+    """Each remat policy gives the gradients of no checkpointing; nothing_saveable recomputes every
+    product of the block in the backward pass, dots_saveable none of them (it keeps their outputs)."""
     images = torch.randn(2, 3, 32, 32)
     labels = torch.tensor([1, 3])
-    gradients, block_calls = [], []
-    for enabled in (False, True):
-        model = randomize_(create_model("Ti/4", num_classes=5, img_size=32, grad_checkpointing=enabled)).train()
+    aten = torch.ops.aten
+    gradients, block_calls, products = [], [], []
+    for options in ({}, {"remat_policy": "nothing_saveable"}, {"remat_policy": "dots_saveable"}):
+        model = create_model("Ti/4", num_classes=5, img_size=32, grad_checkpointing=bool(options), **options)
+        model = randomize_(model).train()
         calls = []
         model.blocks[0].register_forward_pre_hook(lambda *_: calls.append(1))
-        F.cross_entropy(model(images), labels).backward()
+        loss = F.cross_entropy(model(images), labels)
+        with _Counted() as backward:
+            loss.backward()
         gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
         block_calls.append(len(calls))
-    assert block_calls == [1, 2]  # checkpointing runs the block again during backward
-    torch.testing.assert_close(gradients[0], gradients[1])
+        products.append(sum(backward.counts[op] for op in (aten.mm.default, aten.addmm.default, aten.bmm.default)))
+    assert block_calls == [1, 2, 2]  # checkpointing runs the block again during backward
+    # dots_saveable's backward runs the products of a backward without checkpointing and no more;
+    # nothing_saveable's also recomputes the forward's (on this CPU 3 a block: 98 and 134 for Ti/4).
+    assert products[2] == products[0] and products[1] >= products[0] + 2 * model.depth, products
+    for checkpointed in gradients[1:]:
+        torch.testing.assert_close(gradients[0], checkpointed)
     assert gradients[0].abs().sum() > 0
+
+
+def test_set_grad_checkpointing_names_the_remat_policies_it_takes():
+    model = create_model("Ti/4", num_classes=5, img_size=32)
+    model.set_grad_checkpointing(True, remat_policy="dots_saveable")
+    assert (model.grad_checkpointing, model.remat_policy) == (True, "dots_saveable")
+    with pytest.raises(ValueError, match="remat_policy='dots' is not one of nothing_saveable, dots_saveable"):
+        model.set_grad_checkpointing(True, remat_policy="dots")
 
 
 def test_hybrid_forward():
@@ -422,7 +455,8 @@ def test_an_unknown_argument_names_the_arguments_create_model_takes():
         create_model("Ti/4", num_classes=10, head_type="gap")
     assert str(error.value) == (
         "create_model('Ti/4') got unknown argument(s) head_type; it takes num_classes, img_size, head, "
-        "representation_size, dropout, attn_dropout, grad_checkpointing, head_bias_init, masked_patch_outputs"
+        "representation_size, dropout, attn_dropout, grad_checkpointing, remat_policy, head_bias_init, "
+        "masked_patch_outputs"
     )
 
 
@@ -445,3 +479,16 @@ def test_create_model_from_config():
     assert model.blocks[0].attn.attn_dropout == 0.1
     with pytest.raises(ValueError, match="head"):
         ModelConfig(head="map")
+
+
+def test_remat_benchmark_runs_tiny_on_the_cpu(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "remat.py"
+    spec = importlib.util.spec_from_file_location("remat_benchmark", path)
+    remat = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(remat)
+    result = remat.main(["--model", "Ti/4", "--img-size", "32", "--batch", "2", "--steps", "1", "--rounds", "1"])
+    assert set(result) == {"nothing_saveable", "dots_saveable", "no checkpointing"} and min(result.values()) > 0
+    assert "x nothing_saveable's speed" in capsys.readouterr().out
