@@ -301,14 +301,19 @@ def test_the_zero_step_issues_no_operator_per_parameter(process_group, digits_da
     assert deep_own[1] - shallow_own[1] >= 2 * (deep[0] - shallow[0]), (shallow_own, deep_own)
 
 
-def test_the_streamlined_zero_step_trains_as_deepspeeds_own(process_group, digits_dataset, tmp_path):
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])  # DeepSpeed refuses fp16 on the CPU
+def test_the_streamlined_zero_step_trains_as_deepspeeds_own(process_group, digits_dataset, tmp_path, dtype):
     """The same weights, bit for bit, and the same grad norms as DeepSpeed's own ZeRO-1 step, with
     clipping at work and accumulated micro-batches."""
     results = {}
     for own in (False, True):
         with deepspeeds_own_zero_step() if own else contextlib.nullcontext():
             loop = in_process_loop(
-                digits_dataset, tmp_path / str(own), "train.micro_batch_size=4", "optim.grad_clip=0.05"
+                digits_dataset,
+                tmp_path / str(own),
+                "train.micro_batch_size=4",
+                "optim.grad_clip=0.05",
+                f"precision.dtype={dtype}",
             )
             batches, norms = iter(loop.loader), []
             for _ in range(3):
