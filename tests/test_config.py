@@ -200,9 +200,12 @@ def test_local_paths_are_read_against_the_drivers_working_directory(tmp_path, mo
             "init.checkpoint=~/runs/ref",
             "evals.held={type: val, every: 2, path: held}",
             "evals.few={type: fewshot, every: 2, datasets: {digits: data/digits, cifar: s3://b/cifar}}",
+            "checkpoint.staging_dir=scratch",
+            "log.wandb={mode: offline, dir: wandb-files}",
         ],
     )
     here = str(tmp_path)
+    assert (cfg.checkpoint.staging_dir, cfg.log.wandb.dir) == (f"{here}/scratch", f"{here}/wandb-files")
     assert (cfg.data.train, cfg.data.val, cfg.run.storage) == (f"{here}/data/digits", "s3://bucket/val", f"{here}/runs")
     assert cfg.init.checkpoint == str(Path("~/runs/ref").expanduser())
     assert cfg.evals["held"].path == f"{here}/held"

@@ -189,7 +189,7 @@ class PrecisionConfig(_Section):
 class CheckpointConfig(_Section):
     every: int = Field(1000, gt=0, description="Checkpoint every N steps (and at the end).")
     keep: int = Field(3, gt=0, description="Complete checkpoints kept; older ones are deleted.")
-    staging_dir: str | None = Field(
+    staging_dir: StoragePath | None = Field(
         None,
         description="Local folder where each worker writes a checkpoint before it is uploaded; the "
         "system's temporary folder when unset.",

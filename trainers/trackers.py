@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from vitray.common.config import flatten_config
+from vitray.data.config import StoragePath
 
 __all__ = ["MlflowSettings", "Trackers", "WandbSettings", "missing_tracker_packages"]
 
@@ -40,7 +41,7 @@ class WandbSettings(BaseModel):
     mode: Literal["online", "offline"] = Field(
         "online", description="offline: write the run locally (`wandb sync` later)."
     )
-    dir: str | None = Field(None, description="Local folder for W&B's files; the working directory when unset.")
+    dir: StoragePath | None = Field(None, description="Local folder for W&B's files; the working directory when unset.")
 
 
 def missing_tracker_packages(mlflow: MlflowSettings | None, wandb: WandbSettings | None) -> list[str]:
