@@ -321,6 +321,23 @@ def test_the_streamlined_zero_step_trains_as_deepspeeds_own(process_group, digit
                 loop.step += 1
                 norms.append(float(grad_norm))
         results[own] = norms, loop.backend.full_state_dict()
+        zero = loop.backend.engine.optimizer  # `_repoint_only_moved_parameters` relies on this layout:
+        for params, reordered in zip(zero.bit16_groups, zero.round_robin_bit16_groups):
+            assert sorted(map(id, params)) == sorted(map(id, reordered))  # the same tensors, reordered
     (norms, weights), (own_norms, own_weights) = results[False], results[True]
     assert norms == own_norms and min(norms) > 0.05, (norms, own_norms)  # clipped in every step
     assert [k for k in weights if not torch.equal(weights[k], own_weights[k])] == []
+
+
+def test_a_parameter_moved_off_the_flat_buffer_is_pointed_back(process_group, digits_dataset, tmp_path):
+    """The step re-points parameters at DeepSpeed's flat bf16 buffer only when one no longer views it
+    (something re-pointed it): then it does, as DeepSpeed's own always does."""
+    zero = in_process_loop(digits_dataset, tmp_path).backend.engine.optimizer
+    flat = zero.bit16_groups_flat[0]
+    param = zero.round_robin_bit16_groups[0][3]
+    slot = flat.data_ptr() + zero.round_robin_bit16_offsets[0][3] * flat.element_size()
+    assert param.data_ptr() == slot
+    param.data = param.data.clone()  # moved off the buffer, as a load that replaces tensors would
+    assert param.data_ptr() != slot
+    zero._update_model_bit16_weights(0)
+    assert param.data_ptr() == slot
