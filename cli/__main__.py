@@ -1,3 +1,3 @@
-from vitray.cli.main import main
+from vitray.cli.entry import main
 
 main()

@@ -86,3 +86,25 @@ def test_the_command_keeps_its_options():
         typer.echo(f"hello {name}")
 
     assert CliRunner().invoke(app, ["--name", "y"]).output == "hello y\n"
+
+
+def test_ctrl_c_while_the_commands_are_imported_is_one_line_and_exit_130(monkeypatch, capsys):
+    """Before `handled` exists (the commands' modules still importing, the first fraction of a
+    second) Ctrl-C is answered by the console script itself, in one line."""
+    import importlib.abc
+    import sys
+
+    from vitray.cli import entry
+
+    class CtrlCDuringTheImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == "vitray.cli.main":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "vitray.cli.main", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [CtrlCDuringTheImport(), *sys.meta_path])
+    with pytest.raises(SystemExit) as stopped:
+        entry.main()
+    assert stopped.value.code == exit_codes.STOPPED_BY_USER
+    assert capsys.readouterr().err == "stopped by user (Ctrl-C): vitray's start-up did not finish\n"
