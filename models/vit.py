@@ -297,6 +297,8 @@ class VisionTransformer(nn.Module):
             # Non-reentrant checkpointing recomputes the block in backward instead of keeping
             # its activations (all of them, or all but the products' outputs: `remat_policy`),
             # and restores the RNG state so dropout masks match.
+            # Two calls, not one with a chosen context_fn: torch.compile traces context_fn only
+            # when it is a selective-checkpoint one (torch's default one passed explicitly fails).
             if self.remat_policy == "dots_saveable":
                 return checkpoint(
                     block, x, first_token_only=first_token_only, use_reentrant=False, context_fn=_dots_saveable

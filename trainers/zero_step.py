@@ -80,11 +80,15 @@ def _grad_norm_in_one_pass(optimizer) -> None:
     from deepspeed.runtime.zero.utils import get_norm_dtype
 
     deepspeeds = optimizer.get_grad_norm_direct
-    model_parallel = getattr(optimizer, "model_parallel_group", None) is not None
+    # Model parallelism and pipeline-replicated parameters (both fixed when the engine is built)
+    # change which gradients count: DeepSpeed's own method then.
+    if getattr(optimizer, "model_parallel_group", None) is not None or any(
+        getattr(p, "ds_pipe_replicated", False) for group in optimizer.bit16_groups for p in group
+    ):
+        return
 
     def get_grad_norm_direct(gradients, params, norm_type=2):
-        params = list(params)
-        if float(norm_type) != 2.0 or model_parallel or any(getattr(p, "ds_pipe_replicated", False) for p in params):
+        if float(norm_type) != 2.0:
             return deepspeeds(gradients, params, norm_type)
         # As DeepSpeed's: padding left out, one gradient per parameter (zip), norms in its norm dtype
         # (float64 where the device has it), the total squared in float32.
