@@ -7,8 +7,11 @@ model range and targets after the copy, and no read of a device value on steps t
 
 from __future__ import annotations
 
+import gc
 import math
+import shutil
 import sys
+import threading
 import traceback
 from collections import Counter
 from pathlib import Path
@@ -205,3 +208,110 @@ def test_loader_only_steps_read_batches_and_train_on_none(process_group, digits_
     assert loop.loader.state_dict()["consumed_per_slot"] > 0
     after = loop.backend.module.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _feed_threads(before: frozenset = frozenset()) -> list:
+    """The feed threads alive now that were not in ``before`` (another test's)."""
+    return [t for t in threading.enumerate() if t.name == "vitray-feed" and t.is_alive() and t not in before]
+
+
+def test_the_feeds_thread_hands_the_batches_and_positions_of_the_inline_feed(digits_dataset):
+    """On CUDA the feed reads and copies on a thread of its own, batches ahead of the step: the
+    same batches in the same order, with the position of the batch handed over, as in the caller's
+    thread, whatever the thread has read since."""
+    others = frozenset(_feed_threads())
+    inline = iter(DeviceFeed(_loader(digits_dataset, float_images=False), "cpu"))
+    feed = DeviceFeed(_loader(digits_dataset, float_images=False), "cpu", background=True, ahead=2)
+    fed = iter(feed)
+    states, keys = [], []
+    for _ in range(5):
+        expected, batch = next(inline), next(fed)
+        assert torch.equal(batch.images, expected.images) and torch.equal(batch.labels, expected.labels)
+        assert batch.keys == expected.keys
+        states.append(feed.state_dict())
+        keys.append(batch.keys)
+    assert len(_feed_threads(others)) == 1
+    assert [s["consumed_per_slot"] for s in states] == [2, 4, 6, 8, 10]
+    # Read ahead: at most the queue's 2 batches and the one being copied beyond those handed over.
+    assert 10 <= feed._loader.state_dict()["consumed_per_slot"] <= 10 + 2 * 3
+
+    resumed = DeviceFeed(_loader(digits_dataset, float_images=False), "cpu", background=True)
+    resumed.load_state_dict(states[2])
+    assert next(iter(resumed)).keys == keys[3]  # the fourth batch, after the third's position
+    resumed.close()
+    feed.load_state_dict(states[0])  # stops the running thread first: the loader's position is its own again
+    assert feed.state_dict()["consumed_per_slot"] == 2
+    assert not _feed_threads(others)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_new_iterator_goes_on_after_the_last_batch_handed_over(digits_dataset, background):
+    """What the last iterator read ahead and never handed over is not lost: a new iterator hands it."""
+    others = frozenset(_feed_threads())
+    expected = iter(_loader(digits_dataset, float_images=False))
+    feed = DeviceFeed(_loader(digits_dataset, float_images=False), "cpu", background=background)
+    first = iter(feed)
+    assert next(first).keys == next(expected).keys
+    assert next(first).keys == next(expected).keys
+    second = iter(feed)  # ends the first iterator (and its thread)
+    assert next(second).keys == next(expected).keys
+    assert len(_feed_threads(others)) == (1 if background else 0)
+    feed.close()
+
+
+def test_a_dropped_iterator_stops_the_feeds_thread(digits_dataset):
+    others = frozenset(_feed_threads())
+    feed = DeviceFeed(_loader(digits_dataset, float_images=False), "cpu", background=True)
+    second = iter(feed)
+    next(second)
+    assert len(_feed_threads(others)) == 1
+    del feed, second  # the last references gone: the generator's close stops the thread
+    gc.collect()
+    assert not _feed_threads(others)
+
+
+def test_the_loaders_error_reaches_the_caller_from_the_feeds_thread(digits_dataset, tmp_path):
+    """An error while reading (here: the shards gone after the loader was made) is raised in the
+    caller's thread, as the inline feed would raise it, and the thread ends."""
+    others = frozenset(_feed_threads())
+    copy = tmp_path / "digits"
+    shutil.copytree(digits_dataset, copy)
+    inline = DeviceFeed(_loader(copy, float_images=False), "cpu")
+    feed = DeviceFeed(_loader(copy, float_images=False), "cpu", background=True)
+    for shard in copy.rglob("*.tar"):
+        shard.unlink()
+    with pytest.raises(Exception) as expected:
+        next(iter(inline))
+    with pytest.raises(type(expected.value)) as raised:
+        next(iter(feed))
+    assert str(raised.value) == str(expected.value)
+    feed.close()
+    assert not _feed_threads(others)
+
+
+def test_training_with_the_feeds_thread_is_training_without_it(process_group, digits_dataset, tmp_path, monkeypatch):
+    """The loop through the feed's thread (CUDA's default, forced here on the CPU) trains the same
+    weights as through the inline feed, and the thread is gone when the run ends."""
+    from vitray.trainers import feed as feed_module
+
+    others = frozenset(_feed_threads())
+    weights = {}
+    for background in (False, True):
+        monkeypatch.setattr(
+            feed_module.DeviceFeed, "__init__", _with_background(feed_module.DeviceFeed.__init__, background)
+        )
+        loop = in_process_loop(digits_dataset, tmp_path / str(background), "train.steps=3", "log.every=3")
+        loop.run()
+        assert loop.loader._background is background
+        weights[background] = {k: v.detach().clone() for k, v in loop.backend.module.state_dict().items()}
+        monkeypatch.undo()
+    assert not _feed_threads(others)
+    for name, inline in weights[False].items():
+        assert torch.equal(weights[True][name], inline), name
+
+
+def _with_background(init, background: bool):
+    def patched(self, loader, device, **kwargs):
+        init(self, loader, device, **{**kwargs, "background": background})
+
+    return patched

@@ -177,8 +177,18 @@ class TrainingLoop:
         return last
 
     def _run(self) -> dict[str, Any]:
-        train = self.cfg.train
         batches = iter(self.loader)
+        try:
+            return self._train(batches)
+        finally:
+            # The device feed's thread (on CUDA) and the loader's workers stop now, not whenever the
+            # garbage collector reaches the iterator (a raised error's traceback holds on to it).
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+
+    def _train(self, batches) -> dict[str, Any]:
+        train = self.cfg.train
         window = _Window()
         self._skipped_seen = self._nonfinite_total = self.backend.skipped_steps()
         last: dict[str, Any] = {}
