@@ -2,8 +2,8 @@
 
 vitray: `TrainingLoop.train_step` -- the step `vitray pretrain` runs -- on the DeepSpeed backend
 (ZeRO-1, bf16, `train.compile` as configured) fed by `trainers/feed.py`'s DeviceFeed with
-synthetic uint8 batches (pinned, copied one step ahead, converted on the device). Reading and
-decoding shards is left out; `benchmarks/data_pipeline.py` measures it.
+synthetic uint8 batches (pinned and copied ahead on the feed's own thread on CUDA, converted on
+the device). Reading and decoding shards is left out; `benchmarks/data_pipeline.py` measures it.
 
 Reference: timm's ViT of the same shape in a plain loop -- bf16 autocast, fused AdamW on CUDA,
 cross-entropy, a float batch already on the device (no input cost at all), torch.compile when
@@ -150,6 +150,7 @@ def vitray_steps(cfg: TrainingConfig, warmup: int, steps: int, profile: int = 0)
     if profile:
         profile_steps(lambda: loop.train_step(batches), profile)
         _sync(device)
+    batches.close()  # the feed's thread (on CUDA) stops before the reference loop runs
     flops = train_flops_per_image(
         lambda: create_model_from_config(cfg.model.model_copy(update={"grad_checkpointing": False}), NUM_CLASSES),
         cfg.model.img_size,
