@@ -123,10 +123,17 @@ def profile_steps(step, count: int, name: str = "vitray") -> None:
         print("    " + "\n    ".join(frames or ("(no Python caller found)",)))
 
 
-def vitray_steps(cfg: TrainingConfig, warmup: int, steps: int, profile: int = 0) -> tuple[float, float]:
-    """(images/s, train FLOPs per image) of TrainingLoop.train_step on the DeepSpeed backend."""
+def vitray_steps(
+    cfg: TrainingConfig, warmup: int, steps: int, profile: int = 0, compile_mode: str = "default"
+) -> tuple[float, float, float]:
+    """(images/s, train FLOPs per image, last loss) of TrainingLoop.train_step on the DeepSpeed backend."""
     torch.manual_seed(cfg.seed)
     model = create_model_from_config(cfg.model, NUM_CLASSES)
+    if compile_mode != "default" and compile_enabled(cfg.train.compile):
+        # What build_engine does (in place, before DeepSpeed wraps the model), in another mode;
+        # train.compile is then off so that the engine does not compile it again.
+        model.compile(mode=compile_mode)
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": False})})
     loop = TrainingLoop.__new__(TrainingLoop)  # the loop's step without a dataset on storage
     loop.cfg, loop.rank, loop.world, loop.accum, loop.step = cfg, 0, 1, cfg.grad_accumulation, 0
     loop.keys, loop.ema = None, None
@@ -136,12 +143,15 @@ def vitray_steps(cfg: TrainingConfig, warmup: int, steps: int, profile: int = 0)
     batches = iter(loop.loader)
     device = loop.backend.device
 
+    last_loss = float("nan")
+
     def run(count: int) -> float:
+        nonlocal last_loss
         start = time.perf_counter()
         for _ in range(count):
             loss, grad_norm, _, _ = loop.train_step(batches)
             loop.step += 1
-        float(loss), float(grad_norm)  # the log step's reads: wait for the device
+        last_loss, _ = float(loss), float(grad_norm)  # the log step's reads: wait for the device
         _sync(device)
         return time.perf_counter() - start
 
@@ -155,11 +165,13 @@ def vitray_steps(cfg: TrainingConfig, warmup: int, steps: int, profile: int = 0)
         lambda: create_model_from_config(cfg.model.model_copy(update={"grad_checkpointing": False}), NUM_CLASSES),
         cfg.model.img_size,
     )
-    return steps * cfg.train.batch_size / seconds, flops
+    return steps * cfg.train.batch_size / seconds, flops, last_loss
 
 
-def reference_steps(cfg: TrainingConfig, warmup: int, steps: int, compiled: bool, profile: int = 0) -> float:
-    """images/s of a plain AMP loop over timm's ViT of the same shape."""
+def reference_steps(
+    cfg: TrainingConfig, warmup: int, steps: int, compiled: bool, profile: int = 0, compile_mode: str = "default"
+) -> tuple[float, float]:
+    """(images/s, last loss) of a plain AMP loop over timm's ViT of the same shape."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg.seed)
     model = timm.create_model(
@@ -167,7 +179,7 @@ def reference_steps(cfg: TrainingConfig, warmup: int, steps: int, compiled: bool
     ).to(device)
     model.set_grad_checkpointing(cfg.model.grad_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device.type == "cuda" or None)
-    runnable = torch.compile(model) if compiled else model
+    runnable = torch.compile(model, mode=compile_mode) if compiled else model
     batch = cfg.train.micro_batch_size
     images = torch.rand(batch, 3, cfg.model.img_size, cfg.model.img_size, device=device) * 2 - 1
     labels = torch.randint(0, NUM_CLASSES, (batch,), device=device)
@@ -180,11 +192,14 @@ def reference_steps(cfg: TrainingConfig, warmup: int, steps: int, compiled: bool
         optimizer.step()
         return loss
 
+    last_loss = float("nan")
+
     def run(count: int) -> float:
+        nonlocal last_loss
         start = time.perf_counter()
         for _ in range(count):
             loss = step()
-        float(loss.detach())
+        last_loss = float(loss.detach())
         _sync(device)
         return time.perf_counter() - start
 
@@ -193,7 +208,7 @@ def reference_steps(cfg: TrainingConfig, warmup: int, steps: int, compiled: bool
     if profile:
         profile_steps(step, profile, "plain loop")
         _sync(device)
-    return rate
+    return rate, last_loss
 
 
 def _process_group() -> None:
@@ -223,6 +238,13 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
         "as nothing_saveable does)",
     )
     parser.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="auto: on for CUDA")
+    parser.add_argument(
+        "--compile-mode",
+        choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+        default="default",
+        help="torch.compile's mode for both loops when compiled (reduce-overhead: CUDA graphs; an experiment: "
+        "vitray's train.compile uses the default mode)",
+    )
     parser.add_argument(
         "--profile", type=int, default=0, help="then profile this many steps of each loop (torch.profiler)"
     )
@@ -256,24 +278,26 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
     _process_group()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     peak = accelerator_peak_tflops(args.peak_tflops, "bf16")
-    ours, flops = vitray_steps(cfg, args.warmup, args.steps, args.profile)
-    theirs = reference_steps(cfg, args.warmup, args.steps, compiled, args.profile)
+    ours, flops, our_loss = vitray_steps(cfg, args.warmup, args.steps, args.profile, args.compile_mode)
+    theirs, their_loss = reference_steps(cfg, args.warmup, args.steps, compiled, args.profile, args.compile_mode)
     mfu = {
         name: (rate * flops / 1e12 / peak if peak else None) for name, rate in (("vitray", ours), ("reference", theirs))
     }
     print(
         f"{args.model} at {args.img_size} px, batch {args.batch}, bf16, {device}, "
-        f"{'compiled' if compiled else 'eager'}{', activation checkpointing' if args.grad_checkpointing else ''}"
+        f"{f'compiled ({args.compile_mode})' if compiled else 'eager'}{', activation checkpointing' if args.grad_checkpointing else ''}"
         f"{f' (vitray: {args.remat_policy})' if args.grad_checkpointing else ''}, "
         f"{args.steps} timed steps after {args.warmup}; {flops / 1e9:.2f} GFLOPs per training image"
     )
-    for name, rate in (
-        ("vitray pretrain step (DeepSpeed ZeRO-1, DeviceFeed)", ours),
-        (f"plain AMP loop (timm {TIMM_NAMES[args.model]})", theirs),
+    for name, rate, loss in (
+        ("vitray pretrain step (DeepSpeed ZeRO-1, DeviceFeed)", ours, our_loss),
+        (f"plain AMP loop (timm {TIMM_NAMES[args.model]})", theirs, their_loss),
     ):
         key = "vitray" if name.startswith("vitray") else "reference"
         shown = f", MFU {mfu[key]:.1%}" if mfu[key] is not None else ", MFU n/a (no known peak)"
-        print(f"{name}: {rate:.1f} img/s{shown}")
+        # The last loss: a mode that trained wrongly (CUDA graph buffers overwritten) shows here
+        # against the same loop in the default mode.
+        print(f"{name}: {rate:.1f} img/s{shown}, last loss {loss:.4f}")
     print(f"vitray/reference: {ours / theirs:.3f}")
     return {
         "vitray_images_per_s": ours,
@@ -281,6 +305,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
         "ratio": ours / theirs,
         "mfu": mfu["vitray"],
         "flops_per_image": flops,
+        "vitray_last_loss": our_loss,
+        "reference_last_loss": their_loss,
     }
 
 

@@ -19,9 +19,11 @@
 # - remat: remat_<model>.txt: `benchmarks/remat.py` (activation checkpointing's two `model.remat_policy`s and no
 #   checkpointing: step time and peak memory) for L/16 and H/14, compiled, then `gpu_step.py` for H/14 with vitray on
 #   `dots_saveable` against the plain loop's whole-block recompute (its own row, not the issue's comparison).
+# - graphs: gpu_step_<model>_graphs.txt: `gpu_step.py --compile-mode reduce-overhead` (CUDA graphs, both loops) for
+#   S/16 and B/16, to hold against the step group's default-mode figures (and their last losses). About 4 minutes.
 # Budget: about 20 minutes on one H100 for the first four (each step has its own time limit).
 set -u
-OUT=${1:?usage: run_gpu.sh OUTDIR [attention] [step] [data] [pretrain] [decode] [remat]}
+OUT=${1:?usage: run_gpu.sh OUTDIR [attention] [step] [data] [pretrain] [decode] [remat] [graphs]}
 shift
 GROUPS_WANTED=${*:-attention step data pretrain}
 PY=${PYTHON:-python3}
@@ -66,6 +68,10 @@ wanted remat && step remat_L16 240 "$PY" benchmarks/remat.py --model L/16 --batc
 wanted remat && step remat_H14 300 "$PY" benchmarks/remat.py --model H/14 --batch 64 --compile --steps 2
 wanted remat && step gpu_step_H14_dots 420 "$PY" benchmarks/gpu_step.py --model H/14 --batch 64 --steps 12 --warmup 6 \
     --grad-checkpointing --remat-policy dots_saveable
+wanted graphs && step gpu_step_S16_graphs 300 "$PY" benchmarks/gpu_step.py --model S/16 --batch 256 --steps 40 \
+    --warmup 10 --compile-mode reduce-overhead
+wanted graphs && step gpu_step_B16_graphs 300 "$PY" benchmarks/gpu_step.py --model B/16 --batch 256 --steps 30 \
+    --warmup 10 --compile-mode reduce-overhead
 wanted data && step data_pipeline 420 "$PY" benchmarks/data_pipeline.py --workers "$(($(nproc) - 2))" --skip-s3
 
 if wanted pretrain; then

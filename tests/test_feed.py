@@ -175,6 +175,7 @@ def test_gpu_step_benchmark_runs_tiny_on_the_cpu(process_group, capsys):
     assert result["ratio"] == pytest.approx(result["vitray_images_per_s"] / result["reference_images_per_s"])
     assert result["mfu"] is None  # no peak for a CPU
     assert "vitray/reference:" in printed and "img/s" in printed
+    assert 0 < result["vitray_last_loss"] < 20 and 0 < result["reference_last_loss"] < 20  # ln(1000) ~ 6.9
 
 
 def test_compiled_steps_train_as_the_eager_ones(process_group, digits_dataset, tmp_path):
