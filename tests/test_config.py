@@ -202,9 +202,11 @@ def test_local_paths_are_read_against_the_drivers_working_directory(tmp_path, mo
             "evals.few={type: fewshot, every: 2, datasets: {digits: data/digits, cifar: s3://b/cifar}}",
             "checkpoint.staging_dir=scratch",
             "log.wandb={mode: offline, dir: wandb-files}",
+            "log.mlflow={tracking_uri: mlruns}",
         ],
     )
     here = str(tmp_path)
+    assert cfg.log.mlflow.tracking_uri == f"{here}/mlruns"
     assert (cfg.checkpoint.staging_dir, cfg.log.wandb.dir) == (f"{here}/scratch", f"{here}/wandb-files")
     assert (cfg.data.train, cfg.data.val, cfg.run.storage) == (f"{here}/data/digits", "s3://bucket/val", f"{here}/runs")
     assert cfg.init.checkpoint == str(Path("~/runs/ref").expanduser())
@@ -214,6 +216,27 @@ def test_local_paths_are_read_against_the_drivers_working_directory(tmp_path, mo
     assert TrainingConfig.model_validate(cfg.settings()) == cfg
     grid = load_config(GridConfig, None, ["data_root=bench"])
     assert (grid.data_root, grid.output) == (f"{REPO}/bench", f"{REPO}/eval-output")
+
+
+def test_mlflow_stores_on_local_disk_are_read_against_the_drivers_working_directory(tmp_path, monkeypatch):
+    from vitray.trainers.trackers import MlflowSettings
+
+    monkeypatch.chdir(tmp_path)
+    here = str(tmp_path)
+    given_and_sent = {
+        "mlruns": f"{here}/mlruns",
+        "file:mlruns": f"file:{here}/mlruns",
+        "sqlite:///mlflow.db": f"sqlite:///{here}/mlflow.db",
+        "sqlite:////srv/mlflow.db": "sqlite:////srv/mlflow.db",
+        "file:///srv/mlruns": "file:///srv/mlruns",
+        "/srv/mlruns": "/srv/mlruns",
+        "http://127.0.0.1:5000": "http://127.0.0.1:5000",
+        "databricks": "databricks",
+        "postgresql://u@db/mlflow": "postgresql://u@db/mlflow",
+    }
+    for given, sent in given_and_sent.items():
+        assert MlflowSettings(tracking_uri=given).tracking_uri == sent, given
+    assert MlflowSettings().tracking_uri is None
 
 
 def test_a_cpu_run_gets_one_cpu_per_worker_without_ray():

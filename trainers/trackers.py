@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from vitray.common.config import flatten_config
 from vitray.data.config import StoragePath
+from vitray.data.storage import absolute
 
 __all__ = ["MlflowSettings", "Trackers", "WandbSettings", "missing_tracker_packages"]
 
@@ -26,10 +28,31 @@ _PARAMS_PER_CALL = 100  # MLflow's limit for one log_batch
 _PARAM_VALUE_CHARS = 6000  # MLflow's limit for one param value
 
 
+def tracking_uri_here(uri: str | None) -> str | None:
+    """An MLflow tracking URI with a relative local store made absolute against this process's
+    working directory (the driver's, where the config is read): rank 0 runs in a working directory
+    of its own, where ``mlruns`` or ``sqlite:///mlflow.db`` would name another store. A folder
+    (``mlruns``, ``file:mlruns``) and a SQLite file (``sqlite:///mlflow.db``) are made absolute;
+    servers (``http://...``, ``databricks``) and absolute stores stay as given."""
+    if uri is None or uri in ("databricks", "databricks-uc"):
+        return uri
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + absolute(uri.removeprefix("sqlite:///"))
+    if uri.startswith("file:") and not uri.startswith("file://"):
+        return "file:" + absolute(uri.removeprefix("file:"))
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", uri):  # a scheme: a server, a database or file:// URL
+        return uri
+    return absolute(uri)
+
+
 class MlflowSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    tracking_uri: str | None = Field(None, description="MLflow tracking URI; MLFLOW_TRACKING_URI when unset.")
+    tracking_uri: Annotated[str | None, AfterValidator(tracking_uri_here)] = Field(
+        None,
+        description="MLflow tracking URI; MLFLOW_TRACKING_URI when unset. A relative local store (mlruns, "
+        "sqlite:///mlflow.db) is read against the working directory where the config is read.",
+    )
     experiment: str = Field("vitray", description="Experiment name (created when missing).")
 
 
