@@ -292,7 +292,8 @@ def test_the_loaders_error_reaches_the_caller_from_the_feeds_thread(digits_datas
 
 def test_training_with_the_feeds_thread_is_training_without_it(process_group, digits_dataset, tmp_path, monkeypatch):
     """The loop through the feed's thread (CUDA's default, forced here on the CPU) trains the same
-    weights as through the inline feed, and the thread is gone when the run ends."""
+    weights as through the inline feed, and the thread is gone when the run ends. With a loader
+    worker process, as on a GPU: the feed's thread is the one that forks it."""
     from vitray.trainers import feed as feed_module
 
     others = frozenset(_feed_threads())
@@ -301,7 +302,9 @@ def test_training_with_the_feeds_thread_is_training_without_it(process_group, di
         monkeypatch.setattr(
             feed_module.DeviceFeed, "__init__", _with_background(feed_module.DeviceFeed.__init__, background)
         )
-        loop = in_process_loop(digits_dataset, tmp_path / str(background), "train.steps=3", "log.every=3")
+        loop = in_process_loop(
+            digits_dataset, tmp_path / str(background), "train.steps=3", "log.every=3", "data.num_workers=1"
+        )
         loop.run()
         assert loop.loader._background is background
         weights[background] = {k: v.detach().clone() for k, v in loop.backend.module.state_dict().items()}
