@@ -22,7 +22,7 @@ from pretrain_helpers import in_process_loop
 from torch.overrides import TorchFunctionMode
 
 from vitray.data import ShardLoader, to_model_range
-from vitray.data.batch import is_channels_last
+from vitray.data.batch import Batch, is_channels_last
 from vitray.trainers.feed import DeviceFeed
 
 # Tensor methods that make the host wait for the device (on CUDA) to read a value back.
@@ -269,6 +269,47 @@ def test_a_dropped_iterator_stops_the_feeds_thread(digits_dataset):
     del feed, second  # the last references gone: the generator's close stops the thread
     gc.collect()
     assert not _feed_threads(others)
+
+
+class _CollectingLoader:
+    """Tiny uint8 batches; before its third, it waits for ``dropped`` and runs the garbage collector
+    (on the feed's thread, the one that reads it)."""
+
+    def __init__(self, dropped: threading.Event):
+        self.dropped, self.step = dropped, 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+    def __iter__(self):
+        while True:
+            if self.step == 2:
+                self.dropped.wait(timeout=30)
+                gc.collect()
+            self.step += 1
+            images = torch.zeros((2, 3, 4, 4), dtype=torch.uint8)
+            yield Batch(images=images, labels=torch.zeros(2, dtype=torch.long), keys=["a", "b"], step=self.step)
+
+
+def test_a_dropped_iterator_collected_on_the_feeds_own_thread_stops_it_quietly(monkeypatch):
+    """The garbage collector may finalise a dropped iterator on any thread, the feed's own included:
+    the thread then stops at its next batch, with no error (it cannot join itself)."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    others = frozenset(_feed_threads())
+    dropped = threading.Event()
+    feed = DeviceFeed(_CollectingLoader(dropped), "cpu", background=True, ahead=1)
+    batches = iter(feed)
+    next(batches)
+    (thread,) = _feed_threads(others)
+    del feed, batches
+    dropped.set()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert not unraisable, [str(u.exc_value) for u in unraisable]
 
 
 def test_the_loaders_error_reaches_the_caller_from_the_feeds_thread(digits_dataset, tmp_path):

@@ -134,9 +134,12 @@ class DeviceFeed:
             stop.set()
             with contextlib.suppress(queue.Empty):
                 ready.get_nowait()  # a thread waiting to put its next batch sees the stop
-            thread.join(timeout=_JOIN_TIMEOUT_S)
-            if thread.is_alive():  # waiting on the loader; it stops when its next batch comes
-                log.warning("the feed's thread did not stop within %d s; left to end on its own", _JOIN_TIMEOUT_S)
+            # A dropped iterator is finalised by the garbage collector, which may run on the feed's
+            # own thread: that thread then stops by itself at its next put, and cannot join itself.
+            if thread is not threading.current_thread():
+                thread.join(timeout=_JOIN_TIMEOUT_S)
+                if thread.is_alive():  # waiting on the loader; it stops when its next batch comes
+                    log.warning("the feed's thread did not stop within %d s; left to end on its own", _JOIN_TIMEOUT_S)
 
     def _hand_over(self, batch: Batch, ready: Any) -> Batch:
         if ready is not None:
