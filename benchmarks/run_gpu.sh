@@ -19,11 +19,17 @@
 # - remat: remat_<model>.txt: `benchmarks/remat.py` (activation checkpointing's two `model.remat_policy`s and no
 #   checkpointing: step time and peak memory) for L/16 and H/14, compiled, then `gpu_step.py` for H/14 with vitray on
 #   `dots_saveable` against the plain loop's whole-block recompute (its own row, not the issue's comparison).
+# - checks: checks.txt: the CUDA variants of the feed's and the GPU decode's tests (tests/test_feed.py and
+#   tests/test_device_decode.py, `-k cuda`: the feed's thread, pinned copies on the side stream, nvjpeg, the crops
+#   on the GPU against the CPU path's). Needs pytest in the kit: after make-kit.sh,
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .gpu-kit/whl \
+#       $(grep -iE '^(pytest|pluggy|iniconfig|packaging)==' requirements.lock)
+#   About 1 minute.
 # - graphs: gpu_step_<model>_graphs.txt: `gpu_step.py --compile-mode reduce-overhead` (CUDA graphs, both loops) for
 #   S/16 and B/16, to hold against the step group's default-mode figures (and their last losses). About 4 minutes.
 # Budget: about 20 minutes on one H100 for the first four (each step has its own time limit).
 set -u
-OUT=${1:?usage: run_gpu.sh OUTDIR [attention] [step] [data] [pretrain] [decode] [remat] [graphs]}
+OUT=${1:?usage: run_gpu.sh OUTDIR [attention] [step] [data] [pretrain] [decode] [remat] [graphs] [checks]}
 shift
 GROUPS_WANTED=${*:-attention step data pretrain}
 PY=${PYTHON:-python3}
@@ -54,6 +60,7 @@ for setting in ('auto', 'flash', 'cudnn', 'efficient'):
         kernel = f'refused: {err}'
     print(f'B/16 bf16 train.attention={setting}: {kernel}')
 "
+wanted checks && step checks 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_feed.py tests/test_device_decode.py -k cuda
 if wanted decode; then  # the JPEGs and shards for the decode group, before any step is timed
     DECODE_WORK=$(mktemp -d)
     step decode_prepare 300 "$PY" benchmarks/pretrain_decode.py --workdir "$DECODE_WORK" --decode ""

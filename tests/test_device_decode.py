@@ -4,6 +4,9 @@ The loader workers draw the crops the CPU path draws and hand over the JPEGs; th
 crops, resizes and flips them where the model runs. On the CPU the very same code decodes with
 libjpeg-turbo instead of nvjpeg: the boxes, keys, labels and loader positions must be the CPU
 path's exactly, and the pixels its pixels to within resampling.
+
+Where a CUDA device exists (the device machine; see README), the tests marked with ``DEVICES`` run
+on it as well: nvjpeg's decode, the crops on the GPU and the feed's own thread.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from vitray.trainers.config import TrainingConfig
 from vitray.trainers.feed import DeviceFeed, decodes_on_device
 
 SIZE = 32
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 # (format, PIL mode, save options) per image, in turn: the JPEGs nvjpeg takes, and what stays on the CPU
 KINDS = [
     ("JPEG", "RGB", {"quality": 90}),
@@ -81,10 +85,10 @@ def _loader(path: Path, *, workers: int = 0, world_size: int = 1, rank: int = 0,
     )
 
 
-def _decoded(batch) -> torch.Tensor:
-    images, failed = decode_batch(batch.images.contiguous(), batch.encoded, len(batch))
-    assert failed == []
-    return images
+def _decoded(batch, device: str = "cpu") -> torch.Tensor:
+    images, failed = decode_batch(batch.images.contiguous().to(device), batch.encoded, len(batch))
+    assert failed == [] and images.device.type == device
+    return images.cpu()
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
@@ -138,8 +142,9 @@ def test_chunks_carry_the_cpu_paths_boxes_and_the_cpu_crops_of_pngs_and_cmyk(mix
     assert full_scale and (images[full_scale].int() - cpu.images[full_scale].int()).abs().max() <= 2
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("workers", [0, 2])
-def test_device_decoded_batches_are_the_cpu_paths(mixed_dataset, workers):
+def test_device_decoded_batches_are_the_cpu_paths(mixed_dataset, workers, device):
     cpu_loader = _loader(mixed_dataset, workers=workers)
     cpu = list(itertools.islice(cpu_loader, 8))  # into the second epoch (6 batches each)
     dev_loader = _loader(mixed_dataset, workers=workers, device_decode=True)
@@ -148,7 +153,7 @@ def test_device_decoded_batches_are_the_cpu_paths(mixed_dataset, workers):
     for c, d in zip(cpu, dev):
         assert (d.keys, d.epoch, d.step, d.num_skipped) == (c.keys, c.epoch, c.step, c.num_skipped)
         assert torch.equal(d.labels, c.labels)
-        _close(_decoded(d), c.images.contiguous())
+        _close(_decoded(d, device), c.images.contiguous())
     assert dev_loader.state_dict() == cpu_loader.state_dict()
 
 
@@ -176,21 +181,25 @@ def test_resume_and_another_world_size_give_the_cpu_paths_samples(mixed_dataset)
         _close(_decoded(d), c.images.contiguous())
 
 
-def test_the_feed_decodes_on_the_device_and_resumes_exactly(mixed_dataset):
-    plain = iter(DeviceFeed(_loader(mixed_dataset), "cpu"))
-    feed = DeviceFeed(_loader(mixed_dataset, workers=1, device_decode=True), "cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_feed_decodes_on_the_device_and_resumes_exactly(mixed_dataset, device):
+    """(On CUDA the feed reads, copies and decodes on its own thread.)"""
+    plain = iter(DeviceFeed(_loader(mixed_dataset), device))
+    feed = DeviceFeed(_loader(mixed_dataset, workers=1, device_decode=True), device)
     fed, states = iter(feed), []
     for _ in range(3):
         expected, batch = next(plain), next(fed)
         assert batch.keys == expected.keys and torch.equal(batch.labels, expected.labels) and not batch.encoded
         assert batch.images.is_contiguous() and batch.images.dtype == torch.uint8
-        _close(batch.images, expected.images)
+        assert batch.images.device.type == batch.labels.device.type == device
+        _close(batch.images.cpu(), expected.images.cpu())
         states.append(feed.state_dict())
     assert [s["consumed_per_slot"] for s in states] == [2, 4, 6]
-    resumed = DeviceFeed(_loader(mixed_dataset, device_decode=True), "cpu")
+    resumed = DeviceFeed(_loader(mixed_dataset, device_decode=True), device)
     resumed.load_state_dict(states[1])
     again = next(iter(resumed))
     assert again.keys == batch.keys and torch.equal(again.images, batch.images)  # the third batch again
+    fed.close()
 
 
 def test_jpegs_no_decoder_reads_are_left_out_as_corrupt():

@@ -69,6 +69,11 @@ def test_host_read_counter_sees_every_kind_of_read():
     assert all(origin.startswith("other:test_feed.py") for _, origin, _ in mode.reads)
 
 
+# Where a CUDA device exists (the device machine; see README), the tests marked with DEVICES run
+# there as well: the pinned copies on the side stream and the feed's own thread.
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
 def _loader(dataset, **kw):
     args = {
         "rank": 0,
@@ -216,17 +221,20 @@ def _feed_threads(before: frozenset = frozenset()) -> list:
     return [t for t in threading.enumerate() if t.name == "vitray-feed" and t.is_alive() and t not in before]
 
 
-def test_the_feeds_thread_hands_the_batches_and_positions_of_the_inline_feed(digits_dataset):
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_feeds_thread_hands_the_batches_and_positions_of_the_inline_feed(digits_dataset, device):
     """On CUDA the feed reads and copies on a thread of its own, batches ahead of the step: the
     same batches in the same order, with the position of the batch handed over, as in the caller's
     thread, whatever the thread has read since."""
     others = frozenset(_feed_threads())
-    inline = iter(DeviceFeed(_loader(digits_dataset, float_images=False), "cpu"))
-    feed = DeviceFeed(_loader(digits_dataset, float_images=False), "cpu", background=True, ahead=2)
+    assert DeviceFeed(_loader(digits_dataset, float_images=False), device)._background is (device == "cuda")
+    inline = iter(DeviceFeed(_loader(digits_dataset, float_images=False), device, background=False))
+    feed = DeviceFeed(_loader(digits_dataset, float_images=False), device, background=True, ahead=2)
     fed = iter(feed)
     states, keys = [], []
     for _ in range(5):
         expected, batch = next(inline), next(fed)
+        assert batch.images.device.type == batch.labels.device.type == device
         assert torch.equal(batch.images, expected.images) and torch.equal(batch.labels, expected.labels)
         assert batch.keys == expected.keys
         states.append(feed.state_dict())
@@ -236,7 +244,7 @@ def test_the_feeds_thread_hands_the_batches_and_positions_of_the_inline_feed(dig
     # Read ahead: at most the queue's 2 batches and the one being copied beyond those handed over.
     assert 10 <= feed._loader.state_dict()["consumed_per_slot"] <= 10 + 2 * 3
 
-    resumed = DeviceFeed(_loader(digits_dataset, float_images=False), "cpu", background=True)
+    resumed = DeviceFeed(_loader(digits_dataset, float_images=False), device, background=True)
     resumed.load_state_dict(states[2])
     assert next(iter(resumed)).keys == keys[3]  # the fourth batch, after the third's position
     resumed.close()
