@@ -136,6 +136,43 @@ def test_parameters_and_optimizer_state_are_sharded_over_the_devices(digits_data
     assert_same_weights(backend.full_state_dict(), initial)
 
 
+def test_the_device_loader_goes_on_after_the_last_batch_handed_over_and_stops_its_threads(digits_dataset):
+    """torch-xla's parallel loader reads ahead on threads of its own: a new iterator hands what the
+    last one read ahead and never handed over, and closing an iterator stops the threads."""
+    import gc
+    import itertools
+    import threading
+
+    from vitray.common.config import load_config
+    from vitray.data import ShardLoader
+    from vitray.models import create_model
+    from vitray.trainers.config import TrainingConfig
+    from vitray.trainers.xla_backend import XlaBackend
+
+    cfg = load_config(
+        TrainingConfig, None, [f"data.train={digits_dataset}", "model.img_size=16", "train.batch_size=32", *XLA]
+    )
+    backend = XlaBackend(cfg, create_model("Ti/4", num_classes=10, img_size=16), world_size=1, restore=None)
+
+    def shard_loader():
+        args = {"rank": 0, "world_size": 1, "batch_size": 32, "img_size": 16, "train": True, "seed": 3}
+        return ShardLoader(str(digits_dataset), "train", num_slots=4, num_workers=0, float_images=False, **args)
+
+    expected = [batch.keys for batch in itertools.islice(shard_loader(), 3)]
+    gc.collect()  # that loader's iterator and its threads are gone
+    before = set(threading.enumerate())
+    loader = backend.device_loader(shard_loader())
+    first = iter(loader)
+    assert [next(first).keys for _ in range(2)] == expected[:2]
+    assert loader.state_dict()["consumed_per_slot"] == 16
+    second = iter(loader)  # ends the first (its threads had read ahead)
+    batch = next(second)
+    assert batch.keys == expected[2] and str(batch.images.device).startswith("xla")
+    assert set(threading.enumerate()) - before
+    second.close()
+    assert not set(threading.enumerate()) - before, "the parallel loader's and the shard loader's threads stop"
+
+
 def test_killed_worker_resumes_exactly(digits_dataset, reference, tmp_path):
     from vitray.trainers.keys import collect_keys
 

@@ -5,7 +5,8 @@ Each host loads its own part of the global batch (its data slots, as under DeepS
 sharding spec says so (`minibatch=True`), and the mesh spreads each host's part over its local
 devices. The parallel loader reads ahead on background threads, so the wrapped loader's own
 position runs ahead of training: :meth:`DeviceLoader.state_dict` is therefore the position after
-the last batch handed to the loop, recorded with each batch as it was read.
+the last batch handed to the loop, recorded with each batch as it was read, and a new iterator
+starts there (as `trainers/feed.py`'s device feed does).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class DeviceLoader:
         self._batch_size, self._device, self._prefetch = batch_size, device, prefetch
         self._state: dict[str, Any] | None = None
         self._parallel = None
+        self._source: Iterator[Batch] | None = None  # the wrapped loader's iterator the threads read
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch handed to the caller."""
@@ -67,10 +69,16 @@ class DeviceLoader:
         return getattr(self._loader, name)
 
     def __iter__(self) -> Iterator[Batch]:
+        """Batches from the position after the last batch handed over (or loaded) on. One iterator at
+        a time: a new one ends the last, and what that one read ahead is read again."""
         import torch_xla.distributed.parallel_loader as pl
 
         self._close()
-        source = iter(self._loader)
+        if self._state is not None:
+            self._loader.load_state_dict(self._state)
+        source = self._source = iter(self._loader)
+        # Before anything is read: from here on the parallel loader reads ahead of the caller.
+        self._state = self._loader.state_dict()
         first = fill_to(next(source), self._batch_size)
         sharding = {"images": self._batch_sharding(first.images), "labels": self._batch_sharding(first.labels)}
         reads: collections.deque[_Read] = collections.deque()
@@ -91,13 +99,17 @@ class DeviceLoader:
             loader_prefetch_size=self._prefetch,
             device_prefetch_size=self._prefetch,
         )
-        return self._device_batches(self._parallel.per_device_loader(self._device), reads)
+        return self._device_batches(self._parallel, reads)
 
-    def _device_batches(self, on_device, reads: collections.deque) -> Iterator[Batch]:
-        for tensors in on_device:
-            read = reads.popleft()  # appended before its tensors were handed over
-            self._state = read.state
-            yield replace(read.batch, images=tensors["images"], labels=tensors["labels"])
+    def _device_batches(self, parallel, reads: collections.deque) -> Iterator[Batch]:
+        try:
+            for tensors in parallel.per_device_loader(self._device):
+                read = reads.popleft()  # appended before its tensors were handed over
+                self._state = read.state
+                yield replace(read.batch, images=tensors["images"], labels=tensors["labels"])
+        finally:  # the iterator ended or was closed (the loop closes it when it ends): so are the threads
+            if self._parallel is parallel:
+                self._close()
 
     def _batch_sharding(self, tensor: torch.Tensor):
         import torch_xla.distributed.spmd as xs
@@ -107,5 +119,9 @@ class DeviceLoader:
 
     def _close(self) -> None:
         if self._parallel is not None:
-            self._parallel.close()
+            self._parallel.close()  # joins its threads: nothing reads the source any more
             self._parallel = None
+        if self._source is not None:
+            self._source.close()  # the wrapped loader's own threads and workers stop with it
+            self._source = None
+        self._source: Iterator[Batch] | None = None  # the wrapped loader's iterator the threads read
