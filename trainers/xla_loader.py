@@ -124,4 +124,3 @@ class DeviceLoader:
         if self._source is not None:
             self._source.close()  # the wrapped loader's own threads and workers stop with it
             self._source = None
-        self._source: Iterator[Batch] | None = None  # the wrapped loader's iterator the threads read
