@@ -30,6 +30,7 @@ from vitray.cli.app import (
     print_config,
     table_console,
 )
+from vitray.data.config import TRAIN_CROPS
 
 
 def _grid(config: Path | None, overrides: list[str]):
@@ -124,6 +125,16 @@ def finetune(
         int | None, typer.Option(help="Steps (with --benchmark; the protocol's by default).", min=1)
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed (with --benchmark).", min=0)] = 0,
+    crop: Annotated[
+        str | None,
+        typer.Option(
+            help="Training crop (with --benchmark; the benchmark's by default): " + ", ".join(TRAIN_CROPS) + "."
+        ),
+    ] = None,
+    flip: Annotated[
+        bool | None,
+        typer.Option("--flip/--no-flip", help="Random flips (with --benchmark; the benchmark's by default)."),
+    ] = None,
     storage: Annotated[str, typer.Option(help="Run storage (with --benchmark): local folder or s3://.")] = "./runs",
     name: Annotated[str | None, typer.Option(help="Run name (with --benchmark; derived from the settings).")] = None,
     dry_run: DryRunOpt = False,
@@ -146,6 +157,8 @@ def finetune(
             fail("give either -c FILE (a fine-tune config) or --benchmark (the protocol's recipe), not both")
         if checkpoint is None or data_root is None:
             fail("--benchmark needs the CHECKPOINT argument and --data-root")
+        if crop is not None and crop not in TRAIN_CROPS:
+            fail(f"--crop {crop!r}: expected one of {', '.join(TRAIN_CROPS)}")
         with handled((FileNotFoundError, ValueError, RuntimeError)):
             cfg = benchmark_config(
                 checkpoint,
@@ -153,6 +166,8 @@ def finetune(
                 data_root,
                 lr=lr,
                 steps=steps,
+                crop=crop,
+                flip=flip,
                 seed=seed,
                 storage=storage,
                 name=name,

@@ -20,14 +20,19 @@ from vitray.cluster.prepare import prepare_dataset_on_ray
 from vitray.cluster.pretrain import AlreadyFinished, latest_complete, pretrain
 from vitray.cluster.runtime import connect, run_dir
 from vitray.common.config import load_config
+from vitray.data import storage
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.inspection import add_to_report
+from vitray.evaluation.reference import in_context, pixel_linear_top1
+from vitray.evaluation.report import summarize
+from vitray.evaluation.results import ResultsTable
 from vitray.runfolder.files import RunFiles
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.evals import VAL_TOP1
 
 # The demo keeps one fine-tune learning rate of the digits grid to stay within a few minutes.
 DEMO_GRID = ["finetune.learning_rates=[0.01]"]
+DIGITS_SIZE = 8  # scikit-learn's digits are 8x8 pixels
 
 
 def config_path(name: str) -> Path:
@@ -86,6 +91,12 @@ def run_demo(
     )
     summary = run_grid(grid, resolve_checkpoints(run), console=console)
     report = report_grid(grid, console=tables or console)
+    # The numbers in context: a linear classifier on the digits' own 8x8 pixels, fitted now.
+    reference = pixel_linear_top1(str(data), img_size=DIGITS_SIZE)
+    context = _context_rows(cfg, top1, metrics, grid, checkpoint.path if checkpoint else None)
+    if report and not storage.is_remote(report):
+        with open(report, "a") as markdown:
+            markdown.write("\n" + in_context(context, reference))
 
     console.rule("[bold]4/4 inspect: the paper's figures of the checkpoint (vitray inspect)")
     inspection = add_to_report(checkpoint.path, Path(report)) if checkpoint else None
@@ -93,6 +104,9 @@ def run_demo(
     console.rule("[bold]results")
     if top1 is not None:
         console.print(f"held-out top-1 after {metrics[-1]['step']} steps: [bold]{top1:.3f}[/] (chance: 0.100)")
+    for what, value in context[1:]:
+        console.print(f"{what}: [bold]{value:.3f}[/]")
+    console.print(f"reference, {reference.name}: [bold]{reference.top1:.3f}[/]")
     console.print(f"run folder:   {run}")
     console.print(f"checkpoint:   {checkpoint.path if checkpoint else '-'}")
     console.print(f"metrics:      {files.metrics_path} (TensorBoard: {files.root}/tensorboard)")
@@ -107,4 +121,27 @@ def run_demo(
         "report": report,
         "grid": summary,
         "inspection": inspection,
+        "reference": reference,
+        "context": context,
     }
+
+
+def _context_rows(
+    cfg: TrainingConfig, top1: float | None, metrics: list[dict], grid: GridConfig, checkpoint: str | None
+) -> list[tuple[str, float]]:
+    """(what, test top-1) of the demo's own numbers: the pre-trained run's held-out top-1 (on the
+    test split, `data.val_split`) and every row of the evaluation grid of its `checkpoint` (fine-tune,
+    few-shot; the results table may hold earlier checkpoints' too)."""
+    rows = []
+    if top1 is not None:
+        rows.append(
+            (
+                f"pre-trained ViT-{cfg.model.name} ({metrics[-1]['step']} steps at {cfg.model.img_size} px), its run's top-1",
+                float(top1),
+            )
+        )
+    results = ResultsTable(grid.results_path, storage_options=grid.storage_options)
+    summary = summarize(results, metric="accuracy")
+    for row in summary[summary["checkpoint"] == checkpoint].itertuples():
+        rows.append((f"{row.label} (mean of {row.seeds} seeds)" if row.seeds > 1 else row.label, float(row.mean)))
+    return rows

@@ -69,16 +69,21 @@ def benchmark_config(
     *,
     lr: float | None = None,
     steps: int | None = None,
+    crop: str | None = None,
+    flip: bool | None = None,
     seed: int = 0,
     storage: str = "./runs",
     name: str | None = None,
     overrides: Sequence[str] = (),
 ) -> TrainingConfig:
-    """`vitray finetune CHECKPOINT --benchmark NAME`: the protocol's first cell (or `lr`, `steps`) of
-    the benchmark on the checkpoint (or a run folder's latest), as a run under `storage`. Where the
-    protocol validates on a held-out slice, the run scores the test split too (its `test` evaluator)."""
+    """`vitray finetune CHECKPOINT --benchmark NAME`: the protocol's first cell (or `lr`, `steps`,
+    training `crop` and `flip`) of the benchmark on the checkpoint (or a run folder's latest), as a run
+    under `storage`. Where the protocol validates on a held-out slice, the run scores the test split
+    too (its `test` evaluator)."""
     bench = get_benchmark(benchmark)
-    options = FinetuneGrid(learning_rates=[lr] if lr else None, steps=steps)
+    options = FinetuneGrid.model_validate(
+        {"learning_rates": [lr] if lr else None, "steps": steps, "crop": crop, "flip": flip}
+    )
     settings = finetune_settings(bench, options)[0]
     (ref,) = resolve_checkpoints(checkpoint)
     require_prepared(bench, data_root)

@@ -10,7 +10,23 @@ from .layout import DatasetInfo, read_dataset_info
 from .splits import parse_split
 from .storage import absolute
 
-__all__ = ["DataConfig", "DatasetInfo", "StoragePath", "read_dataset_info"]
+__all__ = [
+    "RESIZE_RATIO",
+    "TRAIN_CROPS",
+    "DataConfig",
+    "DatasetInfo",
+    "StoragePath",
+    "TrainCropKind",
+    "read_dataset_info",
+]
+
+# The training crops (:class:`vitray.data.transforms.TrainCrop`), named as big_vision's transfer
+# config names them.
+TrainCropKind = Literal["inception_crop", "resmall_crop", "resize_crop", "resize"]
+TRAIN_CROPS: tuple[TrainCropKind, ...] = ("inception_crop", "resmall_crop", "resize_crop", "resize")
+# resmall_crop / resize_crop: the image is resized to this multiple of img_size before the random
+# img_size crop (big_vision's transfer config: 448 for 384).
+RESIZE_RATIO = 448 / 384
 
 # A config field naming a local folder or file, or a URL: a relative local path is made absolute
 # when the config is read (on the driver), so that Ray's workers, in other working directories,
@@ -47,8 +63,21 @@ class DataConfig(BaseModel):
         "loader. A run's config records the number it resolved to.",
     )
     shuffle_buffer: int = Field(512, gt=0, description="Samples per shuffle window within a slot.")
+    crop: TrainCropKind = Field(
+        "inception_crop",
+        description="Training crop (big_vision's names): inception_crop (the paper's pre-training), resmall_crop "
+        "(shorter side resized to resize_ratio x the resolution, then a random crop: the authors' choice for CIFAR), "
+        "resize_crop (both sides resized so, then a random crop), resize (the whole image, no crop: for labels a "
+        "crop would change).",
+    )
     min_crop_area: float = Field(
         0.05, gt=0, le=1, description="Smallest inception crop, as a fraction of the image (the paper: 0.05)."
+    )
+    resize_ratio: float = Field(
+        RESIZE_RATIO,
+        ge=1,
+        description="resmall_crop / resize_crop: how much larger than the resolution the image is resized before "
+        "the random crop (big_vision: 448 for 384).",
     )
     flip: bool = Field(True, description="Random horizontal flips in training.")
     decode: Literal["auto", "cpu", "gpu"] = Field(

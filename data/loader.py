@@ -38,6 +38,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_order
+from .config import RESIZE_RATIO, TRAIN_CROPS, TrainCropKind
 from .layout import LabelKind, read_split
 from .plan import ExtentTable, augment_seed, epoch_plan, rank_slots, window_offset
 from .shared_memory import BatchMemory, ChunkRing
@@ -64,7 +65,9 @@ class _Spec:
     shuffle_buffer: int
     img_size: int
     train: bool
+    crop: TrainCropKind
     min_crop_area: float
+    resize_ratio: float
     flip: bool
     label_kind: LabelKind
     num_classes: int
@@ -121,7 +124,13 @@ class _TrainStream(IterableDataset):
         if not local_slots:
             return
         transform = (  # PIL in, PIL out: decode_chunk copies the result straight into the chunk
-            train_augment(spec.img_size, min_crop_area=spec.min_crop_area, flip=spec.flip)
+            train_augment(
+                spec.img_size,
+                crop=spec.crop,
+                min_crop_area=spec.min_crop_area,
+                resize_ratio=spec.resize_ratio,
+                flip=spec.flip,
+            )
             if spec.train
             else eval_resize(spec.img_size)
         )
@@ -271,6 +280,8 @@ class ShardLoader:
         batch_size: samples per batch on this rank; a multiple of ``num_slots // world_size``.
         img_size: output resolution.
         train: random crop + flip (True) or resize + central crop (False).
+        crop, min_crop_area, resize_ratio, flip: the training crop and flip
+            (:class:`vitray.data.transforms.TrainCrop`; the inception crop by default).
         seed: the data seed (shard order, shuffle windows, augmentation).
         num_slots: canonical slots; fixed for a run (it bounds the world sizes usable on resume).
         num_workers: DataLoader worker processes reading and decoding (0: in this process).
@@ -306,7 +317,9 @@ class ShardLoader:
         shuffle_buffer: int = 512,
         storage_options: dict[str, Any] | None = None,
         float_images: bool = True,
+        crop: TrainCropKind = "inception_crop",
         min_crop_area: float = TRAIN_CROP_SCALE[0],
+        resize_ratio: float = RESIZE_RATIO,
         flip: bool = True,
         shard_cache: str | None = None,
         shard_cache_gb: float | None = None,
@@ -320,6 +333,10 @@ class ShardLoader:
             )
         if not 0 < min_crop_area <= 1:
             raise ValueError(f"min_crop_area must be in (0, 1], got {min_crop_area}")
+        if crop not in TRAIN_CROPS or resize_ratio < 1:
+            raise ValueError(
+                f"crop must be one of {', '.join(TRAIN_CROPS)} and resize_ratio at least 1; got {crop!r} and {resize_ratio}"
+            )
         if batch_size < 1 or batch_size % len(slots):
             raise ValueError(
                 f"batch_size={batch_size} must be a positive multiple of the rank's {len(slots)} slots "
@@ -345,7 +362,9 @@ class ShardLoader:
             shuffle_buffer=shuffle_buffer,
             img_size=img_size,
             train=train,
+            crop=crop,
             min_crop_area=min_crop_area,
+            resize_ratio=resize_ratio,
             flip=flip,
             label_kind=self.info.label_kind,
             num_classes=self.info.num_classes,

@@ -2,7 +2,12 @@
 
 - train: ``RandomResizedCrop(img_size, scale=(0.05, 1.0))`` (the "inception crop" of the ViT
   paper's pre-training) and a horizontal flip, as :class:`TrainCrop`: the same random draws and
-  the same crops as torchvision's ``v2.RandomResizedCrop`` + ``v2.RandomHorizontalFlip``. From
+  the same crops as torchvision's ``v2.RandomResizedCrop`` + ``v2.RandomHorizontalFlip``. The
+  other training crops of the authors' transfer configs (big_vision ``configs/transfer.py``) are
+  crop kinds of the same class (:data:`TRAIN_CROPS`): ``resmall_crop`` (``resize_small(448) |
+  random_crop(384)``), ``resize_crop`` (``resize(448) | random_crop(384)``) and ``resize`` (the
+  whole image, no crop: for tasks whose label a crop would change). Every kind is a box of the
+  source image resized to ``img_size``, so all of them take the same decode paths. From
   encoded bytes (:meth:`TrainCrop.from_bytes`, what the training loader runs) a JPEG is decoded
   at the smallest DCT scale (1/2, 1/4, 1/8: ``Image.draft``) at which the crop is still at least
   ``img_size`` pixels in each direction, so that large photos are not decoded whole only to be
@@ -41,6 +46,7 @@ from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
+from .config import RESIZE_RATIO, TRAIN_CROPS, TrainCropKind
 from .layout import LabelKind
 
 try:  # the compiled region decoder (setup.py); optional: without it whole images are decoded
@@ -68,15 +74,26 @@ class CorruptSample(Exception):
 
 
 class TrainCrop:
-    """The inception crop and flip: PIL image (or encoded bytes) -> ``img_size`` square.
+    """A training crop and flip: PIL image (or encoded bytes) -> ``img_size`` square.
 
-    Called on a PIL image, it draws from torch's default generator exactly as torchvision's
-    ``Compose([RandomResizedCrop(img_size, scale=(min_crop_area, 1)), RandomHorizontalFlip()])``
-    does and gives the same PIL image. :meth:`from_bytes`, what the loaders use, draws the same
-    numbers from a generator seeded with the sample's seed (the same crop and flip), takes the
-    image size from the header, and decodes a JPEG at the smallest DCT scale that keeps the crop
-    at least ``img_size`` wide and high, mapping the crop box into the reduced image; where no
-    reduction applies it decodes only the crop's region. Its pixels are within one level of the
+    ``crop`` says which crop (:data:`TRAIN_CROPS`):
+
+    - ``inception_crop``: called on a PIL image, it draws from torch's default generator exactly as
+      torchvision's ``Compose([RandomResizedCrop(img_size, scale=(min_crop_area, 1)),
+      RandomHorizontalFlip()])`` does and gives the same PIL image;
+    - ``resmall_crop``: big_vision's ``resize_small(r * img_size) | random_crop(img_size)`` with
+      ``r = resize_ratio``, made as the square box of side ``min(width, height) / r`` of the source
+      image at a uniformly drawn offset, resized to ``img_size`` (the same pixels up to the order of
+      resampling; offsets are whole source pixels);
+    - ``resize_crop``: ``resize(r * img_size) | random_crop(img_size)``: the box of ``width / r x
+      height / r`` at a uniformly drawn offset, squashed to the square;
+    - ``resize``: the whole image squashed to the square, no crop.
+
+    The flip's coin comes last, after the box's draws. :meth:`from_bytes`, what the loaders use,
+    draws the same numbers from a generator seeded with the sample's seed (the same crop and flip),
+    takes the image size from the header, and decodes a JPEG at the smallest DCT scale that keeps
+    the crop at least ``img_size`` wide and high, mapping the crop box into the reduced image; where
+    no reduction applies it decodes only the crop's region. Its pixels are within one level of the
     PIL path when no reduction applies (every crop smaller than twice ``img_size``) and close to it
     otherwise.
     """
@@ -84,16 +101,40 @@ class TrainCrop:
     RATIO = (3.0 / 4.0, 4.0 / 3.0)
     DRAFT_SCALES = (8, 4, 2)  # the reductions libjpeg decodes to directly
 
-    def __init__(self, img_size: int, *, min_crop_area: float = TRAIN_CROP_SCALE[0], flip: bool = True) -> None:
-        self.size, self.area_scale, self.flip = img_size, (min_crop_area, 1.0), flip
+    def __init__(
+        self,
+        img_size: int,
+        *,
+        crop: TrainCropKind = "inception_crop",
+        min_crop_area: float = TRAIN_CROP_SCALE[0],
+        resize_ratio: float = RESIZE_RATIO,
+        flip: bool = True,
+    ) -> None:
+        if crop not in TRAIN_CROPS:
+            raise ValueError(f"crop must be one of {', '.join(TRAIN_CROPS)}; got {crop!r}")
+        if resize_ratio < 1:
+            raise ValueError(
+                f"resize_ratio must be at least 1 (the crop is taken from a larger image), got {resize_ratio}"
+            )
+        self.size, self.crop, self.area_scale, self.flip = img_size, crop, (min_crop_area, 1.0), flip
+        self.resize_ratio = resize_ratio
         # float32, as torchvision keeps them: the draws below then see the very same bounds
         self._log_ratio = [float(v) for v in torch.log(torch.tensor(self.RATIO))]
 
     def params(
         self, width: int, height: int, generator: torch.Generator | None = None
     ) -> tuple[int, int, int, int, bool]:
-        """(top, left, crop height, crop width, flip) for a ``width x height`` image: torchvision's
-        ``RandomResizedCrop.make_params`` and the flip's coin, drawn in the same order."""
+        """(top, left, crop height, crop width, flip) for a ``width x height`` image: for the
+        inception crop torchvision's ``RandomResizedCrop.make_params`` and the flip's coin, drawn in
+        the same order."""
+        if self.crop == "inception_crop":
+            top, left, h, w = self._inception_box(width, height, generator)
+        else:
+            top, left, h, w = self._resized_crop_box(width, height, generator)
+        flip = self.flip and bool(torch.rand(1, generator=generator).item() < 0.5)
+        return top, left, h, w, flip
+
+    def _inception_box(self, width: int, height: int, generator: torch.Generator | None) -> tuple[int, int, int, int]:
         area = height * width
         for _ in range(10):
             target_area = area * torch.empty(1).uniform_(*self.area_scale, generator=generator).item()
@@ -103,18 +144,31 @@ class TrainCrop:
             if 0 < w <= width and 0 < h <= height:
                 top = int(torch.randint(0, height - h + 1, size=(1,), generator=generator).item())
                 left = int(torch.randint(0, width - w + 1, size=(1,), generator=generator).item())
-                break
-        else:  # torchvision's fallback: a central crop at the nearest allowed aspect ratio
-            in_ratio = float(width) / float(height)
-            if in_ratio < min(self.RATIO):
-                w, h = width, round(width / min(self.RATIO))
-            elif in_ratio > max(self.RATIO):
-                w, h = round(height * max(self.RATIO)), height
-            else:
-                w, h = width, height
-            top, left = (height - h) // 2, (width - w) // 2
-        flip = self.flip and bool(torch.rand(1, generator=generator).item() < 0.5)
-        return top, left, h, w, flip
+                return top, left, h, w
+        # torchvision's fallback: a central crop at the nearest allowed aspect ratio
+        in_ratio = float(width) / float(height)
+        if in_ratio < min(self.RATIO):
+            w, h = width, round(width / min(self.RATIO))
+        elif in_ratio > max(self.RATIO):
+            w, h = round(height * max(self.RATIO)), height
+        else:
+            w, h = width, height
+        return (height - h) // 2, (width - w) // 2, h, w
+
+    def _resized_crop_box(
+        self, width: int, height: int, generator: torch.Generator | None
+    ) -> tuple[int, int, int, int]:
+        """The box of the source image that the ``img_size`` crop of the resized image covers."""
+        if self.crop == "resize":
+            return 0, 0, height, width
+        if self.crop == "resmall_crop":  # the shorter side to r * img_size: the crop is a square of the source
+            h = w = min(width, height) / self.resize_ratio
+        else:  # resize_crop: both sides to r * img_size
+            h, w = height / self.resize_ratio, width / self.resize_ratio
+        h, w = max(1, min(height, round(h))), max(1, min(width, round(w)))
+        top = int(torch.randint(0, height - h + 1, size=(1,), generator=generator).item())
+        left = int(torch.randint(0, width - w + 1, size=(1,), generator=generator).item())
+        return top, left, h, w
 
     def device_box(self, data: bytes, seed: int | None) -> tuple[int, int, int, int, bool] | None:
         """The crop (top, left, height, width, flip) that :meth:`from_bytes` takes from ``data``,
@@ -195,19 +249,28 @@ class TrainCrop:
         return crop.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else crop
 
 
-def train_augment(img_size: int, *, min_crop_area: float = TRAIN_CROP_SCALE[0], flip: bool = True) -> TrainCrop:
-    """PIL image -> PIL image ``img_size x img_size``: inception crop and flip (:class:`TrainCrop`;
+def train_augment(
+    img_size: int,
+    *,
+    crop: TrainCropKind = "inception_crop",
+    min_crop_area: float = TRAIN_CROP_SCALE[0],
+    resize_ratio: float = RESIZE_RATIO,
+    flip: bool = True,
+) -> TrainCrop:
+    """PIL image -> PIL image ``img_size x img_size``: the training crop and flip (:class:`TrainCrop`;
     its ``from_bytes`` decodes and crops in one, which the loaders use).
 
-    ``min_crop_area`` is the smallest crop as a fraction of the image (the paper's 5%; tiny images
-    such as the 8x8 digits need larger crops to keep their label).
+    ``min_crop_area`` is the inception crop's smallest crop as a fraction of the image (the paper's
+    5%; tiny images such as the 8x8 digits need larger crops to keep their label); ``resize_ratio``
+    how much larger than ``img_size`` the image is resized before a ``resmall_crop`` or ``resize_crop``.
     """
-    return TrainCrop(img_size, min_crop_area=min_crop_area, flip=flip)
+    return TrainCrop(img_size, crop=crop, min_crop_area=min_crop_area, resize_ratio=resize_ratio, flip=flip)
 
 
-def train_transform(img_size: int, *, min_crop_area: float = TRAIN_CROP_SCALE[0], flip: bool = True) -> Transform:
-    """PIL image -> uint8 tensor ``(3, img_size, img_size)``: :func:`train_augment`, then to a tensor."""
-    return v2.Compose([train_augment(img_size, min_crop_area=min_crop_area, flip=flip), v2.PILToTensor()])
+def train_transform(img_size: int, **augment: Any) -> Transform:
+    """PIL image -> uint8 tensor ``(3, img_size, img_size)``: :func:`train_augment` (its keyword
+    arguments: crop, min_crop_area, resize_ratio, flip), then to a tensor."""
+    return v2.Compose([train_augment(img_size, **augment), v2.PILToTensor()])
 
 
 def eval_resize(img_size: int, resize: EvalResize = "aspect") -> Augment:

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from vitray.data.config import StoragePath
+from vitray.data.config import StoragePath, TrainCropKind
 from vitray.data.splits import parse_split
 from vitray.evaluation.fewshot import DEFAULT_L2_REG
 from vitray.evaluation.suite import BENCHMARKS, Benchmark, benchmarks_in_group, group_names
@@ -75,6 +75,15 @@ class FinetuneGrid(_Section):
     batch_size: int | None = Field(None, gt=0, description="Global batch; the protocol's (512) when unset.")
     warmup_steps: int | None = Field(None, ge=0, description="Linear warm-up steps; the protocol's when unset.")
     resolution: int | None = Field(None, gt=0, description="Fine-tuning resolution (position embeddings resampled).")
+    crop: TrainCropKind | None = Field(
+        None,
+        description="Training crop (inception_crop, resmall_crop, resize_crop, resize; see data.crop); the "
+        "benchmark's when unset (e.g. CIFAR: resmall_crop).",
+    )
+    min_crop_area: float | None = Field(
+        None, gt=0, le=1, description="The inception crop's smallest area; the benchmark's (0.05) when unset."
+    )
+    flip: bool | None = Field(None, description="Random horizontal flips in training; the benchmark's when unset.")
     train_split: str | None = Field(
         None, description="Split (slice) each learning rate trains on; the protocol's (e.g. train[:98%]) when unset."
     )

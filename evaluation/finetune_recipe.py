@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from vitray.data.config import TrainCropKind
 from vitray.data.plan import default_num_slots
 from vitray.evaluation.config import FinetuneGrid
 from vitray.evaluation.grid import TRAIN_SPLIT, VAL_SPLIT, is_selection
@@ -58,6 +59,9 @@ class FinetuneRecipe(BaseModel):
     micro_batch_size: int = Field(gt=0)
     warmup_steps: int = Field(ge=0)
     resolution: int = Field(gt=0)
+    crop: TrainCropKind = Field("inception_crop", description="The training crop (`data.crop`).")
+    min_crop_area: float = Field(0.05, gt=0, le=1, description="The inception crop's smallest area.")
+    flip: bool = Field(True, description="Random horizontal flips in training.")
     num_slots: int = Field(gt=0)
     checkpoint_every: int = Field(gt=0)
     eval_batch_size: int = Field(gt=0)
@@ -90,7 +94,8 @@ class FinetuneRecipe(BaseModel):
         storage_options: dict[str, Any] | None = None,
     ) -> FinetuneRecipe:
         """The recipe of a cell with resolved `settings` (lr, steps, batch_size, warmup_steps,
-        resolution, train_split and -- for a selection cell -- val_split). The run trains on
+        resolution, crop, flip, min_crop_area, train_split and -- for a selection cell -- val_split;
+        a crop or flip not in them is the benchmark's). The run trains on
         `train_split` of the benchmark's train data and reports top-1 on `val_split` of the same data
         and on the benchmark's test split (`test`, `test_split`), or, without `val_split` (a final
         run), on the test split alone. `options` is the grid's fine-tune section (workers, micro
@@ -106,6 +111,7 @@ class FinetuneRecipe(BaseModel):
         else:
             val, val_split = test, test_split
         held_out = (val, val_split) != (test, test_split)  # scored on the test split by a second evaluator
+        preprocess = benchmark.finetune.preprocess
         return cls(
             checkpoint=checkpoint,
             model=dict(model),
@@ -124,6 +130,9 @@ class FinetuneRecipe(BaseModel):
             micro_batch_size=micro,
             warmup_steps=int(settings["warmup_steps"]),
             resolution=int(settings["resolution"]),
+            crop=settings.get("crop", preprocess.crop),
+            min_crop_area=float(settings.get("min_crop_area", preprocess.min_crop_area)),
+            flip=bool(settings.get("flip", preprocess.flip)),
             num_slots=default_num_slots(workers, micro, STREAMS_PER_WORKER),
             checkpoint_every=options.checkpoint_every or max(1, steps // 4),
             eval_batch_size=options.eval_batch_size,
@@ -161,6 +170,9 @@ class FinetuneRecipe(BaseModel):
                 "val_split": self.val_split,
                 "num_slots": self.num_slots,
                 "storage_options": self.storage_options,
+                "crop": self.crop,
+                "min_crop_area": self.min_crop_area,
+                "flip": self.flip,
             },
             "train": {
                 "steps": self.steps,

@@ -61,7 +61,8 @@ class FewShotGroup:
 
 @dataclass(frozen=True)
 class FinetuneJob:
-    """One fine-tune cell: `cell.settings` holds lr, steps, batch_size, warmup_steps, resolution."""
+    """One fine-tune cell: `cell.settings` holds lr, steps, batch_size, warmup_steps, resolution,
+    crop, flip (and, with the inception crop, min_crop_area)."""
 
     checkpoint: CheckpointRef
     benchmark: Benchmark
@@ -150,6 +151,18 @@ def finetune_splits(benchmark: Benchmark, grid: FinetuneGrid) -> tuple[str, str,
     )
 
 
+def train_preprocess(benchmark: Benchmark, grid: FinetuneGrid) -> dict[str, Any]:
+    """The training crop and flip of a fine-tune cell: the grid's where set, else the benchmark's
+    (:class:`~vitray.evaluation.suite.TrainPreprocess`); the smallest crop area only with the
+    inception crop, the one crop that has it."""
+    protocol = benchmark.finetune.preprocess
+    crop = grid.crop or protocol.crop
+    settings: dict[str, Any] = {"crop": crop, "flip": protocol.flip if grid.flip is None else bool(grid.flip)}
+    if crop == "inception_crop":
+        settings["min_crop_area"] = float(grid.min_crop_area or protocol.min_crop_area)
+    return settings
+
+
 def is_selection(settings: Mapping[str, Any]) -> bool:
     """A selection cell is scored on a held-out split (`val_split`); a final run only on the test split."""
     return VAL_SPLIT in settings
@@ -177,6 +190,7 @@ def finetune_settings(benchmark: Benchmark, grid: FinetuneGrid) -> list[dict[str
         # The schedule clips warm-up to the run anyway; clipping here keeps the label truthful.
         "warmup_steps": int(min(warmup, steps)),
         "resolution": int(grid.resolution or protocol.resolution),
+        **train_preprocess(benchmark, grid),
     }
     lrs = grid.learning_rates or protocol.learning_rates
     train, val, final = finetune_splits(benchmark, grid)

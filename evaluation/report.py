@@ -30,10 +30,11 @@ from rich.markup import escape
 from rich.table import Table as RichTable
 
 from vitray.common.failures import describe_failure
+from vitray.data.transforms import EVAL_CROP_FRACTION
 from vitray.evaluation.grid import METRIC, VAL_METRIC, VAL_SPLIT
 from vitray.evaluation.results import ResultsTable
 from vitray.evaluation.selection import selected_finetune
-from vitray.evaluation.suite import BENCHMARKS, VTAB_GROUPS
+from vitray.evaluation.suite import BENCHMARKS, VTAB_GROUPS, TrainPreprocess
 
 GROUP_KEYS = ["checkpoint", "step", "benchmark", "method", "settings", "metric"]
 SUMMARY_COLUMNS = [*GROUP_KEYS, "label", "run", "mean", "std", "seeds", "lr"]
@@ -76,14 +77,29 @@ def as_frame(table: ResultsTable | pa.Table | pd.DataFrame) -> pd.DataFrame:
 
 
 def setting_label(method: str, settings: str | dict[str, Any]) -> str:
-    """Short human label of a cell's settings, e.g. "10-shot" or "finetune lr=0.01 steps=2500"."""
+    """Short human label of a cell's settings, e.g. "10-shot img_size=224 l2_reg=1024.0
+    pp=resize(256)|central_crop(224)" or "finetune lr=0.01 steps=2500 pp=resmall_crop|flip_lr"."""
     values = json.loads(settings) if isinstance(settings, str) else dict(settings)
+    preprocess = preprocess_label(method, values)
     shots = values.pop("shots", None)
     head = f"{shots}-shot" if method == "fewshot" and shots is not None else method
     if shots is not None and method != "fewshot":
         values["shots"] = shots
-    rest = " ".join(f"{k}={values[k]}" for k in sorted(values))
+    rest = " ".join([f"{k}={values[k]}" for k in sorted(values)] + [preprocess] * bool(preprocess))
     return f"{head} {rest}".strip()
+
+
+def preprocess_label(method: str, values: dict[str, Any]) -> str:
+    """How a cell's images were made, in big_vision's spelling, taking the settings it names out of
+    `values`: a few-shot probe's (the authors' few-shot resize and central crop at its resolution)
+    or a fine-tune run's training crop and flip ("" for results written before cells recorded it)."""
+    if method == "fewshot" and "img_size" in values:
+        size = int(values["img_size"])
+        return f"pp=resize({round(size / EVAL_CROP_FRACTION)})|central_crop({size})"
+    if "crop" not in values:
+        return ""
+    crop, flip, area = values.pop("crop"), values.pop("flip", True), values.pop("min_crop_area", 0.05)
+    return "pp=" + TrainPreprocess(crop, float(area), bool(flip)).describe()
 
 
 def summarize(table: ResultsTable | pa.Table | pd.DataFrame, metric: str | None = None) -> pd.DataFrame:
@@ -171,7 +187,9 @@ def _sweep_label(common: dict[str, Any], row: Any, swept: bool) -> str:
     """ "finetune lr of 0.01/0.03 best on train[90%:], trained on train[:90%] steps=..." (the chosen lr
     has a column of its own, so that sweeps of every task share one label), or, without a sweep,
     "finetune lr=0.01 on train[:1000] steps=..."."""
-    rest = " ".join(f"{k}={common[k]}" for k in sorted(common))
+    common = dict(common)
+    preprocess = preprocess_label("finetune", common)
+    rest = " ".join([f"{k}={common[k]}" for k in sorted(common)] + [preprocess] * bool(preprocess))
     if not swept:
         head = f"finetune lr={row['lr']:g}" + (f" on {row['train_split']}" if row["train_split"] else "")
     else:

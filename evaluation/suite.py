@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from vitray.data import storage
+from vitray.data.config import TrainCropKind
 from vitray.data.layout import DatasetInfo, read_dataset_info
 from vitray.data.sources.vtab import VTAB_TASKS
 
@@ -42,6 +43,30 @@ class FewShotProtocol:
 
 
 @dataclass(frozen=True)
+class TrainPreprocess:
+    """How a fine-tune run crops and flips its training images: big_vision's `pp_train` of the task
+    (`configs/transfer.py`: `inception_crop`, `resmall_crop` or `resize_crop`, then `flip_lr` unless
+    the task rules it out), as `data.crop` / `data.min_crop_area` / `data.flip` of the run
+    (:class:`vitray.data.transforms.TrainCrop`). `resize` takes no crop at all: for labels that a
+    crop would change (a position, a count, a distance read from apparent size)."""
+
+    crop: TrainCropKind = "inception_crop"
+    min_crop_area: float = 0.05  # the inception crop's smallest area (the authors': 5%)
+    flip: bool = True
+
+    def describe(self) -> str:
+        """big_vision's spelling, e.g. "inception_crop(0.05)|flip_lr" or "resize"."""
+        crop = f"inception_crop({self.min_crop_area:g})" if self.crop == "inception_crop" else self.crop
+        return crop + ("|flip_lr" if self.flip else "")
+
+
+# The crops of the authors' transfer config: ImageNet, Pets and Flowers-102 take the inception
+# crop, CIFAR the resize-small + random crop it reports as the better choice there.
+INCEPTION = TrainPreprocess("inception_crop")
+RESMALL = TrainPreprocess("resmall_crop")
+
+
+@dataclass(frozen=True)
 class FinetuneProtocol:
     """Fine-tuning settings: SGD momentum 0.9, cosine decay, no weight decay, grad clip 1.
 
@@ -55,6 +80,7 @@ class FinetuneProtocol:
     nothing to select, and only that final run is made.
     Warm-up steps are not given by the paper for every task: 500 (ImageNet, CIFAR) and 100 (Pets,
     Flowers) follow the authors' configs, 200 for VTAB's 2500 steps is vitray's choice.
+    `preprocess` is the task's training crop and flip (:class:`TrainPreprocess`).
     """
 
     steps: int
@@ -65,6 +91,7 @@ class FinetuneProtocol:
     train_split: str = "train[:98%]"
     val_split: str = "train[98%:]"
     final_train_split: str | None = None
+    preprocess: TrainPreprocess = INCEPTION
 
 
 @dataclass(frozen=True)
@@ -121,9 +148,12 @@ def _paper(
     warmup: int,
     val_percent: int,
     test_split: str = "test",
+    preprocess: TrainPreprocess = INCEPTION,
     **kw: Any,
 ) -> Benchmark:
-    finetune = FinetuneProtocol(steps=steps, learning_rates=lrs, warmup_steps=warmup, **_held_out(val_percent))
+    finetune = FinetuneProtocol(
+        steps=steps, learning_rates=lrs, warmup_steps=warmup, preprocess=preprocess, **_held_out(val_percent)
+    )
     return Benchmark(
         name=name,
         title=title,
@@ -149,31 +179,53 @@ _VTAB_FINETUNE = FinetuneProtocol(
     val_split="train[800:1000]",
     final_train_split="train[:1000]",
 )
-# name, title, classes, group, TFDS source VTAB uses (for the notes)
+# VTAB-1k's training crops follow BiT's rule, which the ViT paper's VTAB protocol comes from
+# (Kolesnikov et al. 2020, sec. 3.3): the image resized to a square, a random crop of it and a
+# random flip, except that no random crop or flip is made "for tasks where those actions destroy
+# the label semantics, such as when predicting object orientations or coordinates in pixel space".
+RESIZE_CROP = TrainPreprocess("resize_crop")
+# The label is a mirror-sensitive shape (SVHN's digits): the crop stays, the flip goes.
+RESIZE_CROP_NO_FLIP = TrainPreprocess("resize_crop", flip=False)
+# The label is a count, a distance or depth read from apparent size, or a position (CLEVR, DMLab,
+# KITTI, dSprites location, smallNORB elevation): a crop can cut objects out or change their size
+# and place, so the whole image is taken. A mirror keeps counts, distances and elevation.
+WHOLE = TrainPreprocess("resize")
+# ... and where the label is a left-right position or an orientation (dSprites location and
+# orientation, smallNORB azimuth), a mirror changes it too.
+WHOLE_NO_FLIP = TrainPreprocess("resize", flip=False)
+
+# name, title, classes, group, TFDS source VTAB uses (for the notes), training crop and flip
 _VTAB_TASKS = (
-    ("caltech101", "Caltech101", 102, "natural", "caltech101"),
-    ("cifar100", "CIFAR-100", 100, "natural", "cifar100"),
-    ("dtd", "DTD", 47, "natural", "dtd"),
-    ("flowers102", "Oxford Flowers-102", 102, "natural", "oxford_flowers102"),
-    ("pets", "Oxford-IIIT Pets", 37, "natural", "oxford_iiit_pet"),
-    ("sun397", "SUN397", 397, "natural", "sun397"),
-    ("svhn", "SVHN", 10, "natural", "svhn_cropped"),
-    ("patch_camelyon", "Patch Camelyon", 2, "specialized", "patch_camelyon"),
-    ("eurosat", "EuroSAT", 10, "specialized", "eurosat"),
-    ("resisc45", "Resisc45", 45, "specialized", "resisc45"),
-    ("retinopathy", "Diabetic Retinopathy", 5, "specialized", "diabetic_retinopathy_detection/btgraham-300"),
-    ("clevr_count", "CLEVR count", 8, "structured", "clevr (count_all: 3..10 objects)"),
-    ("clevr_dist", "CLEVR distance", 6, "structured", "clevr (closest_object_distance)"),
-    ("dmlab", "DMLab", 6, "structured", "dmlab"),
-    ("dsprites_loc", "dSprites location", 16, "structured", "dsprites (label_x_position, 16 bins)"),
-    ("dsprites_ori", "dSprites orientation", 16, "structured", "dsprites (label_orientation, 16 bins)"),
-    ("kitti_dist", "KITTI distance", 4, "structured", "kitti (closest_vehicle_distance)"),
-    ("smallnorb_azimuth", "smallNORB azimuth", 18, "structured", "smallnorb (label_azimuth)"),
-    ("smallnorb_elevation", "smallNORB elevation", 9, "structured", "smallnorb (label_elevation)"),
+    ("caltech101", "Caltech101", 102, "natural", "caltech101", RESIZE_CROP),
+    ("cifar100", "CIFAR-100", 100, "natural", "cifar100", RESIZE_CROP),
+    ("dtd", "DTD", 47, "natural", "dtd", RESIZE_CROP),
+    ("flowers102", "Oxford Flowers-102", 102, "natural", "oxford_flowers102", RESIZE_CROP),
+    ("pets", "Oxford-IIIT Pets", 37, "natural", "oxford_iiit_pet", RESIZE_CROP),
+    ("sun397", "SUN397", 397, "natural", "sun397", RESIZE_CROP),
+    ("svhn", "SVHN", 10, "natural", "svhn_cropped", RESIZE_CROP_NO_FLIP),
+    ("patch_camelyon", "Patch Camelyon", 2, "specialized", "patch_camelyon", RESIZE_CROP),
+    ("eurosat", "EuroSAT", 10, "specialized", "eurosat", RESIZE_CROP),
+    ("resisc45", "Resisc45", 45, "specialized", "resisc45", RESIZE_CROP),
+    (
+        "retinopathy",
+        "Diabetic Retinopathy",
+        5,
+        "specialized",
+        "diabetic_retinopathy_detection/btgraham-300",
+        RESIZE_CROP,
+    ),
+    ("clevr_count", "CLEVR count", 8, "structured", "clevr (count_all: 3..10 objects)", WHOLE),
+    ("clevr_dist", "CLEVR distance", 6, "structured", "clevr (closest_object_distance)", WHOLE),
+    ("dmlab", "DMLab", 6, "structured", "dmlab", WHOLE),
+    ("dsprites_loc", "dSprites location", 16, "structured", "dsprites (label_x_position, 16 bins)", WHOLE_NO_FLIP),
+    ("dsprites_ori", "dSprites orientation", 16, "structured", "dsprites (label_orientation, 16 bins)", WHOLE_NO_FLIP),
+    ("kitti_dist", "KITTI distance", 4, "structured", "kitti (closest_vehicle_distance)", WHOLE),
+    ("smallnorb_azimuth", "smallNORB azimuth", 18, "structured", "smallnorb (label_azimuth)", WHOLE_NO_FLIP),
+    ("smallnorb_elevation", "smallNORB elevation", 9, "structured", "smallnorb (label_elevation)", WHOLE),
 )
 
 
-def _vtab(name: str, title: str, num_classes: int, group: str, tfds: str) -> Benchmark:
+def _vtab(name: str, title: str, num_classes: int, group: str, tfds: str, preprocess: TrainPreprocess) -> Benchmark:
     dataset = f"vtab_{name}"
     task = VTAB_TASKS[name]
     build = f"/path/to/tensorflow_datasets/{task.tfds_name}/{task.tfds_config + '/' if task.tfds_config else ''}VERSION"
@@ -185,7 +237,7 @@ def _vtab(name: str, title: str, num_classes: int, group: str, tfds: str) -> Ben
         train_split="train",
         test_split="test",
         prepare_source=f"vtab:{name}:{build}",
-        finetune=_VTAB_FINETUNE,
+        finetune=replace(_VTAB_FINETUNE, preprocess=preprocess),
         groups=("vtab", f"vtab/{group}"),
         notes=(
             f"VTAB-1k task from TFDS {tfds}: split `train` holds exactly the 1000 train800val200 "
@@ -224,9 +276,27 @@ def _build_registry() -> dict[str, Benchmark]:
             train_prepare_source=IMAGENET_SOURCE,
             notes="ImageNet validation images with the ReaL label sets (multi-label); trains on ImageNet",
         ),
-        _paper("cifar10", "CIFAR-10", 10, "cifar10:/path/to/cifar-10-binary.tar.gz", 10_000, SMALL_DATASET_LRS, 500, 2),
         _paper(
-            "cifar100", "CIFAR-100", 100, "cifar100:/path/to/cifar-100-binary.tar.gz", 10_000, SMALL_DATASET_LRS, 500, 2
+            "cifar10",
+            "CIFAR-10",
+            10,
+            "cifar10:/path/to/cifar-10-binary.tar.gz",
+            10_000,
+            SMALL_DATASET_LRS,
+            500,
+            2,
+            preprocess=RESMALL,
+        ),
+        _paper(
+            "cifar100",
+            "CIFAR-100",
+            100,
+            "cifar100:/path/to/cifar-100-binary.tar.gz",
+            10_000,
+            SMALL_DATASET_LRS,
+            500,
+            2,
+            preprocess=RESMALL,
         ),
         _paper(
             "pets",

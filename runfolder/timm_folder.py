@@ -17,8 +17,32 @@ from vitray.models import to_timm_state_dict
 
 FILES = ("config.json", "model.safetensors")
 # Plain ViTs: timm builds the same VisionTransformer for any of its plain names once the sizes
-# are given; this one is only the constructor's name.
+# are given, so the name only has to be registered; it is the one of the model's own family (size,
+# patch and resolution where timm has them), so that a reader of config.json sees what it holds.
 PLAIN_ARCHITECTURE = "vit_base_patch16_224"
+TIMM_FAMILIES = {"Ti": "tiny", "S": "small", "B": "base", "L": "large", "H": "huge", "g": "giant"}
+# timm's registered plain ViT names (every timm release since 0.9 has them).
+TIMM_PLAIN_NAMES = (
+    "vit_tiny_patch16_224",
+    "vit_tiny_patch16_384",
+    "vit_small_patch16_224",
+    "vit_small_patch16_384",
+    "vit_small_patch32_224",
+    "vit_small_patch32_384",
+    "vit_small_patch8_224",
+    "vit_base_patch16_224",
+    "vit_base_patch16_384",
+    "vit_base_patch32_224",
+    "vit_base_patch32_384",
+    "vit_base_patch8_224",
+    "vit_large_patch16_224",
+    "vit_large_patch16_384",
+    "vit_large_patch32_224",
+    "vit_large_patch32_384",
+    "vit_large_patch14_224",
+    "vit_huge_patch14_224",
+    "vit_giant_patch14_224",
+)
 # vitray hybrid -> timm architecture with the same ResNet stages (the rest is given explicitly).
 HYBRIDS = {
     "R26+S/32": "vit_small_r26_s32_224",
@@ -26,6 +50,18 @@ HYBRIDS = {
     "R50+B/16": "vit_base_r50_s16_224",
     "R50+L/32": "vit_large_r50_s32_224",
 }
+
+
+def plain_architecture(name: str, patch_size: int, img_size: int) -> str:
+    """The registered timm name closest to a plain vitray ViT: its family ("Ti/4" -> tiny), patch
+    and resolution where timm registers them, else the family's first name (the sizes in
+    `model_args` make it the model either way)."""
+    family = TIMM_FAMILIES.get(name.split("/", 1)[0])
+    if family is None:
+        return PLAIN_ARCHITECTURE
+    wanted = (f"vit_{family}_patch{patch_size}_{img_size}", f"vit_{family}_patch{patch_size}_224")
+    same_family = [n for n in TIMM_PLAIN_NAMES if n.startswith(f"vit_{family}_")]
+    return next((n for n in wanted if n in TIMM_PLAIN_NAMES), same_family[0])
 
 
 def timm_config(model) -> dict:
@@ -50,7 +86,7 @@ def timm_config(model) -> dict:
         model_args["patch_size"] = model.patch_size
     first_conv = "patch_embed.proj" if model.stem is None else "patch_embed.backbone.stem.conv"
     return {
-        "architecture": HYBRIDS.get(model.name, PLAIN_ARCHITECTURE),
+        "architecture": HYBRIDS.get(model.name) or plain_architecture(model.name, model.patch_size, model.img_size),
         "num_classes": model.num_classes,
         "num_features": model.width,
         "global_pool": model_args["global_pool"],

@@ -767,6 +767,95 @@ def test_train_crop_from_bytes_matches_the_pil_path_and_decodes_large_crops_redu
     assert [train_crop.draft_scale(w, h) for w, h in [(127, 500), (128, 128), (300, 260), (600, 520)]] == [1, 2, 4, 8]
 
 
+def _smooth_image(width: int, height: int) -> Image.Image:
+    ys, xs = np.mgrid[0:height, 0:width]
+    pixels = np.stack([xs * 255 // width, ys * 255 // height, (xs + ys) * 255 // (width + height)], axis=-1)
+    return Image.fromarray(pixels.astype(np.uint8))
+
+
+@pytest.mark.parametrize("kind", ["resmall_crop", "resize_crop"])
+def test_resized_random_crops_are_big_visions_resize_then_random_crop(kind):
+    """resmall_crop = resize_small(r * S) | random_crop(S); resize_crop = resize(r * S) | random_crop(S):
+    each seed's box of the source, resized to S, has the pixels of the resized image's S crop at the
+    same place, and the offsets spread over the whole range."""
+    size, ratio = 48, 448 / 384
+    train_crop = TrainCrop(size, crop=kind, flip=False)
+    for width, height in [(200, 150), (90, 160), (32, 32)]:
+        image = _smooth_image(width, height)
+        if kind == "resmall_crop":  # the shorter side to r * S, the aspect kept
+            scale = ratio * size / min(width, height)
+            resized_w, resized_h = round(width * scale), round(height * scale)
+        else:
+            resized_w = resized_h = round(ratio * size)
+        resized = np.asarray(image.resize((resized_w, resized_h), Image.Resampling.BILINEAR)).astype(int)
+        tops, lefts = set(), set()
+        for seed in range(60):
+            top, left, h, w, flip = train_crop.params(width, height, torch.Generator().manual_seed(seed))
+            assert not flip and 0 <= top <= height - h and 0 <= left <= width - w
+            assert (h, w) == (
+                (round(min(width, height) / ratio),) * 2
+                if kind == "resmall_crop"
+                else (round(height / ratio), round(width / ratio))
+            )
+            tops.add(top), lefts.add(left)
+            at_top = min(round(top * resized_h / height), resized_h - size)
+            at_left = min(round(left * resized_w / width), resized_w - size)
+            mine = np.asarray(image.resize((size, size), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h)))
+            theirs = resized[at_top : at_top + size, at_left : at_left + size]
+            # the same pixels to within the box's rounding to whole source pixels (< half a pixel:
+            # the test image's gradients change by up to 8 levels a source pixel at 32 px)
+            assert np.abs(mine.astype(int) - theirs).mean() < 5, (width, height, seed)
+            # The loaders' path: the same box from the sample's seed, torch's resize (edges differ
+            # from PIL's by a level or two where it enlarges)
+            loaders = train_crop.from_bytes(_png_bytes_of(image), seed).permute(1, 2, 0).numpy().astype(int)
+            assert np.abs(loaders - mine).max() <= 3 and np.abs(loaders - mine).mean() < 1
+        for offsets, room in ((tops, height - h), (lefts, width - w)):  # uniform over the whole range
+            assert max(offsets) <= room and max(offsets) - min(offsets) >= 0.8 * room, (width, height)
+
+
+def _png_bytes_of(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_resize_takes_the_whole_image_and_every_kind_flips_only_where_asked():
+    image = _smooth_image(120, 80)
+    whole = TrainCrop(32, crop="resize", flip=False)
+    expected = np.asarray(image.resize((32, 32), Image.Resampling.BILINEAR))
+    for seed in range(5):
+        assert whole.params(120, 80, torch.Generator().manual_seed(seed)) == (0, 0, 80, 120, False)
+        assert (whole.from_bytes(_png_bytes_of(image), seed).permute(1, 2, 0).numpy().astype(int) - expected).max() <= 1
+    for kind in ("inception_crop", "resmall_crop", "resize_crop", "resize"):
+        flips = [TrainCrop(32, crop=kind).params(120, 80, torch.Generator().manual_seed(s))[4] for s in range(40)]
+        assert 10 < sum(flips) < 30, kind  # a fair coin where flips are on
+        assert not any(TrainCrop(32, crop=kind, flip=False).params(120, 80)[4] for _ in range(10))
+    with pytest.raises(ValueError, match="crop must be one of inception_crop, resmall_crop, resize_crop, resize"):
+        TrainCrop(32, crop="center")
+    with pytest.raises(ValueError, match="resize_ratio must be at least 1"):
+        TrainCrop(32, crop="resmall_crop", resize_ratio=0.9)
+
+
+def test_the_loader_crops_as_its_crop_setting_says(digits_dataset):
+    """The setting reaches the decoding workers: `resize` without flips at the images' own 8 px
+    gives the stored pixels; the inception crop does not."""
+    stored = {}
+    for shard in sorted(digits_dataset.glob("train-*.tar")):
+        with tarfile.open(shard) as tar:
+            for member in tar.getmembers():
+                if member.name.endswith(".png"):
+                    image = decode_image(tar.extractfile(member).read())
+                    stored[member.name[: -len(".png")]] = torch.from_numpy(np.array(image)).permute(2, 0, 1)
+    whole = take(loader(digits_dataset, workers=1, crop="resize", flip=False, float_images=False), 2)
+    for batch in whole:
+        for key, pixels in zip(batch.keys, batch.images):
+            assert torch.equal(pixels, stored[key]), key
+    cropped = take(loader(digits_dataset, workers=1, float_images=False), 1)[0]
+    assert not all(torch.equal(p, stored[k]) for k, p in zip(cropped.keys, cropped.images))
+    with pytest.raises(ValueError, match="crop must be one of"):
+        loader(digits_dataset, crop="center")
+
+
 def test_train_crop_from_bytes_reports_undecodable_images():
     from vitray.data.transforms import CorruptSample
 

@@ -61,6 +61,20 @@ def test_timm_loads_the_exported_folder_with_the_same_logits(model, tmp_path):
     # timm's data config is vitray's input: [-1, 1] (mean = std = 0.5), the model's resolution.
     data = timm.data.resolve_data_config({}, model=loaded)
     assert data["input_size"] == (3, net.img_size, net.img_size) and data["mean"] == data["std"] == [0.5] * 3
+    # config.json names the model's own family (Ti/4: timm's tiny; it registers no patch 4)
+    architecture = json.loads((out / "config.json").read_text())["architecture"]
+    expected = {"Ti/4": "vit_tiny_patch16_224", "R26+S/32": "vit_small_r26_s32_224"}[net.name]
+    assert architecture == expected and architecture in timm.list_models()
+
+
+def test_the_timm_architecture_name_is_the_models_family_patch_and_resolution():
+    from vitray.runfolder.timm_folder import plain_architecture
+
+    assert plain_architecture("B/16", 16, 384) == "vit_base_patch16_384"
+    assert plain_architecture("S/8", 8, 224) == "vit_small_patch8_224"
+    assert plain_architecture("L/16", 16, 512) == "vit_large_patch16_224"  # timm has no 512
+    assert plain_architecture("H/14", 14, 224) == "vit_huge_patch14_224"
+    assert plain_architecture("Ti/4", 4, 16) == "vit_tiny_patch16_224"
 
 
 def test_onnx_export_gives_the_pytorch_logits_in_onnxruntime(checkpoint, tmp_path):

@@ -128,11 +128,13 @@ def test_checkpoints_load_their_ema_weights_when_they_have_them(tmp_path):
 
 
 # -- pre-processing and regularisation ------------------------------------------------------------
-def test_fine_tuning_uses_the_authors_inception_crop_and_resize_eval():
-    # vision_transformer vit_jax/input_pipeline.py: every fine-tuning dataset (CIFAR included)
-    # trains on sample_distorted_bounding_box(area_range=(0.05, 1)) + flip.
+@pytest.mark.parametrize("benchmark, crop", [("cifar10", "resmall_crop"), ("pets", "inception_crop")])
+def test_fine_tuning_crops_as_the_authors_transfer_config(benchmark, crop):
+    # big_vision configs/transfer.py: resize_small(448)|random_crop(384) for CIFAR (reported better
+    # there than the inception crop that vision_transformer's input_pipeline.py used for every
+    # dataset), inception_crop (area from 5%) for ImageNet, Pets and Flowers; flip_lr on all of them.
     recipe = FinetuneRecipe.for_cell(
-        get_benchmark("cifar10"),
+        get_benchmark(benchmark),
         {"lr": 0.01, "steps": 10, "batch_size": 8, "warmup_steps": 1, "resolution": 384},
         checkpoint="/ckpt",
         model={"name": "B/16", "img_size": 224},
@@ -141,7 +143,8 @@ def test_fine_tuning_uses_the_authors_inception_crop_and_resize_eval():
         run_storage="/runs",
     ).config("val")
     cfg = TrainingConfig.model_validate({**recipe, "cluster": {**recipe["cluster"], "num_workers": 1}})
-    assert cfg.data.min_crop_area == TRAIN_CROP_SCALE[0] == 0.05 and cfg.data.flip is True
+    assert cfg.data.crop == crop and cfg.data.flip is True
+    assert cfg.data.min_crop_area == TRAIN_CROP_SCALE[0] == 0.05 and round(384 * cfg.data.resize_ratio) == 448
     assert cfg.train.label_smoothing == 0.0 and cfg.train.mixup_alpha == 0.0
 
 

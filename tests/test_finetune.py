@@ -122,6 +122,38 @@ def test_recipe_validates_for_any_worker_count(workers, micro, batch, tmp_path):
     assert cfg.train.micro_batch_size * workers * cfg.grad_accumulation == batch
 
 
+@pytest.mark.parametrize(
+    "benchmark, grid_settings, expected",
+    [
+        ("cifar10", {}, ("resmall_crop", True)),  # the benchmark's own
+        ("vtab/dsprites_ori", {}, ("resize", False)),
+        ("digits", {}, (get_benchmark("digits").finetune.preprocess.crop, False)),
+        ("cifar10", {"crop": "inception_crop", "min_crop_area": 0.3, "flip": False}, ("inception_crop", False)),
+    ],
+)
+def test_a_fine_tune_run_crops_and_flips_as_its_benchmark_or_the_grid_says(
+    benchmark, grid_settings, expected, tmp_path
+):
+    options = FinetuneGrid(**grid_settings)
+    settings = finetune_settings(get_benchmark(benchmark), options)[0]
+    recipe = FinetuneRecipe.for_cell(
+        get_benchmark(benchmark),
+        settings,
+        checkpoint="/ckpt",
+        model={"name": "Ti/16"},
+        data_root=str(tmp_path),
+        run_name="r",
+        run_storage=str(tmp_path),
+        options=options,
+    )
+    data = training_config(recipe).data
+    assert (data.crop, data.flip) == expected == (settings["crop"], settings["flip"])
+    # The cell's settings name them (its id changes with them); the area only with the inception crop.
+    assert ("min_crop_area" in settings) == (data.crop == "inception_crop")
+    if grid_settings:
+        assert settings["min_crop_area"] == data.min_crop_area == 0.3
+
+
 def test_recipe_overrides_are_validated_with_clear_errors(tmp_path):
     settings = finetune_settings(get_benchmark("digits"), FinetuneGrid())[0]
     recipe = FinetuneRecipe.for_cell(
@@ -178,6 +210,40 @@ def test_benchmark_form_builds_the_protocol_recipe(pretrained, digits_dataset, t
     # Validated on the held-out slice, it scores the test split in the same run (a second val evaluator).
     assert set(cfg["evals"]) == {VAL, TEST} and cfg["evals"][VAL].get("split") is None
     assert (cfg["evals"][TEST]["path"], cfg["evals"][TEST]["split"]) == (str(root / "digits"), "test")
+
+    # The benchmark's crop and flip, or the ones given.
+    assert (cfg["data"]["crop"], cfg["data"]["flip"]) == ("resize_crop", False)
+    chosen = subprocess.run(
+        [
+            *CLI,
+            "finetune",
+            pretrained,
+            "-b",
+            "digits",
+            "--data-root",
+            str(root),
+            "--crop",
+            "inception_crop",
+            "--flip",
+            "--storage",
+            str(tmp_path / "runs"),
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert chosen.returncode == 0, chosen.stderr
+    chosen_cfg = yaml.safe_load(chosen.stdout)
+    assert (chosen_cfg["data"]["crop"], chosen_cfg["data"]["flip"]) == ("inception_crop", True)
+    bad = subprocess.run(
+        [*CLI, "finetune", pretrained, "-b", "digits", "--data-root", str(root), "--crop", "center", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2
+    assert "--crop 'center': expected one of inception_crop, resmall_crop, resize_crop, resize" in bad.stderr
 
     missing = subprocess.run(
         [*CLI, "finetune", pretrained, "--benchmark", "cifar10", "--data-root", str(root), "--dry-run"],

@@ -101,6 +101,43 @@ def test_paper_benchmarks_follow_the_paper():
     assert get_benchmark("digits").groups == ("demo",)
 
 
+def _preprocess(name: str) -> tuple[str, float | None, bool]:
+    pp = get_benchmark(name).finetune.preprocess
+    return pp.crop, pp.min_crop_area if pp.crop == "inception_crop" else None, pp.flip
+
+
+def test_inception_crop_where_the_authors_take_it():
+    # big_vision configs/transfer.py: inception_crop for ImageNet, Pets and Flowers, area from 5%, flip_lr
+    for name in ("imagenet", "imagenet_real", "pets", "flowers102"):
+        assert _preprocess(name) == ("inception_crop", 0.05, True), name
+    assert get_benchmark("pets").finetune.preprocess.describe() == "inception_crop(0.05)|flip_lr"
+
+
+def test_resmall_crop_for_cifar_as_the_authors_report_it_better():
+    for name in ("cifar10", "cifar100"):
+        assert _preprocess(name) == ("resmall_crop", None, True), name
+    assert get_benchmark("cifar10").finetune.preprocess.describe() == "resmall_crop|flip_lr"
+
+
+def test_resize_crop_for_vtabs_natural_and_specialized_tasks_and_no_flip_for_svhn():
+    # BiT's rule for VTAB: a square resize, a random crop and a flip, unless they change the label
+    natural = ("caltech101", "cifar100", "dtd", "flowers102", "pets", "sun397")
+    for name in (*natural, "patch_camelyon", "eurosat", "resisc45", "retinopathy"):
+        assert _preprocess(f"vtab/{name}") == ("resize_crop", None, True), name
+    assert _preprocess("vtab/svhn") == ("resize_crop", None, False)  # digits are not mirror-symmetric
+
+
+def test_no_crop_where_the_label_is_a_count_distance_or_position_and_no_flip_where_a_mirror_changes_it():
+    for name in ("clevr_count", "clevr_dist", "dmlab", "kitti_dist", "smallnorb_elevation"):
+        assert _preprocess(f"vtab/{name}") == ("resize", None, True), name
+    for name in ("dsprites_loc", "dsprites_ori", "smallnorb_azimuth"):
+        assert _preprocess(f"vtab/{name}") == ("resize", None, False), name
+    assert get_benchmark("vtab/dsprites_loc").finetune.preprocess.describe() == "resize"
+    # Every benchmark is covered by the four tests above (and the digits one in test_finetune.py).
+    kinds = {b.finetune.preprocess.crop for b in benchmarks_in_group("all")}
+    assert kinds == {"inception_crop", "resmall_crop", "resize_crop", "resize"}
+
+
 def test_unknown_names_list_the_valid_ones():
     with pytest.raises(ValueError, match="unknown benchmark 'cifar-10'.*cifar10.*vtab/dtd.*digits"):
         get_benchmark("cifar-10")
@@ -513,3 +550,31 @@ def test_finetune_reports_the_test_top1_of_the_lr_best_on_val(tmp_path):
     print_table(table, console=console)
     printed = console.export_text()
     assert "train[800:1000]" in printed and "every learning rate" in printed and "0.6250" in printed
+
+
+def test_each_row_says_how_its_number_was_made(tmp_path):
+    """Fine-tune rows name their crop, flip, resolution, steps and lr; few-shot rows their resize and
+    crop. The cells are the grid's own (`plan_grid`), so the settings are what a run records."""
+    from vitray.evaluation.config import GridConfig
+    from vitray.evaluation.grid import CheckpointRef, plan_grid
+
+    grid = GridConfig(
+        data_root=str(tmp_path),
+        output=str(tmp_path / "eval"),
+        benchmarks=["cifar10", "vtab/dsprites_loc"],
+        fewshot={"shots": [10], "seeds": 1},
+        finetune={"learning_rates": [0.01], "steps": 100, "resolution": 64},
+    )
+    plan = plan_grid(grid, [CheckpointRef("runs/r/checkpoint_000010", 10, {"name": "Ti/16", "img_size": 32})])
+    table = ResultsTable(str(tmp_path / "results"))
+    for cell in plan.cells:
+        metrics = {"accuracy": 0.5} if cell.method == "fewshot" else {"val_accuracy": 0.6, "accuracy": 0.5}
+        table.append(cell.ok(metrics, 1.0))
+    labels = summarize(table).set_index(["benchmark", "method"])["label"]
+    cifar, dsprites = labels["cifar10", "finetune"], labels["vtab/dsprites_loc", "finetune"]
+    for part in ("lr of 0.01", "resolution=64", "steps=100", "pp=resmall_crop|flip_lr"):
+        assert part in cifar, cifar
+    assert dsprites.endswith("pp=resize") and "flip" not in dsprites and "steps=100" in dsprites
+    assert labels["cifar10", "fewshot"] == "10-shot img_size=32 l2_reg=1024.0 pp=resize(37)|central_crop(32)"
+    text = write_report(table, tmp_path / "report").markdown.read_text()
+    assert "pp=resmall_crop\\|flip_lr" in text or "pp=resmall_crop|flip_lr" in text

@@ -91,7 +91,9 @@ class TrainingLoop:
                 num_workers=cfg.data.num_workers,
                 shuffle_buffer=cfg.data.shuffle_buffer,
                 storage_options=cfg.data.storage_options,
+                crop=cfg.data.crop,
                 min_crop_area=cfg.data.min_crop_area,
+                resize_ratio=cfg.data.resize_ratio,
                 flip=cfg.data.flip,
                 float_images=False,  # uint8 crosses to the device; the objective converts it there
                 device_decode=decodes_on_device(cfg.data.decode, self.backend.device),
