@@ -47,6 +47,11 @@ def data_prepare(
     if existing is not None:
         console.print(f"{dest} is already prepared from {existing.source}; nothing to do (--overwrite redoes it)")
         return
+    if src.left_out:
+        console.print(
+            f"leaving out {plural(len(src.left_out), 'file')} that {'is' if len(src.left_out) == 1 else 'are'} not "
+            f"PNG/JPEG images, e.g. {sorted(src.left_out)[0]}"
+        )
     from vitray.cluster.prepare import prepare
 
     with handled((ValueError,)):  # bad images, or a destination that changed meanwhile

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import posixpath
 from typing import Annotated
 
 import typer
@@ -23,12 +24,16 @@ def runs(
     from rich.table import Table
 
     from vitray.data.storage import check_reachable
-    from vitray.runfolder.listing import list_runs
+    from vitray.runfolder.listing import list_runs, run_summary
 
     # A mistyped path, missing credentials or an unreachable endpoint: one line, at once.
     with handled((ValueError, FileNotFoundError, PermissionError)):
         check_reachable(storage, must_exist=True)
         found = list_runs(storage)
+        itself = None if found else run_summary(storage)
+    if itself is not None:  # a run folder, not the storage the runs live in: show it
+        found = [itself]
+        console.print(f"{storage} is a run; the runs beside it: vitray runs {posixpath.dirname(storage.rstrip('/'))}")
     if format_ == OutputFormat.json:
         typer.echo(json.dumps([run.as_dict() for run in found], indent=1))
         return

@@ -248,6 +248,8 @@ def resolve_checkpoint(path: str) -> CheckpointInfo:
         state = verify_complete(fs_path, fs)
         return CheckpointInfo(path, int(state["step"]), True, state=state)
     latest = latest_complete_checkpoint(path)
+    if latest is None and not storage.exists(path):
+        raise FileNotFoundError(f"{path} does not exist: give a checkpoint folder or a run folder")
     if latest is None:
         raise FileNotFoundError(
             f"{path} is neither a checkpoint folder (no {STATE_FILE}) nor a run folder with a complete "

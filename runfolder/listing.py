@@ -66,38 +66,44 @@ def failure_cause(error: str | None) -> str:
 
 
 def list_runs(storage_root: str) -> list[RunSummary]:
+    """Every vitray run directly under `storage_root`, in name order."""
     runs = []
     for name in storage.list_names(storage_root):
-        run_dir = storage.join(storage_root, name)
-        checkpoints = find_checkpoints(run_dir)  # each checked once: its state or why it does not count
-        files = RunFiles(run_dir)
-        if not checkpoints and not storage.exists(files.root):
-            continue  # not a vitray run
-        complete = [c for c in checkpoints if c.complete]
-        metrics = files.read_metrics()
-        latest_step = metrics[-1].get("step") if metrics else None
-        target = _target_steps(complete[-1].state) if complete else None
-        if complete and target is not None and complete[-1].step >= target:
-            status = "finished"
-        elif complete:
-            status = f"resumable from step {complete[-1].step}"
-        else:
-            status = "no complete checkpoint yet"
-        incomplete = [
-            {"path": c.path, "problem": c.problem} for c in sorted(checkpoints, key=lambda c: c.path) if not c.complete
-        ]
-        if incomplete:
-            status += f" ({len(incomplete)} incomplete checkpoint(s) ignored)"
-        lease = read_lease(files.lease_path)
-        attempts = _attempts(files, lease)
-        if lease is not None and lease.fresh():
-            status = f"running ({lease.describe()}, heartbeat {lease.age():.0f} s ago); " + status
-        runs.append(
-            RunSummary(
-                name, latest_step, len(complete), complete[-1].path if complete else None, status, attempts, incomplete
-            )
-        )
+        summary = run_summary(storage.join(storage_root, name))
+        if summary is not None:
+            runs.append(summary)
     return runs
+
+
+def run_summary(run_dir: str) -> RunSummary | None:
+    """What `vitray runs` says of the run in `run_dir`; None when it is not a vitray run."""
+    checkpoints = find_checkpoints(run_dir)  # each checked once: its state or why it does not count
+    files = RunFiles(run_dir)
+    if not checkpoints and not storage.exists(files.root):
+        return None
+    complete = [c for c in checkpoints if c.complete]
+    metrics = files.read_metrics()
+    latest_step = metrics[-1].get("step") if metrics else None
+    target = _target_steps(complete[-1].state) if complete else None
+    if complete and target is not None and complete[-1].step >= target:
+        status = "finished"
+    elif complete:
+        status = f"resumable from step {complete[-1].step}"
+    else:
+        status = "no complete checkpoint yet"
+    incomplete = [
+        {"path": c.path, "problem": c.problem} for c in sorted(checkpoints, key=lambda c: c.path) if not c.complete
+    ]
+    if incomplete:
+        status += f" ({len(incomplete)} incomplete checkpoint(s) ignored)"
+    lease = read_lease(files.lease_path)
+    attempts = _attempts(files, lease)
+    if lease is not None and lease.fresh():
+        status = f"running ({lease.describe()}, heartbeat {lease.age():.0f} s ago); " + status
+    name = run_dir.rstrip("/").rsplit("/", 1)[-1]
+    return RunSummary(
+        name, latest_step, len(complete), complete[-1].path if complete else None, status, attempts, incomplete
+    )
 
 
 def _target_steps(state: dict[str, Any] | None) -> int | None:

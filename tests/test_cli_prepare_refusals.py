@@ -139,3 +139,16 @@ def test_s3_destination_unreachable_is_one_line(moto_server, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", closed)
     message = refused("builtin:digits", moto_server.url("digits"))
     assert "cannot reach the S3 endpoint" in message and closed in message
+
+
+def test_files_that_are_not_images_are_counted_as_left_out(tmp_path):
+    src = image_folder(tmp_path / "src")
+    (src / "ant" / "labels.csv").write_text("a,b")
+    (src / "bee" / "README.txt").write_text("bees")
+    (src / "bee" / ".DS_Store").write_bytes(b"\0")  # hidden: not the user's data
+    result = prepare(f"imagefolder:{src}", str(tmp_path / "dest"), "--serial")
+    assert result.exit_code == 0, result.output
+    assert f"leaving out 2 files that are not PNG/JPEG images, e.g. {src / 'ant' / 'labels.csv'}" in result.output
+    assert read_dataset_info(str(tmp_path / "dest")).splits["train"].num_samples == 6
+    clean = prepare(f"imagefolder:{image_folder(tmp_path / 'clean')}", str(tmp_path / "dest2"), "--serial")
+    assert clean.exit_code == 0 and "leaving out" not in clean.output

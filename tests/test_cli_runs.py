@@ -128,3 +128,22 @@ def test_export_refuses_an_unknown_format_naming_those_it_writes(tmp_path):
     line = one_error_line(invoke("export", str(tmp_path / "nowhere"), "--format", "bmp"))
     assert "--format 'bmp' is not supported" in line
     assert all(fmt in line for fmt in ("npz", "safetensors", "timm", "onnx")), line
+
+
+def test_a_run_folder_given_as_storage_is_shown_as_the_run_it_is(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")
+    a_run_with_incomplete_checkpoints(tmp_path)
+    result = invoke("runs", str(tmp_path / "r1"))
+    assert result.exit_code == 0, result.output
+    assert f"{tmp_path / 'r1'} is a run; the runs beside it: vitray runs {tmp_path}" in result.output
+    assert "resumable from step 6" in result.stdout and "no runs under" not in result.output
+    (run,) = json.loads(invoke("runs", str(tmp_path / "r1"), "--format", "json").stdout)
+    assert run["name"] == "r1" and run["num_checkpoints"] == 1
+
+
+def test_export_of_a_path_that_does_not_exist_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")
+    missing = tmp_path / "runs" / "no-such-run"
+    message = one_error_line(invoke("export", str(missing), "--out", str(tmp_path / "m.npz")))
+    assert f"{missing} does not exist: give a checkpoint folder or a run folder" in message
+    assert "neither" not in message

@@ -212,7 +212,7 @@ def test_benchmark_form_builds_the_protocol_recipe(pretrained, digits_dataset, t
     assert (cfg["evals"][TEST]["path"], cfg["evals"][TEST]["split"]) == (str(root / "digits"), "test")
 
     # The benchmark's crop and flip, or the ones given.
-    assert (cfg["data"]["crop"], cfg["data"]["flip"]) == ("resize_crop", False)
+    assert (cfg["data"]["crop"], cfg["data"]["min_crop_area"], cfg["data"]["flip"]) == ("inception_crop", 0.5, False)
     chosen = subprocess.run(
         [
             *CLI,
@@ -223,7 +223,7 @@ def test_benchmark_form_builds_the_protocol_recipe(pretrained, digits_dataset, t
             "--data-root",
             str(root),
             "--crop",
-            "inception_crop",
+            "resmall_crop",
             "--flip",
             "--storage",
             str(tmp_path / "runs"),
@@ -235,7 +235,7 @@ def test_benchmark_form_builds_the_protocol_recipe(pretrained, digits_dataset, t
     )
     assert chosen.returncode == 0, chosen.stderr
     chosen_cfg = yaml.safe_load(chosen.stdout)
-    assert (chosen_cfg["data"]["crop"], chosen_cfg["data"]["flip"]) == ("inception_crop", True)
+    assert (chosen_cfg["data"]["crop"], chosen_cfg["data"]["flip"]) == ("resmall_crop", True)
     bad = subprocess.run(
         [*CLI, "finetune", pretrained, "-b", "digits", "--data-root", str(root), "--crop", "center", "--dry-run"],
         capture_output=True,

@@ -57,6 +57,9 @@ class Source(abc.ABC):
         self.name = name
         self.classes = classes
         self.label_kind: LabelKind = label_kind
+        # Files found in the source that are not samples (an image folder's notes, CSVs, ...): left
+        # out of the shards, and said so (`vitray data prepare` prints their count).
+        self.left_out: list[str] = []
 
     @classmethod
     @abc.abstractmethod

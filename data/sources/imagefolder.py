@@ -66,31 +66,37 @@ class ImageFolderSource(Source):
                 "use PATH/SPLIT/CLASS/IMAGE.jpg throughout (or no class folders at all for unlabelled data)"
             )
         index = {name: i for i, name in enumerate(classes)}
+        left_out: list[str] = []
         split_files = {
             split: [
                 (path, index[name], size)
                 for name in sorted(class_dirs[split])
-                for path, size in _image_files(split_roots[split] / name)
+                for path, size in _image_files(split_roots[split] / name, left_out=left_out)
             ]
             for split in split_roots
         }
         for split, files in split_files.items():
             if not files:
                 raise ValueError(f"imagefolder split {split!r} at {split_roots[split]} has no PNG/JPEG images")
-        return cls(root, split_files, classes)
+        source = cls(root, split_files, classes)
+        source.left_out = left_out
+        return source
 
     @classmethod
     def _unlabelled(cls, root: Path, split_roots: dict[str, Path]) -> ImageFolderSource:
         split_files: dict[str, list[tuple[str, int | None, int]]] = {}
+        left_out: list[str] = []
         for split, folder in split_roots.items():
-            files = [(path, None, size) for path, size in _image_files(folder, recursive=False)]
+            files = [(path, None, size) for path, size in _image_files(folder, recursive=False, left_out=left_out)]
             if not files:
                 raise ValueError(
                     f"imagefolder source {folder} has neither class folders (PATH/CLASS/IMAGE.jpg) nor PNG/JPEG "
                     "images (PATH/IMAGE.jpg, an unlabelled dataset)"
                 )
             split_files[split] = files
-        return cls(root, split_files, [])
+        source = cls(root, split_files, [])
+        source.left_out = left_out
+        return source
 
     def split_sizes(self) -> dict[str, int]:
         return {split: len(files) for split, files in self.split_files.items()}
@@ -107,8 +113,9 @@ def _class_folders(folder: Path) -> list[str]:
     return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
 
 
-def _image_files(class_dir: Path, recursive: bool = True) -> list[tuple[str, int]]:
-    """(path, size) of the images under ``class_dir`` (recursively or not), in sorted path order."""
+def _image_files(class_dir: Path, recursive: bool = True, left_out: list[str] | None = None) -> list[tuple[str, int]]:
+    """(path, size) of the images under ``class_dir`` (recursively or not), in sorted path order;
+    the other files (hidden ones aside) are added to ``left_out``."""
     found = []
     for dirpath, dirnames, filenames in os.walk(class_dir, followlinks=True):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")) if recursive else []
@@ -120,6 +127,8 @@ def _image_files(class_dir: Path, recursive: bool = True) -> list[tuple[str, int
                         f"{os.path.join(dirpath, name)}: {suffix} images are not supported; "
                         "convert them to PNG or JPEG (shards keep the original bytes)"
                     )
+                if left_out is not None and not name.startswith("."):
+                    left_out.append(os.path.join(dirpath, name))
                 continue
             path = os.path.join(dirpath, name)
             found.append((path, os.stat(path).st_size))
