@@ -227,3 +227,18 @@ def test_the_cause_is_the_exception_raised_last_whatever_its_class_is_called():
     assert cause.kind == "CheckpointDiskFull"  # not the OSError it was raised from
     assert cause.message.endswith("Free space in /s or point checkpoint.staging_dir at a larger disk")
     assert "checkpoint of step 20" in cause.one_line() and len(cause.one_line(limit=40)) == 40
+
+
+def test_an_initial_checkpoint_of_another_architecture_is_refused(pretrained, digits_dataset, tmp_path):
+    sets = _sets(digits_dataset, tmp_path / "runs", f"init.checkpoint={pretrained}", "model.name=S/4", name="ft")
+    line = refused(*sets)
+    assert f"init.checkpoint {pretrained} holds a Ti/4, but model.name=S/4" in line, line
+    assert "set model.name=Ti/4 or leave it out" in line
+    assert not (tmp_path / "runs").exists(), "a refused run leaves nothing behind"
+    # The same name, or none, trains on (resolution and head are the run's own).
+    cfg = load_config(
+        TrainingConfig,
+        None,
+        [*BASE, f"data.train={digits_dataset}", f"init.checkpoint={pretrained}", "model.img_size=24"],
+    )
+    assert check_inputs(cfg).num_classes == 10

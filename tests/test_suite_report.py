@@ -580,3 +580,19 @@ def test_each_row_says_how_its_number_was_made(tmp_path):
     assert labels["cifar10", "fewshot"] == "10-shot img_size=32 l2_reg=1024.0 pp=resize(37)|central_crop(32)"
     text = write_report(table, tmp_path / "report").markdown.read_text()
     assert "pp=resmall_crop\\|flip_lr" in text or "pp=resmall_crop|flip_lr" in text
+
+
+def test_the_raw_pixel_reference_is_fitted_on_the_prepared_splits(digits_dataset):
+    """The demo's context row: a linear classifier on the 8x8 pixels of the prepared digits, fitted
+    here; what a ViT's numbers are held against."""
+    from vitray.evaluation.reference import in_context, pixel_linear_top1
+
+    reference = pixel_linear_top1(str(digits_dataset), img_size=8)
+    assert 0.9 < reference.top1 <= 1.0  # digits are nearly linearly separable in their pixels
+    # The splits are the ones asked for: fitted on the 360 test images, it is scored on train[:300].
+    swapped = pixel_linear_top1(str(digits_dataset), train_split="test", test_split="train[:300]", img_size=8)
+    assert (swapped.train_split, swapped.test_split) == ("test", "train[:300]") and swapped.top1 != reference.top1
+    section = in_context([("fine-tuned pp=inception_crop(0.5)|x", 0.85), ("10-shot", 0.7)], reference)
+    rows = _markdown_rows(section, "| model |")
+    assert [r[0] for r in rows] == [f"reference: {reference.name}", "fine-tuned pp=inception_crop(0.5)\\|x", "10-shot"]
+    assert rows[0][1] == f"{reference.top1:.4f}" and rows[1][1] == "0.8500"

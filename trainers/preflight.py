@@ -185,6 +185,14 @@ def _check_init_checkpoint(cfg: TrainingConfig) -> ModelConfig:
         state = ckpt.resolve_checkpoint(path).state
     except (FileNotFoundError, ckpt.IncompleteCheckpointError, storage.StorageUnreachable) as err:
         raise PreflightError(f"init.checkpoint: {err}") from None
+    theirs = state["model"]["name"]
+    # The weights decide the architecture; a model.name that says otherwise would be recorded as
+    # the run's while it trains the checkpoint's (resolution and head may differ: they are adapted).
+    if "name" in cfg.model.model_fields_set and cfg.model.name != theirs:
+        raise PreflightError(
+            f"init.checkpoint {path} holds a {theirs}, but model.name={cfg.model.name}: fine-tuning keeps the "
+            f"checkpoint's architecture; set model.name={theirs} or leave it out"
+        )
     return ModelConfig.model_validate({**state["model"], "img_size": cfg.model.img_size})
 
 
