@@ -10,7 +10,9 @@ root cause is found in Ray Train's report of the workers' tracebacks.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -76,6 +78,7 @@ def _damaged_copy(digits_dataset: Path, folder: Path, keep_bytes: int | None) ->
         ("data.train=EMPTY", ["data.train=", "no dataset.json", "vitray data prepare"]),
         ("data.train=TARS", ["data.train=", "no dataset.json"]),
         ("data.train=DAMAGED", ["data.train:", "train-000000.tar is not a tar archive", "prepare the dataset again"]),
+        ("data.train=SHARD", ["data.train=", "train-000000.tar is a file", "holding dataset.json", "e.g. "]),
         ("data.train_split=validation", ["has no split 'validation'", "['test', 'train']"]),
     ],
 )
@@ -92,6 +95,7 @@ def test_pretrain_refuses_bad_input_before_ray(case, expected, digits_dataset, t
     if case == "data.train=DAMAGED":
         _damaged_copy(digits_dataset, folders["DAMAGED"], keep_bytes=None)
     key, value = case.split("=")
+    folders["SHARD"] = digits_dataset / "train-000000.tar"  # a shard of the dataset, not its folder
     value = str(folders.get(value, value))
     line = refused(*_sets(digits_dataset, tmp_path / "runs", f"{key}={value}"))
     for part in expected:
@@ -242,3 +246,20 @@ def test_an_initial_checkpoint_of_another_architecture_is_refused(pretrained, di
         [*BASE, f"data.train={digits_dataset}", f"init.checkpoint={pretrained}", "model.img_size=24"],
     )
     assert check_inputs(cfg).num_classes == 10
+
+
+def test_a_run_storage_that_cannot_be_made_or_written_is_refused(digits_dataset, tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    line = refused(*_sets(digits_dataset, tmp_path / "a-file" / "runs"))
+    assert f"run.storage={tmp_path / 'a-file' / 'runs'}: {tmp_path / 'a-file'} is a file, not a folder" in line
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    if os.access(locked, os.W_OK):  # root ignores permissions: a read-only bind mount stands in
+        mount = subprocess.run(["mount", "--bind", "-o", "ro", str(locked), str(locked)], capture_output=True)
+        if mount.returncode != 0:
+            pytest.skip(f"no way to make a folder this user cannot write: {mount.stderr.decode().strip()}")
+    try:
+        line = refused(*_sets(digits_dataset, locked / "runs"))
+        assert f"{locked} cannot be written (permissions or a read-only file system)" in line
+    finally:
+        subprocess.run(["umount", str(locked)], capture_output=True)

@@ -17,6 +17,7 @@ Each refusal is a :class:`PreflightError`: one line naming the cause and the fix
 
 from __future__ import annotations
 
+import os
 import tarfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +73,8 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
             storage.check_reachable(cfg.run.storage, storage_options=options)
         except storage.StorageUnreachable as err:
             raise PreflightError(f"run.storage: {err}") from None
+    else:
+        _check_writable_folder("run.storage", cfg.run.storage)
     info = _check_dataset("data.train", cfg.data.train, cfg.data.train_split, options)
     checked = set()  # (path, split) of the val evaluators: data.val's unless a section names its own
     for name, ev in cfg.evals.items():
@@ -140,11 +143,30 @@ def config_changes(recorded: dict[str, Any], new: dict[str, Any]) -> tuple[list[
     return fixed, changed
 
 
+def _check_writable_folder(key: str, path: str) -> None:
+    """A local folder that exists and can be written, or that can be made (nothing is made here: a
+    refused run leaves nothing behind)."""
+    existing = path
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise PreflightError(f"{key}={path}: {existing} is a file, not a folder; pick another {key}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PreflightError(
+            f"{key}={path}: {existing} cannot be written (permissions or a read-only file system); pick another {key}"
+        )
+
+
 def _check_dataset(key: str, path: str, split: str | None, options: dict[str, Any] | None) -> DatasetInfo:
     try:
         storage.check_reachable(path, must_exist=True, storage_options=options)
     except storage.StorageUnreachable as err:
         raise PreflightError(f"{key}: {err}") from None
+    if not storage.is_remote(path) and os.path.isfile(path):  # e.g. one of the dataset's shards
+        raise PreflightError(
+            f"{key}={path} is a file; give the folder `vitray data prepare` wrote (the one holding dataset.json), "
+            f"e.g. {os.path.dirname(path)}"
+        )
     try:
         if split is None:
             return read_dataset_info(path, options)
