@@ -212,7 +212,7 @@ def test_benchmark_form_builds_the_protocol_recipe(pretrained, digits_dataset, t
     assert (cfg["evals"][TEST]["path"], cfg["evals"][TEST]["split"]) == (str(root / "digits"), "test")
 
     # The benchmark's crop and flip, or the ones given.
-    assert (cfg["data"]["crop"], cfg["data"]["min_crop_area"], cfg["data"]["flip"]) == ("inception_crop", 0.5, False)
+    assert (cfg["data"]["crop"], cfg["data"]["flip"]) == ("resize", False)
     chosen = subprocess.run(
         [
             *CLI,

@@ -79,6 +79,7 @@ def _damaged_copy(digits_dataset: Path, folder: Path, keep_bytes: int | None) ->
         ("data.train=TARS", ["data.train=", "no dataset.json"]),
         ("data.train=DAMAGED", ["data.train:", "train-000000.tar is not a tar archive", "prepare the dataset again"]),
         ("data.train=SHARD", ["data.train=", "train-000000.tar is a file", "holding dataset.json", "e.g. "]),
+        ("data.train=LOST", ["data.train=", "1 of the 15 shards the manifest lists are missing (train-000005.tar)"]),
         ("data.train_split=validation", ["has no split 'validation'", "['test', 'train']"]),
     ],
 )
@@ -94,6 +95,10 @@ def test_pretrain_refuses_bad_input_before_ray(case, expected, digits_dataset, t
     (tmp_path / "tars" / "train-000000.tar").write_bytes(b"\x01" * 2048)
     if case == "data.train=DAMAGED":
         _damaged_copy(digits_dataset, folders["DAMAGED"], keep_bytes=None)
+    if case == "data.train=LOST":  # a shard the manifest lists, gone from the storage
+        shutil.copytree(digits_dataset, tmp_path / "lost")
+        (tmp_path / "lost" / "train-000005.tar").unlink()
+    folders["LOST"] = tmp_path / "lost"
     key, value = case.split("=")
     folders["SHARD"] = digits_dataset / "train-000000.tar"  # a shard of the dataset, not its folder
     value = str(folders.get(value, value))

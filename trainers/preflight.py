@@ -18,6 +18,7 @@ Each refusal is a :class:`PreflightError`: one line naming the cause and the fix
 from __future__ import annotations
 
 import os
+import posixpath
 import tarfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,8 +177,22 @@ def _check_dataset(key: str, path: str, split: str | None, options: dict[str, An
     except (FileNotFoundError, ValueError) as err:
         raise PreflightError(f"{key}={path}: {err}") from None
     if len(resolved.shard_urls):
+        _check_shards_listed(key, path, [str(url) for url in resolved.shard_urls], options)
         _check_first_shard(key, resolved.shard_urls[0], options)
     return resolved.info
+
+
+def _check_shards_listed(key: str, path: str, urls: list[str], options: dict[str, Any] | None) -> None:
+    """Every shard the manifest lists for the split is in the storage (one listing of the folder):
+    a missing one would fail every worker after Ray started, and a restart cannot bring it back."""
+    present = set(storage.list_names(path, options))
+    missing = [url for url in urls if posixpath.basename(url) not in present]
+    if missing:
+        raise PreflightError(
+            f"{key}={path}: {len(missing)} of the {len(urls)} shards the manifest lists are missing "
+            f"({posixpath.basename(missing[0])}{', ...' if len(missing) > 1 else ''}); prepare the dataset again "
+            "(`vitray data prepare ... --overwrite`)"
+        )
 
 
 def _check_first_shard(key: str, url: str, options: dict[str, Any] | None) -> None:
