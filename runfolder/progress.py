@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import threading
 from typing import Any
@@ -61,7 +62,12 @@ class MetricsTail:
 
 class TrainingProgress:
     """Polls `<run>/vitray/metrics.jsonl` (local or S3) and shows step, loss, images/s and ETA, and
-    the metric named `headline` (`label` before it) when a record has it."""
+    the metric named `headline` (`label` before it) when a record has it.
+
+    On a terminal that is a live bar. Where the output is not one -- a log file, a pipe, `ray job
+    logs`, a pod's log -- a bar shows nothing until the end, so each new record is printed as one
+    line instead: step/total, loss, images/s, the data-wait share, the ETA, and the evaluations the
+    record holds (`val/top1 0.783 fewshot/digits_10shot 0.767`)."""
 
     def __init__(
         self,
@@ -88,9 +94,12 @@ class TrainingProgress:
         )
         self._task = self._progress.add_task("steps", total=total_steps, status="starting workers...")
         self._thread = threading.Thread(target=self._follow, daemon=True)
+        self.lines = not self._progress.console.is_terminal
+        self._printed = 0  # records already printed as lines
 
     def __enter__(self) -> TrainingProgress:
-        self._progress.start()
+        if not self.lines:
+            self._progress.start()
         self._thread.start()
         return self
 
@@ -98,7 +107,8 @@ class TrainingProgress:
         self._stop.set()
         self._thread.join(timeout=10)
         self._refresh()
-        self._progress.stop()
+        if not self.lines:
+            self._progress.stop()
 
     def _follow(self) -> None:
         while not self._stop.wait(self.poll):
@@ -111,6 +121,9 @@ class TrainingProgress:
             return
         if not records:
             return
+        if self.lines:
+            self._print_lines(records)
+            return
         last = records[-1]
         status = f"loss {last.get('loss', float('nan')):.4f}  {last.get('images_per_s', 0):.1f} img/s"
         if self.headline is not None and self.headline in last:
@@ -119,3 +132,36 @@ class TrainingProgress:
         if skipped:
             status += f"  {skipped} corrupt sample{'s' if skipped != 1 else ''} skipped"
         self._progress.update(self._task, completed=min(last.get("step", 0), self.total), status=status)
+
+    def _print_lines(self, records: list[dict[str, Any]]) -> None:
+        self._printed = min(self._printed, len(records))  # a resumed attempt rewrote the file
+        for record in records[self._printed :]:
+            self._progress.console.print(
+                progress_line(record, records, self.total), markup=False, highlight=False, soft_wrap=True
+            )
+        self._printed = len(records)
+
+
+def progress_line(record: dict[str, Any], records: list[dict[str, Any]], total_steps: int) -> str:
+    """One log line of a metrics record: "step 200/300  loss 1.0435  58.5 img/s  data wait 1%
+    eta 0:01:42  val/top1 0.783"; the ETA from the pace between the first record and this one."""
+    step = int(record.get("step", 0))
+    parts = [f"step {step}/{total_steps}"]
+    if "loss" in record:
+        parts.append(f"loss {record['loss']:.4f}")
+    if "images_per_s" in record:
+        parts.append(f"{record['images_per_s']:.1f} img/s")
+    if "data_wait_fraction" in record:
+        parts.append(f"data wait {record['data_wait_fraction']:.0%}")
+    first = records[0]
+    if "time" in record and "time" in first and step > first.get("step", 0) and step < total_steps:
+        per_step = (record["time"] - first["time"]) / (step - first["step"])
+        parts.append(f"eta {datetime.timedelta(seconds=round(per_step * (total_steps - step)))}")
+    parts += [f"{key} {value:.3f}" for key, value in sorted(record.items()) if "/" in key and _is_number(value)]
+    if record.get("skipped_samples"):
+        parts.append(f"{record['skipped_samples']} corrupt samples skipped")
+    return "  ".join(parts)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

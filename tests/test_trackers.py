@@ -4,6 +4,9 @@ each wrote; a resumed run goes on in the same tracker run."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from pretrain_helpers import in_process_loop
 from wandb_records import config as wandb_config
@@ -88,3 +91,32 @@ def test_the_progress_bar_reads_only_the_new_lines_of_the_metrics_file(tmp_path)
     )
     records = tail.read()  # a resumed attempt rewrote it from step 2, and it grew past the old length
     assert [(r["step"], r["loss"]) for r in records] == [(1, 1.0), (2, 0.5), (3, 9.0), (4, 8.0), (5, 7.0)]
+
+
+def test_without_a_terminal_each_record_is_a_log_line(tmp_path, capsys):
+    """`ray job logs`, a pod log or `> log`: a line per log step (step/total, loss, img/s, data
+    wait, eta, the record's evaluations), not a bar that shows nothing until the run ends."""
+    from vitray.runfolder.progress import TrainingProgress
+
+    run_dir = str(tmp_path / "run")
+    metrics = Path(RunFiles(run_dir).metrics_path)
+    metrics.parent.mkdir(parents=True)
+    record = {"loss": 2.0, "images_per_s": 50.0, "data_wait_fraction": 0.012}
+    with metrics.open("w") as f:
+        f.write(json.dumps({"step": 10, "time": 1000.0, **record}) + "\n")
+        f.write(
+            json.dumps({"step": 20, "time": 1010.0, **record, "val/top1": 0.5, "fewshot/digits_10shot": 0.25}) + "\n"
+        )
+    progress = TrainingProgress(run_dir, total_steps=100, poll_seconds=0.05)
+    assert progress.lines  # pytest's captured stdout is not a terminal
+    with progress:
+        pass
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "step 10/100  loss 2.0000  50.0 img/s  data wait 1%",
+        "step 20/100  loss 2.0000  50.0 img/s  data wait 1%  eta 0:01:20  fewshot/digits_10shot 0.250  val/top1 0.500",
+    ]
+    with metrics.open("a") as f:  # only what is new is printed on the next look
+        f.write(json.dumps({"step": 30, "time": 1020.0, **record}) + "\n")
+    progress._refresh()  # the next poll
+    assert capsys.readouterr().out.splitlines() == ["step 30/100  loss 2.0000  50.0 img/s  data wait 1%  eta 0:01:10"]
