@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 import typer
@@ -26,6 +27,7 @@ def pretrain(
     A second start of a run that is running refuses (the run's lease). SIGTERM checkpoints and stops (exit 75);
     Ctrl-C does the same (exit 130), a second Ctrl-C stops at once.
     """
+    started = time.monotonic()
     from vitray.trainers.config import TrainingConfig
 
     cfg = load(TrainingConfig, config, set_)
@@ -65,10 +67,11 @@ def pretrain(
                 f"{_latest_text(training, folder)}"
             )
             raise typer.Exit(exit_codes.STOPPED_BY_USER) from None
-    console.print(f"run folder: {folder}")
-    latest = training.latest_complete(folder)
-    if latest is not None:
-        console.print(f"latest checkpoint: {latest.path} (step {latest.step})")
+    from vitray.runfolder.run_report import run_report
+
+    console.print(f"run folder:  {folder}", soft_wrap=True)
+    for line in run_report(folder, total_steps=cfg.train.steps, wall_s=time.monotonic() - started):
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
 def _latest_text(training, folder: str) -> str:

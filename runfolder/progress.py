@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from vitray.data import storage
 from vitray.runfolder.files import RunFiles
+from vitray.runfolder.run_report import evaluations
 
 
 class MetricsTail:
@@ -157,11 +158,7 @@ def progress_line(record: dict[str, Any], records: list[dict[str, Any]], total_s
     if "time" in record and "time" in first and step > first.get("step", 0) and step < total_steps:
         per_step = (record["time"] - first["time"]) / (step - first["step"])
         parts.append(f"eta {datetime.timedelta(seconds=round(per_step * (total_steps - step)))}")
-    parts += [f"{key} {value:.3f}" for key, value in sorted(record.items()) if "/" in key and _is_number(value)]
+    parts += [f"{key} {value:.3f}" for key, value in evaluations(record)]
     if record.get("skipped_samples"):
         parts.append(f"{record['skipped_samples']} corrupt samples skipped")
     return "  ".join(parts)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

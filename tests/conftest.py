@@ -263,13 +263,14 @@ def reference_run(digits_dataset: Path, tmp_path_factory: pytest.TempPathFactory
     """The uninterrupted run of `pretrain_helpers.REFERENCE` (checkpoints every 10 steps, the val
     evaluator and the few-shot probe at the last step, the keys of every step's samples recorded),
     shared by the modules whose stopped, killed or resumed runs must end with its weights and
-    samples: ``{"run_dir", "weights", "keys"}``. Treat it as read-only."""
+    samples: ``{"run_dir", "weights", "keys", "stdout", "stderr"}`` (what the command printed). Treat it as
+    read-only."""
     from pretrain_helpers import REFERENCE, REFERENCE_NAME, REFERENCE_STEPS, final_weights, pretrain_args, run
 
     from vitray.trainers.keys import collect_keys
 
     def build(root: Path) -> None:
-        run(
+        done = run(
             pretrain_args(
                 str(digits_dataset),
                 str(root / "runs"),
@@ -281,8 +282,12 @@ def reference_run(digits_dataset: Path, tmp_path_factory: pytest.TempPathFactory
                 f"debug.record_sample_keys={root / 'keys'}",
             )
         )
+        # what `vitray pretrain` printed (progress on stdout, its messages on stderr), for its tests
+        (root / "stdout.txt").write_text(done.stdout)
+        (root / "stderr.txt").write_text(done.stderr)
 
     root = built_once(tmp_path_factory, "reference", build)
     keys = root / "keys"
     run_dir = str(root / "runs" / REFERENCE_NAME)
-    return {"run_dir": run_dir, "weights": final_weights(run_dir), "keys": collect_keys(keys)}
+    printed = {name: (root / f"{name}.txt").read_text() for name in ("stdout", "stderr")}
+    return {"run_dir": run_dir, "weights": final_weights(run_dir), "keys": collect_keys(keys), **printed}

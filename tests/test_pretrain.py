@@ -213,3 +213,20 @@ def test_more_workers_than_the_local_instance_has_fails_at_once(digits_dataset, 
     assert "cluster.address" in message
     assert time.monotonic() - started < 120
     assert not (tmp_path / "too-big").exists() or not find_checkpoints(str(tmp_path / "too-big"))
+
+
+def test_the_log_of_a_run_follows_it_and_ends_with_its_numbers_and_what_to_do_next(reference):
+    """Its output is a pipe (a log, `ray job logs`): a line per log step, then the run's summary."""
+    lines = reference["stdout"].splitlines()
+    progress = [line for line in lines if re.match(r"step \d+/30  loss \d", line)]
+    steps = [int(re.match(r"step (\d+)/", line).group(1)) for line in progress]
+    assert steps == list(range(2, 31, 2)), reference["stdout"][-3000:]  # log.every=2: each record once
+    assert all("img/s  data wait " in line for line in progress)
+    assert "eta 0:" in progress[1] and "val/top1 0." in progress[-1] and "fewshot/digits_10shot 0." in progress[-1]
+    text = reference["stderr"]  # the command's own messages
+    assert "run folder:" in text, text[-3000:]
+    assert re.search(r"step 30 of 30 in 0:\d\d:\d\d: final loss \d+\.\d{4}, \d+\.\d img/s on average", text), text
+    assert re.search(r"evaluations at step 30: fewshot/digits_10shot 0\.\d{4}, val/top1 0\.\d{4}", text), text
+    assert f"checkpoint:  {reference['run_dir']}/checkpoint_" in text and "(step 30)" in text
+    assert f"TensorBoard: tensorboard --logdir {reference['run_dir']}/vitray/tensorboard" in text
+    assert f"export:      vitray export {reference['run_dir']} --format timm" in text

@@ -1,0 +1,65 @@
+"""What a run that ended prints last: its numbers, where its files are, and what to do with it.
+
+Read from the run folder alone (the metrics file and the latest complete checkpoint), so that what
+`vitray pretrain` prints at its end is what the run recorded: the final loss, the last evaluation
+results, the mean throughput (and MFU where the run measured it), the checkpoint, the metrics and
+TensorBoard folders, and the commands that export or evaluate it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import shlex
+from typing import Any
+
+from vitray.runfolder.checkpoints import latest_complete_checkpoint
+from vitray.runfolder.files import RunFiles
+
+
+def run_report(run_dir: str, *, total_steps: int, wall_s: float) -> list[str]:
+    """The lines that end a run's output (`wall_s`: this command's own time)."""
+    files = RunFiles(run_dir)
+    records = files.read_metrics()
+    lines = []
+    trained = [r for r in records if "loss" in r]
+    if trained:
+        last = trained[-1]
+        speed = [float(r["images_per_s"]) for r in trained if "images_per_s" in r]
+        text = f"step {last['step']} of {total_steps} in {_duration(wall_s)}: final loss {last['loss']:.4f}"
+        if speed:
+            text += f", {sum(speed) / len(speed):.1f} img/s on average"
+        mfu = [float(r["mfu"]) for r in trained if "mfu" in r]
+        if mfu:
+            text += f", MFU {sum(mfu) / len(mfu):.1%}"
+        lines.append(text)
+    evaluated = [r for r in records if evaluations(r)]
+    if evaluated:
+        last = evaluated[-1]
+        results = ", ".join(f"{key} {value:.4f}" for key, value in evaluations(last))
+        lines.append(f"evaluations at step {last['step']}: {results}")
+    checkpoint = latest_complete_checkpoint(run_dir)
+    lines.append(f"checkpoint:  {checkpoint.path} (step {checkpoint.step})" if checkpoint else "checkpoint:  none")
+    lines.append(f"metrics:     {files.metrics_path}")
+    lines.append(f"TensorBoard: tensorboard --logdir {shlex.quote(files.root + '/tensorboard')}")
+    if checkpoint is not None:
+        quoted = shlex.quote(run_dir)
+        lines.append(f"export:      vitray export {quoted} --format timm --out {shlex.quote(_leaf(run_dir))}-timm")
+        lines.append(f"evaluate:    vitray evaluate {quoted} -c GRID.yaml --data-root PREPARED_DATA")
+    return lines
+
+
+def evaluations(record: dict[str, Any]) -> list[tuple[str, float]]:
+    """The evaluators' numbers in a metrics record (named `evaluator/metric`)."""
+    return sorted(
+        (key, float(value))
+        for key, value in record.items()
+        if "/" in key and isinstance(value, (int, float)) and not isinstance(value, bool)
+    )
+
+
+def _duration(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=round(seconds)))
+
+
+def _leaf(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
