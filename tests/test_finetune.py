@@ -173,32 +173,29 @@ def test_recipe_overrides_are_validated_with_clear_errors(tmp_path):
         training_config(recipe, ["optim.lr=-1"])
 
 
+def _finetune_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, "finetune", *args], capture_output=True, text=True, timeout=120)
+
+
 def test_benchmark_form_builds_the_protocol_recipe(pretrained, digits_dataset, tmp_path):
     root = tmp_path / "prepared"
     root.mkdir()
     (root / "digits").symlink_to(digits_dataset)
-    out = subprocess.run(
-        [
-            *CLI,
-            "finetune",
-            pretrained,
-            "--benchmark",
-            "digits",
-            "--data-root",
-            str(root),
-            "--lr",
-            "0.03",
-            "--steps",
-            "50",
-            "--storage",
-            str(tmp_path / "runs"),
-            "--set",
-            "model.img_size=24",
-            "--dry-run",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    out = _finetune_cli(
+        pretrained,
+        "--benchmark",
+        "digits",
+        "--data-root",
+        str(root),
+        "--lr",
+        "0.03",
+        "--steps",
+        "50",
+        "--storage",
+        str(tmp_path / "runs"),
+        "--set",
+        "model.img_size=24",
+        "--dry-run",
     )
     assert out.returncode == 0, out.stderr
     cfg = yaml.safe_load(out.stdout)
@@ -213,44 +210,27 @@ def test_benchmark_form_builds_the_protocol_recipe(pretrained, digits_dataset, t
 
     # The benchmark's crop and flip, or the ones given.
     assert (cfg["data"]["crop"], cfg["data"]["flip"]) == ("resize", False)
-    chosen = subprocess.run(
-        [
-            *CLI,
-            "finetune",
-            pretrained,
-            "-b",
-            "digits",
-            "--data-root",
-            str(root),
-            "--crop",
-            "resmall_crop",
-            "--flip",
-            "--storage",
-            str(tmp_path / "runs"),
-            "--dry-run",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    chosen = _finetune_cli(
+        pretrained,
+        "-b",
+        "digits",
+        "--data-root",
+        str(root),
+        "--crop",
+        "resmall_crop",
+        "--flip",
+        "--storage",
+        str(tmp_path / "runs"),
+        "--dry-run",
     )
     assert chosen.returncode == 0, chosen.stderr
     chosen_cfg = yaml.safe_load(chosen.stdout)
     assert (chosen_cfg["data"]["crop"], chosen_cfg["data"]["flip"]) == ("resmall_crop", True)
-    bad = subprocess.run(
-        [*CLI, "finetune", pretrained, "-b", "digits", "--data-root", str(root), "--crop", "center", "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    bad = _finetune_cli(pretrained, "-b", "digits", "--data-root", str(root), "--crop", "center", "--dry-run")
     assert bad.returncode == 2
     assert "--crop 'center': expected one of inception_crop, resmall_crop, resize_crop, resize" in bad.stderr
 
-    missing = subprocess.run(
-        [*CLI, "finetune", pretrained, "--benchmark", "cifar10", "--data-root", str(root), "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    missing = _finetune_cli(pretrained, "--benchmark", "cifar10", "--data-root", str(root), "--dry-run")
     assert missing.returncode == 2
     assert f"vitray data prepare cifar10:/path/to/cifar-10-binary.tar.gz {root}/cifar10" in missing.stderr
 
