@@ -19,6 +19,7 @@ from typing import Annotated, NoReturn, TypeVar
 
 import click
 import typer
+import typer.rich_utils
 from pydantic import BaseModel
 from rich.console import Console
 from rich.markup import escape
@@ -29,7 +30,13 @@ from vitray.common.config import ConfigError, dump_config, load_config
 from vitray.common.failures import describe_failure
 
 M = TypeVar("M", bound=BaseModel)
+HELP_WIDTH_WITHOUT_TERMINAL = 100
 log = logging.getLogger("vitray.cli")
+
+# Help written to a file or a pipe (`vitray data prepare --help | less`, docs) has no terminal to
+# take its width from; rich's default of 80 columns cut the longest option names ("--samples-per-sha…").
+if typer.rich_utils.MAX_WIDTH is None and not sys.stdout.isatty():
+    typer.rich_utils.MAX_WIDTH = HELP_WIDTH_WITHOUT_TERMINAL
 
 app = typer.Typer(
     name="vitray",

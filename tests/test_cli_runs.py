@@ -147,3 +147,12 @@ def test_export_of_a_path_that_does_not_exist_says_so(tmp_path, monkeypatch):
     message = one_error_line(invoke("export", str(missing), "--out", str(tmp_path / "m.npz")))
     assert f"{missing} does not exist: give a checkpoint folder or a run folder" in message
     assert "neither" not in message
+
+
+def test_help_without_a_terminal_keeps_every_option_name_whole():
+    from vitray.cli.main import app as whole_app
+
+    for command in (["data", "prepare"], ["pretrain"], ["finetune"], ["evaluate"], ["export"], ["runs"]):
+        result = CliRunner().invoke(whole_app, [*command, "--help"])  # its output is not a terminal
+        assert result.exit_code == 0 and "…" not in result.output, result.output
+    assert "--samples-per-shard" in CliRunner().invoke(whole_app, ["data", "prepare", "--help"]).output
