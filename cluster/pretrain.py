@@ -38,6 +38,7 @@ from vitray.cluster.drain import current_node, drain_watch, draining_nodes
 from vitray.cluster.runtime import (
     LocalPathsOnCluster,
     NotEnoughResources,
+    check_cluster_answers,
     check_local_resources,
     check_paths_reach_every_node,
     connect,
@@ -301,6 +302,7 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
     from vitray.trainers.preflight import check_inputs, check_resume
 
     info = check_inputs(cfg)  # seconds, before anything is written or started
+    check_cluster_answers(cfg.cluster.address)  # a cluster that is not there: no lease, no attempt
     folder = run_dir(cfg.run.storage, cfg.run.name)
     lease = RunLease(folder, timeout_s=cfg.run.lease_timeout_s, force=force, on_lost=_lease_lost)
     warning = lease.acquire()  # before any Ray resources are taken

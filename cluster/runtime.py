@@ -50,8 +50,7 @@ def connect(address: str | None, *, num_cpus: int | None = None, verbose: bool =
     cluster's GCS by the job supervisor) joins that cluster; anything else gets a private local
     instance.
     """
-    if not address and os.environ.get("RAY_ADDRESS", "").split("://")[0] not in ("", "http", "https"):
-        address = os.environ["RAY_ADDRESS"]
+    address = _cluster_address(address)
     if address:
         enable_token_auth_if_available()  # before Ray is imported: it reads the auth mode once
     import ray
@@ -102,6 +101,22 @@ def _cause(error: BaseException) -> str:
     text = " ".join(str(error).split())
     text = text if len(text) <= 200 else text[:197] + "..."
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _cluster_address(address: str | None) -> str | None:
+    """The cluster a process joins: `address`, else the GCS that Ray's job supervisor put in
+    RAY_ADDRESS (a job entrypoint), else None (a private local instance)."""
+    if not address and os.environ.get("RAY_ADDRESS", "").split("://")[0] not in ("", "http", "https"):
+        return os.environ["RAY_ADDRESS"]
+    return address
+
+
+def check_cluster_answers(address: str | None) -> None:
+    """RayUnavailable at once when the cluster that :func:`connect` would join does not answer
+    (nothing to check for a local instance): a command asks this before it writes anything."""
+    address = _cluster_address(address)
+    if address:
+        _check_address_answers(address)
 
 
 def _check_address_answers(address: str) -> None:

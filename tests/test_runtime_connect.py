@@ -69,3 +69,15 @@ def test_the_cli_says_it_in_one_line(tmp_path):
     assert out.returncode == 2, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert lines == [lines[0]] and lines[0].startswith(f"error: no Ray cluster answers at {address}"), out.stderr
+
+
+def test_a_run_on_a_cluster_that_does_not_answer_writes_nothing(digits_dataset, tmp_path):
+    """Refused with exit 2 before the lease: no run folder, no attempt record (README: exit 2 writes nothing)."""
+    from pretrain_helpers import pretrain_args
+
+    address = f"127.0.0.1:{closed_port()}"
+    command = pretrain_args(str(digits_dataset), str(tmp_path / "runs"), "r", f"cluster.address={address}")
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "1000"})
+    assert out.returncode == 2, out.stderr
+    assert f"error: no Ray cluster answers at {address}" in out.stderr
+    assert not (tmp_path / "runs").exists(), sorted(p.name for p in (tmp_path / "runs").rglob("*"))
