@@ -72,7 +72,8 @@ class LoopbackCluster:
         )
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=self.env, timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        # The list is the script's own last line; Ray may print a line of its own after it.
+        return json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("[")))
 
     def actor_classes(self) -> set[str]:
         """Class names of every actor the cluster has run, finished ones included."""
@@ -96,7 +97,8 @@ class LoopbackCluster:
         )
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=self.env, timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        # The list is the script's own last line; Ray may print a line of its own after it.
+        return json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("[")))
 
     def drain(self, node_id: str, deadline_s: int) -> None:
         out = subprocess.run(
