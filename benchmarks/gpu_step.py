@@ -123,10 +123,9 @@ def profile_steps(step, count: int, name: str = "vitray") -> None:
         print("    " + "\n    ".join(frames or ("(no Python caller found)",)))
 
 
-def vitray_steps(
-    cfg: TrainingConfig, warmup: int, steps: int, profile: int = 0, compile_mode: str = "default"
-) -> tuple[float, float, float]:
-    """(images/s, train FLOPs per image, last loss) of TrainingLoop.train_step on the DeepSpeed backend."""
+def build_step_loop(cfg: TrainingConfig, loader, compile_mode: str = "default") -> TrainingLoop:
+    """A TrainingLoop with `vitray pretrain`'s model, backend and objective, fed by `loader` (uint8
+    batches, as a ShardLoader's) on its device feed: the loop's step without a dataset on storage."""
     torch.manual_seed(cfg.seed)
     model = create_model_from_config(cfg.model, NUM_CLASSES)
     if compile_mode != "default" and compile_enabled(cfg.train.compile):
@@ -134,12 +133,20 @@ def vitray_steps(
         # train.compile is then off so that the engine does not compile it again.
         model.compile(mode=compile_mode)
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": False})})
-    loop = TrainingLoop.__new__(TrainingLoop)  # the loop's step without a dataset on storage
+    loop = TrainingLoop.__new__(TrainingLoop)
     loop.cfg, loop.rank, loop.world, loop.accum, loop.step = cfg, 0, 1, cfg.grad_accumulation, 0
     loop.keys, loop.ema = None, None
     loop.backend = create_backend(cfg, model, 1, None)
     loop.objective = build_objective(cfg.train, "single", NUM_CLASSES)
-    loop.loader = DeviceFeed(SyntheticLoader(cfg.train.micro_batch_size, cfg.model.img_size), loop.backend.device)
+    loop.loader = DeviceFeed(loader, loop.backend.device)
+    return loop
+
+
+def vitray_steps(
+    cfg: TrainingConfig, warmup: int, steps: int, profile: int = 0, compile_mode: str = "default"
+) -> tuple[float, float, float]:
+    """(images/s, train FLOPs per image, last loss) of TrainingLoop.train_step on the DeepSpeed backend."""
+    loop = build_step_loop(cfg, SyntheticLoader(cfg.train.micro_batch_size, cfg.model.img_size), compile_mode)
     batches = iter(loop.loader)
     device = loop.backend.device
 
@@ -249,7 +256,16 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
         "--profile", type=int, default=0, help="then profile this many steps of each loop (torch.profiler)"
     )
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's bf16 peak, if not in the table")
+    parser.add_argument(
+        "--dtypes",
+        default="bf16",
+        help="vitray's precision.dtype, one loop each, comma-separated: bf16, fp8 (the plain loop is always bf16 "
+        "AMP); default bf16",
+    )
     args = parser.parse_args(argv)
+    dtypes = args.dtypes.split(",")
+    if not dtypes or any(d not in ("bf16", "fp8") for d in dtypes):
+        parser.error(f"--dtypes {args.dtypes!r}: a comma-separated list of bf16 and fp8")
     for option in ("batch", "steps", "img_size"):
         if getattr(args, option) < 1:
             parser.error(f"--{option.replace('_', '-')} must be >= 1")
@@ -278,32 +294,40 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
     _process_group()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     peak = accelerator_peak_tflops(args.peak_tflops, "bf16")
-    ours, flops, our_loss = vitray_steps(cfg, args.warmup, args.steps, args.profile, args.compile_mode)
+    vitray = {}  # dtype -> (images/s, last loss)
+    for dtype in dtypes:
+        run_cfg = cfg.model_copy(update={"precision": cfg.precision.model_copy(update={"dtype": dtype})})
+        rate, flops, loss = vitray_steps(run_cfg, args.warmup, args.steps, args.profile, args.compile_mode)
+        vitray[dtype] = (rate, loss)
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    ours, our_loss = vitray[dtypes[0]]
     theirs, their_loss = reference_steps(cfg, args.warmup, args.steps, compiled, args.profile, args.compile_mode)
-    mfu = {
-        name: (rate * flops / 1e12 / peak if peak else None) for name, rate in (("vitray", ours), ("reference", theirs))
-    }
+    mfu = {name: (rate * flops / 1e12 / peak if peak else None) for name, (rate, _) in vitray.items()}
+    mfu["reference"] = theirs * flops / 1e12 / peak if peak else None
     print(
-        f"{args.model} at {args.img_size} px, batch {args.batch}, bf16, {device}, "
+        f"{args.model} at {args.img_size} px, batch {args.batch}, plain loop bf16, vitray {'+'.join(dtypes)}, {device}, "
         f"{f'compiled ({args.compile_mode})' if compiled else 'eager'}{', activation checkpointing' if args.grad_checkpointing else ''}"
         f"{f' (vitray: {args.remat_policy})' if args.grad_checkpointing else ''}, "
         f"{args.steps} timed steps after {args.warmup}; {flops / 1e9:.2f} GFLOPs per training image"
     )
-    for name, rate, loss in (
-        ("vitray pretrain step (DeepSpeed ZeRO-1, DeviceFeed)", ours, our_loss),
-        (f"plain AMP loop (timm {TIMM_NAMES[args.model]})", theirs, their_loss),
-    ):
-        key = "vitray" if name.startswith("vitray") else "reference"
+    rows = [(f"vitray pretrain step {dtype} (DeepSpeed ZeRO-1, DeviceFeed)", dtype, *vitray[dtype]) for dtype in dtypes]
+    rows.append((f"plain AMP loop bf16 (timm {TIMM_NAMES[args.model]})", "reference", theirs, their_loss))
+    for name, key, rate, loss in rows:
+        # MFU against the bf16 peak for every row (fp8 included), so that the rows compare.
         shown = f", MFU {mfu[key]:.1%}" if mfu[key] is not None else ", MFU n/a (no known peak)"
         # The last loss: a mode that trained wrongly (CUDA graph buffers overwritten) shows here
         # against the same loop in the default mode.
         print(f"{name}: {rate:.1f} img/s{shown}, last loss {loss:.4f}")
-    print(f"vitray/reference: {ours / theirs:.3f}")
+    for dtype in dtypes:
+        print(f"vitray {dtype}/reference: {vitray[dtype][0] / theirs:.3f}")
+    if len(dtypes) > 1:
+        print(f"vitray {dtypes[1]}/vitray {dtypes[0]}: {vitray[dtypes[1]][0] / ours:.3f}")
     return {
+        **{f"vitray_{dtype}_images_per_s": rate for dtype, (rate, _) in vitray.items()},
         "vitray_images_per_s": ours,
         "reference_images_per_s": theirs,
         "ratio": ours / theirs,
-        "mfu": mfu["vitray"],
+        "mfu": mfu[dtypes[0]],
         "flops_per_image": flops,
         "vitray_last_loss": our_loss,
         "reference_last_loss": their_loss,

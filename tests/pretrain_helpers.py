@@ -165,9 +165,11 @@ def assert_same_weights(a: dict, b: dict) -> None:
     assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
 
 
-def in_process_loop(dataset, tmp_path: Path, *extra: str):
+def in_process_loop(dataset, tmp_path: Path, *extra: str, restore_dir: Path | None = None, report=None):
     """A one-worker `TrainingLoop` built in this process (no Ray): Ti/4 at 16 px, 4 steps of 8
-    samples, bf16, ZeRO-1, logging at step 4. Needs the `process_group` fixture."""
+    samples, bf16, ZeRO-1, logging at step 4, resuming from `restore_dir` if given. `report(metrics,
+    checkpoint_dir)` gets each checkpoint (what Ray Train would upload). Needs the `process_group`
+    fixture."""
     from vitray.common.config import load_config
     from vitray.trainers.config import TrainingConfig
     from vitray.trainers.context import WorkerContext
@@ -192,5 +194,11 @@ def in_process_loop(dataset, tmp_path: Path, *extra: str):
             *extra,
         ],
     )
-    ctx = WorkerContext(rank=0, world_size=1, run_dir=str(tmp_path / "run"), report=lambda m, d: None)
+    ctx = WorkerContext(
+        rank=0,
+        world_size=1,
+        run_dir=str(tmp_path / "run"),
+        report=report or (lambda m, d: None),
+        restore_dir=restore_dir,
+    )
     return TrainingLoop(cfg, ctx)

@@ -174,12 +174,28 @@ def test_gpu_step_benchmark_runs_tiny_on_the_cpu(process_group, capsys):
     gpu_step = importlib.util.module_from_spec(spec)
     sys.modules["gpu_step"] = gpu_step  # dataclasses look their module up there
     spec.loader.exec_module(gpu_step)
-    result = gpu_step.main(["--model", "Ti/16", "--img-size", "32", "--batch", "4", "--steps", "2", "--warmup", "1"])
+    result = gpu_step.main(
+        [
+            "--model",
+            "Ti/16",
+            "--img-size",
+            "32",
+            "--batch",
+            "4",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--dtypes",
+            "bf16,fp8",
+        ]
+    )
     printed = capsys.readouterr().out
     assert result["vitray_images_per_s"] > 0 and result["reference_images_per_s"] > 0
     assert result["ratio"] == pytest.approx(result["vitray_images_per_s"] / result["reference_images_per_s"])
     assert result["mfu"] is None  # no peak for a CPU
-    assert "vitray/reference:" in printed and "img/s" in printed
+    assert "vitray bf16/reference:" in printed and "vitray fp8/vitray bf16:" in printed and "img/s" in printed
+    assert result["vitray_fp8_images_per_s"] > 0  # float8 emulated on the CPU
     assert 0 < result["vitray_last_loss"] < 20 and 0 < result["reference_last_loss"] < 20  # ln(1000) ~ 6.9
 
 

@@ -181,8 +181,16 @@ class ScheduleConfig(_Section):
 
 
 class PrecisionConfig(_Section):
-    dtype: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32", description="Training precision (DeepSpeed mixed precision; XLA: bf16 autocast)."
+    dtype: Literal["fp32", "bf16", "fp16", "fp8"] = Field(
+        "fp32",
+        description="Training precision (DeepSpeed mixed precision; XLA: bf16 autocast). fp8: the transformer "
+        "blocks' linear layers compute in float8 (torchao), bf16 elsewhere; a GPU of compute capability 8.9+ "
+        "(H100, H200, L4), emulated on the CPU.",
+    )
+    fp8_scaling: Literal["tensorwise", "rowwise"] = Field(
+        "tensorwise",
+        description="With dtype=fp8: one float8 scale per tensor (fastest on H100/H200) or per row (more "
+        "accurate with outliers, slower on Hopper).",
     )
 
 
@@ -366,8 +374,10 @@ class TrainingConfig(_Section):
 
     @model_validator(mode="after")
     def _xla_precision(self) -> TrainingConfig:
-        if self.train.backend == "xla" and self.precision.dtype == "fp16":
-            raise ValueError("precision.dtype=fp16 is for GPUs; train.backend=xla trains in bf16 (TPUs) or fp32")
+        if self.train.backend == "xla" and self.precision.dtype in ("fp16", "fp8"):
+            raise ValueError(
+                f"precision.dtype={self.precision.dtype} is for GPUs; train.backend=xla trains in bf16 (TPUs) or fp32"
+            )
         return self
 
     @model_validator(mode="after")

@@ -29,6 +29,7 @@ from torch import nn
 from vitray.trainers import zero_step
 from vitray.trainers.backend import PendingSave
 from vitray.trainers.config import TrainingConfig
+from vitray.trainers.float8 import convert_to_fp8, fp8_device_problem
 from vitray.trainers.optim import build_optimizer
 from vitray.trainers.schedule import build_lr_schedule
 
@@ -68,7 +69,9 @@ def deepspeed_config(cfg: TrainingConfig, *, world_size: int, load_universal: bo
         # train.nonfinite=skip: DeepSpeed's overflow check drops a step with non-finite gradients (fp32
         # ZeRO always checks the grad norm; fp16 always checks).
         "bf16": {
-            "enabled": cfg.precision.dtype == "bf16",
+            # fp8: bf16 everywhere (weights, activations, master weights as bf16 trains them) but the
+            # blocks' float8 products, which the model's Float8Linear layers do themselves.
+            "enabled": cfg.precision.dtype in ("bf16", "fp8"),
             "check_grad_overflow": train.check_grad_overflow or train.nonfinite == "skip",
         },
         "fp16": {"enabled": cfg.precision.dtype == "fp16", "initial_scale_power": 16},
@@ -89,6 +92,8 @@ def build_engine(model: nn.Module, cfg: TrainingConfig, *, world_size: int, load
     _without_shared_memory_comm_op()
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    if cfg.precision.dtype == "fp8":  # before compiling: the compiler fuses the float8 casts
+        convert_to_fp8(model, cfg.precision.fp8_scaling, emulate=fp8_emulated())
     if compile_enabled(cfg.train.compile):
         model.compile()  # in place: parameter names, hence checkpoints, stay those of the bare model
     # Fused AdamW (one kernel for all parameters); ZeRO hands it its flat fp32 partitions. Fused on
@@ -121,6 +126,17 @@ def _without_shared_memory_comm_op() -> None:
     import deepspeed.ops
 
     vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
+
+
+def fp8_emulated() -> bool:
+    """Float8 products run on float8 tensor cores on a GPU (one too old is refused, in one line) and
+    are emulated in high precision on the CPU."""
+    if not torch.cuda.is_available():
+        return True
+    problem = fp8_device_problem("cuda", torch.cuda.get_device_capability(), torch.cuda.get_device_name())
+    if problem:
+        raise ValueError(problem)
+    return False
 
 
 def compile_enabled(setting: bool | None) -> bool:

@@ -42,10 +42,12 @@ def accelerator_peak_tflops(
 ) -> float | None:
     """The peak MFU divides by: `log.peak_tflops` if set, else the table's bf16/fp16 peak of this
     GPU (`device_name`, default the current CUDA device's). None (no MFU) for an unknown GPU, no GPU,
-    or fp32 training, whose peak (TF32 or plain fp32) the table does not hold."""
+    or fp32 training, whose peak (TF32 or plain fp32) the table does not hold. fp8 training is
+    measured against the bf16 peak too, so that its MFU compares with a bf16 run's (its products
+    run on tensor cores of twice that peak)."""
     if configured:
         return configured
-    if dtype not in ("bf16", "fp16"):
+    if dtype not in ("bf16", "fp16", "fp8"):
         return None
     if device_name is None:
         if not torch.cuda.is_available():
