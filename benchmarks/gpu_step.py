@@ -299,6 +299,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
         run_cfg = cfg.model_copy(update={"precision": cfg.precision.model_copy(update={"dtype": dtype})})
         rate, flops, loss = vitray_steps(run_cfg, args.warmup, args.steps, args.profile, args.compile_mode)
         vitray[dtype] = (rate, loss)
+        print(f"(vitray {dtype}: {rate:.1f} img/s, last loss {loss:.4f})", flush=True)  # before a later loop's limit
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     ours, our_loss = vitray[dtypes[0]]
     theirs, their_loss = reference_steps(cfg, args.warmup, args.steps, compiled, args.profile, args.compile_mode)
