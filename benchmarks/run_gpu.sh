@@ -28,7 +28,8 @@
 # - graphs: gpu_step_<model>_graphs.txt: `gpu_step.py --compile-mode reduce-overhead` (CUDA graphs, both loops) for
 #   S/16 and B/16, to hold against the step group's default-mode figures (and their last losses). About 4 minutes.
 # - fp8 (issue #40's item 4): fp8_step_<model>.txt: `gpu_step.py --dtypes bf16,fp8` for L/16 and H/14 (activation
-#   checkpointing): vitray in bf16 (L/16) and in fp8 against the plain bf16 loop; fp8_loss.txt: `benchmarks/fp8_loss.py`,
+#   checkpointing): vitray in bf16 (L/16) and in fp8 against the plain bf16 loop (L/16
+#   profiled: where the fp8 step's device time goes, the casts against the products); fp8_loss.txt: `benchmarks/fp8_loss.py`,
 #   B/16 for 500 steps in bf16 then fp8 from the same seed and batches, and their losses (the fp8 loops compile for over a minute each). Needs torchao in the kit
 #   (a version for the device's torch: 0.17 for torch 2.11). About 13 minutes: two device calls.
 # Budget: about 20 minutes on one H100 for the first four (each step has its own time limit).
@@ -83,8 +84,8 @@ wanted graphs && step gpu_step_S16_graphs 300 "$PY" benchmarks/gpu_step.py --mod
     --warmup 10 --compile-mode reduce-overhead
 wanted graphs && step gpu_step_B16_graphs 300 "$PY" benchmarks/gpu_step.py --model B/16 --batch 256 --steps 30 \
     --warmup 10 --compile-mode reduce-overhead
-wanted fp8 && step fp8_step_L16 330 "$PY" benchmarks/gpu_step.py --model L/16 --batch 128 --steps 12 --warmup 5 \
-    --grad-checkpointing --dtypes bf16,fp8
+wanted fp8 && step fp8_step_L16 360 "$PY" benchmarks/gpu_step.py --model L/16 --batch 128 --steps 12 --warmup 5 \
+    --grad-checkpointing --dtypes bf16,fp8 --profile 2
 wanted fp8 && step fp8_step_H14 300 "$PY" benchmarks/gpu_step.py --model H/14 --batch 64 --steps 8 --warmup 4 \
     --grad-checkpointing --dtypes fp8
 wanted fp8 && step fp8_loss 240 "$PY" benchmarks/fp8_loss.py --model B/16 --batch 128 --steps 500
