@@ -165,7 +165,7 @@ def vitray_steps(
     run(warmup)
     seconds = run(steps)
     if profile:
-        profile_steps(lambda: loop.train_step(batches), profile)
+        profile_steps(lambda: loop.train_step(batches), profile, f"vitray {cfg.precision.dtype}")
         _sync(device)
     batches.close()  # the feed's thread (on CUDA) stops before the reference loop runs
     flops = train_flops_per_image(
