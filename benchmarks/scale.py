@@ -41,7 +41,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from vitray.data import storage
+from vitray import storage
 from vitray.data.layout import (
     MANIFEST_SCHEMA,
     DatasetInfo,

@@ -112,7 +112,7 @@ def vitray_run(data: str, storage: str, args) -> tuple[float, list[dict]]:
 def full_save_seconds(run_dir: str, blocked_write_s: float) -> float:
     """Local write (measured by the trainer) + uploading the folder to the run storage again, as
     Ray's uploader does in the background (a copy for local storage, a PUT per file for S3)."""
-    from vitray.data import storage
+    from vitray import storage
 
     checkpoint = latest_complete_checkpoint(run_dir).path
     fs, path = storage.filesystem(checkpoint)

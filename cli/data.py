@@ -35,7 +35,8 @@ def data_prepare(
     serial: Annotated[bool, typer.Option(help="Write the shards in this process, without Ray.")] = False,
 ):
     """Write webdataset shards, per-split manifests and dataset.json from SOURCE into DEST."""
-    from vitray.data import check_destination, open_source, storage
+    from vitray import storage
+    from vitray.data import check_destination, open_source
 
     # Everything the input decides is checked here, before Ray starts: the source, the
     # destination's storage and what the destination already holds.

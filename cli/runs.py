@@ -23,8 +23,8 @@ def runs(
     checkpoint does not count (an unfinished write, a cut-short upload)."""
     from rich.table import Table
 
-    from vitray.data.storage import check_reachable
     from vitray.runfolder.listing import list_runs, run_summary
+    from vitray.storage import check_reachable
 
     # A mistyped path, missing credentials or an unreachable endpoint: one line, at once.
     with handled((ValueError, FileNotFoundError, PermissionError)):

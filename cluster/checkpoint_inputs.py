@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vitray.data import storage
+from vitray import storage
 from vitray.evaluation.grid import CheckpointRef
 from vitray.runfolder import checkpoints as ckpt
 

@@ -14,13 +14,13 @@ from pathlib import Path
 
 from rich.console import Console
 
+from vitray import storage
 from vitray.cluster.checkpoint_inputs import resolve_checkpoints
 from vitray.cluster.evaluate import report_grid, run_grid
 from vitray.cluster.prepare import prepare_dataset_on_ray
 from vitray.cluster.pretrain import AlreadyFinished, latest_complete, pretrain
 from vitray.cluster.runtime import connect, run_dir
 from vitray.common.config import load_config
-from vitray.data import storage
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.inspection import add_to_report
 from vitray.evaluation.reference import in_context, pixel_linear_top1

@@ -32,11 +32,11 @@ import ray
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from vitray import storage
 from vitray.cluster.checkpoint_inputs import absolute, checkpoint_ref, resolve_checkpoints
 from vitray.cluster.fewshot_cells import submit_fewshot
 from vitray.cluster.finetune import finetune_cell_metrics, finetune_config
 from vitray.cluster.runtime import connect
-from vitray.data import storage
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.grid import (
     VAL_METRIC,

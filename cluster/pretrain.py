@@ -34,6 +34,7 @@ import ray.train
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from vitray import storage
 from vitray.cluster.drain import current_node, drain_watch, draining_nodes
 from vitray.cluster.runtime import (
     LocalPathsOnCluster,
@@ -46,7 +47,6 @@ from vitray.cluster.runtime import (
     ray_storage,
     run_dir,
 )
-from vitray.data import storage
 from vitray.runfolder.lease import RunLeaseHeld
 from vitray.runfolder.progress import TrainingProgress
 from vitray.trainers.checkpointer import remove_stale_staging

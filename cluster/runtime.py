@@ -12,7 +12,7 @@ import os
 import socket
 from pathlib import Path
 
-from vitray.data import storage
+from vitray import storage
 
 AUTH_TOKEN_FILE = Path.home() / ".ray" / "auth_token"
 

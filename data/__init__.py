@@ -20,13 +20,14 @@ The rooms of this package:
   types in :mod:`.sources.base`, one module per source format), :mod:`.prepare`, :mod:`.shards`,
   :mod:`.image_check`;
 - what both sides agree on: :mod:`.layout` (``dataset.json``, shard names, manifests),
-  :mod:`.splits`, :mod:`.storage` (fsspec), :mod:`.reachable`, :mod:`.config`;
+  :mod:`.splits`, :mod:`.config`;
 - read side (training and evaluation workers): :mod:`.plan` (the epoch plan), :mod:`.slots`,
   :mod:`.reader`, :mod:`.loader` (:class:`ShardLoader`), :mod:`.batch`, :mod:`.shared_memory`,
   :mod:`.transforms`, :mod:`.model_range`, :mod:`.eval_loader` (:class:`EvalLoader`). It never imports the write side
   (tests/test_architecture.py checks it), so a worker that reads shards does not load the sources.
 
-This package imports nothing else from vitray and never imports ray.
+Every path is read and written through :mod:`vitray.storage` (fsspec), the one other vitray
+package this one imports; it never imports ray.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from vitray.storage import absolute
+
 from .layout import DatasetInfo, read_dataset_info
 from .splits import parse_split
-from .storage import absolute
 
 __all__ = [
     "RESIZE_RATIO",

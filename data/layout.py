@@ -25,7 +25,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import storage
+from vitray import storage
+
 from .plan import ExtentTable, ShardRange
 from .splits import parse_split, split_table
 

@@ -37,13 +37,14 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from vitray.storage import ShardCache
+
 from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_order
 from .config import RESIZE_RATIO, TRAIN_CROPS, TrainCropKind
 from .layout import LabelKind, read_split
 from .plan import ExtentTable, augment_seed, epoch_plan, rank_slots, window_offset
 from .shared_memory import BatchMemory, ChunkRing
 from .slots import READ_AHEAD, SlotReader
-from .storage import ShardCache
 from .transforms import TRAIN_CROP_SCALE, eval_resize, train_augment
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from . import storage
+from vitray import storage
+
 from .layout import (
     DATASET_JSON,
     DatasetInfo,

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
-from . import storage
+from vitray import storage
+
 from .plan import ShardRange
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ class ShardCursor:
             self.index += 1
             return Corrupt(self.url)
         start_index = self.index
-        for attempt in range(1, storage.RETRY_ATTEMPTS + 1):
+        for attempt in range(1, storage.retries.RETRY_ATTEMPTS + 1):
             try:
                 return self._read(want)
             except UnsafeShardError:
@@ -192,7 +193,7 @@ class ShardCursor:
             except Exception as error:
                 if not storage.is_transient(error):
                     raise
-                if attempt == storage.RETRY_ATTEMPTS:
+                if attempt == storage.retries.RETRY_ATTEMPTS:
                     raise storage.gave_up(error, f"reading sample {start_index} of {self.url}", attempt) from error
                 delay = storage.backoff_delay(attempt)
                 log.warning(

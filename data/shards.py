@@ -19,7 +19,8 @@ from typing import IO, Any, Literal
 
 import numpy as np
 
-from . import storage
+from vitray import storage
+
 from .image_check import image_problem
 from .layout import LabelKind, ManifestRow, check_split_name, key_width, sample_key, shard_name
 from .sources.base import SampleChunk, Source

@@ -17,9 +17,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any
 
+from vitray.storage import ShardCache
+
 from .plan import EpochPlan, window_bounds, window_of, window_order
 from .reader import SampleStream
-from .storage import ShardCache
 
 # The fraction of a window left to consume when the next one starts being read: time enough to
 # read it (a quarter window is many steps: each step takes only a few positions of each slot),

@@ -190,6 +190,6 @@ class GridConfig(_Section):
 
 
 def _join(root: str, name: str) -> str:
-    from vitray.data import storage
+    from vitray import storage
 
     return storage.join(str(root).rstrip("/"), name)

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from vitray.data import EvalLoader, eval_transform, storage
+from vitray import storage
+from vitray.data import EvalLoader, eval_transform
 from vitray.data.transforms import CorruptSample, decode_image
 from vitray.evaluation.inspect_plots import InspectionFiles, inspect_model
 from vitray.runfolder.checkpoints import IncompleteCheckpointError, load_checkpoint

@@ -8,7 +8,7 @@ cell becomes one or more rows (one per metric) with its status:
 - "failed": the error text (retried on the next run);
 - "missing": the benchmark's data was not prepared (the error holds the prepare command).
 
-Storage: a folder (local or s3://, through `vitray.data.storage`) of parquet *part files*, one per
+Storage: a folder (local or s3://, through `vitray.storage`) of parquet *part files*, one per
 `append`, each written whole before it becomes visible (local: temp name + rename; S3: an object
 only appears once its upload completes). Concurrent writers never collide (unique part names), a crash loses at most the
 cell being written, and pyarrow reads the parts back as one table.
@@ -30,7 +30,7 @@ from typing import Any, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from vitray.data import storage
+from vitray import storage
 
 Method = Literal["fewshot", "finetune"]
 Status = Literal["ok", "failed", "missing"]

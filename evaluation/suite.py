@@ -18,7 +18,7 @@ import shlex
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from vitray.data import storage
+from vitray import storage
 from vitray.data.config import TrainCropKind
 from vitray.data.layout import DatasetInfo, read_dataset_info
 from vitray.data.sources.vtab import VTAB_TASKS
@@ -420,7 +420,7 @@ def find_missing(
 
     Checks `dataset.json` (written last by `vitray data prepare`, so its presence means finished)
     in every folder the benchmark reads, that the needed splits are listed there, and that its
-    class count and label kind match. Works on local paths and s3:// (via `vitray.data.storage`).
+    class count and label kind match. Works on local paths and s3:// (via `vitray.storage`).
     """
     b = _resolve(benchmark)
     needs = [(locate(b, data_root), [b.test_split] + ([] if b.train_dataset else [b.train_split]), False)]

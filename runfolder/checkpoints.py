@@ -32,7 +32,7 @@ from typing import Any
 
 import fsspec
 
-from vitray.data import storage
+from vitray import storage
 
 STATE_FILE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"

@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 
-from vitray.data import storage
+from vitray import storage
 from vitray.runfolder.checkpoints import load_checkpoint
 
 FORMATS = ("npz", "safetensors", "timm", "onnx")

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vitray.data import storage
+from vitray import storage
 
 VITRAY_DIR = "vitray"
 METRICS_FILE = "metrics.jsonl"  # written by rank 0 (`vitray.trainers.metrics`)

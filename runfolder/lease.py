@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 
 import filelock
 
-from vitray.data import storage
+from vitray import storage
 from vitray.runfolder import lease_s3
 
 LEASE_FILE = "lease.json"

@@ -5,7 +5,7 @@ key; with `If-Match: <etag>` it replaces only the version that was read). The ru
 (`vitray.runfolder.lease`) is built on them, so that of two drivers writing at once exactly one
 succeeds and the other is told so by S3 itself, whatever the timing.
 
-The calls go through s3fs's client (the filesystem `vitray.data.storage` opens, with its
+The calls go through s3fs's client (the filesystem `vitray.storage` opens, with its
 endpoint, credentials and retries), as its own open() cannot say "replace only this version".
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 from fsspec.asyn import sync
 
-from vitray.data import storage
+from vitray import storage
 
 # What S3 answers when the condition does not hold: 412 (the object exists, or has another ETag),
 # 409 (another conditional write to the key is in flight), 404 (If-Match on a deleted object).

@@ -6,8 +6,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from vitray import storage
 from vitray.common.failures import describe_failure
-from vitray.data import storage
 from vitray.runfolder.checkpoints import find_checkpoints
 from vitray.runfolder.files import RunFiles
 from vitray.runfolder.lease import read_lease

@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from vitray.data import storage
+from vitray import storage
 from vitray.runfolder.files import RunFiles
 from vitray.runfolder.run_report import evaluations
 

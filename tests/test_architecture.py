@@ -1,7 +1,8 @@
 """DESIGN.md's package graph, enforced by reading the source (`ast`, nothing is imported).
 
-- Each top-level package imports only the vitray packages its row of `MAY_IMPORT` names: `models`,
-  `data` and `common` import nothing else of vitray; `ray` is imported only under `cluster/`.
+- Each top-level package imports only the vitray packages its row of `MAY_IMPORT` names: `models`
+  and `common` import nothing else of vitray, `storage` at most `common`, `data` only `storage`;
+  `ray` is imported only under `cluster/`.
   Every import counts, at any depth (module level, inside functions, under `if TYPE_CHECKING`),
   `import x`, `from x import y`, relative imports resolved, and `importlib.import_module("...")`.
   A registry's dotted name (`"vitray.evaluation.fewshot_probe:evaluate"`, imported when used) counts
@@ -30,15 +31,19 @@ REPO = Path(__file__).resolve().parents[1]
 # package -> the other vitray packages it may import (None: any). One row per top-level folder.
 MAY_IMPORT: dict[str, frozenset[str] | None] = {
     "common": frozenset(),  # small Ray-free helpers shared by all (vitray.common)
+    # local and object-storage paths through fsspec: open, read, atomic write, retries, the shard
+    # cache, the reachability probe -- below everything that touches a path
+    "storage": frozenset({"common"}),
     "models": frozenset(),
-    "data": frozenset(),
+    "data": frozenset({"storage"}),
     "configs": frozenset({"common"}),  # recipes (YAML); a config loader living here may use common
     # run folders on storage: checkpoints found and checked, the resume decision, lease, attempts,
-    # listing, export -- what the driver and any reader of a checkpoint use, below the worker's loop
-    "runfolder": frozenset({"common", "data", "models"}),
-    "trainers": frozenset({"common", "runfolder", "data", "models"}),
-    "evaluation": frozenset({"common", "runfolder", "data", "models"}),
-    "cluster": frozenset({"common", "configs", "trainers", "evaluation", "runfolder", "data", "models"}),
+    # listing, export -- what the driver and any reader of a checkpoint use, below the worker's loop.
+    # Not data: a run folder is files on storage, whatever dataset the run read.
+    "runfolder": frozenset({"common", "storage", "models"}),
+    "trainers": frozenset({"common", "runfolder", "data", "storage", "models"}),
+    "evaluation": frozenset({"common", "runfolder", "data", "storage", "models"}),
+    "cluster": frozenset({"common", "configs", "trainers", "evaluation", "runfolder", "data", "storage", "models"}),
     "cli": None,  # the command line (vitray.cli) sits on top of everything
 }
 
@@ -299,7 +304,7 @@ def test_rule_table_covers_every_package_of_the_distribution() -> None:
     assert all(name == folder for name, folder in folders.items()), folders
     assert set(folders) <= set(MAY_IMPORT), f"add a MAY_IMPORT row for {sorted(set(folders) - set(MAY_IMPORT))}"
     assert set(folders) == {path.parent.name for path in REPO.glob("*/__init__.py")}
-    assert {"models", "data", "trainers", "evaluation", "cluster"} <= set(present_packages())
+    assert {"models", "storage", "data", "runfolder", "trainers", "evaluation", "cluster"} <= set(present_packages())
 
 
 def test_packages_import_only_downwards_and_ray_only_in_cluster() -> None:
@@ -348,7 +353,14 @@ def test_the_data_read_side_never_imports_the_write_side() -> None:
 def test_the_scan_sees_the_imports_it_must() -> None:
     """Guards the scan itself against finding nothing: known imports of the tree are collected."""
     imports = collect_imports(REPO, REPO / "data" / "layout.py")
-    assert any(imp.target == "vitray.data" and imp.names == ("storage",) and imp.module_level for imp in imports)
+    assert any(imp.target == "vitray" and imp.names == ("storage",) and imp.module_level for imp in imports)
+    assert {"data", "runfolder"} <= {
+        package
+        for package in present_packages()
+        for path in package_files(REPO, package)
+        for imp in collect_imports(REPO, path)
+        if "storage" in vitray_packages(imp)
+    }
     ray_users = {
         imp.file
         for path in package_files(REPO, "cluster")
@@ -435,7 +447,7 @@ def test_checker_reports_each_forbidden_import_with_file_line_import_and_rule(tm
         "models/registry.py:1: `'vitray.trainers.loop:TrainingLoop' (by name)` -- imports vitray.trainers; rule: models -> nothing of vitray",
         "models/sub/deep.py:1: `from ...trainers import config` -- imports vitray.trainers; rule: models -> nothing of vitray",
         "models/vit.py:3: `from vitray.trainers.loop import TrainingLoop` -- imports vitray.trainers; rule: models -> nothing of vitray",
-        "trainers/loop.py:3: `from vitray.evaluation.fewshot import probe` -- imports vitray.evaluation; rule: trainers -> common, data, models, runfolder",
+        "trainers/loop.py:3: `from vitray.evaluation.fewshot import probe` -- imports vitray.evaluation; rule: trainers -> common, data, models, runfolder, storage",
         "trainers/loop.py:4: `from vitray.nowhere import thing` -- vitray.nowhere has no row in the rule table MAY_IMPORT",
         "cluster/run.py:4: `importlib.import_module('deepspeed.ops')` -- imports deepspeed; rule: only trainers imports deepspeed",
     ]
@@ -466,7 +478,7 @@ def test_checker_allows_a_by_name_edge_only_where_by_name_lists_it(tmp_path: Pat
     assert not [p for p in layer_violations(root, ["trainers"]) if "plugins.py" in p]
     assert [p for p in layer_violations(root, ["trainers"], by_name={}) if "plugins.py" in p] == [
         "trainers/plugins.py:1: `'vitray.evaluation.fewshot:probe' (by name)` -- imports vitray.evaluation; "
-        "rule: trainers -> common, data, models, runfolder"
+        "rule: trainers -> common, data, models, runfolder, storage"
     ]
 
 

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from vitray.common.config import ConfigError, load_config
-from vitray.data.storage import absolute
 from vitray.evaluation.config import GridConfig
+from vitray.storage import absolute
 from vitray.trainers.config import MOVED_KEYS, TrainingConfig
 from vitray.trainers.evals import (
     VAL_TOP1,

@@ -23,6 +23,7 @@ from PIL import Image
 import vitray.data.batch as batch_module
 import vitray.data.loader as loader_module
 import vitray.data.shared_memory as shared_memory
+from vitray import storage
 from vitray.data import (
     DataConfig,
     EvalLoader,
@@ -33,7 +34,6 @@ from vitray.data import (
     rank_slots,
     read_dataset_info,
     read_manifest,
-    storage,
     top1_hits,
 )
 from vitray.data.batch import SkipReporter, is_channels_last
@@ -580,7 +580,7 @@ class FlakyFileSystem(LocalFileSystem):
 
 def test_transient_read_errors_are_retried_transparently(digits_dataset, monkeypatch, caplog):
     fsspec.register_implementation("flaky", FlakyFileSystem, clobber=True)
-    monkeypatch.setattr(storage, "RETRY_BASE_DELAY_S", 0.001)
+    monkeypatch.setattr(storage.retries, "RETRY_BASE_DELAY_S", 0.001)
     FlakyFileSystem.failed.clear()
     url = f"flaky://{digits_dataset}"
     with caplog.at_level(logging.WARNING, logger="vitray.data"):

@@ -1,4 +1,4 @@
-"""Preparing to and reading from S3 (a moto server on 127.0.0.1), through data/storage.py."""
+"""Preparing to and reading from S3 (a moto server on 127.0.0.1), through vitray.storage (storage/)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import boto3
 import pytest
 import torch
 
-from vitray.data import EvalLoader, ShardLoader, prepare_dataset, read_dataset_info, read_manifest, storage
+from vitray import storage
+from vitray.data import EvalLoader, ShardLoader, prepare_dataset, read_dataset_info, read_manifest
 
 
 def test_s3_round_trip_matches_local(moto_server, digits_dataset):
@@ -75,7 +76,7 @@ def test_shard_cache_fetches_whole_shards_in_parallel_ranges_and_stays_bounded(
     prepare_dataset("builtin:digits", dest, samples_per_shard=100)
     rows = read_manifest(dest, "train")
     largest = max(r.bytes for r in rows)
-    monkeypatch.setattr(storage, "CACHE_PART_BYTES", 4096)  # many ranges per shard, several groups of them
+    monkeypatch.setattr(storage.shard_cache, "CACHE_PART_BYTES", 4096)  # many ranges per shard, several groups of them
     cache_dir = tmp_path / "cache"
 
     def batches(path, workers, steps, **kwargs):

@@ -337,8 +337,8 @@ def test_watch_evaluates_new_checkpoints_until_the_run_finishes(pretrained, data
 def test_missing_data_and_report_on_s3(moto_server):
     from rich.console import Console
 
+    from vitray import storage
     from vitray.cluster.evaluate import report_grid, run_grid
-    from vitray.data import storage
     from vitray.evaluation.results import Cell
 
     grid = GridConfig(

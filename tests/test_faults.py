@@ -20,9 +20,9 @@ import filelock
 import pytest
 from disk_helpers import mounted_tmpfs
 
-from vitray.data.storage import write_bytes_atomic
 from vitray.runfolder.files import RunFiles
 from vitray.runfolder.lease import LeaseRecord, RunLease, RunLeaseHeld, read_lease
+from vitray.storage import write_bytes_atomic
 
 HOLD = textwrap.dedent(
     """

@@ -15,7 +15,8 @@ from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, 
 from s3_proxy import FlakyS3Proxy
 from safetensors.torch import load
 
-from vitray.data import EvalLoader, prepare_dataset, storage
+from vitray import storage
+from vitray.data import EvalLoader, prepare_dataset
 from vitray.runfolder.checkpoints import latest_complete_checkpoint
 
 
@@ -100,14 +101,16 @@ def test_a_shard_whose_every_read_is_cut_short_fails_naming_the_shard(moto_serve
     shard = storage.join(dataset, "train-000000.tar")
     proxy = FlakyS3Proxy(moto_server.endpoint_url, rate=1.0, faults=("reset",), operations=("get-object",)).start()
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    monkeypatch.setattr(storage, "RETRY_BASE_DELAY_S", 0.05)  # the bound is tested, not the waiting
+    monkeypatch.setattr(storage.retries, "RETRY_BASE_DELAY_S", 0.05)  # the bound is tested, not the waiting
     s3fs.S3FileSystem.clear_instance_cache()
     try:
-        with pytest.raises(OSError, match=rf"shard {shard} failed {storage.RETRY_ATTEMPTS} times; the last error: "):
+        with pytest.raises(
+            OSError, match=rf"shard {shard} failed {storage.retries.RETRY_ATTEMPTS} times; the last error: "
+        ):
             cursor = ShardCursor(shard)
             for _ in range(100):
                 cursor.read(True)
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
         proxy.stop()
-    assert proxy.injected[("reset", "get-object")] >= storage.RETRY_ATTEMPTS, proxy.injected
+    assert proxy.injected[("reset", "get-object")] >= storage.retries.RETRY_ATTEMPTS, proxy.injected

@@ -30,7 +30,8 @@ from pretrain_helpers import (
 from ray_cluster import LoopbackCluster, loopback_cluster
 from safetensors.torch import load
 
-from vitray.data import prepare_dataset, storage
+from vitray import storage
+from vitray.data import prepare_dataset
 from vitray.runfolder.checkpoints import latest_complete_checkpoint
 from vitray.runfolder.files import RunFiles
 

@@ -10,9 +10,9 @@ from pretrain_helpers import assert_same_weights, pretrain_args, run, vitray_cmd
 from safetensors.torch import load, load_file
 
 from vitray.data import prepare_dataset
-from vitray.data.storage import read_bytes
 from vitray.models.io_safetensors import read_safetensors_metadata
 from vitray.runfolder.checkpoints import find_checkpoints
+from vitray.storage import read_bytes
 from vitray.trainers import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow

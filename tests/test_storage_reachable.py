@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vitray.data.storage import StorageUnreachable, check_reachable, write_bytes_atomic
+from vitray.storage import StorageUnreachable, check_reachable, write_bytes_atomic
 
 # A refusal must come from the one probe, not from a retry loop.
 FAST_S = 8.0

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from vitray.data import storage
+from vitray import storage
 from vitray.runfolder.checkpoints import (
     COMPLETION_PREFIX,
     EMA_FILE,

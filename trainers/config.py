@@ -15,9 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from vitray.data.config import DataConfig, StoragePath
 from vitray.data.plan import default_num_slots
-from vitray.data.storage import absolute
 from vitray.models.config import ModelConfig
 from vitray.models.variants import get_variant
+from vitray.storage import absolute
 from vitray.trainers.evals import EVAL_NAME, EvalConfig
 from vitray.trainers.masked_patch import MaskedPatchTarget, target_outputs
 from vitray.trainers.trackers import MlflowSettings, WandbSettings

@@ -318,7 +318,7 @@ def shared_universal(checkpoint: str) -> str:
     Already there (an earlier resume) means nothing to do. The conversion runs in a local scratch
     folder, its files are uploaded (sizes checked), and a record listing them is written last, so
     a conversion cut short is never taken for a whole one (`universal_ready`)."""
-    from vitray.data import storage
+    from vitray import storage
 
     fs, root = storage.filesystem(checkpoint)
     root = root.rstrip("/")

@@ -28,7 +28,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from vitray.data import storage
+from vitray import storage
 from vitray.trainers.collectives import broadcast_int
 
 _NONE, _SAVE_AND_STOP, _STOP = 0, 1, 2

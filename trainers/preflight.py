@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
+from vitray import storage
 from vitray.common.config import flatten_config
 from vitray.common.redact import redacted_config
-from vitray.data import storage
 from vitray.data.layout import DatasetInfo, read_dataset_info, read_split
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.runfolder import checkpoints as ckpt

@@ -20,7 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from vitray.common.config import flatten_config
 from vitray.data.config import StoragePath
-from vitray.data.storage import absolute
+from vitray.storage import absolute
 
 __all__ = ["MlflowSettings", "Trackers", "WandbSettings", "missing_tracker_packages"]
 

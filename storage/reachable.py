@@ -4,7 +4,7 @@ The S3 clients vitray reads and writes through retry every request for tens of s
 in a long traceback (``NoCredentialsError`` at the bottom of ~100 lines). A command that is about
 to start Ray, or to write shards for minutes, first asks :func:`check_reachable`: one request,
 a few seconds at most, and a :class:`StorageUnreachable` whose message is one line naming the
-cause and the fix. Imported by :mod:`vitray.data.storage`, where callers find it.
+cause and the fix. Callers find it as ``storage.check_reachable`` (:mod:`vitray.storage`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,61 @@
+"""vitray.storage: one way to reach local and object-storage paths -- fsspec, with bounded retries.
+
+Every part of vitray opens dataset, checkpoint and report paths through this package, so that a
+path is either a local folder or a URL such as ``s3://bucket/prefix`` and nothing else needs to
+know which::
+
+    from vitray import storage
+
+    storage.check_reachable("s3://bucket/runs")                  # one quick probe, one-line error
+    storage.write_bytes_atomic(storage.join("s3://bucket/runs", "x.json"), b"{}")
+    data = storage.read_bytes("s3://bucket/runs/x.json")         # retried on transient errors
+
+The modules: :mod:`.files` (the filesystem for a path, reading, atomic writes, uploads, listing;
+where the S3 endpoint and credentials come from), :mod:`.retries` (which errors are transient, the
+backoff), :mod:`.shard_cache` (whole remote shards in a node-local folder), :mod:`.reachable`
+(the quick probe a command makes before expensive work starts). Constants stay in their modules,
+read and patched there (``storage.retries.RETRY_ATTEMPTS``, ``storage.shard_cache.CACHE_PART_BYTES``):
+a copy here would not be the value the functions use.
+
+This package imports nothing else from vitray (`common` is the only one it may) and never imports ray.
+"""
+
+from .files import (
+    absolute,
+    atomic_write,
+    exists,
+    filesystem,
+    is_remote,
+    join,
+    list_names,
+    open_file,
+    read_bytes,
+    remove,
+    upload_file,
+    write_bytes_atomic,
+)
+from .reachable import StorageUnreachable, check_reachable
+from .retries import backoff_delay, gave_up, is_transient, with_retries
+from .shard_cache import ShardCache
+
+__all__ = [
+    "ShardCache",
+    "StorageUnreachable",
+    "absolute",
+    "atomic_write",
+    "backoff_delay",
+    "check_reachable",
+    "exists",
+    "filesystem",
+    "gave_up",
+    "is_remote",
+    "is_transient",
+    "join",
+    "list_names",
+    "open_file",
+    "read_bytes",
+    "remove",
+    "upload_file",
+    "with_retries",
+    "write_bytes_atomic",
+]

@@ -1,0 +1,182 @@
+"""Paths and the files at them, local or remote, through fsspec: the filesystem for a path, joining,
+opening, whole-file reads, atomic writes and verified uploads, removal and listing.
+
+S3 endpoint and credentials come from the standard AWS configuration: environment variables
+(``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL`` /
+``AWS_ENDPOINT_URL_S3``, ``AWS_DEFAULT_REGION``), ``~/.aws/config`` profiles or an instance role.
+s3fs passes them to botocore, which reads ``AWS_ENDPOINT_URL[_S3]`` by itself, so an S3-compatible
+store (MinIO, moto, Ceph) works without extra options. ``storage_options`` (the keyword arguments of
+the fsspec filesystem, e.g. ``{"endpoint_url": ...}``) override them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import tempfile
+from collections.abc import Iterator
+from typing import IO, Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from .retries import with_retries
+
+# Streamed shard reads fetch this much per request: large enough that skipping small tar members
+# stays inside the read-ahead buffer instead of costing one request per member.
+READ_BLOCK_SIZE = 8 * 1024 * 1024
+
+
+def absolute(path: str) -> str:
+    """``path`` with a local path made absolute against this process's working directory (``~``
+    expanded); a URL (``s3://...``, ``file://...``) as given. A config's paths are resolved where
+    the config is read: Ray's workers run in working directories of their own, where a relative
+    path names another folder (or none)."""
+    if fsspec.core.split_protocol(str(path))[0] is not None:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def is_remote(path: str) -> bool:
+    """True for URLs with a protocol other than the local filesystem (``s3://``, ``gs://``, ...)."""
+    protocol, _ = fsspec.core.split_protocol(str(path))
+    return protocol not in (None, "file", "local")
+
+
+# botocore retries every S3 request that fails transiently -- 503 SlowDown and other throttling,
+# 500/502/503/504, connection errors and timeouts -- with exponential backoff and full jitter
+# ("standard" mode), this many attempts in all. s3fs retries on top of it what botocore does not
+# see (a body cut short mid-transfer: the range GET is repeated whole, so no byte is read twice),
+# and :func:`with_retries` wraps whole operations (an upload and the check of its stored size).
+# ``AWS_RETRY_MODE`` / ``AWS_MAX_ATTEMPTS`` (or ``config_kwargs`` in ``storage_options``) override it.
+S3_RETRIES = {"mode": "standard", "total_max_attempts": 5}
+
+
+def filesystem(path: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem for ``path`` and the path as that filesystem names it."""
+    options = dict(storage_options or {})
+    protocol, _ = fsspec.core.split_protocol(str(path))
+    if protocol in ("s3", "s3a") and not ({"AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS"} & os.environ.keys()):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", dict(S3_RETRIES))
+        options["config_kwargs"] = config
+    return fsspec.core.url_to_fs(str(path), **options)
+
+
+def join(base: str, *names: str) -> str:
+    """Join path parts with ``/``, keeping a URL's protocol (``s3://b/p`` + ``x`` -> ``s3://b/p/x``)."""
+    base = str(base)
+    if is_remote(base):
+        protocol, rest = fsspec.core.split_protocol(base)
+        return f"{protocol}://" + posixpath.join(rest, *names)
+    return os.path.join(base, *names)
+
+
+def exists(path: str, storage_options: dict[str, Any] | None = None) -> bool:
+    fs, fs_path = filesystem(path, storage_options)
+    return fs.exists(fs_path)
+
+
+def open_file(
+    path: str,
+    mode: str = "rb",
+    storage_options: dict[str, Any] | None = None,
+    *,
+    block_size: int | None = None,
+) -> IO[Any]:
+    """Open ``path`` (local or URL) as a file object; remote reads use a read-ahead cache.
+
+    Raises :class:`FileNotFoundError` naming the path when it does not exist.
+    """
+    fs, fs_path = filesystem(path, storage_options)
+    kwargs: dict[str, Any] = {}
+    if not isinstance(fs, LocalFileSystem) and "r" in mode:
+        kwargs = {"block_size": block_size or READ_BLOCK_SIZE, "cache_type": "readahead"}
+    try:
+        return fs.open(fs_path, mode, **kwargs)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"{path} does not exist") from error
+
+
+def read_bytes(path: str, storage_options: dict[str, Any] | None = None) -> bytes:
+    """The whole content of a (small) file, with retries on transient errors."""
+
+    def read() -> bytes:
+        with open_file(path, "rb", storage_options) as f:
+            return f.read()
+
+    return with_retries(read, what=f"reading {path}")
+
+
+def write_bytes_atomic(path: str, data: bytes, storage_options: dict[str, Any] | None = None) -> None:
+    """Write ``data`` so that readers see either no file or the whole file, never a prefix."""
+    with atomic_write(path, storage_options) as f:
+        f.write(data)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str, storage_options: dict[str, Any] | None = None) -> Iterator[IO[bytes]]:
+    """A binary file to write ``path`` through; it appears at ``path`` only once the block succeeds.
+
+    Locally the data goes to a hidden temporary file beside the target, renamed into place at the
+    end (a rename is atomic within one filesystem). For object storage it goes to a local temporary
+    file that is then uploaded (an object only becomes visible once its upload completes) and the
+    stored size is checked against the local one. If the block raises, nothing is published.
+    """
+    fs, fs_path = filesystem(path, storage_options)
+    local = isinstance(fs, LocalFileSystem)
+    if local:
+        parent = os.path.dirname(os.path.abspath(fs_path))
+        os.makedirs(parent, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(fs_path)}.", suffix=".tmp", dir=parent)
+    else:
+        fd, tmp = tempfile.mkstemp(prefix="vitray-upload-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+        if local:
+            os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; published files are world-readable
+            os.replace(tmp, fs_path)
+        else:
+            _upload_verified(fs, tmp, fs_path, what=path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def upload_file(local_path: str, path: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Copy a local file to `path` (local or s3://), retried, its stored size checked."""
+    fs, fs_path = filesystem(path, storage_options)
+    if not is_remote(path):  # object stores have no folders to make
+        os.makedirs(os.path.dirname(fs_path) or ".", exist_ok=True)
+    _upload_verified(fs, local_path, fs_path, what=path)
+
+
+def _upload_verified(fs: fsspec.AbstractFileSystem, local_path: str, fs_path: str, *, what: str) -> None:
+    size = os.path.getsize(local_path)
+
+    def upload() -> None:
+        fs.put_file(local_path, fs_path)
+        stored = fs.info(fs_path)["size"]
+        if stored != size:
+            raise OSError(f"uploaded {what} has {stored} bytes, expected {size}")
+
+    with_retries(upload, what=f"uploading {what}")
+
+
+def remove(path: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Delete a file if it exists."""
+    fs, fs_path = filesystem(path, storage_options)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(fs_path)
+
+
+def list_names(folder: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Base names of the files directly inside ``folder`` (empty when it does not exist)."""
+    fs, fs_path = filesystem(folder, storage_options)
+    try:
+        entries = fs.ls(fs_path, detail=False)
+    except FileNotFoundError:
+        return []
+    return sorted(posixpath.basename(str(e).rstrip("/")) for e in entries)
