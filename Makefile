@@ -16,7 +16,7 @@ PIP_INSTALL := TMPDIR=$(PIP_TMPDIR) $(BIN)/python -m pip install --no-cache-dir 
 # TPU host's chips. PJRT's client is made once per process: every test process gets the same setting.
 XLA_TEST_ENV := PJRT_DEVICE=CPU CPU_NUM_DEVICES=4
 
-.PHONY: demo test test-xla lint format install clean
+.PHONY: demo test test-xla lint format docs install clean
 
 install: $(STAMP)
 
@@ -59,6 +59,11 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
+
+# docs/configuration.md from the config models (tests/test_docs.py fails when it is out of date).
+docs: $(STAMP)
+	$(BIN)/python -m vitray.cli.config_reference > docs/configuration.md.tmp
+	mv docs/configuration.md.tmp docs/configuration.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache demo-output

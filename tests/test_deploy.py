@@ -7,7 +7,7 @@
 - `ray up` YAMLs go through Ray's own config preparation and schema (ray/autoscaler/ray-schema.json).
 - Dockerfiles are parsed: COPY sources exist and pass the .dockerignore, pip installs are pinned by
   the lock files, nothing is fetched at run time, the final user is not root.
-- Every `vitray` command line in deploy/ and in the README's "Running on a cluster" section runs with
+- Every `vitray` command line in deploy/ and in docs/deploy.md (the cluster walk-through) runs with
   --dry-run against its config (commands without a config are parsed by the CLI), exactly as written.
 - Safe defaults: token auth, ClusterIP, no credentials inline, non-root pods, runs that resume.
 """
@@ -604,11 +604,11 @@ def test_dockerfiles_install_pinned_from_the_repository_and_run_unprivileged(kin
 # ---------------------------------------------------------------------------------------------
 
 
-def readme_section() -> str:
-    text = (REPO / "README.md").read_text()
-    start = text.index("## Running on a cluster")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end > 0 else len(text)]
+WALK_THROUGH = REPO / "docs" / "deploy.md"  # the cluster walk-through: submit, credentials, KubeRay, ray up, TPUs
+
+
+def walk_through() -> str:
+    return WALK_THROUGH.read_text()
 
 
 def shell_lines(markdown: str) -> list[str]:
@@ -651,11 +651,10 @@ def command_lines() -> list[tuple[str, list[str]]]:
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 if _COMMENTED_COMMAND.match(line):  # a command shown in a comment
                     found.append((f"{path.relative_to(REPO)}:{number}", words_of(line.lstrip(" #"))[1:]))
-    if (REPO / "README.md").exists() and "## Running on a cluster" in (REPO / "README.md").read_text():
-        for line in shell_lines(readme_section()):
-            args = vitray_args(words_of(line))
-            if args is not None:
-                found.append((f"README: {line}", args))
+    for line in shell_lines(walk_through()):
+        args = vitray_args(words_of(line))
+        if args is not None:
+            found.append((f"docs/deploy.md: {line}", args))
     return found
 
 
@@ -694,8 +693,8 @@ def test_the_readme_and_deploy_hold_command_lines():
     lines = command_lines()
     rayjobs = {path.name for path in KUBERAY.glob("*.yaml") if any(d["kind"] == "RayJob" for d in yaml_docs(path))}
     assert {w.removesuffix(": entrypoint") for w, _ in lines if w.endswith(": entrypoint")} == rayjobs
-    # The README's cluster walk-through: prepare the data, submit the jobs, list the runs.
-    assert {"data", "submit", "runs"} <= {args[0] for w, args in lines if w.startswith("README")}
+    # The cluster walk-through: prepare the data, submit the jobs, list the runs.
+    assert {"data", "submit", "runs"} <= {args[0] for w, args in lines if w.startswith("docs/deploy.md")}
 
 
 @pytest.mark.parametrize("where, args", command_lines(), ids=[w for w, _ in command_lines()])
@@ -722,17 +721,17 @@ def test_every_command_line_runs_as_written(where, args):
         assert node == value, f"{where}: {key}"
 
 
-def test_the_readme_walks_through_every_deploy_file_and_build():
-    section = readme_section()
+def test_the_walk_through_uses_every_deploy_file_and_build():
+    section = walk_through()
     for path in sorted(KUBERAY.glob("*.yaml")) + sorted(RAY_UP.glob("*.yaml")):
-        assert str(path.relative_to(REPO)) in section, f"the README does not use {path.relative_to(REPO)}"
+        assert str(path.relative_to(REPO)) in section, f"docs/deploy.md does not use {path.relative_to(REPO)}"
     lines = shell_lines(section)
     for kind in ("gpu", "tpu"):
         assert shlex.join(documented_build(DOCKER / f"Dockerfile.{kind}")) in lines, f"{kind} build command"
     for line in lines:
         for word in words_of(line):
             if word.startswith("deploy/"):
-                assert (REPO / word).exists(), f"README: {word} does not exist"
+                assert (REPO / word).exists(), f"docs/deploy.md: {word} does not exist"
     steps = " ".join(lines)
     for needed in (
         "kubectl create secret generic vitray-s3",
@@ -742,4 +741,4 @@ def test_the_readme_walks_through_every_deploy_file_and_build():
         "ray up",
         "kubectl port-forward",
     ):
-        assert needed in steps, f"the README misses the step {needed!r}"
+        assert needed in steps, f"docs/deploy.md misses the step {needed!r}"

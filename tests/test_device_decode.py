@@ -5,7 +5,7 @@ crops, resizes and flips them where the model runs. On the CPU the very same cod
 libjpeg-turbo instead of nvjpeg: the boxes, keys, labels and loader positions must be the CPU
 path's exactly, and the pixels its pixels to within resampling.
 
-Where a CUDA device exists (the device machine; see README), the tests marked with ``DEVICES`` run
+Where a CUDA device exists (the device machine; see docs/testing.md), the tests marked with ``DEVICES`` run
 on it as well: nvjpeg's decode, the crops on the GPU and the feed's own thread.
 """
 

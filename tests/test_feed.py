@@ -69,7 +69,7 @@ def test_host_read_counter_sees_every_kind_of_read():
     assert all(origin.startswith("other:test_feed.py") for _, origin, _ in mode.reads)
 
 
-# Where a CUDA device exists (the device machine; see README), the tests marked with DEVICES run
+# Where a CUDA device exists (the device machine; see docs/testing.md), the tests marked with DEVICES run
 # there as well: the pinned copies on the side stream and the feed's own thread.
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 

@@ -1,4 +1,4 @@
-"""The README's fidelity table, row by row: each protocol setting vitray takes from the paper or the
+"""The fidelity table of docs/evaluation.md, row by row: each protocol setting vitray takes from the paper or the
 authors' code is pinned here (head bias for sigmoid pre-training, EMA weights for evaluation and
 fine-tuning, the fine-tuning pre-processing, label smoothing, the few-shot resolution)."""
 

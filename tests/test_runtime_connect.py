@@ -72,7 +72,7 @@ def test_the_cli_says_it_in_one_line(tmp_path):
 
 
 def test_a_run_on_a_cluster_that_does_not_answer_writes_nothing(digits_dataset, tmp_path):
-    """Refused with exit 2 before the lease: no run folder, no attempt record (README: exit 2 writes nothing)."""
+    """Refused with exit 2 before the lease: no run folder, no attempt record (docs/resuming-and-faults.md: exit 2 writes nothing)."""
     from pretrain_helpers import pretrain_args
 
     address = f"127.0.0.1:{closed_port()}"
