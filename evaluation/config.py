@@ -33,7 +33,7 @@ class _Section(BaseModel):
 class FewShotGrid(_Section):
     """Linear few-shot probes: features extracted once per (checkpoint, benchmark) in a Ray task."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="Run the few-shot cells of the grid.")
     shots: list[int] | None = Field(
         None, description="Shots per class; the benchmark's protocol (1, 5, 10, 25) when unset."
     )
@@ -68,7 +68,7 @@ class FinetuneGrid(_Section):
     """Fine-tuning cells: each one a Ray Train run of the fine-tune recipe (SGD momentum 0.9,
     cosine decay, warm-up, no weight decay, grad clip 1, zero head) from the checkpoint."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="Run the fine-tune cells of the grid.")
     learning_rates: list[float] | None = Field(None, description="The sweep; the benchmark's protocol when unset.")
     seeds: int = Field(1, gt=0, description="Runs per learning rate (seeds 0..n-1).")
     steps: int | None = Field(None, gt=0, description="Optimizer steps; the protocol's when unset.")
@@ -99,12 +99,12 @@ class FinetuneGrid(_Section):
     checkpoint_every: int | None = Field(
         None, gt=0, description="Checkpoint interval, so a stopped grid resumes a half-done run; steps/4 when unset."
     )
-    eval_batch_size: int = Field(256, gt=0)
+    eval_batch_size: int = Field(256, gt=0, description="Samples per batch when a fine-tuned model is scored.")
     num_workers: int = Field(1, gt=0, description="Ray Train workers per fine-tune run.")
     cpus_per_worker: float | None = Field(
         None, gt=0, description="CPUs per fine-tune worker; unset: as `cluster.cpus_per_worker` of a pre-training run."
     )
-    gpus_per_worker: float = Field(0.0, ge=0)
+    gpus_per_worker: float = Field(0.0, ge=0, description="GPUs per fine-tune worker; 0 runs on CPUs.")
     max_concurrent: int | None = Field(
         None, gt=0, description="Fine-tune runs at once; what the cluster's CPUs/GPUs hold when unset."
     )

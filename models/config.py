@@ -15,7 +15,10 @@ class ModelConfig(BaseModel):
 
     name: str = Field("Ti/4", description='Variant, e.g. "B/16", "L/32", "R50+B/16", "Ti/4".')
     img_size: int = Field(32, gt=0, description="Input resolution in pixels (square).")
-    head: Literal["token", "gap"] = "token"
+    head: Literal["token", "gap"] = Field(
+        "token",
+        description="token: classify the class token (the paper's); gap: the mean of the patch tokens, no class token.",
+    )
     representation_size: int | None = Field(
         None, gt=0, description="Width of the tanh pre-logits layer used in pre-training; none for fine-tuning."
     )

@@ -116,18 +116,26 @@ class MaskedPatchConfig(_Section):
 class TrainConfig(_Section):
     """What is trained and how much: the backend, the objective, the batch and its accumulation."""
 
-    backend: Literal["deepspeed", "xla"] = "deepspeed"
+    backend: Literal["deepspeed", "xla"] = Field(
+        "deepspeed", description="deepspeed: GPUs and CPUs (ZeRO, mixed precision); xla: TPU slices through torch-xla."
+    )
     objective: Literal["auto", "softmax", "sigmoid", "masked_patch"] = Field(
         "auto",
         description="auto: softmax cross-entropy for single-label data, sigmoid for multi-label; masked_patch: "
         "self-supervised masked patch prediction (train.masked_patch), which needs no labels.",
     )
     masked_patch: MaskedPatchConfig = Field(default_factory=MaskedPatchConfig)
-    steps: int = Field(10_000, gt=0)
+    steps: int = Field(10_000, gt=0, description="Optimizer steps of the whole run (the schedule decays to them).")
     batch_size: int = Field(4096, gt=0, description="Global batch (all workers, one optimizer step).")
     micro_batch_size: int = Field(32, gt=0, description="Samples per worker per forward/backward.")
-    zero_stage: int = Field(1, ge=0, le=3)
-    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    zero_stage: int = Field(
+        1,
+        ge=0,
+        le=3,
+        description="DeepSpeed ZeRO: 0 none, 1 optimizer state sharded over the workers, 2 also gradients, 3 also "
+        "weights (gathered in the forward pass).",
+    )
+    label_smoothing: float = Field(0.0, ge=0, lt=1, description="Share of each target spread over all classes.")
     mixup_alpha: float = Field(0.0, ge=0, description="Mixup Beta(alpha, alpha); 0 disables it.")
     compile: bool | None = Field(
         None,
@@ -163,10 +171,12 @@ class OptimConfig(_Section):
 
     name: Literal["adamw", "sgd"] = Field("adamw", description="adamw: pre-training; sgd (momentum): fine-tuning.")
     lr: float = Field(1e-3, gt=0, description="Peak learning rate (after warm-up).")
-    weight_decay: float = Field(0.1, ge=0)
-    b1: float = Field(0.9, ge=0, lt=1)
-    b2: float = Field(0.999, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(
+        0.1, ge=0, description="Decoupled weight decay (AdamW), on weight matrices only: not biases, norms, embeddings."
+    )
+    b1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment decay.")
+    b2: float = Field(0.999, ge=0, lt=1, description="AdamW's second-moment decay.")
+    eps: float = Field(1e-8, gt=0, description="AdamW's denominator epsilon.")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
     grad_clip: float = Field(1.0, ge=0, description="Global grad-norm clip; 0 disables it.")
     ema_decay: float | None = Field(None, gt=0, lt=1, description="Polyak/EMA weight averaging decay.")
@@ -175,9 +185,13 @@ class OptimConfig(_Section):
 class ScheduleConfig(_Section):
     """Learning rate: linear warm-up, then linear or cosine decay to `min_lr` at `train.steps`."""
 
-    warmup_steps: int = Field(10_000, ge=0)
-    decay: Literal["linear", "cosine"] = "linear"
-    min_lr: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(
+        10_000, ge=0, description="Steps of linear warm-up from 0 to optim.lr (unset: capped at train.steps)."
+    )
+    decay: Literal["linear", "cosine"] = Field(
+        "linear", description="Decay after the warm-up, to min_lr at train.steps."
+    )
+    min_lr: float = Field(0.0, ge=0, description="Learning rate at the last step.")
 
 
 class PrecisionConfig(_Section):
@@ -230,7 +244,7 @@ class ClusterConfig(_Section):
     """The worker group. Plain data: cluster/ turns it into Ray's ScalingConfig."""
 
     address: str | None = Field(None, description="Ray address; none starts an embedded local Ray.")
-    num_workers: int = Field(2, gt=0)
+    num_workers: int = Field(2, gt=0, description="Training workers (Ray Train), one per GPU on GPU nodes.")
     cpus_per_worker: float | None = Field(
         None,
         gt=0,
@@ -238,8 +252,10 @@ class ClusterConfig(_Section):
         "Unset: 1 on a CPU run; on GPUs, once Ray is up, a GPU node's CPUs but one per GPU (times "
         "gpus_per_worker); on TPUs a TPU host's CPUs but one (see `with_worker_cpus`).",
     )
-    gpus_per_worker: float = Field(0.0, ge=0)
-    resources_per_worker: dict[str, float] = Field(default_factory=dict)
+    gpus_per_worker: float = Field(0.0, ge=0, description="GPUs each worker reserves; 0 trains on CPUs.")
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=dict, description="Other Ray resources each worker reserves, e.g. {my_node_type: 1}."
+    )
     max_failures: int = Field(0, ge=-1, description="Worker-group restarts from the latest checkpoint; -1 = unlimited.")
     shared_filesystem: bool = Field(
         False,
@@ -342,7 +358,9 @@ class TrainingConfig(_Section):
 
     MOVED_KEYS: ClassVar[dict[str, str]] = MOVED_KEYS
 
-    seed: int = Field(0, ge=0)
+    seed: int = Field(
+        0, ge=0, description="Seeds the model's initialisation, the sample order and every step's randomness."
+    )
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     init: InitConfig = Field(default_factory=InitConfig)

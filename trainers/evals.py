@@ -69,7 +69,7 @@ class ValEvalConfig(_EvalSection):
     """Top-1 of the model being trained on `path` / `split` (by default `data.val_path` /
     `data.val_split`), on every rank (all-reduced)."""
 
-    type: Literal["val"]
+    type: Literal["val"] = Field(description="val: top-1 (and loss) of the model on a labelled split.")
     batch_size: int = Field(256, gt=0, description="Samples per worker per forward.")
     path: StoragePath | None = Field(
         None, description="Prepared dataset scored (local or s3://); data.val_path when unset."
@@ -92,7 +92,7 @@ class FewshotEvalConfig(_EvalSection):
     """A closed-form linear probe on frozen features (as `vitray fewshot`), on rank 0:
     metrics ``<name>/<dataset>_<k>shot`` (mean over seeds)."""
 
-    type: Literal["fewshot"]
+    type: Literal["fewshot"] = Field(description="fewshot: the closed-form linear probe on frozen features.")
     datasets: dict[str, StoragePath] = Field(
         min_length=1, description="name -> prepared dataset (local or s3://), e.g. {digits: /data/digits}."
     )
