@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_pipeline import OUTPUT, write_jpegs
 
 from vitray.data import prepare_dataset
-from vitray.runfolder.checkpoints import latest_complete_checkpoint, read_state
+from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint, read_state
 from vitray.runfolder.files import RunFiles
 
 

@@ -52,8 +52,8 @@ from vitray.data.layout import (
     write_dataset_info,
 )
 from vitray.data.loader import ShardLoader, _share, _TrainStream
-from vitray.runfolder import checkpoints as ckpt
-from vitray.trainers.checkpoint import mark_complete, write_state
+from vitray.runfolder import checkpoint_folders as ckpt
+from vitray.trainers.checkpoint_files import mark_complete, write_state
 
 SEED, EPOCH = 0, 3
 

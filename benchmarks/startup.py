@@ -52,7 +52,10 @@ class CpuMeter:
 
     def __init__(self):
         self.kind, self.root = "rusage", None
-        for kind, root in (("cgroup v1", Path("/sys/fs/cgroup/cpuacct")), ("cgroup v2", Path("/sys/fs/cgroup/unified"))):
+        for kind, root in (
+            ("cgroup v1", Path("/sys/fs/cgroup/cpuacct")),
+            ("cgroup v2", Path("/sys/fs/cgroup/unified")),
+        ):
             probe = root / f"vitray-startup-{uuid.uuid4().hex[:8]}"
             try:
                 probe.mkdir()
@@ -70,7 +73,7 @@ class CpuMeter:
         if group is not None:
             group.mkdir()
             # The child moves itself into the group before it execs: all it starts is counted there.
-            join = f"echo $$ > {group}/cgroup.procs && exec \"$@\""
+            join = f'echo $$ > {group}/cgroup.procs && exec "$@"'
             command = ["sh", "-c", join, "sh", *command]
         try:
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
@@ -120,8 +123,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     results: dict[str, list[tuple[float, float]]] = {"vitray": [], "bare": []}
     with tempfile.TemporaryDirectory(prefix="vitray-startup-") as tmp:
         data = Path(tmp) / "digits"
-        subprocess.run([python, "-m", "vitray.cli", "data", "prepare", "builtin:digits", str(data)], check=True,
-                       capture_output=True, env=env)
+        subprocess.run(
+            [python, "-m", "vitray.cli", "data", "prepare", "builtin:digits", str(data)],
+            check=True,
+            capture_output=True,
+            env=env,
+        )
         for round_ in range(args.rounds):
             storage = Path(tmp) / f"runs-{round_}"
             vitray = [

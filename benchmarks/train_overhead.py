@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from vitray.data import ShardLoader, prepare_dataset, read_dataset_info
 from vitray.models import create_model
-from vitray.runfolder.checkpoints import latest_complete_checkpoint
+from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 from vitray.runfolder.files import RunFiles
 
 

@@ -1,5 +1,5 @@
 """`vitray inspect CHECKPOINT [IMAGES...] --out DIR`: the paper's inspection figures of a checkpoint
-(:mod:`vitray.evaluation.inspection` makes them). Nothing here needs Ray.
+(:mod:`vitray.evaluation.checkpoint_inspection` makes them). Nothing here needs Ray.
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ def inspect(
     out: Annotated[str, typer.Option("--out", "-o", help="Output folder (local or s3://).")] = "inspection",
     num_images: Annotated[
         int, typer.Option(help="Validation images for the attention distance (without IMAGES).", min=1)
-    ] = 128,  # the paper's Fig. 11 (evaluation.inspection.PAPER_NUM_IMAGES)
+    ] = 128,  # the paper's Fig. 11 (evaluation.checkpoint_inspection.PAPER_NUM_IMAGES)
     rollout_images: Annotated[int, typer.Option(help="Images shown with their attention rollout.", min=1)] = 8,
     components: Annotated[int, typer.Option(help="Principal components of the embedding filters.", min=1)] = 28,
     batch_size: Annotated[int, typer.Option(help="Images per forward pass.", min=1)] = 32,
 ):
     """Paper figures of a checkpoint: embedding-filter PCA, position-embedding similarity, mean attention
     distance per head and layer, attention rollout maps. Writes PNGs and the numbers behind them (JSON/Parquet)."""
-    from vitray.evaluation import inspection
+    from vitray.evaluation.checkpoint_inspection import REFUSED, inspect_checkpoint
 
-    with handled(inspection.REFUSED):
-        files = inspection.inspect_checkpoint(
+    with handled(REFUSED):
+        files = inspect_checkpoint(
             checkpoint,
             out,
             images,

@@ -2,7 +2,7 @@
 
 - :func:`resolve_checkpoints`: a checkpoint folder, or a run folder's latest / every complete one,
   as grid inputs (:class:`~vitray.evaluation.grid.CheckpointRef`, found and opened by
-  :mod:`vitray.runfolder.checkpoints`);
+  :mod:`vitray.runfolder.checkpoint_folders`);
 - :func:`load_on_device`: a checkpoint's model on the GPU when asked for and present, else the CPU
   (`vitray fewshot` and the grid's few-shot tasks; a fine-tune cell scores its test split in its
   own run, `vitray.cluster.finetune`).
@@ -15,7 +15,7 @@ from typing import Any
 
 from vitray import storage
 from vitray.evaluation.grid import CheckpointRef
-from vitray.runfolder import checkpoints as ckpt
+from vitray.runfolder import checkpoint_folders as ckpt
 
 
 def absolute(path: str) -> str:

@@ -21,8 +21,8 @@ from vitray.cluster.prepare import prepare_dataset_on_ray
 from vitray.cluster.pretrain import AlreadyFinished, latest_complete, pretrain
 from vitray.cluster.runtime import connect, run_dir
 from vitray.common.config import load_config
+from vitray.evaluation.checkpoint_inspection import add_to_report
 from vitray.evaluation.config import GridConfig
-from vitray.evaluation.inspection import add_to_report
 from vitray.evaluation.reference import in_context, pixel_linear_top1
 from vitray.evaluation.report import summarize
 from vitray.evaluation.results import ResultsTable

@@ -50,7 +50,7 @@ from vitray.evaluation.grid import (
 from vitray.evaluation.results import CellOutcome, ResultsTable, error_text
 from vitray.evaluation.selection import select_lr
 from vitray.evaluation.suite import find_missing
-from vitray.runfolder.checkpoints import find_checkpoints, is_checkpoint
+from vitray.runfolder.checkpoint_folders import find_checkpoints, is_checkpoint
 
 
 @dataclass

@@ -131,7 +131,7 @@ def train_worker(loop_config: dict[str, Any]) -> None:
 
 
 def _prune(run_dir: str, keep: int) -> None:
-    from vitray.runfolder.checkpoints import prune_checkpoints
+    from vitray.runfolder.checkpoint_folders import prune_checkpoints
 
     try:
         prune_checkpoints(run_dir, keep)
@@ -151,7 +151,7 @@ def _choose_restore(checkpoint: ray.train.Checkpoint | None, loop_config: dict[s
     the run (a lost worker: Ray hands back its latest checkpoint), `resume_point` again, knowing the
     driver's choice: only the checkpoints written since are read, and one whose files were lost or
     cut short after Ray registered it is never loaded."""
-    from vitray.runfolder.checkpoints import CheckpointInfo, resume_point
+    from vitray.runfolder.checkpoint_folders import CheckpointInfo, resume_point
 
     run = loop_config["run_dir"]
     announced, step = loop_config.get("resume_from"), loop_config.get("resume_step")
@@ -172,8 +172,8 @@ def _rank_copy(
     """This rank's local copy of the chosen checkpoint and its trainer state: only the files it
     reads for DeepSpeed on the same number of workers; otherwise the whole folder, which Ray
     downloads once per node."""
-    from vitray.runfolder.checkpoints import read_state
-    from vitray.trainers.checkpoint import node_restore_dir, rank_copy
+    from vitray.runfolder.checkpoint_folders import read_state
+    from vitray.trainers.checkpoint_files import node_restore_dir, rank_copy
 
     path = choice[0]
     select = lambda state, names: None  # noqa: E731 -- XLA reads its whole checkpoint
@@ -295,7 +295,7 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
     finished run, RunLeaseHeld when another driver runs it, and Preempted after a SIGTERM or Ctrl-C
     once the workers have checkpointed and stopped.
     """
-    from vitray.runfolder.checkpoints import describe_resume, resume_point
+    from vitray.runfolder.checkpoint_folders import describe_resume, resume_point
     from vitray.runfolder.files import RunFiles
     from vitray.runfolder.lease import RunLease
     from vitray.trainers.preemption import clear_stop
@@ -479,14 +479,14 @@ def latest_complete(folder: str):
     """The run folder's newest complete checkpoint (what a re-run or `vitray export` takes), not
     Ray's last reported one, which a failed upload could leave incomplete; from a fresh listing
     (this process listed the folder before training, and s3fs caches listings)."""
-    from vitray.runfolder.checkpoints import latest_complete_checkpoint
+    from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 
     storage.filesystem(folder)[0].invalidate_cache()
     return latest_complete_checkpoint(folder)
 
 
 def _last_step(folder: str) -> dict:
-    from vitray.runfolder.checkpoints import latest_complete_checkpoint
+    from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 
     try:
         latest = latest_complete_checkpoint(folder)

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 
 from vitray import storage
-from vitray.runfolder.checkpoints import load_checkpoint
+from vitray.runfolder.checkpoint_folders import load_checkpoint
 
 FORMATS = ("npz", "safetensors", "timm", "onnx")
 FOLDER_FORMATS = ("timm",)

@@ -8,7 +8,7 @@
   <storage>/<run name>/vitray/attempts/        one JSON record per `vitray pretrain` of the run
   <storage>/<run name>/vitray/stop.json        a pre-emption notice for the workers (`vitray.trainers.preemption`)
 
-The checkpoint_* folders are found and opened by :mod:`vitray.runfolder.checkpoints`.
+The checkpoint_* folders are found and opened by :mod:`vitray.runfolder.checkpoint_folders`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from typing import Any
 
 from vitray import storage
 from vitray.common.failures import describe_failure
-from vitray.runfolder.checkpoints import find_checkpoints
+from vitray.runfolder.checkpoint_folders import find_checkpoints
 from vitray.runfolder.files import RunFiles
 from vitray.runfolder.lease import read_lease
 

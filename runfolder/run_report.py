@@ -12,7 +12,7 @@ import datetime
 import shlex
 from typing import Any
 
-from vitray.runfolder.checkpoints import latest_complete_checkpoint
+from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 from vitray.runfolder.files import RunFiles
 
 

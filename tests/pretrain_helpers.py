@@ -13,7 +13,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from vitray.runfolder.checkpoints import find_checkpoints, latest_complete_checkpoint
+from vitray.runfolder.checkpoint_folders import find_checkpoints, latest_complete_checkpoint
 
 # A small, quick recipe: Ti/4 at 16 px on digits, 2 CPU workers, fp32, ZeRO-1.
 BASE = [

@@ -531,6 +531,46 @@ def test_no_two_rooms_share_a_module_name_for_transfer_evaluation() -> None:
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
 
 
+# The rooms one concern crosses (a checkpoint: written on a worker, read by the driver; inspection:
+# computed, drawn, run on a checkpoint); within any one package every module counts.
+CONCERN_ROOMS = ("trainers", "runfolder", "evaluation", "cluster")
+
+
+def alike_module_names(root: Path) -> list[str]:
+    """Modules whose names are one word with another ending (`checkpoint`, `checkpoints`,
+    `checkpointer`): in one folder, or across `CONCERN_ROOMS`."""
+
+    def word(stem: str) -> str:
+        return re.sub(r"(ions?|ers?|ing|s)$", "", stem)
+
+    modules = [path for package in MAY_IMPORT for path in package_files(root, package) if path.stem != "__init__"]
+    found = []
+    for a, b in ((a, b) for i, a in enumerate(modules) for b in modules[i + 1 :]):
+        rooms = {path.relative_to(root).parts[0] for path in (a, b)}
+        crossing = a.parent == b.parent or rooms <= set(CONCERN_ROOMS)
+        if crossing and a.stem != b.stem and word(a.stem) == word(b.stem):
+            found.append(" ~ ".join(sorted(str(path.relative_to(root)) for path in (a, b))))
+    return sorted(found)
+
+
+def test_module_names_tell_apart_what_they_hold(tmp_path: Path) -> None:
+    """`trainers/checkpoint.py`, `trainers/checkpointer.py` and `runfolder/checkpoints.py`, and
+    `evaluation/inspect.py` beside `inspection.py`, said nothing of which held what (issue 39): a
+    module is not named as another with only its ending changed."""
+    assert alike_module_names(REPO) == []
+    old = write_tree(
+        tmp_path,
+        {f"{name}.py": "" for name in ("trainers/checkpoint", "trainers/checkpointer", "runfolder/checkpoints")}
+        | {"evaluation/inspect.py": "", "evaluation/inspection.py": "", "data/loader.py": "", "models/loading.py": ""},
+    )
+    assert alike_module_names(old) == [
+        "evaluation/inspect.py ~ evaluation/inspection.py",
+        "runfolder/checkpoints.py ~ trainers/checkpoint.py",
+        "runfolder/checkpoints.py ~ trainers/checkpointer.py",
+        "trainers/checkpoint.py ~ trainers/checkpointer.py",
+    ]
+
+
 def test_every_by_name_import_names_a_module_that_exists() -> None:
     named = [
         imp

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vitray.runfolder import checkpoints as ckpt
+from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.backend import PendingSave
 from vitray.trainers.checkpointer import Checkpointer
 from vitray.trainers.ema import Ema, WholeWeights

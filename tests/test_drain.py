@@ -22,7 +22,7 @@ from pretrain_helpers import (
 )
 from ray_cluster import loopback_cluster
 
-from vitray.runfolder.checkpoints import latest_complete_checkpoint
+from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 from vitray.runfolder.files import RunFiles
 
 pytestmark = pytest.mark.slow

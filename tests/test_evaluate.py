@@ -29,7 +29,7 @@ from vitray.evaluation.grid import CheckpointRef, plan_grid
 from vitray.evaluation.report import summarize
 from vitray.evaluation.results import ResultsTable
 from vitray.evaluation.top1 import split_top1
-from vitray.runfolder.checkpoints import (
+from vitray.runfolder.checkpoint_folders import (
     IncompleteCheckpointError,
     find_checkpoints,
     latest_complete_checkpoint,

@@ -283,8 +283,8 @@ def test_a_results_writer_killed_mid_part_leaves_no_half_written_parquet(tmp_pat
 
 
 def test_resume_point_names_the_newer_checkpoints_it_skips_and_why(tmp_path):
-    from vitray.runfolder import checkpoints as ckpt
-    from vitray.trainers.checkpoint import files_under, mark_complete, write_state
+    from vitray.runfolder import checkpoint_folders as ckpt
+    from vitray.trainers.checkpoint_files import files_under, mark_complete, write_state
 
     run_dir = tmp_path / "run"
     for name, step in (("checkpoint_2026-01-01_00-00-00.000001", 6), ("checkpoint_2026-01-01_00-01-00.000001", 12)):
@@ -308,8 +308,8 @@ def test_resume_point_knowing_a_checkpoint_reads_only_the_newer_ones(tmp_path, m
     checkpoint the driver chose and verified: only what was written since is read."""
     import shutil
 
-    from vitray.runfolder import checkpoints as ckpt
-    from vitray.trainers.checkpoint import files_under, mark_complete, write_state
+    from vitray.runfolder import checkpoint_folders as ckpt
+    from vitray.trainers.checkpoint_files import files_under, mark_complete, write_state
 
     run_dir = tmp_path / "run"
     folders = []
@@ -338,8 +338,8 @@ def test_resume_point_knowing_a_checkpoint_reads_only_the_newer_ones(tmp_path, m
 def test_pruning_keeps_the_newest_complete_checkpoints_and_anything_newer(tmp_path):
     """checkpoint.keep counts complete checkpoints only: uploads that failed (silently, as Ray's
     pyarrow upload can) never push the last complete checkpoint out."""
-    from vitray.runfolder import checkpoints as ckpt
-    from vitray.trainers.checkpoint import files_under, mark_complete, write_state
+    from vitray.runfolder import checkpoint_folders as ckpt
+    from vitray.trainers.checkpoint_files import files_under, mark_complete, write_state
 
     run_dir = tmp_path / "run"
     names = []

@@ -34,7 +34,7 @@ from pretrain_helpers import (
     vitray_cmd,
 )
 
-from vitray.runfolder.checkpoints import find_checkpoints, latest_complete_checkpoint, verify_complete
+from vitray.runfolder.checkpoint_folders import find_checkpoints, latest_complete_checkpoint, verify_complete
 from vitray.runfolder.files import RunFiles
 from vitray.runfolder.lease import read_lease
 

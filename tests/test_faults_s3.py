@@ -17,7 +17,7 @@ from safetensors.torch import load
 
 from vitray import storage
 from vitray.data import EvalLoader, prepare_dataset
-from vitray.runfolder.checkpoints import latest_complete_checkpoint
+from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 
 
 @pytest.fixture

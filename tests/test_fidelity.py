@@ -17,8 +17,8 @@ from vitray.data.transforms import EVAL_CROP_FRACTION, TRAIN_CROP_SCALE
 from vitray.evaluation.finetune_recipe import FinetuneRecipe
 from vitray.evaluation.suite import get_benchmark
 from vitray.models import ModelConfig, create_model
-from vitray.runfolder import checkpoints as ckpt
-from vitray.trainers.checkpoint import files_under, mark_complete, write_state
+from vitray.runfolder import checkpoint_folders as ckpt
+from vitray.trainers.checkpoint_files import files_under, mark_complete, write_state
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.ema import Ema, WholeWeights
 from vitray.trainers.evals import EvalEnv, Evaluator, FewshotEvalConfig, ValEvalConfig

@@ -26,7 +26,7 @@ from vitray.evaluation.finetune_recipe import FinetuneRecipe
 from vitray.evaluation.grid import CheckpointRef, finetune_settings, plan_grid
 from vitray.evaluation.suite import get_benchmark
 from vitray.models import resample_posemb
-from vitray.runfolder.checkpoints import latest_complete_checkpoint, read_state
+from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint, read_state
 from vitray.runfolder.files import RunFiles
 from vitray.trainers.evals import TEST, TEST_TOP1, VAL, VAL_TOP1, EvalEnv, ValEvalConfig, ValEvaluator
 

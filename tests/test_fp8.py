@@ -16,7 +16,7 @@ from torch import nn
 
 from vitray.common.config import load_config
 from vitray.models import ModelConfig, create_model_from_config
-from vitray.runfolder import checkpoints as ckpt
+from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.float8 import convert_to_fp8, fp8_device_problem
 from vitray.trainers.preflight import PreflightError, check_inputs

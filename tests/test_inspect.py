@@ -18,17 +18,17 @@ from sklearn.decomposition import PCA
 from typer.testing import CliRunner
 
 from vitray.cli.main import app
-from vitray.evaluation.inspect import (
+from vitray.evaluation.checkpoint_inspection import InspectionInputError, validation_images
+from vitray.evaluation.inspection_figures import FIGURES, inspect_model
+from vitray.evaluation.inspection_math import (
     attention_rollout,
     attention_statistics,
     mean_attention_distance,
     patch_embedding_pcs,
     posemb_similarity,
 )
-from vitray.evaluation.inspect_plots import FIGURES, inspect_model
-from vitray.evaluation.inspection import InspectionInputError, validation_images
 from vitray.models import create_model
-from vitray.runfolder.checkpoints import load_checkpoint
+from vitray.runfolder.checkpoint_folders import load_checkpoint
 
 NUMBERS = {
     "patch_embedding_pcs": "patch_embedding_pcs.json",
@@ -352,7 +352,7 @@ def test_validation_data_that_cannot_be_found_asks_for_images(tmp_path):
 
 @pytest.mark.slow
 def test_demo_report_gets_the_inspection_figures(pretrained, tmp_path):
-    from vitray.evaluation.inspection import REPORT_FOLDER, add_to_report
+    from vitray.evaluation.checkpoint_inspection import REPORT_FOLDER, add_to_report
 
     report = tmp_path / "report" / "report.md"
     report.parent.mkdir()

@@ -18,7 +18,7 @@ from PIL import Image
 from vitray.common.config import ConfigError, load_config
 from vitray.data import ShardLoader, prepare_dataset, read_dataset_info, to_model_range
 from vitray.models import create_model, load_safetensors, save_npz, save_safetensors
-from vitray.runfolder import checkpoints as ckpt
+from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
 from vitray.trainers.masked_patch import (

@@ -21,7 +21,7 @@ from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from vitray.common.config import load_config
-from vitray.runfolder import checkpoints as ckpt
+from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.runfolder.files import RunFiles
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext

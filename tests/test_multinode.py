@@ -32,7 +32,7 @@ from safetensors.torch import load
 
 from vitray import storage
 from vitray.data import prepare_dataset
-from vitray.runfolder.checkpoints import latest_complete_checkpoint
+from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 from vitray.runfolder.files import RunFiles
 
 pytestmark = pytest.mark.slow

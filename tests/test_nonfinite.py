@@ -35,7 +35,7 @@ from pretrain_helpers import (
 
 from vitray.common.config import ConfigError, load_config
 from vitray.data.layout import read_manifest
-from vitray.runfolder.checkpoints import latest_complete_checkpoint
+from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 from vitray.runfolder.files import RunFiles
 from vitray.trainers.config import TrainingConfig
 

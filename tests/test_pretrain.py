@@ -18,7 +18,7 @@ from pretrain_helpers import (
     run_until_checkpoint,
 )
 
-from vitray.runfolder.checkpoints import (
+from vitray.runfolder.checkpoint_folders import (
     IncompleteCheckpointError,
     find_checkpoints,
     latest_complete_checkpoint,

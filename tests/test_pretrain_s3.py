@@ -11,9 +11,9 @@ from safetensors.torch import load, load_file
 
 from vitray.data import prepare_dataset
 from vitray.models.io_safetensors import read_safetensors_metadata
-from vitray.runfolder.checkpoints import find_checkpoints
+from vitray.runfolder.checkpoint_folders import find_checkpoints
 from vitray.storage import read_bytes
-from vitray.trainers import checkpoint as ckpt
+from vitray.trainers import checkpoint_files as ckpt
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 from vitray.cli.main import app
 from vitray.common.config import load_config
 from vitray.evaluation.config import GridConfig
-from vitray.runfolder import checkpoints as ckpt
-from vitray.runfolder.checkpoints import latest_complete_checkpoint
+from vitray.runfolder import checkpoint_folders as ckpt
+from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 from vitray.runfolder.files import RunFiles
 from vitray.trainers.config import TrainingConfig
 

@@ -25,8 +25,8 @@ import pytest
 from vitray.data.loader import ShardLoader
 from vitray.data.plan import ExtentTable, ShardRange, epoch_plan, rank_slots
 from vitray.data.splits import split_extents, split_table
-from vitray.runfolder import checkpoints as ckpt
-from vitray.trainers.checkpoint import mark_complete, node_restore_dir, rank_copy
+from vitray.runfolder import checkpoint_folders as ckpt
+from vitray.trainers.checkpoint_files import mark_complete, node_restore_dir, rank_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from vitray.common.config import load_config
 from vitray.models import create_model
-from vitray.runfolder import checkpoints as ckpt
+from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
 from vitray.trainers.ema import Ema, WholeWeights

@@ -68,7 +68,7 @@ def reference(digits_dataset, tmp_path_factory):
 
 
 def test_xla_run_trains_compiles_once_and_checkpoints_with_dcp(reference):
-    from vitray.runfolder.checkpoints import find_checkpoints, verify_complete
+    from vitray.runfolder.checkpoint_folders import find_checkpoints, verify_complete
 
     metrics = _metrics(reference["run_dir"])
     assert [m["step"] for m in metrics] == list(range(2, STEPS + 1, 2))
@@ -200,7 +200,7 @@ def test_killed_worker_resumes_exactly(digits_dataset, reference, tmp_path):
 def test_checkpoint_from_four_devices_resumes_on_two(digits_dataset, reference, tmp_path):
     import torch
 
-    from vitray.runfolder.checkpoints import find_checkpoints
+    from vitray.runfolder.checkpoint_folders import find_checkpoints
     from vitray.trainers.keys import collect_keys
 
     run_dir = tmp_path / "runs" / "ref"
@@ -250,7 +250,7 @@ def test_exported_weights_give_the_same_logits_on_deepspeed(reference, process_g
     from vitray.common.config import load_config
     from vitray.data import EvalLoader
     from vitray.models import create_model, load_safetensors
-    from vitray.runfolder.checkpoints import load_checkpoint
+    from vitray.runfolder.checkpoint_folders import load_checkpoint
     from vitray.runfolder.export import export
     from vitray.trainers.config import TrainingConfig
     from vitray.trainers.deepspeed_backend import DeepSpeedBackend

@@ -17,7 +17,7 @@ import torch
 from pretrain_helpers import assert_same_weights, pretrain_args, run
 from safetensors.torch import load_file
 
-from vitray.runfolder.checkpoints import find_checkpoints, latest_complete_checkpoint, verify_complete
+from vitray.runfolder.checkpoint_folders import find_checkpoints, latest_complete_checkpoint, verify_complete
 from vitray.runfolder.files import RunFiles
 
 pytestmark = pytest.mark.slow

@@ -29,7 +29,7 @@ from vitray.data import ShardLoader, read_dataset_info
 from vitray.data.batch import UnreadableData
 from vitray.data.eval_loader import start_worker_server
 from vitray.models import ModelConfig, create_model_from_config
-from vitray.runfolder import checkpoints as ckpt
+from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.runfolder.files import RunFiles
 from vitray.trainers.attention import attention_context, attention_kernel, model_attention_shape
 from vitray.trainers.backend import TrainBackend, create_backend

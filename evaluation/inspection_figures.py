@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from vitray.evaluation.inspect import (
+from vitray.evaluation.inspection_math import (
     PAPER_NUM_COMPONENTS,
     AttentionStatistics,
     attention_statistics,

@@ -10,7 +10,7 @@ Layout of a checkpoint folder:
 
 A checkpoint counts only when every rank's completion record is there and every file it lists
 has the recorded size, so a half-written or half-uploaded checkpoint is never loaded. The ranks
-write it (`vitray.trainers.checkpoint`); everything here only reads.
+write it (`vitray.trainers.checkpoint_files`); everything here only reads.
 
 Finding and opening checkpoints (local or s3://), the one way every command does it:
 :func:`find_checkpoints` (a run's checkpoint folders, oldest first, each checked),

@@ -1,7 +1,9 @@
 """A checkpoint's inspection figures (`vitray inspect`, and the demo's report): the paper's
 patch-embedding filter PCA, position-embedding similarity, mean attention distance per head and
-layer, and attention rollout maps (section 4.5, Fig. 6, 7, 11), each as a PNG with the numbers behind
-it (:mod:`vitray.evaluation.inspect_plots`), of the checkpoint's own validation images or given ones.
+layer, and attention rollout maps (section 4.5, Fig. 6, 7, 11), each as a PNG with the numbers
+behind it (:mod:`vitray.evaluation.inspection_figures` draws them from
+:mod:`vitray.evaluation.inspection_math`'s numbers), of the checkpoint's own validation images or
+given ones.
 
 :func:`inspect_checkpoint` does it all; :func:`add_to_report` appends the figures to a report.md.
 Nothing here needs Ray.
@@ -18,8 +20,8 @@ import torch
 from vitray import storage
 from vitray.data import EvalLoader, eval_transform
 from vitray.data.transforms import CorruptSample, decode_image
-from vitray.evaluation.inspect_plots import InspectionFiles, inspect_model
-from vitray.runfolder.checkpoints import IncompleteCheckpointError, load_checkpoint
+from vitray.evaluation.inspection_figures import InspectionFiles, inspect_model
+from vitray.runfolder.checkpoint_folders import IncompleteCheckpointError, load_checkpoint
 
 PAPER_NUM_IMAGES = 128  # the paper's Fig. 11 averages over 128 images
 REPORT_FOLDER = "inspection"  # beside report.md

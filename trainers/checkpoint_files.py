@@ -1,8 +1,10 @@
 """One rank's side of a checkpoint folder: writing its files and its completion record, and the
 local copy of the checkpoint it resumes from.
 
-The layout, and when a checkpoint counts as complete, are `vitray.runfolder.checkpoints`'s (which
-the driver reads); the rank writes its completion record last, after every file it lists.
+The layout, and when a checkpoint counts as complete, are `vitray.runfolder.checkpoint_folders`'s
+(which the driver reads); the rank writes its completion record last, after every file it lists.
+When to save, the background write and restoring are `vitray.trainers.checkpointer`'s, which uses
+these.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vitray import storage
-from vitray.runfolder.checkpoints import (
+from vitray.runfolder.checkpoint_folders import (
     COMPLETION_PREFIX,
     EMA_FILE,
     MODEL_FILE,
