@@ -131,28 +131,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         )
         for round_ in range(args.rounds):
             storage = Path(tmp) / f"runs-{round_}"
-            vitray = [
-                python,
-                "-m",
-                "vitray.cli",
-                "pretrain",
-                "-c",
-                str(REPO / "configs" / "demo.yaml"),
-                "--set",
+            sets = [
                 f"data.train={data}",
-                "--set",
                 f"run.storage={storage}",
-                "--set",
                 f"run.name=r{round_}",
-                "--set",
                 f"train.steps={args.steps}",
-                "--set",
                 f"checkpoint.every={args.steps}",
-                "--set",
                 "schedule.warmup_steps=1",
-                "--set",
                 "log.every=2",
             ]
+            recipe = str(REPO / "configs" / "demo.yaml")
+            vitray = [python, "-m", "vitray.cli", "pretrain", "-c", recipe, *[a for v in sets for a in ("--set", v)]]
             bare = [python, "-c", BARE, str(Path(tmp) / f"bare-{round_}")]
             order = [("vitray", vitray), ("bare", bare)] if round_ % 2 == 0 else [("bare", bare), ("vitray", vitray)]
             for name, command in order:
