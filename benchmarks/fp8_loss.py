@@ -12,7 +12,7 @@ Prints the mean loss of a few windows of steps for both and the end's relative d
 mean over the last 50 steps): the issue's bar is 1%.
 
     python3 benchmarks/fp8_loss.py                                  # B/16, 224 px, 500 steps (a GPU)
-    python3 benchmarks/fp8_loss.py --model Ti/16 --img-size 32 --batch 16 --steps 40   # CPU (emulated fp8)
+    python3 benchmarks/fp8_loss.py --model Ti/16 --img-size 32 --batch 16 --steps 40 --fp8-layers all   # CPU (emulated)
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--classes", type=int, default=100, help="classes of the task (<= 1000)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--window", type=int, default=50, help="steps averaged for the end's loss (default 50)")
+    parser.add_argument("--fp8-layers", choices=["auto", "all"], default="auto", help="precision.fp8_layers")
     args = parser.parse_args(argv)
     if not 1 < args.classes <= NUM_CLASSES or args.steps < args.window:
         parser.error(f"--classes in 2..{NUM_CLASSES} and --steps >= --window")
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 f"train.steps={args.steps}",
                 "train.zero_stage=1",
                 f"precision.dtype={dtype}",
+                f"precision.fp8_layers={args.fp8_layers}",
                 f"optim.lr={args.lr}",
                 f"schedule.warmup_steps={max(1, args.steps // 10)}",
                 "schedule.decay=cosine",

@@ -174,22 +174,8 @@ def test_gpu_step_benchmark_runs_tiny_on_the_cpu(process_group, capsys):
     gpu_step = importlib.util.module_from_spec(spec)
     sys.modules["gpu_step"] = gpu_step  # dataclasses look their module up there
     spec.loader.exec_module(gpu_step)
-    result = gpu_step.main(
-        [
-            "--model",
-            "Ti/16",
-            "--img-size",
-            "32",
-            "--batch",
-            "4",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--dtypes",
-            "bf16,fp8",
-        ]
-    )
+    tiny = "--model Ti/16 --img-size 32 --batch 4 --steps 2 --warmup 1 --dtypes bf16,fp8 --fp8-layers all"
+    result = gpu_step.main(tiny.split())
     printed = capsys.readouterr().out
     assert result["vitray_images_per_s"] > 0 and result["reference_images_per_s"] > 0
     assert result["ratio"] == pytest.approx(result["vitray_images_per_s"] / result["reference_images_per_s"])

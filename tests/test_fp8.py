@@ -18,7 +18,7 @@ from vitray.common.config import load_config
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.float8 import convert_to_fp8, fp8_device_problem
+from vitray.trainers.float8 import convert_to_fp8, float8_layer_names, fp8_device_problem
 from vitray.trainers.preflight import PreflightError, check_inputs
 
 
@@ -32,7 +32,7 @@ def _bf16_and_fp8_models(scaling: str = "tensorwise") -> tuple[nn.Module, nn.Mod
     nn.init.normal_(model.head.weight, std=0.02)  # a zero head (the paper's init) passes no gradient back
     reference = model.bfloat16()
     fp8 = copy.deepcopy(reference)
-    convert_to_fp8(fp8, scaling, emulate=True)
+    convert_to_fp8(fp8, scaling, emulate=True, layers="all")  # Ti/16 is too narrow for "auto" to pick any
     return reference, fp8
 
 
@@ -76,7 +76,7 @@ def _weights(checkpoint_dir: str) -> dict[str, torch.Tensor]:
 def test_fp8_run_checkpoints_and_resumes_bit_exactly(process_group, digits_dataset, tmp_path):
     """6 steps straight against a new loop resumed from the straight run's step-3 checkpoint: the same
     weights at step 6, bit for bit (dynamic scaling keeps no state beyond the weights)."""
-    extra = ("precision.dtype=fp8", "train.steps=6", "checkpoint.every=3", "log.every=3")
+    extra = ("precision.dtype=fp8", "precision.fp8_layers=all", "train.steps=6", "checkpoint.every=3", "log.every=3")
     saved: dict[str, list[tuple[int, str]]] = {"straight": [], "resumed": []}
 
     def keep(name):
@@ -98,6 +98,31 @@ def test_fp8_run_checkpoints_and_resumes_bit_exactly(process_group, digits_datas
     at_three = _weights(first)
     assert any(not torch.equal(at_three[k], final_straight[k]) for k in at_three)
     assert "blocks.0.mlp.fc1.weight" in final_straight
+
+
+@pytest.mark.parametrize(
+    ("name", "scaling", "expected"),
+    [
+        ("H/14", "tensorwise", ("qkv", "proj", "fc1", "fc2")),  # wide enough everywhere
+        ("L/16", "tensorwise", ("qkv", "fc1")),  # proj and fc2 have 1,024 outputs: float8 is slower there
+        ("B/16", "tensorwise", ("qkv", "fc1")),
+        ("S/16", "tensorwise", ("qkv", "fc1")),
+        ("Ti/16", "tensorwise", ()),
+        ("H/14", "rowwise", ("fc1",)),  # a scale per row needs the larger products
+        ("L/16", "rowwise", ()),
+    ],
+)
+def test_auto_takes_the_layers_where_float8_is_faster(name, scaling, expected):
+    with torch.device("meta"):
+        model = create_model_from_config(ModelConfig(name=name, img_size=224), 1000)
+    chosen = float8_layer_names(model, scaling)
+    depth = len(model.blocks)
+    assert sorted(chosen) == sorted(
+        f"blocks.{i}.{'attn' if layer in ('qkv', 'proj') else 'mlp'}.{layer}"
+        for i in range(depth)
+        for layer in expected
+    )
+    assert len(float8_layer_names(model, scaling, "all")) == 4 * depth  # and never the head or the embedding
 
 
 def test_fp8_is_refused_where_it_cannot_run(digits_dataset, tmp_path, monkeypatch):
@@ -125,6 +150,11 @@ def test_fp8_is_refused_where_it_cannot_run(digits_dataset, tmp_path, monkeypatc
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(PreflightError, match=r"compute capability 8\.9 or later.*use precision\.dtype=bf16"):
         check_inputs(cfg)
+    monkeypatch.undo()
+    # A model too narrow for float8 to pay (the default Ti/4 here) under fp8_layers=auto: before Ray.
+    with pytest.raises(PreflightError, match=r"wide enough for float8 to be faster.*precision\.fp8_layers=all"):
+        check_inputs(cfg)
+    check_inputs(cfg.model_copy(update={"precision": cfg.precision.model_copy(update={"fp8_layers": "all"})}))
     # The TPU backend has no float8 path: refused when the config is read.
     with pytest.raises(ValueError, match="precision.dtype=fp8 is for GPUs"):
         load_config(TrainingConfig, None, [f"data.train={digits_dataset}", "train.backend=xla", "precision.dtype=fp8"])

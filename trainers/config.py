@@ -206,6 +206,12 @@ class PrecisionConfig(_Section):
         description="With dtype=fp8: one float8 scale per tensor (fastest on H100/H200) or per row (more "
         "accurate with outliers, slower on Hopper).",
     )
+    fp8_layers: Literal["auto", "all"] = Field(
+        "auto",
+        description="With dtype=fp8, which of the blocks' linear layers compute in float8: auto, those wide enough "
+        "for float8 to be faster than bf16 on an H100 (all of H/14; qkv and fc1 of S/16 to L/16; none of Ti/16, "
+        "which is refused); all, every one (numerics on small models).",
+    )
 
 
 class CheckpointConfig(_Section):

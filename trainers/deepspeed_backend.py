@@ -93,7 +93,7 @@ def build_engine(model: nn.Module, cfg: TrainingConfig, *, world_size: int, load
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
     if cfg.precision.dtype == "fp8":  # before compiling: the compiler fuses the float8 casts
-        convert_to_fp8(model, cfg.precision.fp8_scaling, emulate=fp8_emulated())
+        convert_to_fp8(model, cfg.precision.fp8_scaling, emulate=fp8_emulated(), layers=cfg.precision.fp8_layers)
     if compile_enabled(cfg.train.compile):
         model.compile()  # in place: parameter names, hence checkpoints, stay those of the bare model
     # Fused AdamW (one kernel for all parameters); ZeRO hands it its flat fp32 partitions. Fused on

@@ -7,9 +7,11 @@ products (forward, gradient of the input, gradient of the weight) casts its oper
 with a scale computed from the tensor itself at that moment ("dynamic" scaling: no amax history
 to checkpoint, so a resumed run computes exactly what an uninterrupted one does).
 
-Which layers: the blocks' qkv, proj, fc1 and fc2 -- where nearly all the FLOPs are. The patch
-embedding, the head and the norms stay bf16 (small, and the head's logits are the most sensitive
-to rounding), as in torchtitan and torchao's own recipes.
+Which layers (`precision.fp8_layers`): of the blocks' qkv, proj, fc1 and fc2 -- where nearly all
+the FLOPs are -- "auto" takes those wide enough for float8 to be faster than bf16 on an H100
+(`gains_from_float8`), "all" every one (numerics on small models, tests). The patch embedding,
+the head and the norms stay bf16 (small, and the head's logits are the most sensitive to
+rounding), as in torchtitan and torchao's own recipes.
 
 Scaling (`precision.fp8_scaling`): "tensorwise" (the default) keeps one scale per tensor, which
 Hopper's float8 tensor cores take directly: the fastest recipe on H100/H200. "rowwise" keeps one
@@ -45,8 +47,7 @@ def fp8_device_problem(device_type: str, capability: tuple[int, int] | None, dev
 
 
 def is_block_linear(module: nn.Module, fqn: str) -> bool:
-    """The layers that compute in float8: linear layers inside the transformer blocks whose both
-    dimensions suit the float8 products."""
+    """A linear layer inside the transformer blocks whose both dimensions suit the float8 products."""
     return (
         isinstance(module, nn.Linear)
         and (fqn.startswith("blocks.") or ".blocks." in fqn)
@@ -55,20 +56,55 @@ def is_block_linear(module: nn.Module, fqn: str) -> bool:
     )
 
 
-def convert_to_fp8(model: nn.Module, scaling: str, *, emulate: bool) -> int:
-    """Swaps the blocks' linear layers of `model` for torchao's Float8Linear in place (before the
-    model is compiled and handed to the engine); returns how many were swapped."""
+def gains_from_float8(module: nn.Linear, scaling: str) -> bool:
+    """Whether float8 is faster than bf16 for this layer's product on an H100, by torchao's measured
+    thresholds (its float8 README's tables; `torchao.float8._auto_filter_for_recipe` applies the same):
+    below them the casts around the product (an amax reduction and a scaled copy of each operand)
+    cost more than the faster product saves. For ViT (tensorwise): every block layer of H/14 and
+    wider; of S/16 to L/16 only qkv and fc1 (proj and fc2 have 1,024 outputs or fewer); none of Ti/16."""
+    out_features, in_features = module.out_features, module.in_features
+    if scaling == "tensorwise":
+        return not (in_features <= 4096 and out_features <= 1024)
+    # rowwise: larger products are needed to pay for a scale per row
+    return not (out_features <= 2048 or in_features <= 1024 or (out_features <= 4096 and in_features <= 2048))
+
+
+def float8_layer_names(model: nn.Module, scaling: str, layers: str = "auto") -> list[str]:
+    """The blocks' linear layers that compute in float8: with `layers="auto"` those where float8 is
+    the faster (`gains_from_float8`), with "all" every one. A model on the meta device will do."""
+    return [
+        fqn
+        for fqn, module in model.named_modules()
+        if is_block_linear(module, fqn) and (layers == "all" or gains_from_float8(module, scaling))
+    ]
+
+
+def no_float8_layer(layers: str) -> str:
+    """The one-line refusal of a model with no layer to train in float8."""
+    if layers == "all":
+        return (
+            "precision.dtype=fp8: no linear layer of the model's blocks has both dimensions divisible by 16; "
+            "use precision.dtype=bf16 for this model"
+        )
+    return (
+        "precision.dtype=fp8: no linear layer of the model's blocks is wide enough for float8 to be faster than bf16 "
+        "(those of H/14 are, and qkv and fc1 of S/16 to L/16); use precision.dtype=bf16, or "
+        "precision.fp8_layers=all to train in float8 anyway"
+    )
+
+
+def convert_to_fp8(model: nn.Module, scaling: str, *, emulate: bool, layers: str = "auto") -> list[str]:
+    """Swaps the layers `float8_layer_names` chooses for torchao's Float8Linear, in place (before the
+    model is compiled and handed to the engine); returns their names."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as err:  # a dependency of vitray; missing only in a hand-made environment
         raise RuntimeError(f"precision.dtype=fp8 needs torchao ({err}): pip install torchao") from err
+    names = float8_layer_names(model, scaling, layers)
+    if not names:
+        raise ValueError(no_float8_layer(layers))
     recipe = Float8LinearConfig.from_recipe_name(scaling)
     config = Float8LinearConfig(**{**vars(recipe), "emulate": emulate})
-    convert_to_float8_training(model, config=config, module_filter_fn=is_block_linear)
-    swapped = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
-    if not swapped:
-        raise ValueError(
-            "precision.dtype=fp8: no linear layer of the model's blocks has both dimensions divisible by 16; "
-            "use precision.dtype=bf16 for this model"
-        )
-    return swapped
+    chosen = set(names)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn in chosen)
+    return names

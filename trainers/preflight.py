@@ -32,7 +32,7 @@ from vitray.data.layout import DatasetInfo, read_dataset_info, read_split
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.float8 import fp8_device_problem
+from vitray.trainers.float8 import float8_layer_names, fp8_device_problem, no_float8_layer
 from vitray.trainers.trackers import missing_tracker_packages
 
 __all__ = ["PreflightError", "ResumePlan", "check_inputs", "check_model", "check_resume", "config_changes"]
@@ -94,17 +94,18 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
         raise PreflightError(
             f"{' and '.join(missing)} not installed: pip install 'vitray[trackers]', or unset the setting"
         )
-    if cfg.precision.dtype == "fp8":
-        _check_fp8(cfg)
     model = _check_init_checkpoint(cfg) if cfg.init.checkpoint else cfg.model
+    if cfg.precision.dtype == "fp8":
+        _check_fp8(cfg, model)
     check_model(model, info.num_classes)
     return info
 
 
-def _check_fp8(cfg: TrainingConfig) -> None:
-    """torchao present and, where the workers use GPUs and this machine has one (a single machine,
-    a GPU head node), that GPU has float8 tensor cores. Other nodes' GPUs are checked by each worker
-    as it builds its engine, with the same message."""
+def _check_fp8(cfg: TrainingConfig, model: ModelConfig) -> None:
+    """torchao present; some layer of `model` to train in float8 (`precision.fp8_layers`); and,
+    where the workers use GPUs and this machine has one (a single machine, a GPU head node), that GPU
+    has float8 tensor cores. Other nodes' GPUs are checked by each worker as it builds its engine,
+    with the same message."""
     try:
         import torchao.float8  # noqa: F401
     except ImportError as err:
@@ -113,6 +114,13 @@ def _check_fp8(cfg: TrainingConfig) -> None:
         problem = fp8_device_problem("cuda", torch.cuda.get_device_capability(), torch.cuda.get_device_name())
         if problem:
             raise PreflightError(problem)
+    try:
+        with torch.device("meta"):  # shapes only
+            shapes = create_model_from_config(model, 1)
+    except ValueError:
+        return  # a model that does not build: check_model names it next
+    if not float8_layer_names(shapes, cfg.precision.fp8_scaling, cfg.precision.fp8_layers):
+        raise PreflightError(no_float8_layer(cfg.precision.fp8_layers))
 
 
 def check_resume(cfg: TrainingConfig, run_dir: str, info: DatasetInfo) -> ResumePlan:
