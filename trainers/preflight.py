@@ -106,14 +106,14 @@ def _check_fp8(cfg: TrainingConfig, model: ModelConfig) -> None:
     where the workers use GPUs and this machine has one (a single machine, a GPU head node), that GPU
     has float8 tensor cores. Other nodes' GPUs are checked by each worker as it builds its engine,
     with the same message."""
-    try:
-        import torchao.float8  # noqa: F401
-    except ImportError as err:
-        raise PreflightError(f"precision.dtype=fp8 needs torchao ({err}): pip install torchao") from None
     if cfg.cluster.gpus_per_worker > 0 and torch.cuda.is_available():
         problem = fp8_device_problem("cuda", torch.cuda.get_device_capability(), torch.cuda.get_device_name())
         if problem:
             raise PreflightError(problem)
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as err:
+        raise PreflightError(f"precision.dtype=fp8 needs torchao ({err}): pip install torchao") from None
     try:
         with torch.device("meta"):  # shapes only
             shapes = create_model_from_config(model, 1)
