@@ -21,14 +21,12 @@ import argparse
 import time
 
 import torch
-from gpu_step import NUM_CLASSES, TIMM_NAMES, _process_group, build_step_loop
+from gpu_step import NUM_CLASSES, TIMM_NAMES, EndlessLoader, _process_group, build_step_loop, step_config
 
-from vitray.common.config import load_config
-from vitray.data.batch import Batch
 from vitray.trainers.config import TrainingConfig
 
 
-class NoisyPrototypes:
+class NoisyPrototypes(EndlessLoader):
     """Endless uint8 batches: label y's image is prototype y (a fixed random `base` x `base` image)
         plus fresh noise of `noise` times its standard deviation (the best possible classifier still errs:
     classes ~3 noise deviations apart at the default), each pixel repeated to `img_size` (nearest). Seeded: the same batches each run."""
@@ -41,12 +39,6 @@ class NoisyPrototypes:
         self.generator = torch.Generator().manual_seed(seed)
         self.prototypes = torch.randn(classes, 3, base, base, generator=self.generator)
 
-    def state_dict(self):
-        return {"epoch": 0, "step": self.step}
-
-    def load_state_dict(self, state):
-        self.step = state["step"]
-
     def __iter__(self):
         while True:
             self.step += 1
@@ -56,8 +48,7 @@ class NoisyPrototypes:
             signal = (self.prototypes[labels] + self.noise * noise) / (1 + self.noise**2) ** 0.5
             small = (128 + 40 * signal).clamp(0, 255).to(torch.uint8)
             images = small.repeat_interleave(self.scale, dim=2).repeat_interleave(self.scale, dim=3)
-            keys = [f"{self.step}-{i}" for i in range(self.batch_size)]
-            yield Batch(images=images, labels=labels, keys=keys, num_skipped=0, epoch=0, step=self.step)
+            yield self.batch(images, labels)
 
 
 def train(cfg: TrainingConfig, loader: NoisyPrototypes) -> tuple[list[float], float]:
@@ -92,25 +83,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     _process_group()
     results = {}
     for dtype in ("bf16", "fp8"):
-        cfg = load_config(
-            TrainingConfig,
-            None,
-            [
-                "data.train=synthetic",
-                "data.num_slots=1",
-                f"model.name={args.model}",
-                f"model.img_size={args.img_size}",
-                f"train.batch_size={args.batch}",
-                f"train.micro_batch_size={args.batch}",
-                f"train.steps={args.steps}",
-                "train.zero_stage=1",
-                f"precision.dtype={dtype}",
-                f"precision.fp8_layers={args.fp8_layers}",
-                f"optim.lr={args.lr}",
-                f"schedule.warmup_steps={max(1, args.steps // 10)}",
-                "schedule.decay=cosine",
-                "cluster.num_workers=1",
-            ],
+        cfg = step_config(
+            args.model,
+            args.img_size,
+            args.batch,
+            f"train.steps={args.steps}",
+            f"precision.dtype={dtype}",
+            f"precision.fp8_layers={args.fp8_layers}",
+            f"optim.lr={args.lr}",
+            f"schedule.warmup_steps={max(1, args.steps // 10)}",
+            "schedule.decay=cosine",
         )
         loader = NoisyPrototypes(args.batch, args.img_size, args.classes, seed=cfg.seed)
         results[dtype] = train(cfg, loader)

@@ -52,9 +52,26 @@ TIMM_NAMES = {
 NUM_CLASSES = 1000
 
 
+class EndlessLoader:
+    """What an endless synthetic loader shares with a ShardLoader (float_images=False): its position
+    as state, and batches of uint8 images with a key per sample."""
+
+    step = 0
+
+    def state_dict(self):
+        return {"epoch": 0, "step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+    def batch(self, images: torch.Tensor, labels: torch.Tensor) -> Batch:
+        keys = [f"{self.step}-{i}" for i in range(len(labels))]
+        return Batch(images=images, labels=labels, keys=keys, num_skipped=0, epoch=0, step=self.step)
+
+
 @dataclass
-class SyntheticLoader:
-    """Endless uint8 batches of random pixels and labels, shaped like a ShardLoader's (float_images=False)."""
+class SyntheticLoader(EndlessLoader):
+    """Endless uint8 batches of random pixels and labels."""
 
     batch_size: int
     img_size: int
@@ -66,19 +83,12 @@ class SyntheticLoader:
         shape = (self.batch_size, 3, self.img_size, self.img_size)
         self._images = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
 
-    def state_dict(self):
-        return {"epoch": 0, "step": self.step}
-
-    def load_state_dict(self, state):
-        self.step = state["step"]
-
     def __iter__(self):
         while True:
             self.step += 1
             labels = torch.randint(0, NUM_CLASSES, (self.batch_size,))
-            keys = [f"{self.step}-{i}" for i in range(self.batch_size)]
             # A fresh host tensor per batch, as the loader hands out (the copy is part of the cost).
-            yield Batch(images=self._images.clone(), labels=labels, keys=keys, num_skipped=0, epoch=0, step=self.step)
+            yield self.batch(self._images.clone(), labels)
 
 
 def _sync(device: torch.device) -> None:
@@ -218,6 +228,22 @@ def reference_steps(
     return rate, last_loss
 
 
+def step_config(model: str, img_size: int, batch: int, *settings: str) -> TrainingConfig:
+    """The config of one worker's steps on synthetic batches of `batch` images (no accumulation,
+    ZeRO-1), with `settings` ("key=value") on top."""
+    common = [
+        "data.train=synthetic",
+        "data.num_slots=1",
+        f"model.name={model}",
+        f"model.img_size={img_size}",
+        f"train.batch_size={batch}",
+        f"train.micro_batch_size={batch}",
+        "train.zero_stage=1",
+        "cluster.num_workers=1",
+    ]
+    return load_config(TrainingConfig, None, [*common, *settings])
+
+
 def _process_group() -> None:
     """One rank, as Ray Train would set it up for DeepSpeed to join."""
     if torch.distributed.is_initialized():
@@ -276,25 +302,16 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
         if getattr(args, option) < 1:
             parser.error(f"--{option.replace('_', '-')} must be >= 1")
     compile_setting = {"auto": "null", "on": "true", "off": "false"}[args.compile]
-    cfg = load_config(
-        TrainingConfig,
-        None,
-        [
-            "data.train=synthetic",
-            "data.num_slots=1",
-            f"model.name={args.model}",
-            f"model.img_size={args.img_size}",
-            f"model.grad_checkpointing={str(args.grad_checkpointing).lower()}",
-            f"model.remat_policy={args.remat_policy}",
-            f"train.batch_size={args.batch}",
-            f"train.micro_batch_size={args.batch}",
-            "train.zero_stage=1",
-            "precision.dtype=bf16",
-            f"train.compile={compile_setting}",
-            "cluster.num_workers=1",
-            "schedule.warmup_steps=1",
-            f"train.steps={args.warmup + args.steps + 1}",
-        ],
+    cfg = step_config(
+        args.model,
+        args.img_size,
+        args.batch,
+        f"model.grad_checkpointing={str(args.grad_checkpointing).lower()}",
+        f"model.remat_policy={args.remat_policy}",
+        "precision.dtype=bf16",
+        f"train.compile={compile_setting}",
+        "schedule.warmup_steps=1",
+        f"train.steps={args.warmup + args.steps + 1}",
     )
     compiled = compile_enabled(cfg.train.compile)
     _process_group()
