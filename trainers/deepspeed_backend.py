@@ -29,7 +29,7 @@ from torch import nn
 from vitray.trainers import zero_step
 from vitray.trainers.backend import PendingSave
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.float8 import convert_to_fp8, fp8_device_problem
+from vitray.trainers.float8 import convert_to_fp8, local_gpu_fp8_problem
 from vitray.trainers.optim import build_optimizer
 from vitray.trainers.schedule import build_lr_schedule
 
@@ -131,12 +131,10 @@ def _without_shared_memory_comm_op() -> None:
 def fp8_emulated() -> bool:
     """Float8 products run on float8 tensor cores on a GPU (one too old is refused, in one line) and
     are emulated in high precision on the CPU."""
-    if not torch.cuda.is_available():
-        return True
-    problem = fp8_device_problem("cuda", torch.cuda.get_device_capability(), torch.cuda.get_device_name())
+    problem = local_gpu_fp8_problem()
     if problem:
         raise ValueError(problem)
-    return False
+    return not torch.cuda.is_available()
 
 
 def compile_enabled(setting: bool | None) -> bool:

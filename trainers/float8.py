@@ -25,6 +25,7 @@ tests and small runs; a GPU older than compute capability 8.9 is refused.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 # The float8 tensor cores' matrix products need both dimensions of each weight divisible by 16.
@@ -44,6 +45,22 @@ def fp8_device_problem(device_type: str, capability: tuple[int, int] | None, dev
         f"precision.dtype=fp8 needs a GPU with float8 tensor cores (compute capability 8.9 or later: L4, L40S, "
         f"H100, H200); {device_name or 'this GPU'} is {major}.{minor}: use precision.dtype=bf16"
     )
+
+
+def local_gpu_fp8_problem() -> str | None:
+    """`fp8_device_problem` of this process's CUDA device; None without one (the CPU emulates)."""
+    if not torch.cuda.is_available():
+        return None
+    return fp8_device_problem("cuda", torch.cuda.get_device_capability(), torch.cuda.get_device_name())
+
+
+def torchao_missing() -> str | None:
+    """The one-line refusal when torchao (a dependency) cannot be imported; None when it can."""
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as err:
+        return f"precision.dtype=fp8 needs torchao ({err}): pip install torchao"
+    return None
 
 
 def is_block_linear(module: nn.Module, fqn: str) -> bool:
@@ -96,10 +113,11 @@ def no_float8_layer(layers: str) -> str:
 def convert_to_fp8(model: nn.Module, scaling: str, *, emulate: bool, layers: str = "auto") -> list[str]:
     """Swaps the layers `float8_layer_names` chooses for torchao's Float8Linear, in place (before the
     model is compiled and handed to the engine); returns their names."""
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError as err:  # a dependency of vitray; missing only in a hand-made environment
-        raise RuntimeError(f"precision.dtype=fp8 needs torchao ({err}): pip install torchao") from err
+    missing = torchao_missing()  # a dependency of vitray; missing only in a hand-made environment
+    if missing:
+        raise RuntimeError(missing)
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
     names = float8_layer_names(model, scaling, layers)
     if not names:
         raise ValueError(no_float8_layer(layers))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from vitray import storage
 from vitray.common.config import flatten_config
@@ -32,7 +33,7 @@ from vitray.data.layout import DatasetInfo, read_dataset_info, read_split
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.float8 import float8_layer_names, fp8_device_problem, no_float8_layer
+from vitray.trainers.float8 import float8_layer_names, local_gpu_fp8_problem, no_float8_layer, torchao_missing
 from vitray.trainers.trackers import missing_tracker_packages
 
 __all__ = ["PreflightError", "ResumePlan", "check_inputs", "check_model", "check_resume", "config_changes"]
@@ -96,31 +97,23 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
         )
     model = _check_init_checkpoint(cfg) if cfg.init.checkpoint else cfg.model
     if cfg.precision.dtype == "fp8":
-        _check_fp8(cfg, model)
-    check_model(model, info.num_classes)
+        _check_fp8_can_run(cfg)
+    shapes = check_model(model, info.num_classes)
+    if cfg.precision.dtype == "fp8" and not float8_layer_names(
+        shapes, cfg.precision.fp8_scaling, cfg.precision.fp8_layers
+    ):
+        raise PreflightError(no_float8_layer(cfg.precision.fp8_layers))
     return info
 
 
-def _check_fp8(cfg: TrainingConfig, model: ModelConfig) -> None:
-    """torchao present; some layer of `model` to train in float8 (`precision.fp8_layers`); and,
-    where the workers use GPUs and this machine has one (a single machine, a GPU head node), that GPU
-    has float8 tensor cores. Other nodes' GPUs are checked by each worker as it builds its engine,
-    with the same message."""
-    if cfg.cluster.gpus_per_worker > 0 and torch.cuda.is_available():
-        problem = fp8_device_problem("cuda", torch.cuda.get_device_capability(), torch.cuda.get_device_name())
-        if problem:
-            raise PreflightError(problem)
-    try:
-        import torchao.float8  # noqa: F401
-    except ImportError as err:
-        raise PreflightError(f"precision.dtype=fp8 needs torchao ({err}): pip install torchao") from None
-    try:
-        with torch.device("meta"):  # shapes only
-            shapes = create_model_from_config(model, 1)
-    except ValueError:
-        return  # a model that does not build: check_model names it next
-    if not float8_layer_names(shapes, cfg.precision.fp8_scaling, cfg.precision.fp8_layers):
-        raise PreflightError(no_float8_layer(cfg.precision.fp8_layers))
+def _check_fp8_can_run(cfg: TrainingConfig) -> None:
+    """torchao present and, where the workers use GPUs and this machine has one (a single machine,
+    a GPU head node), that GPU has float8 tensor cores. Other nodes' GPUs are checked by each worker
+    as it builds its engine, with the same message. (Which layers train in float8 is checked on the
+    model `check_model` builds.)"""
+    problem = (local_gpu_fp8_problem() if cfg.cluster.gpus_per_worker > 0 else None) or torchao_missing()
+    if problem:
+        raise PreflightError(problem)
 
 
 def check_resume(cfg: TrainingConfig, run_dir: str, info: DatasetInfo) -> ResumePlan:
@@ -258,10 +251,11 @@ def _check_init_checkpoint(cfg: TrainingConfig) -> ModelConfig:
     return ModelConfig.model_validate({**state["model"], "img_size": cfg.model.img_size})
 
 
-def check_model(model: ModelConfig, num_classes: int = 1) -> None:
-    """The model builds at its configured size (what `--dry-run` checks without touching data)."""
+def check_model(model: ModelConfig, num_classes: int = 1) -> nn.Module:
+    """The model builds at its configured size (what `--dry-run` checks without touching data);
+    returns it, on the meta device (shapes only)."""
     try:
         with torch.device("meta"):  # shapes only: nothing allocated, nothing initialised for real
-            create_model_from_config(model, num_classes)
+            return create_model_from_config(model, num_classes)
     except ValueError as err:
         raise PreflightError(f"model: {err}") from None
