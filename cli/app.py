@@ -117,7 +117,7 @@ Errors = tuple[type[BaseException], ...]
 
 @contextmanager
 def handled(
-    refused: Errors = (), *, failed: Errors = (), doing: str = "the command", traceback_at: str = ""
+    refused: Errors = (), *, failed: Errors = (), doing: str | None = None, traceback_at: str = ""
 ) -> Iterator[None]:
     """The one wrapper that turns what a command raises into one line on the console and the exit
     status of common/exit_codes.py; a traceback goes to the log (`vitray.cli` at debug level), never
@@ -128,14 +128,15 @@ def handled(
       (a config or input refused before Ray started): `error: MESSAGE`, exit 2;
     - ``failed`` (the work failed): `error: DOING failed: ROOT CAUSE` (:func:`describe_failure`),
       the advice that fits the cause and ``traceback_at`` (where the whole traceback is), exit 1;
-    - Ctrl-C: `stopped by user (Ctrl-C): DOING did not finish`, exit 130 (a command that checkpoints
+    - Ctrl-C: `stopped by user (Ctrl-C): DOING did not finish` (by default DOING is the command line's
+      command, `vitray data prepare`), exit 130 (a command that checkpoints
       first catches it itself);
     - `typer.Exit` (a command's own :func:`fail`) and anything else: as raised.
     """
     try:
         yield
     except KeyboardInterrupt:
-        typer.echo(f"stopped by user (Ctrl-C): {doing} did not finish", err=True)
+        typer.echo(f"stopped by user (Ctrl-C): {doing or command_line()} did not finish", err=True)
         raise typer.Exit(exit_codes.STOPPED_BY_USER) from None
     except (typer.Exit, typer.Abort, click.ClickException):
         raise
@@ -148,8 +149,23 @@ def handled(
         if isinstance(err, failed):
             log.debug("%s failed", doing, exc_info=err)
             cause = describe_failure(err)
-            fail(f"{doing} failed: {cause.one_line()}\n  {cause.advice()}{traceback_at}", exit_codes.FAILED)
+            fail(
+                f"{doing or command_line()} failed: {cause.one_line()}\n  {cause.advice()}{traceback_at}",
+                exit_codes.FAILED,
+            )
         raise
+
+
+def command_line() -> str:
+    """`vitray` and the command words of this process's command line (`vitray data prepare`)."""
+    words, group = ["vitray"], typer.main.get_command(app)
+    for arg in sys.argv[1:]:
+        command = getattr(group, "commands", {}).get(arg)
+        if command is None:
+            break
+        words.append(arg)
+        group = command
+    return " ".join(words)
 
 
 def load(schema: type[M], config: Path | None, overrides: list[str] | None) -> M:

@@ -8,7 +8,7 @@ import typer
 
 # In `vitray --help` order; importing a command module adds its commands to `app`.
 from vitray.cli import data, demo, inspection, pretrain, runs, submit, transfer  # noqa: F401
-from vitray.cli.app import app, handled
+from vitray.cli.app import app, command_line, handled
 from vitray.cluster.runtime import enable_token_auth_if_available
 
 __all__ = ["app", "main"]
@@ -18,10 +18,23 @@ def main() -> None:
     # Ray reads its auth mode when first imported, so this comes before any command runs.
     enable_token_auth_if_available()
     try:
-        with handled():  # what a command did not handle itself: one line, not a traceback
+        # What a command did not handle itself: one line, not a traceback.
+        with handled():
             app()
     except typer.Exit as done:
         sys.exit(done.exit_code)
+    except SystemExit as done:
+        if _ctrl_c_outside_handled(done):
+            print(f"stopped by user (Ctrl-C): {command_line()} did not finish", file=sys.stderr)
+        raise
+
+
+def _ctrl_c_outside_handled(done: SystemExit) -> bool:
+    """Whether Typer turned a Ctrl-C into this exit itself: it answers a KeyboardInterrupt raised
+    outside a command's `handled` (the seconds a command spends importing its modules and loading
+    its config) with a silent `Exit(130)`; `handled`'s own exit says its line and is not chained."""
+    exit_ = done.__context__
+    return isinstance(exit_, typer.Exit) and isinstance(exit_.__cause__, KeyboardInterrupt)
 
 
 if __name__ == "__main__":

@@ -108,3 +108,23 @@ def test_ctrl_c_while_the_commands_are_imported_is_one_line_and_exit_130(monkeyp
         entry.main()
     assert stopped.value.code == exit_codes.STOPPED_BY_USER
     assert capsys.readouterr().err == "stopped by user (Ctrl-C): vitray's start-up did not finish\n"
+
+
+def test_ctrl_c_before_a_command_is_handled_is_one_line_and_exit_130(monkeypatch, capsys):
+    """A Ctrl-C while a command imports its modules or loads its config (before its `handled`):
+    Typer answers it with a silent exit 130 of its own; the console script says the one line."""
+    import sys
+
+    from vitray.cli import app as cli_app
+    from vitray.cli import main as cli_main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_main, "enable_token_auth_if_available", lambda: None)  # Ray's auth: not here
+    monkeypatch.setattr(cli_app, "load_config", interrupted)  # the config load of `vitray pretrain`
+    monkeypatch.setattr(sys, "argv", ["vitray", "pretrain", "--set", "train.steps=4"])
+    with pytest.raises(SystemExit) as stopped:
+        cli_main.main()
+    assert stopped.value.code == exit_codes.STOPPED_BY_USER
+    assert capsys.readouterr().err == "stopped by user (Ctrl-C): vitray pretrain did not finish\n"

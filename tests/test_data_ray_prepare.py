@@ -55,3 +55,45 @@ def test_ray_prepare_treats_bad_images_like_the_serial_one(local_ray, tmp_path, 
         prepare(f"imagefolder:{src}", str(tmp_path / dest), samples_per_shard=3, bad_images="skip")
         assert "skipped 2 bad images" in capsys.readouterr().out
     assert read_manifest(str(tmp_path / "ray"), "train") == read_manifest(str(tmp_path / "serial"), "train")
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_ray_prepare_is_one_line_exit_130_and_no_dataset(tmp_path):
+    """Ctrl-C (the terminal signals the whole process group) while Ray tasks write shards: exit 130
+    and the one line, every try (it once crashed in Ray's _raylet.so on exit); the destination is
+    never taken for a prepared dataset, and no process of the command outlives it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    dest = tmp_path / "digits"
+    command = [sys.executable, "-m", "vitray.cli", "data", "prepare", "builtin:digits", str(dest)]
+    proc = subprocess.Popen(
+        [*command, "--samples-per-shard", "5"], stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(dest.glob("*.tar"))) < 3 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, "the preparation ended before it could be interrupted"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "stopped by user (Ctrl-C): vitray data prepare did not finish"
+    assert "Traceback" not in err
+    assert not (dest / "dataset.json").exists()
+    deadline = time.monotonic() + 30  # Ray's own processes (same process group) go with the command
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.5)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("processes of the interrupted command were still running 30 s after it exited")
