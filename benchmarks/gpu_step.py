@@ -145,7 +145,7 @@ def build_step_loop(cfg: TrainingConfig, loader, compile_mode: str = "default") 
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": False})})
     loop = TrainingLoop.__new__(TrainingLoop)
     loop.cfg, loop.rank, loop.world, loop.accum, loop.step = cfg, 0, 1, cfg.grad_accumulation, 0
-    loop.keys, loop.ema = None, None
+    loop.keys, loop.ema, loop._skipped_shards = None, None, set()
     loop.backend = create_backend(cfg, model, 1, None)
     loop.objective = build_objective(cfg.train, "single", NUM_CLASSES)
     loop.loader = DeviceFeed(loader, loop.backend.device)

@@ -23,6 +23,8 @@ class RunSummary:
     attempts: list[dict] = field(default_factory=list)  # each `vitray pretrain` of the run, oldest first
     # each checkpoint folder that does not count, oldest first: {"path": ..., "problem": why}
     incomplete: list[dict] = field(default_factory=list)
+    skipped_samples: int = 0  # samples the run skipped as corrupt (damaged or cut-short shards)
+    skipped_shards: list[str] = field(default_factory=list)  # the shards they came from
 
     @property
     def incomplete_lines(self) -> list[str]:
@@ -96,14 +98,41 @@ def run_summary(run_dir: str) -> RunSummary | None:
     ]
     if incomplete:
         status += f" ({len(incomplete)} incomplete checkpoint(s) ignored)"
+    skipped_samples, skipped_shards = skipped_data(metrics)
+    if skipped_samples:
+        status += f"; {skipped_data_line(skipped_samples, skipped_shards)}"
     lease = read_lease(files.lease_path)
     attempts = _attempts(files, lease)
     if lease is not None and lease.fresh():
         status = f"running ({lease.describe()}, heartbeat {lease.age():.0f} s ago); " + status
     name = run_dir.rstrip("/").rsplit("/", 1)[-1]
     return RunSummary(
-        name, latest_step, len(complete), complete[-1].path if complete else None, status, attempts, incomplete
+        name,
+        latest_step,
+        len(complete),
+        complete[-1].path if complete else None,
+        status,
+        attempts,
+        incomplete,
+        skipped_samples,
+        skipped_shards,
     )
+
+
+def skipped_data(metrics: list[dict[str, Any]]) -> tuple[int, list[str]]:
+    """How many samples a run skipped as corrupt, and the shards they came from, from its metrics."""
+    count = sum(int(m.get("skipped_samples", 0)) for m in metrics)
+    shards = sorted({shard for m in metrics for shard in m.get("skipped_shards", ())})
+    return count, shards
+
+
+def skipped_data_line(count: int, shards: list[str], shown: int = 5) -> str:
+    """E.g. "12 corrupt samples skipped, from train-000003.tar, train-000007.tar" (`shards`: their URLs,
+    all in the run's data.train: named by file)."""
+    named = ", ".join(shard.rstrip("/").rsplit("/", 1)[-1] for shard in shards[:shown]) + (
+        f" and {len(shards) - shown} more" if len(shards) > shown else ""
+    )
+    return f"{count} corrupt sample{'s' if count != 1 else ''} skipped" + (f", from {named}" if named else "")
 
 
 def _target_steps(state: dict[str, Any] | None) -> int | None:

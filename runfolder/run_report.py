@@ -14,6 +14,7 @@ from typing import Any
 
 from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 from vitray.runfolder.files import RunFiles
+from vitray.runfolder.listing import skipped_data, skipped_data_line
 
 
 def run_report(run_dir: str, *, total_steps: int, wall_s: float) -> list[str]:
@@ -37,6 +38,9 @@ def run_report(run_dir: str, *, total_steps: int, wall_s: float) -> list[str]:
         last = evaluated[-1]
         results = ", ".join(f"{key} {value:.4f}" for key, value in evaluations(last))
         lines.append(f"evaluations at step {last['step']}: {results}")
+    skipped, shards = skipped_data(records)
+    if skipped:
+        lines.append(f"data:        {skipped_data_line(skipped, shards)} (damaged or cut short: prepare them again)")
     checkpoint = latest_complete_checkpoint(run_dir)
     lines.append(f"checkpoint:  {checkpoint.path} (step {checkpoint.step})" if checkpoint else "checkpoint:  none")
     lines.append(f"metrics:     {files.metrics_path}")

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from vitray.cli.main import app
 from vitray.runfolder.files import RunFiles
+from vitray.runfolder.run_report import run_report
 from vitray.trainers.checkpoint_files import files_under, mark_complete, write_state
 
 # What Ray Train records for a worker failure: the whole traceback of each failed rank.
@@ -116,6 +117,29 @@ def test_runs_show_why_a_checkpoint_does_not_count(tmp_path):
         ("checkpoint_2026-01-01_00-01-00.000001", "rank 1 never finished writing it"),
         ("checkpoint_2026-01-01_00-02-00.000001", "model.safetensors is missing or truncated"),
     ]
+
+
+def test_runs_name_the_shards_whose_samples_a_run_skipped(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")
+    a_run_with_incomplete_checkpoints(tmp_path)
+    shards = [f"s3://b/data/train-{i:06d}.tar" for i in range(8)]
+    records = [
+        {"step": 2, "loss": 1.0, "skipped_samples": 3, "skipped_shards": shards[:2]},
+        {"step": 4, "loss": 0.9, "skipped_samples": 0},
+        {"step": 6, "loss": 0.8, "skipped_samples": 9, "skipped_shards": shards[1:]},
+    ]
+    metrics = Path(RunFiles(str(tmp_path / "r1")).metrics_path)
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = invoke("runs", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    named = ", ".join(f"train-{i:06d}.tar" for i in range(5))
+    assert f"12 corrupt samples skipped, from {named} and 3 more" in " ".join(result.stdout.split())
+    (run,) = json.loads(invoke("runs", str(tmp_path), "--format", "json").stdout)
+    assert run["skipped_samples"] == 12 and run["skipped_shards"] == shards
+    # and the summary that ends `vitray pretrain`
+    report = run_report(str(tmp_path / "r1"), total_steps=100, wall_s=5)
+    assert f"data:        12 corrupt samples skipped, from {named} and 3 more" in " ".join(report)
 
 
 def test_version():

@@ -37,6 +37,7 @@ from vitray.common.config import ConfigError, load_config
 from vitray.data.layout import read_manifest
 from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 from vitray.runfolder.files import RunFiles
+from vitray.runfolder.listing import run_summary
 from vitray.trainers.config import TrainingConfig
 
 
@@ -143,6 +144,12 @@ def test_skipped_steps_and_damaged_samples_are_counted_across_a_kill_and_the_res
     assert [m["nonfinite_steps"] for m in metrics if m["step"] in (2, 4, 8)] == [0, 1, 2]
     logged = {m["step"]: m["skipped_samples"] for m in metrics}
     assert sum(logged.values()) > 0, f"the run never met a damaged sample: {logged}"
+    # The shards they came from are named over every rank, in the metrics and by `vitray runs`.
+    named = {shard.rsplit("/", 1)[-1] for m in metrics for shard in m.get("skipped_shards", ())}
+    cut_short = read_manifest(damaged, "train")[3].name
+    assert cut_short in named and named <= {row.name for row in read_manifest(damaged, "train")}, named
+    status = run_summary(str(reference / "bad")).status
+    assert f"{sum(logged.values())} corrupt samples skipped, from " in status and cut_short in status, status
 
     killed = tmp_path / "killed"
     args = pretrain_args(damaged, str(killed), "bad", *COMMON, *poisoned)

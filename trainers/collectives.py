@@ -44,6 +44,15 @@ def broadcast_json(value: Any, device) -> Any:
     return json.loads(bytes(tensor.cpu().tolist()).decode())
 
 
+def union_of_names(names: list[str]) -> list[str]:
+    """The sorted union of every rank's `names` (a rare, small exchange: object gather)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return sorted(set(names))
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, names)
+    return sorted({name for rank_names in gathered for name in rank_names})
+
+
 def collective_device(device):
     """NCCL reduces GPU tensors; gloo reduces CPU ones (also in an XLA worker, whose process group is gloo)."""
     return device if dist.get_backend() == "nccl" else "cpu"

@@ -36,6 +36,7 @@ from vitray.trainers.backend import TrainBackend, create_backend
 from vitray.trainers.checkpointer import Checkpointer
 from vitray.trainers.collectives import all_reduce as _all_reduce
 from vitray.trainers.collectives import broadcast_int as _broadcast_int
+from vitray.trainers.collectives import union_of_names
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
 from vitray.trainers.ema import Ema
@@ -63,6 +64,7 @@ class TrainingLoop:
         if self.evaluators and cfg.data.num_workers:
             start_worker_server()  # evaluation workers' server imports while the model is built
         self.run_files = RunFiles(ctx.run_dir)
+        self._skipped_shards: set[str] = set()  # this rank's, since the last log step
 
         restore_state = None
         if ctx.restore_dir is not None:
@@ -253,6 +255,7 @@ class TrainingLoop:
             batch = next(batches)
             data_wait += time.perf_counter() - t0
             skipped += batch.num_skipped
+            self._skipped_shards.update(batch.skipped_shards)
             if not batch.keys and batch.num_skipped:
                 self._no_readable_sample(batch)
             if self.keys is not None:
@@ -344,6 +347,10 @@ class TrainingLoop:
             "epoch": self.loader.state_dict()["epoch"],
             **self.backend.metrics(),
         }
+        if skipped:  # every rank takes this branch: `skipped` is the sum over the ranks
+            # Which shards the skipped samples came from, over every rank: what `vitray runs` names.
+            metrics["skipped_shards"] = union_of_names(sorted(self._skipped_shards))
+            self._skipped_shards.clear()
         if self.peak_tflops:
             metrics["mfu"] = tflops / self.peak_tflops
         return metrics
