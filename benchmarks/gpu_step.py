@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from vitray.common.config import load_config
 from vitray.data.batch import Batch
 from vitray.models import create_model_from_config
-from vitray.trainers.backend import create_backend
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.deepspeed_backend import compile_enabled
+from vitray.trainers.engines.deepspeed.backend import compile_enabled
+from vitray.trainers.engines.registry import create_backend
 from vitray.trainers.feed import DeviceFeed
 from vitray.trainers.loop import TrainingLoop
 from vitray.trainers.metrics import accelerator_peak_tflops, train_flops_per_image

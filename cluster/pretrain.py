@@ -24,7 +24,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -176,11 +175,7 @@ def _rank_copy(
     from vitray.trainers.checkpoint_files import node_restore_dir, rank_copy
 
     path = choice[0]
-    select = lambda state, names: None  # noqa: E731 -- XLA reads its whole checkpoint
-    if cfg.train.backend == "deepspeed":
-        from vitray.trainers.deepspeed_backend import restore_files
-
-        select = restore_files(rank, world, cfg.train.zero_stage)
+    select = cfg.engine.restore_files(cfg, rank, world) or (lambda state, names: None)
     node_dir = stack.enter_context(node_restore_dir(path, cfg.checkpoint.staging_dir))
     copied = rank_copy(path, select, node_dir, rank)
     if copied is not None:
@@ -205,7 +200,7 @@ def scaling_config(cfg: TrainingConfig) -> ScalingConfig:
     cluster = cfg.cluster
     resources = {"CPU": cluster.cpus_per_worker, **cluster.resources_per_worker}
     if cluster.tpu is not None:
-        from vitray.trainers.xla_slices import tpu_slice
+        from vitray.trainers.engines.xla.slices import tpu_slice
 
         tpu = tpu_slice(cluster.tpu, cluster.tpu_topology)
         resources.setdefault("TPU", tpu.chips_per_host)
@@ -225,10 +220,7 @@ def scaling_config(cfg: TrainingConfig) -> ScalingConfig:
 def build_trainer(cfg: TrainingConfig, resume_from: str | None = None, resume_step: int | None = None) -> TorchTrainer:
     storage_path, storage_fs = ray_storage(cfg.run.storage)
     scaling = scaling_config(cfg)
-    # DeepSpeed on GPUs joins an NCCL group. Under XLA the devices talk through XLA itself; the
-    # gloo group only coordinates the hosts (checkpoint writes, metric reductions) on the CPU.
-    # (Ray's TorchXLAConfig is for AWS Neuron, not TPUs.)
-    backend = "nccl" if scaling.use_gpu and cfg.train.backend == "deepspeed" else "gloo"
+    backend = cfg.engine.process_group(scaling.use_gpu)
     return TorchTrainer(
         train_worker,
         train_loop_config={
@@ -336,7 +328,7 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
             },
             shared_filesystem=cfg.cluster.shared_filesystem,
         )
-        _convert_once_for_new_world_size(cfg, chosen)
+        cfg.engine.prepare_resume(cfg, chosen)
         _forget_ray_snapshot(folder)
         trainer = build_trainer(
             cfg, resume_from=chosen.path if chosen else None, resume_step=chosen.step if chosen else None
@@ -432,28 +424,6 @@ def _forget_ray_snapshot(folder: str) -> None:
     from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
 
     storage.remove(storage.join(folder, CHECKPOINT_MANAGER_SNAPSHOT_FILENAME))
-
-
-def _convert_once_for_new_world_size(cfg: TrainingConfig, chosen) -> None:
-    """A DeepSpeed checkpoint of another number of workers is converted to the universal layout
-    here, once, into the checkpoint folder, before the workers start (each loads it) -- not by
-    every rank on the whole checkpoint."""
-    if chosen is None or cfg.train.backend != "deepspeed" or cfg.train.zero_stage == 0:
-        return
-    written_by = int(chosen.state["world_size"])  # what resume_point read when it verified it
-    if written_by == cfg.cluster.num_workers:
-        return
-    from vitray.trainers.deepspeed_backend import shared_universal
-
-    started = time.monotonic()
-    print(
-        f"vitray: the checkpoint was written by {written_by} workers; converting it once for {cfg.cluster.num_workers} "
-        "(DeepSpeed's universal layout, kept in the checkpoint for later resumes)...",
-        file=sys.stderr,
-        flush=True,
-    )
-    where = shared_universal(chosen.path)
-    print(f"vitray: converted in {time.monotonic() - started:.1f} s: {where}", file=sys.stderr, flush=True)
 
 
 def _stopped_for_drain(folder: str) -> str | None:

@@ -257,7 +257,7 @@ def test_ranks_starting_from_the_announced_checkpoint_do_not_each_recheck_it_on_
     import s3fs
 
     from vitray.cluster.pretrain import _choose_restore
-    from vitray.trainers.deepspeed_backend import restore_files
+    from vitray.trainers.engines.deepspeed.resume_files import restore_files
 
     world = 32
     local = bench.make_checkpoint(tmp_path / "checkpoint", world)
@@ -297,7 +297,7 @@ def test_ranks_of_one_node_share_the_files_they_all_read(moto_server, tmp_path):
     them there and downloads only its own shard; the folder goes with the last rank to leave."""
     import s3fs
 
-    from vitray.trainers.deepspeed_backend import restore_files
+    from vitray.trainers.engines.deepspeed.resume_files import restore_files
 
     local = bench.make_checkpoint(tmp_path / "checkpoint", 4)
     shared = local / "deepspeed" / "mp_rank_00_model_states.pt"

@@ -183,7 +183,7 @@ def test_loop_in_process_with_zero2_bf16_ema_mixup(process_group, digits_dataset
 
 
 def test_background_checkpoint_writes_the_state_as_it_was_when_saved(tmp_path):
-    from vitray.trainers.deepspeed_backend import BackgroundCheckpointEngine
+    from vitray.trainers.engines.deepspeed.backend import BackgroundCheckpointEngine
 
     engine = BackgroundCheckpointEngine()
     weights = torch.arange(6, dtype=torch.float32)
@@ -204,7 +204,7 @@ def test_background_checkpoint_writes_the_state_as_it_was_when_saved(tmp_path):
 
 
 def test_checkpoint_loading_refuses_pickled_code(tmp_path):
-    from vitray.trainers.deepspeed_backend import BackgroundCheckpointEngine
+    from vitray.trainers.engines.deepspeed.backend import BackgroundCheckpointEngine
 
     class Payload:
         def __reduce__(self):
@@ -222,7 +222,7 @@ def test_the_shared_memory_all_reduce_is_off_without_probing_every_op_builder():
     script = (
         "import deepspeed.ops.op_builder.builder as builder; probed = []; real = builder.probe_is_compatible; "
         "builder.probe_is_compatible = lambda b: probed.append(b) or real(b); "
-        "from vitray.trainers.deepspeed_backend import _without_shared_memory_comm_op; "
+        "from vitray.trainers.engines.deepspeed.backend import _without_shared_memory_comm_op; "
         "_without_shared_memory_comm_op(); "
         "from deepspeed.comm.torch import build_shm_op; "
         "print('result', build_shm_op() is None, len(probed)); "
@@ -249,7 +249,7 @@ def test_the_deepspeed_backend_imports_deepspeed_without_mlflow_or_inductor():
     worker's start-up); vitray keeps both out of those imports only: mlflow stays importable and
     torch.compile compiles as before afterwards."""
     script = (
-        "import sys, torch; import vitray.trainers.deepspeed_backend; "
+        "import sys, torch; import vitray.trainers.engines.deepspeed.backend; "
         "from deepspeed.autotuning import autotuner; "
         "print('result', 'mlflow' in sys.modules, autotuner.has_mlflow); "
         # What deepspeed.initialize with ZeRO and every ZeRO reduction import:

@@ -58,7 +58,7 @@ def files_under(folder: Path) -> list[Path]:
 
 
 # Picks, from a complete checkpoint's trainer state and its files, those one rank reads to resume
-# (the backend knows its own files: `deepspeed_backend.restore_files`); None: all of them.
+# (the backend knows its own files: the engine's `restore_files`); None: all of them.
 FileSelector = Callable[[dict[str, Any], list[str]], "list[str] | None"]
 
 

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from vitray.trainers import checkpoint_files as ckpt
-from vitray.trainers.backend import PendingSave, TrainBackend
 from vitray.trainers.collectives import all_reduce
 from vitray.trainers.context import Reporter
+from vitray.trainers.engines.seam import PendingSave, TrainBackend
 
 
 class Stateful(Protocol):

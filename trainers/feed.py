@@ -28,7 +28,7 @@ thread there too, for the tests.
 
 Because the feed reads ahead, the wrapped loader's own position runs ahead of training;
 :meth:`DeviceFeed.state_dict` is the position after the last batch handed to the loop, recorded
-with each batch as it was read (as `trainers/xla_loader.py` does for torch-xla's loader), so a
+with each batch as it was read (as `trainers/engines/xla/loader.py` does for torch-xla's loader), so a
 checkpoint resumes exactly.
 """
 

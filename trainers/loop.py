@@ -5,7 +5,7 @@ augmentation from (seed, epoch, slot, position) in the loader, so a resumed run 
 uninterrupted one exactly without carrying generator states around.
 
 The loop is made of components that own their state: the engine (DeepSpeed or torch-xla) behind
-`vitray.trainers.backend.TrainBackend`, the data loader, the EMA, and the
+`vitray.trainers.engines.seam.TrainBackend`, the data loader, the EMA, and the
 `vitray.trainers.checkpointer.Checkpointer` that saves and restores them all, writing in the
 background so that a checkpoint costs training little more than a snapshot.
 """
@@ -32,13 +32,14 @@ from vitray.models import ModelConfig, create_model_from_config
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.runfolder.files import RunFiles
 from vitray.trainers.attention import attention_context, attention_kernel, model_attention_shape
-from vitray.trainers.backend import TrainBackend, create_backend
 from vitray.trainers.checkpointer import Checkpointer
 from vitray.trainers.collectives import all_reduce as _all_reduce
 from vitray.trainers.collectives import broadcast_int as _broadcast_int
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
 from vitray.trainers.ema import Ema
+from vitray.trainers.engines.registry import create_backend
+from vitray.trainers.engines.seam import TrainBackend
 from vitray.trainers.evals import EvalEnv, build_evaluators
 from vitray.trainers.feed import decodes_on_device
 from vitray.trainers.keys import SampleKeyRecorder
@@ -191,7 +192,7 @@ class TrainingLoop:
 
     def _train(self, batches) -> dict[str, Any]:
         train = self.cfg.train
-        window = _Window()
+        window = _Window(lazy=self.cfg.engine.lazy_tensors)
         self._skipped_seen = self._nonfinite_total = self.backend.skipped_steps()
         last: dict[str, Any] = {}
         while self.step < train.steps:
@@ -207,7 +208,7 @@ class TrainingLoop:
                 metrics = {**self._step_metrics(window, grad_norm), **self.checkpointer.take_costs()}
                 new_nonfinite = metrics["nonfinite_steps"] - self._nonfinite_total, window.steps
                 self._nonfinite_total, self._skipped_seen = metrics["nonfinite_steps"], self.backend.skipped_steps()
-                window = _Window()
+                window = _Window(lazy=self.cfg.engine.lazy_tensors)
             for evaluator in self.evaluators:
                 if evaluator.due(self.step, train.steps):
                     metrics.update(evaluator(self.backend.module, self._eval_env()))
@@ -288,8 +289,8 @@ class TrainingLoop:
         """The context of the training step's attention (`train.attention`) and the kernel it runs,
         checked once here with the model's shapes (see `trainers/attention.py`)."""
         shape = model_attention_shape(self.backend.module)
-        if self.backend.name == "xla" or shape is None:  # XLA compiles its own attention
-            return contextlib.nullcontext, "xla" if shape is not None else "none"
+        if self.cfg.engine.own_attention or shape is None:  # the engine compiles its own attention
+            return contextlib.nullcontext, self.cfg.engine.name if shape is not None else "none"
         tokens, heads, head_dim, dropout = shape
         device = self.backend.device
         kernel = attention_kernel(
@@ -371,8 +372,8 @@ class TrainingLoop:
             flags = window.read()[2:]
             flags = _all_reduce(flags, average=[False] * len(flags), device=self.backend.device)
             self._apply_nonfinite_policy(self._count_nonfinite(_nonfinite_steps(flags)), window.steps)
-        if self.backend.name == "xla":
-            return  # the scan would be one more XLA graph to compile; the losses' check stands for it
+        if self.cfg.engine.lazy_tensors:
+            return  # the scan would be one more graph to compile; the losses' check stands for it
         module = self.backend.module
         local = [getattr(p, "ds_tensor", p) for p in module.parameters()]  # ZeRO-3: this rank's partition
         bad = float(torch.stack([t.isfinite().all().logical_not() for t in local if t.numel()]).any()) if local else 0.0
@@ -415,9 +416,10 @@ class TrainingLoop:
 
 
 class _Window:
-    """Sums over the steps since the last log."""
+    """Sums over the steps since the last log (`lazy`: the losses are lazy graphs, `Engine.lazy_tensors`)."""
 
-    def __init__(self):
+    def __init__(self, lazy: bool):
+        self.lazy = lazy
         self.started = time.perf_counter()
         self.steps = 0
         self.losses: list[torch.Tensor] = []  # on the device until the log step reads them
@@ -436,7 +438,7 @@ class _Window:
         its own step (XLA: in the step's graph), so reading them adds no device work of its own."""
         if not self.losses:
             return [0.0, 0.0]
-        if self.losses[0].device.type == "xla":  # each one already computed: no new graph to compile
+        if self.lazy:  # each one already computed: no new graph to compile
             losses = torch.tensor([float(loss) for loss in self.losses], dtype=torch.float64)
         else:  # one copy to the host
             losses = torch.stack(self.losses).double().cpu()
