@@ -21,7 +21,8 @@ from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.checkpoint_files import files_under, mark_complete, write_state
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.ema import Ema, WholeWeights
-from vitray.trainers.evals import EvalEnv, Evaluator, FewshotEvalConfig, ValEvalConfig
+from vitray.trainers.evals import FewshotEvalConfig, ValEvalConfig
+from vitray.trainers.evaluators import EvalEnv, Evaluator
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER = REPO / "configs" / "paper"

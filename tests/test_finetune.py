@@ -28,7 +28,8 @@ from vitray.evaluation.suite import get_benchmark
 from vitray.models import resample_posemb
 from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint, read_state
 from vitray.runfolder.files import RunFiles
-from vitray.trainers.evals import TEST, TEST_TOP1, VAL, VAL_TOP1, EvalEnv, ValEvalConfig, ValEvaluator
+from vitray.trainers.evals import TEST, TEST_TOP1, VAL, VAL_TOP1, ValEvalConfig
+from vitray.trainers.evaluators import EvalEnv, ValEvaluator
 
 pytestmark = pytest.mark.slow
 

@@ -168,7 +168,7 @@ def test_loop_in_process_with_zero2_bf16_ema_mixup(process_group, digits_dataset
     assert more_workers.new_run_num_slots() == 2
     resumed = TrainingLoop(
         more_workers,
-        WorkerContext(rank=0, world_size=1, run_dir=ctx.run_dir, report=ctx.report, restore_dir=Path(saved[0])),
+        WorkerContext(rank=0, world_size=1, run_dir=ctx.run_dir, report=ctx.report, resume_from=str(saved[0])),
     )
     assert resumed.step == 4
     # ... with the slots the run started with, not those a new run of this config would take.

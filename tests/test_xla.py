@@ -301,14 +301,14 @@ def test_exported_weights_give_the_same_logits_on_deepspeed(reference, process_g
     ],
 )
 def test_tpu_slice_names(name, chips, hosts, topology, accelerator):
-    from vitray.trainers.engines.xla.slices import tpu_slice
+    from vitray.trainers.tpu_slices import tpu_slice
 
     tpu = tpu_slice(name)
     assert (tpu.chips, tpu.hosts, tpu.topology, tpu.accelerator_type) == (chips, hosts, topology, accelerator)
 
 
 def test_tpu_slice_becomes_ray_trains_tpu_scaling_config():
-    from vitray.cluster.pretrain import scaling_config
+    from vitray.cluster.torch_trainer import scaling_config
     from vitray.common.config import ConfigError, load_config
     from vitray.trainers.config import TrainingConfig
 

@@ -20,9 +20,9 @@ from vitray.models.variants import get_variant
 from vitray.storage import absolute
 from vitray.trainers.engines.registry import ENGINES
 from vitray.trainers.engines.seam import Engine
-from vitray.trainers.engines.xla.slices import tpu_slice
 from vitray.trainers.evals import EVAL_NAME, EvalConfig
 from vitray.trainers.masked_patch import MaskedPatchTarget, target_outputs
+from vitray.trainers.tpu_slices import tpu_slice
 from vitray.trainers.trackers import MlflowSettings, WandbSettings
 
 # Run and evaluator names become folder names and metric prefixes: the same safe alphabet.

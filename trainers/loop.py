@@ -32,6 +32,7 @@ from vitray.models import ModelConfig, create_model_from_config
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.runfolder.files import RunFiles
 from vitray.trainers.attention import attention_context, attention_kernel, model_attention_shape
+from vitray.trainers.checkpoint_restore import restore_copy
 from vitray.trainers.checkpointer import Checkpointer
 from vitray.trainers.collectives import all_reduce as _all_reduce
 from vitray.trainers.collectives import broadcast_int as _broadcast_int
@@ -40,7 +41,7 @@ from vitray.trainers.context import WorkerContext
 from vitray.trainers.ema import Ema
 from vitray.trainers.engines.registry import create_backend
 from vitray.trainers.engines.seam import TrainBackend
-from vitray.trainers.evals import EvalEnv, build_evaluators
+from vitray.trainers.evaluators import EvalEnv, build_evaluators
 from vitray.trainers.feed import decodes_on_device
 from vitray.trainers.keys import SampleKeyRecorder
 from vitray.trainers.metrics import MetricsWriter, accelerator_peak_tflops, train_flops_per_image
@@ -65,61 +66,8 @@ class TrainingLoop:
             start_worker_server()  # evaluation workers' server imports while the model is built
         self.run_files = RunFiles(ctx.run_dir)
 
-        restore_state = None
-        if ctx.restore_dir is not None:
-            # Chosen complete by `resume_point` (the driver's or rank 0's): read, not verified again.
-            restore_state = ctx.restore_state or ckpt.read_state(ctx.restore_dir)
-        restore = (ctx.restore_dir, restore_state) if restore_state is not None else None
-
-        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        model = self._initial_model()
-        self.backend: TrainBackend = create_backend(cfg, model, self.world, restore)
-        self.ema = Ema(self.backend, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
-        self.attention, self.attention_kernel = self._attention()
-        # The backend puts batches on the device one step ahead (DeepSpeed: `trainers/feed.py`;
-        # XLA: sharded, by torch-xla's prefetching loader).
-        self.loader = self.backend.device_loader(
-            ShardLoader(
-                cfg.data.train,
-                cfg.data.train_split,
-                rank=self.rank,
-                world_size=self.world,
-                batch_size=cfg.train.micro_batch_size,
-                img_size=cfg.model.img_size,
-                train=True,
-                seed=cfg.seed,
-                num_slots=self._num_slots(restore_state),
-                num_workers=cfg.data.num_workers,
-                shuffle_buffer=cfg.data.shuffle_buffer,
-                storage_options=cfg.data.storage_options,
-                crop=cfg.data.crop,
-                min_crop_area=cfg.data.min_crop_area,
-                resize_ratio=cfg.data.resize_ratio,
-                flip=cfg.data.flip,
-                float_images=False,  # uint8 crosses to the device; the objective converts it there
-                device_decode=decodes_on_device(cfg.data.decode, self.backend.device),
-            )
-        )
-        self.checkpointer = Checkpointer(
-            self.backend,
-            rank=self.rank,
-            world_size=self.world,
-            every=cfg.checkpoint.every,
-            last_step=cfg.train.steps,
-            report=ctx.report,
-            staging_dir=cfg.checkpoint.staging_dir,
-            run_dir=ctx.run_dir,
-            states={"data": self.loader},
-            weights={ckpt.EMA_FILE: self.ema} if self.ema is not None else {},
-            record={
-                "num_classes": self.info.num_classes,
-                "label_kind": self.info.label_kind,
-                "model": self._architecture(),
-                "attention_kernel": self.attention_kernel,
-                "config": redacted_config(self.cfg),  # credentials masked
-            },
-        )
-        self.step = self.checkpointer.restore(*restore) if restore is not None else 0
+        with restore_copy(cfg, ctx) as restore:  # the checkpoint this run resumes from, until loaded
+            self._build(restore)
         self.preemption = PreemptionWatch(
             ctx.run_dir,
             rank=self.rank,
@@ -151,6 +99,59 @@ class TrainingLoop:
             self.trackers = Trackers(
                 cfg.log.mlflow, cfg.log.wandb, run_name=cfg.run.name, run_dir=ctx.run_dir, config=redacted_config(cfg)
             )
+
+    def _build(self, restore: tuple[Path, dict[str, Any]] | None) -> None:
+        """The model on its engine, the EMA, the loader and the checkpointer, with every component's
+        state loaded from `restore` (a local copy of a checkpoint and its trainer state), if any."""
+        torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank
+        model = self._initial_model()
+        self.backend: TrainBackend = create_backend(self.cfg, model, self.world, restore)
+        self.ema = Ema(self.backend, self.cfg.optim.ema_decay) if self.cfg.optim.ema_decay else None
+        self.attention, self.attention_kernel = self._attention()
+        # The backend puts batches on the device one step ahead (DeepSpeed: `trainers/feed.py`;
+        # XLA: sharded, by torch-xla's prefetching loader).
+        self.loader = self.backend.device_loader(
+            ShardLoader(
+                self.cfg.data.train,
+                self.cfg.data.train_split,
+                rank=self.rank,
+                world_size=self.world,
+                batch_size=self.cfg.train.micro_batch_size,
+                img_size=self.cfg.model.img_size,
+                train=True,
+                seed=self.cfg.seed,
+                num_slots=self._num_slots(restore[1] if restore is not None else None),
+                num_workers=self.cfg.data.num_workers,
+                shuffle_buffer=self.cfg.data.shuffle_buffer,
+                storage_options=self.cfg.data.storage_options,
+                crop=self.cfg.data.crop,
+                min_crop_area=self.cfg.data.min_crop_area,
+                resize_ratio=self.cfg.data.resize_ratio,
+                flip=self.cfg.data.flip,
+                float_images=False,  # uint8 crosses to the device; the objective converts it there
+                device_decode=decodes_on_device(self.cfg.data.decode, self.backend.device),
+            )
+        )
+        self.checkpointer = Checkpointer(
+            self.backend,
+            rank=self.rank,
+            world_size=self.world,
+            every=self.cfg.checkpoint.every,
+            last_step=self.cfg.train.steps,
+            report=self.ctx.report,
+            staging_dir=self.cfg.checkpoint.staging_dir,
+            run_dir=self.ctx.run_dir,
+            states={"data": self.loader},
+            weights={ckpt.EMA_FILE: self.ema} if self.ema is not None else {},
+            record={
+                "num_classes": self.info.num_classes,
+                "label_kind": self.info.label_kind,
+                "model": self._architecture(),
+                "attention_kernel": self.attention_kernel,
+                "config": redacted_config(self.cfg),  # credentials masked
+            },
+        )
+        self.step = self.checkpointer.restore(*restore) if restore is not None else 0
 
     def _num_slots(self, restore_state: dict[str, Any] | None) -> int:
         """``data.num_slots``; when unset, the number the run started with (which its checkpoints

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vitray.trainers.objectives import model_images
+from vitray.data.model_range import model_images
 
 MaskedPatchTarget = Literal["mean_color", "downsized_4x4", "patch_l2"]
 TARGETS: tuple[str, ...] = get_args(MaskedPatchTarget)
