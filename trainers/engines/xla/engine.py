@@ -14,6 +14,12 @@ def _check_config(cfg: Any) -> None:
         )
 
 
+def _process_group(use_gpu: bool) -> str:
+    # The devices talk through XLA itself; the gloo group only coordinates the hosts (checkpoint
+    # writes, metric reductions) on the CPU. (Ray's TorchXLAConfig is for AWS Neuron, not TPUs.)
+    return "gloo"
+
+
 ENGINE = Engine(
     name="xla",
     description="TPU slices through torch-xla",
@@ -23,7 +29,7 @@ ENGINE = Engine(
     own_attention=True,  # XLA compiles its own attention
     lazy_tensors=True,
     check_config=_check_config,
-    # The devices talk through XLA itself; the gloo group only coordinates the hosts (checkpoint
-    # writes, metric reductions) on the CPU. (Ray's TorchXLAConfig is for AWS Neuron, not TPUs.)
-    # XLA reads its whole checkpoint (torch.distributed.checkpoint re-shards it on load).
+    process_group=_process_group,
+    # restore_files left out: each host reads the whole checkpoint (torch.distributed.checkpoint
+    # re-shards it on load).
 )
