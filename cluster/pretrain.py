@@ -3,7 +3,7 @@
 Re-submitting the same run resumes it: the driver finds the newest complete checkpoint in the run
 folder and announces it to the workers (`cluster/torch_trainer.py`, `cluster/train_worker.py`).
 
-Before anything is written or started, `vitray.trainers.preflight` checks storage, datasets and
+Before anything is written or started, `vitray.trainers.driver_checks.preflight` checks storage, datasets and
 model, and under the lease whether the run's checkpoint can load into this config. Around the
 training the driver holds the run's lease (one driver per run, `vitray.runfolder.lease`), records
 each attempt in the run folder (`cluster/run_attempts.py`, what `vitray runs` lists), says where it
@@ -46,9 +46,9 @@ from vitray.runfolder.checkpoint_folders import (
 from vitray.runfolder.lease import RunLease, RunLeaseHeld
 from vitray.runfolder.progress import TrainingProgress
 from vitray.trainers.config import TrainingConfig
+from vitray.trainers.driver_checks.preflight import PreflightError, ResumePlan, check_inputs, check_resume
 from vitray.trainers.evals import VAL_TOP1
 from vitray.trainers.preemption import clear_stop
-from vitray.trainers.preflight import PreflightError, ResumePlan, check_inputs, check_resume
 
 # What `pretrain` raises when the run fails for good (each failed rank's traceback in its message).
 __all__ = ["REFUSED", "AlreadyFinished", "Preempted", "TrainingFailedError", "latest_complete", "pretrain", "run_dir"]

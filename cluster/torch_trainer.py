@@ -21,7 +21,7 @@ from vitray.cluster.runtime import check_local_resources, ray_storage, run_dir
 from vitray.cluster.train_worker import train_worker
 from vitray.runfolder.checkpoint_folders import CheckpointInfo
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.tpu_slices import tpu_slice
+from vitray.trainers.driver_checks.tpu_slices import tpu_slice
 
 # The config keys behind each resource a worker asks for (for error messages).
 RESOURCE_SETTINGS = {"CPU": "cluster.cpus_per_worker", "GPU": "cluster.gpus_per_worker", "TPU": "cluster.tpu"}

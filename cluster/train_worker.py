@@ -19,7 +19,7 @@ from ray.train import CheckpointUploadMode
 
 from vitray.cluster.drain import drain_watch
 from vitray.runfolder.checkpoint_folders import prune_checkpoints
-from vitray.trainers.checkpointer import remove_stale_staging
+from vitray.trainers.checkpoint.checkpointer import remove_stale_staging
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
 

@@ -365,7 +365,7 @@ def test_the_val_evaluator_scores_the_path_and_split_its_section_names(digits_da
 def test_preflight_checks_every_split_a_val_evaluator_scores(digits_dataset, tmp_path):
     from vitray.common.config import load_config
     from vitray.trainers.config import TrainingConfig
-    from vitray.trainers.preflight import PreflightError, check_inputs
+    from vitray.trainers.driver_checks.preflight import PreflightError, check_inputs
 
     base = [
         f"data.train={digits_dataset}",

@@ -26,7 +26,7 @@ from vitray.data.loader import ShardLoader
 from vitray.data.plan import ExtentTable, ShardRange, epoch_plan, rank_slots
 from vitray.data.splits import split_extents, split_table
 from vitray.runfolder import checkpoint_folders as ckpt
-from vitray.trainers.checkpoint_files import mark_complete, node_restore_dir, rank_copy
+from vitray.trainers.checkpoint.rank_files import mark_complete, node_restore_dir, rank_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -256,7 +256,7 @@ def test_ranks_starting_from_the_announced_checkpoint_do_not_each_recheck_it_on_
     rank then downloads only its own shards and the shared files, reading 2 completion records."""
     import s3fs
 
-    from vitray.trainers.checkpoint_restore import choose_checkpoint
+    from vitray.trainers.checkpoint.restore import choose_checkpoint
     from vitray.trainers.engines.deepspeed.resume_files import restore_files
 
     world = 32

@@ -18,10 +18,10 @@ from vitray.models import create_model
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
-from vitray.trainers.ema import Ema, WholeWeights
-from vitray.trainers.objectives import loss_fn, mixup, resolve_objective, targets_from_labels
-from vitray.trainers.optim import param_groups
-from vitray.trainers.schedule import lr_multiplier
+from vitray.trainers.step.ema import Ema, WholeWeights
+from vitray.trainers.step.objectives import loss_fn, mixup, resolve_objective, targets_from_labels
+from vitray.trainers.step.optim import param_groups
+from vitray.trainers.step.schedule import lr_multiplier
 
 
 def test_warmup_then_linear_and_cosine_decay():
@@ -95,7 +95,7 @@ class _MixedWeights(torch.nn.Module):
 
 @pytest.mark.parametrize("chunk", [1 << 26, 200])  # one cast chunk, or one per bf16/fp16 tensor
 def test_ema_foreach_update_gives_the_per_tensor_values(monkeypatch, chunk):
-    import vitray.trainers.ema as ema_module
+    import vitray.trainers.step.ema as ema_module
 
     monkeypatch.setattr(ema_module, "CAST_CHUNK_ELEMENTS", chunk)
     torch.manual_seed(0)

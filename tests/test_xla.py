@@ -301,7 +301,7 @@ def test_exported_weights_give_the_same_logits_on_deepspeed(reference, process_g
     ],
 )
 def test_tpu_slice_names(name, chips, hosts, topology, accelerator):
-    from vitray.trainers.tpu_slices import tpu_slice
+    from vitray.trainers.driver_checks.tpu_slices import tpu_slice
 
     tpu = tpu_slice(name)
     assert (tpu.chips, tpu.hosts, tpu.topology, tpu.accelerator_type) == (chips, hosts, topology, accelerator)

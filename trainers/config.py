@@ -18,11 +18,11 @@ from vitray.data.plan import default_num_slots
 from vitray.models.config import ModelConfig
 from vitray.models.variants import get_variant
 from vitray.storage import absolute
+from vitray.trainers.driver_checks.tpu_slices import tpu_slice
 from vitray.trainers.engines.registry import ENGINES
 from vitray.trainers.engines.seam import Engine
 from vitray.trainers.evals import EVAL_NAME, EvalConfig
-from vitray.trainers.masked_patch import MaskedPatchTarget, target_outputs
-from vitray.trainers.tpu_slices import tpu_slice
+from vitray.trainers.step.masked_patch import MaskedPatchTarget, target_outputs
 from vitray.trainers.trackers import MlflowSettings, WandbSettings
 
 # Run and evaluator names become folder names and metric prefixes: the same safe alphabet.
@@ -147,7 +147,7 @@ class TrainConfig(_Section):
     )
     attention: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
         "auto",
-        description="The fused attention kernel of the training step (`trainers/attention.py`). auto: on CUDA flash "
+        description="The fused attention kernel of the training step (`trainers/step/attention.py`). auto: on CUDA flash "
         "attention first, then cuDNN, memory-efficient, math; elsewhere PyTorch's choice. A named kernel that cannot "
         "run the model's shapes and dtype on this device is refused at start. The kernel that runs is printed at start.",
     )
@@ -170,7 +170,7 @@ class TrainConfig(_Section):
 
 
 class OptimConfig(_Section):
-    """The optimizer, with the authors' weight-decay rule (`trainers/optim.py`), and weight averaging."""
+    """The optimizer, with the authors' weight-decay rule (`trainers/step/optim.py`), and weight averaging."""
 
     name: Literal["adamw", "sgd"] = Field("adamw", description="adamw: pre-training; sgd (momentum): fine-tuning.")
     lr: float = Field(1e-3, gt=0, description="Peak learning rate (after warm-up).")

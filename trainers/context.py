@@ -31,7 +31,7 @@ class WorkerContext:
     run_dir: str  # <storage>/<run name>, local path or s3:// URL
     report: Reporter
     # The checkpoint the driver announced (chosen complete by `resume_point`; local path or s3://)
-    # and its step (None: unknown); None: from scratch. `trainers/checkpoint_restore.py` turns it
+    # and its step (None: unknown); None: from scratch. `trainers/checkpoint/restore.py` turns it
     # into what this rank resumes from.
     resume_from: str | None = None
     resume_step: int | None = None

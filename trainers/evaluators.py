@@ -37,7 +37,7 @@ class EvalEnv:
     device: Any
     dtype: torch.dtype
     sum_over_ranks: Callable[[list[float]], list[float]]
-    ema: Any = None  # the run's vitray.trainers.ema.Ema, when optim.ema_decay is set
+    ema: Any = None  # the run's vitray.trainers.step.ema.Ema, when optim.ema_decay is set
     # Every rank must make the same forward calls (ZeRO-3, XLA over hosts): rank-0 evaluators run
     # on every rank then, and evaluators pad their ranks' forward counts to the same number.
     collective_forward: bool = False

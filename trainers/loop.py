@@ -6,7 +6,7 @@ uninterrupted one exactly without carrying generator states around.
 
 The loop is made of components that own their state: the engine (DeepSpeed or torch-xla) behind
 `vitray.trainers.engines.seam.TrainBackend`, the data loader, the EMA, and the
-`vitray.trainers.checkpointer.Checkpointer` that saves and restores them all, writing in the
+`vitray.trainers.checkpoint.checkpointer.Checkpointer` that saves and restores them all, writing in the
 background so that a checkpoint costs training little more than a snapshot.
 """
 
@@ -31,22 +31,22 @@ from vitray.data.eval_loader import start_worker_server
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.runfolder.files import RunFiles
-from vitray.trainers.attention import attention_context, attention_kernel, model_attention_shape
-from vitray.trainers.checkpoint_restore import restore_copy
-from vitray.trainers.checkpointer import Checkpointer
+from vitray.trainers.checkpoint.checkpointer import Checkpointer
+from vitray.trainers.checkpoint.restore import restore_copy
 from vitray.trainers.collectives import all_reduce as _all_reduce
 from vitray.trainers.collectives import broadcast_int as _broadcast_int
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
-from vitray.trainers.ema import Ema
 from vitray.trainers.engines.registry import create_backend
 from vitray.trainers.engines.seam import TrainBackend
 from vitray.trainers.evaluators import EvalEnv, build_evaluators
-from vitray.trainers.feed import decodes_on_device
 from vitray.trainers.keys import SampleKeyRecorder
 from vitray.trainers.metrics import MetricsWriter, accelerator_peak_tflops, train_flops_per_image
-from vitray.trainers.objectives import build_objective
 from vitray.trainers.preemption import PreemptionWatch
+from vitray.trainers.step.attention import attention_context, attention_kernel, model_attention_shape
+from vitray.trainers.step.ema import Ema
+from vitray.trainers.step.feed import decodes_on_device
+from vitray.trainers.step.objectives import build_objective
 from vitray.trainers.trackers import Trackers
 
 
@@ -108,7 +108,7 @@ class TrainingLoop:
         self.backend: TrainBackend = create_backend(self.cfg, model, self.world, restore)
         self.ema = Ema(self.backend, self.cfg.optim.ema_decay) if self.cfg.optim.ema_decay else None
         self.attention, self.attention_kernel = self._attention()
-        # The backend puts batches on the device one step ahead (DeepSpeed: `trainers/feed.py`;
+        # The backend puts batches on the device one step ahead (DeepSpeed: `trainers/step/feed.py`;
         # XLA: sharded, by torch-xla's prefetching loader).
         self.loader = self.backend.device_loader(
             ShardLoader(
@@ -288,7 +288,7 @@ class TrainingLoop:
 
     def _attention(self):
         """The context of the training step's attention (`train.attention`) and the kernel it runs,
-        checked once here with the model's shapes (see `trainers/attention.py`)."""
+        checked once here with the model's shapes (see `trainers/step/attention.py`)."""
         shape = model_attention_shape(self.backend.module)
         if self.cfg.engine.own_attention or shape is None:  # the engine compiles its own attention
             return contextlib.nullcontext, self.cfg.engine.name if shape is not None else "none"

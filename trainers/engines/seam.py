@@ -58,7 +58,7 @@ class TrainBackend(Protocol):
 
     def device_loader(self, loader: Any) -> Any:
         """The training loader the loop iterates, made from a uint8 `ShardLoader`: a wrapper that
-        puts batches on the device ahead of the step (DeepSpeed: `trainers/feed.py`; XLA: sharded
+        puts batches on the device ahead of the step (DeepSpeed: `trainers/step/feed.py`; XLA: sharded
         along the batch), whose `state_dict()` still counts only the batches handed to the loop."""
 
     def begin_step(self, seed: int) -> None:

@@ -33,9 +33,9 @@ from vitray.trainers.engines.deepspeed.resume_files import (
     universal_ready,
 )
 from vitray.trainers.engines.seam import PendingSave
-from vitray.trainers.float8 import convert_to_fp8, local_gpu_fp8_problem
-from vitray.trainers.optim import build_optimizer
-from vitray.trainers.schedule import build_lr_schedule
+from vitray.trainers.step.float8 import convert_to_fp8, local_gpu_fp8_problem
+from vitray.trainers.step.optim import build_optimizer
+from vitray.trainers.step.schedule import build_lr_schedule
 
 # ZeRO 1-2 reduce gradients in buckets of this many elements, overlapped with the backward pass
 # (`overlap_comm`). DeepSpeed's default (5e8) exceeds ViT-B/16's 86M parameters, so the whole
@@ -337,7 +337,7 @@ class DeepSpeedBackend:
         return self.engine(*args, **kwargs)
 
     def device_loader(self, loader):
-        from vitray.trainers.feed import DeviceFeed
+        from vitray.trainers.step.feed import DeviceFeed
 
         return DeviceFeed(loader, self.device)
 

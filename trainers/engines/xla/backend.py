@@ -35,8 +35,8 @@ from torch import nn
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.engines.seam import PendingSave
 from vitray.trainers.engines.xla.loader import DeviceLoader
-from vitray.trainers.optim import build_optimizer
-from vitray.trainers.schedule import build_lr_schedule
+from vitray.trainers.step.optim import build_optimizer
+from vitray.trainers.step.schedule import build_lr_schedule
 
 CHECKPOINT_SUBDIR = "xla"
 MESH_AXIS = "fsdp"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from vitray.runfolder.checkpoint_folders import CheckpointInfo, resume_point
-from vitray.trainers.checkpoint_files import node_restore_dir, rank_copy
+from vitray.trainers.checkpoint.rank_files import node_restore_dir, rank_copy
 from vitray.trainers.collectives import broadcast_json
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext

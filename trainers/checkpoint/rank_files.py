@@ -3,7 +3,7 @@ local copy of the checkpoint it resumes from.
 
 The layout, and when a checkpoint counts as complete, are `vitray.runfolder.checkpoint_folders`'s
 (which the driver reads); the rank writes its completion record last, after every file it lists.
-When to save, the background write and restoring are `vitray.trainers.checkpointer`'s, which uses
+When to save, the background write and restoring are `vitray.trainers.checkpoint.checkpointer`'s, which uses
 these.
 """
 

@@ -171,7 +171,7 @@ class MaskedPatchObjective:
     """The training objective: corrupt, predict every corrupted patch's target, average the loss.
 
     ``loss(model, batch, rng)`` has the shape of
-    :class:`vitray.trainers.objectives.SupervisedObjective`'s: ``model`` is the training backend
+    :class:`vitray.trainers.step.objectives.SupervisedObjective`'s: ``model`` is the training backend
     (callable, with ``.device``, ``.dtype`` and ``.module``), ``batch`` a
     :class:`vitray.data.Batch` (its labels are not read).
     """

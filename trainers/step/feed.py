@@ -6,7 +6,7 @@ is read, one batch ahead of the step that uses it, so the copy overlaps the prev
 compute. Images arrive channels-last (how the crops come out of their resize); on a GPU they are
 made planar on the device after the copy, on the CPU the model takes them channels-last.
 Conversion to the model's range, targets, mixup and masked-patch targets then happen on the
-device (`trainers/objectives.py`, `trainers/masked_patch.py`).
+device (`trainers/step/objectives.py`, `trainers/step/masked_patch.py`).
 
 With ``data.decode=gpu`` (a loader made with ``device_decode=True``) a batch's JPEGs arrive
 undecoded with their crop boxes; the feed decodes, crops, resizes and flips them on the device

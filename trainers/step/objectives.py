@@ -3,7 +3,7 @@
 Labels arrive as class indices (single-label) or multi-hot float rows (multi-label); both are
 turned into target distributions so label smoothing and mixup act on one representation.
 
-Batches arrive on the device with uint8 images (`trainers/feed.py`): the conversion to the
+Batches arrive on the device with uint8 images (`trainers/step/feed.py`): the conversion to the
 model's range, the targets and mixup all run there, after the copy, and nothing here reads a
 device value back to the host (the loss stays a tensor until the loop logs it).
 """
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from vitray.data.model_range import model_images
-from vitray.trainers.masked_patch import MaskedPatchObjective
+from vitray.trainers.step.masked_patch import MaskedPatchObjective
 
 
 def resolve_objective(objective: str, label_kind: str) -> str:
