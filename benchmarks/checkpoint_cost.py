@@ -45,7 +45,7 @@ def _write(rank: int, world: int, port: int, model_name: str, stage: int, folder
     from vitray.common.config import load_config
     from vitray.models import create_model_from_config
     from vitray.trainers.config import TrainingConfig
-    from vitray.trainers.deepspeed_backend import DeepSpeedBackend
+    from vitray.trainers.engines.deepspeed.backend import DeepSpeedBackend
 
     cfg = load_config(
         TrainingConfig,
@@ -90,7 +90,7 @@ def checkpoint_files(folder: Path) -> tuple[int, int, Counter]:
 
 def convert(folder: Path) -> tuple[float, float, int]:
     """(CPU s, wall s, bytes written) of converting once, in this process."""
-    from vitray.trainers.deepspeed_backend import to_universal
+    from vitray.trainers.engines.deepspeed.resume_files import to_universal
 
     with tempfile.TemporaryDirectory() as out:
         wall, cpu = time.perf_counter(), time.process_time()

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_pipeline import OUTPUT, write_jpegs
 
 from vitray.data import ShardLoader, prepare_dataset
-from vitray.trainers.feed import DeviceFeed
+from vitray.trainers.step.feed import DeviceFeed
 
 
 def run(shards: str, *, background: bool, device_decode: bool, args: argparse.Namespace) -> tuple[float, float]:

@@ -1,7 +1,7 @@
 """Training throughput of `vitray pretrain`'s step against a plain PyTorch AMP loop, on one device.
 
 vitray: `TrainingLoop.train_step` -- the step `vitray pretrain` runs -- on the DeepSpeed backend
-(ZeRO-1, bf16, `train.compile` as configured) fed by `trainers/feed.py`'s DeviceFeed with
+(ZeRO-1, bf16, `train.compile` as configured) fed by `trainers/step/feed.py`'s DeviceFeed with
 synthetic uint8 batches (pinned and copied ahead on the feed's own thread on CUDA, converted on
 the device). Reading and decoding shards is left out; `benchmarks/data_pipeline.py` measures it.
 
@@ -34,13 +34,13 @@ import torch.nn.functional as F
 from vitray.common.config import load_config
 from vitray.data.batch import Batch
 from vitray.models import create_model_from_config
-from vitray.trainers.backend import create_backend
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.deepspeed_backend import compile_enabled
-from vitray.trainers.feed import DeviceFeed
+from vitray.trainers.engines.deepspeed.backend import compile_enabled
+from vitray.trainers.engines.registry import create_backend
 from vitray.trainers.loop import TrainingLoop
 from vitray.trainers.metrics import accelerator_peak_tflops, train_flops_per_image
-from vitray.trainers.objectives import build_objective
+from vitray.trainers.step.feed import DeviceFeed
+from vitray.trainers.step.objectives import build_objective
 
 TIMM_NAMES = {
     "Ti/16": "vit_tiny_patch16_224",

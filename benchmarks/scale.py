@@ -53,7 +53,7 @@ from vitray.data.layout import (
 )
 from vitray.data.loader import ShardLoader, _share, _TrainStream
 from vitray.runfolder import checkpoint_folders as ckpt
-from vitray.trainers.checkpoint_files import mark_complete, write_state
+from vitray.trainers.checkpoint.rank_files import mark_complete, write_state
 
 SEED, EPOCH = 0, 3
 

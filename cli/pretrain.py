@@ -32,7 +32,7 @@ def pretrain(
 
     cfg = load(TrainingConfig, config, set_)
     if dry_run:  # the config and the model it builds; the data is checked when the run starts
-        from vitray.trainers.preflight import PreflightError, check_model
+        from vitray.trainers.driver_checks.preflight import PreflightError, check_model
 
         with handled((PreflightError,)):
             check_model(cfg.model)

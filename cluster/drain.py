@@ -30,6 +30,8 @@ from collections.abc import Callable
 import ray
 import torch.distributed as dist
 
+from vitray.trainers.preemption import read_stop
+
 # A drain without a deadline ("0" in the GCS) still means the node is going: stop as for a
 # pre-emption notice with this much time.
 NO_DEADLINE_GRACE_S = 300.0
@@ -73,3 +75,10 @@ def drain_watch(world_size: int) -> Callable[[], tuple[str, float] | None]:
         return f"Ray is draining node {names} (ranks {ranks}; deadline in {deadline - time.time():.0f} s)", deadline
 
     return notice
+
+
+def stopped_for_drain(folder: str) -> str | None:
+    """On the driver, after the workers stopped: the reason they gave when they stopped for a node
+    drain, else None."""
+    notice = read_stop(folder)
+    return notice["reason"] if notice and notice.get("kind") == "drain" else None

@@ -140,7 +140,7 @@ def _check_models(pending: GridPlan, ready: list[FinetuneJob], grid: GridConfig)
     once per checkpoint and resolution: a resolution the patch size does not divide is refused
     (PreflightError) before any cell starts, instead of failing every cell on its workers."""
     from vitray.models import ModelConfig
-    from vitray.trainers.preflight import PreflightError, check_model
+    from vitray.trainers.driver_checks.preflight import PreflightError, check_model
 
     jobs = [*pending.finetune, *ready]
     cells = [("fine-tune", job.checkpoint, finetune_config(job, grid).model.img_size) for job in jobs]

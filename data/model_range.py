@@ -12,3 +12,9 @@ def to_model_range(images: torch.Tensor) -> torch.Tensor:
     one vectorised op instead of a per-image ``ToDtype`` + ``Normalize``, which cost more than the
     crop itself."""
     return images.to(torch.float32).mul_(2.0 / 255.0).sub_(1.0)
+
+
+def model_images(images: torch.Tensor) -> torch.Tensor:
+    """Float32 images in ``[-1, 1]`` from the feed's uint8 pixels (float images pass unchanged),
+    on the images' own device."""
+    return to_model_range(images) if images.dtype == torch.uint8 else images.float()

@@ -11,7 +11,7 @@
 - :mod:`vitray.runfolder.export` (and :mod:`~vitray.runfolder.timm_folder`): `vitray export`.
 
 Below trainers and evaluation: they (and cluster, cli) import it; it imports only common, storage and
-models. A worker writes its checkpoint files with `vitray.trainers.checkpoint_files`. The folder is
+models. A worker writes its checkpoint files with `vitray.trainers.checkpoint.rank_files`. The folder is
 not called ``runs/``: ``./runs`` is where runs live by default (``run.storage``), so run folders
 would be written into the source tree.
 """

@@ -199,6 +199,6 @@ def in_process_loop(dataset, tmp_path: Path, *extra: str, restore_dir: Path | No
         world_size=1,
         run_dir=str(tmp_path / "run"),
         report=report or (lambda m, d: None),
-        restore_dir=restore_dir,
+        resume_from=str(restore_dir) if restore_dir is not None else None,
     )
     return TrainingLoop(cfg, ctx)

@@ -8,8 +8,12 @@
   A registry's dotted name (`"vitray.evaluation.fewshot_probe:evaluate"`, imported when used) counts
   too: such a by-name edge between packages is allowed only where `BY_NAME` lists it, with why.
 - No import cycle between the modules of one package through module-level imports (those run when
-  the module is imported; an import inside a function is how a module defers one). A registry
-  that imports its plug-ins while they import it may be exempt, by name, in `CYCLE_EXEMPT`.
+  the module is imported), nor through any import at all: an import inside a function defers a
+  circle, it does not remove it. A registry that imports its plug-ins while they import it may be
+  exempt, by name, in `CYCLE_EXEMPT`; a by-name import does not count.
+- Engines (trainers/engines/<name>/) are one folder each behind one seam: no engine's name is
+  compared outside its folder, the rest of vitray imports only the seam and the registry, and
+  `runfolder` imports nothing of `data`.
 - The checker itself is shown to fail on a small synthetic tree (forbidden import, `ray` in
   `models`, a cycle): each report names the file, the line, the import and the rule.
 
@@ -50,7 +54,7 @@ MAY_IMPORT: dict[str, frozenset[str] | None] = {
 # (package, vitray package it reaches by dotted name only) -> why. Such an edge is invisible to
 # the import statements, so each one is written down here; an unlisted one fails like an import.
 BY_NAME: dict[tuple[str, str], str] = {
-    ("trainers", "evaluation"): "the training loop's evaluators (trainers/evals.py) run evaluation's few-shot "
+    ("trainers", "evaluation"): "the training loop's evaluators (trainers/evaluators.py) run evaluation's few-shot "
     "probe and top-1 loop during training, imported by name when a run uses them (big_vision's registry of "
     "evaluators): what evaluates has one home, evaluation/",
 }
@@ -62,9 +66,10 @@ HOMES: dict[str, frozenset[str]] = {
     "torch_xla": frozenset({"trainers"}),
 }
 
-# module -> why its module-level import cycle is accepted (a registry and its plug-ins). None today:
-# the source registry (data/sources/__init__.py) imports its adapters inside `source_kinds`, and the
-# adapters import only the types of data/sources/base.py (see the data rooms below).
+# module -> why its import cycle is accepted (a registry and its plug-ins). None today: the source
+# registry (data/sources/__init__.py) imports its adapters inside `source_kinds`, and the adapters
+# import only the types of data/sources/base.py (see the data rooms below); the one that wraps
+# another source is handed the registry's `open_source`.
 CYCLE_EXEMPT: dict[str, str] = {}
 
 # The rooms of data/ (a package has no row of its own in MAY_IMPORT; these are rules within it).
@@ -217,18 +222,31 @@ def module_exists(root: Path, module: str) -> bool:
     return root.joinpath(*parts).with_suffix(".py").is_file() or (root.joinpath(*parts) / "__init__.py").is_file()
 
 
-def import_edges(root: Path, package: str) -> dict[str, dict[str, Import]]:
-    """module -> {module of the same package it imports at module level: the first such import}."""
+def is_extension(root: Path, module: str) -> bool:
+    """A compiled module of the tree (its C source is there, no .py)."""
+    parts = module.split(".")[1:]
+    return bool(parts) and root.joinpath(*parts).with_suffix(".c").is_file()
+
+
+def import_edges(root: Path, package: str, *, any_depth: bool = False) -> dict[str, dict[str, Import]]:
+    """module -> {module of the same package it imports at module level: the first such import}.
+    `any_depth`: every import statement counts (in a function, under TYPE_CHECKING too), by-name
+    ones not (a registry naming its plug-ins, imported when used)."""
     prefix = f"vitray.{package}"
     edges: dict[str, dict[str, Import]] = {}
     for path in package_files(root, package):
         importer = module_name(root, path)
         edges.setdefault(importer, {})
         for imp in collect_imports(root, path):
-            if not imp.module_level:
+            if imp.by_name or not (imp.module_level or any_depth):
                 continue
-            # `from pkg import sub` reaches the module pkg.sub; `from pkg import name`, pkg itself
-            submodules = [f"{imp.target}.{name}" for name in imp.names]
+            # `from pkg import sub` reaches the module pkg.sub; `from pkg import name`, pkg itself; a
+            # compiled extension (data/_jpeg_region.c) imports nothing of vitray
+            submodules = [
+                f"{imp.target}.{name}" for name in imp.names if not is_extension(root, f"{imp.target}.{name}")
+            ]
+            if imp.names and not submodules:
+                continue
             targets = [sub if module_exists(root, sub) else imp.target for sub in submodules] or [imp.target]
             for target in targets:
                 while target != prefix and not module_exists(root, target) and "." in target:
@@ -239,13 +257,14 @@ def import_edges(root: Path, package: str) -> dict[str, dict[str, Import]]:
     return edges
 
 
-def cycles(root: Path, package: str, exempt: dict[str, str] | None = None) -> list[str]:
+def cycles(root: Path, package: str, exempt: dict[str, str] | None = None, *, any_depth: bool = False) -> list[str]:
     """One line per import cycle among the package's modules (a strongly connected component of the
-    module-level imports), listing the imports between its members, each with file and line."""
+    module-level imports; `any_depth`: of all its import statements), listing the imports between
+    its members, each with file and line."""
     exempt = CYCLE_EXEMPT if exempt is None else exempt
     edges = {
         module: {target: imp for target, imp in targets.items() if target not in exempt}
-        for module, targets in import_edges(root, package).items()
+        for module, targets in import_edges(root, package, any_depth=any_depth).items()
         if module not in exempt
     }
     index: dict[str, int] = {}
@@ -286,7 +305,7 @@ def cycles(root: Path, package: str, exempt: dict[str, str] | None = None) -> li
             if target in members
         )
         names = ", ".join(module.removeprefix(f"vitray.{package}.") for module in component)
-        rule = "rule: no module-level import cycle within a package"
+        rule = f"rule: no {'' if any_depth else 'module-level '}import cycle within a package"
         problems.append(f"import cycle among vitray.{package}.{{{names}}}: {chain}; {rule}")
     return problems
 
@@ -322,6 +341,110 @@ def test_packages_import_only_downwards_and_ray_only_in_cluster() -> None:
 )
 def test_no_import_cycle_within_a_package(package: str) -> None:
     assert cycles(REPO, package) == []
+
+
+@pytest.mark.parametrize("package", present_packages())
+def test_no_import_circle_within_a_package_at_any_depth(package: str) -> None:
+    """An import inside a function (or under TYPE_CHECKING) hides a circle from the module-level
+    check, it does not remove it: backend <-> the engines, config <-> evals and objectives <->
+    masked_patch were such circles (issue 39). By-name imports do not count (a registry naming its
+    plug-ins, imported when used)."""
+    assert cycles(REPO, package, any_depth=True) == []
+
+
+def test_runfolder_imports_nothing_from_data() -> None:
+    """A run folder is files on storage, whatever dataset the run read (issue 39)."""
+    assert "data" not in (MAY_IMPORT["runfolder"] or ())
+    assert not [
+        f"{imp.file}:{imp.line}: `{imp.text}`"
+        for path in package_files(REPO, "runfolder")
+        for imp in collect_imports(REPO, path)
+        if "data" in vitray_packages(imp)
+    ]
+
+
+# -- engines: one folder each, behind one seam ---------------------------------------------------
+
+ENGINES_DIR = Path("trainers") / "engines"
+# What of trainers/engines/ the rest of vitray may import: the seam (the backend protocol, the
+# Engine description) and the registry (engines by name). An engine's own modules are its own.
+ENGINE_SEAM = ("vitray.trainers.engines.seam", "vitray.trainers.engines.registry")
+
+
+def engine_folders(root: Path) -> dict[str, Path]:
+    """Engine name -> its folder (a folder of trainers/engines/ with an engine.py)."""
+    return {path.parent.name: path.parent for path in sorted((root / ENGINES_DIR).glob("*/engine.py"))}
+
+
+def engine_name_comparisons(root: Path, packages: list[str]) -> list[str]:
+    """One line per comparison with an engine's name (`backend == "xla"`, `name in ("deepspeed",)`)
+    outside that engine's folder: what an engine can do is its Engine's to say."""
+    names = set(engine_folders(root))
+    found = []
+    for package in packages:
+        for path in package_files(root, package):
+            rel = path.relative_to(root)
+            own = rel.parts[2] if rel.parts[:2] == ENGINES_DIR.parts and len(rel.parts) > 3 else None
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if not isinstance(node, ast.Compare):
+                    continue
+                for operand in (node.left, *node.comparators):
+                    items = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+                    hit = {i.value for i in items if isinstance(i, ast.Constant) and i.value in names} - {own}
+                    if hit:
+                        found.append(
+                            f"{rel.as_posix()}:{node.lineno}: `{ast.unparse(node)}` compares engine name(s) {sorted(hit)}"
+                        )
+    return found
+
+
+def test_no_engine_name_is_compared_outside_its_engine_folder() -> None:
+    assert set(engine_folders(REPO)) >= {"deepspeed", "xla"}
+    assert engine_name_comparisons(REPO, present_packages()) == []
+
+
+def test_engine_name_checker_finds_comparisons(tmp_path: Path) -> None:
+    root = write_tree(
+        tmp_path,
+        {
+            "trainers/engines/deepspeed/engine.py": "",
+            "trainers/engines/xla/engine.py": "",
+            "trainers/engines/xla/backend.py": 'ok = name == "xla"\nbad = name != "deepspeed"\n',
+            "trainers/loop.py": 'a = cfg.train.backend == "xla"\nb = kind in ("cpu", "deepspeed")\nc = "xla"\n',
+        },
+    )
+    assert engine_name_comparisons(root, ["trainers"]) == [
+        "trainers/engines/xla/backend.py:2: `name != 'deepspeed'` compares engine name(s) ['deepspeed']",
+        "trainers/loop.py:1: `cfg.train.backend == 'xla'` compares engine name(s) ['xla']",
+        "trainers/loop.py:2: `kind in ('cpu', 'deepspeed')` compares engine name(s) ['deepspeed']",
+    ]
+
+
+def test_each_engine_is_one_folder_and_one_registry_line() -> None:
+    """A new engine is a folder of trainers/engines/ (its engine.py describing it) and one line of
+    the registry; nothing outside trainers/engines/ imports more of the engines than the seam and
+    the registry, and no engine imports another."""
+    folders = engine_folders(REPO)
+    registered = {
+        imp.target.rpartition(".")[2]
+        for imp in collect_imports(REPO, REPO / ENGINES_DIR / "registry.py")
+        if imp.target.startswith("vitray.trainers.engines.") and imp.names == ("engine",)
+    }
+    assert registered == set(folders)
+    problems = []
+    for package in present_packages():
+        for path in package_files(REPO, package):
+            rel = path.relative_to(REPO)
+            inside = rel.parts[:2] == ENGINES_DIR.parts
+            own = rel.parts[2] if inside and len(rel.parts) > 3 else None
+            for imp in collect_imports(REPO, path):
+                reached = [imp.target, *(f"{imp.target}.{name}" for name in imp.names)]
+                into = {t.split(".")[3] for t in reached if t.startswith("vitray.trainers.engines.")} & set(folders)
+                if not inside and not imp.by_name and into and not imp.target.startswith(ENGINE_SEAM):
+                    problems.append(f"{rel}:{imp.line}: `{imp.text}` reaches into an engine's folder")
+                if own is not None and into - {own}:
+                    problems.append(f"{rel}:{imp.line}: `{imp.text}` imports another engine")
+    assert problems == []
 
 
 def test_source_adapters_import_only_the_shared_types_and_the_registry_imports_them_when_used() -> None:
@@ -463,6 +586,14 @@ def test_checker_reports_a_module_level_cycle_as_its_chain_of_imports(tmp_path: 
         "rule: no module-level import cycle within a package"
     ]
     assert cycles(root, "models", exempt={}) == []  # sub.deep -> vit is one way
+    # At any depth, the imports under TYPE_CHECKING and inside functions close two more circles.
+    assert cycles(root, "data", exempt={}, any_depth=True) == [
+        "import cycle among vitray.data.{a, b, c, d}: data/a.py:1: `from . import b`; data/b.py:3: "
+        "`from vitray.data.c import X`; data/b.py:5: `from .d import Y`; data/c.py:2: `from vitray.data import a`; "
+        "data/d.py:1: `from .b import B`; rule: no import cycle within a package",
+        "import cycle among vitray.data.{e, e_helper}: data/e.py:2: `from . import e_helper`; "
+        "data/e_helper.py:1: `from .e import E`; rule: no import cycle within a package",
+    ]
 
 
 def test_checker_cycle_exemption_is_by_module_name(tmp_path: Path) -> None:
@@ -579,7 +710,7 @@ def test_every_by_name_import_names_a_module_that_exists() -> None:
         for imp in collect_imports(REPO, path)
         if imp.by_name
     ]
-    assert named, "no by-name import found (trainers/evals.py's registry names its evaluators)"
+    assert named, "no by-name import found (trainers/evaluators.py's registry names its evaluators)"
     assert [f"{imp.file}:{imp.line}: {imp.text}" for imp in named if not module_exists(REPO, imp.target)] == []
 
 

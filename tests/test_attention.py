@@ -1,5 +1,5 @@
 """`train.attention`: the training step runs on the attention kernel it names, and the kernel
-that really runs is checked and recorded (`trainers/attention.py`).
+that really runs is checked and recorded (`trainers/step/attention.py`).
 
 The CPU has two of PyTorch's kernels (its own flash attention and the unfused math path), so the
 choice, the check and the refusal of a kernel the device lacks are all exercised here; which
@@ -16,7 +16,7 @@ import torch
 from pretrain_helpers import in_process_loop
 
 from vitray.models import ModelConfig, create_model_from_config
-from vitray.trainers.attention import _KernelRecorder, attention_context, attention_kernel, model_attention_shape
+from vitray.trainers.step.attention import _KernelRecorder, attention_context, attention_kernel, model_attention_shape
 
 CPU = torch.device("cpu")
 

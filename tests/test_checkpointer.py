@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from vitray.runfolder import checkpoint_folders as ckpt
-from vitray.trainers.backend import PendingSave
-from vitray.trainers.checkpointer import Checkpointer
-from vitray.trainers.ema import Ema, WholeWeights
+from vitray.trainers.checkpoint.checkpointer import Checkpointer
+from vitray.trainers.engines.seam import PendingSave
+from vitray.trainers.step.ema import Ema, WholeWeights
 
 COSTS = {
     "checkpoint_write_s",

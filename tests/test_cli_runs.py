@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from vitray.cli.main import app
 from vitray.runfolder.files import RunFiles
 from vitray.runfolder.run_report import run_report
-from vitray.trainers.checkpoint_files import files_under, mark_complete, write_state
+from vitray.trainers.checkpoint.rank_files import files_under, mark_complete, write_state
 
 # What Ray Train records for a worker failure: the whole traceback of each failed rank.
 WORKER_TRACEBACK = """Training failed due to worker errors:

@@ -17,16 +17,8 @@ from vitray.common.config import ConfigError, load_config
 from vitray.evaluation.config import GridConfig
 from vitray.storage import absolute
 from vitray.trainers.config import MOVED_KEYS, TrainingConfig
-from vitray.trainers.evals import (
-    VAL_TOP1,
-    Evaluator,
-    FewshotEvalConfig,
-    FewshotEvaluator,
-    ValEvalConfig,
-    ValEvaluator,
-    build_evaluators,
-    metric_name,
-)
+from vitray.trainers.evals import VAL_TOP1, FewshotEvalConfig, ValEvalConfig, metric_name
+from vitray.trainers.evaluators import Evaluator, FewshotEvaluator, ValEvaluator, build_evaluators
 
 REPO = Path(__file__).resolve().parents[1]
 # Run recipes (pre-training and fine-tuning); grid_*.yaml are evaluation grids, checked in test_evaluate.

@@ -428,10 +428,10 @@ def test_jobs_name_their_runs_so_that_a_restarted_job_resumes():
 
 
 def test_runs_fit_the_worker_groups_that_carry_them():
-    from vitray.cluster.pretrain import scaling_config
+    from vitray.cluster.torch_trainer import scaling_config
     from vitray.common.config import load_config
     from vitray.trainers.config import TrainingConfig
-    from vitray.trainers.xla_slices import tpu_slice
+    from vitray.trainers.driver_checks.tpu_slices import tpu_slice
 
     clusters = by_name("RayCluster")
     for name, job in by_name("RayJob").items():

@@ -31,7 +31,7 @@ from vitray.data.plan import ShardRange
 from vitray.data.reader import SampleStream
 from vitray.data.transforms import TrainCrop, jpeg_device_size, train_augment
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.feed import DeviceFeed, decodes_on_device
+from vitray.trainers.step.feed import DeviceFeed, decodes_on_device
 
 SIZE = 32
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
@@ -246,8 +246,8 @@ def test_training_with_device_decoding_trains_on_the_cpu_paths_samples(
     data.decode=gpu is refused) is the CPU path's, step by step, and it trains."""
     from pretrain_helpers import in_process_loop
 
-    import vitray.trainers.feed as feed_module
     import vitray.trainers.loop as loop_module
+    import vitray.trainers.step.feed as feed_module
     from vitray.trainers.keys import collect_keys
 
     decoded = []

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.runfolder.export import ExportRefused, export
-from vitray.trainers import checkpoint_files as ckpt
+from vitray.trainers.checkpoint import rank_files as ckpt
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

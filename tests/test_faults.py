@@ -284,7 +284,7 @@ def test_a_results_writer_killed_mid_part_leaves_no_half_written_parquet(tmp_pat
 
 def test_resume_point_names_the_newer_checkpoints_it_skips_and_why(tmp_path):
     from vitray.runfolder import checkpoint_folders as ckpt
-    from vitray.trainers.checkpoint_files import files_under, mark_complete, write_state
+    from vitray.trainers.checkpoint.rank_files import files_under, mark_complete, write_state
 
     run_dir = tmp_path / "run"
     for name, step in (("checkpoint_2026-01-01_00-00-00.000001", 6), ("checkpoint_2026-01-01_00-01-00.000001", 12)):
@@ -309,7 +309,7 @@ def test_resume_point_knowing_a_checkpoint_reads_only_the_newer_ones(tmp_path, m
     import shutil
 
     from vitray.runfolder import checkpoint_folders as ckpt
-    from vitray.trainers.checkpoint_files import files_under, mark_complete, write_state
+    from vitray.trainers.checkpoint.rank_files import files_under, mark_complete, write_state
 
     run_dir = tmp_path / "run"
     folders = []
@@ -339,7 +339,7 @@ def test_pruning_keeps_the_newest_complete_checkpoints_and_anything_newer(tmp_pa
     """checkpoint.keep counts complete checkpoints only: uploads that failed (silently, as Ray's
     pyarrow upload can) never push the last complete checkpoint out."""
     from vitray.runfolder import checkpoint_folders as ckpt
-    from vitray.trainers.checkpoint_files import files_under, mark_complete, write_state
+    from vitray.trainers.checkpoint.rank_files import files_under, mark_complete, write_state
 
     run_dir = tmp_path / "run"
     names = []
@@ -401,7 +401,7 @@ def test_a_full_staging_disk_raises_what_to_free_and_leaves_no_partial_files(ful
     import torch
     from test_checkpointer import FakeBackend, FakeLoader
 
-    from vitray.trainers.checkpointer import CheckpointDiskFull, Checkpointer
+    from vitray.trainers.checkpoint.checkpointer import CheckpointDiskFull, Checkpointer
 
     reports = []
     saver = Checkpointer(

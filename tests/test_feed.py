@@ -1,4 +1,4 @@
-"""The device feed (`trainers/feed.py`) and the training step's host reads, on the CPU.
+"""The device feed (`trainers/step/feed.py`) and the training step's host reads, on the CPU.
 
 On the CPU the copy to the device is a no-op, but the code is the one a GPU runs: uint8 batches
 handed over one step ahead with the loader position of the batch handed over, conversion to the
@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from vitray.data import ShardLoader, to_model_range
 from vitray.data.batch import Batch, is_channels_last
-from vitray.trainers.feed import DeviceFeed
+from vitray.trainers.step.feed import DeviceFeed
 
 # Tensor methods that make the host wait for the device (on CUDA) to read a value back.
 HOST_READS = {"item", "__float__", "__int__", "__bool__", "__index__", "tolist", "cpu", "numpy"}
@@ -345,7 +345,7 @@ def test_training_with_the_feeds_thread_is_training_without_it(process_group, di
     """The loop through the feed's thread (CUDA's default, forced here on the CPU) trains the same
     weights as through the inline feed, and the thread is gone when the run ends. With a loader
     worker process, as on a GPU: the feed's thread is the one that forks it."""
-    from vitray.trainers import feed as feed_module
+    from vitray.trainers.step import feed as feed_module
 
     others = frozenset(_feed_threads())
     weights = {}

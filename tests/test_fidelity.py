@@ -18,10 +18,11 @@ from vitray.evaluation.finetune_recipe import FinetuneRecipe
 from vitray.evaluation.suite import get_benchmark
 from vitray.models import ModelConfig, create_model
 from vitray.runfolder import checkpoint_folders as ckpt
-from vitray.trainers.checkpoint_files import files_under, mark_complete, write_state
+from vitray.trainers.checkpoint.rank_files import files_under, mark_complete, write_state
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.ema import Ema, WholeWeights
-from vitray.trainers.evals import EvalEnv, Evaluator, FewshotEvalConfig, ValEvalConfig
+from vitray.trainers.evals import FewshotEvalConfig, ValEvalConfig
+from vitray.trainers.evaluators import EvalEnv, Evaluator
+from vitray.trainers.step.ema import Ema, WholeWeights
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER = REPO / "configs" / "paper"

@@ -28,7 +28,8 @@ from vitray.evaluation.suite import get_benchmark
 from vitray.models import resample_posemb
 from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint, read_state
 from vitray.runfolder.files import RunFiles
-from vitray.trainers.evals import TEST, TEST_TOP1, VAL, VAL_TOP1, EvalEnv, ValEvalConfig, ValEvaluator
+from vitray.trainers.evals import TEST, TEST_TOP1, VAL, VAL_TOP1, ValEvalConfig
+from vitray.trainers.evaluators import EvalEnv, ValEvaluator
 
 pytestmark = pytest.mark.slow
 
@@ -364,7 +365,7 @@ def test_the_val_evaluator_scores_the_path_and_split_its_section_names(digits_da
 def test_preflight_checks_every_split_a_val_evaluator_scores(digits_dataset, tmp_path):
     from vitray.common.config import load_config
     from vitray.trainers.config import TrainingConfig
-    from vitray.trainers.preflight import PreflightError, check_inputs
+    from vitray.trainers.driver_checks.preflight import PreflightError, check_inputs
 
     base = [
         f"data.train={digits_dataset}",

@@ -18,8 +18,8 @@ from vitray.common.config import load_config
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.float8 import convert_to_fp8, float8_layer_names, fp8_device_problem
-from vitray.trainers.preflight import PreflightError, check_inputs
+from vitray.trainers.driver_checks.preflight import PreflightError, check_inputs
+from vitray.trainers.step.float8 import convert_to_fp8, float8_layer_names, fp8_device_problem
 
 
 def _float8_layers(model: nn.Module) -> list[str]:

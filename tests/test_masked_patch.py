@@ -21,7 +21,7 @@ from vitray.models import create_model, load_safetensors, save_npz, save_safeten
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
-from vitray.trainers.masked_patch import (
+from vitray.trainers.step.masked_patch import (
     KEEP,
     MASK,
     RANDOM,
@@ -31,7 +31,7 @@ from vitray.trainers.masked_patch import (
     num_corrupted,
     patch_targets,
 )
-from vitray.trainers.objectives import build_objective
+from vitray.trainers.step.objectives import build_objective
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "paper" / "pretrain_b16_mpp_jft.yaml"

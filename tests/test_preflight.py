@@ -27,7 +27,7 @@ from vitray.common.failures import describe_failure
 from vitray.data.batch import UnreadableData
 from vitray.runfolder.files import RunFiles
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.preflight import check_inputs, check_resume
+from vitray.trainers.driver_checks.preflight import check_inputs, check_resume
 
 PRETRAINED = ["train.steps=8", "checkpoint.every=4"]  # as the `pretrained` fixture ran it
 
@@ -226,7 +226,7 @@ The above exception was the direct cause of the following exception:
 Traceback (most recent call last):
   File "/x/checkpointer.py", line 199, in _raise_if_disk_full
     raise CheckpointDiskFull(
-vitray.trainers.checkpointer.CheckpointDiskFull: [Errno 28] rank 0 could not write the checkpoint
+vitray.trainers.checkpoint.checkpointer.CheckpointDiskFull: [Errno 28] rank 0 could not write the checkpoint
 of step 20 (No space left on device). Free space in /s or point checkpoint.staging_dir at a larger disk
 """
 

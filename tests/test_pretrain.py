@@ -25,7 +25,7 @@ from vitray.runfolder.checkpoint_folders import (
     verify_complete,
 )
 from vitray.runfolder.files import RunFiles
-from vitray.trainers.checkpointer import staging_prefix
+from vitray.trainers.checkpoint.checkpointer import staging_prefix
 from vitray.trainers.keys import collect_keys
 
 pytestmark = pytest.mark.slow

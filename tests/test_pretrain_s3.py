@@ -13,7 +13,7 @@ from vitray.data import prepare_dataset
 from vitray.models.io_safetensors import read_safetensors_metadata
 from vitray.runfolder.checkpoint_folders import find_checkpoints
 from vitray.storage import read_bytes
-from vitray.trainers import checkpoint_files as ckpt
+from vitray.trainers.checkpoint import rank_files as ckpt
 
 pytestmark = pytest.mark.slow
 

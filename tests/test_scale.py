@@ -26,7 +26,7 @@ from vitray.data.loader import ShardLoader
 from vitray.data.plan import ExtentTable, ShardRange, epoch_plan, rank_slots
 from vitray.data.splits import split_extents, split_table
 from vitray.runfolder import checkpoint_folders as ckpt
-from vitray.trainers.checkpoint_files import mark_complete, node_restore_dir, rank_copy
+from vitray.trainers.checkpoint.rank_files import mark_complete, node_restore_dir, rank_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -256,21 +256,22 @@ def test_ranks_starting_from_the_announced_checkpoint_do_not_each_recheck_it_on_
     rank then downloads only its own shards and the shared files, reading 2 completion records."""
     import s3fs
 
-    from vitray.cluster.pretrain import _choose_restore
-    from vitray.trainers.deepspeed_backend import restore_files
+    from vitray.trainers.checkpoint.restore import choose_checkpoint
+    from vitray.trainers.engines.deepspeed.resume_files import restore_files
 
     world = 32
     local = bench.make_checkpoint(tmp_path / "checkpoint", world)
     s3fs.S3FileSystem().put(str(local), f"{moto_server.bucket}/run/checkpoint_000001", recursive=True)
     announced = moto_server.url("run", "checkpoint_000001")
-    config = {"run_dir": moto_server.url("run"), "resume_from": announced, "resume_step": 1000}
+    run = moto_server.url("run")
     with DelayingProxy(moto_server.endpoint_url, 0.0) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         s3fs.S3FileSystem.clear_instance_cache()
-        assert _choose_restore(None, config) == [announced, 1000]
+        assert choose_checkpoint(run, announced, 1000, restarted=False) == announced
         assert proxy.requests == []  # not one request, whatever the world size
-        assert _choose_restore(None, {**config, "resume_step": None}) == [announced, 1000]  # read from storage
-        assert len(proxy.requests) >= world
+        # After a restart inside the run: only checkpoints newer than the announced one are read.
+        assert choose_checkpoint(run, announced, 1000, restarted=True) == announced
+        assert not [path for method, path in proxy.requests if "complete-rank-" in path]
 
         proxy.requests.clear()
         folder, state = rank_copy(announced, restore_files(5, world, zero_stage=1), tmp_path / "r5", 5)
@@ -289,7 +290,10 @@ def test_ranks_starting_from_the_announced_checkpoint_do_not_each_recheck_it_on_
         )
         assert len(proxy.requests) < 12, proxy.requests  # the same for any world size
         # Onto another number of ranks, the whole checkpoint is wanted (with the shared conversion).
-        assert rank_copy(announced, restore_files(5, world * 2, zero_stage=1), tmp_path / "r5b", 5) is None
+        folder, _ = rank_copy(announced, restore_files(5, world * 2, zero_stage=1), tmp_path / "r5b", 5)
+        assert {f"deepspeed/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world)} <= {
+            p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()
+        }
 
 
 def test_ranks_of_one_node_share_the_files_they_all_read(moto_server, tmp_path):
@@ -297,7 +301,7 @@ def test_ranks_of_one_node_share_the_files_they_all_read(moto_server, tmp_path):
     them there and downloads only its own shard; the folder goes with the last rank to leave."""
     import s3fs
 
-    from vitray.trainers.deepspeed_backend import restore_files
+    from vitray.trainers.engines.deepspeed.resume_files import restore_files
 
     local = bench.make_checkpoint(tmp_path / "checkpoint", 4)
     shared = local / "deepspeed" / "mp_rank_00_model_states.pt"

@@ -118,7 +118,7 @@ def deepspeed_as_before():
     """vitray's DeepSpeed settings before issue 24, the reference: DeepSpeed's throughput timer on,
     ZeRO-1 reducing through per-parameter hooks, DeepSpeed's own ZeRO step (clipping, grad norm),
     torch's unfused AdamW on the CPU."""
-    from vitray.trainers import deepspeed_backend as ds
+    from vitray.trainers.engines.deepspeed import backend as ds
 
     config, streamline, build_optimizer = ds.deepspeed_config, ds.zero_step.streamline, ds.build_optimizer
 
@@ -207,7 +207,7 @@ def test_zero1_without_hooks_trains_as_with_them(process_group, digits_dataset, 
     """ZeRO-1 on one worker reduces after the backward pass, without hooks: the same weights, bit for
     bit, as its overlapped reduction through per-parameter hooks (used with several workers), over
     accumulated micro-batches."""
-    from vitray.trainers import deepspeed_backend as ds
+    from vitray.trainers.engines.deepspeed import backend as ds
 
     config, weights, hooks = ds.deepspeed_config, {}, {}
     for world in (1, 2):
@@ -241,7 +241,7 @@ def test_zero_grad_norm_masking_reads_nothing(process_group, digits_dataset, tmp
     from deepspeed.runtime import utils as deepspeed_utils
     from deepspeed.runtime.zero import stage3, stage_1_and_2
 
-    from vitray.trainers.zero_step import mask_nonfinite_on_device
+    from vitray.trainers.engines.deepspeed.zero_step import mask_nonfinite_on_device
 
     in_process_loop(digits_dataset, tmp_path, "train.steps=1")  # builds the engine, which swaps it in
     assert stage_1_and_2.mask_nan_or_inf_with_val_inplace is stage3.mask_nan_or_inf_with_val_inplace
@@ -256,7 +256,7 @@ def test_zero_grad_norm_masking_reads_nothing(process_group, digits_dataset, tmp
 @contextmanager
 def deepspeeds_own_zero_step():
     """DeepSpeed's ZeRO step as it comes (vitray's `zero_step.streamline` not applied)."""
-    from vitray.trainers import zero_step
+    from vitray.trainers.engines.deepspeed import zero_step
 
     streamline = zero_step.streamline
     zero_step.streamline = lambda optimizer: None
@@ -303,7 +303,7 @@ def test_the_zero_step_issues_no_operator_per_parameter(process_group, digits_da
     """A ViT has ~150 parameter tensors, small or huge; DeepSpeed's ZeRO-1 step issued several device
     operators for each in every step (its grad norm, its reduction on one rank, re-pointing the
     parameters), which for S/16 on an H100 took the host longer than the GPU took for the step.
-    vitray's (`trainers/zero_step.py`) issues the same number whatever the number of parameters."""
+    vitray's (`trainers/engines/deepspeed/zero_step.py`) issues the same number whatever the number of parameters."""
     shallow, deep = (_zero_step_operators(digits_dataset, tmp_path, monkeypatch, depth) for depth in (1, 4))
     assert deep[0] - shallow[0] >= 30, (shallow, deep)  # the deeper model has many more parameter tensors
     assert deep[1] == shallow[1] <= 80, (shallow, deep)

@@ -18,10 +18,10 @@ from vitray.models import create_model
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
-from vitray.trainers.ema import Ema, WholeWeights
-from vitray.trainers.objectives import loss_fn, mixup, resolve_objective, targets_from_labels
-from vitray.trainers.optim import param_groups
-from vitray.trainers.schedule import lr_multiplier
+from vitray.trainers.step.ema import Ema, WholeWeights
+from vitray.trainers.step.objectives import loss_fn, mixup, resolve_objective, targets_from_labels
+from vitray.trainers.step.optim import param_groups
+from vitray.trainers.step.schedule import lr_multiplier
 
 
 def test_warmup_then_linear_and_cosine_decay():
@@ -95,7 +95,7 @@ class _MixedWeights(torch.nn.Module):
 
 @pytest.mark.parametrize("chunk", [1 << 26, 200])  # one cast chunk, or one per bf16/fp16 tensor
 def test_ema_foreach_update_gives_the_per_tensor_values(monkeypatch, chunk):
-    import vitray.trainers.ema as ema_module
+    import vitray.trainers.step.ema as ema_module
 
     monkeypatch.setattr(ema_module, "CAST_CHUNK_ELEMENTS", chunk)
     torch.manual_seed(0)
@@ -168,7 +168,7 @@ def test_loop_in_process_with_zero2_bf16_ema_mixup(process_group, digits_dataset
     assert more_workers.new_run_num_slots() == 2
     resumed = TrainingLoop(
         more_workers,
-        WorkerContext(rank=0, world_size=1, run_dir=ctx.run_dir, report=ctx.report, restore_dir=Path(saved[0])),
+        WorkerContext(rank=0, world_size=1, run_dir=ctx.run_dir, report=ctx.report, resume_from=str(saved[0])),
     )
     assert resumed.step == 4
     # ... with the slots the run started with, not those a new run of this config would take.
@@ -183,7 +183,7 @@ def test_loop_in_process_with_zero2_bf16_ema_mixup(process_group, digits_dataset
 
 
 def test_background_checkpoint_writes_the_state_as_it_was_when_saved(tmp_path):
-    from vitray.trainers.deepspeed_backend import BackgroundCheckpointEngine
+    from vitray.trainers.engines.deepspeed.backend import BackgroundCheckpointEngine
 
     engine = BackgroundCheckpointEngine()
     weights = torch.arange(6, dtype=torch.float32)
@@ -204,7 +204,7 @@ def test_background_checkpoint_writes_the_state_as_it_was_when_saved(tmp_path):
 
 
 def test_checkpoint_loading_refuses_pickled_code(tmp_path):
-    from vitray.trainers.deepspeed_backend import BackgroundCheckpointEngine
+    from vitray.trainers.engines.deepspeed.backend import BackgroundCheckpointEngine
 
     class Payload:
         def __reduce__(self):
@@ -222,7 +222,7 @@ def test_the_shared_memory_all_reduce_is_off_without_probing_every_op_builder():
     script = (
         "import deepspeed.ops.op_builder.builder as builder; probed = []; real = builder.probe_is_compatible; "
         "builder.probe_is_compatible = lambda b: probed.append(b) or real(b); "
-        "from vitray.trainers.deepspeed_backend import _without_shared_memory_comm_op; "
+        "from vitray.trainers.engines.deepspeed.backend import _without_shared_memory_comm_op; "
         "_without_shared_memory_comm_op(); "
         "from deepspeed.comm.torch import build_shm_op; "
         "print('result', build_shm_op() is None, len(probed)); "
@@ -249,7 +249,7 @@ def test_the_deepspeed_backend_imports_deepspeed_without_mlflow_or_inductor():
     worker's start-up); vitray keeps both out of those imports only: mlflow stays importable and
     torch.compile compiles as before afterwards."""
     script = (
-        "import sys, torch; import vitray.trainers.deepspeed_backend; "
+        "import sys, torch; import vitray.trainers.engines.deepspeed.backend; "
         "from deepspeed.autotuning import autotuner; "
         "print('result', 'mlflow' in sys.modules, autotuner.has_mlflow); "
         # What deepspeed.initialize with ZeRO and every ZeRO reduction import:

@@ -106,7 +106,7 @@ def test_parameters_and_optimizer_state_are_sharded_over_the_devices(digits_data
     from vitray.common.config import load_config
     from vitray.models import create_model
     from vitray.trainers.config import TrainingConfig
-    from vitray.trainers.xla_backend import XlaBackend
+    from vitray.trainers.engines.xla.backend import XlaBackend
 
     cfg = load_config(
         TrainingConfig, None, [f"data.train={digits_dataset}", "model.img_size=16", "train.batch_size=32", *XLA]
@@ -147,7 +147,7 @@ def test_the_device_loader_goes_on_after_the_last_batch_handed_over_and_stops_it
     from vitray.data import ShardLoader
     from vitray.models import create_model
     from vitray.trainers.config import TrainingConfig
-    from vitray.trainers.xla_backend import XlaBackend
+    from vitray.trainers.engines.xla.backend import XlaBackend
 
     cfg = load_config(
         TrainingConfig, None, [f"data.train={digits_dataset}", "model.img_size=16", "train.batch_size=32", *XLA]
@@ -253,8 +253,8 @@ def test_exported_weights_give_the_same_logits_on_deepspeed(reference, process_g
     from vitray.runfolder.checkpoint_folders import load_checkpoint
     from vitray.runfolder.export import export
     from vitray.trainers.config import TrainingConfig
-    from vitray.trainers.deepspeed_backend import DeepSpeedBackend
-    from vitray.trainers.xla_backend import XlaBackend
+    from vitray.trainers.engines.deepspeed.backend import DeepSpeedBackend
+    from vitray.trainers.engines.xla.backend import XlaBackend
 
     out = tmp_path / "vit.safetensors"
     export(reference["run_dir"], "safetensors", str(out))
@@ -301,14 +301,14 @@ def test_exported_weights_give_the_same_logits_on_deepspeed(reference, process_g
     ],
 )
 def test_tpu_slice_names(name, chips, hosts, topology, accelerator):
-    from vitray.trainers.xla_slices import tpu_slice
+    from vitray.trainers.driver_checks.tpu_slices import tpu_slice
 
     tpu = tpu_slice(name)
     assert (tpu.chips, tpu.hosts, tpu.topology, tpu.accelerator_type) == (chips, hosts, topology, accelerator)
 
 
 def test_tpu_slice_becomes_ray_trains_tpu_scaling_config():
-    from vitray.cluster.pretrain import scaling_config
+    from vitray.cluster.torch_trainer import scaling_config
     from vitray.common.config import ConfigError, load_config
     from vitray.trainers.config import TrainingConfig
 

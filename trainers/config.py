@@ -18,8 +18,11 @@ from vitray.data.plan import default_num_slots
 from vitray.models.config import ModelConfig
 from vitray.models.variants import get_variant
 from vitray.storage import absolute
+from vitray.trainers.driver_checks.tpu_slices import tpu_slice
+from vitray.trainers.engines.registry import ENGINES
+from vitray.trainers.engines.seam import Engine
 from vitray.trainers.evals import EVAL_NAME, EvalConfig
-from vitray.trainers.masked_patch import MaskedPatchTarget, target_outputs
+from vitray.trainers.step.masked_patch import MaskedPatchTarget, target_outputs
 from vitray.trainers.trackers import MlflowSettings, WandbSettings
 
 # Run and evaluator names become folder names and metric prefixes: the same safe alphabet.
@@ -116,8 +119,8 @@ class MaskedPatchConfig(_Section):
 class TrainConfig(_Section):
     """What is trained and how much: the backend, the objective, the batch and its accumulation."""
 
-    backend: Literal["deepspeed", "xla"] = Field(
-        "deepspeed", description="deepspeed: GPUs and CPUs (ZeRO, mixed precision); xla: TPU slices through torch-xla."
+    backend: Literal[tuple(ENGINES)] = Field(  # type: ignore[valid-type]  # the registered engines
+        next(iter(ENGINES)), description="; ".join(f"{e.name}: {e.description}" for e in ENGINES.values()) + "."
     )
     objective: Literal["auto", "softmax", "sigmoid", "masked_patch"] = Field(
         "auto",
@@ -144,7 +147,7 @@ class TrainConfig(_Section):
     )
     attention: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
         "auto",
-        description="The fused attention kernel of the training step (`trainers/attention.py`). auto: on CUDA flash "
+        description="The fused attention kernel of the training step (`trainers/step/attention.py`). auto: on CUDA flash "
         "attention first, then cuDNN, memory-efficient, math; elsewhere PyTorch's choice. A named kernel that cannot "
         "run the model's shapes and dtype on this device is refused at start. The kernel that runs is printed at start.",
     )
@@ -167,7 +170,7 @@ class TrainConfig(_Section):
 
 
 class OptimConfig(_Section):
-    """The optimizer, with the authors' weight-decay rule (`trainers/optim.py`), and weight averaging."""
+    """The optimizer, with the authors' weight-decay rule (`trainers/step/optim.py`), and weight averaging."""
 
     name: Literal["adamw", "sgd"] = Field("adamw", description="adamw: pre-training; sgd (momentum): fine-tuning.")
     lr: float = Field(1e-3, gt=0, description="Peak learning rate (after warm-up).")
@@ -290,8 +293,6 @@ class ClusterConfig(_Section):
             if self.tpu_topology is not None:
                 raise ValueError("cluster.tpu_topology needs cluster.tpu (the slice, e.g. v4-32)")
             return self
-        from vitray.trainers.xla_slices import tpu_slice
-
         tpu = tpu_slice(self.tpu, self.tpu_topology)  # gpus_per_worker is not used on a TPU slice
         if "num_workers" not in self.model_fields_set:
             self.num_workers = tpu.hosts
@@ -396,12 +397,14 @@ class TrainingConfig(_Section):
                 )
         return evals
 
+    @property
+    def engine(self) -> Engine:
+        """The engine `train.backend` names (`vitray.trainers.engines`)."""
+        return ENGINES[self.train.backend]
+
     @model_validator(mode="after")
-    def _xla_precision(self) -> TrainingConfig:
-        if self.train.backend == "xla" and self.precision.dtype in ("fp16", "fp8"):
-            raise ValueError(
-                f"precision.dtype={self.precision.dtype} is for GPUs; train.backend=xla trains in bf16 (TPUs) or fp32"
-            )
+    def _engine_rules(self) -> TrainingConfig:
+        self.engine.check_config(self)
         return self
 
     @model_validator(mode="after")
@@ -417,9 +420,12 @@ class TrainingConfig(_Section):
 
     @model_validator(mode="after")
     def _gpu_decode_needs_cuda(self) -> TrainingConfig:
-        if self.data.decode == "gpu" and (self.train.backend != "deepspeed" or not self.cluster.gpus_per_worker):
+        engine = self.engine
+        if self.data.decode == "gpu" and (not engine.gpu_decode or not self.cluster.gpus_per_worker):
             where = (
-                "TPUs (train.backend=xla)" if self.train.backend != "deepspeed" else "CPUs (cluster.gpus_per_worker=0)"
+                f"{engine.hardware} (train.backend={engine.name})"
+                if not engine.gpu_decode
+                else "CPUs (cluster.gpus_per_worker=0)"
             )
             raise ValueError(
                 f"data.decode=gpu decodes JPEGs with nvjpeg on the workers' GPUs, but this run trains on {where}: "
@@ -429,9 +435,11 @@ class TrainingConfig(_Section):
 
     @model_validator(mode="after")
     def _tpu_needs_xla(self) -> TrainingConfig:
-        if self.cluster.tpu is not None and self.train.backend != "xla":
+        if self.cluster.tpu is not None and not self.engine.tpu:
+            able = "|".join(name for name, engine in ENGINES.items() if engine.tpu)
             raise ValueError(
-                f"cluster.tpu={self.cluster.tpu} needs train.backend=xla (got {self.train.backend}): TPUs run torch-xla"
+                f"cluster.tpu={self.cluster.tpu} needs train.backend={able} (got {self.train.backend}): "
+                f"{self.train.backend} does not train on TPUs"
             )
         return self
 
@@ -537,10 +545,11 @@ class TrainingConfig(_Section):
 
     @model_validator(mode="after")
     def _nonfinite_policy(self) -> TrainingConfig:
-        if self.train.nonfinite == "skip" and self.train.backend != "deepspeed":
+        if self.train.nonfinite == "skip" and not self.engine.skips_nonfinite:
+            able = "|".join(name for name, engine in ENGINES.items() if engine.skips_nonfinite)
             raise ValueError(
-                "train.nonfinite=skip needs train.backend=deepspeed (its overflow check drops the step); with "
-                f"train.backend={self.train.backend} use train.nonfinite=stop"
+                f"train.nonfinite=skip needs train.backend={able} (an engine that drops a step whose gradients are not "
+                f"finite); with train.backend={self.train.backend} use train.nonfinite=stop"
             )
         return self
 

@@ -30,10 +30,15 @@ class WorkerContext:
     world_size: int
     run_dir: str  # <storage>/<run name>, local path or s3:// URL
     report: Reporter
-    restore_dir: Path | None = None  # a local copy of the checkpoint to resume from
-    # Its trainer state (the copy may hold only this rank's files); None: the loop reads it from
-    # `restore_dir`. Either way the checkpoint was chosen complete by `resume_point`, not re-verified.
-    restore_state: dict[str, Any] | None = None
+    # The checkpoint the driver announced (chosen complete by `resume_point`; local path or s3://)
+    # and its step (None: unknown); None: from scratch. `trainers/checkpoint/restore.py` turns it
+    # into what this rank resumes from.
+    resume_from: str | None = None
+    resume_step: int | None = None
+    restarted: bool = False  # Ray Train restarted the worker group inside the run (a lost worker)
+    # Where the collectives before the engine is built run (Ray's device for this worker; NCCL
+    # needs the GPU, gloo takes the CPU).
+    device: Any = "cpu"
     # Asked on rank 0 at each pre-emption check: whether the cluster is about to take a worker's
     # node away (Ray's drain notice), as (reason, deadline in epoch seconds), else None.
     drain_notice: Callable[[], tuple[str, float] | None] | None = None

@@ -5,8 +5,8 @@ augmentation from (seed, epoch, slot, position) in the loader, so a resumed run 
 uninterrupted one exactly without carrying generator states around.
 
 The loop is made of components that own their state: the engine (DeepSpeed or torch-xla) behind
-`vitray.trainers.backend.TrainBackend`, the data loader, the EMA, and the
-`vitray.trainers.checkpointer.Checkpointer` that saves and restores them all, writing in the
+`vitray.trainers.engines.seam.TrainBackend`, the data loader, the EMA, and the
+`vitray.trainers.checkpoint.checkpointer.Checkpointer` that saves and restores them all, writing in the
 background so that a checkpoint costs training little more than a snapshot.
 """
 
@@ -31,21 +31,23 @@ from vitray.data.eval_loader import start_worker_server
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.runfolder.files import RunFiles
-from vitray.trainers.attention import attention_context, attention_kernel, model_attention_shape
-from vitray.trainers.backend import TrainBackend, create_backend
-from vitray.trainers.checkpointer import Checkpointer
+from vitray.trainers.checkpoint.checkpointer import Checkpointer
+from vitray.trainers.checkpoint.restore import restore_copy
 from vitray.trainers.collectives import all_reduce as _all_reduce
 from vitray.trainers.collectives import broadcast_int as _broadcast_int
 from vitray.trainers.collectives import union_of_names
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
-from vitray.trainers.ema import Ema
-from vitray.trainers.evals import EvalEnv, build_evaluators
-from vitray.trainers.feed import decodes_on_device
+from vitray.trainers.engines.registry import create_backend
+from vitray.trainers.engines.seam import TrainBackend
+from vitray.trainers.evaluators import EvalEnv, build_evaluators
 from vitray.trainers.keys import SampleKeyRecorder
 from vitray.trainers.metrics import MetricsWriter, accelerator_peak_tflops, train_flops_per_image
-from vitray.trainers.objectives import build_objective
 from vitray.trainers.preemption import PreemptionWatch
+from vitray.trainers.step.attention import attention_context, attention_kernel, model_attention_shape
+from vitray.trainers.step.ema import Ema
+from vitray.trainers.step.feed import decodes_on_device
+from vitray.trainers.step.objectives import build_objective
 from vitray.trainers.trackers import Trackers
 
 
@@ -66,61 +68,8 @@ class TrainingLoop:
         self.run_files = RunFiles(ctx.run_dir)
         self._skipped_shards: set[str] = set()  # this rank's, since the last log step
 
-        restore_state = None
-        if ctx.restore_dir is not None:
-            # Chosen complete by `resume_point` (the driver's or rank 0's): read, not verified again.
-            restore_state = ctx.restore_state or ckpt.read_state(ctx.restore_dir)
-        restore = (ctx.restore_dir, restore_state) if restore_state is not None else None
-
-        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        model = self._initial_model()
-        self.backend: TrainBackend = create_backend(cfg, model, self.world, restore)
-        self.ema = Ema(self.backend, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
-        self.attention, self.attention_kernel = self._attention()
-        # The backend puts batches on the device one step ahead (DeepSpeed: `trainers/feed.py`;
-        # XLA: sharded, by torch-xla's prefetching loader).
-        self.loader = self.backend.device_loader(
-            ShardLoader(
-                cfg.data.train,
-                cfg.data.train_split,
-                rank=self.rank,
-                world_size=self.world,
-                batch_size=cfg.train.micro_batch_size,
-                img_size=cfg.model.img_size,
-                train=True,
-                seed=cfg.seed,
-                num_slots=self._num_slots(restore_state),
-                num_workers=cfg.data.num_workers,
-                shuffle_buffer=cfg.data.shuffle_buffer,
-                storage_options=cfg.data.storage_options,
-                crop=cfg.data.crop,
-                min_crop_area=cfg.data.min_crop_area,
-                resize_ratio=cfg.data.resize_ratio,
-                flip=cfg.data.flip,
-                float_images=False,  # uint8 crosses to the device; the objective converts it there
-                device_decode=decodes_on_device(cfg.data.decode, self.backend.device),
-            )
-        )
-        self.checkpointer = Checkpointer(
-            self.backend,
-            rank=self.rank,
-            world_size=self.world,
-            every=cfg.checkpoint.every,
-            last_step=cfg.train.steps,
-            report=ctx.report,
-            staging_dir=cfg.checkpoint.staging_dir,
-            run_dir=ctx.run_dir,
-            states={"data": self.loader},
-            weights={ckpt.EMA_FILE: self.ema} if self.ema is not None else {},
-            record={
-                "num_classes": self.info.num_classes,
-                "label_kind": self.info.label_kind,
-                "model": self._architecture(),
-                "attention_kernel": self.attention_kernel,
-                "config": redacted_config(self.cfg),  # credentials masked
-            },
-        )
-        self.step = self.checkpointer.restore(*restore) if restore is not None else 0
+        with restore_copy(cfg, ctx) as restore:  # the checkpoint this run resumes from, until loaded
+            self._build(restore)
         self.preemption = PreemptionWatch(
             ctx.run_dir,
             rank=self.rank,
@@ -152,6 +101,59 @@ class TrainingLoop:
             self.trackers = Trackers(
                 cfg.log.mlflow, cfg.log.wandb, run_name=cfg.run.name, run_dir=ctx.run_dir, config=redacted_config(cfg)
             )
+
+    def _build(self, restore: tuple[Path, dict[str, Any]] | None) -> None:
+        """The model on its engine, the EMA, the loader and the checkpointer, with every component's
+        state loaded from `restore` (a local copy of a checkpoint and its trainer state), if any."""
+        torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank
+        model = self._initial_model()
+        self.backend: TrainBackend = create_backend(self.cfg, model, self.world, restore)
+        self.ema = Ema(self.backend, self.cfg.optim.ema_decay) if self.cfg.optim.ema_decay else None
+        self.attention, self.attention_kernel = self._attention()
+        # The backend puts batches on the device one step ahead (DeepSpeed: `trainers/step/feed.py`;
+        # XLA: sharded, by torch-xla's prefetching loader).
+        self.loader = self.backend.device_loader(
+            ShardLoader(
+                self.cfg.data.train,
+                self.cfg.data.train_split,
+                rank=self.rank,
+                world_size=self.world,
+                batch_size=self.cfg.train.micro_batch_size,
+                img_size=self.cfg.model.img_size,
+                train=True,
+                seed=self.cfg.seed,
+                num_slots=self._num_slots(restore[1] if restore is not None else None),
+                num_workers=self.cfg.data.num_workers,
+                shuffle_buffer=self.cfg.data.shuffle_buffer,
+                storage_options=self.cfg.data.storage_options,
+                crop=self.cfg.data.crop,
+                min_crop_area=self.cfg.data.min_crop_area,
+                resize_ratio=self.cfg.data.resize_ratio,
+                flip=self.cfg.data.flip,
+                float_images=False,  # uint8 crosses to the device; the objective converts it there
+                device_decode=decodes_on_device(self.cfg.data.decode, self.backend.device),
+            )
+        )
+        self.checkpointer = Checkpointer(
+            self.backend,
+            rank=self.rank,
+            world_size=self.world,
+            every=self.cfg.checkpoint.every,
+            last_step=self.cfg.train.steps,
+            report=self.ctx.report,
+            staging_dir=self.cfg.checkpoint.staging_dir,
+            run_dir=self.ctx.run_dir,
+            states={"data": self.loader},
+            weights={ckpt.EMA_FILE: self.ema} if self.ema is not None else {},
+            record={
+                "num_classes": self.info.num_classes,
+                "label_kind": self.info.label_kind,
+                "model": self._architecture(),
+                "attention_kernel": self.attention_kernel,
+                "config": redacted_config(self.cfg),  # credentials masked
+            },
+        )
+        self.step = self.checkpointer.restore(*restore) if restore is not None else 0
 
     def _num_slots(self, restore_state: dict[str, Any] | None) -> int:
         """``data.num_slots``; when unset, the number the run started with (which its checkpoints
@@ -193,7 +195,7 @@ class TrainingLoop:
 
     def _train(self, batches) -> dict[str, Any]:
         train = self.cfg.train
-        window = _Window()
+        window = _Window(lazy=self.cfg.engine.lazy_tensors)
         self._skipped_seen = self._nonfinite_total = self.backend.skipped_steps()
         last: dict[str, Any] = {}
         while self.step < train.steps:
@@ -209,7 +211,7 @@ class TrainingLoop:
                 metrics = {**self._step_metrics(window, grad_norm), **self.checkpointer.take_costs()}
                 new_nonfinite = metrics["nonfinite_steps"] - self._nonfinite_total, window.steps
                 self._nonfinite_total, self._skipped_seen = metrics["nonfinite_steps"], self.backend.skipped_steps()
-                window = _Window()
+                window = _Window(lazy=self.cfg.engine.lazy_tensors)
             for evaluator in self.evaluators:
                 if evaluator.due(self.step, train.steps):
                     metrics.update(evaluator(self.backend.module, self._eval_env()))
@@ -289,10 +291,10 @@ class TrainingLoop:
 
     def _attention(self):
         """The context of the training step's attention (`train.attention`) and the kernel it runs,
-        checked once here with the model's shapes (see `trainers/attention.py`)."""
+        checked once here with the model's shapes (see `trainers/step/attention.py`)."""
         shape = model_attention_shape(self.backend.module)
-        if self.backend.name == "xla" or shape is None:  # XLA compiles its own attention
-            return contextlib.nullcontext, "xla" if shape is not None else "none"
+        if self.cfg.engine.own_attention or shape is None:  # the engine compiles its own attention
+            return contextlib.nullcontext, self.cfg.engine.name if shape is not None else "none"
         tokens, heads, head_dim, dropout = shape
         device = self.backend.device
         kernel = attention_kernel(
@@ -378,8 +380,8 @@ class TrainingLoop:
             flags = window.read()[2:]
             flags = _all_reduce(flags, average=[False] * len(flags), device=self.backend.device)
             self._apply_nonfinite_policy(self._count_nonfinite(_nonfinite_steps(flags)), window.steps)
-        if self.backend.name == "xla":
-            return  # the scan would be one more XLA graph to compile; the losses' check stands for it
+        if self.cfg.engine.lazy_tensors:
+            return  # the scan would be one more graph to compile; the losses' check stands for it
         module = self.backend.module
         local = [getattr(p, "ds_tensor", p) for p in module.parameters()]  # ZeRO-3: this rank's partition
         bad = float(torch.stack([t.isfinite().all().logical_not() for t in local if t.numel()]).any()) if local else 0.0
@@ -422,9 +424,10 @@ class TrainingLoop:
 
 
 class _Window:
-    """Sums over the steps since the last log."""
+    """Sums over the steps since the last log (`lazy`: the losses are lazy graphs, `Engine.lazy_tensors`)."""
 
-    def __init__(self):
+    def __init__(self, lazy: bool):
+        self.lazy = lazy
         self.started = time.perf_counter()
         self.steps = 0
         self.losses: list[torch.Tensor] = []  # on the device until the log step reads them
@@ -443,7 +446,7 @@ class _Window:
         its own step (XLA: in the step's graph), so reading them adds no device work of its own."""
         if not self.losses:
             return [0.0, 0.0]
-        if self.losses[0].device.type == "xla":  # each one already computed: no new graph to compile
+        if self.lazy:  # each one already computed: no new graph to compile
             losses = torch.tensor([float(loss) for loss in self.losses], dtype=torch.float64)
         else:  # one copy to the host
             losses = torch.stack(self.losses).double().cpu()

@@ -56,4 +56,4 @@ def open_source(spec: str) -> Source:
             "(e.g. imagefolder:/data/pets, cifar10:/data/cifar-10-batches-py, tfds:~/tensorflow_datasets/dtd/3.0.1, "
             "vtab:dtd:~/tensorflow_datasets/dtd/3.0.1, builtin:digits, unlabelled:builtin:digits)"
         )
-    return kinds[kind].open(location)
+    return kinds[kind].open_spec(location, open_source)

@@ -12,7 +12,7 @@ this prefix (see :mod:`vitray.data.sources.imagefolder`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -38,8 +38,10 @@ class UnlabelledSource(Source):
 
     @classmethod
     def open(cls, location: str) -> Source:
-        from . import open_source  # the registry imports this module: a module-level import would be a cycle
+        raise TypeError(f"{cls.kind}:{location} wraps another source: open it with vitray.data.sources.open_source")
 
+    @classmethod
+    def open_spec(cls, location: str, open_source: Callable[[str], Source]) -> Source:
         inner = open_source(location)
         return inner if inner.label_kind == "none" else cls(inner)
 

@@ -33,7 +33,7 @@ from vitray.data.layout import DatasetInfo, read_dataset_info, read_split
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.float8 import float8_layer_names, local_gpu_fp8_problem, no_float8_layer, torchao_missing
+from vitray.trainers.step.float8 import float8_layer_names, local_gpu_fp8_problem, no_float8_layer, torchao_missing
 from vitray.trainers.trackers import missing_tracker_packages
 
 __all__ = ["PreflightError", "ResumePlan", "check_inputs", "check_model", "check_resume", "config_changes"]

@@ -7,7 +7,7 @@ of all hosts, with one axis, `fsdp`:
   parameter along its largest dimension); the optimizer state is created in the parameters'
   sharding, so it is sharded the same way;
 - each host feeds its part of the global batch, sharded along the batch dimension, through
-  torch-xla's parallel loader (`vitray.trainers.xla_loader`);
+  torch-xla's parallel loader (`vitray.trainers.engines.xla.loader`);
 - `precision.dtype=bf16` computes in bfloat16 under autocast, with fp32 weights and optimizer state;
 - every batch has the same shape and each optimizer step ends in one `torch_xla.sync()`, so the
   graphs compiled in the first steps are reused from then on: `xla/compilations` in the metrics
@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vitray.trainers.backend import PendingSave
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.optim import build_optimizer
-from vitray.trainers.schedule import build_lr_schedule
-from vitray.trainers.xla_loader import DeviceLoader
+from vitray.trainers.engines.seam import PendingSave
+from vitray.trainers.engines.xla.loader import DeviceLoader
+from vitray.trainers.step.optim import build_optimizer
+from vitray.trainers.step.schedule import build_lr_schedule
 
 CHECKPOINT_SUBDIR = "xla"
 MESH_AXIS = "fsdp"
@@ -73,7 +73,7 @@ def compilations() -> tuple[int, float]:
 
 
 class XlaBackend:
-    """:class:`vitray.trainers.backend.TrainBackend` on torch-xla SPMD."""
+    """:class:`vitray.trainers.engines.seam.TrainBackend` on torch-xla SPMD."""
 
     name = "xla"
     spmd = True  # one program on all hosts: per-step randomness must not depend on the rank

@@ -3,7 +3,7 @@ local copy of the checkpoint it resumes from.
 
 The layout, and when a checkpoint counts as complete, are `vitray.runfolder.checkpoint_folders`'s
 (which the driver reads); the rank writes its completion record last, after every file it lists.
-When to save, the background write and restoring are `vitray.trainers.checkpointer`'s, which uses
+When to save, the background write and restoring are `vitray.trainers.checkpoint.checkpointer`'s, which uses
 these.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +26,12 @@ from vitray.runfolder.checkpoint_folders import (
     completion_record,
     read_state,
 )
+from vitray.trainers.engines.seam import FileSelector
 
 __all__ = [
     "EMA_FILE",
     "MODEL_FILE",
     "STATE_FILE",
-    "FileSelector",
     "files_under",
     "mark_complete",
     "node_restore_dir",
@@ -57,17 +57,12 @@ def files_under(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(COMPLETION_PREFIX))
 
 
-# Picks, from a complete checkpoint's trainer state and its files, those one rank reads to resume
-# (the backend knows its own files: `deepspeed_backend.restore_files`); None: all of them.
-FileSelector = Callable[[dict[str, Any], list[str]], "list[str] | None"]
-
-
-def rank_copy(path: str, select: FileSelector, node_dir: Path, rank: int) -> tuple[Path, dict[str, Any]] | None:
+def rank_copy(path: str, select: FileSelector | None, node_dir: Path, rank: int) -> tuple[Path, dict[str, Any]]:
     """A local folder with what rank `rank` reads of the complete checkpoint `path` (local or
-    s3://), and its trainer state; None when `select` wants the whole checkpoint (the caller then
-    copies it whole).
+    s3://), and its trainer state.
 
-    A local checkpoint is its own copy. Of a remote one, only the files `select` picks are
+    A local checkpoint is its own copy. Of a remote one, only the files `select` picks (the
+    engine's `restore_files`; all of them when it is None or picks None) are
     downloaded (concurrently, each checked against the size its completion record lists) into
     `node_dir`, a folder the ranks of one node share (`node_restore_dir`): the files every rank
     reads (module states, EMA weights) come down once per node, each rank's own shards once, and
@@ -81,15 +76,11 @@ def rank_copy(path: str, select: FileSelector, node_dir: Path, rank: int) -> tup
     state = read_state(root, fs)
     if not storage.is_remote(path):
         return Path(path), state
-    records = sorted({f"{root}/{completion_record(r)}" for r in (0, rank) if r < state["world_size"]})
-    sizes: dict[str, int] = {}
-    for text in storage.with_retries(
-        lambda: fs.cat(records), what=f"reading the records of checkpoint {path}"
-    ).values():
-        sizes.update(json.loads(text))
-    wanted = select(state, sorted(sizes))
-    if wanted is None:
-        return None
+    sizes = _listed_files(fs, root, path, {0, rank} & set(range(state["world_size"])))
+    wanted = select(state, sorted(sizes)) if select is not None else None
+    if wanted is None:  # the whole checkpoint: what every rank's record lists
+        sizes = _listed_files(fs, root, path, set(range(state["world_size"])))
+        wanted = sorted(sizes)
     names = sorted(set(wanted) - {STATE_FILE})
     locks = node_dir / ".locks"
     locks.mkdir(parents=True, exist_ok=True)
@@ -119,6 +110,17 @@ def rank_copy(path: str, select: FileSelector, node_dir: Path, rank: int) -> tup
             handle.close()
     (node_dir / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
     return node_dir, state
+
+
+def _listed_files(fs, root: str, path: str, ranks: set[int]) -> dict[str, int]:
+    """File name -> size, as the completion records of `ranks` list them."""
+    records = sorted(f"{root}/{completion_record(r)}" for r in ranks)
+    sizes: dict[str, int] = {}
+    for text in storage.with_retries(
+        lambda: fs.cat(records), what=f"reading the records of checkpoint {path}"
+    ).values():
+        sizes.update(json.loads(text))
+    return sizes
 
 
 @contextlib.contextmanager

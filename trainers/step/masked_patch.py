@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vitray.trainers.objectives import model_images
+from vitray.data.model_range import model_images
 
 MaskedPatchTarget = Literal["mean_color", "downsized_4x4", "patch_l2"]
 TARGETS: tuple[str, ...] = get_args(MaskedPatchTarget)
@@ -171,7 +171,7 @@ class MaskedPatchObjective:
     """The training objective: corrupt, predict every corrupted patch's target, average the loss.
 
     ``loss(model, batch, rng)`` has the shape of
-    :class:`vitray.trainers.objectives.SupervisedObjective`'s: ``model`` is the training backend
+    :class:`vitray.trainers.step.objectives.SupervisedObjective`'s: ``model`` is the training backend
     (callable, with ``.device``, ``.dtype`` and ``.module``), ``batch`` a
     :class:`vitray.data.Batch` (its labels are not read).
     """

@@ -6,7 +6,7 @@ sharding spec says so (`minibatch=True`), and the mesh spreads each host's part 
 devices. The parallel loader reads ahead on background threads, so the wrapped loader's own
 position runs ahead of training: :meth:`DeviceLoader.state_dict` is therefore the position after
 the last batch handed to the loop, recorded with each batch as it was read, and a new iterator
-starts there (as `trainers/feed.py`'s device feed does).
+starts there (as `trainers/step/feed.py`'s device feed does).
 """
 
 from __future__ import annotations

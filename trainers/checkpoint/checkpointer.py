@@ -7,7 +7,7 @@ under its name, tensor state (the EMA weights) into a safetensors file of its ow
 writes and reads its shards itself (DeepSpeed and XLA each have their own format); the checkpointer
 adds the consolidated weights (`model.safetensors`) and the trainer's step. The folder layout is
 `vitray.runfolder.checkpoint_folders`'s (this rank writes its files with
-`vitray.trainers.checkpoint_files`).
+`vitray.trainers.checkpoint.rank_files`).
 
 Saving costs training little more than a snapshot: at a save step every rank snapshots its share
 and goes on training while a background thread writes the files and, last, the rank's completion
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from vitray.trainers import checkpoint_files as ckpt
-from vitray.trainers.backend import PendingSave, TrainBackend
+from vitray.trainers.checkpoint import rank_files as ckpt
 from vitray.trainers.collectives import all_reduce
 from vitray.trainers.context import Reporter
+from vitray.trainers.engines.seam import PendingSave, TrainBackend
 
 
 class Stateful(Protocol):

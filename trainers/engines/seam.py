@@ -1,21 +1,29 @@
-"""The seam between the training loop and the engine that runs it (DeepSpeed or torch-xla).
+"""The seam between the training loop and the engine that runs it (DeepSpeed, torch-xla, ...).
 
 The loop (`trainers/loop.py`) owns the recipe: data, objectives, schedules, metrics, when to
-evaluate and checkpoint. A backend owns what differs per accelerator stack: where the model lives
-and how it is sharded, the optimizer step (with gradient accumulation and clipping), and how its
-share of a checkpoint is written and read back.
+evaluate and checkpoint. An engine owns what differs per accelerator stack, in two parts:
+
+- `Engine`, its description, light to import (the driver and the config read it): the config
+  rules it adds, the process group its workers join, which checkpoint files a rank reads to resume,
+  what the driver prepares before a resume, and what it can do (its capabilities);
+- `TrainBackend`, built on each worker (importing the engine's heavy libraries then): where the
+  model lives and how it is sharded, the optimizer step (with gradient accumulation and clipping),
+  and how its share of a checkpoint is written and read back.
+
+Each engine is a folder of its own under `trainers/engines/`, registered by name in
+`trainers/engines/registry.py`; nothing outside its folder asks which engine a run has.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import nn
-
-from vitray.trainers.config import TrainingConfig
 
 
 class PendingSave:
@@ -36,7 +44,7 @@ class PendingSave:
 
 
 class TrainBackend(Protocol):
-    name: str  # "deepspeed" or "xla"; recorded in trainer_state.json
+    name: str  # the engine's registered name; recorded in trainer_state.json
     module: nn.Module  # the bare model, for evaluation, EMA and evaluators
     device: torch.device  # where inputs go
     dtype: torch.dtype  # the dtype of inputs (bf16 / fp16 / fp32)
@@ -50,7 +58,7 @@ class TrainBackend(Protocol):
 
     def device_loader(self, loader: Any) -> Any:
         """The training loader the loop iterates, made from a uint8 `ShardLoader`: a wrapper that
-        puts batches on the device ahead of the step (DeepSpeed: `trainers/feed.py`; XLA: sharded
+        puts batches on the device ahead of the step (DeepSpeed: `trainers/step/feed.py`; XLA: sharded
         along the batch), whose `state_dict()` still counts only the batches handed to the loop."""
 
     def begin_step(self, seed: int) -> None:
@@ -106,20 +114,51 @@ class TrainBackend(Protocol):
         written by another number of workers."""
 
 
-def create_backend(
-    cfg: TrainingConfig, model: nn.Module, world_size: int, restore: tuple[Path, dict[str, Any]] | None
-) -> TrainBackend:
-    """The backend named by `train.backend`, built around `model`.
+# Picks, from a complete checkpoint's trainer state and its files, those one rank reads to resume;
+# None: all of them.
+FileSelector = Callable[[dict[str, Any], list[str]], "list[str] | None"]
 
-    `restore` is the checkpoint this run resumes from (folder, trainer state), which a backend
-    may need before building its engine (e.g. to re-shard onto a new world size).
-    """
-    if cfg.train.backend == "deepspeed":
-        from vitray.trainers.deepspeed_backend import DeepSpeedBackend
 
-        return DeepSpeedBackend(cfg, model, world_size, restore)
-    if cfg.train.backend == "xla":
-        from vitray.trainers.xla_backend import XlaBackend
+def _no_rules(cfg: Any) -> None:
+    pass
 
-        return XlaBackend(cfg, model, world_size, restore)
-    raise ValueError(f"train.backend={cfg.train.backend!r}: expected 'deepspeed' or 'xla'")
+
+def _gloo(use_gpu: bool) -> str:
+    return "gloo"
+
+
+def _whole_checkpoint(cfg: Any, rank: int, world: int) -> FileSelector | None:
+    return None
+
+
+def _nothing_to_prepare(cfg: Any, chosen: Any) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class Engine:
+    """An engine as the config, the driver and the loop see it, without importing its libraries.
+
+    `cfg` below is a `vitray.trainers.config.TrainingConfig` (not imported here: the config module
+    reads the registry for its rules)."""
+
+    name: str  # the value of `train.backend`
+    description: str  # what it runs on, for `train.backend`'s reference
+    backend: str  # "module:class" of its TrainBackend, imported when a worker builds it
+    hardware: str  # where it trains, for messages ("TPUs")
+    # Capabilities, read by the config's rules and the loop:
+    tpu: bool = False  # trains on TPU slices (cluster.tpu)
+    gpu_decode: bool = False  # its batches may be decoded on the GPU (data.decode=gpu)
+    skips_nonfinite: bool = False  # may drop an optimizer step whose gradients are not finite
+    own_attention: bool = False  # compiles its own attention: train.attention does not apply
+    # Its tensors are lazy graphs: every new operation on them compiles one more graph, so the loop
+    # reads values one by one and scans no weights of its own accord.
+    lazy_tensors: bool = False
+    # The rules it adds to the config's (raise ValueError naming the key).
+    check_config: Callable[[Any], None] = _no_rules
+    # torch.distributed's backend for the workers' process group, given whether they have GPUs.
+    process_group: Callable[[bool], str] = _gloo
+    # What rank `rank` of `world` reads of a checkpoint to resume (cfg, rank, world); None: all of it.
+    restore_files: Callable[[Any, int, int], FileSelector | None] = _whole_checkpoint
+    # Run by the driver before the workers resume from `chosen` (a runfolder CheckpointInfo).
+    prepare_resume: Callable[[Any, Any], None] = _nothing_to_prepare

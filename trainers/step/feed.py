@@ -6,7 +6,7 @@ is read, one batch ahead of the step that uses it, so the copy overlaps the prev
 compute. Images arrive channels-last (how the crops come out of their resize); on a GPU they are
 made planar on the device after the copy, on the CPU the model takes them channels-last.
 Conversion to the model's range, targets, mixup and masked-patch targets then happen on the
-device (`trainers/objectives.py`, `trainers/masked_patch.py`).
+device (`trainers/step/objectives.py`, `trainers/step/masked_patch.py`).
 
 With ``data.decode=gpu`` (a loader made with ``device_decode=True``) a batch's JPEGs arrive
 undecoded with their crop boxes; the feed decodes, crops, resizes and flips them on the device
@@ -28,7 +28,7 @@ thread there too, for the tests.
 
 Because the feed reads ahead, the wrapped loader's own position runs ahead of training;
 :meth:`DeviceFeed.state_dict` is the position after the last batch handed to the loop, recorded
-with each batch as it was read (as `trainers/xla_loader.py` does for torch-xla's loader), so a
+with each batch as it was read (as `trainers/engines/xla/loader.py` does for torch-xla's loader), so a
 checkpoint resumes exactly.
 """
 

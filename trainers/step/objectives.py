@@ -3,7 +3,7 @@
 Labels arrive as class indices (single-label) or multi-hot float rows (multi-label); both are
 turned into target distributions so label smoothing and mixup act on one representation.
 
-Batches arrive on the device with uint8 images (`trainers/feed.py`): the conversion to the
+Batches arrive on the device with uint8 images (`trainers/step/feed.py`): the conversion to the
 model's range, the targets and mixup all run there, after the copy, and nothing here reads a
 device value back to the host (the loss stays a tensor until the loop logs it).
 """
@@ -14,13 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vitray.data.model_range import to_model_range
-
-
-def model_images(images: torch.Tensor) -> torch.Tensor:
-    """Float32 images in ``[-1, 1]`` from the feed's uint8 pixels (float images pass unchanged),
-    on the images' own device."""
-    return to_model_range(images) if images.dtype == torch.uint8 else images.float()
+from vitray.data.model_range import model_images
+from vitray.trainers.step.masked_patch import MaskedPatchObjective
 
 
 def resolve_objective(objective: str, label_kind: str) -> str:
@@ -95,8 +90,6 @@ def build_objective(train_cfg, label_kind: str, num_classes: int):
     """The objective named by `train.objective` for data with labels of `label_kind`."""
     kind = resolve_objective(train_cfg.objective, label_kind)
     if kind == "masked_patch":
-        from vitray.trainers.masked_patch import MaskedPatchObjective
-
         return MaskedPatchObjective.from_config(train_cfg.masked_patch)
     return SupervisedObjective(
         kind, num_classes, label_smoothing=train_cfg.label_smoothing, mixup_alpha=train_cfg.mixup_alpha

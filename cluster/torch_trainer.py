@@ -1,0 +1,113 @@
+"""The Ray Train call of a `vitray pretrain` run: its `TorchTrainer` (workers, process group,
+run folder, failures) and `fit()` on a thread of its own.
+
+Ray Train's own list of the run's checkpoints (its snapshot file) is removed before each start:
+vitray deletes old checkpoints itself (`checkpoint.keep`) and announces the one to resume from,
+and Ray refuses to start on a snapshot naming a folder that is gone. `FailureConfig(max_failures)`
+restarts a failed worker group from Ray's latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME  # see _forget_ray_snapshot
+
+from vitray import storage
+from vitray.cluster.runtime import check_local_resources, ray_storage, run_dir
+from vitray.cluster.train_worker import train_worker
+from vitray.runfolder.checkpoint_folders import CheckpointInfo
+from vitray.trainers.config import TrainingConfig
+from vitray.trainers.driver_checks.tpu_slices import tpu_slice
+
+# The config keys behind each resource a worker asks for (for error messages).
+RESOURCE_SETTINGS = {"CPU": "cluster.cpus_per_worker", "GPU": "cluster.gpus_per_worker", "TPU": "cluster.tpu"}
+
+
+def scaling_config(cfg: TrainingConfig) -> ScalingConfig:
+    """GPU/CPU workers, or (cluster.tpu) one worker per host of a TPU slice, placed by Ray Train's
+    TPU support (a slice placement group: all hosts of one slice, reserved together)."""
+    cluster = cfg.cluster
+    resources = {"CPU": cluster.cpus_per_worker, **cluster.resources_per_worker}
+    if cluster.tpu is not None:
+        tpu = tpu_slice(cluster.tpu, cluster.tpu_topology)
+        resources.setdefault("TPU", tpu.chips_per_host)
+        return ScalingConfig(
+            num_workers=tpu.hosts,
+            use_tpu=True,
+            topology=tpu.topology,
+            accelerator_type=tpu.accelerator_type,
+            resources_per_worker=resources,
+        )
+    use_gpu = cluster.gpus_per_worker > 0
+    if use_gpu:
+        resources["GPU"] = cluster.gpus_per_worker
+    return ScalingConfig(num_workers=cluster.num_workers, use_gpu=use_gpu, resources_per_worker=resources)
+
+
+def check_workers_fit(cfg: TrainingConfig) -> None:
+    """On an embedded local Ray: the workers' resources are there (`NotEnoughResources`)."""
+    scaling = scaling_config(cfg)
+    check_local_resources(scaling.num_workers, scaling.resources_per_worker, RESOURCE_SETTINGS)
+
+
+def build_trainer(cfg: TrainingConfig, resume: CheckpointInfo | None = None) -> TorchTrainer:
+    """The run's TorchTrainer; its workers resume from `resume` (the driver's choice, announced with
+    its step), or start from scratch."""
+    storage_path, storage_fs = ray_storage(cfg.run.storage)
+    scaling = scaling_config(cfg)
+    return TorchTrainer(
+        train_worker,
+        train_loop_config={
+            "config": cfg.settings(),
+            "run_dir": run_dir(cfg.run.storage, cfg.run.name),
+            "resume_from": resume.path if resume else None,
+            "resume_step": resume.step if resume else None,
+        },
+        torch_config=TorchConfig(backend=cfg.engine.process_group(scaling.use_gpu)),
+        scaling_config=scaling,
+        run_config=RunConfig(
+            name=cfg.run.name,
+            storage_path=storage_path,
+            storage_filesystem=storage_fs,
+            failure_config=FailureConfig(max_failures=cfg.cluster.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=None),  # vitray prunes (checkpoint.keep)
+        ),
+    )
+
+
+def fit(cfg: TrainingConfig, resume: CheckpointInfo | None):
+    """Train (a new worker group, resuming from `resume`) until the workers end; Ray Train's Result.
+
+    `trainer.fit()` runs on a thread of its own. On the main thread Ray Train installs a SIGINT
+    handler that aborts the workers without a checkpoint; here the driver's own handler
+    (`cluster/stop_signals.py`) keeps Ctrl-C, and treats it like a pre-emption notice."""
+    _forget_ray_snapshot(run_dir(cfg.run.storage, cfg.run.name))
+    trainer = build_trainer(cfg, resume)
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name="vitray-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)  # short waits: the main thread runs signal handlers in between
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def _forget_ray_snapshot(folder: str) -> None:
+    """Remove Ray Train's snapshot of the run's checkpoints: the driver announces the checkpoint to
+    resume from, and the snapshot may name checkpoints that `checkpoint.keep` has deleted since."""
+    # Private on purpose: Ray Train has no public way to forget a run's checkpoint list (no
+    # `RunConfig` or `CheckpointConfig` option, no API over the snapshot file); the file's name is
+    # taken from Ray rather than copied, so a rename in Ray breaks loudly here, not silently.
+    storage.remove(storage.join(folder, CHECKPOINT_MANAGER_SNAPSHOT_FILENAME))

@@ -1,0 +1,92 @@
+"""The entry point of every Ray Train worker of a `vitray pretrain` run: Ray in, a `WorkerContext`
+out, then the training loop (`vitray.trainers.loop`), which knows nothing of Ray.
+
+What the worker takes from Ray: its ranks, its device, the checkpoint the driver announced and
+whether Ray restarted the worker group (which checkpoint that makes it is the trainers'
+`checkpoint_restore`'s answer); what it gives back: each checkpoint, reported with its metrics.
+"""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import ray.train
+import ray.train.torch
+from ray.train import CheckpointUploadMode
+
+from vitray.cluster.drain import drain_watch
+from vitray.runfolder.checkpoint_folders import prune_checkpoints
+from vitray.trainers.checkpoint.checkpointer import remove_stale_staging
+from vitray.trainers.config import TrainingConfig
+from vitray.trainers.context import WorkerContext
+
+
+def train_worker(loop_config: dict[str, Any]) -> None:
+    """Runs in every Ray Train worker; `loop_config` is what `torch_trainer.build_trainer` sends."""
+    from vitray.trainers.loop import TrainingLoop  # the worker's heavy imports, not the driver's
+
+    cfg = TrainingConfig.model_validate(loop_config["config"])
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    if context.get_local_rank() == 0:
+        _remove_stale_staging(cfg, loop_config["run_dir"])
+    # checkpoint.keep: rank 0 deletes what newer complete checkpoints superseded, off the training
+    # thread, one prune at a time (see `prune_checkpoints` for why not Ray's num_to_keep).
+    pruner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitray-prune") if rank == 0 else None
+
+    def report(metrics: dict[str, Any], checkpoint_dir: Path) -> None:
+        # Only checkpoints go to Ray Train (see `vitray.trainers.context.Reporter`): every report is
+        # a barrier across the ranks that Ray holds until its controller collects it (every 2 s).
+        # Uploads in the background; training goes on as soon as the local files are written.
+        ray.train.report(
+            metrics,
+            checkpoint=ray.train.Checkpoint.from_directory(str(checkpoint_dir)),
+            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+        )
+        if pruner is not None:
+            pruner.submit(prune, loop_config["run_dir"], cfg.checkpoint.keep)
+
+    worker = WorkerContext(
+        rank=rank,
+        world_size=world,
+        run_dir=loop_config["run_dir"],
+        report=report,
+        resume_from=loop_config["resume_from"],
+        resume_step=loop_config["resume_step"],
+        restarted=ray.train.get_checkpoint() is not None,  # Ray hands back its latest one after a restart
+        device=ray.train.torch.get_device(),
+        drain_notice=drain_watch(world),  # Ray's notice that a node will go
+    )
+    try:
+        TrainingLoop(cfg, worker).run()
+    finally:
+        if pruner is not None:
+            pruner.shutdown(wait=True)
+
+
+def _remove_stale_staging(cfg: TrainingConfig, run_dir: str) -> None:
+    # Before the loop's first collective (the resume choice), which every rank waits for: no rank
+    # of this attempt has staged anything yet.
+    stale = remove_stale_staging(cfg.checkpoint.staging_dir, run_dir)
+    if stale:
+        print(
+            f"vitray: removed {len(stale)} staging folder(s) of this run left by an earlier attempt "
+            f"on this node ({stale[0].parent})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def prune(run_dir: str, keep: int) -> None:
+    """`checkpoint.keep`, best effort: a prune that fails is said, and training goes on."""
+    try:
+        prune_checkpoints(run_dir, keep)
+    except Exception as error:
+        print(
+            f"vitray: could not delete old checkpoints of {run_dir} (checkpoint.keep): {error}",
+            file=sys.stderr,
+            flush=True,
+        )

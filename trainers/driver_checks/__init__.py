@@ -1,0 +1,2 @@
+"""What the driver checks before it takes a lease or starts Ray: pre-flight (storage, datasets,
+model, a resume's checkpoint) and TPU slices by name."""

@@ -1,0 +1,1 @@
+"""The DeepSpeed engine (GPUs and CPUs): ZeRO, mixed precision, its checkpoint shards."""
