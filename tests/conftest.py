@@ -1,10 +1,8 @@
-"""Shared fixtures: an S3 store on this machine (SeaweedFS; moto's mock where a test needs what a
-real store cannot do) and a small prepared dataset."""
+"""Shared fixtures: an S3 store on this machine (SeaweedFS, a real one) and a small prepared dataset."""
 
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import shutil
 import socket
@@ -29,11 +27,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-AWS_TEST_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
+AWS_TEST_ENV = {"AWS_DEFAULT_REGION": "us-east-1"}
 # Variables that would point the clients at real accounts or another endpoint.
 AWS_CLEARED_ENV = (
     "AWS_SESSION_TOKEN",
@@ -47,13 +41,12 @@ AWS_CLEARED_ENV = (
 
 @dataclass(frozen=True)
 class S3Endpoint:
-    """An S3 server on 127.0.0.1 (SeaweedFS or moto) with one empty bucket; the AWS env vars point
-    at it."""
+    """An S3 server on 127.0.0.1 (SeaweedFS) with one empty bucket; the AWS env vars point at it."""
 
     endpoint_url: str
     bucket: str
-    key: str = "testing"
-    secret: str = "testing"
+    key: str
+    secret: str
 
     def url(self, *parts: str) -> str:
         """``s3://BUCKET/part/...``"""
@@ -76,41 +69,6 @@ def _clear_s3fs_cache() -> None:
     import s3fs
 
     s3fs.S3FileSystem.clear_instance_cache()
-
-
-@contextmanager
-def running_moto_s3(env: pytest.MonkeyPatch, bucket: str, **extra_env: str) -> Iterator[S3Endpoint]:
-    """moto's S3 server on a free local port with `bucket` created and the AWS_* variables (and
-    `extra_env`) pointing at it through `env`; the server stopped at the end (`env` restores the
-    variables when its owner undoes it)."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = S3Endpoint(f"http://127.0.0.1:{port}", bucket)
-    for name in AWS_CLEARED_ENV:
-        env.delenv(name, raising=False)
-    for name, value in {**AWS_TEST_ENV, "AWS_ENDPOINT_URL": endpoint.endpoint_url, **extra_env}.items():
-        env.setenv(name, value)
-    _clear_s3fs_cache()
-    try:
-        boto3.client("s3", endpoint_url=endpoint.endpoint_url).create_bucket(Bucket=endpoint.bucket)
-        yield endpoint
-    finally:
-        _clear_s3fs_cache()
-        server.stop()
-
-
-@pytest.fixture
-def moto_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Endpoint]:
-    """moto's S3 server for one test (`running_moto_s3`, a bucket of its own); the environment is
-    restored and the server stopped after the test. Only for what a real store cannot do (the test
-    says which); otherwise `seaweed_s3`."""
-    with running_moto_s3(monkeypatch, f"vitray-test-{uuid.uuid4().hex[:8]}") as endpoint:
-        yield endpoint
 
 
 @pytest.fixture(scope="session")

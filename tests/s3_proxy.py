@@ -1,4 +1,4 @@
-"""A fault-injecting HTTP proxy in front of moto's S3 server, for the flaky-storage tests.
+"""A fault-injecting HTTP proxy in front of an S3 server (the tests' SeaweedFS), for the flaky-storage tests.
 
 Every request is forwarded to the real server, except that on a fixed, seeded schedule some get,
 instead of the server's answer, what a busy or failing object store gives:
