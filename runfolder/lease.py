@@ -169,9 +169,7 @@ class RunLease:
 
     def acquire(self) -> str | None:
         """Take the lease or raise RunLeaseHeld; returns a warning when a lease was taken over."""
-        if self._object is not None:
-            self._check_conditional_writes()
-        if self._object is not None:
+        if self._object is not None and self._store_honours_conditions():
             warning = self._acquire_conditional()
         elif self.lock_path is not None:
             warning = self._acquire_locked()
@@ -181,18 +179,20 @@ class RunLease:
         self._thread.start()
         return warning
 
-    def _check_conditional_writes(self) -> None:
-        """Refuses a store that ignores conditional writes, or (accepted) goes on without them."""
+    def _store_honours_conditions(self) -> bool:
+        """Whether the S3 store honours conditional writes (probed once per process); one that
+        does not is refused, or, with the risk accepted, the lease goes on without them."""
         ignored = lease_s3.ignored_conditions(self.path.rsplit("/", 1)[0])
         if ignored is None:
-            return
+            return True
         if not self.without_conditional_writes:
             raise UnsafeLeaseStore(
                 f"run {self.run_dir}: the S3 store ignores conditional writes ({ignored} were not refused), so the "
                 "run lease cannot keep a second driver of this run from writing its checkpoints too; use a store "
                 f"that honours them (AWS S3, MinIO, SeaweedFS) or accept the risk with {UnsafeLeaseStore.SETTING}=true"
             )
-        self._object = None  # plain writes and the read-back after settle_s
+        self._object = None  # plain writes and the read-back after settle_s, heartbeats too
+        return False
 
     def _acquire_locked(self) -> str | None:
         with self._locked():

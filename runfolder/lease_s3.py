@@ -5,6 +5,10 @@ key; with `If-Match: <etag>` it replaces only the version that was read). The ru
 (`vitray.runfolder.lease`) is built on them, so that of two drivers writing at once exactly one
 succeeds and the other is told so by S3 itself, whatever the timing.
 
+Not every store that takes the headers honours them: `ignored_conditions` probes a store once (a
+create over an existing object, a replace of a version that is not there) and says what it let
+through, and the lease refuses such a store (`vitray.runfolder.lease`).
+
 The calls go through s3fs's client (the filesystem `vitray.storage` opens, with its
 endpoint, credentials and retries), as its own open() cannot say "replace only this version".
 """
