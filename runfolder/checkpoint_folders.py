@@ -135,7 +135,7 @@ def check_checkpoint(path: str) -> CheckpointInfo | None:
         state = verify_complete(fs_path, fs)
         return CheckpointInfo(str(path).rstrip("/"), int(state["step"]), True, state=state)
     except IncompleteCheckpointError as err:
-        if not _holds_files(fs, fs_path):
+        if not storage.holds_files(path):
             return None
         return CheckpointInfo(str(path).rstrip("/"), None, False, err.reason)
     except FileNotFoundError:
@@ -246,11 +246,6 @@ def prune_checkpoints(run_dir: str, keep: int) -> list[str]:
         with contextlib.suppress(FileNotFoundError):  # another prune (rank 0's, the driver's) got there first
             fs.rm(fs_path, recursive=True)
     return doomed
-
-
-def _holds_files(fs, fs_path: str) -> bool:
-    """Whether any object lies under `fs_path` (s3fs answers a prefix with none as a folder)."""
-    return any(info.get("type") == "file" for info in fs.find(fs_path, detail=True).values())
 
 
 def _forget_listings(run_dir: str) -> None:

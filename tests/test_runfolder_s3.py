@@ -95,3 +95,21 @@ def test_a_pruned_checkpoint_listed_as_an_empty_prefix_is_not_a_checkpoint(seawe
     assert summary.num_checkpoints == 1 and summary.latest_checkpoint == paths[2]
     assert [c.step for c in ckpt.find_checkpoints(run_dir)] == [12]
     assert ckpt.resume_point(run_dir) == (ckpt.find_checkpoints(run_dir)[0], [])
+
+
+def test_a_deleted_run_listed_as_an_empty_prefix_is_not_a_run(seaweed_s3, tmp_path):
+    """The same for a whole run folder deleted (`aws s3 rm --recursive`): `vitray runs` listed it
+    as a run with no complete checkpoint yet."""
+    from vitray.runfolder.files import RunFiles
+    from vitray.runfolder.listing import list_runs
+
+    storage_root = seaweed_s3.url("runs")
+    kept, deleted = (storage.join(storage_root, name) for name in ("kept", "deleted"))
+    for run_dir in (kept, deleted):
+        _upload_checkpoints(tmp_path / run_dir.rsplit("/", 1)[-1], run_dir, [4])
+        RunFiles(run_dir).new_attempt("a1")
+    _delete_elsewhere(deleted)
+    storage.filesystem(storage_root)[0].invalidate_cache()
+    assert "deleted" in storage.list_names(storage_root)  # the store still lists it (the case here)
+
+    assert [run.name for run in list_runs(storage_root)] == ["kept"]
