@@ -115,7 +115,13 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
 @contextlib.contextmanager
 def _held_lease(folder: str, cfg: TrainingConfig, force: bool) -> Iterator[str]:
     """The run's lease, taken before any Ray resources are; yields its owner id."""
-    lease = RunLease(folder, timeout_s=cfg.run.lease_timeout_s, force=force, on_lost=_lease_lost)
+    lease = RunLease(
+        folder,
+        timeout_s=cfg.run.lease_timeout_s,
+        force=force,
+        on_lost=_lease_lost,
+        without_conditional_writes=cfg.run.lease_without_conditional_writes,
+    )
     warning = lease.acquire()
     try:
         if warning:

@@ -10,7 +10,7 @@ Layout of a checkpoint folder:
 
 A checkpoint counts only when every rank's completion record is there and every file it lists
 has the recorded size, so a half-written or half-uploaded checkpoint is never loaded. The ranks
-write it (`vitray.trainers.checkpoint_files`); everything here only reads.
+write it (`vitray.trainers.checkpoint.rank_files`); everything here only reads.
 
 Finding and opening checkpoints (local or s3://), the one way every command does it:
 :func:`find_checkpoints` (a run's checkpoint folders, oldest first, each checked),
@@ -125,15 +125,21 @@ class CheckpointInfo:
     state: dict[str, Any] | None = field(default=None, repr=False, compare=False)  # a complete one's trainer state
 
 
-def check_checkpoint(path: str) -> CheckpointInfo:
+def check_checkpoint(path: str) -> CheckpointInfo | None:
     """The checkpoint folder `path` (local or s3://), its completion records read once: complete
-    with its step and trainer state, or not, with why."""
+    with its step and trainer state, or not, with why. None when there is no checkpoint there after
+    all: deleted meanwhile (another process's prune), or a prefix with nothing under it, which an
+    object store may go on listing for minutes after the folder was deleted (SeaweedFS does)."""
     fs, fs_path = storage.filesystem(path)
     try:
         state = verify_complete(fs_path, fs)
         return CheckpointInfo(str(path).rstrip("/"), int(state["step"]), True, state=state)
     except IncompleteCheckpointError as err:
+        if not storage.holds_files(path):
+            return None
         return CheckpointInfo(str(path).rstrip("/"), None, False, err.reason)
+    except FileNotFoundError:
+        return None
     except (KeyError, ValueError) as err:  # a trainer state that is not vitray's
         return CheckpointInfo(
             str(path).rstrip("/"), None, False, f"unreadable {STATE_FILE} ({type(err).__name__}: {err})"
@@ -164,7 +170,7 @@ def checkpoint_folders(run_dir: str) -> list[str]:
 def find_checkpoints(run_dir: str) -> list[CheckpointInfo]:
     """The run's checkpoint folders, each checked once (:func:`check_checkpoint`), complete or not:
     oldest step first, the incomplete ones (no readable step) last."""
-    found = [check_checkpoint(path) for path in checkpoint_folders(run_dir)]
+    found = [c for c in map(check_checkpoint, checkpoint_folders(run_dir)) if c is not None]
     return sorted(found, key=lambda c: (c.step is None, c.step or 0, c.path))
 
 
@@ -189,6 +195,8 @@ def resume_point(
                 return CheckpointInfo(path, known.step, True, state=known.state), skipped
             known_name = None  # gone since (checkpoint.keep): the older ones are read as usual
         checked = check_checkpoint(path)
+        if checked is None:
+            continue  # no checkpoint there (deleted, an empty prefix)
         if checked.complete:
             return checked, skipped
         skipped.append(checked)
@@ -219,9 +227,14 @@ def prune_checkpoints(run_dir: str, keep: int) -> list[str]:
     so does everything newer than the oldest of them, complete or not (an upload still under
     way). Ray Train's own rotation (`num_to_keep`) is not used: it counts the checkpoints it
     uploaded, and an upload whose last write failed in silence would count, so a few such failures
-    in a row could delete the last complete checkpoint."""
+    in a row could delete the last complete checkpoint.
+
+    Rank 0 and the driver both prune, each with its own s3fs listing cache: the run is listed
+    afresh, and a checkpoint that the other deleted (before or while this one looks) is gone, as
+    wanted, not an error."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
+    _forget_listings(run_dir)
     found = find_checkpoints(run_dir)
     complete = [c for c in found if c.complete]
     if len(complete) <= keep:
@@ -233,6 +246,17 @@ def prune_checkpoints(run_dir: str, keep: int) -> list[str]:
         with contextlib.suppress(FileNotFoundError):  # another prune (rank 0's, the driver's) got there first
             fs.rm(fs_path, recursive=True)
     return doomed
+
+
+def _forget_listings(run_dir: str) -> None:
+    """Drops what this process's filesystem has cached of the listings in and under `run_dir`
+    (s3fs keeps them for the life of the process: another process's writes and deletes since are
+    not in them)."""
+    fs, root = storage.filesystem(run_dir)
+    root = root.rstrip("/")
+    for cached in [p for p in list(fs.dircache) if p == root or p.startswith(f"{root}/")]:
+        fs.dircache.pop(cached, None)
+    fs.invalidate_cache(root)  # and its parents'
 
 
 def _folder_name(path: str) -> str:

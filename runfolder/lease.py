@@ -13,7 +13,11 @@ What is guaranteed, plainly:
   on the ETag that was read (`If-Match`, `vitray.runfolder.lease_s3`). S3 itself lets exactly one of
   two racing writers through and refuses the other (412), whatever their timing, so of two drivers
   starting at once exactly one goes on, and a heartbeat that finds another ETag knows that it was
-  taken over. No waiting is needed.
+  taken over. No waiting is needed. A store that takes the headers and writes anyway (some
+  S3-compatible stores and gateways do) would let every racing driver believe it won: the lease
+  probes the store once per process (`lease_s3.ignored_conditions`) and refuses one that fails
+  (UnsafeLeaseStore) unless `run.lease_without_conditional_writes` accepts the risk; the lease
+  then works as on the other object stores below.
 - Local storage (a local disk, or a shared file system such as NFS whose locks reach the other
   hosts): every read-judge-write of the lease -- taking it, each heartbeat, releasing it -- holds
   an exclusive lock on `lease.json.lock` beside it (filelock: `flock`), so no two of them
@@ -50,6 +54,13 @@ LEASE_FILE = "lease.json"
 
 class RunLeaseHeld(RuntimeError):
     """Another driver holds the run (fresh heartbeat)."""
+
+
+class UnsafeLeaseStore(RunLeaseHeld):
+    """The run's S3 store ignores conditional writes, so the lease cannot keep a second driver off
+    the run (a RunLeaseHeld, so that it is refused the same way: before Ray, exit 2)."""
+
+    SETTING = "run.lease_without_conditional_writes"
 
 
 @dataclass
@@ -119,7 +130,10 @@ class RunLease:
         force: bool = False,
         settle_s: float | None = None,
         on_lost: Callable[[LeaseRecord], None] | None = None,
+        without_conditional_writes: bool = False,
     ):
+        """`without_conditional_writes` (run.lease_without_conditional_writes): an S3 store that
+        ignores conditional writes is used with the read-back after `settle_s` instead of refused."""
         from vitray.runfolder.files import RunFiles
 
         self.path = RunFiles(run_dir).lease_path
@@ -129,6 +143,7 @@ class RunLease:
         self.on_lost = on_lost
         # S3: conditional writes, with the ETag of the version this driver last wrote.
         self._object = lease_s3.ConditionalObject(self.path) if lease_s3.supports(self.path) else None
+        self.without_conditional_writes = without_conditional_writes
         # Local storage: the lock every read-judge-write holds.
         self.lock_path = None if storage.is_remote(self.path) else f"{storage.filesystem(self.path)[1]}.lock"
         self._etag: str | None = None
@@ -154,7 +169,7 @@ class RunLease:
 
     def acquire(self) -> str | None:
         """Take the lease or raise RunLeaseHeld; returns a warning when a lease was taken over."""
-        if self._object is not None:
+        if self._object is not None and self._store_honours_conditions():
             warning = self._acquire_conditional()
         elif self.lock_path is not None:
             warning = self._acquire_locked()
@@ -163,6 +178,21 @@ class RunLease:
         self._thread = threading.Thread(target=self._heartbeat, name="vitray-lease", daemon=True)
         self._thread.start()
         return warning
+
+    def _store_honours_conditions(self) -> bool:
+        """Whether the S3 store honours conditional writes (probed once per process); one that
+        does not is refused, or, with the risk accepted, the lease goes on without them."""
+        ignored = lease_s3.ignored_conditions(self.path.rsplit("/", 1)[0])
+        if ignored is None:
+            return True
+        if not self.without_conditional_writes:
+            raise UnsafeLeaseStore(
+                f"run {self.run_dir}: the S3 store ignores conditional writes ({ignored} were not refused), so the "
+                "run lease cannot keep a second driver of this run from writing its checkpoints too; use a store "
+                f"that honours them (AWS S3, MinIO, SeaweedFS) or accept the risk with {UnsafeLeaseStore.SETTING}=true"
+            )
+        self._object = None  # plain writes and the read-back after settle_s, heartbeats too
+        return False
 
     def _acquire_locked(self) -> str | None:
         with self._locked():

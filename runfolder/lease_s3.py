@@ -5,12 +5,18 @@ key; with `If-Match: <etag>` it replaces only the version that was read). The ru
 (`vitray.runfolder.lease`) is built on them, so that of two drivers writing at once exactly one
 succeeds and the other is told so by S3 itself, whatever the timing.
 
+Not every store that takes the headers honours them: `ignored_conditions` probes a store once (a
+create over an existing object, a replace of a version that is not there) and says what it let
+through, and the lease refuses such a store (`vitray.runfolder.lease`).
+
 The calls go through s3fs's client (the filesystem `vitray.storage` opens, with its
 endpoint, credentials and retries), as its own open() cannot say "replace only this version".
 """
 
 from __future__ import annotations
 
+import threading
+import uuid
 from typing import Any
 
 from fsspec.asyn import sync
@@ -24,6 +30,11 @@ _CONFLICT_CODES = {"PreconditionFailed", "ConditionalRequestConflict", "NoSuchKe
 
 class WriteConflict(Exception):
     """The object was created or changed by another writer since it was read."""
+
+
+# Stores (endpoint, bucket) whose conditional writes were probed in this process: what each ignored.
+_probed: dict[tuple[str, str], str | None] = {}
+_probe_lock = threading.Lock()
 
 
 def supports(path: str) -> bool:
@@ -77,6 +88,21 @@ class ConditionalObject:
     def delete(self) -> None:
         self._call("delete_object")
 
+    def ignored_conditions(self) -> str | None:
+        """Writes this (absent) object under conditions that cannot hold; what the store let
+        through anyway, or None. The object is deleted again."""
+        # Unconditional: a retried PUT whose first attempt landed must not read as a conflict here.
+        first = self._call("put_object", Body=b"probe")["ETag"]
+        try:
+            ignored = []
+            if not _expect_conflict(lambda: self.create(b"created twice")):
+                ignored.append("If-None-Match on create")
+            if not _expect_conflict(lambda: self.replace(b"replaced", _other_etag(first))):
+                ignored.append("If-Match on replace")
+            return " and ".join(ignored) or None
+        finally:
+            self.delete()
+
     def _put(self, data: bytes, **condition: str) -> str:
         try:
             return self._call("put_object", Body=data, **condition)["ETag"]
@@ -84,3 +110,31 @@ class ConditionalObject:
             if _conflict(error):
                 raise WriteConflict(f"{self.path} was written by another driver first") from error
             raise
+
+
+def ignored_conditions(folder: str) -> str | None:
+    """What the store under `folder` ignores of the conditional writes ("If-None-Match on create",
+    "If-Match on replace"), or None when it honours both; probed once per store and bucket in this
+    process, on a throwaway object in `folder`. Some S3-compatible stores and gateways accept the
+    headers and write anyway: the lease would then let every racing driver believe it won."""
+    probe = ConditionalObject(f"{folder.rstrip('/')}/lease-probe-{uuid.uuid4().hex[:12]}")
+    key = (str(probe.fs.s3.meta.endpoint_url), probe.bucket)
+    with _probe_lock:
+        if key not in _probed:
+            _probed[key] = probe.ignored_conditions()
+        return _probed[key]
+
+
+def _expect_conflict(write: Any) -> bool:
+    """True when `write()` was refused as a condition that does not hold."""
+    try:
+        write()
+    except WriteConflict:
+        return True
+    return False
+
+
+def _other_etag(etag: str) -> str:
+    """An ETag of the same form that is not `etag`."""
+    inner = etag.strip('"')
+    return f'"{"0" * len(inner) if inner != "0" * len(inner) else "1" * len(inner)}"'

@@ -81,7 +81,7 @@ def run_summary(run_dir: str) -> RunSummary | None:
     """What `vitray runs` says of the run in `run_dir`; None when it is not a vitray run."""
     checkpoints = find_checkpoints(run_dir)  # each checked once: its state or why it does not count
     files = RunFiles(run_dir)
-    if not checkpoints and not storage.exists(files.root):
+    if not checkpoints and not storage.holds_files(files.root):  # not a run, or a deleted one's prefix
         return None
     complete = [c for c in checkpoints if c.complete]
     metrics = files.read_metrics()

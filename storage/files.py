@@ -78,6 +78,17 @@ def exists(path: str, storage_options: dict[str, Any] | None = None) -> bool:
     return fs.exists(fs_path)
 
 
+def holds_files(folder: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether any file lies under ``folder``. An object store may list a prefix with nothing under
+    it -- a folder deleted a moment ago, for minutes on SeaweedFS -- and s3fs answers one as an
+    existing folder (``exists``, ``isdir``, and ``find`` naming the folder itself)."""
+    fs, fs_path = filesystem(folder, storage_options)
+    try:
+        return any(info.get("type") == "file" for info in fs.find(fs_path, detail=True).values())
+    except FileNotFoundError:
+        return False
+
+
 def open_file(
     path: str,
     mode: str = "rb",

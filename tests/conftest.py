@@ -1,9 +1,8 @@
-"""Shared fixtures: an S3 endpoint on this machine and a small prepared dataset."""
+"""Shared fixtures: an S3 store on this machine (SeaweedFS, a real one) and a small prepared dataset."""
 
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import shutil
 import socket
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from seaweed import SeaweedS3
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -27,11 +27,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-AWS_TEST_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
+AWS_TEST_ENV = {"AWS_DEFAULT_REGION": "us-east-1"}
 # Variables that would point the clients at real accounts or another endpoint.
 AWS_CLEARED_ENV = (
     "AWS_SESSION_TOKEN",
@@ -45,10 +41,12 @@ AWS_CLEARED_ENV = (
 
 @dataclass(frozen=True)
 class S3Endpoint:
-    """A moto S3 server on 127.0.0.1 with one empty bucket; the AWS env vars point at it."""
+    """An S3 server on 127.0.0.1 (SeaweedFS) with one empty bucket; the AWS env vars point at it."""
 
     endpoint_url: str
     bucket: str
+    key: str
+    secret: str
 
     def url(self, *parts: str) -> str:
         """``s3://BUCKET/part/...``"""
@@ -57,7 +55,7 @@ class S3Endpoint:
     @property
     def storage_options(self) -> dict:
         """Explicit fsspec options, for code that does not read the environment."""
-        return {"endpoint_url": self.endpoint_url, "key": "testing", "secret": "testing"}
+        return {"endpoint_url": self.endpoint_url, "key": self.key, "secret": self.secret}
 
 
 def _free_port() -> int:
@@ -73,37 +71,44 @@ def _clear_s3fs_cache() -> None:
     s3fs.S3FileSystem.clear_instance_cache()
 
 
-@contextmanager
-def running_moto_s3(env: pytest.MonkeyPatch, bucket: str, **extra_env: str) -> Iterator[S3Endpoint]:
-    """moto's S3 server on a free local port with `bucket` created and the AWS_* variables (and
-    `extra_env`) pointing at it through `env`; the server stopped at the end (`env` restores the
-    variables when its owner undoes it)."""
-    import boto3
-    from moto.server import ThreadedMotoServer
+@pytest.fixture(scope="session")
+def seaweed_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    """One SeaweedFS store (tests/seaweed.py) for this test session (each pytest-xdist worker is a
+    session of its own), started on free ports the first time a test needs it (~15 s) and killed
+    by its pid at the session's end, also when tests failed; its data goes with it."""
+    folder = tmp_path_factory.mktemp("seaweed")
+    store = SeaweedS3(folder)
+    try:
+        store.start()
+        yield store
+    finally:
+        store.stop()
+        shutil.rmtree(folder / "data", ignore_errors=True)
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = S3Endpoint(f"http://127.0.0.1:{port}", bucket)
+
+@contextmanager
+def seaweed_bucket(env: pytest.MonkeyPatch, store: SeaweedS3, bucket: str, **extra_env: str) -> Iterator[S3Endpoint]:
+    """A new bucket `bucket` on `store`, with the AWS_* variables (and `extra_env`) pointing at it
+    through `env` (restored when its owner undoes it)."""
+    endpoint = S3Endpoint(store.endpoint_url, bucket, store.access_key, store.secret_key)
     for name in AWS_CLEARED_ENV:
         env.delenv(name, raising=False)
-    for name, value in {**AWS_TEST_ENV, "AWS_ENDPOINT_URL": endpoint.endpoint_url, **extra_env}.items():
+    credentials = {"AWS_ACCESS_KEY_ID": store.access_key, "AWS_SECRET_ACCESS_KEY": store.secret_key}
+    for name, value in {**AWS_TEST_ENV, **credentials, "AWS_ENDPOINT_URL": store.endpoint_url, **extra_env}.items():
         env.setenv(name, value)
     _clear_s3fs_cache()
     try:
-        boto3.client("s3", endpoint_url=endpoint.endpoint_url).create_bucket(Bucket=endpoint.bucket)
+        store.client().create_bucket(Bucket=bucket)
         yield endpoint
     finally:
         _clear_s3fs_cache()
-        server.stop()
 
 
 @pytest.fixture
-def moto_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Endpoint]:
-    """moto's S3 server for one test (`running_moto_s3`, a bucket of its own); the environment is
-    restored and the server stopped after the test."""
-    with running_moto_s3(monkeypatch, f"vitray-test-{uuid.uuid4().hex[:8]}") as endpoint:
+def seaweed_s3(seaweed_store: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Endpoint]:
+    """The session's SeaweedFS store with a fresh bucket for this test and the AWS environment
+    pointing at it (restored after the test)."""
+    with seaweed_bucket(monkeypatch, seaweed_store, f"vitray-test-{uuid.uuid4().hex[:8]}") as endpoint:
         yield endpoint
 
 

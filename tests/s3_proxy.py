@@ -1,4 +1,4 @@
-"""A fault-injecting HTTP proxy in front of moto's S3 server, for the flaky-storage tests.
+"""A fault-injecting HTTP proxy in front of an S3 server (the tests' SeaweedFS), for the flaky-storage tests.
 
 Every request is forwarded to the real server, except that on a fixed, seeded schedule some get,
 instead of the server's answer, what a busy or failing object store gives:
@@ -9,6 +9,10 @@ instead of the server's answer, what a busy or failing object store gives:
   GET of an object, the headers and half of the body are sent first and then the connection is
   cut (a read broken off mid-body);
 - ``slow``: the real answer, after a delay.
+
+With `drop_headers` it also forwards every request without those headers (re-signed with the
+store's keys, as the signature covers them): a store that ignores conditional writes is SeaweedFS
+behind a proxy that drops `If-None-Match` and `If-Match` (`CONDITIONAL_HEADERS`).
 
 The schedule depends only on the seed and the order of requests of each kind (GET of objects,
 PUT/POST uploads, other), so a run is reproducible. ``injected`` counts the faults by kind and
@@ -26,6 +30,7 @@ from collections import Counter
 from aiohttp import ClientSession, ClientTimeout, web
 
 FAULTS = ("slowdown", "error", "reset", "slow")
+CONDITIONAL_HEADERS = ("If-None-Match", "If-Match")
 _SLOWDOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your '
     b"request rate.</Message></Error>"
@@ -55,8 +60,17 @@ class FlakyS3Proxy:
         slow_s: float = 1.0,
         faults: tuple[str, ...] = FAULTS,
         operations: tuple[str, ...] | None = None,
+        drop_headers: tuple[str, ...] = (),
+        credentials: tuple[str, str] | None = None,
     ):
-        """`faults`: the kinds drawn from; `operations`: only these are faulted (None: all)."""
+        """`faults`: the kinds drawn from; `operations`: only these are faulted (None: all);
+        `drop_headers`: left out of every forwarded request, which is signed again with
+        `credentials` (access key, secret key)."""
+        if drop_headers and credentials is None:
+            raise ValueError("drop_headers needs the store's credentials to sign the requests again")
+        self.drop_headers = {name.lower() for name in drop_headers}
+        self.credentials = credentials
+        self.dropped: Counter[str] = Counter()  # header -> requests it was taken out of
         self.upstream, self.rate, self.slow_s = upstream.rstrip("/"), rate, slow_s
         unknown = set(faults) - set(FAULTS)
         if unknown:
@@ -137,7 +151,10 @@ class FlakyS3Proxy:
             return web.Response(status=500)  # never reaches the client
         if fault == "slow":
             await asyncio.sleep(self.slow_s)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        # Host stays the proxy's: the client signed it (a real store checks the signature)
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "host" or k.lower() not in _HOP_HEADERS}
+        if self.drop_headers and any(k.lower() in self.drop_headers for k in headers):
+            headers = self._resigned(request, headers, body)
         async with self._session.request(
             request.method, self.upstream + request.path_qs, headers=headers, data=body, allow_redirects=False
         ) as upstream:
@@ -156,3 +173,18 @@ class FlakyS3Proxy:
             await response.prepare(request)
             return response
         return web.Response(status=upstream.status, body=payload, headers=answer)
+
+    def _resigned(self, request: web.Request, headers: dict[str, str], body: bytes) -> dict[str, str]:
+        """`headers` without `drop_headers`, with a SigV4 signature of what is left."""
+        from botocore.auth import S3SigV4Auth
+        from botocore.awsrequest import AWSRequest
+        from botocore.credentials import Credentials
+
+        for name in [k for k in headers if k.lower() in self.drop_headers]:
+            self.dropped[name] += 1
+            del headers[name]
+        signed = {"authorization", "x-amz-date", "x-amz-content-sha256"}
+        kept = {k: v for k, v in headers.items() if k.lower() not in signed}
+        unsigned = AWSRequest(request.method, self.upstream + request.path_qs, data=body, headers=kept)
+        S3SigV4Auth(Credentials(*self.credentials), "s3", "us-east-1").add_auth(unsigned)
+        return dict(unsigned.headers.items())

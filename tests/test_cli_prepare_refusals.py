@@ -123,21 +123,21 @@ def test_bad_images_are_skipped_with_skip_bad(tmp_path):
     assert [row.num_samples for row in read_manifest(str(dest), "train")] == [6]
 
 
-def test_s3_destination_without_credentials_is_one_line(moto_server, monkeypatch, tmp_path):
+def test_s3_destination_without_credentials_is_one_line(seaweed_s3, monkeypatch, tmp_path):
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(name)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    message = refused("builtin:digits", moto_server.url("digits"))
+    message = refused("builtin:digits", seaweed_s3.url("digits"))
     assert "no credentials for" in message and "AWS_ACCESS_KEY_ID" in message
 
 
-def test_s3_destination_unreachable_is_one_line(moto_server, monkeypatch):
+def test_s3_destination_unreachable_is_one_line(seaweed_s3, monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{s.getsockname()[1]}"
     monkeypatch.setenv("AWS_ENDPOINT_URL", closed)
-    message = refused("builtin:digits", moto_server.url("digits"))
+    message = refused("builtin:digits", seaweed_s3.url("digits"))
     assert "cannot reach the S3 endpoint" in message and closed in message
 
 

@@ -59,13 +59,13 @@ def test_an_empty_folder_has_no_runs(tmp_path):
     assert result.exit_code == 0 and json.loads(result.stdout) == []
 
 
-def test_s3_without_credentials_is_one_line(moto_server, monkeypatch, tmp_path):
+def test_s3_without_credentials_is_one_line(seaweed_s3, monkeypatch, tmp_path):
     monkeypatch.setenv("COLUMNS", "1000")
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(name)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    message = one_error_line(invoke("runs", moto_server.url("runs")))
+    message = one_error_line(invoke("runs", seaweed_s3.url("runs")))
     assert "no credentials" in message and "AWS_ACCESS_KEY_ID" in message
 
 

@@ -1,4 +1,4 @@
-"""Preparing to and reading from S3 (a moto server on 127.0.0.1), through vitray.storage (storage/)."""
+"""Preparing to and reading from S3 (SeaweedFS on 127.0.0.1), through vitray.storage (storage/)."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ from vitray import storage
 from vitray.data import EvalLoader, ShardLoader, prepare_dataset, read_dataset_info, read_manifest
 
 
-def test_s3_round_trip_matches_local(moto_server, digits_dataset):
-    dest = moto_server.url("datasets", "digits")
+def test_s3_round_trip_matches_local(seaweed_s3, digits_dataset):
+    dest = seaweed_s3.url("datasets", "digits")
     info = prepare_dataset("builtin:digits", dest, samples_per_shard=100)
     assert info == read_dataset_info(str(digits_dataset))
 
     # The objects are the local shards, byte for byte, and the manifest agrees.
-    s3 = boto3.client("s3", endpoint_url=moto_server.endpoint_url)
-    listed = s3.list_objects_v2(Bucket=moto_server.bucket, Prefix="datasets/digits/")["Contents"]
+    s3 = boto3.client("s3", endpoint_url=seaweed_s3.endpoint_url)
+    listed = s3.list_objects_v2(Bucket=seaweed_s3.bucket, Prefix="datasets/digits/")["Contents"]
     assert {o["Key"].rsplit("/", 1)[1] for o in listed} == {p.name for p in digits_dataset.iterdir()}
     for row in read_manifest(dest, "test"):
-        body = s3.get_object(Bucket=moto_server.bucket, Key=f"datasets/digits/{row.name}")["Body"].read()
+        body = s3.get_object(Bucket=seaweed_s3.bucket, Key=f"datasets/digits/{row.name}")["Body"].read()
         assert body == (digits_dataset / row.name).read_bytes()
 
     # Training batches from S3 (two worker processes) equal those from local disk.
@@ -52,27 +52,27 @@ def test_s3_round_trip_matches_local(moto_server, digits_dataset):
     assert prepare_dataset("builtin:digits", dest, samples_per_shard=7) == info
 
 
-def test_s3_errors_name_the_path(moto_server):
+def test_s3_errors_name_the_path(seaweed_s3):
     with pytest.raises(FileNotFoundError, match="not prepared or still being written"):
-        read_dataset_info(moto_server.url("nothing-here"))
-    dest = moto_server.url("partial")
+        read_dataset_info(seaweed_s3.url("nothing-here"))
+    dest = seaweed_s3.url("partial")
     storage.write_bytes_atomic(storage.join(dest, "train-000000.tar"), b"x")
     with pytest.raises(FileNotFoundError, match=f"no dataset.json at {dest}"):
         ShardLoader(dest, "train", rank=0, world_size=1, batch_size=8, img_size=8, train=True, seed=0)
 
 
-def test_explicit_storage_options_reach_the_store(moto_server, monkeypatch):
+def test_explicit_storage_options_reach_the_store(seaweed_s3, monkeypatch):
     monkeypatch.delenv("AWS_ENDPOINT_URL")
-    path = moto_server.url("explicit", "blob.bin")
-    storage.write_bytes_atomic(path, b"payload", moto_server.storage_options)
-    assert storage.read_bytes(path, moto_server.storage_options) == b"payload"
-    assert storage.exists(path, moto_server.storage_options)
+    path = seaweed_s3.url("explicit", "blob.bin")
+    storage.write_bytes_atomic(path, b"payload", seaweed_s3.storage_options)
+    assert storage.read_bytes(path, seaweed_s3.storage_options) == b"payload"
+    assert storage.exists(path, seaweed_s3.storage_options)
 
 
 def test_shard_cache_fetches_whole_shards_in_parallel_ranges_and_stays_bounded(
-    moto_server, digits_dataset, tmp_path, monkeypatch
+    seaweed_s3, digits_dataset, tmp_path, monkeypatch
 ):
-    dest = moto_server.url("datasets", "digits")
+    dest = seaweed_s3.url("datasets", "digits")
     prepare_dataset("builtin:digits", dest, samples_per_shard=100)
     rows = read_manifest(dest, "train")
     largest = max(r.bytes for r in rows)
@@ -108,7 +108,7 @@ def test_shard_cache_fetches_whole_shards_in_parallel_ranges_and_stays_bounded(
 
     # What the cache holds is the object, byte for byte; with the bucket emptied, reads are served
     # from the cache alone (environment variables configure it too).
-    s3 = boto3.client("s3", endpoint_url=moto_server.endpoint_url)
+    s3 = boto3.client("s3", endpoint_url=seaweed_s3.endpoint_url)
     cache = storage.ShardCache(str(cache_dir), 2**30)
     for row in rows[:3]:
         url = storage.join(dest, row.name)
@@ -118,7 +118,7 @@ def test_shard_cache_fetches_whole_shards_in_parallel_ranges_and_stays_bounded(
     monkeypatch.setenv("VITRAY_SHARD_CACHE_GB", "1")
     whole = batches(dest, 0, 8)  # caches every shard these batches read
     for row in rows:
-        s3.delete_object(Bucket=moto_server.bucket, Key=f"datasets/digits/{row.name}")
+        s3.delete_object(Bucket=seaweed_s3.bucket, Key=f"datasets/digits/{row.name}")
     assert [b.keys for b in batches(dest, 0, 8)] == [b.keys for b in whole]
 
 

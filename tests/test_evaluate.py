@@ -334,7 +334,7 @@ def test_watch_evaluates_new_checkpoints_until_the_run_finishes(pretrained, data
     assert (output / "report" / "accuracy_vs_step.png").is_file()
 
 
-def test_missing_data_and_report_on_s3(moto_server):
+def test_missing_data_and_report_on_s3(seaweed_s3):
     from rich.console import Console
 
     from vitray import storage
@@ -342,13 +342,13 @@ def test_missing_data_and_report_on_s3(moto_server):
     from vitray.evaluation.results import Cell
 
     grid = GridConfig(
-        data_root=moto_server.url("prepared"),
-        output=moto_server.url("eval"),
+        data_root=seaweed_s3.url("prepared"),
+        output=seaweed_s3.url("eval"),
         benchmarks=["pets"],
         fewshot={"shots": [5], "seeds": 2},
         finetune={"learning_rates": [0.01]},
     )
-    ref = CheckpointRef(moto_server.url("runs", "r", "checkpoint_1"), 100, {"name": "B/16", "img_size": 224})
+    ref = CheckpointRef(seaweed_s3.url("runs", "r", "checkpoint_1"), 100, {"name": "B/16", "img_size": 224})
     summary = run_grid(grid, [ref], show_progress=False)  # nothing is prepared: no Ray needed
     assert (summary.total, summary.missing, summary.ok) == (3, 3, 0)
     table = ResultsTable(grid.results_path)
@@ -356,11 +356,11 @@ def test_missing_data_and_report_on_s3(moto_server):
     table.append(other.ok({"accuracy": 0.875}, 1.0))
 
     path = report_grid(grid, Console(file=open(os.devnull, "w")))
-    assert path == moto_server.url("eval", "report", "report.md")
+    assert path == seaweed_s3.url("eval", "report", "report.md")
     text = storage.read_bytes(path).decode()
-    command = f"vitray data prepare pets:/path/to/oxford-iiit-pet {moto_server.url('prepared', 'pets')}"
+    command = f"vitray data prepare pets:/path/to/oxford-iiit-pet {seaweed_s3.url('prepared', 'pets')}"
     assert "| 0.8750 |" in text and text.count(command) == 3
-    assert storage.exists(moto_server.url("eval", "report", "accuracy_per_benchmark.png"))
+    assert storage.exists(seaweed_s3.url("eval", "report", "accuracy_per_benchmark.png"))
     assert run_grid(grid, [ref], show_progress=False).missing == 3  # missing cells are retried, never skipped
 
 

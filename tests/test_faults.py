@@ -1,5 +1,5 @@
 """Faults that need no training run: the run lease against a real second process (local and on a
-moto S3 server), two drivers racing for one run, a results-table writer killed mid-write, and
+real S3 store, SeaweedFS), two drivers racing for one run, a results-table writer killed mid-write, and
 where a re-run resumes (with the reason for skipping a newer checkpoint)."""
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_a_stale_lease_is_taken_over_and_a_fresh_one_needs_force(tmp_path):
 
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_the_heartbeat_keeps_the_lease_fresh_and_notices_a_take_over(where, tmp_path, request):
-    run_dir = request.getfixturevalue("moto_server").url("runs", "beat") if where == "s3" else str(tmp_path / "run")
+    run_dir = request.getfixturevalue("seaweed_s3").url("runs", "beat") if where == "s3" else str(tmp_path / "run")
     lost = threading.Event()
     lease = RunLease(run_dir, timeout_s=0.8, on_lost=lambda holder: lost.set())
     lease.acquire()
@@ -116,13 +116,13 @@ def test_the_heartbeat_keeps_the_lease_fresh_and_notices_a_take_over(where, tmp_
     thief.release()
 
 
-def test_a_forced_take_over_on_s3_wins_against_a_live_heartbeat(moto_server):
+def test_a_forced_take_over_on_s3_wins_against_a_live_heartbeat(seaweed_s3):
     """--force replaces the version of the lease it judged; the holder's heartbeat (here every
-    25 ms, about a moto round trip) often rewrites it in between. That write is the same holder's,
+    25 ms, about an S3 round trip here) often rewrites it in between. That write is the same holder's,
     so the take-over judges the new version and goes on, instead of stopping as if another driver
     had started at the same moment (which the first of these ten take-overs nearly always did)."""
     for attempt in range(10):
-        run_dir = moto_server.url("runs", f"forced-{attempt}")
+        run_dir = seaweed_s3.url("runs", f"forced-{attempt}")
         holder = RunLease(run_dir, timeout_s=0.1)
         holder.acquire()
         time.sleep(0.05)
@@ -179,7 +179,7 @@ def test_two_drivers_starting_at_once_one_goes_on(where, before, tmp_path, reque
     first's fresh lease. On S3: conditional writes (If-None-Match to create, If-Match on the stale
     lease's ETag): S3 lets exactly one through."""
     if where == "s3":
-        endpoint = request.getfixturevalue("moto_server")
+        endpoint = request.getfixturevalue("seaweed_s3")
         run_dir = endpoint.url("runs", "race")
     else:
         run_dir = str(tmp_path / "race")
@@ -213,12 +213,12 @@ def test_two_drivers_starting_at_once_one_goes_on(where, before, tmp_path, reque
     winner.release()
 
 
-def test_s3_lease_writes_are_conditional_and_the_server_enforces_them(moto_server):
-    """The S3 server (moto here, S3 itself in production) refuses a create over an existing lease
+def test_s3_lease_writes_are_conditional_and_the_server_enforces_them(seaweed_s3):
+    """The S3 server (SeaweedFS here, S3 itself in production) refuses a create over an existing lease
     and a write over a version other than the one read -- what the race above relies on."""
     from vitray.runfolder.lease_s3 import ConditionalObject, WriteConflict
 
-    obj = ConditionalObject(moto_server.url("runs", "cas", "lease.json"))
+    obj = ConditionalObject(seaweed_s3.url("runs", "cas", "lease.json"))
     assert obj.get() is None
     first = obj.create(b"one")
     with pytest.raises(WriteConflict):
@@ -233,8 +233,45 @@ def test_s3_lease_writes_are_conditional_and_the_server_enforces_them(moto_serve
     assert obj.get() is None
 
 
-def test_lease_on_s3_refuses_a_second_driver(moto_server):
-    run_dir = moto_server.url("runs", "shared")
+def test_a_store_that_ignores_conditional_writes_is_refused_unless_the_risk_is_accepted(seaweed_s3, monkeypatch):
+    """SeaweedFS behind a proxy that drops If-None-Match and If-Match (what some S3-compatible
+    stores and gateways do: they write whatever the condition): racing drivers would each believe
+    they hold the run. The lease probes the store once and refuses it in one line naming the
+    setting that accepts the risk; with it, the lease falls back to the read-back after settle_s."""
+    import s3fs
+    from s3_proxy import CONDITIONAL_HEADERS, FlakyS3Proxy
+
+    proxy = FlakyS3Proxy(
+        seaweed_s3.endpoint_url,
+        rate=0.0,
+        drop_headers=CONDITIONAL_HEADERS,
+        credentials=(seaweed_s3.key, seaweed_s3.secret),
+    ).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        run_dir = seaweed_s3.url("runs", "unsafe")
+        with pytest.raises(RunLeaseHeld) as refused:
+            RunLease(run_dir, timeout_s=60).acquire()
+        message = str(refused.value)
+        assert type(refused.value).__name__ == "UnsafeLeaseStore"
+        assert "\n" not in message and "conditional writes" in message
+        assert "run.lease_without_conditional_writes=true" in message
+        assert proxy.dropped["If-None-Match"] >= 1
+        assert read_lease(RunFiles(run_dir).lease_path) is None  # nothing written, no probe left behind
+        assert not [path for path in s3fs.S3FileSystem().find(seaweed_s3.url("runs")) if "probe" in path]
+
+        accepted = RunLease(run_dir, timeout_s=60, settle_s=0.2, without_conditional_writes=True)
+        assert accepted.acquire() is None
+        assert read_lease(accepted.path).owner == accepted.owner
+        accepted.release()
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        proxy.stop()
+
+
+def test_lease_on_s3_refuses_a_second_driver(seaweed_s3):
+    run_dir = seaweed_s3.url("runs", "shared")
     first = RunLease(run_dir, timeout_s=60)
     first.acquire()
     try:

@@ -1,4 +1,4 @@
-"""Flaky object storage: moto's S3 server behind a proxy that answers a share of the requests with
+"""Flaky object storage: a real S3 store (SeaweedFS) behind a proxy that answers a share of the requests with
 503 SlowDown, 500 InternalError, a dropped connection (for object GETs: cut off mid-body) or a
 slow answer (`tests/s3_proxy.py`), on a seeded schedule.
 
@@ -21,15 +21,15 @@ from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 
 
 @pytest.fixture
-def flaky_s3(moto_server, monkeypatch):
-    """The moto endpoint, with the AWS environment pointed at a fault-injecting proxy in front."""
+def flaky_s3(seaweed_s3, monkeypatch):
+    """The store's endpoint, with the AWS environment pointed at a fault-injecting proxy in front."""
     import s3fs
 
-    proxy = FlakyS3Proxy(moto_server.endpoint_url, rate=0.15, seed=1, slow_s=0.5).start()
+    proxy = FlakyS3Proxy(seaweed_s3.endpoint_url, rate=0.15, seed=1, slow_s=0.5).start()
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     s3fs.S3FileSystem.clear_instance_cache()
     try:
-        yield moto_server, proxy
+        yield seaweed_s3, proxy
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
         proxy.stop()
@@ -45,21 +45,21 @@ def _read_all(path: str) -> tuple[list[str], torch.Tensor]:
 
 
 def test_shards_run_files_and_results_come_through_a_flaky_store_unchanged(flaky_s3, digits_dataset, tmp_path):
-    moto, proxy = flaky_s3
-    remote = moto.url("datasets", "digits")
+    store, proxy = flaky_s3
+    remote = store.url("datasets", "digits")
     prepare_dataset("builtin:digits", remote, samples_per_shard=100)  # uploads through the proxy
     keys, images = _read_all(remote)
     local_keys, local_images = _read_all(str(digits_dataset))
     assert keys == local_keys and torch.equal(images, local_images)
 
     for i in range(20):  # small run files (stop notices, leases, metrics parts) written and read back
-        path = moto.url("runs", "r", f"file-{i}.json")
+        path = store.url("runs", "r", f"file-{i}.json")
         storage.write_bytes_atomic(path, f"payload {i}".encode() * 100)
         assert storage.read_bytes(path) == f"payload {i}".encode() * 100
 
     from vitray.evaluation.results import Cell, ResultsTable
 
-    table = ResultsTable(moto.url("results", "grid"))
+    table = ResultsTable(store.url("results", "grid"))
     cells = [Cell("ckpt", f"bench{i}", "fewshot", {"shots": 10}, seed=i) for i in range(12)]
     for i, cell in enumerate(cells):
         table.append(cell.ok({"accuracy": i / 10}, 1.0))
@@ -72,23 +72,23 @@ def test_shards_run_files_and_results_come_through_a_flaky_store_unchanged(flaky
 
 @pytest.mark.slow
 def test_a_pretraining_run_on_a_flaky_store_ends_with_the_clean_runs_weights(flaky_s3, digits_dataset, tmp_path):
-    moto, proxy = flaky_s3
+    store, proxy = flaky_s3
     steps = ("train.steps=12", "checkpoint.every=4", "log.every=2", "data.min_crop_area=1.0")
     run(pretrain_args(str(digits_dataset), str(tmp_path / "local"), "flaky", *steps))
 
-    data = moto.url("datasets", "digits")
+    data = store.url("datasets", "digits")
     prepare_dataset("builtin:digits", data, samples_per_shard=100)
     before = sum(proxy.injected.values())
-    run(pretrain_args(data, moto.url("runs"), "flaky", *steps), timeout=600)
+    run(pretrain_args(data, store.url("runs"), "flaky", *steps), timeout=600)
     assert sum(proxy.injected.values()) > before + 5, f"too few faults met the run: {proxy.injected}"
     assert _faults(proxy, "upload") > 0 and _faults(proxy, "get-object") > 0, proxy.injected
-    latest = latest_complete_checkpoint(moto.url("runs", "flaky"))
+    latest = latest_complete_checkpoint(store.url("runs", "flaky"))
     assert latest is not None and latest.step == 12
     remote_weights = load(storage.read_bytes(f"{latest.path}/model.safetensors"))
     assert_same_weights(remote_weights, final_weights(str(tmp_path / "local" / "flaky")))
 
 
-def test_a_shard_whose_every_read_is_cut_short_fails_naming_the_shard(moto_server, monkeypatch):
+def test_a_shard_whose_every_read_is_cut_short_fails_naming_the_shard(seaweed_s3, monkeypatch):
     """Retries are bounded: botocore and s3fs repeat a cut-short GET, the reader reopens the shard
     at the sample (aiohttp's payload error counts as transient), each a few times with backoff;
     then the error names the shard, the attempts and the last error."""
@@ -96,10 +96,10 @@ def test_a_shard_whose_every_read_is_cut_short_fails_naming_the_shard(moto_serve
 
     from vitray.data.reader import ShardCursor
 
-    dataset = moto_server.url("datasets", "digits")
+    dataset = seaweed_s3.url("datasets", "digits")
     prepare_dataset("builtin:digits", dataset, samples_per_shard=100)  # no proxy yet
     shard = storage.join(dataset, "train-000000.tar")
-    proxy = FlakyS3Proxy(moto_server.endpoint_url, rate=1.0, faults=("reset",), operations=("get-object",)).start()
+    proxy = FlakyS3Proxy(seaweed_s3.endpoint_url, rate=1.0, faults=("reset",), operations=("get-object",)).start()
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     monkeypatch.setattr(storage.retries, "RETRY_BASE_DELAY_S", 0.05)  # the bound is tested, not the waiting
     s3fs.S3FileSystem.clear_instance_cache()

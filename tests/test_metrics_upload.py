@@ -195,11 +195,11 @@ def test_only_complete_records_are_uploaded(tmp_path):
     assert published[-1] == b'{"step": 1}\n'
 
 
-def test_metrics_on_s3_read_back_by_run_files_pandas_and_pyarrow_and_resume_replaces_the_tail(moto_server, tmp_path):
+def test_metrics_on_s3_read_back_by_run_files_pandas_and_pyarrow_and_resume_replaces_the_tail(seaweed_s3, tmp_path):
     import pandas as pd
     import pyarrow.json as paj
 
-    run = RunFiles(moto_server.url("run"))
+    run = RunFiles(seaweed_s3.url("run"))
     writer = MetricsWriter(tmp_path / "first", run, upload_every_s=3600)  # only flushes and close upload
     for step in range(1, 7):
         writer.write(step, {"loss": 1.0 / step, "lr": 0.1})

@@ -1,5 +1,5 @@
 """Pre-training on a Ray cluster of several nodes, started with `ray start` on 127.0.0.1
-(`tests/ray_cluster.py`), with the data and the run on S3 (moto):
+(`tests/ray_cluster.py`), with the data and the run on S3 (SeaweedFS):
 
 - the two workers land on different nodes (each node has room for one);
 - one node is killed with SIGKILL mid-run (its raylet and worker at once: a machine lost), a
@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import S3Endpoint, running_moto_s3
+from conftest import S3Endpoint, seaweed_bucket
 from pretrain_helpers import (
     REFERENCE,
     REFERENCE_NAME,
@@ -38,7 +38,7 @@ from vitray.runfolder.files import RunFiles
 pytestmark = pytest.mark.slow
 
 STEPS, EVERY = REFERENCE_STEPS, 10
-# Half a second a step: the node is killed once a checkpoint shows on S3 (through moto), and the
+# Half a second a step: the node is killed once a checkpoint shows on S3, and the
 # run must still have steps to go then.
 COMMON = (*REFERENCE, f"checkpoint.every={EVERY}", "debug.step_delay_s=0.5")
 ONE_PER_NODE = ("cluster.resources_per_worker={vitray_node: 1}",)
@@ -64,12 +64,12 @@ def _wait(driver: subprocess.Popen, condition, what: str, timeout: float = 400) 
 
 
 @pytest.fixture(scope="module")
-def s3() -> Iterator[S3Endpoint]:
-    """conftest's `moto_server`, for the whole module: the cluster's nodes (and so the run's
+def s3(seaweed_store) -> Iterator[S3Endpoint]:
+    """conftest's `seaweed_s3`, for the whole module: the cluster's nodes (and so the run's
     workers) take the S3 endpoint and credentials from the environment they are started in."""
     with (
         pytest.MonkeyPatch.context() as env,
-        running_moto_s3(env, "vitray-test-multinode", AWS_EC2_METADATA_DISABLED="true") as endpoint,
+        seaweed_bucket(env, seaweed_store, "vitray-test-multinode", AWS_EC2_METADATA_DISABLED="true") as endpoint,
     ):
         yield endpoint
 

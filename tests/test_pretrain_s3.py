@@ -1,4 +1,4 @@
-"""Pre-training with data and checkpoints on S3 (moto's server on 127.0.0.1), then listing,
+"""Pre-training with data and checkpoints on S3 (SeaweedFS on 127.0.0.1), then listing,
 exporting and re-running against the same storage."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from vitray.trainers.checkpoint import rank_files as ckpt
 pytestmark = pytest.mark.slow
 
 
-def test_pretrain_on_s3_lists_exports_and_resumes(moto_server, tmp_path):
-    data = moto_server.url("datasets", "digits")
-    storage = moto_server.url("runs")
+def test_pretrain_on_s3_lists_exports_and_resumes(seaweed_s3, tmp_path):
+    data = seaweed_s3.url("datasets", "digits")
+    storage = seaweed_s3.url("runs")
     prepare_dataset("builtin:digits", data, samples_per_shard=200)
     args = pretrain_args(
         data, storage, "s3run", "train.steps=8", "checkpoint.every=4", "evals.val={type: val, every: 8}"

@@ -5,8 +5,8 @@ bookkeeping is measured by `benchmarks/scale.py --one` in a fresh process, on a 
 (a real manifest of 300k shards, no tar files), and held to bounds a few times today's figures
 (README of the benchmark: BENCHMARKS.md, "Scale"). The plan a worker builds for its own slots is
 checked against the whole plan built by the previous implementation, and the completion check
-of a checkpoint is shown to read the ranks' records concurrently on S3 (moto behind a proxy that
-delays every request).
+of a checkpoint is shown to read the ranks' records concurrently on S3 (SeaweedFS behind a proxy
+that delays every request).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def test_partial_plans_and_array_extents_match_the_reference_on_random_splits():
 
 
 class DelayingProxy:
-    """An HTTP proxy on 127.0.0.1 in front of moto that holds every request `delay_s` before
+    """An HTTP proxy on 127.0.0.1 in front of the S3 store that holds every request `delay_s` before
     forwarding it, and counts requests and how many were in flight at once."""
 
     def __init__(self, upstream: str, delay_s: float):
@@ -168,7 +168,8 @@ class DelayingProxy:
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             try:
                 await asyncio.sleep(self.delay_s)
-                headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+                # Host stays the proxy's: the client signed it (the store checks the signature)
+                headers = {k: v for k, v in request.headers.items() if k.lower() != "content-length"}
                 async with (
                     ClientSession(auto_decompress=False) as session,
                     session.request(
@@ -213,7 +214,7 @@ class DelayingProxy:
         self._thread.join(5)
 
 
-def test_completion_records_are_checked_concurrently_on_s3(moto_server, tmp_path, monkeypatch):
+def test_completion_records_are_checked_concurrently_on_s3(seaweed_s3, tmp_path, monkeypatch):
     """64 ranks' records behind 0.1 s per request: read one after another (as before: 7.7 s here,
     one request in flight) they take at least 6.4 s; read concurrently after one listing, a
     fraction of that."""
@@ -222,9 +223,9 @@ def test_completion_records_are_checked_concurrently_on_s3(moto_server, tmp_path
     world, delay = 64, 0.1
     local = bench.make_checkpoint(tmp_path / "checkpoint", world)
     fs = s3fs.S3FileSystem()
-    remote = f"{moto_server.bucket}/run/checkpoint_000001"
+    remote = f"{seaweed_s3.bucket}/run/checkpoint_000001"
     fs.put(str(local), remote, recursive=True)
-    with DelayingProxy(moto_server.endpoint_url, delay) as proxy:
+    with DelayingProxy(seaweed_s3.endpoint_url, delay) as proxy:
         slow = s3fs.S3FileSystem(endpoint_url=proxy.url, skip_instance_cache=True)
         started = time.perf_counter()
         state = ckpt.verify_complete(remote, slow)
@@ -249,7 +250,7 @@ def test_completion_records_are_checked_concurrently_on_s3(moto_server, tmp_path
 
 
 def test_ranks_starting_from_the_announced_checkpoint_do_not_each_recheck_it_on_storage(
-    moto_server, tmp_path, monkeypatch
+    seaweed_s3, tmp_path, monkeypatch
 ):
     """The driver verifies the checkpoint it resumes from and sends its step with it; before, each
     rank verified it again on storage: world_size + 2 requests per rank, 1M at 1,024 ranks. Each
@@ -261,10 +262,10 @@ def test_ranks_starting_from_the_announced_checkpoint_do_not_each_recheck_it_on_
 
     world = 32
     local = bench.make_checkpoint(tmp_path / "checkpoint", world)
-    s3fs.S3FileSystem().put(str(local), f"{moto_server.bucket}/run/checkpoint_000001", recursive=True)
-    announced = moto_server.url("run", "checkpoint_000001")
-    run = moto_server.url("run")
-    with DelayingProxy(moto_server.endpoint_url, 0.0) as proxy:
+    s3fs.S3FileSystem().put(str(local), f"{seaweed_s3.bucket}/run/checkpoint_000001", recursive=True)
+    announced = seaweed_s3.url("run", "checkpoint_000001")
+    run = seaweed_s3.url("run")
+    with DelayingProxy(seaweed_s3.endpoint_url, 0.0) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         s3fs.S3FileSystem.clear_instance_cache()
         assert choose_checkpoint(run, announced, 1000, restarted=False) == announced
@@ -286,7 +287,7 @@ def test_ranks_starting_from_the_announced_checkpoint_do_not_each_recheck_it_on_
         ]
         records = [path for method, path in proxy.requests if method == "GET" and "complete-rank-" in path]
         assert sorted(records) == sorted(
-            f"/{moto_server.bucket}/run/checkpoint_000001/complete-rank-{r:04d}.json" for r in (0, 5)
+            f"/{seaweed_s3.bucket}/run/checkpoint_000001/complete-rank-{r:04d}.json" for r in (0, 5)
         )
         assert len(proxy.requests) < 12, proxy.requests  # the same for any world size
         # Onto another number of ranks, the whole checkpoint is wanted (with the shared conversion).
@@ -296,7 +297,7 @@ def test_ranks_starting_from_the_announced_checkpoint_do_not_each_recheck_it_on_
         }
 
 
-def test_ranks_of_one_node_share_the_files_they_all_read(moto_server, tmp_path):
+def test_ranks_of_one_node_share_the_files_they_all_read(seaweed_s3, tmp_path):
     """Module states and EMA weights come down once per node: a second rank of the node finds
     them there and downloads only its own shard; the folder goes with the last rank to leave."""
     import s3fs
@@ -307,8 +308,8 @@ def test_ranks_of_one_node_share_the_files_they_all_read(moto_server, tmp_path):
     shared = local / "deepspeed" / "mp_rank_00_model_states.pt"
     shared.write_bytes(b"m" * 1000)
     mark_complete(local, 0, [shared, local / ckpt.STATE_FILE, *(local / "deepspeed").glob("zero_pp_rank_0_*")])
-    s3fs.S3FileSystem().put(str(local), f"{moto_server.bucket}/run/checkpoint_000002", recursive=True)
-    remote = moto_server.url("run", "checkpoint_000002")
+    s3fs.S3FileSystem().put(str(local), f"{seaweed_s3.bucket}/run/checkpoint_000002", recursive=True)
+    remote = seaweed_s3.url("run", "checkpoint_000002")
     with node_restore_dir(remote, str(tmp_path / "node")) as node:
         first = rank_copy(remote, restore_files(1, 4, zero_stage=1), node, 1)[0]
         stamp = (first / "deepspeed" / "mp_rank_00_model_states.pt").stat().st_mtime_ns

@@ -1,6 +1,6 @@
 """check_reachable: one quick probe of a storage path, one line naming the cause and the fix.
 
-Against moto's S3 server on 127.0.0.1 (tests/conftest.py): no credentials, a missing bucket, a
+Against a real S3 store (SeaweedFS) on 127.0.0.1 (tests/conftest.py): no credentials, a missing bucket, a
 closed port, a prefix with nothing under it; and local paths. Each case must answer in seconds.
 """
 
@@ -33,42 +33,42 @@ def test_storage_unreachable_is_a_value_error() -> None:
     assert issubclass(StorageUnreachable, ValueError)
 
 
-def test_reachable_bucket_and_existing_prefix_pass(moto_server) -> None:
-    check_reachable(moto_server.url("new", "prefix"))  # nothing there yet: fine for a destination
-    write_bytes_atomic(moto_server.url("data", "dataset.json"), b"{}")
-    check_reachable(moto_server.url("data"), must_exist=True)
-    check_reachable(moto_server.url("data", "dataset.json"), must_exist=True)  # an object, not a prefix
-    check_reachable(moto_server.url("new"), storage_options=moto_server.storage_options)
+def test_reachable_bucket_and_existing_prefix_pass(seaweed_s3) -> None:
+    check_reachable(seaweed_s3.url("new", "prefix"))  # nothing there yet: fine for a destination
+    write_bytes_atomic(seaweed_s3.url("data", "dataset.json"), b"{}")
+    check_reachable(seaweed_s3.url("data"), must_exist=True)
+    check_reachable(seaweed_s3.url("data", "dataset.json"), must_exist=True)  # an object, not a prefix
+    check_reachable(seaweed_s3.url("new"), storage_options=seaweed_s3.storage_options)
 
 
-def test_missing_prefix_when_it_must_exist(moto_server) -> None:
-    error = _refusal(moto_server.url("nothing-here"), must_exist=True)
+def test_missing_prefix_when_it_must_exist(seaweed_s3) -> None:
+    error = _refusal(seaweed_s3.url("nothing-here"), must_exist=True)
     assert error.cause == "missing" and "nothing-here" in str(error)
 
 
-def test_no_credentials(moto_server, monkeypatch) -> None:
+def test_no_credentials(seaweed_s3, monkeypatch) -> None:
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-role lookup (169.254.169.254)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
-    error = _refusal(moto_server.url("runs"))
+    error = _refusal(seaweed_s3.url("runs"))
     assert error.cause == "no-credentials"
     assert "no credentials" in str(error) and "AWS_ACCESS_KEY_ID" in str(error)
 
 
-def test_missing_bucket(moto_server) -> None:
+def test_missing_bucket(seaweed_s3) -> None:
     error = _refusal("s3://no-such-bucket-vitray/runs")
     assert error.cause == "no-bucket"
     assert "no-such-bucket-vitray" in str(error) and "create it" in str(error)
 
 
-def test_unreachable_endpoint(moto_server, monkeypatch) -> None:
+def test_unreachable_endpoint(seaweed_s3, monkeypatch) -> None:
     with socket.socket() as s:  # a port nothing listens on once this socket is closed
         s.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{s.getsockname()[1]}"
     monkeypatch.setenv("AWS_ENDPOINT_URL", closed)
-    error = _refusal(moto_server.url("runs"))
+    error = _refusal(seaweed_s3.url("runs"))
     assert error.cause == "unreachable"
     assert closed in str(error) and "AWS_ENDPOINT_URL" in str(error)
 

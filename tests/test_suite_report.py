@@ -327,18 +327,18 @@ def test_invalid_rows_are_rejected(tmp_path):
     assert table.part_files() == [] and table.to_table().num_rows == 0
 
 
-def test_results_table_and_dataset_check_on_s3(moto_server):
-    table = ResultsTable(moto_server.url("eval", "results"))
+def test_results_table_and_dataset_check_on_s3(seaweed_s3):
+    table = ResultsTable(seaweed_s3.url("eval", "results"))
     table.append(_cell(0).ok({"accuracy": 0.8}, 1.0))
     table.append(_cell(1).failed("boom", 1.0))
-    reopened = ResultsTable(moto_server.url("eval", "results"))
-    assert reopened.part_files()[0].startswith(moto_server.url("eval", "results", "part-"))
+    reopened = ResultsTable(seaweed_s3.url("eval", "results"))
+    assert reopened.part_files()[0].startswith(seaweed_s3.url("eval", "results", "part-"))
     assert reopened.finished_cell_ids() == {_cell(0).cell_id}
     assert reopened.to_table().num_rows == 2
     reopened.compact()
     assert len(reopened.part_files()) == 1 and reopened.finished_cell_ids() == {_cell(0).cell_id}
 
-    root = moto_server.url("prepared")
+    root = seaweed_s3.url("prepared")
     missing = find_missing("digits", root)
     assert missing.command == f"vitray data prepare builtin:digits {root}/digits"
     _write_dataset_json(f"{root}/digits")

@@ -61,6 +61,12 @@ class RunConfig(_Section):
         description="A second driver of the same run refuses while the first's lease heartbeat is "
         "younger than this; an older lease is taken over (vitray.runfolder.lease).",
     )
+    lease_without_conditional_writes: bool = Field(
+        False,
+        description="Use an S3 store that ignores conditional writes (If-None-Match / If-Match), which "
+        "the lease probes for and otherwise refuses: two drivers of one run started within seconds of "
+        "each other may then both write its checkpoints.",
+    )
     preemption_grace_s: float = Field(
         30.0,
         gt=0,
