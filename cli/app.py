@@ -136,7 +136,7 @@ def handled(
     try:
         yield
     except KeyboardInterrupt:
-        typer.echo(f"stopped by user (Ctrl-C): {doing or command_line()} did not finish", err=True)
+        say_stopped_by_user(doing)
         raise typer.Exit(exit_codes.STOPPED_BY_USER) from None
     except (typer.Exit, typer.Abort, click.ClickException):
         raise
@@ -154,6 +154,12 @@ def handled(
                 exit_codes.FAILED,
             )
         raise
+
+
+def say_stopped_by_user(doing: str | None = None) -> None:
+    """Ctrl-C's one line on the console: `stopped by user (Ctrl-C): DOING did not finish` (by default
+    DOING is the command line's command)."""
+    typer.echo(f"stopped by user (Ctrl-C): {doing or command_line()} did not finish", err=True)
 
 
 def command_line() -> str:

@@ -8,7 +8,7 @@ import typer
 
 # In `vitray --help` order; importing a command module adds its commands to `app`.
 from vitray.cli import data, demo, inspection, pretrain, runs, submit, transfer  # noqa: F401
-from vitray.cli.app import app, command_line, handled
+from vitray.cli.app import app, handled, say_stopped_by_user
 from vitray.cluster.runtime import enable_token_auth_if_available
 
 __all__ = ["app", "main"]
@@ -25,7 +25,7 @@ def main() -> None:
         sys.exit(done.exit_code)
     except SystemExit as done:
         if _ctrl_c_outside_handled(done):
-            print(f"stopped by user (Ctrl-C): {command_line()} did not finish", file=sys.stderr)
+            say_stopped_by_user()
         raise
 
 

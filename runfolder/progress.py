@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from vitray import storage
 from vitray.runfolder.files import RunFiles
+from vitray.runfolder.listing import skipped_data
 from vitray.runfolder.run_report import evaluations
 
 
@@ -129,7 +130,7 @@ class TrainingProgress:
         status = f"loss {last.get('loss', float('nan')):.4f}  {last.get('images_per_s', 0):.1f} img/s"
         if self.headline is not None and self.headline in last:
             status += f"  {self.label} {last[self.headline]:.3f}"
-        skipped = sum(int(r.get("skipped_samples", 0)) for r in records)
+        skipped, _ = skipped_data(records)
         if skipped:
             status += f"  {skipped} corrupt sample{'s' if skipped != 1 else ''} skipped"
         self._progress.update(self._task, completed=min(last.get("step", 0), self.total), status=status)

@@ -351,7 +351,7 @@ class TrainingLoop:
         }
         if skipped:  # every rank takes this branch: `skipped` is the sum over the ranks
             # Which shards the skipped samples came from, over every rank: what `vitray runs` names.
-            metrics["skipped_shards"] = union_of_names(sorted(self._skipped_shards))
+            metrics["skipped_shards"] = union_of_names(list(self._skipped_shards))
             self._skipped_shards.clear()
         if self.peak_tflops:
             metrics["mfu"] = tflops / self.peak_tflops

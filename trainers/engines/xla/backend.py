@@ -91,8 +91,6 @@ class XlaBackend:
         # One program over all hosts: a forward on one host alone would wait for the others.
         self.collective_forward = world_size > 1
         train = cfg.train
-        if cfg.precision.dtype == "fp16":
-            raise ValueError("precision.dtype=fp16 is not supported by train.backend=xla: use bf16 (TPUs) or fp32")
         local_devices = xr.addressable_runtime_device_count()
         if train.micro_batch_size % local_devices:
             raise ValueError(
