@@ -187,6 +187,18 @@ class EvalLoader:
         return {"samples": self._yielded, "skipped": self._skipped}
 
 
+# Evaluation workers pay off only on a share of some size: their forkserver imports torch (about
+# 3 CPU-seconds a rank) and each worker is a process of its own, which is what decoding a few
+# hundred images costs. A smaller share is decoded in the evaluating process.
+MIN_SAMPLES_PER_WORKER = 512
+
+
+def worker_count(num_samples: int, num_workers: int) -> int:
+    """Evaluation workers worth starting for ``num_samples`` (a rank's share), at most
+    ``num_workers``: one for every :data:`MIN_SAMPLES_PER_WORKER` samples, none below that."""
+    return min(num_workers, num_samples // MIN_SAMPLES_PER_WORKER)
+
+
 def start_worker_server() -> None:
     """Starts the evaluation workers' forkserver now: it imports its modules (a few seconds) while
     the caller goes on (building its model, say) instead of at the first evaluation."""

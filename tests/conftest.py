@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from seaweed import SeaweedS3
 
+pytest_plugins = ["timeline"]
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`xla` tests need torch-xla (the `xla` extra, which `make install` includes): skipped where it
@@ -282,7 +284,9 @@ def reference_run(digits_dataset: Path, tmp_path_factory: pytest.TempPathFactory
                 REFERENCE_NAME,
                 *REFERENCE,
                 "checkpoint.every=10",
-                f"evals.val={{type: val, every: {REFERENCE_STEPS}}}",
+                # The train split: 718 samples a rank, read by evaluation workers (started from
+                # their forkserver inside the Ray worker); the test split's 180 are read in process.
+                f"evals.val={{type: val, every: {REFERENCE_STEPS}, split: train}}",
                 f"evals.fewshot={{type: fewshot, every: {REFERENCE_STEPS}, datasets: {{digits: {digits_dataset}}}}}",
                 f"debug.record_sample_keys={root / 'keys'}",
             )

@@ -37,6 +37,7 @@ from pretrain_helpers import (
 from vitray.runfolder.checkpoint_folders import find_checkpoints, latest_complete_checkpoint, verify_complete
 from vitray.runfolder.files import RunFiles
 from vitray.runfolder.lease import read_lease
+from vitray.trainers.keys import collect_keys
 
 pytestmark = pytest.mark.slow
 
@@ -257,12 +258,22 @@ def test_a_grid_cell_failing_every_time_is_retried_then_recorded_and_the_rest_co
 
 def test_sigterm_to_a_worker_restarts_the_group_and_the_run_finishes_identically(digits_dataset, reference, tmp_path):
     """Ray's worker turns SIGTERM into an immediate exit; Ray Train restarts the group from the
-    latest complete checkpoint (cluster.max_failures), so nothing is lost."""
+    latest complete checkpoint (cluster.max_failures), so nothing is lost: the same weights, and
+    every step trained on the same samples as the uninterrupted run's. (A worker that kills itself
+    at a given step is `tests/test_zero_stages.py`'s ZeRO-3 restart.)"""
     import psutil
 
     storage = tmp_path / "runs"
     run_dir = str(storage / "ref")
-    args = _args(digits_dataset, storage, f"checkpoint.every={EVERY}", "cluster.max_failures=1")
+    keys = tmp_path / "keys"
+    args = _args(
+        digits_dataset,
+        storage,
+        f"checkpoint.every={EVERY}",
+        "cluster.max_failures=1",
+        f"evals.val={{type: val, every: {STEPS}}}",
+        f"debug.record_sample_keys={keys}",
+    )
     with running(args) as proc:
         _wait_for(lambda: latest_complete_checkpoint(run_dir) is not None, proc, "the first checkpoint")
         # The Ray Train workers themselves (their DataLoader processes are named pt_data_worker).
@@ -275,6 +286,7 @@ def test_sigterm_to_a_worker_restarts_the_group_and_the_run_finishes_identically
     assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
     assert not workers[-1].is_running()
     assert_same_weights(final_weights(run_dir), reference["weights"])
+    assert collect_keys(keys) == reference["keys"]
 
 
 def test_when_the_grace_period_runs_out_the_driver_exits_without_a_new_checkpoint(digits_dataset, tmp_path):

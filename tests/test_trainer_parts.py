@@ -262,3 +262,32 @@ def test_the_deepspeed_backend_imports_deepspeed_without_mlflow_or_inductor():
     )
     said = _results_in_a_fresh_process(script)
     assert said == [["False", "False"], ["False", "True"], ["mlflow"], ["True", "True"]]
+
+
+def test_a_runs_evaluation_starts_workers_only_for_a_share_that_repays_them(digits_dataset):
+    """The val evaluator reads a rank's share of fewer than 512 samples per worker in its own
+    process: no forkserver importing torch for the 180 samples of digits' test split."""
+    from vitray.data.eval_loader import worker_count
+    from vitray.trainers.evaluators import build_evaluators
+
+    assert [worker_count(n, 4) for n in (0, 511, 512, 1535, 1536, 100_000)] == [0, 0, 1, 2, 3, 4]
+    assert worker_count(100_000, 0) == 0
+
+    def val(split: str, num_workers: int = 2):
+        cfg = load_config(
+            TrainingConfig,
+            None,
+            [
+                f"data.train={digits_dataset}",
+                f"data.num_workers={num_workers}",
+                f"evals.val={{type: val, every: 4, split: {split}}}",
+            ],
+        )
+        (evaluator,) = build_evaluators(cfg)
+        return evaluator
+
+    assert not val("test").uses_worker_processes(0, 1)  # 360 samples
+    assert val("train").uses_worker_processes(1, 2)  # 718 of 1,437
+    assert not val("train").uses_worker_processes(0, 3)  # 479
+    assert not val("train", num_workers=0).uses_worker_processes(0, 1)
+    assert val("train")._loader(0, 1).num_workers == 2  # 1,437: two workers (at most data.num_workers)

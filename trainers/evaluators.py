@@ -73,6 +73,11 @@ class Evaluator:
     def evaluate(self, module: torch.nn.Module, env: EvalEnv) -> dict[str, float]:
         raise NotImplementedError
 
+    def uses_worker_processes(self, rank: int, world_size: int) -> bool:
+        """Whether this evaluator reads its data with worker processes on this rank (the loop then
+        starts their server early); those here read in the evaluating process."""
+        return False
+
 
 class ValEvaluator(Evaluator):
     """``top1`` on its section's `path` / `split` (the run's validation split by default); every rank
@@ -81,21 +86,8 @@ class ValEvaluator(Evaluator):
     COUNT = "vitray.evaluation.top1:count_top1"
 
     def evaluate(self, module: torch.nn.Module, env: EvalEnv) -> dict[str, float]:
-        from vitray.data import EvalLoader
-
-        data = self.training.data
-        path, split = self.config.dataset(data)
         module.eval()
-        loader = EvalLoader(
-            path,
-            split,
-            rank=env.rank,
-            world_size=env.world_size,
-            batch_size=self.config.batch_size,
-            img_size=self.training.model.img_size,
-            num_workers=data.num_workers,
-            storage_options=data.storage_options,
-        )
+        loader = self._loader(env.rank, env.world_size)
         correct, seen = import_by_name(self.COUNT)(module, loader, device=env.device, dtype=env.dtype)
         with torch.no_grad():
             if env.collective_forward:
@@ -111,6 +103,30 @@ class ValEvaluator(Evaluator):
         module.train()
         correct, seen = env.sum_over_ranks([float(correct), float(seen)])
         return {"top1": correct / max(seen, 1.0)}
+
+    def uses_worker_processes(self, rank: int, world_size: int) -> bool:
+        return self._loader(rank, world_size).num_workers > 0
+
+    def _loader(self, rank: int, world_size: int):
+        """This rank's share of the split, with data.num_workers workers where the share is big
+        enough to repay starting them (`vitray.data.eval_loader.worker_count`)."""
+        from vitray.data import EvalLoader
+        from vitray.data.eval_loader import worker_count
+
+        data = self.training.data
+        path, split = self.config.dataset(data)
+        loader = EvalLoader(
+            path,
+            split,
+            rank=rank,
+            world_size=world_size,
+            batch_size=self.config.batch_size,
+            img_size=self.training.model.img_size,
+            num_workers=0,
+            storage_options=data.storage_options,
+        )
+        loader.num_workers = worker_count(loader.num_samples, data.num_workers)
+        return loader
 
 
 class FewshotEvaluator(Evaluator):

@@ -63,7 +63,7 @@ class TrainingLoop:
         self.info = read_dataset_info(cfg.data.train, cfg.data.storage_options)
         self.objective = build_objective(cfg.train, self.info.label_kind, self.info.num_classes)
         self.evaluators = build_evaluators(cfg)
-        if self.evaluators and cfg.data.num_workers:
+        if any(e.uses_worker_processes(self.rank, self.world) for e in self.evaluators):
             start_worker_server()  # evaluation workers' server imports while the model is built
         self.run_files = RunFiles(ctx.run_dir)
         self._skipped_shards: set[str] = set()  # this rank's, since the last log step
