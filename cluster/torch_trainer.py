@@ -13,10 +13,11 @@ import threading
 from typing import Any
 
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME  # see _forget_ray_snapshot
 
 from vitray import storage
+from vitray.cluster.process_group import NodeBoundTorchConfig
 from vitray.cluster.runtime import check_local_resources, ray_storage, run_dir
 from vitray.cluster.train_worker import train_worker
 from vitray.runfolder.checkpoint_folders import CheckpointInfo
@@ -67,7 +68,7 @@ def build_trainer(cfg: TrainingConfig, resume: CheckpointInfo | None = None) -> 
             "resume_from": resume.path if resume else None,
             "resume_step": resume.step if resume else None,
         },
-        torch_config=TorchConfig(backend=cfg.engine.process_group(scaling.use_gpu)),
+        torch_config=NodeBoundTorchConfig(backend=cfg.engine.process_group(scaling.use_gpu)),
         scaling_config=scaling,
         run_config=RunConfig(
             name=cfg.run.name,

@@ -1,6 +1,8 @@
 """A Ray cluster of several nodes on this machine, started as users start one (`ray start`), for
-the multi-node tests: a head node and worker nodes on 127.0.0.1, each node in its own process
-group so that a test can kill one with SIGKILL (all its processes: raylet, workers) or stop all."""
+the multi-node tests: a head node and worker nodes, each on a host of its own (`tests/netns.py`:
+its own network namespace, address and temp dir), or all on 127.0.0.1 (`loopback_cluster`). Each
+node runs in its own process group, so that a test can kill one with SIGKILL (all its processes:
+raylet, workers: a machine lost) or stop all."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
+
+from netns import Host
 
 BIN = Path(sys.executable).parent
 
@@ -26,32 +30,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class LoopbackCluster:
-    """A head node and worker nodes started with `ray start --block` on 127.0.0.1, each in its own
-    process group (stopped whole at the end), sharing one temp dir."""
+class RayCluster:
+    """A head node and worker nodes started with `ray start --block`, each in its own process group
+    (stopped whole at the end): on `head` and the hosts given to `add_worker_node`, each with a temp
+    dir of its own, or, without hosts, all on 127.0.0.1 sharing one temp dir."""
 
-    def __init__(self) -> None:
+    def __init__(self, head: Host | None = None) -> None:
+        self.head = head
         # Ray's socket paths live under the temp dir and must stay under the 107-byte socket limit.
         self.temp_dir = tempfile.mkdtemp(prefix="vd", dir="/tmp")
         self.port = _free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.address = f"{head.address if head else '127.0.0.1'}:{self.port}"
         self.env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}
         self.env.pop("RAY_ADDRESS", None)
         self.nodes: list[subprocess.Popen] = []
         self.processes: dict[str, subprocess.Popen] = {}
+        self.hosts: dict[str, Host] = {}  # node id -> its host
 
     def start_head(self) -> None:
         self._start(
-            "--head", f"--port={self.port}", "--num-cpus=1", "--include-dashboard=false", f"--temp-dir={self.temp_dir}"
+            "--head",
+            f"--port={self.port}",
+            "--num-cpus=1",
+            "--include-dashboard=false",
+            *self._temp_dir_args(self.head),
+            host=self.head,
         )
 
-    def add_worker_node(self, resources: dict[str, float]) -> str:
-        """Start a node with 2 CPUs and `resources`; returns its node id (`self.processes[id]` is its
-        `ray start` process, the leader of the node's process group)."""
+    def add_worker_node(self, resources: dict[str, float], host: Host | None = None) -> str:
+        """Start a node with 2 CPUs and `resources` (on `host`); returns its node id
+        (`self.processes[id]` is its `ray start` process, the leader of the node's process group)."""
         before = set(self.node_ids())
         # No settling time: the wait for the node to register below also notices a failed start.
         process = self._start(
-            f"--address={self.address}", "--num-cpus=2", f"--resources={json.dumps(resources)}", settle_s=0
+            f"--address={self.address}",
+            "--num-cpus=2",
+            f"--resources={json.dumps(resources)}",
+            *self._temp_dir_args(host),
+            settle_s=0,
+            host=host,
         )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -61,6 +78,8 @@ class LoopbackCluster:
             if new:
                 node = new.pop()
                 self.processes[node] = process
+                if host is not None:
+                    self.hosts[node] = host
                 return node
             time.sleep(1)
         raise AssertionError("the new node never registered with the head")
@@ -70,10 +89,7 @@ class LoopbackCluster:
             f"import json, ray; ray.init(address='{self.address}', logging_level='ERROR'); "
             "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))"
         )
-        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=self.env, timeout=120)
-        assert out.returncode == 0, out.stderr[-3000:]
-        # The list is the script's own last line; Ray may print a line of its own after it.
-        return json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("[")))
+        return self._python_list(script)
 
     def actor_classes(self) -> set[str]:
         """Class names of every actor the cluster has run, finished ones included."""
@@ -83,9 +99,7 @@ class LoopbackCluster:
             f"ray.init(address='{self.address}', logging_level='ERROR'); "
             "print(json.dumps(sorted({a['ActorClassName'] for a in actors().values()})))"
         )
-        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=self.env, timeout=120)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return set(json.loads(out.stdout.strip().splitlines()[-1]))
+        return set(self._python_list(script))
 
     def nodes_in_use(self, resource: str) -> list[str]:
         """Ids of the nodes where some of `resource` is taken (by the run's workers)."""
@@ -95,22 +109,35 @@ class LoopbackCluster:
             f"total = {{n['NodeID']: n['Resources'].get('{resource}', 0) for n in ray.nodes() if n['Alive']}}; "
             f"print(json.dumps([n for n, t in total.items() if t and free().get(n, {{}}).get('{resource}', 0) < t]))"
         )
-        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=self.env, timeout=120)
+        return self._python_list(script)
+
+    def on_head(self, argv: list[str]) -> list[str]:
+        """`argv` as run on the head's host (a driver runs there: Ray drivers join the cluster
+        through a node of their own machine)."""
+        return self.head.command(argv) if self.head else argv
+
+    def _python_list(self, script: str) -> list:
+        """The JSON list `script` prints last, run on the head's host."""
+        out = subprocess.run(
+            self.on_head([sys.executable, "-c", script]), capture_output=True, text=True, env=self.env, timeout=120
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         # The list is the script's own last line; Ray may print a line of its own after it.
         return json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("[")))
 
     def drain(self, node_id: str, deadline_s: int) -> None:
         out = subprocess.run(
-            [
-                str(BIN / "ray"),
-                "drain-node",
-                f"--address={self.address}",
-                f"--node-id={node_id}",
-                "--reason=DRAIN_NODE_REASON_PREEMPTION",
-                "--reason-message=spot instance reclaimed (test)",
-                f"--deadline-remaining-seconds={deadline_s}",
-            ],
+            self.on_head(
+                [
+                    str(BIN / "ray"),
+                    "drain-node",
+                    f"--address={self.address}",
+                    f"--node-id={node_id}",
+                    "--reason=DRAIN_NODE_REASON_PREEMPTION",
+                    "--reason-message=spot instance reclaimed (test)",
+                    f"--deadline-remaining-seconds={deadline_s}",
+                ]
+            ),
             capture_output=True,
             text=True,
             env=self.env,
@@ -119,25 +146,41 @@ class LoopbackCluster:
         assert out.returncode == 0, f"ray drain-node failed: {out.stderr[-3000:]}"
 
     def kill_node(self, node_id: str) -> None:
-        """SIGKILL every process of a worker node at once (a machine lost)."""
+        """SIGKILL every process of a worker node at once (a machine lost): on a host, every
+        process of the host."""
         process = self.processes[node_id]
-        os.killpg(process.pid, signal.SIGKILL)
+        host = self.hosts.get(node_id)
+        for pid in host.pids() if host else []:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=60)
 
-    def _start(self, *args: str, settle_s: float = 3) -> subprocess.Popen:
+    def _temp_dir_args(self, host: Host | None) -> list[str]:
+        """A host's node keeps its files in a temp dir of its own (as on a machine of its own);
+        on 127.0.0.1 the nodes share the head's."""
+        if host is None:
+            return [f"--temp-dir={self.temp_dir}"] if self.head is None and not self.nodes else []
+        own = Path(self.temp_dir) / host.address.rsplit(".", 1)[-1]
+        own.mkdir(exist_ok=True)
+        return [f"--temp-dir={own}"]
+
+    def _start(self, *args: str, settle_s: float = 3, host: Host | None = None) -> subprocess.Popen:
+        argv = [
+            str(BIN / "ray"),
+            "start",
+            "--block",
+            f"--node-ip-address={host.address if host else '127.0.0.1'}",
+            "--disable-usage-stats",
+            "--object-store-memory=150000000",
+            # Not Ray's fixed default port (52365): that belongs to whichever Ray instance on the
+            # machine binds it first, and test_submit's head needs its own for the Jobs API.
+            "--dashboard-agent-listen-port=0",
+            *args,
+        ]
         node = subprocess.Popen(
-            [
-                str(BIN / "ray"),
-                "start",
-                "--block",
-                "--node-ip-address=127.0.0.1",
-                "--disable-usage-stats",
-                "--object-store-memory=150000000",
-                # Not Ray's fixed default port (52365): that belongs to whichever Ray instance on the
-                # machine binds it first, and test_submit's head needs its own for the Jobs API.
-                "--dashboard-agent-listen-port=0",
-                *args,
-            ],
+            host.command(argv) if host else argv,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             env=self.env,
@@ -164,8 +207,9 @@ class LoopbackCluster:
 
 
 @contextmanager
-def loopback_cluster() -> Iterator[LoopbackCluster]:
-    cluster = LoopbackCluster()
+def ray_cluster(head: Host | None = None) -> Iterator[RayCluster]:
+    """A cluster with its head node started (on `head`, else on 127.0.0.1), stopped at the end."""
+    cluster = RayCluster(head)
     try:
         cluster.start_head()
         yield cluster

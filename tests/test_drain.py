@@ -20,7 +20,7 @@ from pretrain_helpers import (
     pretrain_args,
     running,
 )
-from ray_cluster import loopback_cluster
+from ray_cluster import ray_cluster
 
 from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 from vitray.runfolder.files import RunFiles
@@ -44,7 +44,7 @@ def test_a_drained_worker_node_is_left_at_a_checkpoint_and_the_run_ends_as_unint
 ):
     storage = tmp_path / "drained"
     run_dir = str(storage / REFERENCE_NAME)
-    with loopback_cluster() as cluster:
+    with ray_cluster() as cluster:
         for _ in range(2):  # room for the two workers on either node
             cluster.add_worker_node({"vitray_node": 2})
         args = pretrain_args(

@@ -1,14 +1,15 @@
-"""Pre-training on a Ray cluster of several nodes, started with `ray start` on 127.0.0.1
-(`tests/ray_cluster.py`), with the data and the run on S3 (SeaweedFS):
+"""Pre-training on a Ray cluster of several hosts, each with a network of its own
+(`tests/netns.py`: a network namespace and an address on a bridge), started with `ray start` as on
+machines of their own (`tests/ray_cluster.py`): a head host (where the driver runs), two worker
+hosts and an object-store host with SeaweedFS, where the data and the run live:
 
-- the two workers land on different nodes (each node has room for one);
-- one node is killed with SIGKILL mid-run (its raylet and worker at once: a machine lost), a
-  replacement node joins, and the run finishes by itself (`cluster.max_failures`) from its latest
-  complete checkpoint, with the weights of an uninterrupted run;
+- the two workers land on different hosts (each has room for one);
+- one worker host is killed whole with SIGKILL mid-run (its raylet and worker at once: a machine
+  lost), a replacement host joins, and the run finishes by itself (`cluster.max_failures`) from its
+  latest complete checkpoint, with the weights of an uninterrupted run;
 - local paths on such a cluster are refused at once, naming them and what to use instead.
 
-Both tests share one cluster (a head and two worker nodes, started once for the module instead of
-once a test) and one S3 endpoint, which the nodes' environment names, so it must exist first.
+The tests share one network and cluster (started once for the module instead of once a test).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import S3Endpoint, seaweed_bucket
+from netns import Network, available, network
 from pretrain_helpers import (
     REFERENCE,
     REFERENCE_NAME,
@@ -27,15 +29,16 @@ from pretrain_helpers import (
     pretrain_args,
     running,
 )
-from ray_cluster import LoopbackCluster, loopback_cluster
+from ray_cluster import RayCluster, ray_cluster
 from safetensors.torch import load
+from seaweed import SeaweedS3
 
 from vitray import storage
 from vitray.data import prepare_dataset
 from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 from vitray.runfolder.files import RunFiles
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(available() is not None, reason=f"{available()}")]
 
 STEPS, EVERY = REFERENCE_STEPS, 10
 # Half a second a step: the node is killed once a checkpoint shows on S3, and the
@@ -64,23 +67,34 @@ def _wait(driver: subprocess.Popen, condition, what: str, timeout: float = 400) 
 
 
 @pytest.fixture(scope="module")
-def s3(seaweed_store) -> Iterator[S3Endpoint]:
-    """conftest's `seaweed_s3`, for the whole module: the cluster's nodes (and so the run's
-    workers) take the S3 endpoint and credentials from the environment they are started in."""
-    with (
-        pytest.MonkeyPatch.context() as env,
-        seaweed_bucket(env, seaweed_store, "vitray-test-multinode", AWS_EC2_METADATA_DISABLED="true") as endpoint,
-    ):
-        yield endpoint
+def net() -> Iterator[Network]:
+    with network() as net:
+        yield net
 
 
 @pytest.fixture(scope="module")
-def cluster(s3) -> Iterator[LoopbackCluster]:
-    """A head node and two worker nodes with room for one worker each (`vitray_node: 1`), shared by
+def s3(net, tmp_path_factory) -> Iterator[S3Endpoint]:
+    """A SeaweedFS store on a host of its own, for the whole module: the cluster's nodes (and so the
+    run's workers) take its endpoint and credentials from the environment they are started in."""
+    store = SeaweedS3(tmp_path_factory.mktemp("store"), host=net.add_host("s3"))
+    try:
+        store.start()
+        with (
+            pytest.MonkeyPatch.context() as env,
+            seaweed_bucket(env, store, "vitray-test-multinode", AWS_EC2_METADATA_DISABLED="true") as endpoint,
+        ):
+            yield endpoint
+    finally:
+        store.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(net, s3) -> Iterator[RayCluster]:
+    """A head host and two worker hosts with room for one worker each (`vitray_node: 1`), shared by
     the module's tests; the kill test kills one of the two and adds a replacement."""
-    with loopback_cluster() as cluster:
-        for _ in range(2):
-            cluster.add_worker_node({"vitray_node": 1})
+    with ray_cluster(net.add_host("head")) as cluster:
+        for number in (1, 2):
+            cluster.add_worker_node({"vitray_node": 1}, host=net.add_host(f"w{number}"))
         yield cluster
 
 
@@ -96,7 +110,7 @@ def test_local_paths_on_a_multi_node_cluster_are_refused(cluster, digits_dataset
     args = pretrain_args(
         str(digits_dataset), str(tmp_path), "local", *ONE_PER_NODE, f"cluster.address={cluster.address}"
     )
-    out = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(cluster.on_head(args), capture_output=True, text=True, timeout=300)
     text = " ".join(out.stderr.split())
     assert out.returncode == 2, text[-3000:]
     expected = (
@@ -107,7 +121,7 @@ def test_local_paths_on_a_multi_node_cluster_are_refused(cluster, digits_dataset
     assert latest_complete_checkpoint(str(tmp_path / "local")) is None
 
 
-def test_a_node_killed_mid_run_is_replaced_and_the_run_ends_as_uninterrupted(cluster, s3, reference_run):
+def test_a_node_killed_mid_run_is_replaced_and_the_run_ends_as_uninterrupted(cluster, net, s3, reference_run):
     data, runs = s3.url("datasets", "digits"), s3.url("runs")
     prepare_dataset("builtin:digits", data, samples_per_shard=100)
     run_dir = f"{runs}/{REFERENCE_NAME}"
@@ -121,13 +135,13 @@ def test_a_node_killed_mid_run_is_replaced_and_the_run_ends_as_uninterrupted(clu
         "cluster.max_failures=2",
         f"cluster.address={cluster.address}",
     )
-    with running(args) as driver:
+    with running(cluster.on_head(args)) as driver:
         _wait(driver, lambda: _logged_step(run_dir) >= 2, "step 2 logged")
         assert sorted(cluster.nodes_in_use("vitray_node")) == sorted([first, second])  # one worker per node
         _wait(driver, lambda: (_latest_step(run_dir) or 0) >= EVERY, f"a checkpoint at step {EVERY}")
         cluster.kill_node(second)
         assert driver.poll() is None and _latest_step(run_dir) < STEPS, "killed too late"
-        cluster.add_worker_node({"vitray_node": 1})  # the replacement an autoscaler would bring
+        cluster.add_worker_node({"vitray_node": 1}, host=net.add_host("w3"))  # what an autoscaler would bring
         stdout, stderr = driver.communicate(timeout=600)
     assert driver.returncode == 0, f"the run failed:\n{stdout[-2000:]}\n{stderr[-5000:]}"
 

@@ -81,3 +81,19 @@ def test_a_run_on_a_cluster_that_does_not_answer_writes_nothing(digits_dataset, 
     assert out.returncode == 2, out.stderr
     assert f"error: no Ray cluster answers at {address}" in out.stderr
     assert not (tmp_path / "runs").exists(), sorted(p.name for p in (tmp_path / "runs").rglob("*"))
+
+
+def test_gloo_is_bound_to_the_interface_of_the_nodes_ray_address(monkeypatch):
+    """Where the hostname resolves to a loopback address, gloo would listen on 127.0.0.1 and ranks
+    on other machines could not connect (`tests/test_multinode.py` runs them on hosts of their own)."""
+    from vitray.cluster.process_group import bind_gloo_to_node_address, interface_holding
+
+    assert interface_holding("127.0.0.1") == "lo"
+    assert interface_holding("198.51.100.77") is None  # an address this machine does not have
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    bind_gloo_to_node_address()
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")  # the user's choice stays
+    bind_gloo_to_node_address()
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
