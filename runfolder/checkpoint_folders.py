@@ -2,15 +2,19 @@
 when one counts, which one a run resumes from, and opening one.
 
 Layout of a checkpoint folder:
-  deepspeed/state/...        each rank's DeepSpeed shards (model, optimizer, schedule)
-  model.safetensors          consolidated fp32 weights (rank 0) -- what `vitray export` reads
+  deepspeed/state/...        each rank's DeepSpeed shards (optimizer with the fp32 master weights,
+                             schedule; the module states hold no weight the master copy gives)
+  model.safetensors          consolidated fp32 weights (rank 0), at the checkpoints that
+                             `checkpoint.model_weights` asks for -- what evaluation and export read
   ema.safetensors            the EMA weights, when enabled (rank 0)
   trainer_state.json         step, data-loader position, world size, resolved config (rank 0)
-  complete-rank-NNNN.json    written by each rank LAST, listing its files and sizes
+  complete-rank-NNNN.json    written by each rank LAST, listing its files with their sizes and
+                             CRC-32C (checkpoints written before: sizes only)
 
 A checkpoint counts only when every rank's completion record is there and every file it lists
 has the recorded size, so a half-written or half-uploaded checkpoint is never loaded. The ranks
-write it (`vitray.trainers.checkpoint.rank_files`); everything here only reads.
+write it straight into the run folder, durably, the record last
+(`vitray.trainers.checkpoint.rank_files`); everything here only reads.
 
 Finding and opening checkpoints (local or s3://), the one way every command does it:
 :func:`find_checkpoints` (a run's checkpoint folders, oldest first, each checked),
@@ -56,6 +60,17 @@ def completion_record(rank: int) -> str:
     return _COMPLETE.format(rank=rank)
 
 
+def listed_size(entry: Any) -> int:
+    """The size a completion record lists for a file (an entry is {"size", "crc32c"}, or the bare
+    size in checkpoints written before CRCs were listed)."""
+    return int(entry["size"]) if isinstance(entry, dict) else int(entry)
+
+
+def listed_crc32c(entry: Any) -> int | None:
+    """The CRC-32C a completion record lists for a file, or None (an older record: sizes only)."""
+    return int(entry["crc32c"], 16) if isinstance(entry, dict) and "crc32c" in entry else None
+
+
 def read_state(folder: str | Path, fs=None) -> dict[str, Any]:
     fs = fs or fsspec.filesystem("file")
     with fs.open(f"{folder}/{STATE_FILE}", "r") as f:
@@ -83,8 +98,8 @@ def verify_complete(folder: str | Path, fs=None) -> dict[str, Any]:
     contents = fs.cat(records) if records else {}
     for record in records:
         listing = json.loads(contents[record])
-        for name, size in listing.items():
-            if sizes.get(f"{prefix}/{name}") != size:
+        for name, entry in listing.items():
+            if sizes.get(f"{prefix}/{name}") != listed_size(entry):
                 raise IncompleteCheckpointError(folder, f"{name} is missing or truncated")
     return state
 
