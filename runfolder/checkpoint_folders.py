@@ -37,6 +37,7 @@ from typing import Any
 import fsspec
 
 from vitray import storage
+from vitray.runfolder import derived_weights
 
 STATE_FILE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
@@ -112,18 +113,44 @@ def load_model(folder: str, fs=None, *, ema: bool = True, state: dict[str, Any] 
 
     With ``ema`` (the default) a run trained with ``optim.ema_decay`` gives its EMA weights -- the
     averaged weights are the model, as the paper reports its Polyak-averaged models; ``ema=False``
-    (or a run without EMA) gives the raw weights."""
+    (or a run without EMA) gives the raw weights. A checkpoint written without the consolidated
+    weights (`checkpoint.model_weights`) has them derived from its shards (``"weights_file"`` then
+    names the shards)."""
     from safetensors.torch import load
 
     from vitray.models import ModelConfig, create_model_from_config
 
     fs = fs or fsspec.filesystem("file")
+    folder = str(folder).rstrip("/")
     state = state if state is not None else verify_complete(folder, fs)
     model = create_model_from_config(ModelConfig.model_validate(state["model"]), int(state["num_classes"]))
-    name = EMA_FILE if ema and fs.isfile(f"{str(folder).rstrip('/')}/{EMA_FILE}") else MODEL_FILE
-    with fs.open(f"{str(folder).rstrip('/')}/{name}", "rb") as f:
+    name = EMA_FILE if ema and fs.isfile(f"{folder}/{EMA_FILE}") else MODEL_FILE
+    if name == MODEL_FILE and not fs.isfile(f"{folder}/{MODEL_FILE}"):
+        model.load_state_dict(model_weights(folder, fs, state), strict=True)
+        return model, {**state, "weights_file": derived_weights.SHARDS}
+    with fs.open(f"{folder}/{name}", "rb") as f:
         model.load_state_dict(load(f.read()), strict=True)
     return model, {**state, "weights_file": name}
+
+
+def model_weights(folder: str, fs, state: dict[str, Any]) -> dict[str, Any]:
+    """The consolidated fp32 weights of a complete checkpoint: its `model.safetensors`, or, for one
+    written without them, derived from its shards (the fp32 master copy the optimizer keeps)."""
+    from safetensors.torch import load
+
+    folder = str(folder).rstrip("/")
+    if fs.isfile(f"{folder}/{MODEL_FILE}"):
+        with fs.open(f"{folder}/{MODEL_FILE}", "rb") as f:
+            return load(f.read())
+    prefix = fs._strip_protocol(folder).rstrip("/")
+    names = {info.rstrip("/")[len(prefix) + 1 :] for info in fs.find(folder)}
+    if not derived_weights.derivable(state, names):
+        raise IncompleteCheckpointError(
+            folder,
+            f"it holds no {MODEL_FILE} (checkpoint.model_weights) and its weights cannot be derived from its "
+            f"{state.get('backend', 'deepspeed')} shards here: use a checkpoint written with them (the run's last one)",
+        )
+    return derived_weights.derive(folder, fs, state)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -282,3 +282,68 @@ def test_a_writer_killed_mid_checkpoint_leaves_nothing_a_resume_takes(tmp_path, 
         assert len(folders) == 1 or [c.path for c in skipped] == folders[1:]
     restored = rank_files.rank_copy(chosen.path, None, tmp_path / "restore", 0)
     assert restored[1]["step"] == chosen.step
+
+
+@pytest.fixture
+def one_rank_group(monkeypatch):
+    import socket
+
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _deepspeed_backend(stage: int):
+    from vitray.common.config import load_config
+    from vitray.models import create_model_from_config
+    from vitray.trainers.config import TrainingConfig
+    from vitray.trainers.engines.deepspeed.backend import DeepSpeedBackend
+
+    settings = ["data.train=/unused", "model.name=Ti/16", "model.img_size=32", f"train.zero_stage={stage}"]
+    settings += ["precision.dtype=bf16", "train.batch_size=2", "train.micro_batch_size=2", "cluster.num_workers=1"]
+    cfg = load_config(TrainingConfig, None, settings)
+    torch.manual_seed(0)
+    backend = DeepSpeedBackend(cfg, create_model_from_config(cfg.model, 10), 1, None)
+    return cfg, backend
+
+
+def test_a_zero1_checkpoint_keeps_12_bytes_a_parameter_resumes_exactly_and_gives_its_weights(tmp_path, one_rank_group):
+    """AdamW under ZeRO-1, bf16: the master weights and two moments (12 bytes a parameter) and no
+    more -- no bf16 module copy, no model.safetensors (checkpoint.model_weights=last, not the last
+    step); a resume rounds the master copy to the very weights trained, and evaluation's loader
+    derives the fp32 weights from the shards."""
+    from vitray.runfolder.checkpoint_folders import load_model
+
+    cfg, backend = _deepspeed_backend(stage=1)
+    for _ in range(2):
+        backend.backward_step(backend(torch.randn(2, 3, 32, 32, dtype=backend.dtype)).float().square().mean())
+    record = {"num_classes": 10, "model": cfg.model.model_dump(), "config": cfg.settings()}
+    reports = []
+    saver = checkpointer(backend, reports, FakeLoader(), None, every=2, last_step=4, run_dir=tmp_path)
+    saver.record.update(record)
+    saver.save(2, {})
+    saver.finish(wait=True)
+    folder = Path(reports[0][1])
+    params = sum(p.numel() for p in backend.module.parameters())
+    written = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    assert not (folder / ckpt.MODEL_FILE).exists()
+    assert written / params <= 12.5, f"{written / params:.2f} bytes a parameter"
+
+    whole = backend.full_state_dict()
+    model, state = load_model(str(folder))
+    assert state["weights_file"] == "deepspeed/state"
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in whole.items())
+
+    trained = {k: v.clone() for k, v in backend.module.state_dict().items()}
+    _, fresh = _deepspeed_backend(stage=1)
+    local, state = rank_files.rank_copy(str(folder), None, tmp_path / "restore", 0)
+    fresh.load(local, state)
+    assert all(torch.equal(fresh.module.state_dict()[k], v) for k, v in trained.items())
+    assert all(torch.equal(fresh.full_state_dict()[k], v) for k, v in whole.items())

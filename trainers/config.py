@@ -227,10 +227,11 @@ class CheckpointConfig(_Section):
     every: int = Field(1000, gt=0, description="Checkpoint every N steps (and at the end).")
     keep: int = Field(3, gt=0, description="Complete checkpoints kept; older ones are deleted.")
     model_weights: Literal["every", "last", "none"] = Field(
-        "every",
+        "last",
         description="Which checkpoints also hold the consolidated fp32 weights (model.safetensors, 4 bytes a "
-        "parameter) that evaluation and export read: every one, the run's last one only, or none. A resume "
-        "never reads them (the optimizer's fp32 master copy is the model).",
+        "parameter) that evaluation and export read: every one, the run's last one only, or none. Without "
+        "them evaluation and export derive the weights from the optimizer's shards (slower: they read 3x the "
+        "bytes); a resume never reads them. DeepSpeed ZeRO 1-2 only: other engines and stages always write them.",
     )
     staging_dir: StoragePath | None = Field(
         None,

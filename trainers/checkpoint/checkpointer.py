@@ -89,7 +89,7 @@ class Checkpointer:
         weights: dict[str, Stateful],
         record: dict[str, Any],
         run_dir: str,
-        model_weights: str = "every",
+        model_weights: str = "last",
     ):
         if model_weights not in MODEL_WEIGHTS_CHOICES:
             raise ValueError(f"checkpoint.model_weights must be one of {MODEL_WEIGHTS_CHOICES}, got {model_weights!r}")
@@ -138,6 +138,10 @@ class Checkpointer:
         self._in_flight = _InFlight(folder, step, metrics, writer, snapshot_s=time.perf_counter() - t0)
 
     def _with_model_weights(self, step: int) -> bool:
+        """Whether the checkpoint of `step` carries model.safetensors: as `model_weights` says, and
+        always where the backend's shards do not give the weights (evaluation reads them)."""
+        if not getattr(self.backend, "weights_in_shards", False):
+            return True
         return self.model_weights == "every" or (self.model_weights == "last" and step == self.last_step)
 
     def finish(self, wait: bool) -> None:

@@ -107,7 +107,8 @@ def write_file(folder: str, name: str, write: Callable[[IO[bytes]], None]) -> Wr
         buffer = io.BytesIO()
         counted = _Checksummed(buffer)
         write(counted)
-        data = buffer.getbuffer()
+        data = buffer.getvalue()  # bytes: what botocore sends as a body (a part is a slice of it)
+        del buffer
         fs, fs_path = storage.filesystem(storage.join(folder, name))
         storage.with_retries(
             lambda: fs.pipe_file(fs_path, data, chunksize=S3_PART_BYTES),

@@ -66,6 +66,10 @@ class TrainBackend(Protocol):
     # The forward pass is a collective (ZeRO-3 gathers weights in it; XLA over several hosts runs
     # one program): every rank must make the same forward calls, evaluations and probes included.
     collective_forward: bool
+    # Its checkpoint shards give the consolidated fp32 weights (`vitray.runfolder.derived_weights`
+    # derives them on demand): a checkpoint may then leave out model.safetensors
+    # (`checkpoint.model_weights`).
+    weights_in_shards: bool
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The training forward pass (through the engine's wrapper)."""

@@ -76,6 +76,7 @@ class XlaBackend:
     """:class:`vitray.trainers.engines.seam.TrainBackend` on torch-xla SPMD."""
 
     name = "xla"
+    weights_in_shards = False  # DCP shards: model.safetensors is always written
     spmd = True  # one program on all hosts: per-step randomness must not depend on the rank
 
     def __init__(
