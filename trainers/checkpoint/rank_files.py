@@ -29,6 +29,7 @@ import google_crc32c
 
 from vitray import storage
 from vitray.runfolder.checkpoint_folders import (
+    COMPLETION_PREFIX,
     EMA_FILE,
     MODEL_FILE,
     STATE_FILE,
@@ -46,6 +47,7 @@ __all__ = [
     "STATE_FILE",
     "Written",
     "checkpoint_name",
+    "files_under",
     "mark_complete",
     "node_restore_dir",
     "rank_copy",
@@ -159,10 +161,13 @@ def _fsync_folder(path: Path) -> None:
         os.close(fd)
 
 
-def mark_complete(folder: str, rank: int, written: list[Written]) -> None:
+def mark_complete(folder: str | Path, rank: int, written: list[Written] | list[Path]) -> None:
     """Record this rank's files (name -> size and CRC-32C), last: after every file it lists is
     whole and durable (`write_file`, `sync_folders`). Locally: a temporary file, fsynced, renamed
-    into place and its folder fsynced; on S3 one PUT (an object appears whole or not at all)."""
+    into place and its folder fsynced; on S3 one PUT (an object appears whole or not at all).
+    Files may also be given as local paths under `folder` (read for their size and CRC)."""
+    folder = str(folder)
+    written = [w if isinstance(w, Written) else _read_written(Path(folder), Path(w)) for w in written]
     listing = {w.name: {"size": w.size, "crc32c": f"{w.crc32c:08x}"} for w in written}
     data = json.dumps(listing, indent=1, sort_keys=True).encode()
     name = completion_record(rank)
@@ -173,6 +178,19 @@ def mark_complete(folder: str, rank: int, written: list[Written]) -> None:
     write_bytes(folder, f".{name}.tmp", data)
     os.replace(tmp, os.path.join(folder, name))
     _fsync_folder(Path(folder))
+
+
+def _read_written(folder: Path, path: Path) -> Written:
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CRC_SLICE):
+            crc = google_crc32c.extend(crc, chunk)
+    return Written(path.relative_to(folder).as_posix(), path.stat().st_size, crc)
+
+
+def files_under(folder: Path) -> list[Path]:
+    """The files of a local checkpoint folder but the completion records."""
+    return sorted(p for p in Path(folder).rglob("*") if p.is_file() and not p.name.startswith(COMPLETION_PREFIX))
 
 
 def rank_copy(path: str, select: FileSelector | None, node_dir: Path, rank: int) -> tuple[Path, dict[str, Any]]:

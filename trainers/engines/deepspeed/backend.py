@@ -340,9 +340,6 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
     def begin(self, scratch: Path, folder: str) -> None:
         self._queued, self._target = [], (scratch, folder)
 
-    def makedirs(self, path, exist_ok=False) -> None:
-        super().makedirs(path, exist_ok=exist_ok)  # in the scratch folder only; the files go to the target
-
     def save(self, state_dict, path: str) -> None:
         scratch, folder = self._target
         name = Path(path).relative_to(scratch).as_posix()
