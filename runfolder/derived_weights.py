@@ -51,7 +51,9 @@ def derivable(state: dict[str, Any], names: set[str]) -> bool:
     """Whether `derive` can make the weights of a checkpoint with this trainer state and files."""
     config = state.get("config") or {}
     stage = (config.get("train") or {}).get("zero_stage")
-    return state.get("backend", "deepspeed") == "deepspeed" and stage in (1, 2) and MODULE_STATES in names
+    # DeepSpeed's layout (its module states file), at a stage whose optimizer shards hold the whole
+    # fp32 master copy in flat partitions.
+    return stage in (1, 2) and MODULE_STATES in names
 
 
 def derive(folder: str, fs, state: dict[str, Any]) -> dict[str, torch.Tensor]:
