@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import ray.train
@@ -19,7 +18,6 @@ from ray.train import CheckpointUploadMode
 
 from vitray.cluster.drain import drain_watch
 from vitray.runfolder.checkpoint_folders import prune_checkpoints
-from vitray.trainers.checkpoint.checkpointer import remove_stale_staging
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
 
@@ -31,20 +29,24 @@ def train_worker(loop_config: dict[str, Any]) -> None:
     cfg = TrainingConfig.model_validate(loop_config["config"])
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
-    if context.get_local_rank() == 0:
-        _remove_stale_staging(cfg, loop_config["run_dir"])
     # checkpoint.keep: rank 0 deletes what newer complete checkpoints superseded, off the training
     # thread, one prune at a time (see `prune_checkpoints` for why not Ray's num_to_keep).
     pruner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitray-prune") if rank == 0 else None
 
-    def report(metrics: dict[str, Any], checkpoint_dir: Path) -> None:
+    def report(metrics: dict[str, Any], checkpoint_dir: str) -> None:
         # Only checkpoints go to Ray Train (see `vitray.trainers.context.Reporter`): every report is
         # a barrier across the ranks that Ray holds until its controller collects it (every 2 s).
-        # Uploads in the background; training goes on as soon as the local files are written.
+        # The ranks wrote the checkpoint straight into the run folder: Ray is handed it where it
+        # lies, on its own filesystem, and copies nothing.
+        name = checkpoint_dir.rstrip("/").rsplit("/", 1)[-1]
+        run_storage = ray.train.get_context().get_storage()
         ray.train.report(
             metrics,
-            checkpoint=ray.train.Checkpoint.from_directory(str(checkpoint_dir)),
-            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+            checkpoint=ray.train.Checkpoint(
+                path=f"{run_storage.experiment_fs_path}/{name}", filesystem=run_storage.storage_filesystem
+            ),
+            checkpoint_dir_name=name,
+            checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
         )
         if pruner is not None:
             pruner.submit(prune, loop_config["run_dir"], cfg.checkpoint.keep)
@@ -65,19 +67,6 @@ def train_worker(loop_config: dict[str, Any]) -> None:
     finally:
         if pruner is not None:
             pruner.shutdown(wait=True)
-
-
-def _remove_stale_staging(cfg: TrainingConfig, run_dir: str) -> None:
-    # Before the loop's first collective (the resume choice), which every rank waits for: no rank
-    # of this attempt has staged anything yet.
-    stale = remove_stale_staging(cfg.checkpoint.staging_dir, run_dir)
-    if stale:
-        print(
-            f"vitray: removed {len(stale)} staging folder(s) of this run left by an earlier attempt "
-            f"on this node ({stale[0].parent})",
-            file=sys.stderr,
-            flush=True,
-        )
 
 
 def prune(run_dir: str, keep: int) -> None:

@@ -226,10 +226,17 @@ class PrecisionConfig(_Section):
 class CheckpointConfig(_Section):
     every: int = Field(1000, gt=0, description="Checkpoint every N steps (and at the end).")
     keep: int = Field(3, gt=0, description="Complete checkpoints kept; older ones are deleted.")
+    model_weights: Literal["every", "last", "none"] = Field(
+        "last",
+        description="Which checkpoints also hold the consolidated fp32 weights (model.safetensors, 4 bytes a "
+        "parameter) that evaluation and export read: every one, the run's last one only, or none. Without "
+        "them evaluation and export derive the weights from the optimizer's shards (slower: they read 3x the "
+        "bytes); a resume never reads them. DeepSpeed ZeRO 1-2 only: other engines and stages always write them.",
+    )
     staging_dir: StoragePath | None = Field(
         None,
-        description="Local folder where each worker writes a checkpoint before it is uploaded; the "
-        "system's temporary folder when unset.",
+        description="Local folder for the copies of a remote checkpoint that a resume reads; the system's "
+        "temporary folder when unset. Checkpoints themselves are written straight into the run folder.",
     )
     preemption_check_every: int = Field(
         5, gt=0, description="Steps between checks for a pre-emption notice (one small broadcast each)."

@@ -141,8 +141,8 @@ class TrainingLoop:
             every=self.cfg.checkpoint.every,
             last_step=self.cfg.train.steps,
             report=self.ctx.report,
-            staging_dir=self.cfg.checkpoint.staging_dir,
             run_dir=self.ctx.run_dir,
+            model_weights=self.cfg.checkpoint.model_weights,
             states={"data": self.loader},
             weights={ckpt.EMA_FILE: self.ema} if self.ema is not None else {},
             record={
