@@ -17,7 +17,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME  # see _forget_ray_snapshot
 
 from vitray import storage
-from vitray.cluster.runtime import check_local_resources, ray_storage, run_dir
+from vitray.cluster.runtime import check_local_resources, check_ray_alive, ray_storage, run_dir
 from vitray.cluster.train_worker import train_worker
 from vitray.runfolder.checkpoint_folders import CheckpointInfo
 from vitray.trainers.config import TrainingConfig
@@ -84,7 +84,9 @@ def fit(cfg: TrainingConfig, resume: CheckpointInfo | None):
 
     `trainer.fit()` runs on a thread of its own. On the main thread Ray Train installs a SIGINT
     handler that aborts the workers without a checkpoint; here the driver's own handler
-    (`cluster/stop_signals.py`) keeps Ctrl-C, and treats it like a pre-emption notice."""
+    (`cluster/stop_signals.py`) keeps Ctrl-C, and treats it like a pre-emption notice. Ray's GCS or
+    raylet going away raises RayLost (`runtime.check_ray_alive`), so that the driver's attempt
+    record and lease are closed before Ray ends the process."""
     _forget_ray_snapshot(run_dir(cfg.run.storage, cfg.run.name))
     trainer = build_trainer(cfg, resume)
     outcome: dict[str, Any] = {}
@@ -99,6 +101,7 @@ def fit(cfg: TrainingConfig, resume: CheckpointInfo | None):
     thread.start()
     while thread.is_alive():
         thread.join(0.2)  # short waits: the main thread runs signal handlers in between
+        check_ray_alive(f"the run {cfg.run.name}")  # Ray would end this process in silence
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
