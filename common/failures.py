@@ -85,8 +85,8 @@ def describe_failure(error: BaseException | str) -> Failure:
         ranks = list(dict(getattr(error, "worker_failures", None) or {}).values())
         # A rank that met what a restart cannot fix says more than the others' collateral errors.
         for rank_error in sorted(ranks, key=lambda e: not restart_cannot_fix(e)):
-            # Ray Train wraps each worker's exception with its traceback text; the text ends with the cause.
-            return describe_failure(str(rank_error))
+            # The worker's exception, or Ray Train's wrapper holding its traceback text (which ends with the cause).
+            return describe_failure(rank_error if isinstance(rank_error, BaseException) else str(rank_error))
         cause = getattr(error, "controller_failure", None)
         if isinstance(cause, BaseException):
             return describe_failure(cause)
