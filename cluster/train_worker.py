@@ -21,16 +21,10 @@ from ray.train import CheckpointUploadMode
 from vitray.cluster.drain import drain_watch
 from vitray.common.config import ConfigError
 from vitray.common.failures import RestartCannotFix, describe_failure
-from vitray.data.batch import UnreadableData
-from vitray.data.reader import ShardMissing
 from vitray.runfolder.checkpoint_folders import prune_checkpoints
 from vitray.trainers.checkpoint.checkpointer import remove_stale_staging
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
-
-# Errors that a new worker group would meet again: data missing from storage or unreadable (a batch of
-# only damaged samples), a config value only the worker finds wrong (it validates the config again).
-NOT_FIXED_BY_A_RESTART = (ShardMissing, UnreadableData, ConfigError, ValidationError)
 
 
 def train_worker(loop_config: dict[str, Any]) -> None:
@@ -39,8 +33,20 @@ def train_worker(loop_config: dict[str, Any]) -> None:
     the driver's failure policy does not retry (`torch_trainer.build_trainer`)."""
     try:
         _train(loop_config)
-    except NOT_FIXED_BY_A_RESTART as error:
-        raise RestartCannotFix(describe_failure(error).one_line()) from error
+    except Exception as error:
+        if isinstance(error, _not_fixed_by_a_restart()):
+            raise RestartCannotFix(describe_failure(error).one_line()) from error
+        raise
+
+
+def _not_fixed_by_a_restart() -> tuple[type[BaseException], ...]:
+    """Errors that a new worker group would meet again: data missing from storage or unreadable (a
+    batch of only damaged samples), a config value only the worker finds wrong (it validates the
+    config again). Imported here: the driver imports this module, and the data side imports torch."""
+    from vitray.data.batch import UnreadableData
+    from vitray.data.reader import ShardMissing
+
+    return (ShardMissing, UnreadableData, ConfigError, ValidationError)
 
 
 def _train(loop_config: dict[str, Any]) -> None:
