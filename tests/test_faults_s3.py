@@ -15,7 +15,16 @@ import time
 
 import pytest
 import torch
-from pretrain_helpers import HELD, assert_same_weights, final_weights, pretrain_args, run, running
+from pretrain_helpers import (
+    HELD,
+    REFERENCE,
+    REFERENCE_NAME,
+    REFERENCE_STEPS,
+    assert_same_weights,
+    pretrain_args,
+    run,
+    running,
+)
 from s3_proxy import FlakyS3Proxy
 from safetensors.torch import load
 
@@ -75,21 +84,20 @@ def test_shards_run_files_and_results_come_through_a_flaky_store_unchanged(flaky
 
 
 @pytest.mark.slow
-def test_a_pretraining_run_on_a_flaky_store_ends_with_the_clean_runs_weights(flaky_s3, digits_dataset, tmp_path):
+def test_a_pretraining_run_on_a_flaky_store_ends_with_the_clean_runs_weights(flaky_s3, reference_run):
+    """The run of `reference_run` (on local disk, shared with the other fault tests) again, with its
+    data and checkpoints on the flaky store: the same weights."""
     store, proxy = flaky_s3
-    steps = ("train.steps=12", "checkpoint.every=4", "log.every=2", "data.min_crop_area=1.0")
-    run(pretrain_args(str(digits_dataset), str(tmp_path / "local"), "flaky", *steps))
-
     data = store.url("datasets", "digits")
     prepare_dataset("builtin:digits", data, samples_per_shard=100)
     before = sum(proxy.injected.values())
-    run(pretrain_args(data, store.url("runs"), "flaky", *steps), timeout=600)
+    run(pretrain_args(data, store.url("runs"), REFERENCE_NAME, *REFERENCE, "checkpoint.every=10"), timeout=600)
     assert sum(proxy.injected.values()) > before + 5, f"too few faults met the run: {proxy.injected}"
     assert _faults(proxy, "upload") > 0 and _faults(proxy, "get-object") > 0, proxy.injected
-    latest = latest_complete_checkpoint(store.url("runs", "flaky"))
-    assert latest is not None and latest.step == 12
+    latest = latest_complete_checkpoint(store.url("runs", REFERENCE_NAME))
+    assert latest is not None and latest.step == REFERENCE_STEPS
     remote_weights = load(storage.read_bytes(f"{latest.path}/model.safetensors"))
-    assert_same_weights(remote_weights, final_weights(str(tmp_path / "local" / "flaky")))
+    assert_same_weights(remote_weights, reference_run["weights"])
 
 
 def test_a_shard_whose_every_read_is_cut_short_fails_naming_the_shard(seaweed_s3, monkeypatch):
@@ -185,3 +193,48 @@ def test_a_storage_outage_mid_run_is_ridden_out_without_a_worker_group_restart(s
     assert "retrying for up to 300 s (run.storage_outage_s)" in said, said[-3000:]
     assert said.count("vitray: storage reachable again after") == 1, said[-3000:]
     assert latest is not None and latest.step == 30
+
+
+def test_ride_out_waits_for_a_store_that_went_away_and_says_so_once(seaweed_s3, monkeypatch, capsys):
+    """`storage.ride_out` against the store behind a proxy that is cut: two threads wait for it,
+    the console gets one line as the outage starts and one as it ends; with a shorter time than the
+    outage, the call fails naming the setting."""
+    import threading
+
+    import s3fs
+
+    path = seaweed_s3.url("runs", "r", "vitray", "stop.json")
+    storage.write_bytes_atomic(path, b"{}")
+    proxy = FlakyS3Proxy(seaweed_s3.endpoint_url, rate=0.0).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setattr(storage.retries, "OUTAGE_MAX_DELAY_S", 0.5)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        storage.read_bytes(path)  # connections open before the cut
+        proxy.cut()
+        with pytest.raises(OSError, match=r"storage unreachable for 1 s, run.storage_outage_s"):
+            storage.ride_out(lambda: storage.read_bytes(path), what="reading the stop file", within_s=1)
+        read: list[bytes] = []
+        riders = [
+            threading.Thread(
+                target=lambda: read.append(storage.ride_out(lambda: storage.read_bytes(path), what="reading"))
+            )
+            for _ in range(2)
+        ]
+        for rider in riders:
+            rider.start()
+        time.sleep(4)
+        assert not read, "read from a store that was cut"
+        proxy.restore()
+        for rider in riders:
+            rider.join(60)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        proxy.stop()
+    assert read == [b"{}", b"{}"]
+    said = capsys.readouterr().err
+    # The failed call's outage, then the one both threads rode out: one start and one end line each.
+    assert said.count("vitray: storage unreachable (reading") == 2, said
+    assert said.count("retrying for up to 1 s (run.storage_outage_s)") == 1, said
+    assert said.count("retrying for up to 300 s (run.storage_outage_s)") == 1, said
+    assert said.count("vitray: storage reachable again after") == 1, said
