@@ -223,7 +223,7 @@ def test_ride_out_waits_for_a_store_that_went_away_and_says_so_once(seaweed_s3, 
         ]
         for rider in riders:
             rider.start()
-        time.sleep(4)
+        time.sleep(12)  # longer than botocore's and s3fs's own retries of one call (~7 s), which ride_out sees fail
         assert not read, "read from a store that was cut"
         proxy.restore()
         for rider in riders:
