@@ -163,7 +163,8 @@ def ride_out(fn: Callable[[], T], *, what: str, within_s: float = OUTAGE_S) -> T
                     error, f"{what} (storage unreachable for {within_s:g} s, {OUTAGE_SETTING})", attempt
                 ) from error
             delay = min(OUTAGE_MAX_DELAY_S, backoff_delay(attempt), max(0.0, deadline - now))
-            log.warning("%s failed (%s); riding out, retry %d in %.1fs", what, error, attempt, delay)
+            # debug, not warning: with no logging set up a warning reaches the console, at every retry
+            log.debug("%s failed (%s); riding out, retry %d in %.1fs", what, error, attempt, delay)
             time.sleep(delay)
             continue
         finally:

@@ -192,6 +192,7 @@ def test_a_storage_outage_mid_run_is_ridden_out_without_a_worker_group_restart(s
     assert said.count("vitray: storage unreachable (") == 1, said[-3000:]
     assert "retrying for up to 300 s (run.storage_outage_s)" in said, said[-3000:]
     assert said.count("vitray: storage reachable again after") == 1, said[-3000:]
+    assert "riding out" not in said and "Traceback" not in said, said[-3000:]  # no line per retry
     assert latest is not None and latest.step == 30
 
 
