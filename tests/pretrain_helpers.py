@@ -133,14 +133,15 @@ def run_until_checkpoint(cmd: list[str], run_dir: str, min_step: int, timeout: f
         _stop_leftover_ray(proc.pid)
 
 
-def kill_ray_head(pid: int) -> int:
-    """SIGKILL the GCS server of the embedded Ray that the command `pid` started (one of its own
-    descendants, by its pid: never another Ray on the machine); returns that pid."""
+def kill_ray_head(pid: int, process: str = "gcs_server") -> int:
+    """SIGKILL a process of the embedded Ray head that the command `pid` started -- its GCS server,
+    or its `raylet` -- found among the command's own descendants and killed by its pid (never
+    another Ray on the machine); returns that pid."""
     import psutil
 
-    (gcs,) = [p for p in psutil.Process(pid).children(recursive=True) if p.name() == "gcs_server"]
-    gcs.kill()
-    return gcs.pid
+    (found,) = [p for p in psutil.Process(pid).children(recursive=True) if p.name() == process]
+    found.kill()
+    return found.pid
 
 
 def run_until_ray_dies(

@@ -127,10 +127,11 @@ def killed_and_rerun(pretrained, data_root, tmp_path_factory) -> dict:
         steps = _complete_finetune_steps(output / "finetune_runs")
         return any(ok_fewshot) and any(s < FINETUNE_STEPS for s in steps)
 
-    # Ray's head (the GCS of the grid's embedded Ray) killed by its pid under the grid: the driver
-    # says so and exits, its fine-tune run's attempt ended and lease released.
+    # Ray's head (the raylet of the grid's embedded Ray; tests/test_pretrain.py kills a GCS) killed by
+    # its pid under the grid: the driver says so and exits, its fine-tune runs' attempts ended and
+    # leases released.
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    _kill_when(proc, half_done, kill=lambda: kill_ray_head(proc.pid))
+    _kill_when(proc, half_done, kill=lambda: kill_ray_head(proc.pid, "raylet"))
     ray_gone = proc.stderr.read()
     runs_at_kill = {
         run.name: (RunFiles(str(run)).read_attempts(), (run / "vitray" / "lease.json").exists())
