@@ -239,3 +239,45 @@ def test_ride_out_waits_for_a_store_that_went_away_and_says_so_once(seaweed_s3, 
     assert said.count("retrying for up to 1 s (run.storage_outage_s)") == 1, said
     assert said.count("retrying for up to 300 s (run.storage_outage_s)") == 1, said
     assert said.count("vitray: storage reachable again after") == 1, said
+
+
+def test_the_stop_file_check_rides_out_a_store_that_went_away(seaweed_s3, process_group, monkeypatch, capsys):
+    """Rank 0's check for a stop notice while the run folder's store is cut: it waits for the store
+    (botocore's EndpointConnectionError is not the end of the worker) and then reads the notice."""
+    import threading
+
+    import s3fs
+
+    from vitray.trainers.preemption import PreemptionWatch
+
+    run_dir = seaweed_s3.url("runs", "r")
+    proxy = FlakyS3Proxy(seaweed_s3.endpoint_url, rate=0.0).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setattr(storage.retries, "OUTAGE_MAX_DELAY_S", 0.5)
+    s3fs.S3FileSystem.clear_instance_cache()
+    decided: list = []
+    try:
+        watch = PreemptionWatch(run_dir, rank=0, every=1, device=torch.device("cpu"))
+        assert watch.check(1) is None  # no notice: the store answers
+        proxy.cut()
+        checking = threading.Thread(target=lambda: decided.append(watch.check(2)))
+        checking.start()
+        time.sleep(12)  # past botocore's and s3fs's own retries
+        assert checking.is_alive() and not decided, decided
+        # The driver's notice, written meanwhile straight to the store (not through the cut proxy).
+        notice = {
+            "reason": "a test's notice",
+            "kind": "sigterm",
+            "requested": time.time(),
+            "deadline": time.time() + 60,
+        }
+        storage.write_bytes_atomic(watch.path, json.dumps(notice).encode(), seaweed_s3.storage_options)
+        proxy.restore()
+        checking.join(60)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        proxy.stop()
+    assert len(decided) == 1 and decided[0] is not None and decided[0].step == 2 and decided[0].save, decided
+    said = capsys.readouterr().err
+    assert said.count("vitray: storage unreachable (checking s3://") == 1, said
+    assert said.count("vitray: storage reachable again after") == 1, said
