@@ -14,16 +14,40 @@ from typing import Any
 
 import ray.train
 import ray.train.torch
+from pydantic import ValidationError
 from ray.train import CheckpointUploadMode
 
 from vitray.cluster.drain import drain_watch
+from vitray.common.config import ConfigError
+from vitray.common.failures import RestartCannotFix, describe_failure
 from vitray.runfolder.checkpoint_folders import prune_checkpoints
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
 
 
 def train_worker(loop_config: dict[str, Any]) -> None:
-    """Runs in every Ray Train worker; `loop_config` is what `torch_trainer.build_trainer` sends."""
+    """Runs in every Ray Train worker; `loop_config` is what `torch_trainer.build_trainer` sends.
+    An error that a restart cannot fix is raised as RestartCannotFix (its cause's one line), which
+    the driver's failure policy does not retry (`torch_trainer.build_trainer`)."""
+    try:
+        _train(loop_config)
+    except Exception as error:
+        if isinstance(error, _not_fixed_by_a_restart()):
+            raise RestartCannotFix(describe_failure(error).one_line()) from error
+        raise
+
+
+def _not_fixed_by_a_restart() -> tuple[type[BaseException], ...]:
+    """Errors that a new worker group would meet again: data missing from storage or unreadable (a
+    batch of only damaged samples), a config value only the worker finds wrong (it validates the
+    config again). Imported here: the driver imports this module, and the data side imports torch."""
+    from vitray.data.batch import UnreadableData
+    from vitray.data.reader import ShardMissing
+
+    return (ShardMissing, UnreadableData, ConfigError, ValidationError)
+
+
+def _train(loop_config: dict[str, Any]) -> None:
     from vitray.trainers.loop import TrainingLoop  # the worker's heavy imports, not the driver's
 
     cfg = TrainingConfig.model_validate(loop_config["config"])

@@ -55,6 +55,11 @@ _UNREADABLE = (EOFError, ValueError)  # damaged data (incl. _Damaged): determini
 MAX_MEMBER_BYTES = 1 << 30
 
 
+class ShardMissing(FileNotFoundError):
+    """A shard the manifest lists is not in the storage (deleted after `data prepare`, or after
+    the run's pre-flight listing): no retry or restart brings it back."""
+
+
 class UnsafeShardError(ValueError):
     """A shard whose content would escape its folder or exhaust memory if used; never skipped."""
 
@@ -167,7 +172,7 @@ class ShardCursor:
         try:
             storage.with_retries(open_tar, what=f"opening shard {self.url}")
         except FileNotFoundError:
-            raise FileNotFoundError(f"shard {self.url} is missing (listed in the manifest)") from None
+            raise ShardMissing(f"shard {self.url} is missing (listed in the manifest)") from None
 
     def close(self) -> None:
         if self._file is not None:

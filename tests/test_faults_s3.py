@@ -4,14 +4,27 @@ slow answer (`tests/s3_proxy.py`), on a seeded schedule.
 
 Everything vitray reads and writes on S3 must come through unchanged: prepared shards, the
 samples read back, a results table, small run files -- and a whole pre-training run with its
-data and checkpoints on S3 ends with the weights of a run on local disk.
+data and checkpoints on S3 ends with the weights of a run on local disk. A run whose store goes
+away for 40 s waits for it (`run.storage_outage_s`) instead of restarting its workers.
 """
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 import torch
-from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run
+from pretrain_helpers import (
+    HELD,
+    REFERENCE,
+    REFERENCE_NAME,
+    REFERENCE_STEPS,
+    assert_same_weights,
+    pretrain_args,
+    run,
+    running,
+)
 from s3_proxy import FlakyS3Proxy
 from safetensors.torch import load
 
@@ -71,21 +84,20 @@ def test_shards_run_files_and_results_come_through_a_flaky_store_unchanged(flaky
 
 
 @pytest.mark.slow
-def test_a_pretraining_run_on_a_flaky_store_ends_with_the_clean_runs_weights(flaky_s3, digits_dataset, tmp_path):
+def test_a_pretraining_run_on_a_flaky_store_ends_with_the_clean_runs_weights(flaky_s3, reference_run):
+    """The run of `reference_run` (on local disk, shared with the other fault tests) again, with its
+    data and checkpoints on the flaky store: the same weights."""
     store, proxy = flaky_s3
-    steps = ("train.steps=12", "checkpoint.every=4", "log.every=2", "data.min_crop_area=1.0")
-    run(pretrain_args(str(digits_dataset), str(tmp_path / "local"), "flaky", *steps))
-
     data = store.url("datasets", "digits")
     prepare_dataset("builtin:digits", data, samples_per_shard=100)
     before = sum(proxy.injected.values())
-    run(pretrain_args(data, store.url("runs"), "flaky", *steps), timeout=600)
+    run(pretrain_args(data, store.url("runs"), REFERENCE_NAME, *REFERENCE, "checkpoint.every=10"), timeout=600)
     assert sum(proxy.injected.values()) > before + 5, f"too few faults met the run: {proxy.injected}"
     assert _faults(proxy, "upload") > 0 and _faults(proxy, "get-object") > 0, proxy.injected
-    latest = latest_complete_checkpoint(store.url("runs", "flaky"))
-    assert latest is not None and latest.step == 12
+    latest = latest_complete_checkpoint(store.url("runs", REFERENCE_NAME))
+    assert latest is not None and latest.step == REFERENCE_STEPS
     remote_weights = load(storage.read_bytes(f"{latest.path}/model.safetensors"))
-    assert_same_weights(remote_weights, final_weights(str(tmp_path / "local" / "flaky")))
+    assert_same_weights(remote_weights, reference_run["weights"])
 
 
 def test_a_shard_whose_every_read_is_cut_short_fails_naming_the_shard(seaweed_s3, monkeypatch):
@@ -114,3 +126,158 @@ def test_a_shard_whose_every_read_is_cut_short_fails_naming_the_shard(seaweed_s3
         s3fs.S3FileSystem.clear_instance_cache()
         proxy.stop()
     assert proxy.injected[("reset", "get-object")] >= storage.retries.RETRY_ATTEMPTS, proxy.injected
+
+
+OUTAGE_S = 40  # longer than the storage layer's bounded retries (~35 s), as outages of object stores are
+
+
+def _logged_steps(store, run_dir: str) -> list[int]:
+    """The steps in the run's metrics file, read from the store itself (not through the proxy)."""
+    path = f"{run_dir}/vitray/metrics.jsonl"
+    if not storage.exists(path, store.storage_options):
+        return []
+    return [json.loads(line)["step"] for line in storage.read_bytes(path, store.storage_options).splitlines()]
+
+
+@pytest.mark.slow
+def test_a_storage_outage_mid_run_is_ridden_out_without_a_worker_group_restart(seaweed_s3, digits_dataset, monkeypatch):
+    """The run folder's store stops answering for 40 s while the run trains (connections refused:
+    botocore's EndpointConnectionError): rank 0's stop-file check, the metrics upload and the lease
+    heartbeat wait for it, the console says when the outage starts and ends, the workers that were
+    training before it are the ones that finish the run (no restart, although max_failures allows one)."""
+    import psutil
+    import s3fs
+
+    proxy = FlakyS3Proxy(seaweed_s3.endpoint_url, rate=0.0).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    s3fs.S3FileSystem.clear_instance_cache()
+    runs = seaweed_s3.url("runs")
+    run_dir = f"{runs}/outage"
+    args = pretrain_args(
+        str(digits_dataset),  # the data stays reachable: the outage is the run folder's
+        runs,
+        "outage",
+        "train.steps=30",
+        "checkpoint.every=30",
+        "checkpoint.preemption_check_every=1",
+        "cluster.max_failures=1",
+        HELD,
+    )
+    try:
+        with running(args) as proc:
+            deadline = time.monotonic() + 300
+            while not any(step >= 2 for step in _logged_steps(seaweed_s3, run_dir)):
+                assert proc.poll() is None, proc.communicate()[1][-3000:]
+                assert time.monotonic() < deadline, "the run logged no step in 300 s"
+                time.sleep(0.3)
+            workers = [
+                p
+                for p in psutil.Process(proc.pid).children(recursive=True)
+                if p.name().startswith("ray::RayTrainWorker")
+            ]
+            assert len(workers) == 2, [p.name() for p in workers]
+            proxy.cut()
+            time.sleep(OUTAGE_S)
+            restarted = [p.pid for p in workers if not p.is_running()]
+            proxy.restore()
+            stdout, stderr = proc.communicate(timeout=300)
+        latest = latest_complete_checkpoint(run_dir)  # through the proxy, still pointed at
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        proxy.stop()
+    said = " ".join((stdout + stderr).split())
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    assert not restarted, f"the workers {restarted} were replaced during the outage: {stderr[-4000:]}"
+    # The driver's console (the workers' lines go to their logs): one line as it starts, one as it ends.
+    assert said.count("vitray: storage unreachable (") == 1, said[-3000:]
+    assert "retrying for up to 300 s (run.storage_outage_s)" in said, said[-3000:]
+    assert said.count("vitray: storage reachable again after") == 1, said[-3000:]
+    assert "riding out" not in said and "Traceback" not in said, said[-3000:]  # no line per retry
+    assert latest is not None and latest.step == 30
+
+
+def test_ride_out_waits_for_a_store_that_went_away_and_says_so_once(seaweed_s3, monkeypatch, capsys):
+    """`storage.ride_out` against the store behind a proxy that is cut: two threads wait for it,
+    the console gets one line as the outage starts and one as it ends; with a shorter time than the
+    outage, the call fails naming the setting."""
+    import threading
+
+    import s3fs
+
+    path = seaweed_s3.url("runs", "r", "vitray", "stop.json")
+    storage.write_bytes_atomic(path, b"{}")
+    proxy = FlakyS3Proxy(seaweed_s3.endpoint_url, rate=0.0).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setattr(storage.retries, "OUTAGE_MAX_DELAY_S", 0.5)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        storage.read_bytes(path)  # connections open before the cut
+        proxy.cut()
+        with pytest.raises(OSError, match=r"storage unreachable for 1 s, run.storage_outage_s"):
+            storage.ride_out(lambda: storage.read_bytes(path), what="reading the stop file", within_s=1)
+        read: list[bytes] = []
+        riders = [
+            threading.Thread(
+                target=lambda: read.append(storage.ride_out(lambda: storage.read_bytes(path), what="reading"))
+            )
+            for _ in range(2)
+        ]
+        for rider in riders:
+            rider.start()
+        time.sleep(12)  # longer than botocore's and s3fs's own retries of one call (~7 s), which ride_out sees fail
+        assert not read, "read from a store that was cut"
+        proxy.restore()
+        for rider in riders:
+            rider.join(60)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        proxy.stop()
+    assert read == [b"{}", b"{}"]
+    said = capsys.readouterr().err
+    # The failed call's outage, then the one both threads rode out: one start and one end line each.
+    assert said.count("vitray: storage unreachable (reading") == 2, said
+    assert said.count("retrying for up to 1 s (run.storage_outage_s)") == 1, said
+    assert said.count("retrying for up to 300 s (run.storage_outage_s)") == 1, said
+    assert said.count("vitray: storage reachable again after") == 1, said
+
+
+def test_the_stop_file_check_rides_out_a_store_that_went_away(seaweed_s3, process_group, monkeypatch, capsys):
+    """Rank 0's check for a stop notice while the run folder's store is cut: it waits for the store
+    (botocore's EndpointConnectionError is not the end of the worker) and then reads the notice."""
+    import threading
+
+    import s3fs
+
+    from vitray.trainers.preemption import PreemptionWatch
+
+    run_dir = seaweed_s3.url("runs", "r")
+    proxy = FlakyS3Proxy(seaweed_s3.endpoint_url, rate=0.0).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setattr(storage.retries, "OUTAGE_MAX_DELAY_S", 0.5)
+    s3fs.S3FileSystem.clear_instance_cache()
+    decided: list = []
+    try:
+        watch = PreemptionWatch(run_dir, rank=0, every=1, device=torch.device("cpu"))
+        assert watch.check(1) is None  # no notice: the store answers
+        proxy.cut()
+        checking = threading.Thread(target=lambda: decided.append(watch.check(2)))
+        checking.start()
+        time.sleep(12)  # past botocore's and s3fs's own retries
+        assert checking.is_alive() and not decided, decided
+        # The driver's notice, written meanwhile straight to the store (not through the cut proxy).
+        notice = {
+            "reason": "a test's notice",
+            "kind": "sigterm",
+            "requested": time.time(),
+            "deadline": time.time() + 60,
+        }
+        storage.write_bytes_atomic(watch.path, json.dumps(notice).encode(), seaweed_s3.storage_options)
+        proxy.restore()
+        checking.join(60)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        proxy.stop()
+    assert len(decided) == 1 and decided[0] is not None and decided[0].step == 2 and decided[0].save, decided
+    said = capsys.readouterr().err
+    assert said.count("vitray: storage unreachable (checking s3://") == 1, said
+    assert said.count("vitray: storage reachable again after") == 1, said

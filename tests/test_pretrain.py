@@ -16,7 +16,7 @@ from pretrain_helpers import (
     final_weights,
     pretrain_args,
     run,
-    run_until_checkpoint,
+    run_until_ray_dies,
 )
 
 from vitray.runfolder.checkpoint_folders import (
@@ -26,6 +26,7 @@ from vitray.runfolder.checkpoint_folders import (
     verify_complete,
 )
 from vitray.runfolder.files import RunFiles
+from vitray.runfolder.lease import read_lease
 from vitray.trainers.keys import collect_keys
 
 pytestmark = pytest.mark.slow
@@ -70,7 +71,7 @@ def test_checkpoints_are_complete_and_kept(reference):
     assert state["step"] == STEPS and state["world_size"] == 2
 
 
-def test_stop_and_rerun_resumes_exactly(digits_dataset, reference, tmp_path):
+def test_ray_gone_under_a_run_is_said_and_the_rerun_resumes_exactly(digits_dataset, reference, tmp_path):
     storage = str(tmp_path / "runs")
     keys = tmp_path / "keys"
     args = pretrain_args(
@@ -85,9 +86,17 @@ def test_stop_and_rerun_resumes_exactly(digits_dataset, reference, tmp_path):
     )
     staging = tmp_path / "staging"
     args += ["--set", f"checkpoint.staging_dir={staging}"]
-    # Killed while it runs (held: a step a half second); the re-run does not wait.
-    stopped_at = run_until_checkpoint([*args, "--set", HELD], str(tmp_path / "runs" / "ref"), min_step=EVERY)
-    assert stopped_at < STEPS
+    # Ray's head killed under the run (held: a step a quarter second); the driver says so in one line
+    # and exits 1, its attempt recorded as failed and the lease released; the re-run does not wait.
+    run_dir = str(tmp_path / "runs" / "ref")
+    gone = run_until_ray_dies([*args, "--set", HELD], run_dir, min_step=EVERY)
+    said = " ".join(gone.stderr.split())
+    assert gone.returncode == 1, gone.stdout[-2000:] + gone.stderr[-4000:]
+    assert "error: Ray went away under the run ref: the Ray GCS at " in said and "start the same command again" in said
+    assert "Traceback" not in gone.stderr and "Failed to connect to GCS" not in gone.stderr
+    (attempt,) = RunFiles(run_dir).read_attempts()
+    assert attempt["status"] == "failed" and "RayLost" in attempt["error"]
+    assert read_lease(RunFiles(run_dir).lease_path) is None
     run(args)  # the same command again
     assert_same_weights(final_weights(str(tmp_path / "runs" / "ref")), reference["weights"])
     assert collect_keys(keys) == reference["keys"]

@@ -18,6 +18,7 @@ from vitray.data.plan import default_num_slots
 from vitray.models.config import ModelConfig
 from vitray.models.variants import get_variant
 from vitray.storage import absolute
+from vitray.storage.retries import OUTAGE_S
 from vitray.trainers.driver_checks.tpu_slices import tpu_slice
 from vitray.trainers.engines.registry import ENGINES
 from vitray.trainers.engines.seam import Engine
@@ -72,6 +73,14 @@ class RunConfig(_Section):
         gt=0,
         description="After SIGTERM to the driver: how long the workers have to write a checkpoint "
         "and stop before the driver exits without one.",
+    )
+    storage_outage_s: float = Field(
+        OUTAGE_S,
+        gt=0,
+        description="How long the storage calls a run makes while it trains (the stop-file check, the lease "
+        "heartbeat, the metrics and checkpoint uploads) wait for a store that does not answer (connection "
+        "refused, timeouts, 503 SlowDown) before the run fails; the console says once when an outage starts "
+        "and once when it ends. No worker-group restart is spent on an outage shorter than this.",
     )
 
     @field_validator("name")

@@ -76,6 +76,7 @@ class TrainingLoop:
             every=cfg.checkpoint.preemption_check_every,
             device=self.backend.device,
             drain_notice=ctx.drain_notice,
+            outage_s=cfg.run.storage_outage_s,
         )
         self.keys = None
         if cfg.debug.record_sample_keys:
@@ -94,7 +95,12 @@ class TrainingLoop:
         if self.rank == 0:
             local_metrics = Path(tempfile.mkdtemp(prefix="vitray-metrics-"))
             self.run_files.seed_local_metrics(local_metrics, self.step)
-            self.metrics = MetricsWriter(local_metrics, self.run_files, upload_every_s=cfg.log.upload_every_s)
+            self.metrics = MetricsWriter(
+                local_metrics,
+                self.run_files,
+                upload_every_s=cfg.log.upload_every_s,
+                outage_s=cfg.run.storage_outage_s,
+            )
             self.checkpointer.before_complete = self.metrics.flush
         self.trackers = None
         if self.rank == 0 and (cfg.log.mlflow or cfg.log.wandb):
