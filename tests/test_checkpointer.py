@@ -284,22 +284,6 @@ def test_a_writer_killed_mid_checkpoint_leaves_nothing_a_resume_takes(tmp_path, 
     assert restored[1]["step"] == chosen.step
 
 
-@pytest.fixture
-def one_rank_group(monkeypatch):
-    import socket
-
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
-        monkeypatch.setenv(name, value)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        torch.distributed.destroy_process_group()
-
-
 def _deepspeed_backend(stage: int):
     from vitray.common.config import load_config
     from vitray.models import create_model_from_config
@@ -314,8 +298,9 @@ def _deepspeed_backend(stage: int):
     return cfg, backend
 
 
-def test_a_zero1_checkpoint_keeps_12_bytes_a_parameter_resumes_exactly_and_gives_its_weights(tmp_path, one_rank_group):
-    """AdamW under ZeRO-1, bf16: the master weights and two moments (12 bytes a parameter) and no
+def test_a_zero1_checkpoint_keeps_12_bytes_a_parameter_resumes_exactly_and_gives_its_weights(tmp_path, process_group):
+    """(The session's one-rank group: DeepSpeed caches its groups, so a group of the test's own
+    would clash with other tests' in the same worker.) AdamW under ZeRO-1, bf16: the master weights and two moments (12 bytes a parameter) and no
     more -- no bf16 module copy, no model.safetensors (checkpoint.model_weights=last, not the last
     step); a resume rounds the master copy to the very weights trained, and evaluation's loader
     derives the fp32 weights from the shards."""
