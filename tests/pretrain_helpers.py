@@ -11,8 +11,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from safetensors.torch import load_file
-
 from vitray.runfolder.checkpoint_folders import find_checkpoints, latest_complete_checkpoint
 
 # A small, quick recipe: Ti/4 at 16 px on digits, 2 CPU workers, fp32, ZeRO-1.
@@ -186,9 +184,14 @@ def _stop_leftover_ray(session_id: int) -> None:
 
 
 def final_weights(run_dir: str) -> dict:
+    """The consolidated weights of the run's latest complete checkpoint: its model.safetensors, or
+    (a checkpoint before the run's last, checkpoint.model_weights=last) derived from its shards."""
+    from vitray import storage
+    from vitray.runfolder.checkpoint_folders import model_weights, read_state
+
     latest = latest_complete_checkpoint(run_dir)
     assert latest is not None, f"no complete checkpoint in {run_dir}: {find_checkpoints(run_dir)}"
-    return load_file(str(Path(latest.path) / "model.safetensors"))
+    return model_weights(latest.path, storage.filesystem(latest.path)[0], latest.state or read_state(latest.path))
 
 
 def assert_same_weights(a: dict, b: dict) -> None:
