@@ -71,7 +71,7 @@ def test_ctrl_c_during_a_ray_prepare_is_one_line_exit_130_and_no_dataset(tmp_pat
     dest = tmp_path / "digits"
     command = [sys.executable, "-m", "vitray.cli", "data", "prepare", "builtin:digits", str(dest)]
     proc = subprocess.Popen(
-        [*command, "--samples-per-shard", "5"], stderr=subprocess.PIPE, text=True, start_new_session=True
+        [*command, "--samples-per-shard", "1"], stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
         deadline = time.monotonic() + 120
