@@ -63,7 +63,7 @@ def derive(folder: str, fs, state: dict[str, Any]) -> dict[str, torch.Tensor]:
     shards = fs.ls(f"{folder}/{SHARDS}", detail=False)
     optim = []
     for rank in range(world):  # zero_pp_rank_R_... (bf16: bf16_zero_pp_rank_R_...)
-        [path] = [p for p in shards if re.search(rf"(^|_)zero_pp_rank_{rank}_mp_rank_00_optim_states\.pt$", p)]
+        [path] = [p for p in shards if re.search(rf"(^|[_/])zero_pp_rank_{rank}_mp_rank_00_optim_states\.pt$", p)]
         optim.append(_load(fs, path)["optimizer_state_dict"])
     buffers = set(module_states.get("buffer_names") or [])
     out = {name: t.float() for name, t in module_states["module"].items() if name in buffers}
