@@ -71,33 +71,33 @@ class Host:
 
     def cap(self, rate: str = "20mbit") -> None:
         """At most `rate` out of and into the host (a token bucket on each end of its veth)."""
-        for where in (["tc"], ["ip", "netns", "exec", self.name, "tc"]):
-            device = self.link if len(where) == 1 else "eth0"
-            out = subprocess.run(
-                [
-                    *where,
-                    "qdisc",
-                    "replace",
-                    "dev",
-                    device,
-                    "root",
-                    "tbf",
-                    "rate",
-                    rate,
-                    "burst",
-                    "64kb",
-                    "latency",
-                    "200ms",
-                ],
-                capture_output=True,
-                text=True,
-                timeout=30,
+        for netns, device in (((), self.link), (("-n", self.name), "eth0")):
+            bucket = (
+                "qdisc",
+                "replace",
+                "dev",
+                device,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "64kb",
+                "latency",
+                "200ms",
             )
+            out = subprocess.run(["tc", *netns, *bucket], capture_output=True, text=True, timeout=30)
             if out.returncode != 0:
                 raise RuntimeError(f"tc on {device} ({self.name}): {out.stderr.strip()}")
 
     def pids(self) -> list[int]:
         return [int(p) for p in _ip("netns", "pids", self.name).split()]
+
+    def kill_processes(self) -> None:
+        """SIGKILL to every process on the host, by pid (a machine lost)."""
+        for pid in self.pids():
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @dataclass
@@ -134,13 +134,8 @@ class Network:
     def close(self) -> None:
         """Every process left on a host killed by its pid, every namespace and link removed."""
         for host in self.hosts:
-            try:
-                pids = host.pids()
-            except RuntimeError:
-                continue
-            for pid in pids:
-                with suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            with suppress(RuntimeError):  # a namespace whose creation failed
+                host.kill_processes()
         for host in self.hosts:
             deadline = time.monotonic() + 10
             while _exists("netns", host.name) and host.pids() and time.monotonic() < deadline:

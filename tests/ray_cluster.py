@@ -149,10 +149,8 @@ class RayCluster:
         """SIGKILL every process of a worker node at once (a machine lost): on a host, every
         process of the host."""
         process = self.processes[node_id]
-        host = self.hosts.get(node_id)
-        for pid in host.pids() if host else []:
-            with suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        if node_id in self.hosts:
+            self.hosts[node_id].kill_processes()
         with suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=60)

@@ -105,7 +105,8 @@ class ValEvaluator(Evaluator):
         return {"top1": correct / max(seen, 1.0)}
 
     def uses_worker_processes(self, rank: int, world_size: int) -> bool:
-        return self._loader(rank, world_size).num_workers > 0
+        # Without data.num_workers there is nothing to decide: no listing of the split for it.
+        return self.training.data.num_workers > 0 and self._loader(rank, world_size).num_workers > 0
 
     def _loader(self, rank: int, world_size: int):
         """This rank's share of the split, with data.num_workers workers where the share is big
