@@ -30,6 +30,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+NOT_INHERITED = {"RAY_ADDRESS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "GLOO_SOCKET_IFNAME"}
+
+
 class RayCluster:
     """A head node and worker nodes started with `ray start --block`, each in its own process group
     (stopped whole at the end): on `head` and the hosts given to `add_worker_node`, each with a temp
@@ -41,8 +44,10 @@ class RayCluster:
         self.temp_dir = tempfile.mkdtemp(prefix="vd", dir="/tmp")
         self.port = _free_port()
         self.address = f"{head.address if head else '127.0.0.1'}:{self.port}"
-        self.env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}
-        self.env.pop("RAY_ADDRESS", None)
+        # Nodes are machines of their own: not the test process's Ray address, nor the variables of
+        # the one-rank process group earlier tests made in it (conftest's `process_group`).
+        inherited = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
+        self.env = {**inherited, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}
         self.nodes: list[subprocess.Popen] = []
         self.processes: dict[str, subprocess.Popen] = {}
         self.hosts: dict[str, Host] = {}  # node id -> its host

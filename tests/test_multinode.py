@@ -17,6 +17,7 @@ from __future__ import annotations
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest import S3Endpoint, seaweed_bucket
@@ -58,12 +59,29 @@ def _logged_step(run_dir: str) -> int:
     return metrics[-1]["step"] if metrics else 0
 
 
-def _wait(driver: subprocess.Popen, condition, what: str, timeout: float = 400) -> None:
+def _wait(
+    driver: subprocess.Popen, condition, what: str, cluster: RayCluster, run_dir: str, timeout: float = 400
+) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
-        assert driver.poll() is None, f"the run ended before {what}:\n{driver.stderr.read()[-4000:]}"
+        assert driver.poll() is None, (
+            f"the run ended before {what}:\n{driver.stderr.read()[-4000:]}{_why(cluster, run_dir)}"
+        )
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.3)
+
+
+def _why(cluster: RayCluster, run_dir: str) -> str:
+    """The last attempt's error (its traceback) and the network lines of the nodes' worker logs."""
+    attempts = RunFiles(run_dir).read_attempts()
+    error = str(attempts[-1].get("error", ""))[-3000:] if attempts else "(no attempt recorded)"
+    lines = [
+        f"{log.name}: {line}"
+        for log in Path(cluster.temp_dir).rglob("worker-*.err")
+        for line in log.read_text(errors="replace").splitlines()
+        if "gloo" in line.lower() or "interface" in line.lower()
+    ]
+    return f"\nlast attempt's error:\n{error}\nworker log lines on gloo:\n" + "\n".join(lines[-40:])
 
 
 @pytest.fixture(scope="module")
@@ -136,9 +154,9 @@ def test_a_node_killed_mid_run_is_replaced_and_the_run_ends_as_uninterrupted(clu
         f"cluster.address={cluster.address}",
     )
     with running(cluster.on_head(args)) as driver:
-        _wait(driver, lambda: _logged_step(run_dir) >= 2, "step 2 logged")
+        _wait(driver, lambda: _logged_step(run_dir) >= 2, "step 2 logged", cluster, run_dir)
         assert sorted(cluster.nodes_in_use("vitray_node")) == sorted([first, second])  # one worker per node
-        _wait(driver, lambda: (_latest_step(run_dir) or 0) >= EVERY, f"a checkpoint at step {EVERY}")
+        _wait(driver, lambda: (_latest_step(run_dir) or 0) >= EVERY, f"a checkpoint at step {EVERY}", cluster, run_dir)
         cluster.kill_node(second)
         assert driver.poll() is None and _latest_step(run_dir) < STEPS, "killed too late"
         cluster.add_worker_node({"vitray_node": 1}, host=net.add_host("w3"))  # what an autoscaler would bring

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import pytest
 import ray
@@ -83,17 +84,30 @@ def test_a_run_on_a_cluster_that_does_not_answer_writes_nothing(digits_dataset, 
     assert not (tmp_path / "runs").exists(), sorted(p.name for p in (tmp_path / "runs").rglob("*"))
 
 
-def test_gloo_is_bound_to_the_interface_of_the_nodes_ray_address(monkeypatch):
+def test_gloo_is_bound_to_the_interface_of_the_nodes_ray_address(monkeypatch, caplog):
     """Where the hostname resolves to a loopback address, gloo would listen on 127.0.0.1 and ranks
     on other machines could not connect (`tests/test_multinode.py` runs them on hosts of their own)."""
     from vitray.cluster.process_group import bind_gloo_to_node_address, interface_holding
 
     assert interface_holding("127.0.0.1") == "lo"
     assert interface_holding("198.51.100.77") is None  # an address this machine does not have
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
-    bind_gloo_to_node_address()
-    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")  # the user's choice stays
-    bind_gloo_to_node_address()
-    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
+    # The whole environment is put back afterwards: the function under test sets the variable
+    # itself, which monkeypatch would not undo, and a GLOO_SOCKET_IFNAME=lo left in this process
+    # would reach the nodes later tests start (test_multinode's hosts could then not connect).
+    before = os.environ.get("GLOO_SOCKET_IFNAME")
+    with mock.patch.dict(os.environ):
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+        assert bind_gloo_to_node_address() == "127.0.0.1: lo"
+        assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+        os.environ["GLOO_SOCKET_IFNAME"] = "eth7"  # the user's choice stays
+        assert bind_gloo_to_node_address() == "127.0.0.1: GLOO_SOCKET_IFNAME=eth7 (set before vitray)"
+        assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
+        # A node address no interface holds (NAT): gloo keeps its own choice, and the log says so.
+        del os.environ["GLOO_SOCKET_IFNAME"]
+        monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "198.51.100.77")
+        bound = bind_gloo_to_node_address()
+        assert "GLOO_SOCKET_IFNAME" not in os.environ
+        assert bound.startswith("198.51.100.77: no interface holds it (interfaces: ") and "lo" in bound
+        assert "no network interface here holds the node's Ray address 198.51.100.77" in caplog.text
+    assert os.environ.get("GLOO_SOCKET_IFNAME") == before
