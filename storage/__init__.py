@@ -36,7 +36,7 @@ from .files import (
     write_bytes_atomic,
 )
 from .reachable import StorageUnreachable, check_reachable
-from .retries import backoff_delay, gave_up, is_transient, polled, ride_out, with_retries
+from .retries import backoff_delay, gave_up, is_transient, polled, ride_out, set_outage_budget, with_retries
 from .shard_cache import ShardCache
 
 __all__ = [
@@ -59,6 +59,7 @@ __all__ = [
     "read_bytes",
     "remove",
     "ride_out",
+    "set_outage_budget",
     "upload_file",
     "with_retries",
     "write_bytes_atomic",

@@ -98,6 +98,15 @@ OUTAGE_S = 300.0
 # The longest wait between two tries while riding out an outage.
 OUTAGE_MAX_DELAY_S = 10.0
 OUTAGE_SETTING = "run.storage_outage_s"
+_budget_s = OUTAGE_S  # this process's run.storage_outage_s (set_outage_budget)
+
+
+def set_outage_budget(seconds: float) -> None:
+    """How long the ride_out calls of this process that name no time of their own wait for an
+    outage to end: a worker sets its run's ``run.storage_outage_s`` here once, for the calls made deep
+    below the loop (the checkpoint uploads, on the writer's threads)."""
+    global _budget_s
+    _budget_s = seconds
 
 
 class _Outage:
@@ -135,15 +144,17 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def ride_out(fn: Callable[[], T], *, what: str, within_s: float = OUTAGE_S) -> T:
+def ride_out(fn: Callable[[], T], *, what: str, within_s: float | None = None) -> T:
     """Call ``fn`` until it succeeds, retrying transient errors (see :func:`is_transient`) with
-    jittered backoff for up to ``within_s`` seconds from the first failure; other errors, and the
-    last failure once that time is spent, propagate (an OSError saying what failed for how long).
+    jittered backoff for up to ``within_s`` seconds (default: the process's, `set_outage_budget`)
+    from the first failure; other errors, and the last failure once that time is spent, propagate
+    (an OSError saying what failed for how long).
 
     The first failure of an outage prints ``vitray: storage unreachable (WHAT: ERROR): retrying for
     up to N s``, the first success after it ``vitray: storage reachable again after N s``: one line
     each per process, however many threads ride the same outage out (the checkpoint writer, the
     lease heartbeat, the metrics uploader)."""
+    within_s = _budget_s if within_s is None else within_s
     deadline, attempt = None, 0
     while True:
         _riding.out = getattr(_riding, "out", 0) + 1

@@ -31,6 +31,7 @@ from safetensors.torch import load
 from vitray import storage
 from vitray.data import EvalLoader, prepare_dataset
 from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
+from vitray.trainers.checkpoint import rank_files
 
 
 @pytest.fixture
@@ -197,9 +198,9 @@ def test_a_storage_outage_mid_run_is_ridden_out_without_a_worker_group_restart(s
 
 
 def test_ride_out_waits_for_a_store_that_went_away_and_says_so_once(seaweed_s3, monkeypatch, capsys):
-    """`storage.ride_out` against the store behind a proxy that is cut: two threads wait for it,
-    the console gets one line as the outage starts and one as it ends; with a shorter time than the
-    outage, the call fails naming the setting."""
+    """`storage.ride_out` against the store behind a proxy that is cut: two threads wait for it (a
+    read, and a checkpoint file's upload), the console gets one line as the outage starts and one as
+    it ends; with a shorter time than the outage, the call fails naming the setting."""
     import threading
 
     import s3fs
@@ -216,26 +217,31 @@ def test_ride_out_waits_for_a_store_that_went_away_and_says_so_once(seaweed_s3, 
         with pytest.raises(OSError, match=r"storage unreachable for 1 s, run.storage_outage_s"):
             storage.ride_out(lambda: storage.read_bytes(path), what="reading the stop file", within_s=1)
         read: list[bytes] = []
+        uploaded: list[rank_files.Written] = []
+        checkpoint = seaweed_s3.url("runs", "r", "checkpoint_1")
         riders = [
             threading.Thread(
                 target=lambda: read.append(storage.ride_out(lambda: storage.read_bytes(path), what="reading"))
-            )
-            for _ in range(2)
+            ),
+            threading.Thread(
+                target=lambda: uploaded.append(rank_files.write_bytes(checkpoint, "weights.bin", b"w" * 999))
+            ),
         ]
         for rider in riders:
             rider.start()
         time.sleep(12)  # longer than botocore's and s3fs's own retries of one call (~7 s), which ride_out sees fail
-        assert not read, "read from a store that was cut"
+        assert not read and not uploaded, "read from or wrote to a store that was cut"
         proxy.restore()
         for rider in riders:
             rider.join(60)
+        assert storage.read_bytes(f"{checkpoint}/weights.bin") == b"w" * 999  # uploaded whole once the store came back
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
         proxy.stop()
-    assert read == [b"{}", b"{}"]
+    assert read == [b"{}"] and [(w.name, w.size) for w in uploaded] == [("weights.bin", 999)]
     said = capsys.readouterr().err
     # The failed call's outage, then the one both threads rode out: one start and one end line each.
-    assert said.count("vitray: storage unreachable (reading") == 2, said
+    assert said.count("vitray: storage unreachable (") == 2, said
     assert said.count("retrying for up to 1 s (run.storage_outage_s)") == 1, said
     assert said.count("retrying for up to 300 s (run.storage_outage_s)") == 1, said
     assert said.count("vitray: storage reachable again after") == 1, said

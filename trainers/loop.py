@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vitray import storage
 from vitray.common.redact import redacted_config
 from vitray.data import ShardLoader, read_dataset_info
 from vitray.data.batch import UnreadableData
@@ -59,6 +60,7 @@ class TrainingLoop:
     def __init__(self, cfg: TrainingConfig, ctx: WorkerContext):
         self.cfg, self.ctx = cfg, ctx
         self.rank, self.world = ctx.rank, ctx.world_size
+        storage.set_outage_budget(cfg.run.storage_outage_s)  # for the checkpoint uploads' ride-out
         self.accum = cfg.grad_accumulation
         self.info = read_dataset_info(cfg.data.train, cfg.data.storage_options)
         self.objective = build_objective(cfg.train, self.info.label_kind, self.info.num_classes)

@@ -104,7 +104,8 @@ def write_file(folder: str, name: str, write: Callable[[IO[bytes]], None]) -> Wr
     """Write the checkpoint file `name` (relative, `/`-separated) of `folder` (a local path or a
     URL) once, where it stays, through `write(f)`. Locally the file is fsynced before this returns
     (its folder's entry is `sync_folders`'s); remotely it is serialised into memory and PUT (a
-    multipart upload with parallel parts when large), retried on transient errors."""
+    multipart upload with parallel parts when large), riding out an outage of the store
+    (`storage.ride_out`, the worker's run.storage_outage_s)."""
     if storage.is_remote(folder):
         buffer = io.BytesIO()
         counted = _Checksummed(buffer)
@@ -112,7 +113,8 @@ def write_file(folder: str, name: str, write: Callable[[IO[bytes]], None]) -> Wr
         data = buffer.getvalue()  # bytes: what botocore sends as a body (a part is a slice of it)
         del buffer
         fs, fs_path = storage.filesystem(storage.join(folder, name))
-        storage.with_retries(
+        # An outage of the store is waited for (run.storage_outage_s), not spent as a restart.
+        storage.ride_out(
             lambda: fs.pipe_file(fs_path, data, chunksize=S3_PART_BYTES),
             what=f"uploading {name} of checkpoint {folder}",
         )
