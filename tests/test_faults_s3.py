@@ -129,6 +129,45 @@ def test_a_shard_whose_every_read_is_cut_short_fails_naming_the_shard(seaweed_s3
     assert proxy.injected[("reset", "get-object")] >= storage.retries.RETRY_ATTEMPTS, proxy.injected
 
 
+def test_a_runs_shard_reader_waits_for_a_store_that_went_away(seaweed_s3, monkeypatch, capsys):
+    """A run's reader (`outage_s`: run.storage_outage_s) opening a shard while its store refuses
+    connections waits for the store instead of failing after its bounded retries, says so once,
+    and then reads the shard whole."""
+    import threading
+
+    import s3fs
+
+    from vitray.data.reader import ShardCursor
+
+    dataset = seaweed_s3.url("datasets", "digits")
+    prepare_dataset("builtin:digits", dataset, samples_per_shard=100)  # no proxy yet
+    shard = storage.join(dataset, "train-000001.tar")
+    before = ShardCursor(shard)
+    expected = [before.read(True).key for _ in range(100)]
+    before.close()
+    proxy = FlakyS3Proxy(seaweed_s3.endpoint_url, rate=0.0).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setattr(storage.retries, "OUTAGE_MAX_DELAY_S", 0.5)
+    s3fs.S3FileSystem.clear_instance_cache()
+    read: list = []
+    try:
+        proxy.cut()
+        opening = threading.Thread(target=lambda: read.append(ShardCursor(shard, outage_s=120)))
+        opening.start()
+        time.sleep(15)  # longer than the bounded retries of opening a shard (~4-12 s) and botocore's own
+        assert opening.is_alive() and not read, "the reader gave up on (or read from) a store that was cut"
+        proxy.restore()
+        opening.join(60)
+        (cursor,) = read
+        assert [cursor.read(True).key for _ in range(100)] == expected
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        proxy.stop()
+    said = capsys.readouterr().err
+    assert said.count(f"vitray: storage unreachable (opening shard {shard}") == 1, said
+    assert said.count("vitray: storage reachable again after") == 1, said
+
+
 OUTAGE_S = 40  # longer than the storage layer's bounded retries (~35 s), as outages of object stores are
 
 

@@ -134,6 +134,7 @@ class TrainingLoop:
                 num_workers=self.cfg.data.num_workers,
                 shuffle_buffer=self.cfg.data.shuffle_buffer,
                 storage_options=self.cfg.data.storage_options,
+                outage_s=self.cfg.run.storage_outage_s,  # the data's store too: an outage is waited for
                 crop=self.cfg.data.crop,
                 min_crop_area=self.cfg.data.min_crop_area,
                 resize_ratio=self.cfg.data.resize_ratio,
