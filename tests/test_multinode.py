@@ -4,10 +4,12 @@ machines of their own (`tests/ray_cluster.py`): a head host (where the driver ru
 hosts and an object-store host with SeaweedFS, where the data and the run live:
 
 - the two workers land on different hosts (each has room for one);
-- one worker host's link is capped (a `tc` token bucket) for the whole run, and the other host is
-  cut off (its link down) mid-run for longer than Ray's node timeout: a replacement host joins, and
-  the run finishes by itself (`cluster.max_failures`) from its latest complete checkpoint, with the
-  weights and the samples (none repeated or skipped) of an uninterrupted run on an open network;
+- one worker host's link is capped (a `tc` token bucket) for the whole run; the object-store host
+  is cut off for 45 s as the first checkpoint is being written (the run waits for it: no restart,
+  that checkpoint completes); then the other worker host is cut off for good, longer than Ray's
+  node timeout: a replacement host joins, and the run finishes by itself (`cluster.max_failures`)
+  from its latest complete checkpoint, with the weights and the samples (none repeated or skipped)
+  of an uninterrupted run on an open network;
 - local paths on such a cluster are refused at once, naming them and what to use instead.
 
 The tests share one network and cluster (started once for the module instead of once a test).
@@ -47,6 +49,7 @@ STEPS, EVERY = REFERENCE_STEPS, 10
 # Half a second a step: the host is cut once a checkpoint shows on S3, and the
 # run must still have steps to go then.
 COMMON = (*REFERENCE, f"checkpoint.every={EVERY}", "debug.step_delay_s=0.5")
+STORE_CUT_S = 45
 # A capped link carries a step's gradients (ViT-Ti: ~22 MB) in about a second.
 CAP = "200mbit"
 # Ray's node timeout on these hosts: a node whose health checks fail for ~3 s is dead (Ray's
@@ -63,6 +66,18 @@ def _latest_step(run_dir: str) -> int | None:
     storage.filesystem(run_dir)[0].invalidate_cache()  # s3fs caches listings; the run adds checkpoints
     latest = latest_complete_checkpoint(run_dir)
     return latest.step if latest else None
+
+
+def _checkpoint_folders(run_dir: str) -> int:
+    """How many checkpoint folders the run folder holds, finished or not."""
+    fs, path = storage.filesystem(run_dir)
+    fs.invalidate_cache()
+    return sum(p.rsplit("/", 1)[-1].startswith("checkpoint_") for p in fs.ls(path)) if fs.exists(path) else 0
+
+
+def _attempts(keys: Path) -> int:
+    """How many worker groups recorded sample keys (`debug.record_sample_keys`: a file a rank and group)."""
+    return len({p.name.split("-from")[0] for p in keys.glob("keys-attempt*.tsv")})
 
 
 def _logged_step(run_dir: str) -> int:
@@ -150,7 +165,7 @@ def test_local_paths_on_a_multi_node_cluster_are_refused(cluster, digits_dataset
     assert latest_complete_checkpoint(str(tmp_path / "local")) is None
 
 
-def test_a_run_on_a_capped_link_that_loses_a_host_goes_on_and_ends_as_uninterrupted(
+def test_a_run_on_a_capped_link_rides_out_a_store_cut_and_goes_on_after_a_host_is_lost(
     cluster, net, s3, reference_run, tmp_path
 ):
     data, runs = s3.url("datasets", "digits"), s3.url("runs")
@@ -169,10 +184,18 @@ def test_a_run_on_a_capped_link_that_loses_a_host_goes_on_and_ends_as_uninterrup
         f"cluster.address={cluster.address}",
         f"debug.record_sample_keys={keys}",
     )
+    store = next(host for host in net.hosts if host.name.endswith("-s3"))
     with running(cluster.on_head(args)) as driver:
         _wait(driver, lambda: _logged_step(run_dir) >= 2, "step 2 logged", cluster, run_dir)
         assert sorted(cluster.nodes_in_use("vitray_node")) == sorted([first, second])  # one worker per node
+        # The store cut off for 45 s as the first checkpoint's files go up: the uploads, the data
+        # reads, the metrics, the lease and the stop-file check wait for it; no restart.
+        _wait(driver, lambda: _checkpoint_folders(run_dir) > 0, "a checkpoint being written", cluster, run_dir)
+        store.cut()
+        time.sleep(STORE_CUT_S)
+        store.restore()
         _wait(driver, lambda: (_latest_step(run_dir) or 0) >= EVERY, f"a checkpoint at step {EVERY}", cluster, run_dir)
+        assert _attempts(keys) == 1, "the store's outage cost a worker-group restart"
         cluster.hosts[second].cut()  # for good: its processes go on, unreachable
         assert driver.poll() is None and _latest_step(run_dir) < STEPS, "cut too late"
         cluster.add_worker_node({"vitray_node": 1}, host=net.add_host("w3"))  # what an autoscaler would bring
