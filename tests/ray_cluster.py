@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 
 from netns import Host
@@ -149,16 +149,6 @@ class RayCluster:
             timeout=120,
         )
         assert out.returncode == 0, f"ray drain-node failed: {out.stderr[-3000:]}"
-
-    def kill_node(self, node_id: str) -> None:
-        """SIGKILL every process of a worker node at once (a machine lost): on a host, every
-        process of the host."""
-        process = self.processes[node_id]
-        if node_id in self.hosts:
-            self.hosts[node_id].kill_processes()
-        with suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=60)
 
     def _temp_dir_args(self, host: Host | None) -> list[str]:
         """A host's node keeps its files in a temp dir of its own (as on a machine of its own);

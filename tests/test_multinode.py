@@ -52,12 +52,13 @@ COMMON = (*REFERENCE, f"checkpoint.every={EVERY}", "debug.step_delay_s=0.5")
 STORE_CUT_S = 45
 # A capped link carries a step's gradients (ViT-Ti: ~22 MB) in about a second.
 CAP = "200mbit"
-# Ray's node timeout on these hosts: a node whose health checks fail for ~3 s is dead (Ray's
-# default is ~15-30 s); the cut lasts until the end of the test, far longer.
+# Ray's node timeout on these hosts: a node whose health checks fail for ~10-20 s is dead (Ray's
+# default is ~30-60 s; tighter than this, a node starting on a loaded machine can be declared
+# dead before it registers). The cut lasts until the end of the test, far longer.
 NODE_TIMEOUT = {
-    "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "1000",
-    "RAY_health_check_failure_threshold": "3",
+    "RAY_health_check_period_ms": "2000",
+    "RAY_health_check_timeout_ms": "2000",
+    "RAY_health_check_failure_threshold": "5",
 }
 ONE_PER_NODE = ("cluster.resources_per_worker={vitray_node: 1}",)
 
