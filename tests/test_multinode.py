@@ -208,7 +208,14 @@ def test_a_run_on_a_capped_link_rides_out_a_store_cut_and_goes_on_after_a_host_i
     assert latest.step == STEPS
     assert_same_weights(final_weights(run_dir), reference_run["weights"])
     assert collect_keys(keys) == reference_run["keys"]
+    # One attempt of the command, two worker groups in it: the first, and the one Ray Train started
+    # after the host was lost (none after the store's outage).
     attempts = RunFiles(run_dir).read_attempts()
-    assert [a["status"] for a in attempts] == ["finished"], (
-        attempts
-    )  # one attempt: Ray Train restarted the group inside it
+    assert [a["status"] for a in attempts] == ["finished"], attempts
+    assert _attempts(keys) == 2
+    # The driver's console (the workers' lines go to their logs): one line as the outage starts, one as it ends.
+    said = " ".join((stdout + stderr).split())
+    assert said.count("vitray: storage unreachable (") == 1, said[-3000:]
+    assert "retrying for up to 300 s (run.storage_outage_s)" in said, said[-3000:]
+    assert said.count("vitray: storage reachable again after") == 1, said[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
