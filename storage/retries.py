@@ -137,6 +137,13 @@ class _Outage:
 
 
 _outage = _Outage()
+
+
+def outage_since() -> float | None:
+    """When the outage this process is riding out began (`time.monotonic()`), None without one."""
+    return _outage.since
+
+
 _riding = threading.local()  # `out`: how many ride_out calls this thread is inside
 
 
@@ -162,6 +169,8 @@ def ride_out(fn: Callable[[], T], *, what: str, within_s: float | None = None) -
             result = fn()
         except Exception as error:
             if not is_transient(error):
+                if deadline is not None:
+                    _outage.recovered()  # the store answered (with an error of another kind)
                 raise
             now = time.monotonic()
             if deadline is None:

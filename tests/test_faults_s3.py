@@ -100,6 +100,15 @@ def test_a_pretraining_run_on_a_flaky_store_ends_with_the_clean_runs_weights(fla
     assert_same_weights(remote_weights, reference_run["weights"])
 
 
+def _until_an_outage_is_ridden_out(timeout: float = 120) -> None:
+    """Wait until a call has failed past botocore's and s3fs's own retries (~7 s idle, longer on
+    a loaded machine) and ride_out waits for the store: an outage began in this process."""
+    deadline = time.monotonic() + timeout
+    while storage.retries.outage_since() is None:
+        assert time.monotonic() < deadline, f"no call met the outage in {timeout} s"
+        time.sleep(0.2)
+
+
 def test_a_shard_whose_every_read_is_cut_short_fails_naming_the_shard(seaweed_s3, monkeypatch):
     """Retries are bounded: botocore and s3fs repeat a cut-short GET, the reader reopens the shard
     at the sample (aiohttp's payload error counts as transient), each a few times with backoff;
@@ -153,7 +162,8 @@ def test_a_runs_shard_reader_waits_for_a_store_that_went_away(seaweed_s3, monkey
         proxy.cut()
         opening = threading.Thread(target=lambda: read.append(ShardCursor(shard, outage_s=120)))
         opening.start()
-        time.sleep(15)  # longer than the bounded retries of opening a shard (~4-12 s) and botocore's own
+        _until_an_outage_is_ridden_out()
+        time.sleep(10)  # and longer than the bounded retries of opening a shard (~4-12 s) would last
         assert opening.is_alive() and not read, "the reader gave up on (or read from) a store that was cut"
         proxy.restore()
         opening.join(60)
@@ -199,7 +209,7 @@ def test_ride_out_waits_for_a_store_that_went_away_and_says_so_once(seaweed_s3, 
         ]
         for rider in riders:
             rider.start()
-        time.sleep(12)  # longer than botocore's and s3fs's own retries of one call (~7 s), which ride_out sees fail
+        _until_an_outage_is_ridden_out()
         assert not read and not uploaded, "read from or wrote to a store that was cut"
         proxy.restore()
         for rider in riders:
@@ -238,7 +248,7 @@ def test_the_stop_file_check_rides_out_a_store_that_went_away(seaweed_s3, proces
         proxy.cut()
         checking = threading.Thread(target=lambda: decided.append(watch.check(2)))
         checking.start()
-        time.sleep(12)  # past botocore's and s3fs's own retries
+        _until_an_outage_is_ridden_out()
         assert checking.is_alive() and not decided, decided
         # The driver's notice, written meanwhile straight to the store (not through the cut proxy).
         notice = {
