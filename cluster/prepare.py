@@ -8,6 +8,10 @@ manifest rows are put back in plan order before ``finalize`` writes the manifest
 
 from __future__ import annotations
 
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import ray
@@ -40,6 +44,22 @@ def _write_shard_task(
     task: ShardTask, dest: str, storage_options: dict[str, Any] | None, bad_images: str
 ) -> ShardResult:
     return write_shard_checked(task, dest, storage_options, bad_images=bad_images)  # type: ignore[arg-type]
+
+
+@contextmanager
+def _ctrl_c_noted() -> Iterator[threading.Event]:
+    """Ctrl-C as a flag the task loop checks between its waits. A KeyboardInterrupt raised inside
+    Ray's own signal check (in `ray.wait`) can be lost there: on a loaded machine the preparation
+    then ran to its end after a Ctrl-C."""
+    pressed = threading.Event()
+    if threading.current_thread() is not threading.main_thread():  # signal handlers: main thread only
+        yield pressed
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.set())
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def prepare_dataset_on_ray(
@@ -81,17 +101,20 @@ def prepare_dataset_on_ray(
         disable=not show_progress,
     ) as progress:
         bar = progress.add_task("shards", total=sum(t.num_samples for t in tasks), rate=0.0)
-        while queue or running:
-            while queue and len(running) < max_in_flight:
-                task = queue.pop()
-                running[_write_shard_task.remote(task, dest, storage_options, bad_images)] = task
-            done, _ = ray.wait(list(running), num_returns=1)
-            for ref in done:
-                task = running.pop(ref)
-                results[task.name] = ray.get(ref)
-                progress.update(bar, advance=task.num_samples)
-                elapsed = progress.tasks[bar].elapsed or 0.0
-                progress.update(bar, rate=progress.tasks[bar].completed / elapsed if elapsed else 0.0)
+        with _ctrl_c_noted() as pressed:
+            while queue or running:
+                while queue and len(running) < max_in_flight:
+                    task = queue.pop()
+                    running[_write_shard_task.remote(task, dest, storage_options, bad_images)] = task
+                done, _ = ray.wait(list(running), num_returns=1, timeout=0.5)
+                if pressed.is_set():
+                    raise KeyboardInterrupt
+                for ref in done:
+                    task = running.pop(ref)
+                    results[task.name] = ray.get(ref)
+                    progress.update(bar, advance=task.num_samples)
+                    elapsed = progress.tasks[bar].elapsed or 0.0
+                    progress.update(bar, rate=progress.tasks[bar].completed / elapsed if elapsed else 0.0)
     return finalize(src, tasks, settle_bad_images(results.values(), bad_images), dest, storage_options)  # type: ignore[arg-type]
 
 
