@@ -67,7 +67,7 @@ def _write(rank: int, world: int, port: int, model_name: str, stage: int, folder
     # One optimizer step, so that AdamW's moments exist (a checkpoint of a run, not of a fresh engine).
     images = torch.randn(1, 3, 224, 224, dtype=backend.dtype)
     backend.backward_step(backend(images).float().square().mean())
-    backend.save(Path(folder)).wait()
+    backend.save(str(folder)).wait()
     weights = backend.full_state_dict()  # what the checkpointer writes as model.safetensors (rank 0)
     if rank == 0:
         from safetensors.torch import save_file

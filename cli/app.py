@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.markup import escape
 
-from vitray.cluster.runtime import RayUnavailable  # light: Ray itself is imported when a command connects
+from vitray.cluster.runtime import RayLost, RayUnavailable  # light: Ray itself is imported when a command connects
 from vitray.common import exit_codes
 from vitray.common.config import ConfigError, dump_config, load_config
 from vitray.common.failures import describe_failure
@@ -126,6 +126,7 @@ def handled(
 
     - a config error (ConfigError), no Ray cluster at the address (RayUnavailable) and ``refused``
       (a config or input refused before Ray started): `error: MESSAGE`, exit 2;
+    - Ray's GCS or raylet gone under the work (RayLost): its one line, exit 1;
     - ``failed`` (the work failed): `error: DOING failed: ROOT CAUSE` (:func:`describe_failure`),
       the advice that fits the cause and ``traceback_at`` (where the whole traceback is), exit 1;
     - Ctrl-C: `stopped by user (Ctrl-C): DOING did not finish` (by default DOING is the command line's
@@ -143,6 +144,9 @@ def handled(
     except Exception as err:
         if isinstance(err, ConfigError):
             fail(config_message(err), exit_codes.INPUT_ERROR)
+        if isinstance(err, RayLost):  # its one line says what happened and what to do
+            log.debug("Ray went away", exc_info=err)
+            fail(str(err), exit_codes.FAILED)
         if isinstance(err, (RayUnavailable, *refused)):
             log.debug("refused", exc_info=err)
             fail(str(err), exit_codes.INPUT_ERROR)

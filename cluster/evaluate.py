@@ -36,7 +36,7 @@ from vitray import storage
 from vitray.cluster.checkpoint_inputs import absolute, checkpoint_ref, resolve_checkpoints
 from vitray.cluster.fewshot_cells import submit_fewshot
 from vitray.cluster.finetune import finetune_cell_metrics, finetune_config
-from vitray.cluster.runtime import connect
+from vitray.cluster.runtime import RayLost, check_ray_alive, connect
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.grid import (
     VAL_METRIC,
@@ -108,7 +108,8 @@ def run_grid(
             for job in [*pending.finetune, *ready]:
                 futures[pool.submit(_finetune_cell, job, grid, verbose)] = job
             while futures:
-                done, _ = wait(futures, return_when=FIRST_COMPLETED)
+                done, _ = wait(futures, timeout=1.0, return_when=FIRST_COMPLETED)
+                check_ray_alive("the evaluation grid")  # Ray would end this process in silence
                 for future in done:
                     work = futures.pop(future)
                     outcomes = _outcomes(future, work)
@@ -125,6 +126,11 @@ def run_grid(
                 for job in finals.release():
                     futures[pool.submit(_finetune_cell, job, grid, verbose)] = job
             bar.skip(finals.take_closed())
+        except RayLost:
+            # The fine-tune runs see it too: wait for them to end their attempts and release their
+            # leases (seconds); Ray's shutdown would wait for the GCS that is gone.
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
         except BaseException:
             # Ctrl-C (or a results-table error): stop the fine-tunes instead of waiting for them;
             # their runs resume on the next invocation.
@@ -220,6 +226,8 @@ def _finetune_cell(job: FinetuneJob, grid: GridConfig, verbose: bool) -> CellOut
     started = time.perf_counter()
     try:
         metrics = finetune_cell_metrics(job, grid, verbose=verbose)
+    except RayLost:
+        raise  # not the cell's failure: the grid stops (`run_grid`)
     except Exception as error:
         return CellOutcome(job.cell, error=error_text(error), seconds=time.perf_counter() - started)
     return CellOutcome(job.cell, metrics=metrics, seconds=time.perf_counter() - started)
@@ -290,6 +298,8 @@ class _FinalRuns:
 def _outcomes(future: Future, work: FewShotGroup | FinetuneJob) -> list[CellOutcome]:
     try:
         result = future.result()
+    except RayLost:
+        raise
     except Exception as error:
         cells = work.cells if isinstance(work, FewShotGroup) else (work.cell,)
         return [CellOutcome(cell, error=error_text(error)) for cell in cells]

@@ -96,7 +96,13 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
         cfg = _on_the_cluster(cfg, verbose=verbose)
         cfg.engine.prepare_resume(cfg, plan.chosen)  # e.g. DeepSpeed's conversion for a new world size
         check_workers_fit(cfg)
-        progress = TrainingProgress(folder, total_steps=cfg.train.steps, headline=VAL_TOP1, label="val top-1")
+        progress = TrainingProgress(
+            folder,
+            total_steps=cfg.train.steps,
+            headline=VAL_TOP1,
+            label="val top-1",
+            outage_s=cfg.run.storage_outage_s,
+        )
         with (
             StopOnSignal(folder, cfg.run.preemption_grace_s) as stop,
             progress if show_progress else contextlib.nullcontext(),
@@ -121,6 +127,7 @@ def _held_lease(folder: str, cfg: TrainingConfig, force: bool) -> Iterator[str]:
         force=force,
         on_lost=_lease_lost,
         without_conditional_writes=cfg.run.lease_without_conditional_writes,
+        outage_s=cfg.run.storage_outage_s,
     )
     warning = lease.acquire()
     try:

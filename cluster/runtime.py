@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 from vitray import storage
@@ -27,6 +28,12 @@ REACH_TIMEOUT_S = 5
 class RayUnavailable(RuntimeError):
     """Ray could not be started or joined; the message is one line naming the address (or the
     local start), the cause and what to do."""
+
+
+class RayLost(RuntimeError):
+    """Ray's GCS or this node's raylet stopped answering under running work (killed, out of memory,
+    its node gone): the workers are gone with it. The message is one line: what stopped answering
+    and that the same command resumes the work."""
 
 
 class NotEnoughResources(ValueError):
@@ -95,6 +102,83 @@ def connect(address: str | None, *, num_cpus: int | None = None, verbose: bool =
                 "leftover Ray processes (`ray stop`), then retry; --verbose shows Ray's own logs"
             ) from error
         _started_local = True
+    _lifeline.record()
+
+
+class _Lifeline:
+    """The Ray processes this driver cannot go on without -- the cluster's GCS and this node's
+    raylet -- by address, probed with a TCP connect (:func:`check_ray_alive`).
+
+    Why vitray watches them itself: when the GCS goes, Ray's core worker in this process retries
+    for 60 s in silence and then ends the process (exit 1, a line of Ray's own about its log
+    files); when the raylet goes, sooner. Work that notices first (a run's `fit`, an evaluation
+    grid's loop) ends its attempt record, releases its lease and says what happened in one line."""
+
+    # A raylet refusing connections this long is gone (it does not come back; Ray ends the process
+    # soon after). A GCS may come back (GCS fault tolerance restarts it, KubeRay with Redis), and
+    # Ray waits for it for gcs_rpc_server_reconnect_timeout_s (60 s): it is given a third of that,
+    # which leaves the rest for the driver to close its attempt and lease before Ray ends it.
+    RAYLET_LOST_AFTER_S = 3.0
+    PROBE_EVERY_S = 1.0
+
+    def __init__(self):
+        self.addresses: dict[str, tuple[str, int]] = {}
+        self.lost_after: dict[str, float] = {}
+        self._refused_since: dict[str, float] = {}  # address -> when it first refused, of the current streak
+        self._probed = 0.0
+
+    @staticmethod
+    def gcs_lost_after_s() -> float:
+        ray_waits = float(os.environ.get("RAY_gcs_rpc_server_reconnect_timeout_s", 60))  # noqa: SIM112 (Ray's name)
+        return max(_Lifeline.RAYLET_LOST_AFTER_S, ray_waits / 3)
+
+    def record(self) -> None:
+        import ray
+
+        try:  # a Ray Client connection (ray://) has no GCS or raylet address of its own here
+            context = ray.get_runtime_context()
+            host, _, port = context.gcs_address.rpartition(":")
+            gcs = f"the Ray GCS at {context.gcs_address}"
+            self.addresses = {gcs: (host, int(port))}
+            self.lost_after = {gcs: self.gcs_lost_after_s()}
+            node_id = context.get_node_id()
+            for node in ray.nodes():
+                if node.get("NodeID") == node_id:
+                    raylet = (node["NodeManagerAddress"], int(node["NodeManagerPort"]))
+                    what = f"this node's raylet at {raylet[0]}:{raylet[1]}"
+                    self.addresses[what] = raylet
+                    self.lost_after[what] = self.RAYLET_LOST_AFTER_S
+        except Exception:
+            self.addresses = {}
+
+    def lost(self) -> str | None:
+        now = time.monotonic()
+        if not self.addresses or now - self._probed < self.PROBE_EVERY_S:
+            return None
+        self._probed = now
+        for what, address in self.addresses.items():
+            try:
+                socket.create_connection(address, timeout=self.PROBE_EVERY_S).close()
+                self._refused_since.pop(what, None)
+            except OSError:
+                since = self._refused_since.setdefault(what, now)
+                if now - since >= self.lost_after[what]:
+                    return what
+        return None
+
+
+_lifeline = _Lifeline()
+
+
+def check_ray_alive(doing: str) -> None:
+    """Raise RayLost once Ray's GCS or this node's raylet has stopped answering (probed at most once
+    a second; cheap to call in a wait loop). `doing` ends the message's first part: "the run"."""
+    what = _lifeline.lost()
+    if what is not None:
+        raise RayLost(
+            f"Ray went away under {doing}: {what} no longer answers (stopped, killed or out of memory) and the "
+            "workers are gone with it; start the same command again to resume"
+        )
 
 
 def _cause(error: BaseException) -> str:

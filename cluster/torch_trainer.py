@@ -4,7 +4,8 @@ run folder, failures) and `fit()` on a thread of its own.
 Ray Train's own list of the run's checkpoints (its snapshot file) is removed before each start:
 vitray deletes old checkpoints itself (`checkpoint.keep`) and announces the one to resume from,
 and Ray refuses to start on a snapshot naming a folder that is gone. `FailureConfig(max_failures)`
-restarts a failed worker group from Ray's latest checkpoint.
+restarts a failed worker group from Ray's latest checkpoint, unless a worker failed with an error that
+a restart cannot fix (`RestartCannotFix`): then the run fails at once.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from typing import Any
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME  # see _forget_ray_snapshot
+from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy  # see _Trainer
+from ray.train.v2.api.exceptions import WorkerGroupError
 
 from vitray import storage
 from vitray.cluster.process_group import NodeBoundTorchConfig
-from vitray.cluster.runtime import check_local_resources, ray_storage, run_dir
+from vitray.cluster.runtime import check_local_resources, check_ray_alive, ray_storage, run_dir
 from vitray.cluster.train_worker import train_worker
+from vitray.common.failures import restart_cannot_fix
 from vitray.runfolder.checkpoint_folders import CheckpointInfo
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.driver_checks.tpu_slices import tpu_slice
@@ -55,12 +59,41 @@ def check_workers_fit(cfg: TrainingConfig) -> None:
     check_local_resources(scaling.num_workers, scaling.resources_per_worker, RESOURCE_SETTINGS)
 
 
+class _NoRestartForWhatARestartCannotFix(FailurePolicy):
+    """Ray Train's own failure policy (`max_failures` restarts), except that a worker group failing
+    with a RestartCannotFix (`train_worker`: data missing from storage, a config value only the
+    worker finds wrong) fails the run at once: a new group would meet the same error."""
+
+    def __init__(self, default: FailurePolicy):
+        super().__init__(default.failure_config)
+        self.default = default
+
+    def make_decision(self, training_failed_error) -> FailureDecision:
+        if isinstance(training_failed_error, WorkerGroupError) and restart_cannot_fix(training_failed_error):
+            return FailureDecision.RAISE
+        return self.default.make_decision(training_failed_error)
+
+
+class _Trainer(TorchTrainer):
+    """TorchTrainer with vitray's failure policy. Private on purpose: Ray Train takes no failure
+    policy of one's own (only `FailureConfig`'s counts); `fit()` hands the controller the one it
+    builds through this method, whose absence in another Ray fails loudly here (below)."""
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        policy = controller_init_kwargs["failure_policy"]
+        controller_init_kwargs["failure_policy"] = _NoRestartForWhatARestartCannotFix(policy)
+        return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+
+assert callable(getattr(TorchTrainer, "_initialize_and_run_controller", None)), "Ray Train's controller start moved"
+
+
 def build_trainer(cfg: TrainingConfig, resume: CheckpointInfo | None = None) -> TorchTrainer:
     """The run's TorchTrainer; its workers resume from `resume` (the driver's choice, announced with
     its step), or start from scratch."""
     storage_path, storage_fs = ray_storage(cfg.run.storage)
     scaling = scaling_config(cfg)
-    return TorchTrainer(
+    return _Trainer(
         train_worker,
         train_loop_config={
             "config": cfg.settings(),
@@ -85,7 +118,9 @@ def fit(cfg: TrainingConfig, resume: CheckpointInfo | None):
 
     `trainer.fit()` runs on a thread of its own. On the main thread Ray Train installs a SIGINT
     handler that aborts the workers without a checkpoint; here the driver's own handler
-    (`cluster/stop_signals.py`) keeps Ctrl-C, and treats it like a pre-emption notice."""
+    (`cluster/stop_signals.py`) keeps Ctrl-C, and treats it like a pre-emption notice. Ray's GCS or
+    raylet going away raises RayLost (`runtime.check_ray_alive`), so that the driver's attempt
+    record and lease are closed before Ray ends the process."""
     _forget_ray_snapshot(run_dir(cfg.run.storage, cfg.run.name))
     trainer = build_trainer(cfg, resume)
     outcome: dict[str, Any] = {}
@@ -100,6 +135,7 @@ def fit(cfg: TrainingConfig, resume: CheckpointInfo | None):
     thread.start()
     while thread.is_alive():
         thread.join(0.2)  # short waits: the main thread runs signal handlers in between
+        check_ray_alive(f"the run {cfg.run.name}")  # Ray would end this process in silence
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]

@@ -10,41 +10,67 @@ from __future__ import annotations
 
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import ray.train
 import ray.train.torch
+from pydantic import ValidationError
 from ray.train import CheckpointUploadMode
 
 from vitray.cluster.drain import drain_watch
+from vitray.common.config import ConfigError
+from vitray.common.failures import RestartCannotFix, describe_failure
 from vitray.runfolder.checkpoint_folders import prune_checkpoints
-from vitray.trainers.checkpoint.checkpointer import remove_stale_staging
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
 
 
 def train_worker(loop_config: dict[str, Any]) -> None:
-    """Runs in every Ray Train worker; `loop_config` is what `torch_trainer.build_trainer` sends."""
+    """Runs in every Ray Train worker; `loop_config` is what `torch_trainer.build_trainer` sends.
+    An error that a restart cannot fix is raised as RestartCannotFix (its cause's one line), which
+    the driver's failure policy does not retry (`torch_trainer.build_trainer`)."""
+    try:
+        _train(loop_config)
+    except Exception as error:
+        if isinstance(error, _not_fixed_by_a_restart()):
+            raise RestartCannotFix(describe_failure(error).one_line()) from error
+        raise
+
+
+def _not_fixed_by_a_restart() -> tuple[type[BaseException], ...]:
+    """Errors that a new worker group would meet again: data missing from storage or unreadable (a
+    batch of only damaged samples), a config value only the worker finds wrong (it validates the
+    config again). Imported here: the driver imports this module, and the data side imports torch."""
+    from vitray.data.batch import UnreadableData
+    from vitray.data.reader import ShardMissing
+
+    return (ShardMissing, UnreadableData, ConfigError, ValidationError)
+
+
+def _train(loop_config: dict[str, Any]) -> None:
     from vitray.trainers.loop import TrainingLoop  # the worker's heavy imports, not the driver's
 
     cfg = TrainingConfig.model_validate(loop_config["config"])
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
-    if context.get_local_rank() == 0:
-        _remove_stale_staging(cfg, loop_config["run_dir"])
     # checkpoint.keep: rank 0 deletes what newer complete checkpoints superseded, off the training
     # thread, one prune at a time (see `prune_checkpoints` for why not Ray's num_to_keep).
     pruner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitray-prune") if rank == 0 else None
 
-    def report(metrics: dict[str, Any], checkpoint_dir: Path) -> None:
+    def report(metrics: dict[str, Any], checkpoint_dir: str) -> None:
         # Only checkpoints go to Ray Train (see `vitray.trainers.context.Reporter`): every report is
         # a barrier across the ranks that Ray holds until its controller collects it (every 2 s).
-        # Uploads in the background; training goes on as soon as the local files are written.
+        # The ranks wrote the checkpoint straight into the run folder: Ray is handed it where it
+        # lies, on its own filesystem, and copies nothing.
+        name = checkpoint_dir.rstrip("/").rsplit("/", 1)[-1]
+        run_storage = ray.train.get_context().get_storage()
         ray.train.report(
             metrics,
-            checkpoint=ray.train.Checkpoint.from_directory(str(checkpoint_dir)),
-            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+            checkpoint=ray.train.Checkpoint(
+                path=f"{run_storage.experiment_fs_path}/{name}", filesystem=run_storage.storage_filesystem
+            ),
+            checkpoint_dir_name=name,
+            checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
         )
         if pruner is not None:
             pruner.submit(prune, loop_config["run_dir"], cfg.checkpoint.keep)
@@ -65,19 +91,6 @@ def train_worker(loop_config: dict[str, Any]) -> None:
     finally:
         if pruner is not None:
             pruner.shutdown(wait=True)
-
-
-def _remove_stale_staging(cfg: TrainingConfig, run_dir: str) -> None:
-    # Before the loop's first collective (the resume choice), which every rank waits for: no rank
-    # of this attempt has staged anything yet.
-    stale = remove_stale_staging(cfg.checkpoint.staging_dir, run_dir)
-    if stale:
-        print(
-            f"vitray: removed {len(stale)} staging folder(s) of this run left by an earlier attempt "
-            f"on this node ({stale[0].parent})",
-            file=sys.stderr,
-            flush=True,
-        )
 
 
 def prune(run_dir: str, keep: int) -> None:

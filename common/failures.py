@@ -13,7 +13,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["Failure", "describe_failure"]
+__all__ = ["Failure", "RestartCannotFix", "describe_failure", "restart_cannot_fix"]
+
+
+class RestartCannotFix(Exception):
+    """A worker's error that a new worker group would meet again: data missing from storage, a
+    config value that only the worker finds wrong. Raised in the worker (its message: the cause's
+    one line), it fails the run at once instead of spending `cluster.max_failures` restarts on it
+    (`cluster/torch_trainer.py`); the console shows the cause's line."""
+
 
 # The line a traceback ends with, right after its last frame: "module.TypeName: message" (or the
 # bare type name); any exception class name, vitray's own (CheckpointDiskFull) included.
@@ -74,20 +82,39 @@ def describe_failure(error: BaseException | str) -> Failure:
     """The root cause of `error` (an exception, possibly Ray Train's TrainingFailedError wrapping
     the workers' tracebacks, or the text of one)."""
     if isinstance(error, BaseException):
-        for rank_error in dict(getattr(error, "worker_failures", None) or {}).values():
-            # Ray Train wraps each worker's exception with its traceback text; the text ends with the cause.
-            return describe_failure(str(rank_error))
+        ranks = list(dict(getattr(error, "worker_failures", None) or {}).values())
+        # A rank that met what a restart cannot fix says more than the others' collateral errors.
+        for rank_error in sorted(ranks, key=lambda e: not restart_cannot_fix(e)):
+            # The worker's exception, or Ray Train's wrapper holding its traceback text (which ends with the cause).
+            return describe_failure(rank_error if isinstance(rank_error, BaseException) else str(rank_error))
         cause = getattr(error, "controller_failure", None)
         if isinstance(cause, BaseException):
             return describe_failure(cause)
         while error.__cause__ is not None:
             error = error.__cause__
         found = _last_exception_line(str(error))
-        if found is not None and found.kind != type(error).__name__:
-            return found  # an exception whose message carries a traceback (Ray's RayTaskError)
-        return Failure(type(error).__name__, _one_line(str(error)), type(error).__name__ in _TRANSIENT)
+        if found is not None and (found.kind != type(error).__name__ or "\n  File " in str(error)):
+            return found  # an exception whose message carries a traceback (Ray's RayTaskError, torch's DataLoader's)
+        return _unwrapped(Failure(type(error).__name__, _one_line(str(error)), type(error).__name__ in _TRANSIENT))
     found = _last_exception_line(error)
     return found if found is not None else Failure("Error", _one_line(error), False)
+
+
+def restart_cannot_fix(error: BaseException | str) -> bool:
+    """Whether `error` -- an exception, its cause chain, Ray Train's error for a worker group (any
+    rank's), or a traceback's text -- is a RestartCannotFix raised in a worker."""
+    if isinstance(error, BaseException):
+        failures = dict(getattr(error, "worker_failures", None) or {})
+        if failures:
+            return any(restart_cannot_fix(rank_error) for rank_error in failures.values())
+        seen: BaseException | None = error
+        while seen is not None:
+            if isinstance(seen, RestartCannotFix):
+                return True
+            seen = seen.__cause__
+        error = str(error)  # Ray's wrapper of a worker's exception: its traceback text
+    found = _last_exception_line(error)
+    return found is not None and found.kind == RestartCannotFix.__name__
 
 
 def _last_exception_line(text: str) -> Failure | None:
@@ -118,7 +145,18 @@ def _exception_at(lines: list[str], index: int, pattern: re.Pattern) -> Failure 
     rest = [line for line in lines[index + 1 :] if not line.startswith("[Rank ")]
     message = " ".join([match.group("message") or "", *rest]).strip()
     kind = match.group("type")
-    return Failure(kind, _one_line(message), kind in _TRANSIENT)
+    return _unwrapped(Failure(kind, _one_line(message), kind in _TRANSIENT))
+
+
+def _unwrapped(failure: Failure) -> Failure:
+    """A RestartCannotFix's message is its cause's own line ("ShardMissing: shard ... is missing"):
+    that is the failure to show (and no re-run gets past it)."""
+    if failure.kind != RestartCannotFix.__name__:
+        return failure
+    inner = _RAISED_LINE.match(failure.message)
+    if not inner:
+        return Failure(failure.kind, failure.message, False)
+    return Failure(inner.group("type"), _one_line(inner.group("message") or ""), False)
 
 
 def _one_line(text: str) -> str:

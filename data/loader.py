@@ -78,6 +78,7 @@ class _Spec:
     shard_cache: str | None = None  # local folder for whole remote shards (storage.ShardCache)
     shard_cache_bytes: int = 0
     device_decode: bool = False  # JPEGs handed over encoded, with their crop boxes (device_decode.py)
+    outage_s: float | None = None  # how long opening a shard rides out an outage of its store
 
 
 def _start_workers(loader: DataLoader) -> Iterable[Any]:
@@ -231,6 +232,7 @@ class _TrainStream(IterableDataset):
                 window_offset=window_offset(spec.slots[i], spec.num_slots, spec.shuffle_buffer, spec.staggered),
                 executor=background,
                 cache=cache,
+                outage_s=spec.outage_s,
             )
             for i in local_slots
         ]
@@ -288,6 +290,8 @@ class ShardLoader:
         num_workers: DataLoader worker processes reading and decoding (0: in this process).
         shuffle_buffer: samples per shuffle window within a slot.
         storage_options: fsspec options for remote paths.
+        outage_s: where set, (re)opening a shard waits up to this long for a store that stopped
+            answering (a run's ``run.storage_outage_s``), instead of failing after a few retries.
         shard_cache: a local folder (one per node, shared by its processes) into which whole remote
             shards are fetched with parallel range reads before they are read; default: the
             ``VITRAY_SHARD_CACHE`` environment variable, else none (shards are streamed).
@@ -325,6 +329,7 @@ class ShardLoader:
         shard_cache: str | None = None,
         shard_cache_gb: float | None = None,
         device_decode: bool = False,
+        outage_s: float | None = None,
     ) -> None:
         slots = rank_slots(rank, world_size, num_slots)
         if device_decode and (float_images or not train):
@@ -374,6 +379,7 @@ class ShardLoader:
             shard_cache=shard_cache or os.environ.get("VITRAY_SHARD_CACHE") or None,
             shard_cache_bytes=int(float(shard_cache_gb or os.environ.get("VITRAY_SHARD_CACHE_GB") or 100) * 2**30),
             device_decode=device_decode,
+            outage_s=outage_s,
         )
         if self._spec.shard_cache and self._spec.shard_cache_bytes < 1:
             raise ValueError(f"shard_cache_gb must be positive, got {shard_cache_gb}")

@@ -55,6 +55,11 @@ _UNREADABLE = (EOFError, ValueError)  # damaged data (incl. _Damaged): determini
 MAX_MEMBER_BYTES = 1 << 30
 
 
+class ShardMissing(FileNotFoundError):
+    """A shard the manifest lists is not in the storage (deleted after `data prepare`, or after
+    the run's pre-flight listing): no retry or restart brings it back."""
+
+
 class UnsafeShardError(ValueError):
     """A shard whose content would escape its folder or exhaust memory if used; never skipped."""
 
@@ -133,9 +138,14 @@ class ShardCursor:
     """
 
     def __init__(
-        self, url: str, storage_options: dict[str, Any] | None = None, cache: storage.ShardCache | None = None
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        cache: storage.ShardCache | None = None,
+        outage_s: float | None = None,
     ) -> None:
         self.url, self.storage_options, self.cache = url, storage_options, cache
+        self.outage_s = outage_s  # set: (re)opening the shard rides out an outage of its store this long
         self.index = 0  # next sample index
         self.broken = False  # the rest of the shard is unreadable (truncated or damaged)
         self._file: IO[bytes] | None = None
@@ -165,9 +175,12 @@ class ShardCursor:
                 self.broken = True
 
         try:
-            storage.with_retries(open_tar, what=f"opening shard {self.url}")
+            if self.outage_s is None:
+                storage.with_retries(open_tar, what=f"opening shard {self.url}")
+            else:  # a run's reader: a store that stopped answering is waited for, not a restart
+                storage.ride_out(open_tar, what=f"opening shard {self.url}", within_s=self.outage_s)
         except FileNotFoundError:
-            raise FileNotFoundError(f"shard {self.url} is missing (listed in the manifest)") from None
+            raise ShardMissing(f"shard {self.url} is missing (listed in the manifest)") from None
 
     def close(self) -> None:
         if self._file is not None:
@@ -301,9 +314,11 @@ class SampleStream:
         storage_options: dict[str, Any] | None = None,
         start: int = 0,
         cache: storage.ShardCache | None = None,
+        outage_s: float | None = None,
     ) -> None:
         self.shard_urls, self.ranges, self.storage_options = shard_urls, list(ranges), storage_options
         self.cache = cache  # whole remote shards are read through this local cache
+        self.outage_s = outage_s  # ShardCursor's
         self._range_no, self._offset_in_range = 0, 0
         self._cursor: ShardCursor | None = None
         self._advance_ranges(start)
@@ -327,7 +342,9 @@ class SampleStream:
             raise IndexError("read past the end of the stream")
         shard_range = self.ranges[self._range_no]
         if self._cursor is None:
-            self._cursor = ShardCursor(self.shard_urls[shard_range.shard], self.storage_options, self.cache)
+            self._cursor = ShardCursor(
+                self.shard_urls[shard_range.shard], self.storage_options, self.cache, outage_s=self.outage_s
+            )
         self._cursor.skip_to(shard_range.start + self._offset_in_range)
         result = self._cursor.read(want)
         self._offset_in_range += 1

@@ -57,6 +57,7 @@ class SlotReader:
         window_offset: int = 0,
         executor: Executor | None = None,
         cache: ShardCache | None = None,
+        outage_s: float | None = None,
     ) -> None:
         if shuffle_buffer < 1:
             raise ValueError(f"shuffle_buffer must be at least 1, got {shuffle_buffer}")
@@ -66,7 +67,9 @@ class SlotReader:
         self.start, self.stop, self.wanted = start, min(stop, plan.slot_size), wanted
         self._executor = executor
         self._stream_at = self._bounds(window_of(start, window_offset, shuffle_buffer))[0]
-        self._stream = SampleStream(shard_urls, plan.slots[slot], storage_options, start=self._stream_at, cache=cache)
+        self._stream = SampleStream(
+            shard_urls, plan.slots[slot], storage_options, start=self._stream_at, cache=cache, outage_s=outage_s
+        )
         self._window = -1
         self._raw: dict[int, Any] = {}  # stream offset -> raw sample, for the current window
         self._order: Any = None

@@ -2,15 +2,19 @@
 when one counts, which one a run resumes from, and opening one.
 
 Layout of a checkpoint folder:
-  deepspeed/state/...        each rank's DeepSpeed shards (model, optimizer, schedule)
-  model.safetensors          consolidated fp32 weights (rank 0) -- what `vitray export` reads
+  deepspeed/state/...        each rank's DeepSpeed shards (optimizer with the fp32 master weights,
+                             schedule; the module states hold no weight the master copy gives)
+  model.safetensors          consolidated fp32 weights (rank 0), at the checkpoints that
+                             `checkpoint.model_weights` asks for -- what evaluation and export read
   ema.safetensors            the EMA weights, when enabled (rank 0)
   trainer_state.json         step, data-loader position, world size, resolved config (rank 0)
-  complete-rank-NNNN.json    written by each rank LAST, listing its files and sizes
+  complete-rank-NNNN.json    written by each rank LAST, listing its files with their sizes and
+                             CRC-32C (checkpoints written before: sizes only)
 
 A checkpoint counts only when every rank's completion record is there and every file it lists
 has the recorded size, so a half-written or half-uploaded checkpoint is never loaded. The ranks
-write it (`vitray.trainers.checkpoint.rank_files`); everything here only reads.
+write it straight into the run folder, durably, the record last
+(`vitray.trainers.checkpoint.rank_files`); everything here only reads.
 
 Finding and opening checkpoints (local or s3://), the one way every command does it:
 :func:`find_checkpoints` (a run's checkpoint folders, oldest first, each checked),
@@ -33,6 +37,7 @@ from typing import Any
 import fsspec
 
 from vitray import storage
+from vitray.runfolder import derived_weights
 
 STATE_FILE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
@@ -54,6 +59,17 @@ class IncompleteCheckpointError(RuntimeError):
 def completion_record(rank: int) -> str:
     """The name of rank `rank`'s completion record in a checkpoint folder."""
     return _COMPLETE.format(rank=rank)
+
+
+def listed_size(entry: Any) -> int:
+    """The size a completion record lists for a file (an entry is {"size", "crc32c"}, or the bare
+    size in checkpoints written before CRCs were listed)."""
+    return int(entry["size"]) if isinstance(entry, dict) else int(entry)
+
+
+def listed_crc32c(entry: Any) -> int | None:
+    """The CRC-32C a completion record lists for a file, or None (an older record: sizes only)."""
+    return int(entry["crc32c"], 16) if isinstance(entry, dict) and "crc32c" in entry else None
 
 
 def read_state(folder: str | Path, fs=None) -> dict[str, Any]:
@@ -83,8 +99,8 @@ def verify_complete(folder: str | Path, fs=None) -> dict[str, Any]:
     contents = fs.cat(records) if records else {}
     for record in records:
         listing = json.loads(contents[record])
-        for name, size in listing.items():
-            if sizes.get(f"{prefix}/{name}") != size:
+        for name, entry in listing.items():
+            if sizes.get(f"{prefix}/{name}") != listed_size(entry):
                 raise IncompleteCheckpointError(folder, f"{name} is missing or truncated")
     return state
 
@@ -97,18 +113,44 @@ def load_model(folder: str, fs=None, *, ema: bool = True, state: dict[str, Any] 
 
     With ``ema`` (the default) a run trained with ``optim.ema_decay`` gives its EMA weights -- the
     averaged weights are the model, as the paper reports its Polyak-averaged models; ``ema=False``
-    (or a run without EMA) gives the raw weights."""
+    (or a run without EMA) gives the raw weights. A checkpoint written without the consolidated
+    weights (`checkpoint.model_weights`) has them derived from its shards (``"weights_file"`` then
+    names the shards)."""
     from safetensors.torch import load
 
     from vitray.models import ModelConfig, create_model_from_config
 
     fs = fs or fsspec.filesystem("file")
+    folder = str(folder).rstrip("/")
     state = state if state is not None else verify_complete(folder, fs)
     model = create_model_from_config(ModelConfig.model_validate(state["model"]), int(state["num_classes"]))
-    name = EMA_FILE if ema and fs.isfile(f"{str(folder).rstrip('/')}/{EMA_FILE}") else MODEL_FILE
-    with fs.open(f"{str(folder).rstrip('/')}/{name}", "rb") as f:
+    name = EMA_FILE if ema and fs.isfile(f"{folder}/{EMA_FILE}") else MODEL_FILE
+    if name == MODEL_FILE and not fs.isfile(f"{folder}/{MODEL_FILE}"):
+        model.load_state_dict(model_weights(folder, fs, state), strict=True)
+        return model, {**state, "weights_file": derived_weights.SHARDS}
+    with fs.open(f"{folder}/{name}", "rb") as f:
         model.load_state_dict(load(f.read()), strict=True)
     return model, {**state, "weights_file": name}
+
+
+def model_weights(folder: str, fs, state: dict[str, Any]) -> dict[str, Any]:
+    """The consolidated fp32 weights of a complete checkpoint: its `model.safetensors`, or, for one
+    written without them, derived from its shards (the fp32 master copy the optimizer keeps)."""
+    from safetensors.torch import load
+
+    folder = str(folder).rstrip("/")
+    if fs.isfile(f"{folder}/{MODEL_FILE}"):
+        with fs.open(f"{folder}/{MODEL_FILE}", "rb") as f:
+            return load(f.read())
+    prefix = fs._strip_protocol(folder).rstrip("/")
+    names = {info.rstrip("/")[len(prefix) + 1 :] for info in fs.find(folder)}
+    if not derived_weights.derivable(state, names):
+        raise IncompleteCheckpointError(
+            folder,
+            f"it holds no {MODEL_FILE} (checkpoint.model_weights) and its weights cannot be derived from its "
+            f"{state.get('backend', 'deepspeed')} shards here: use a checkpoint written with them (the run's last one)",
+        )
+    return derived_weights.derive(folder, fs, state)
 
 
 # ---------------------------------------------------------------------------------------------

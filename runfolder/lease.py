@@ -131,9 +131,12 @@ class RunLease:
         settle_s: float | None = None,
         on_lost: Callable[[LeaseRecord], None] | None = None,
         without_conditional_writes: bool = False,
+        outage_s: float = storage.retries.OUTAGE_S,
     ):
         """`without_conditional_writes` (run.lease_without_conditional_writes): an S3 store that
-        ignores conditional writes is used with the read-back after `settle_s` instead of refused."""
+        ignores conditional writes is used with the read-back after `settle_s` instead of refused.
+        `outage_s` (run.storage_outage_s): how long a heartbeat waits for storage that does not
+        answer (`storage.ride_out`: one console line when the outage starts, one when it ends)."""
         from vitray.runfolder.files import RunFiles
 
         self.path = RunFiles(run_dir).lease_path
@@ -144,6 +147,7 @@ class RunLease:
         # S3: conditional writes, with the ETag of the version this driver last wrote.
         self._object = lease_s3.ConditionalObject(self.path) if lease_s3.supports(self.path) else None
         self.without_conditional_writes = without_conditional_writes
+        self.outage_s = outage_s
         # Local storage: the lock every read-judge-write holds.
         self.lock_path = None if storage.is_remote(self.path) else f"{storage.filesystem(self.path)[1]}.lock"
         self._etag: str | None = None
@@ -290,8 +294,9 @@ class RunLease:
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.timeout_s / 4):
+            beat = self._beat_conditional if self._object is not None else self._beat
             try:
-                held = self._beat_conditional() if self._object is not None else self._beat()
+                held = storage.ride_out(beat, what=f"the lease heartbeat ({self.path})", within_s=self.outage_s)
                 if held is not None:
                     self.lost = True
                     if self.on_lost is not None:

@@ -79,8 +79,12 @@ class TrainingProgress:
         *,
         headline: str | None = None,
         label: str = "",
+        outage_s: float = storage.retries.OUTAGE_S,
     ):
+        """`outage_s` (run.storage_outage_s): for the console's line when the run folder's store stops
+        answering (`storage.polled`): how long the run waits for it."""
         self.metrics = MetricsTail(RunFiles(run_dir).metrics_path)
+        self.outage_s = outage_s
         self.headline, self.label = headline, label or headline
         self.total = total_steps
         self.poll = poll_seconds
@@ -118,7 +122,7 @@ class TrainingProgress:
 
     def _refresh(self) -> None:
         try:
-            records = self.metrics.read()
+            records = storage.polled(self.metrics.read, what=f"reading {self.metrics.path}", within_s=self.outage_s)
         except Exception:
             return
         if not records:

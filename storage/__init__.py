@@ -12,7 +12,7 @@ know which::
 
 The modules: :mod:`.files` (the filesystem for a path, reading, atomic writes, uploads, listing;
 where the S3 endpoint and credentials come from), :mod:`.retries` (which errors are transient, the
-backoff), :mod:`.shard_cache` (whole remote shards in a node-local folder), :mod:`.reachable`
+backoff, riding out a storage outage during a run), :mod:`.shard_cache` (whole remote shards in a node-local folder), :mod:`.reachable`
 (the quick probe a command makes before expensive work starts). Constants stay in their modules,
 read and patched there (``storage.retries.RETRY_ATTEMPTS``, ``storage.shard_cache.CACHE_PART_BYTES``):
 a copy here would not be the value the functions use.
@@ -36,7 +36,7 @@ from .files import (
     write_bytes_atomic,
 )
 from .reachable import StorageUnreachable, check_reachable
-from .retries import backoff_delay, gave_up, is_transient, with_retries
+from .retries import backoff_delay, gave_up, is_transient, polled, ride_out, set_outage_budget, with_retries
 from .shard_cache import ShardCache
 
 __all__ = [
@@ -55,8 +55,11 @@ __all__ = [
     "join",
     "list_names",
     "open_file",
+    "polled",
     "read_bytes",
     "remove",
+    "ride_out",
+    "set_outage_budget",
     "upload_file",
     "with_retries",
     "write_bytes_atomic",

@@ -11,8 +11,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from safetensors.torch import load_file
-
 from vitray.runfolder.checkpoint_folders import find_checkpoints, latest_complete_checkpoint
 
 # A small, quick recipe: Ti/4 at 16 px on digits, 2 CPU workers, fp32, ZeRO-1.
@@ -133,6 +131,38 @@ def run_until_checkpoint(cmd: list[str], run_dir: str, min_step: int, timeout: f
         _stop_leftover_ray(proc.pid)
 
 
+def kill_ray_head(pid: int, process: str = "gcs_server") -> int:
+    """SIGKILL a process of the embedded Ray head that the command `pid` started -- its GCS server,
+    or its `raylet` -- found among the command's own descendants and killed by its pid (never
+    another Ray on the machine); returns that pid."""
+    import psutil
+
+    (found,) = [p for p in psutil.Process(pid).children(recursive=True) if p.name() == process]
+    found.kill()
+    return found.pid
+
+
+def run_until_ray_dies(
+    cmd: list[str], run_dir: str, min_step: int, timeout: float = 480
+) -> subprocess.CompletedProcess:
+    """Start a run and kill its embedded Ray's head (the GCS) as soon as a complete checkpoint at
+    `min_step` or later exists; returns the command's outcome once it has exited by itself (its
+    leftover processes are then killed with its session)."""
+    with running(cmd) as proc:
+        deadline = time.monotonic() + timeout
+        while (latest := latest_complete_checkpoint(run_dir) if Path(run_dir).exists() else None) is None or (
+            latest.step < min_step
+        ):
+            if proc.poll() is not None:
+                raise AssertionError(f"run ended before Ray could be stopped: {proc.communicate()[1][-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError("no checkpoint appeared in time")
+            time.sleep(0.2)
+        kill_ray_head(proc.pid)
+        stdout, stderr = proc.communicate(timeout=120)  # Ray itself would end it after 60 s
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 @contextmanager
 def running(cmd: list[str]) -> Iterator[subprocess.Popen]:
     """``cmd`` started in a session of its own, its output piped as text; on leaving the block it
@@ -154,9 +184,14 @@ def _stop_leftover_ray(session_id: int) -> None:
 
 
 def final_weights(run_dir: str) -> dict:
+    """The consolidated weights of the run's latest complete checkpoint: its model.safetensors, or
+    (a checkpoint before the run's last, checkpoint.model_weights=last) derived from its shards."""
+    from vitray import storage
+    from vitray.runfolder.checkpoint_folders import model_weights, read_state
+
     latest = latest_complete_checkpoint(run_dir)
     assert latest is not None, f"no complete checkpoint in {run_dir}: {find_checkpoints(run_dir)}"
-    return load_file(str(Path(latest.path) / "model.safetensors"))
+    return model_weights(latest.path, storage.filesystem(latest.path)[0], latest.state or read_state(latest.path))
 
 
 def assert_same_weights(a: dict, b: dict) -> None:

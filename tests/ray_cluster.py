@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 
 from netns import Host
@@ -38,7 +38,7 @@ class RayCluster:
     (stopped whole at the end): on `head` and the hosts given to `add_worker_node`, each with a temp
     dir of its own, or, without hosts, all on 127.0.0.1 sharing one temp dir."""
 
-    def __init__(self, head: Host | None = None) -> None:
+    def __init__(self, head: Host | None = None, env: dict[str, str] | None = None) -> None:
         self.head = head
         # Ray's socket paths live under the temp dir and must stay under the 107-byte socket limit.
         self.temp_dir = tempfile.mkdtemp(prefix="vd", dir="/tmp")
@@ -47,7 +47,7 @@ class RayCluster:
         # Nodes are machines of their own: not the test process's Ray address, nor the variables of
         # the one-rank process group earlier tests made in it (conftest's `process_group`).
         inherited = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
-        self.env = {**inherited, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}
+        self.env = {**inherited, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token", **(env or {})}
         self.nodes: list[subprocess.Popen] = []
         self.processes: dict[str, subprocess.Popen] = {}
         self.hosts: dict[str, Host] = {}  # node id -> its host
@@ -150,16 +150,6 @@ class RayCluster:
         )
         assert out.returncode == 0, f"ray drain-node failed: {out.stderr[-3000:]}"
 
-    def kill_node(self, node_id: str) -> None:
-        """SIGKILL every process of a worker node at once (a machine lost): on a host, every
-        process of the host."""
-        process = self.processes[node_id]
-        if node_id in self.hosts:
-            self.hosts[node_id].kill_processes()
-        with suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=60)
-
     def _temp_dir_args(self, host: Host | None) -> list[str]:
         """A host's node keeps its files in a temp dir of its own (as on a machine of its own);
         on 127.0.0.1 the nodes share the head's."""
@@ -210,9 +200,10 @@ class RayCluster:
 
 
 @contextmanager
-def ray_cluster(head: Host | None = None) -> Iterator[RayCluster]:
-    """A cluster with its head node started (on `head`, else on 127.0.0.1), stopped at the end."""
-    cluster = RayCluster(head)
+def ray_cluster(head: Host | None = None, env: dict[str, str] | None = None) -> Iterator[RayCluster]:
+    """A cluster with its head node started (on `head`, else on 127.0.0.1), stopped at the end;
+    `env`: more variables for its nodes (Ray's settings, `RAY_<name>`)."""
+    cluster = RayCluster(head, env)
     try:
         cluster.start_head()
         yield cluster

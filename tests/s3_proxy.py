@@ -10,6 +10,10 @@ instead of the server's answer, what a busy or failing object store gives:
   cut (a read broken off mid-body);
 - ``slow``: the real answer, after a delay.
 
+`cut()` takes the store off the network until `restore()`: the proxy stops listening (a new
+connection is refused: botocore's EndpointConnectionError) and closes every open one on its next
+request (a storage outage, as an endpoint that went down).
+
 With `drop_headers` it also forwards every request without those headers (re-signed with the
 store's keys, as the signature covers them): a store that ignores conditional writes is SeaweedFS
 behind a proxy that drops `If-None-Match` and `If-Match` (`CONDITIONAL_HEADERS`).
@@ -85,6 +89,8 @@ class FlakyS3Proxy:
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
+        self.down = False  # cut(): every connection refused or closed
+        self.refused = 0  # requests that met a cut (on connections open before it)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> FlakyS3Proxy:
@@ -97,13 +103,29 @@ class FlakyS3Proxy:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(30)
 
+    def cut(self) -> None:
+        """The store is unreachable from now on: no listening socket, open connections closed."""
+        self.down = True
+        asyncio.run_coroutine_threadsafe(self._site.stop(), self._loop).result(30)
+
+    def restore(self) -> None:
+        """The store is reachable again, on the same address."""
+
+        async def listen() -> None:
+            self._site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+            await self._site.start()
+
+        asyncio.run_coroutine_threadsafe(listen(), self._loop).result(30)
+        self.down = False
+
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)
         app = web.Application(client_max_size=1024**3)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        runner = web.AppRunner(app, access_log=None)
+        runner = self._runner = web.AppRunner(app, access_log=None)
         self._loop.run_until_complete(runner.setup())
-        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        self._site = web.TCPSite(runner, "127.0.0.1", self.port)
+        self._loop.run_until_complete(self._site.start())
         self._session = self._loop.run_until_complete(self._open_session())
         self._ready.set()
         try:
@@ -139,6 +161,10 @@ class FlakyS3Proxy:
 
     # -- one request ------------------------------------------------------------------------------
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if self.down:
+            self.refused += 1
+            request.transport.close()  # a connection opened before the cut: dropped, no answer
+            return web.Response(status=503)  # never reaches the client
         operation = self.operation(request)
         fault = self._draw(operation)
         body = await request.read()

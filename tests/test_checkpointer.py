@@ -1,23 +1,35 @@
 """The Checkpointer with a fake backend (no DeepSpeed, no process group): cadence, the background
-write and its completion record, the hand-over to the run with its costs, and restore."""
+write straight into the run folder and its completion record, the hand-over to the run with its
+costs, and restore (sizes and CRCs checked); a writer killed mid-checkpoint leaves nothing a resume
+takes."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import google_crc32c
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from vitray.runfolder import checkpoint_folders as ckpt
+from vitray.trainers.checkpoint import rank_files
 from vitray.trainers.checkpoint.checkpointer import Checkpointer
-from vitray.trainers.engines.seam import PendingSave
+from vitray.trainers.engines.seam import PendingSave, Written
 from vitray.trainers.step.ema import Ema, WholeWeights
 
 COSTS = {
     "checkpoint_write_s",
+    "checkpoint_bytes",
     "checkpoint_blocked_s",
     "checkpoint_snapshot_s",
     "checkpoint_wait_s",
@@ -32,17 +44,17 @@ class FakeBackend:
     def __init__(self, gate: threading.Event | None = None, fail: bool = False):
         self.module = torch.nn.Linear(2, 2)
         self.gate, self.fail = gate, fail
+        self.shard = b"shard"
         self.loaded: list[tuple[Path, dict]] = []
         self._pool = ThreadPoolExecutor(max_workers=1)
 
-    def save(self, folder: Path) -> PendingSave:
-        def write() -> None:
+    def save(self, folder: str) -> PendingSave:
+        def write() -> Written:
             if self.gate is not None:
                 self.gate.wait(timeout=30)
             if self.fail:
                 raise OSError("disk full")
-            (folder / "fake").mkdir()
-            (folder / "fake" / "shard.bin").write_bytes(b"shard")
+            return rank_files.write_file(folder, "fake/shard.bin", lambda f: f.write(self.shard))
 
         return PendingSave([self._pool.submit(write)])
 
@@ -67,7 +79,7 @@ class FakeLoader:
         self.position = state["position"]
 
 
-def checkpointer(backend, reports, loader, ema, every=2, last_step=5) -> Checkpointer:
+def checkpointer(backend, reports, loader, ema, every=2, last_step=5, run_dir=None, **kwargs) -> Checkpointer:
     return Checkpointer(
         backend,
         rank=0,
@@ -78,6 +90,8 @@ def checkpointer(backend, reports, loader, ema, every=2, last_step=5) -> Checkpo
         states={"data": loader},
         weights={ckpt.EMA_FILE: ema} if ema is not None else {},
         record={"num_classes": 2, "label_kind": "single"},
+        run_dir=str(run_dir or Path(tempfile.mkdtemp(prefix="vitray-test-run-"))),
+        **kwargs,
     )
 
 
@@ -94,6 +108,8 @@ def test_save_writes_a_complete_checkpoint_that_restores():
     assert saver.take_costs() == {}
     saver.finish(wait=True)
     [(metrics, folder)] = reports
+    folder = Path(folder)
+    assert folder.name.startswith("checkpoint_")  # in the run folder, where Ray Train finds it
     assert metrics["step"] == 2 and metrics["loss"] == 1.5 and metrics["checkpoint_write_s"] >= 0
     state = ckpt.verify_complete(folder)
     assert state == {
@@ -143,3 +159,176 @@ def test_a_failed_write_stops_training_and_is_never_handed_over():
     with pytest.raises(RuntimeError, match="disk full"):
         saver.finish(wait=True)
     assert reports == []
+
+
+def test_every_file_and_folder_is_fsynced_before_the_record_which_is_renamed_into_place(tmp_path, monkeypatch):
+    """Durable on a local disk: each file is fsynced as it is closed, every folder that gained an
+    entry (up to the run folder) before the completion record, and the record goes to a temporary
+    name, is fsynced and renamed into place, its folder fsynced after."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = rank_files.os.fsync, rank_files.os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("rename", str(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(rank_files.os, "fsync", fsync)
+    monkeypatch.setattr(rank_files.os, "replace", replace)
+    reports = []
+    saver = checkpointer(FakeBackend(), reports, FakeLoader(), None, run_dir=tmp_path)
+    saver.save(2, {})
+    saver.finish(wait=True)
+    folder = Path(reports[0][1])
+    record = folder / ckpt.completion_record(0)
+    renamed = events.index(("rename", str(record)))
+    before = {path for kind, path in events[:renamed] if kind == "fsync"}
+    files = {str(folder / name) for name in ("fake/shard.bin", ckpt.MODEL_FILE, ckpt.STATE_FILE)}
+    assert files | {str(folder / "fake"), str(folder), str(tmp_path)} <= before
+    assert str(folder / f".{record.name}.tmp") in before  # the record's bytes, before its name
+    assert ("fsync", str(folder)) in events[renamed + 1 :]  # and its name, after
+
+
+def test_the_record_lists_crc32c_and_a_restore_refuses_a_corrupt_file(tmp_path):
+    reports = []
+    saver = checkpointer(FakeBackend(), reports, FakeLoader(), None, run_dir=tmp_path)
+    saver.save(2, {})
+    saver.finish(wait=True)
+    folder = Path(reports[0][1])
+    listing = json.loads((folder / ckpt.completion_record(0)).read_text())
+    assert listing["fake/shard.bin"] == {"size": 5, "crc32c": f"{google_crc32c.value(b'shard'):08x}"}
+    restore_dir = tmp_path / "restore"
+    assert rank_files.rank_copy(str(folder), None, restore_dir, 0)[1]["step"] == 2
+    (folder / "fake" / "shard.bin").write_bytes(b"sharp")  # same size: only the checksum tells
+    assert ckpt.verify_complete(folder)["step"] == 2  # listing sizes alone would take it
+    with pytest.raises(ckpt.IncompleteCheckpointError, match="fake/shard.bin does not have the CRC-32C"):
+        rank_files.rank_copy(str(folder), None, restore_dir, 0)
+
+
+def test_a_record_of_an_older_checkpoint_with_sizes_only_still_resumes(tmp_path):
+    """Checkpoints written before records listed CRCs (name -> size) are still read."""
+    reports = []
+    saver = checkpointer(FakeBackend(), reports, FakeLoader(), None, run_dir=tmp_path)
+    saver.save(2, {})
+    saver.finish(wait=True)
+    folder = Path(reports[0][1])
+    record = folder / ckpt.completion_record(0)
+    listing = json.loads(record.read_text())
+    record.write_text(json.dumps({name: entry["size"] for name, entry in listing.items()}))
+    assert ckpt.resume_point(str(tmp_path))[0].step == 2
+    assert rank_files.rank_copy(str(folder), None, tmp_path / "restore", 0)[1]["step"] == 2
+
+
+# A writer process: saves a checkpoint at step 2 (handed over), then one at step 4 whose shard is
+# written slowly, saying how far it got; the test kills it with SIGKILL somewhere in that write.
+_KILLED_WRITER = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from test_checkpointer import FakeBackend, FakeLoader, checkpointer
+
+class Slow(FakeBackend):
+    def save(self, folder):
+        from vitray.trainers.engines.seam import PendingSave
+        from vitray.trainers.checkpoint import rank_files
+
+        def write(f):
+            for i in range(self.chunks):
+                f.write(b"x" * 65536)
+                f.flush()
+                time.sleep(self.pause)
+        return PendingSave([self._pool.submit(rank_files.write_file, folder, "fake/shard.bin", write)])
+
+backend, reports = Slow(), []
+backend.chunks, backend.pause = 1, 0
+saver = checkpointer(backend, reports, FakeLoader(), None, every=2, last_step=10, run_dir={run_dir!r})
+saver.save(2, {{}})
+saver.finish(wait=True)
+print("complete", flush=True)
+backend.chunks, backend.pause = 200, 0.005
+saver.save(4, {{}})
+saver.finish(wait=True)
+print("complete", flush=True)
+"""
+
+
+@pytest.mark.parametrize("kill_after_s", [0.05, 0.4, 0.9, 1.3])
+def test_a_writer_killed_mid_checkpoint_leaves_nothing_a_resume_takes(tmp_path, kill_after_s):
+    """kill -9 at some moment of a checkpoint's write (its shard, the weights and state, the
+    record): the run resumes from the one before, and says why the newer one was skipped -- or,
+    killed after its record was in place, from the newer one, whole."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    script = _KILLED_WRITER.format(tests=str(Path(__file__).parent), run_dir=str(run_dir))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path])}
+    writer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert writer.stdout.readline().strip() == "complete"  # step 2, handed over
+        time.sleep(kill_after_s)
+        os.kill(writer.pid, signal.SIGKILL)
+    finally:
+        writer.kill()
+        writer.wait()
+    chosen, skipped = ckpt.resume_point(str(run_dir))
+    folders = ckpt.checkpoint_folders(str(run_dir))
+    assert chosen is not None and chosen.step in (2, 4)
+    if kill_after_s < 1.0:  # the shard takes over 1 s to write: killed in the middle of it
+        assert chosen.step == 2 and len(folders) == 2
+        [newer] = skipped
+        assert newer.path == folders[1] and ("not finished" in newer.problem or "never finished" in newer.problem)
+    if chosen.step == 2:
+        assert len(folders) == 1 or [c.path for c in skipped] == folders[1:]
+    restored = rank_files.rank_copy(chosen.path, None, tmp_path / "restore", 0)
+    assert restored[1]["step"] == chosen.step
+
+
+def _deepspeed_backend(stage: int):
+    from vitray.common.config import load_config
+    from vitray.models import create_model_from_config
+    from vitray.trainers.config import TrainingConfig
+    from vitray.trainers.engines.deepspeed.backend import DeepSpeedBackend
+
+    settings = ["data.train=/unused", "model.name=Ti/16", "model.img_size=32", f"train.zero_stage={stage}"]
+    settings += ["precision.dtype=bf16", "train.batch_size=2", "train.micro_batch_size=2", "cluster.num_workers=1"]
+    cfg = load_config(TrainingConfig, None, settings)
+    torch.manual_seed(0)
+    backend = DeepSpeedBackend(cfg, create_model_from_config(cfg.model, 10), 1, None)
+    return cfg, backend
+
+
+def test_a_zero1_checkpoint_keeps_12_bytes_a_parameter_resumes_exactly_and_gives_its_weights(tmp_path, process_group):
+    """(The session's one-rank group: DeepSpeed caches its groups, so a group of the test's own
+    would clash with other tests' in the same worker.) AdamW under ZeRO-1, bf16: the master weights and two moments (12 bytes a parameter) and no
+    more -- no bf16 module copy, no model.safetensors (checkpoint.model_weights=last, not the last
+    step); a resume rounds the master copy to the very weights trained, and evaluation's loader
+    derives the fp32 weights from the shards."""
+    from vitray.runfolder.checkpoint_folders import load_model
+
+    cfg, backend = _deepspeed_backend(stage=1)
+    for _ in range(2):
+        backend.backward_step(backend(torch.randn(2, 3, 32, 32, dtype=backend.dtype)).float().square().mean())
+    record = {"num_classes": 10, "model": cfg.model.model_dump(), "config": cfg.settings()}
+    reports = []
+    saver = checkpointer(backend, reports, FakeLoader(), None, every=2, last_step=4, run_dir=tmp_path)
+    saver.record.update(record)
+    saver.save(2, {})
+    saver.finish(wait=True)
+    folder = Path(reports[0][1])
+    params = sum(p.numel() for p in backend.module.parameters())
+    written = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    assert not (folder / ckpt.MODEL_FILE).exists()
+    assert written / params <= 12.5, f"{written / params:.2f} bytes a parameter"
+
+    whole = backend.full_state_dict()
+    model, state = load_model(str(folder))
+    assert state["weights_file"] == "deepspeed/state"
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in whole.items())
+
+    trained = {k: v.clone() for k, v in backend.module.state_dict().items()}
+    _, fresh = _deepspeed_backend(stage=1)
+    local, state = rank_files.rank_copy(str(folder), None, tmp_path / "restore", 0)
+    fresh.load(local, state)
+    assert all(torch.equal(fresh.module.state_dict()[k], v) for k, v in trained.items())
+    assert all(torch.equal(fresh.full_state_dict()[k], v) for k, v in whole.items())

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pretrain_helpers import kill_ray_head
 from typer.testing import CliRunner
 
 from vitray.cluster.checkpoint_inputs import resolve_checkpoints
@@ -87,12 +88,16 @@ def _complete_finetune_steps(storage: Path) -> list[int]:
     return [c.step for run_dir in storage.iterdir() for c in find_checkpoints(str(run_dir)) if c.complete]
 
 
-def _kill_when(proc: subprocess.Popen, ready, timeout: float = 400) -> None:
-    """SIGKILL the grid's whole process group (driver, embedded Ray, workers) once `ready()`."""
+def _kill_when(proc: subprocess.Popen, ready, timeout: float = 400, kill=None) -> None:
+    """SIGKILL the grid's whole process group (driver, embedded Ray, workers) once `ready()`; with
+    `kill`, call it then and wait for the driver to exit by itself before that."""
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
             if ready():
+                if kill is not None:
+                    kill()
+                    proc.wait(timeout=120)  # Ray itself would end it after 60 s
                 return
             if proc.poll() is not None:
                 raise AssertionError(f"the grid ended before it could be stopped:\n{proc.stderr.read()[-4000:]}")
@@ -122,8 +127,16 @@ def killed_and_rerun(pretrained, data_root, tmp_path_factory) -> dict:
         steps = _complete_finetune_steps(output / "finetune_runs")
         return any(ok_fewshot) and any(s < FINETUNE_STEPS for s in steps)
 
+    # Ray's head (the raylet of the grid's embedded Ray; tests/test_pretrain.py kills a GCS) killed by
+    # its pid under the grid: the driver says so and exits, its fine-tune runs' attempts ended and
+    # leases released.
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    _kill_when(proc, half_done)
+    _kill_when(proc, half_done, kill=lambda: kill_ray_head(proc.pid, "raylet"))
+    ray_gone = proc.stderr.read()
+    runs_at_kill = {
+        run.name: (RunFiles(str(run)).read_attempts(), (run / "vitray" / "lease.json").exists())
+        for run in (output / "finetune_runs").iterdir()
+    }
     after_kill = table.to_table(latest=False).to_pandas()
     finetune_steps_at_kill = _complete_finetune_steps(output / "finetune_runs")
 
@@ -135,10 +148,24 @@ def killed_and_rerun(pretrained, data_root, tmp_path_factory) -> dict:
         "after_kill": after_kill,
         "data_root": data_root,
         "finetune_steps_at_kill": finetune_steps_at_kill,
+        "ray_gone": (proc.returncode, ray_gone, runs_at_kill),
         "rerun": rerun,
         "final": table.to_table(latest=False).to_pandas(),
         "latest": table.to_pandas(),
     }
+
+
+def test_ray_gone_under_the_grid_is_said_in_one_line_and_leaves_no_run_running(killed_and_rerun):
+    code, stderr, runs = killed_and_rerun["ray_gone"]
+    said = " ".join(stderr.split())
+    assert code == 1, stderr[-4000:]
+    assert "error: Ray went away under the " in said and "start the same command again" in said, said[-2000:]
+    assert "Traceback" not in stderr and "Failed to connect to GCS" not in stderr, stderr[-4000:]
+    # Every fine-tune run the grid had started ended its attempt (none left running) and released its
+    # lease; the one that was training when Ray went recorded why.
+    assert all(a["status"] != "running" for attempts, _ in runs.values() for a in attempts), runs
+    assert not any(leased for _, leased in runs.values()), runs
+    assert any(a["status"] == "failed" and "RayLost" in a["error"] for attempts, _ in runs.values() for a in attempts)
 
 
 def test_rows_were_written_before_the_kill(killed_and_rerun):

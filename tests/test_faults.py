@@ -434,7 +434,7 @@ def full_disk(tmp_path):
         yield mount
 
 
-def test_a_full_staging_disk_raises_what_to_free_and_leaves_no_partial_files(full_disk):
+def test_a_full_disk_raises_what_to_free_and_leaves_no_partial_files(full_disk):
     import torch
     from test_checkpointer import FakeBackend, FakeLoader
 
@@ -451,7 +451,7 @@ def test_a_full_staging_disk_raises_what_to_free_and_leaves_no_partial_files(ful
         states={"data": FakeLoader()},
         weights={},
         record={},
-        staging_dir=str(full_disk),
+        run_dir=str(full_disk),
     )
     saver.backend.module = torch.nn.Linear(64, 64)
     saver.save(2, {})
@@ -459,7 +459,7 @@ def test_a_full_staging_disk_raises_what_to_free_and_leaves_no_partial_files(ful
         saver.finish(wait=True)
     message = str(stopped.value)
     assert stopped.value.errno == errno.ENOSPC and "No space left on device" in message
-    assert f"checkpoint of step 2 to its staging folder {full_disk}" in message
-    assert f"Free space in {full_disk}" in message and "checkpoint.staging_dir" in message
+    assert f"checkpoint of step 2 into the run folder {full_disk}" in message
+    assert f"Free space in {full_disk}" in message and "checkpoint.keep" in message
     assert reports == []  # nothing handed to the run
     assert [p.name for p in full_disk.iterdir()] == ["filler"]  # the partial folder is gone

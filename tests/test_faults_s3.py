@@ -4,20 +4,33 @@ slow answer (`tests/s3_proxy.py`), on a seeded schedule.
 
 Everything vitray reads and writes on S3 must come through unchanged: prepared shards, the
 samples read back, a results table, small run files -- and a whole pre-training run with its
-data and checkpoints on S3 ends with the weights of a run on local disk.
+data and checkpoints on S3 ends with the weights of a run on local disk. Storage calls of a run
+(the stop-file check, checkpoint uploads, opening shards) wait for a store that went away
+(`run.storage_outage_s`); a whole run riding out a store cut off for 45 s is `test_multinode.py`'s.
 """
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 import torch
-from pretrain_helpers import assert_same_weights, final_weights, pretrain_args, run
+from pretrain_helpers import (
+    REFERENCE,
+    REFERENCE_NAME,
+    REFERENCE_STEPS,
+    assert_same_weights,
+    pretrain_args,
+    run,
+)
 from s3_proxy import FlakyS3Proxy
 from safetensors.torch import load
 
 from vitray import storage
 from vitray.data import EvalLoader, prepare_dataset
 from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
+from vitray.trainers.checkpoint import rank_files
 
 
 @pytest.fixture
@@ -71,21 +84,29 @@ def test_shards_run_files_and_results_come_through_a_flaky_store_unchanged(flaky
 
 
 @pytest.mark.slow
-def test_a_pretraining_run_on_a_flaky_store_ends_with_the_clean_runs_weights(flaky_s3, digits_dataset, tmp_path):
+def test_a_pretraining_run_on_a_flaky_store_ends_with_the_clean_runs_weights(flaky_s3, reference_run):
+    """The run of `reference_run` (on local disk, shared with the other fault tests) again, with its
+    data and checkpoints on the flaky store: the same weights."""
     store, proxy = flaky_s3
-    steps = ("train.steps=12", "checkpoint.every=4", "log.every=2", "data.min_crop_area=1.0")
-    run(pretrain_args(str(digits_dataset), str(tmp_path / "local"), "flaky", *steps))
-
     data = store.url("datasets", "digits")
     prepare_dataset("builtin:digits", data, samples_per_shard=100)
     before = sum(proxy.injected.values())
-    run(pretrain_args(data, store.url("runs"), "flaky", *steps), timeout=600)
+    run(pretrain_args(data, store.url("runs"), REFERENCE_NAME, *REFERENCE, "checkpoint.every=10"), timeout=600)
     assert sum(proxy.injected.values()) > before + 5, f"too few faults met the run: {proxy.injected}"
     assert _faults(proxy, "upload") > 0 and _faults(proxy, "get-object") > 0, proxy.injected
-    latest = latest_complete_checkpoint(store.url("runs", "flaky"))
-    assert latest is not None and latest.step == 12
+    latest = latest_complete_checkpoint(store.url("runs", REFERENCE_NAME))
+    assert latest is not None and latest.step == REFERENCE_STEPS
     remote_weights = load(storage.read_bytes(f"{latest.path}/model.safetensors"))
-    assert_same_weights(remote_weights, final_weights(str(tmp_path / "local" / "flaky")))
+    assert_same_weights(remote_weights, reference_run["weights"])
+
+
+def _until_an_outage_is_ridden_out(timeout: float = 120) -> None:
+    """Wait until a call has failed past botocore's and s3fs's own retries (~7 s idle, longer on
+    a loaded machine) and ride_out waits for the store: an outage began in this process."""
+    deadline = time.monotonic() + timeout
+    while storage.retries.outage_since() is None:
+        assert time.monotonic() < deadline, f"no call met the outage in {timeout} s"
+        time.sleep(0.2)
 
 
 def test_a_shard_whose_every_read_is_cut_short_fails_naming_the_shard(seaweed_s3, monkeypatch):
@@ -114,3 +135,135 @@ def test_a_shard_whose_every_read_is_cut_short_fails_naming_the_shard(seaweed_s3
         s3fs.S3FileSystem.clear_instance_cache()
         proxy.stop()
     assert proxy.injected[("reset", "get-object")] >= storage.retries.RETRY_ATTEMPTS, proxy.injected
+
+
+def test_a_runs_shard_reader_waits_for_a_store_that_went_away(seaweed_s3, monkeypatch, capsys):
+    """A run's reader (`outage_s`: run.storage_outage_s) opening a shard while its store refuses
+    connections waits for the store instead of failing after its bounded retries, says so once,
+    and then reads the shard whole."""
+    import threading
+
+    import s3fs
+
+    from vitray.data.reader import ShardCursor
+
+    dataset = seaweed_s3.url("datasets", "digits")
+    prepare_dataset("builtin:digits", dataset, samples_per_shard=100)  # no proxy yet
+    shard = storage.join(dataset, "train-000001.tar")
+    before = ShardCursor(shard)
+    expected = [before.read(True).key for _ in range(100)]
+    before.close()
+    proxy = FlakyS3Proxy(seaweed_s3.endpoint_url, rate=0.0).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setattr(storage.retries, "OUTAGE_MAX_DELAY_S", 0.5)
+    s3fs.S3FileSystem.clear_instance_cache()
+    read: list = []
+    try:
+        proxy.cut()
+        opening = threading.Thread(target=lambda: read.append(ShardCursor(shard, outage_s=120)))
+        opening.start()
+        _until_an_outage_is_ridden_out()
+        time.sleep(10)  # and longer than the bounded retries of opening a shard (~4-12 s) would last
+        assert opening.is_alive() and not read, "the reader gave up on (or read from) a store that was cut"
+        proxy.restore()
+        opening.join(60)
+        (cursor,) = read
+        assert [cursor.read(True).key for _ in range(100)] == expected
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        proxy.stop()
+    said = capsys.readouterr().err
+    assert said.count(f"vitray: storage unreachable (opening shard {shard}") == 1, said
+    assert said.count("vitray: storage reachable again after") == 1, said
+
+
+def test_ride_out_waits_for_a_store_that_went_away_and_says_so_once(seaweed_s3, monkeypatch, capsys):
+    """`storage.ride_out` against the store behind a proxy that is cut: two threads wait for it (a
+    read, and a checkpoint file's upload), the console gets one line as the outage starts and one as
+    it ends; with a shorter time than the outage, the call fails naming the setting."""
+    import threading
+
+    import s3fs
+
+    path = seaweed_s3.url("runs", "r", "vitray", "stop.json")
+    storage.write_bytes_atomic(path, b"{}")
+    proxy = FlakyS3Proxy(seaweed_s3.endpoint_url, rate=0.0).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setattr(storage.retries, "OUTAGE_MAX_DELAY_S", 0.5)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        storage.read_bytes(path)  # connections open before the cut
+        proxy.cut()
+        with pytest.raises(OSError, match=r"storage unreachable for 1 s, run.storage_outage_s"):
+            storage.ride_out(lambda: storage.read_bytes(path), what="reading the stop file", within_s=1)
+        read: list[bytes] = []
+        uploaded: list[rank_files.Written] = []
+        checkpoint = seaweed_s3.url("runs", "r", "checkpoint_1")
+        riders = [
+            threading.Thread(
+                target=lambda: read.append(storage.ride_out(lambda: storage.read_bytes(path), what="reading"))
+            ),
+            threading.Thread(
+                target=lambda: uploaded.append(rank_files.write_bytes(checkpoint, "weights.bin", b"w" * 999))
+            ),
+        ]
+        for rider in riders:
+            rider.start()
+        _until_an_outage_is_ridden_out()
+        assert not read and not uploaded, "read from or wrote to a store that was cut"
+        proxy.restore()
+        for rider in riders:
+            rider.join(60)
+        assert storage.read_bytes(f"{checkpoint}/weights.bin") == b"w" * 999  # uploaded whole once the store came back
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        proxy.stop()
+    assert read == [b"{}"] and [(w.name, w.size) for w in uploaded] == [("weights.bin", 999)]
+    said = capsys.readouterr().err
+    # The failed call's outage, then the one both threads rode out: one start and one end line each.
+    assert said.count("vitray: storage unreachable (") == 2, said
+    assert said.count("retrying for up to 1 s (run.storage_outage_s)") == 1, said
+    assert said.count("retrying for up to 300 s (run.storage_outage_s)") == 1, said
+    assert said.count("vitray: storage reachable again after") == 1, said
+
+
+def test_the_stop_file_check_rides_out_a_store_that_went_away(seaweed_s3, process_group, monkeypatch, capsys):
+    """Rank 0's check for a stop notice while the run folder's store is cut: it waits for the store
+    (botocore's EndpointConnectionError is not the end of the worker) and then reads the notice."""
+    import threading
+
+    import s3fs
+
+    from vitray.trainers.preemption import PreemptionWatch
+
+    run_dir = seaweed_s3.url("runs", "r")
+    proxy = FlakyS3Proxy(seaweed_s3.endpoint_url, rate=0.0).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setattr(storage.retries, "OUTAGE_MAX_DELAY_S", 0.5)
+    s3fs.S3FileSystem.clear_instance_cache()
+    decided: list = []
+    try:
+        watch = PreemptionWatch(run_dir, rank=0, every=1, device=torch.device("cpu"))
+        assert watch.check(1) is None  # no notice: the store answers
+        proxy.cut()
+        checking = threading.Thread(target=lambda: decided.append(watch.check(2)))
+        checking.start()
+        _until_an_outage_is_ridden_out()
+        assert checking.is_alive() and not decided, decided
+        # The driver's notice, written meanwhile straight to the store (not through the cut proxy).
+        notice = {
+            "reason": "a test's notice",
+            "kind": "sigterm",
+            "requested": time.time(),
+            "deadline": time.time() + 60,
+        }
+        storage.write_bytes_atomic(watch.path, json.dumps(notice).encode(), seaweed_s3.storage_options)
+        proxy.restore()
+        checking.join(60)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        proxy.stop()
+    assert len(decided) == 1 and decided[0] is not None and decided[0].step == 2 and decided[0].save, decided
+    said = capsys.readouterr().err
+    assert said.count("vitray: storage unreachable (checking s3://") == 1, said
+    assert said.count("vitray: storage reachable again after") == 1, said

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 from pretrain_helpers import assert_same_weights, in_process_loop
-from safetensors.torch import load_file
 from torch import nn
 
 from vitray.common.config import load_config
@@ -70,7 +69,10 @@ def test_fp8_swaps_only_the_blocks_linear_layers_and_stays_close_to_bf16(scaling
 
 
 def _weights(checkpoint_dir: str) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(checkpoint_dir) / ckpt.MODEL_FILE))
+    """A checkpoint's weights: its model.safetensors, or derived from its shards (not the run's last)."""
+    from vitray import storage
+
+    return ckpt.model_weights(checkpoint_dir, storage.filesystem(checkpoint_dir)[0], ckpt.read_state(checkpoint_dir))
 
 
 def test_fp8_run_checkpoints_and_resumes_bit_exactly(process_group, digits_dataset, tmp_path):

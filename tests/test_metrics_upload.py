@@ -141,17 +141,20 @@ def test_training_steps_never_wait_for_a_slow_metrics_upload(
     # The checkpoint of step 5 counted (completion record) only after a metrics upload holding
     # step 5 had finished.
     (folder5,) = [d for m, d in reports if d is not None and m["step"] == 5]
-    completed = (Path(folder5) / "complete-rank-0000.json").stat().st_mtime
+    # The checkpoint was written straight into the (slow) run folder: its files lie under slow_storage.
+    on_disk = slow_storage / str(folder5).split("://", 1)[1]
+    completed = (on_disk / "complete-rank-0000.json").stat().st_mtime
     holding_step5 = [end for start, end, path, data in uploads if b'"step": 5,' in data]
     assert holding_step5 and min(holding_step5) <= completed, (holding_step5, completed)
-    assert ckpt.verify_complete(folder5)["step"] == 5
+    assert ckpt.verify_complete(on_disk)["step"] == 5
 
 
 def test_a_flush_waits_for_the_upload_and_a_failed_one_is_reported_and_retried(tmp_path):
     """The handle a checkpoint waits on: returns once the bytes are on storage, raises naming the
-    failure when the upload failed, and the next upload retries."""
+    failure when the upload failed for good, and the next upload retries. (A transient failure, a
+    SlowDown say, is retried inside the upload, `storage.ride_out`: the next test.)"""
     published: dict[str, bytes] = {}
-    failures = [OSError("SlowDown: please reduce your request rate")]
+    failures = [PermissionError("AccessDenied: the bucket policy refuses PutObject")]
     gate = threading.Event()
 
     def put(name: str, data: bytes) -> None:
@@ -168,13 +171,34 @@ def test_a_flush_waits_for_the_upload_and_a_failed_one_is_reported_and_retried(t
     handle = mirror.flush()
     assert not published  # the upload is held at the gate; flush() itself did not wait
     gate.set()
-    with pytest.raises(MetricsUploadError, match="SlowDown"):
+    with pytest.raises(MetricsUploadError, match="AccessDenied"):
         handle.wait()
     with open(local / "a.jsonl", "a") as f:
         f.write('{"step": 2}\n')
     mirror.changed()
     mirror.flush().wait()
     assert published == {"a.jsonl": b'{"step": 1}\n{"step": 2}\n'}
+    mirror.close()
+
+
+def test_a_transient_upload_failure_is_retried_inside_the_upload(tmp_path):
+    """A store that answers SlowDown (an OSError: transient) is waited for: the flush returns once
+    the bytes are there, without an error."""
+    published: dict[str, bytes] = {}
+    failures = [OSError("SlowDown: please reduce your request rate")]
+
+    def put(name: str, data: bytes) -> None:
+        if failures:
+            raise failures.pop()
+        published[name] = data
+
+    local = tmp_path / "local"
+    local.mkdir()
+    mirror = BackgroundMirror(local, put, every_s=0.05)
+    (local / "a.jsonl").write_text('{"step": 1}\n')
+    mirror.changed()
+    mirror.flush().wait()
+    assert published == {"a.jsonl": b'{"step": 1}\n'} and not failures
     mirror.close()
 
 

@@ -24,11 +24,13 @@ import tarfile
 import pytest
 import torch
 from pretrain_helpers import (
+    HELD,
     assert_same_weights,
     final_weights,
     in_process_loop,
     pretrain_args,
     run,
+    run_until_checkpoint,
 )
 
 from vitray.common.config import ConfigError, load_config
@@ -129,8 +131,8 @@ def _damage(dataset, dest):
 
 @pytest.mark.slow
 def test_skipped_steps_and_damaged_samples_are_counted_across_a_kill_and_the_resume_is_exact(digits_dataset, tmp_path):
-    """One run over damaged shards with NaN losses at steps 3 and 7 (`skip`), and the same run with
-    a worker killed after its step-10 checkpoint and the group restarted: the skipped steps' count is
+    """One run over damaged shards with NaN losses at steps 3 and 7 (`skip`), and the same run
+    killed with SIGKILL after its step-10 checkpoint and re-run: the skipped steps' count is
     restored (DeepSpeed's), the damaged samples are skipped at the same steps, and the weights are
     the uninterrupted run's. (One pair of runs for both counts keeps the suite's time down.)"""
     damaged = str(_damage(digits_dataset, tmp_path / "damaged"))
@@ -149,14 +151,11 @@ def test_skipped_steps_and_damaged_samples_are_counted_across_a_kill_and_the_res
     status = run_summary(str(reference / "bad")).status
     assert f"{sum(logged.values())} corrupt samples skipped, from " in status and cut_short in status, status
 
-    # A worker killed at step 12: Ray Train restarts the group from the step-10 checkpoint.
     killed = tmp_path / "killed"
-    run(
-        pretrain_args(
-            damaged, str(killed), "bad", *COMMON, *poisoned, "debug.kill_worker_at_step=12", "cluster.max_failures=1"
-        )
-    )
-    assert (killed / "bad" / "vitray" / "markers" / "killed-at-step-12").exists()
+    args = pretrain_args(damaged, str(killed), "bad", *COMMON, *poisoned)
+    assert run_until_checkpoint([*args, "--set", HELD], str(killed / "bad"), min_step=10) >= 10
+    rerun = run(args)
+    assert "resuming bad from step" in " ".join(rerun.stderr.split())
     resumed = RunFiles(str(killed / "bad")).read_metrics()
     assert resumed[-1]["nonfinite_steps"] == 2  # DeepSpeed's count was restored
     assert {m["step"]: m["skipped_samples"] for m in resumed} == logged  # the same samples skipped at the same steps

@@ -16,7 +16,7 @@ from pretrain_helpers import (
     final_weights,
     pretrain_args,
     run,
-    run_until_checkpoint,
+    run_until_ray_dies,
 )
 
 from vitray.runfolder.checkpoint_folders import (
@@ -26,7 +26,7 @@ from vitray.runfolder.checkpoint_folders import (
     verify_complete,
 )
 from vitray.runfolder.files import RunFiles
-from vitray.trainers.checkpoint.checkpointer import staging_prefix
+from vitray.runfolder.lease import read_lease
 from vitray.trainers.keys import collect_keys
 
 pytestmark = pytest.mark.slow
@@ -71,7 +71,7 @@ def test_checkpoints_are_complete_and_kept(reference):
     assert state["step"] == STEPS and state["world_size"] == 2
 
 
-def test_stop_and_rerun_resumes_exactly(digits_dataset, reference, tmp_path):
+def test_ray_gone_under_a_run_is_said_and_the_rerun_resumes_exactly(digits_dataset, reference, tmp_path):
     storage = str(tmp_path / "runs")
     keys = tmp_path / "keys"
     args = pretrain_args(
@@ -86,25 +86,23 @@ def test_stop_and_rerun_resumes_exactly(digits_dataset, reference, tmp_path):
     )
     staging = tmp_path / "staging"
     args += ["--set", f"checkpoint.staging_dir={staging}"]
-    # Killed while it runs (held: a step a half second); the re-run does not wait.
-    stopped_at = run_until_checkpoint([*args, "--set", HELD], str(tmp_path / "runs" / "ref"), min_step=EVERY)
-    assert stopped_at < STEPS
-    # What a kill mid-upload leaves on the node: shares of this run's checkpoints (each rank's),
-    # beside another run's staging folder, which is not this run's to touch.
-    own = [
-        staging / f"{staging_prefix(str(tmp_path / 'runs' / 'ref'))}{step:08d}-r{rank}-x1"
-        for step, rank in [(4, 0), (8, 1)]
-    ]
-    other = staging / f"{staging_prefix(str(tmp_path / 'runs' / 'other'))}00000004-r0-x2"
-    for folder in [*own, other]:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "mp_rank_00_model_states.pt").write_bytes(b"\0" * 4096)
+    # Ray's head killed under the run (held: a step a quarter second); the driver says so in one line
+    # and exits 1, its attempt recorded as failed and the lease released; the re-run does not wait.
+    run_dir = str(tmp_path / "runs" / "ref")
+    gone = run_until_ray_dies([*args, "--set", HELD], run_dir, min_step=EVERY)
+    said = " ".join(gone.stderr.split())
+    assert gone.returncode == 1, gone.stdout[-2000:] + gone.stderr[-4000:]
+    assert "error: Ray went away under the run ref: the Ray GCS at " in said and "start the same command again" in said
+    assert "Traceback" not in gone.stderr and "Failed to connect to GCS" not in gone.stderr
+    (attempt,) = RunFiles(run_dir).read_attempts()
+    assert attempt["status"] == "failed" and "RayLost" in attempt["error"]
+    assert read_lease(RunFiles(run_dir).lease_path) is None
     run(args)  # the same command again
     assert_same_weights(final_weights(str(tmp_path / "runs" / "ref")), reference["weights"])
     assert collect_keys(keys) == reference["keys"]
-    # The stale ones are gone (removed as the attempt started), and so is every folder this
-    # attempt staged (Ray deletes each once uploaded); the other run's is untouched.
-    assert sorted(staging.glob("vitray-ckpt-*")) == [other]
+    # Written once: the ranks wrote straight into the run folder; nothing was staged on the node.
+    # (A resume's restore folder leaves only its lock file there.)
+    assert not staging.exists() or [p.name for p in staging.rglob("*") if p.is_file()] in ([], ["vitray-restore.lock"])
 
 
 def test_resume_on_one_worker_from_two_worker_checkpoint(digits_dataset, reference, tmp_path):

@@ -189,14 +189,17 @@ def test_background_checkpoint_writes_the_state_as_it_was_when_saved(tmp_path):
     weights = torch.arange(6, dtype=torch.float32)
     view = weights[2:4]  # a view must be written compactly, not with its whole storage
     state = {"module": {"w": weights, "v": view}, "step": 7, "groups": [{"lr": 0.1}]}
-    engine.begin()
-    engine.save(state, str(tmp_path / "state.pt"))
+    # DeepSpeed saves under a scratch folder; the engine writes each file into the checkpoint's folder.
+    scratch, folder = tmp_path / "scratch", tmp_path / "checkpoint"
+    engine.begin(scratch, str(folder))
+    engine.save(state, str(scratch / "state.pt"))
     weights.add_(100.0)  # training goes on while the file is written
     state["groups"][0]["lr"] = 0.0
     pending = engine.pending()
     pending.wait()
     assert pending.done()
-    loaded = engine.load(str(tmp_path / "state.pt"))
+    assert not (scratch / "state.pt").exists()
+    loaded = engine.load(str(folder / "state.pt"))
     assert torch.equal(loaded["module"]["w"], torch.arange(6, dtype=torch.float32))
     assert torch.equal(loaded["module"]["v"], torch.tensor([2.0, 3.0]))
     assert loaded["module"]["v"].untyped_storage().nbytes() == 2 * 4

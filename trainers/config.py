@@ -18,6 +18,7 @@ from vitray.data.plan import default_num_slots
 from vitray.models.config import ModelConfig
 from vitray.models.variants import get_variant
 from vitray.storage import absolute
+from vitray.storage.retries import OUTAGE_S
 from vitray.trainers.driver_checks.tpu_slices import tpu_slice
 from vitray.trainers.engines.registry import ENGINES
 from vitray.trainers.engines.seam import Engine
@@ -72,6 +73,14 @@ class RunConfig(_Section):
         gt=0,
         description="After SIGTERM to the driver: how long the workers have to write a checkpoint "
         "and stop before the driver exits without one.",
+    )
+    storage_outage_s: float = Field(
+        OUTAGE_S,
+        gt=0,
+        description="How long the storage calls a run makes while it trains (the stop-file check, the lease "
+        "heartbeat, the metrics and checkpoint uploads) wait for a store that does not answer (connection "
+        "refused, timeouts, 503 SlowDown) before the run fails; the console says once when an outage starts "
+        "and once when it ends. No worker-group restart is spent on an outage shorter than this.",
     )
 
     @field_validator("name")
@@ -226,10 +235,17 @@ class PrecisionConfig(_Section):
 class CheckpointConfig(_Section):
     every: int = Field(1000, gt=0, description="Checkpoint every N steps (and at the end).")
     keep: int = Field(3, gt=0, description="Complete checkpoints kept; older ones are deleted.")
+    model_weights: Literal["every", "last", "none"] = Field(
+        "last",
+        description="Which checkpoints also hold the consolidated fp32 weights (model.safetensors, 4 bytes a "
+        "parameter) that evaluation and export read: every one, the run's last one only, or none. Without "
+        "them evaluation and export derive the weights from the optimizer's shards (slower: they read 3x the "
+        "bytes); a resume never reads them. DeepSpeed ZeRO 1-2 only: other engines and stages always write them.",
+    )
     staging_dir: StoragePath | None = Field(
         None,
-        description="Local folder where each worker writes a checkpoint before it is uploaded; the "
-        "system's temporary folder when unset.",
+        description="Local folder for the copies of a remote checkpoint that a resume reads; the system's "
+        "temporary folder when unset. Checkpoints themselves are written straight into the run folder.",
     )
     preemption_check_every: int = Field(
         5, gt=0, description="Steps between checks for a pre-emption notice (one small broadcast each)."

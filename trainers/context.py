@@ -7,14 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 
 class Reporter(Protocol):
-    def __call__(self, metrics: dict[str, Any], checkpoint_dir: Path) -> None:
-        """Hand a local checkpoint folder, with its step's metrics, to the run (every rank calls it,
-        at the same step).
+    def __call__(self, metrics: dict[str, Any], checkpoint_dir: str) -> None:
+        """Hand a complete checkpoint folder, already in the run folder (a local path or a URL), with
+        its step's metrics, to the run (every rank calls it, at the same step).
 
         Only checkpoints are reported: every log step's metrics are in the run's metrics file and
         trackers already. Under Ray Train every report is a barrier across the ranks that Ray holds

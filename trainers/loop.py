@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vitray import storage
 from vitray.common.redact import redacted_config
 from vitray.data import ShardLoader, read_dataset_info
 from vitray.data.batch import UnreadableData
@@ -59,6 +60,7 @@ class TrainingLoop:
     def __init__(self, cfg: TrainingConfig, ctx: WorkerContext):
         self.cfg, self.ctx = cfg, ctx
         self.rank, self.world = ctx.rank, ctx.world_size
+        storage.set_outage_budget(cfg.run.storage_outage_s)  # for the checkpoint uploads' ride-out
         self.accum = cfg.grad_accumulation
         self.info = read_dataset_info(cfg.data.train, cfg.data.storage_options)
         self.objective = build_objective(cfg.train, self.info.label_kind, self.info.num_classes)
@@ -76,6 +78,7 @@ class TrainingLoop:
             every=cfg.checkpoint.preemption_check_every,
             device=self.backend.device,
             drain_notice=ctx.drain_notice,
+            outage_s=cfg.run.storage_outage_s,
         )
         self.keys = None
         if cfg.debug.record_sample_keys:
@@ -94,7 +97,12 @@ class TrainingLoop:
         if self.rank == 0:
             local_metrics = Path(tempfile.mkdtemp(prefix="vitray-metrics-"))
             self.run_files.seed_local_metrics(local_metrics, self.step)
-            self.metrics = MetricsWriter(local_metrics, self.run_files, upload_every_s=cfg.log.upload_every_s)
+            self.metrics = MetricsWriter(
+                local_metrics,
+                self.run_files,
+                upload_every_s=cfg.log.upload_every_s,
+                outage_s=cfg.run.storage_outage_s,
+            )
             self.checkpointer.before_complete = self.metrics.flush
         self.trackers = None
         if self.rank == 0 and (cfg.log.mlflow or cfg.log.wandb):
@@ -126,6 +134,7 @@ class TrainingLoop:
                 num_workers=self.cfg.data.num_workers,
                 shuffle_buffer=self.cfg.data.shuffle_buffer,
                 storage_options=self.cfg.data.storage_options,
+                outage_s=self.cfg.run.storage_outage_s,  # the data's store too: an outage is waited for
                 crop=self.cfg.data.crop,
                 min_crop_area=self.cfg.data.min_crop_area,
                 resize_ratio=self.cfg.data.resize_ratio,
@@ -141,8 +150,8 @@ class TrainingLoop:
             every=self.cfg.checkpoint.every,
             last_step=self.cfg.train.steps,
             report=self.ctx.report,
-            staging_dir=self.cfg.checkpoint.staging_dir,
             run_dir=self.ctx.run_dir,
+            model_weights=self.cfg.checkpoint.model_weights,
             states={"data": self.loader},
             weights={ckpt.EMA_FILE: self.ema} if self.ema is not None else {},
             record={

@@ -108,7 +108,7 @@ class MetricsWriter:
     (`RunFiles`), a background thread copies the folder to the run folder, at most every
     `upload_every_s` seconds (`vitray.trainers.metrics_upload`): a step never waits for storage."""
 
-    def __init__(self, local_dir: Path, mirror=None, *, upload_every_s: float = 10.0):
+    def __init__(self, local_dir: Path, mirror=None, *, upload_every_s: float = 10.0, outage_s: float | None = None):
         self.local_dir = local_dir
         self.local_dir.mkdir(parents=True, exist_ok=True)
         from torch.utils.tensorboard import SummaryWriter
@@ -117,7 +117,10 @@ class MetricsWriter:
 
         self._tb = SummaryWriter(str(local_dir / "tensorboard"))
         self._jsonl = open(local_dir / METRICS_FILE, "a", encoding="utf-8")
-        self._upload = BackgroundMirror(local_dir, mirror.put_metrics_file, every_s=upload_every_s) if mirror else None
+        outage = {} if outage_s is None else {"outage_s": outage_s}  # run.storage_outage_s
+        self._upload = (
+            BackgroundMirror(local_dir, mirror.put_metrics_file, every_s=upload_every_s, **outage) if mirror else None
+        )
         if self._upload is not None:
             self._upload.changed()  # a resumed run's seeded lines replace what its failed attempt logged
 

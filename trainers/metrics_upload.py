@@ -12,6 +12,9 @@ the files right for readers:
 - Whole records only: a file is uploaded up to the size recorded after a flush, never a record
   being written; each upload is atomic (`storage.write_bytes_atomic`), so a reader of the run
   folder (pandas, pyarrow, `vitray runs`, the driver's progress bar) sees a complete file.
+- A store that does not answer is waited for (`storage.ride_out`, up to `run.storage_outage_s`):
+  the console says once when the outage starts and once when it ends; only an outage longer
+  than that fails an upload.
 - `flush()` asks for an upload now and returns a handle to wait on: a checkpoint's background
   write waits on it before its completion record, so a resume never misses a logged line of
   the steps it continues from. `close()` uploads the last state and waits for it.
@@ -25,6 +28,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from vitray import storage
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +54,20 @@ class UploadHandle:
 
 class BackgroundMirror:
     """`put(relative_name, data)` publishes one file's content in the run folder; `every_s` is
-    the least time between two uploads (0: as often as uploads finish)."""
+    the least time between two uploads (0: as often as uploads finish); `outage_s` how long one
+    upload waits for storage that does not answer."""
 
-    def __init__(self, local_dir: Path, put: Callable[[str, bytes], None], *, every_s: float):
+    def __init__(
+        self,
+        local_dir: Path,
+        put: Callable[[str, bytes], None],
+        *,
+        every_s: float,
+        outage_s: float = storage.retries.OUTAGE_S,
+    ):
         self.local_dir = Path(local_dir)
         self._put = put
-        self.every_s = every_s
+        self.every_s, self.outage_s = every_s, outage_s
         self._cond = threading.Condition()
         self._generation = 0  # bumped by every `changed()`
         self._sizes: dict[str, int] = {}  # relative name -> bytes complete at the latest generation
@@ -141,7 +154,11 @@ class BackgroundMirror:
                 continue
             with open(self.local_dir / name, "rb") as f:
                 data = f.read(size)  # only the bytes complete at the last flush
-            self._put(name, data)
+            storage.ride_out(
+                lambda: self._put(name, data),  # noqa: B023 (called at once)
+                what=f"uploading the metrics file {name}",
+                within_s=self.outage_s,
+            )
             self.uploads += 1
 
     def _wait_for(self, generation: int) -> None:

@@ -74,12 +74,24 @@ class PreemptionWatch:
     """Worker side: `check(step)` on every rank at every step returns a StopDecision, the same on
     every rank, at the first check step after a notice, else None."""
 
-    def __init__(self, run_dir: str, *, rank: int, every: int, device, drain_notice=None):
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        rank: int,
+        every: int,
+        device,
+        drain_notice=None,
+        outage_s: float = storage.retries.OUTAGE_S,
+    ):
+        """`outage_s` (run.storage_outage_s): how long rank 0's read of the stop file waits for
+        storage that does not answer (the step waits with it) before the worker fails."""
         from vitray.runfolder.files import RunFiles
 
         self.run_dir, self.path = run_dir, RunFiles(run_dir).stop_path
         self.rank, self.every, self.device = rank, every, device
         self.drain_notice = drain_notice  # WorkerContext.drain_notice: asked on rank 0 only
+        self.outage_s = outage_s
 
     def check(self, step: int) -> StopDecision | None:
         if step % self.every:
@@ -93,9 +105,12 @@ class PreemptionWatch:
         return StopDecision(step, save=decision == _SAVE_AND_STOP)
 
     def _read(self) -> int:
+        # A store that does not answer is waited for (storage.ride_out): failing here would cost a
+        # worker-group restart, and the other ranks only wait in the broadcast meanwhile.
         try:
-            notice = json.loads(storage.read_bytes(self.path)) if storage.exists(self.path) else None
-        except (OSError, ValueError):  # unreadable this time: the next check tries again
+            data = storage.ride_out(self._read_file, what=f"checking {self.path}", within_s=self.outage_s)
+            notice = json.loads(data) if data is not None else None
+        except (FileNotFoundError, ValueError):  # deleted meanwhile, or not a notice: the next check reads again
             notice = None
         if notice is None and self.drain_notice is not None:
             drain = self.drain_notice()
@@ -107,6 +122,9 @@ class PreemptionWatch:
         if notice is None:
             return _NONE
         return _SAVE_AND_STOP if time.time() < float(notice.get("deadline", 0)) else _STOP
+
+    def _read_file(self) -> bytes | None:
+        return storage.read_bytes(self.path) if storage.exists(self.path) else None
 
     @staticmethod
     def stop(decision: StopDecision, checkpointer, metrics: dict) -> None:

@@ -1,20 +1,31 @@
-"""One rank's side of a checkpoint folder: writing its files and its completion record, and the
-local copy of the checkpoint it resumes from.
+"""One rank's side of a checkpoint folder: writing its files straight into the run folder (local
+or s3://), durably, and its completion record last; and the local copy of the checkpoint it
+resumes from, checked.
 
 The layout, and when a checkpoint counts as complete, are `vitray.runfolder.checkpoint_folders`'s
-(which the driver reads); the rank writes its completion record last, after every file it lists.
-When to save, the background write and restoring are `vitray.trainers.checkpoint.checkpointer`'s, which uses
-these.
+(which the driver reads). Each file is written once, where it stays: on a local disk it is
+fsynced as it is closed, and every folder that gained an entry is fsynced before the rank's
+completion record, which is written last, to a temporary name, fsynced and renamed into place --
+so a power loss or a kill -9 at any moment leaves either a whole record over whole files or no
+record. On S3 an object exists only once its PUT (a multipart upload from memory for a large one,
+parts in parallel) has returned, and the record is PUT after every file. The record lists each
+file's size and CRC-32C, which a restore checks.
+When to save, the background write and restoring are `vitray.trainers.checkpoint.checkpointer`'s,
+which uses these.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+import google_crc32c
 
 from vitray import storage
 from vitray.runfolder.checkpoint_folders import (
@@ -24,64 +35,193 @@ from vitray.runfolder.checkpoint_folders import (
     STATE_FILE,
     IncompleteCheckpointError,
     completion_record,
+    listed_crc32c,
+    listed_size,
     read_state,
 )
-from vitray.trainers.engines.seam import FileSelector
+from vitray.trainers.engines.seam import FileSelector, Written
 
 __all__ = [
     "EMA_FILE",
     "MODEL_FILE",
     "STATE_FILE",
+    "Written",
+    "checkpoint_name",
     "files_under",
     "mark_complete",
     "node_restore_dir",
     "rank_copy",
+    "sync_folders",
+    "write_file",
     "write_state",
 ]
 
+# Remote files larger than this go up as a multipart upload, this many bytes a part, the parts
+# in parallel (s3fs's `pipe_file`); below it, one PUT.
+S3_PART_BYTES = 64 * 2**20
 
-def write_state(folder: Path, state: dict[str, Any]) -> None:
-    (folder / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
+
+def checkpoint_name() -> str:
+    """A new checkpoint folder's name, as Ray Train names them (checkpoint_<date-time>, which sorts
+    in time order: `checkpoint_folders` relies on it). Rank 0 picks it and tells the others."""
+    from datetime import datetime
+
+    return f"checkpoint_{datetime.today().strftime('%Y-%m-%d_%H-%M-%S.%f')}"
 
 
-def mark_complete(folder: Path, rank: int, files: list[Path]) -> None:
-    """Record this rank's files; called after they are fully written."""
-    listing = {str(p.relative_to(folder)): p.stat().st_size for p in files}
-    record = folder / completion_record(rank)
-    tmp = record.with_suffix(".tmp")
-    tmp.write_text(json.dumps(listing, indent=1, sort_keys=True))
-    os.replace(tmp, record)
+class _Checksummed(io.RawIOBase):
+    """A write-only file that passes bytes on to `out` and keeps their count and CRC-32C."""
+
+    def __init__(self, out: IO[bytes]):
+        self.out, self.size, self.crc = out, 0, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.out.write(view)
+        self.size += view.nbytes
+        self.crc = crc32c_extend(self.crc, view)
+        return view.nbytes
+
+
+def crc32c_extend(crc: int, data) -> int:
+    """`crc` extended over `data` (any buffer): google-crc32c's C extension takes only bytes, so a
+    large buffer goes through in slices (a copy costs far less than the checksum's memory read)."""
+    if isinstance(data, bytes):
+        return google_crc32c.extend(crc, data)
+    view = memoryview(data).cast("B")
+    for start in range(0, view.nbytes, _CRC_SLICE):
+        crc = google_crc32c.extend(crc, bytes(view[start : start + _CRC_SLICE]))
+    return crc
+
+
+_CRC_SLICE = 16 * 2**20
+
+
+def write_file(folder: str, name: str, write: Callable[[IO[bytes]], None]) -> Written:
+    """Write the checkpoint file `name` (relative, `/`-separated) of `folder` (a local path or a
+    URL) once, where it stays, through `write(f)`. Locally the file is fsynced before this returns
+    (its folder's entry is `sync_folders`'s); remotely it is serialised into memory and PUT (a
+    multipart upload with parallel parts when large), riding out an outage of the store
+    (`storage.ride_out`, the worker's run.storage_outage_s)."""
+    if storage.is_remote(folder):
+        buffer = io.BytesIO()
+        counted = _Checksummed(buffer)
+        write(counted)
+        data = buffer.getvalue()  # bytes: what botocore sends as a body (a part is a slice of it)
+        del buffer
+        fs, fs_path = storage.filesystem(storage.join(folder, name))
+        # An outage of the store is waited for (run.storage_outage_s), not spent as a restart.
+        storage.ride_out(
+            lambda: fs.pipe_file(fs_path, data, chunksize=S3_PART_BYTES),
+            what=f"uploading {name} of checkpoint {folder}",
+        )
+        return Written(name, counted.size, counted.crc)
+    path = os.path.join(folder, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb", buffering=0) as raw:
+        counted = _Checksummed(raw)
+        with io.BufferedWriter(counted, buffer_size=8 * 2**20) as f:
+            write(f)
+            f.flush()
+            os.fsync(raw.fileno())
+    return Written(name, counted.size, counted.crc)
+
+
+def write_bytes(folder: str, name: str, data: bytes) -> Written:
+    return write_file(folder, name, lambda f: f.write(data))
+
+
+def write_state(folder: str, state: dict[str, Any]) -> Written:
+    return write_bytes(folder, STATE_FILE, json.dumps(state, indent=2, sort_keys=True).encode())
+
+
+def sync_folders(folder: str, written: list[Written]) -> None:
+    """Make the entries of the files in `written` durable: fsync every local folder that holds one,
+    up to the checkpoint folder and the run folder above it (which gained the checkpoint folder's
+    entry). Nothing to do on an object store."""
+    if storage.is_remote(folder):
+        return
+    root = Path(folder)
+    folders = {root, root.parent}
+    for w in written:
+        parent = (root / w.name).parent
+        while parent != root and parent not in folders:
+            folders.add(parent)
+            parent = parent.parent
+    for path in sorted(folders, key=lambda p: len(p.parts), reverse=True):  # the deepest first
+        _fsync_folder(path)
+
+
+def _fsync_folder(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def mark_complete(folder: str | Path, rank: int, written: list[Written] | list[Path]) -> None:
+    """Record this rank's files (name -> size and CRC-32C), last: after every file it lists is
+    whole and durable (`write_file`, `sync_folders`). Locally: a temporary file, fsynced, renamed
+    into place and its folder fsynced; on S3 one PUT (an object appears whole or not at all).
+    Files may also be given as local paths under `folder` (read for their size and CRC)."""
+    folder = str(folder)
+    written = [w if isinstance(w, Written) else _read_written(Path(folder), Path(w)) for w in written]
+    listing = {w.name: {"size": w.size, "crc32c": f"{w.crc32c:08x}"} for w in written}
+    data = json.dumps(listing, indent=1, sort_keys=True).encode()
+    name = completion_record(rank)
+    if storage.is_remote(folder):
+        write_bytes(folder, name, data)
+        return
+    tmp = os.path.join(folder, f".{name}.tmp")
+    write_bytes(folder, f".{name}.tmp", data)
+    os.replace(tmp, os.path.join(folder, name))
+    _fsync_folder(Path(folder))
+
+
+def _read_written(folder: Path, path: Path) -> Written:
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CRC_SLICE):
+            crc = google_crc32c.extend(crc, chunk)
+    return Written(path.relative_to(folder).as_posix(), path.stat().st_size, crc)
 
 
 def files_under(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(COMPLETION_PREFIX))
+    """The files of a local checkpoint folder but the completion records."""
+    return sorted(p for p in Path(folder).rglob("*") if p.is_file() and not p.name.startswith(COMPLETION_PREFIX))
 
 
 def rank_copy(path: str, select: FileSelector | None, node_dir: Path, rank: int) -> tuple[Path, dict[str, Any]]:
     """A local folder with what rank `rank` reads of the complete checkpoint `path` (local or
-    s3://), and its trainer state.
+    s3://), and its trainer state; every file it reads checked against the size and CRC-32C its
+    completion record lists (records of checkpoints written before CRCs were listed: sizes only).
 
-    A local checkpoint is its own copy. Of a remote one, only the files `select` picks (the
-    engine's `restore_files`; all of them when it is None or picks None) are
-    downloaded (concurrently, each checked against the size its completion record lists) into
-    `node_dir`, a folder the ranks of one node share (`node_restore_dir`): the files every rank
-    reads (module states, EMA weights) come down once per node, each rank's own shards once, and
-    no other rank's shards. The checkpoint must already be known complete (the driver or rank 0
-    verified it): this reads the trainer state and the records of rank 0 (the shared files) and of
-    `rank` only, so a resume costs each rank a constant number of requests, not one per rank."""
+    A local checkpoint is its own copy (its files are checked in place, in parallel). Of a remote
+    one, only the files `select` picks (the engine's `restore_files`; all of them when it is None
+    or picks None) are downloaded (concurrently, then checked) into `node_dir`, a folder the ranks
+    of one node share (`node_restore_dir`): the files every rank reads (module states, EMA weights)
+    come down once per node, each rank's own shards once, and no other rank's shards. The
+    checkpoint must already be known complete (the driver or rank 0 verified it): this reads the
+    trainer state and the records of rank 0 (the shared files) and of `rank` only, so a resume
+    costs each rank a constant number of requests, not one per rank."""
     import fcntl
 
     fs, fs_path = storage.filesystem(path)
     root = fs_path.rstrip("/")
     state = read_state(root, fs)
-    if not storage.is_remote(path):
-        return Path(path), state
-    sizes = _listed_files(fs, root, path, {0, rank} & set(range(state["world_size"])))
-    wanted = select(state, sorted(sizes)) if select is not None else None
+    listed = _listed_files(fs, root, path, {0, rank} & set(range(state["world_size"])))
+    wanted = select(state, sorted(listed)) if select is not None else None
     if wanted is None:  # the whole checkpoint: what every rank's record lists
-        sizes = _listed_files(fs, root, path, set(range(state["world_size"])))
-        wanted = sorted(sizes)
+        listed = _listed_files(fs, root, path, set(range(state["world_size"])))
+        wanted = sorted(listed)
     names = sorted(set(wanted) - {STATE_FILE})
+    if not storage.is_remote(path):
+        _check_files(path, Path(path), {n: listed[n] for n in names})
+        return Path(path), state
     locks = node_dir / ".locks"
     locks.mkdir(parents=True, exist_ok=True)
     held = []
@@ -90,7 +230,11 @@ def rank_copy(path: str, select: FileSelector | None, node_dir: Path, rank: int)
             handle = open(locks / (name.replace("/", "__") + ".lock"), "w")
             fcntl.flock(handle, fcntl.LOCK_EX)
             held.append(handle)
-        missing = [n for n in names if not ((node_dir / n).is_file() and (node_dir / n).stat().st_size == sizes[n])]
+        missing = [
+            n
+            for n in names
+            if not ((node_dir / n).is_file() and (node_dir / n).stat().st_size == listed_size(listed[n]))
+        ]
         parts = {n: node_dir / f"{n}.part-{os.getpid()}" for n in missing}
         for part in parts.values():
             part.parent.mkdir(parents=True, exist_ok=True)
@@ -99,12 +243,9 @@ def rank_copy(path: str, select: FileSelector | None, node_dir: Path, rank: int)
                 lambda: fs.get([f"{root}/{n}" for n in missing], [str(parts[n]) for n in missing]),
                 what=f"downloading {len(missing)} files of checkpoint {path}",
             )
+        _check_files(path, node_dir, {n: listed[n] for n in missing}, at=parts)
         for name, part in parts.items():
-            if part.stat().st_size != sizes[name]:
-                raise IncompleteCheckpointError(
-                    path, f"{name} came down with {part.stat().st_size} bytes, its record lists {sizes[name]}"
-                )
-            os.replace(part, node_dir / name)  # whole, or not there
+            os.replace(part, node_dir / name)  # whole and checked, or not there
     finally:
         for handle in held:
             handle.close()
@@ -112,15 +253,46 @@ def rank_copy(path: str, select: FileSelector | None, node_dir: Path, rank: int)
     return node_dir, state
 
 
-def _listed_files(fs, root: str, path: str, ranks: set[int]) -> dict[str, int]:
-    """File name -> size, as the completion records of `ranks` list them."""
+# Files are read and checked this many at a time (reads from a disk or the page cache overlap;
+# google-crc32c's C implementation runs at several GB/s).
+CHECK_THREADS = 8
+
+
+def _check_files(path: str, folder: Path, listed: dict[str, Any], at: dict[str, Path] | None = None) -> None:
+    """Raise IncompleteCheckpointError unless each file has its listed size and CRC-32C."""
+
+    def check(name: str) -> str | None:
+        file = (at or {}).get(name) or folder / name
+        size, crc = listed_size(listed[name]), listed_crc32c(listed[name])
+        try:
+            actual = file.stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if actual != size:
+            return f"{name} has {actual} bytes, its record lists {size}"
+        if crc is None:
+            return None
+        value = 0
+        with open(file, "rb", buffering=0) as f:
+            while chunk := f.read(_CRC_SLICE):
+                value = google_crc32c.extend(value, chunk)
+        return None if value == crc else f"{name} does not have the CRC-32C its record lists (corrupt)"
+
+    with ThreadPoolExecutor(max_workers=CHECK_THREADS, thread_name_prefix="vitray-ckpt-check") as pool:
+        problems = [p for p in pool.map(check, sorted(listed)) if p]
+    if problems:
+        raise IncompleteCheckpointError(path, problems[0])
+
+
+def _listed_files(fs, root: str, path: str, ranks: set[int]) -> dict[str, Any]:
+    """File name -> what the completion records of `ranks` list for it (a size, or size and CRC)."""
     records = sorted(f"{root}/{completion_record(r)}" for r in ranks)
-    sizes: dict[str, int] = {}
+    listed: dict[str, Any] = {}
     for text in storage.with_retries(
         lambda: fs.cat(records), what=f"reading the records of checkpoint {path}"
     ).values():
-        sizes.update(json.loads(text))
-    return sizes
+        listed.update(json.loads(text))
+    return listed
 
 
 @contextlib.contextmanager

@@ -26,9 +26,20 @@ import torch
 from torch import nn
 
 
+@dataclass(frozen=True)
+class Written:
+    """One file of a checkpoint as written: its name in the checkpoint folder (`/`-separated),
+    size and CRC-32C (what the rank's completion record lists)."""
+
+    name: str
+    size: int
+    crc32c: int
+
+
 class PendingSave:
     """A checkpoint write that may still be running in the background: the futures of the
-    background writes of this rank's share (a backend's `save` returns one)."""
+    background writes of this rank's share (a backend's `save` returns one); each future gives
+    the `Written` files it wrote (one, or a list)."""
 
     def __init__(self, futures: list[Future]):
         self._futures = futures
@@ -37,10 +48,13 @@ class PendingSave:
         """True when every file of this rank's share is written and closed."""
         return all(f.done() for f in self._futures)
 
-    def wait(self) -> None:
-        """Block until `done()`; re-raises the writer's error, if any."""
+    def wait(self) -> list[Written]:
+        """Block until `done()` and return the files written; re-raises the writer's error, if any."""
+        written: list[Written] = []
         for future in self._futures:
-            future.result()
+            result = future.result()
+            written += result if isinstance(result, list) else [result] if isinstance(result, Written) else []
+        return written
 
 
 class TrainBackend(Protocol):
@@ -52,6 +66,10 @@ class TrainBackend(Protocol):
     # The forward pass is a collective (ZeRO-3 gathers weights in it; XLA over several hosts runs
     # one program): every rank must make the same forward calls, evaluations and probes included.
     collective_forward: bool
+    # Its checkpoint shards give the consolidated fp32 weights (`vitray.runfolder.derived_weights`
+    # derives them on demand): a checkpoint may then leave out model.safetensors
+    # (`checkpoint.model_weights`).
+    weights_in_shards: bool
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The training forward pass (through the engine's wrapper)."""
@@ -105,9 +123,11 @@ class TrainBackend(Protocol):
         """Whole fp32 CPU copies of tensors shaped as `local_weights` (e.g. the EMA weights), taken
         now. Collective, like `full_state_dict`: complete on rank 0."""
 
-    def save(self, folder: Path) -> PendingSave:
-        """Start writing this rank's share of the model, optimizer and schedule state under
-        `folder`. Training may go on at once: the state is snapshotted before this returns."""
+    def save(self, folder: str) -> PendingSave:
+        """Start writing this rank's share of the model, optimizer and schedule state into the
+        checkpoint folder `folder` (a local path or a URL in the run folder: written there once,
+        with `vitray.trainers.checkpoint.rank_files.write_file`). Training may go on at once: the
+        state is snapshotted before this returns."""
 
     def load(self, folder: Path, state: dict[str, Any]) -> None:
         """Restore from a complete checkpoint folder (`state` is its trainer_state.json), also one

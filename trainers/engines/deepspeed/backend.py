@@ -4,14 +4,21 @@ DeepSpeed picks the accelerator itself: CUDA on GPU nodes, the CPU (gloo) elsewh
 process group is the one Ray Train already set up; DeepSpeed joins it instead of making its own.
 
 Checkpoint files are written in the background (:class:`BackgroundCheckpointEngine`): DeepSpeed
-hands each state dict to the engine, which snapshots it to host memory and returns, so training
-goes on while the files are serialised and written.
+hands each state dict to the engine, which snapshots it into host buffers kept from one checkpoint
+to the next (pinned on a GPU) and returns, so training goes on while the files are serialised and
+written, once, straight into the checkpoint folder in the run folder (local or s3://).
+
+What a resume needs is written once: under ZeRO 1-2 the optimizer's fp32 master copy is the model
+(the bf16/fp16 weights are that copy rounded, after every step), so the module states keep only
+what it does not hold (buffers, frozen parameters) and a resume rounds the master copy again --
+bit-exact. AdamW then costs 12 bytes a parameter (master weights and two moments).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import shutil
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +31,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from torch import nn
 
+from vitray.trainers.checkpoint.rank_files import write_file
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.engines.deepspeed import zero_step
 from vitray.trainers.engines.deepspeed.resume_files import (
@@ -143,8 +151,11 @@ def compile_enabled(setting: bool | None) -> bool:
 
 
 def save(engine, checkpoint_dir: Path, client_state: dict[str, Any]) -> None:
-    """Every rank writes its own shards; rank 0 also writes the module states."""
-    engine.save_checkpoint(str(checkpoint_dir / CHECKPOINT_SUBDIR), tag=CHECKPOINT_TAG, client_state=client_state)
+    """Every rank writes its own shards; rank 0 also writes the module states (no `latest` file:
+    vitray loads its one tag by name)."""
+    engine.save_checkpoint(
+        str(checkpoint_dir / CHECKPOINT_SUBDIR), tag=CHECKPOINT_TAG, client_state=client_state, save_latest=False
+    )
 
 
 def load(engine, checkpoint_dir: Path, *, universal_dir: Path | None = None) -> dict[str, Any]:
@@ -154,15 +165,30 @@ def load(engine, checkpoint_dir: Path, *, universal_dir: Path | None = None) -> 
         if universal_dir
         else (checkpoint_dir / CHECKPOINT_SUBDIR, CHECKPOINT_TAG)
     )
+    masters = weights_from_master(engine)
     path, client_state = engine.load_checkpoint(
         str(load_dir),
         tag=tag,
         load_optimizer_states=True,
         load_lr_scheduler_states=True,
+        # The module states of a checkpoint that dropped what the master copy gives lack those
+        # weights (older checkpoints have them: loaded, then replaced by the master copy's).
+        load_module_strict=not masters,
     )
     if path is None:
         raise RuntimeError(f"no DeepSpeed state under {load_dir}/{tag}")
+    if masters and universal_dir is None:  # (a universal load rounds them itself)
+        engine.optimizer.update_lp_params()  # the weights the step trains: the master copy, rounded
     return client_state or {}
+
+
+def weights_from_master(engine) -> set[str]:
+    """The names of the module's parameters whose weights follow from the optimizer's fp32 master
+    copy (ZeRO 1-2: DeepSpeed rounds them from it after every step and `update_lp_params` does
+    the same on a resume), which a checkpoint's module states therefore need not hold."""
+    if engine.zero_optimization_stage() not in (1, 2) or not hasattr(engine.optimizer, "update_lp_params"):
+        return set()
+    return {name for name, p in engine.module.named_parameters() if p.requires_grad}
 
 
 def shard_files(checkpoint_dir: Path) -> list[str]:
@@ -252,24 +278,51 @@ def _partition_of(param, whole: torch.Tensor) -> torch.Tensor:
     return padded[rank * size : (rank + 1) * size].clone()
 
 
-def _host_snapshot(value: Any) -> Any:
-    """A copy of a (nested) state dict that later training steps cannot change: tensors are
-    cloned to host memory (compact, so views do not drag their whole storage along)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return type(value)((k, _host_snapshot(v)) for k, v in value.items())
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_host_snapshot(v) for v in value)
-    return copy.deepcopy(value)
+class HostBuffers:
+    """Host copies of (nested) state dicts that later training steps cannot change, in buffers kept
+    from one checkpoint to the next: a tensor is copied into the buffer its place in the state
+    had last time (same shape and dtype), else into a new one, pinned when it comes from a GPU
+    (compact, so views do not drag their whole storage along). A checkpoint's buffers are reused
+    only after its files are written: the checkpointer waits for one write before the next save."""
+
+    def __init__(self):
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._on_device = False
+
+    def snapshot(self, value: Any, key: tuple = ()) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach()
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                pin = tensor.device.type == "cuda"
+                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+                self._buffers[key] = buffer
+            self._on_device |= tensor.device.type != "cpu"
+            buffer.copy_(tensor, non_blocking=tensor.device.type == "cuda")
+            return buffer
+        if isinstance(value, dict):
+            return type(value)((k, self.snapshot(v, (*key, k))) for k, v in value.items())
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(self.snapshot(v, (*key, i)) for i, v in enumerate(value))
+        return copy.deepcopy(value)
+
+    def settle(self) -> None:
+        """Wait for the copies from the device (the snapshot is whole once this returns)."""
+        if self._on_device and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._on_device = False
 
 
 class BackgroundCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed's torch.save engine with the writes moved to a background thread.
+    """DeepSpeed's torch.save engine with the writes moved to a background thread and into the
+    checkpoint folder itself.
 
-    `save` snapshots the state dict and queues the write; `pending()` gives the futures of
-    everything queued since `begin()`. Loading reads with `weights_only=True`, so a checkpoint
-    cannot run code when it is opened.
+    DeepSpeed is given a local scratch folder to save under (it makes its folders there);
+    `begin(scratch, folder)` says where the files go instead: `save` snapshots each state dict into
+    host buffers and queues the write of `folder/<its path under scratch>` (a local path or a URL),
+    and `pending()` gives the futures of everything queued since `begin`. Module states leave out
+    the weights named in `drop_module_weights` (they follow from the fp32 master copy). Loading
+    reads with `weights_only=True`, so a checkpoint cannot run code when it is opened.
     """
 
     def __init__(self, config_params=None):
@@ -277,22 +330,33 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
         self.name = "VitrayBackgroundCheckpointEngine"
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitray-ckpt")
         self._queued: list[Future] = []
+        self._buffers = HostBuffers()
+        self._target: tuple[Path, str] | None = None
+        self.drop_module_weights: set[str] = set()
 
     def preserves_storage_sharing(self) -> bool:
         return False  # the snapshot already copies every tensor compactly
 
-    def begin(self) -> None:
-        self._queued = []
+    def begin(self, scratch: Path, folder: str) -> None:
+        self._queued, self._target = [], (scratch, folder)
 
     def save(self, state_dict, path: str) -> None:
-        snapshot = _host_snapshot(state_dict)
-        self._queued.append(self._writer.submit(torch.save, snapshot, path))
+        scratch, folder = self._target
+        name = Path(path).relative_to(scratch).as_posix()
+        module = state_dict.get("module") if isinstance(state_dict, dict) else None
+        if self.drop_module_weights and isinstance(module, dict):
+            kept = type(module)((k, v) for k, v in module.items() if k not in self.drop_module_weights)
+            state_dict = {**state_dict, "module": kept}
+        snapshot = self._buffers.snapshot(state_dict, (name,))
+        self._buffers.settle()
+        self._queued.append(self._writer.submit(write_file, folder, name, lambda f: torch.save(snapshot, f)))
 
     def load(self, path: str, map_location=None):
         with torch.serialization.safe_globals(_deepspeed_checkpoint_classes()):
             return torch.load(path, map_location=map_location, weights_only=True)
 
     def pending(self) -> PendingSave:
+        self._target = None
         return PendingSave(list(self._queued))
 
 
@@ -325,6 +389,9 @@ class DeepSpeedBackend:
             )
         self.engine = build_engine(model, cfg, world_size=world_size, load_universal=self._universal_dir is not None)
         self._checkpoints = BackgroundCheckpointEngine(self.engine._config)
+        self._checkpoints.drop_module_weights = weights_from_master(self.engine)
+        # ZeRO 1-2's optimizer shards hold the fp32 master copy whole (runfolder's derived_weights).
+        self.weights_in_shards = self.engine.zero_optimization_stage() in (1, 2)
         self.engine.checkpoint_engine = self._checkpoints
         self.module = self.engine.module
         self.device = self.engine.device
@@ -407,10 +474,16 @@ class DeepSpeedBackend:
                 out[name] = whole.detach().float().cpu().clone()
         return out
 
-    def save(self, folder: Path) -> PendingSave:
-        self._checkpoints.begin()
-        save(self.engine, folder, client_state={})
-        return self._checkpoints.pending()
+    def save(self, folder: str) -> PendingSave:
+        # DeepSpeed makes its folders (and copies its recovery scripts) under a local scratch
+        # folder; every file it saves goes to `folder` instead (see BackgroundCheckpointEngine).
+        scratch = Path(tempfile.mkdtemp(prefix="vitray-ds-save-"))
+        try:
+            self._checkpoints.begin(scratch, folder)
+            save(self.engine, scratch, client_state={})
+            return self._checkpoints.pending()
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     def load(self, folder: Path, state: dict[str, Any]) -> None:
         settings = _group_settings(self.engine)

@@ -76,6 +76,7 @@ class XlaBackend:
     """:class:`vitray.trainers.engines.seam.TrainBackend` on torch-xla SPMD."""
 
     name = "xla"
+    weights_in_shards = False  # DCP shards: model.safetensors is always written
     spmd = True  # one program on all hosts: per-step randomness must not depend on the rank
 
     def __init__(
@@ -229,23 +230,30 @@ class XlaBackend:
             "schedule": self.schedule.state_dict(),
         }
 
-    def save(self, folder: Path) -> PendingSave:
+    def save(self, folder: str) -> PendingSave:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
         from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
         from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
 
+        from vitray import storage
+
         _materialise()
         snapshot = _sharded_cpu_state_dict(self._state())  # host copies: training may go on at once
-        target = folder / CHECKPOINT_SUBDIR
+        target = storage.join(folder, CHECKPOINT_SUBDIR)
+        rank = dist.get_rank(self._group) if dist.is_initialized() else 0
 
-        def write() -> None:
+        def write() -> list:
             _quiet_warnings()
-            dcp.save(
-                snapshot,
-                storage_writer=dcp.FileSystemWriter(str(target)),
-                planner=SPMDSavePlanner(),
-                process_group=self._group,
+            # Straight into the checkpoint folder: DCP's writers fsync each file locally
+            # (sync_files) and PUT each object on an object store.
+            writer = (
+                FsspecWriter(target, sync_files=False)
+                if storage.is_remote(target)
+                else dcp.FileSystemWriter(target, sync_files=True)
             )
+            dcp.save(snapshot, storage_writer=writer, planner=SPMDSavePlanner(), process_group=self._group)
+            return _dcp_files_of(target, rank)
 
         return PendingSave([self._writer.submit(write)])
 
@@ -274,6 +282,29 @@ class XlaBackend:
         self.optimizer.load_state_dict(target["optimizer"])
         self.schedule.load_state_dict(target["schedule"])
         torch_xla.sync()
+
+
+def _dcp_files_of(target: str, rank: int) -> list:
+    """The files rank `rank` wrote under a DCP folder (its `__<rank>_*.distcp`, and rank 0 the
+    `.metadata`), as `Written` entries (read back for their CRC-32C) for its completion record."""
+    import google_crc32c
+
+    from vitray import storage
+    from vitray.trainers.engines.seam import Written
+
+    fs, root = storage.filesystem(target)
+    root = root.rstrip("/")
+    written = []
+    for path in sorted(fs.find(root)):
+        base = path.rsplit("/", 1)[-1]
+        if not (base.startswith(f"__{rank}_") or (rank == 0 and base == ".metadata")):
+            continue
+        crc, size = 0, 0
+        with fs.open(path, "rb") as f:
+            while chunk := f.read(16 * 2**20):
+                crc, size = google_crc32c.extend(crc, chunk), size + len(chunk)
+        written.append(Written(f"{CHECKPOINT_SUBDIR}/{path[len(root) + 1 :]}", size, crc))
+    return written
 
 
 def _materialise() -> None:
