@@ -149,6 +149,16 @@ def test_training_steps_never_wait_for_a_slow_metrics_upload(
     assert ckpt.verify_complete(on_disk)["step"] == 5
 
 
+def _mirror_of_one_line(tmp_path, put) -> tuple:
+    """A local folder with a.jsonl's first line, and a BackgroundMirror of it (through `put`) told of it."""
+    local = tmp_path / "local"
+    local.mkdir()
+    mirror = BackgroundMirror(local, put, every_s=0.05)
+    (local / "a.jsonl").write_text('{"step": 1}\n')
+    mirror.changed()
+    return local, mirror
+
+
 def test_a_flush_waits_for_the_upload_and_a_failed_one_is_reported_and_retried(tmp_path):
     """The handle a checkpoint waits on: returns once the bytes are on storage, raises naming the
     failure when the upload failed for good, and the next upload retries. (A transient failure, a
@@ -163,11 +173,7 @@ def test_a_flush_waits_for_the_upload_and_a_failed_one_is_reported_and_retried(t
             raise failures.pop()
         published[name] = data
 
-    local = tmp_path / "local"
-    local.mkdir()
-    mirror = BackgroundMirror(local, put, every_s=0.05)
-    (local / "a.jsonl").write_text('{"step": 1}\n')
-    mirror.changed()
+    local, mirror = _mirror_of_one_line(tmp_path, put)
     handle = mirror.flush()
     assert not published  # the upload is held at the gate; flush() itself did not wait
     gate.set()
@@ -192,11 +198,7 @@ def test_a_transient_upload_failure_is_retried_inside_the_upload(tmp_path):
             raise failures.pop()
         published[name] = data
 
-    local = tmp_path / "local"
-    local.mkdir()
-    mirror = BackgroundMirror(local, put, every_s=0.05)
-    (local / "a.jsonl").write_text('{"step": 1}\n')
-    mirror.changed()
+    _, mirror = _mirror_of_one_line(tmp_path, put)
     mirror.flush().wait()
     assert published == {"a.jsonl": b'{"step": 1}\n'} and not failures
     mirror.close()
