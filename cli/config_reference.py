@@ -21,10 +21,11 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from vitray.evaluation.config import GridConfig
+from vitray.evaluation.evaluators.fewshot import FewshotEvalConfig
+from vitray.evaluation.evaluators.val import ValEvalConfig
 from vitray.evaluation.suite import BENCHMARKS, group_names
 from vitray.models.variants import HYBRID_STAGES, PATCH_SIZES, TRANSFORMER_SIZES
 from vitray.trainers.config import MOVED_KEYS, TrainingConfig
-from vitray.trainers.evals import FewshotEvalConfig, ValEvalConfig
 
 COMMAND = "python -m vitray.cli.config_reference > docs/configuration.md"
 

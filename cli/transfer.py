@@ -186,8 +186,8 @@ def finetune(
         print_config(cfg)
         return
     from vitray.cluster.runtime import run_dir
+    from vitray.evaluation.evaluators import TEST
     from vitray.trainers.driver_checks.preflight import PreflightError
-    from vitray.trainers.evals import TEST
 
     # PreflightError: refused before Ray started (exit 2); anything else: the run failed (exit 1)
     with handled(

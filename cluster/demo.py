@@ -23,12 +23,12 @@ from vitray.cluster.runtime import connect, run_dir
 from vitray.common.config import load_config
 from vitray.evaluation.checkpoint_inspection import add_to_report
 from vitray.evaluation.config import GridConfig
+from vitray.evaluation.evaluators import VAL_TOP1
 from vitray.evaluation.reference import in_context, pixel_linear_top1
 from vitray.evaluation.report import summarize
 from vitray.evaluation.results import ResultsTable
 from vitray.runfolder.files import RunFiles
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.evals import VAL_TOP1
 
 # The demo keeps one fine-tune learning rate of the digits grid to stay within a few minutes: 0.03,
 # the better of the two from the demo's run (0.81 test top-1 against 0.78 for 0.01, 100 steps at 24 px).

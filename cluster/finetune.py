@@ -22,13 +22,14 @@ from typing import Any
 from vitray.cluster.checkpoint_inputs import resolve_checkpoints
 from vitray.common.config import validate_config
 from vitray.evaluation.config import FinetuneGrid, GridConfig
+from vitray.evaluation.evaluators import TEST, TEST_TOP1, VAL, VAL_TOP1
+from vitray.evaluation.evaluators.val import ValEvalConfig
 from vitray.evaluation.finetune_recipe import FinetuneRecipe, finetune_run_name
 from vitray.evaluation.grid import METRIC, VAL_METRIC, FinetuneJob, finetune_settings, is_selection
 from vitray.evaluation.results import Cell
 from vitray.evaluation.suite import get_benchmark, require_prepared
 from vitray.runfolder.files import RunFiles
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.evals import TEST, TEST_TOP1, VAL, VAL_TOP1, ValEvalConfig
 
 # ---------------------------------------------------------------------------------------------
 # The run's config
@@ -39,8 +40,8 @@ def training_config(
     recipe: FinetuneRecipe, overrides: Mapping[str, Any] | Sequence[str] = (), *, source: str = "the fine-tune recipe"
 ) -> TrainingConfig:
     """The recipe + dotted overrides as a validated TrainingConfig (see `validate_config`) whose
-    evaluator :data:`~vitray.trainers.evals.VAL` reports the run's top-1 at its last step (and, a
-    selection cell's, :data:`~vitray.trainers.evals.TEST` its top-1 on the test split)."""
+    evaluator :data:`~vitray.evaluation.evaluators.VAL` reports the run's top-1 at its last step (and, a
+    selection cell's, :data:`~vitray.evaluation.evaluators.TEST` its top-1 on the test split)."""
     return validate_config(TrainingConfig, recipe.config(VAL, TEST), overrides, source=source)
 
 

@@ -37,6 +37,7 @@ from vitray.cluster.runtime import (
 from vitray.cluster.stop_signals import StopOnSignal
 from vitray.cluster.torch_trainer import check_workers_fit, fit
 from vitray.cluster.train_worker import prune
+from vitray.evaluation.evaluators import VAL_TOP1
 from vitray.runfolder.checkpoint_folders import (
     CheckpointInfo,
     describe_resume,
@@ -47,7 +48,6 @@ from vitray.runfolder.lease import RunLease, RunLeaseHeld
 from vitray.runfolder.progress import TrainingProgress
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.driver_checks.preflight import PreflightError, ResumePlan, check_inputs, check_resume
-from vitray.trainers.evals import VAL_TOP1
 from vitray.trainers.preemption import clear_stop
 
 # What `pretrain` raises when the run fails for good (each failed rank's traceback in its message).

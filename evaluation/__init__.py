@@ -1,77 +1,61 @@
-"""Transfer evaluation: few-shot linear probes, the benchmark suite, the results table and reports.
+"""Transfer evaluation: the evaluators a training run schedules (`vitray.evaluation.evaluators`),
+few-shot linear probes, the benchmark suite, the evaluation grid, the results table and reports.
 
-`vitray.evaluation.report` (matplotlib, rich) is imported on first use of its names.
+Nothing is imported with the package: its names below are imported on first use, so that a
+training worker that only needs an evaluator does not import scipy, pyarrow, matplotlib or pandas.
 """
 
-from vitray.evaluation.fewshot import (
-    DEFAULT_L2_REG,
-    L2_GRID,
-    FewShotScore,
-    LsrSolution,
-    extract_features,
-    fewshot_accuracy,
-    predict,
-    sample_few_shot,
-    select_l2,
-    solve_lsr,
-)
-from vitray.evaluation.results import Cell, ResultsTable, make_cell_id
-from vitray.evaluation.suite import (
-    BENCHMARKS,
-    Benchmark,
-    FewShotProtocol,
-    FinetuneProtocol,
-    MissingDataset,
-    benchmark_names,
-    benchmarks_in_group,
-    find_missing,
-    get_benchmark,
-    locate,
-    locate_train,
-    prepare_command,
-    require_prepared,
-)
+from __future__ import annotations
 
-_REPORT_NAMES = {"print_table", "write_report", "summarize", "vtab_group_averages", "fine_tune_sweeps", "ReportFiles"}
-_SELECTION_NAMES = {"select_lr", "selected_finetune"}  # pandas: imported on first use, like the report
+import importlib
+
+# name -> the module of vitray.evaluation that defines it
+_HOMES: dict[str, str] = {
+    **dict.fromkeys(
+        [
+            "DEFAULT_L2_REG",
+            "L2_GRID",
+            "FewShotScore",
+            "LsrSolution",
+            "extract_features",
+            "fewshot_accuracy",
+            "predict",
+            "sample_few_shot",
+            "select_l2",
+            "solve_lsr",
+        ],
+        "fewshot",
+    ),
+    **dict.fromkeys(["Cell", "ResultsTable", "make_cell_id"], "results"),
+    **dict.fromkeys(
+        [
+            "BENCHMARKS",
+            "Benchmark",
+            "FewShotProtocol",
+            "FinetuneProtocol",
+            "MissingDataset",
+            "benchmark_names",
+            "benchmarks_in_group",
+            "find_missing",
+            "get_benchmark",
+            "locate",
+            "locate_train",
+            "prepare_command",
+            "require_prepared",
+        ],
+        "suite",
+    ),
+    **dict.fromkeys(
+        ["print_table", "write_report", "summarize", "vtab_group_averages", "fine_tune_sweeps", "ReportFiles"], "report"
+    ),
+    **dict.fromkeys(["select_lr", "selected_finetune"], "selection"),
+}
 
 
 def __getattr__(name: str):
-    if name in _REPORT_NAMES or name in _SELECTION_NAMES:
-        import importlib
-
-        module = "report" if name in _REPORT_NAMES else "selection"
-        return getattr(importlib.import_module(f"vitray.evaluation.{module}"), name)
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"vitray.evaluation.{_HOMES[name]}"), name)
     raise AttributeError(f"module 'vitray.evaluation' has no attribute {name!r}")
 
 
-__all__ = [
-    "BENCHMARKS",
-    "DEFAULT_L2_REG",
-    "L2_GRID",
-    "Benchmark",
-    "Cell",
-    "FewShotProtocol",
-    "FewShotScore",
-    "FinetuneProtocol",
-    "LsrSolution",
-    "MissingDataset",
-    "ResultsTable",
-    "benchmark_names",
-    "benchmarks_in_group",
-    "extract_features",
-    "fewshot_accuracy",
-    "find_missing",
-    "get_benchmark",
-    "locate",
-    "locate_train",
-    "make_cell_id",
-    "predict",
-    "prepare_command",
-    "require_prepared",
-    "sample_few_shot",
-    "select_l2",
-    "solve_lsr",
-    *sorted(_REPORT_NAMES),
-    *sorted(_SELECTION_NAMES),
-]
+__all__ = sorted(_HOMES)

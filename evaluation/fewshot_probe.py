@@ -6,10 +6,8 @@ decoded), draws every requested (shots, seed) few-shot set, extracts features on
 examples and for the test split (batched, through :class:`vitray.data.EvalLoader`) and solves
 every set. Its two callers:
 
-- :func:`evaluate`, on the model being trained (the training loop's evaluators of type
-  ``fewshot``, `vitray.trainers.evals`, import it by name): yields ``("digits_10shot", accuracy)``
-  per dataset and shots value (mean over seeds), as every evaluator of this package yields
-  ``(metric_name, value)``;
+- `vitray.evaluation.evaluators.fewshot`, on the model being trained (a run's evaluators of kind
+  ``fewshot``): ``("digits_10shot", accuracy)`` per dataset and shots value (mean over seeds);
 - :func:`run_fewshot_group`, a grid's cells of one (checkpoint, benchmark) on a loaded model
   (`vitray fewshot` and `vitray evaluate`, through `cluster/fewshot_cells.py`): one
   :class:`~vitray.evaluation.results.CellOutcome` per cell, a cell that cannot be solved (too few
@@ -19,12 +17,11 @@ every set. Its two callers:
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from vitray.evaluation.fewshot import (
     DEFAULT_L2_REG,
@@ -263,67 +260,6 @@ def run_fewshot_group(
         else:
             outcomes.append(CellOutcome(cell, {METRIC: result.accuracy}, seconds=share))
     return outcomes
-
-
-def evaluate(
-    model: Any,
-    datasets: Mapping[str, str],
-    *,
-    shots: Sequence[int] = (10,),
-    seeds: int = 1,
-    l2_reg: float = DEFAULT_L2_REG,
-    train_split: str = "train",
-    test_split: str = "test",
-    batch_size: int = 256,
-    num_workers: int = 0,
-    storage_options: dict[str, Any] | None = None,
-) -> Iterator[tuple[str, float]]:
-    """Few-shot accuracy of a model being trained: ``("NAME_{k}shot", mean over seeds)`` per dataset
-    and shots value.
-
-    `datasets` maps a short name to a prepared dataset folder (local or s3://), e.g.
-    ``{"digits": "/data/digits"}``. The model is probed at its own resolution on its own device
-    and dtype, and is left in the train/eval mode it was in. Same probe as `vitray fewshot`.
-    """
-    if not datasets:
-        raise ValueError('datasets is empty: give {name: prepared dataset folder}, e.g. {"digits": "/data/digits"}')
-    param = next(model.parameters())
-    features_of = model if param.dtype == torch.float32 else _CastInputs(model, param.dtype)
-    for name, path in datasets.items():
-        data = ProbeData(path, train_split, path, test_split, _num_classes(path, storage_options), model.img_size)
-        draws = {(k, seed): Draw(k, seed, l2_reg) for k in shots for seed in range(seeds)}
-        results = probe(
-            features_of,
-            data,
-            draws,
-            batch_size=batch_size,
-            num_workers=num_workers,
-            storage_options=storage_options,
-            device=param.device,
-        )
-        for result in results.values():
-            if isinstance(result, Exception):
-                raise result
-        for k in shots:
-            yield f"{name}_{k}shot", float(np.mean([results[k, seed].accuracy for seed in range(seeds)]))
-
-
-def _num_classes(path: str, storage_options: dict[str, Any] | None) -> int:
-    from vitray.data import read_dataset_info
-
-    return read_dataset_info(path, storage_options).num_classes
-
-
-class _CastInputs(torch.nn.Module):
-    """Feeds the loaders' float32 images to a bf16/fp16 model."""
-
-    def __init__(self, inner: torch.nn.Module, dtype: torch.dtype):
-        super().__init__()
-        self.inner, self.dtype = inner, dtype
-        self.training = inner.training  # extract_features restores this mode afterwards
-
-    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
-        return self.inner.forward_features(images.to(self.dtype))
 
 
 def summarize_scores(outcomes: Iterable[CellOutcome]) -> dict[int, tuple[float, float, int]]:

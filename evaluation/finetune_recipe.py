@@ -146,8 +146,8 @@ class FinetuneRecipe(BaseModel):
     def config(self, val_evaluator: str, test_evaluator: str | None = None) -> dict[str, Any]:
         """The run in the shape of `vitray.trainers.config.TrainingConfig`; `val_evaluator` names the
         evaluator that reports the run's top-1 on `val_split` once, at its last step
-        (`vitray.trainers.evals.VAL`), and -- a selection cell's run -- `test_evaluator` the one that
-        reports its top-1 on the test split then (`vitray.trainers.evals.TEST`)."""
+        (`vitray.evaluation.evaluators.VAL`), and -- a selection cell's run -- `test_evaluator` the one that
+        reports its top-1 on the test split then (`vitray.evaluation.evaluators.TEST`)."""
         scored = {"type": "val", "every": self.steps, "batch_size": self.eval_batch_size}
         evals = {val_evaluator: scored}
         if self.test is not None:

@@ -1,9 +1,9 @@
 """Top-1 accuracy of a classifier: the one counting loop (big_vision's classification evaluator).
 
-- :func:`count_top1` counts (correct, scored) over batches; the training loop's ``val`` evaluator
-  (`vitray.trainers.evals`, which imports it by name) sums those counts over its ranks.
-- :func:`evaluate` yields ``("top1", accuracy)`` of a whole prepared split (or slice), as every
-  evaluator of this package yields ``(metric_name, value)``; :func:`split_top1` is its value.
+- :func:`count_top1` counts (correct, scored) over batches; the ``val`` evaluator of a training
+  run (`vitray.evaluation.evaluators.val`) sums those counts over its ranks.
+- :func:`split_top1` is a loaded model's accuracy on a whole prepared split (or slice), e.g. a
+  fine-tuned checkpoint scored outside its run.
 
 Multi-label data (ImageNet-ReaL): a prediction counts when it is one of the image's labels, and
 images without any label are left out, as ReaL is scored (`vitray.data.top1_hits`).
@@ -11,7 +11,7 @@ images without any label are left out, as ReaL is scored (`vitray.data.top1_hits
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -64,8 +64,3 @@ def split_top1(
     if seen == 0:
         raise ValueError(f"split {split!r} of {path} has no labelled sample to score")
     return correct / seen
-
-
-def evaluate(model: Any, path: str, split: str, **loading: Any) -> Iterator[tuple[str, float]]:
-    """``("top1", accuracy)`` on a prepared split; `loading` as :func:`split_top1` takes it."""
-    yield "top1", split_top1(model, path, split, **loading)

@@ -5,7 +5,7 @@
   `ray` is imported only under `cluster/`.
   Every import counts, at any depth (module level, inside functions, under `if TYPE_CHECKING`),
   `import x`, `from x import y`, relative imports resolved, and `importlib.import_module("...")`.
-  A registry's dotted name (`"vitray.evaluation.fewshot_probe:evaluate"`, imported when used) counts
+  A registry's dotted name (`"vitray.trainers.engines.xla.backend:XlaBackend"`, imported when used) counts
   too: such a by-name edge between packages is allowed only where `BY_NAME` lists it, with why.
 - No import cycle between the modules of one package through module-level imports (those run when
   the module is imported), nor through any import at all: an import inside a function defers a
@@ -45,7 +45,9 @@ MAY_IMPORT: dict[str, frozenset[str] | None] = {
     # listing, export -- what the driver and any reader of a checkpoint use, below the worker's loop.
     # Not data: a run folder is files on storage, whatever dataset the run read.
     "runfolder": frozenset({"common", "storage", "models"}),
-    "trainers": frozenset({"common", "runfolder", "data", "storage", "models"}),
+    # the training loop; it schedules evaluation's evaluators (their config sections are part of a
+    # run's config), and evaluation never imports trainers
+    "trainers": frozenset({"common", "runfolder", "data", "storage", "models", "evaluation"}),
     "evaluation": frozenset({"common", "runfolder", "data", "storage", "models"}),
     "cluster": frozenset({"common", "configs", "trainers", "evaluation", "runfolder", "data", "storage", "models"}),
     "cli": None,  # the command line (vitray.cli) sits on top of everything
@@ -53,11 +55,7 @@ MAY_IMPORT: dict[str, frozenset[str] | None] = {
 
 # (package, vitray package it reaches by dotted name only) -> why. Such an edge is invisible to
 # the import statements, so each one is written down here; an unlisted one fails like an import.
-BY_NAME: dict[tuple[str, str], str] = {
-    ("trainers", "evaluation"): "the training loop's evaluators (trainers/evaluators.py) run evaluation's few-shot "
-    "probe and top-1 loop during training, imported by name when a run uses them (big_vision's registry of "
-    "evaluators): what evaluates has one home, evaluation/",
-}
+BY_NAME: dict[tuple[str, str], str] = {}  # none today: the engine registries name their own package's modules
 
 # third-party top-level module -> the only packages that may import it.
 HOMES: dict[str, frozenset[str]] = {
@@ -547,10 +545,10 @@ def f():
     "trainers/loop.py": """\
 from vitray.data import a
 from vitray.models import vit
-from vitray.evaluation.fewshot import probe
+from vitray.cluster.runtime import connect
 from vitray.nowhere import thing
 """,
-    "trainers/plugins.py": 'PROBES = {"fewshot": "vitray.evaluation.fewshot:probe", "x": "vitray.data:x y"}\n',
+    "data/plugins.py": 'SINKS = {"tb": "vitray.trainers.trackers:TensorBoard", "x": "vitray.data:x y"}\n',
     "cluster/__init__.py": "",
     "cluster/run.py": """\
 import importlib
@@ -570,7 +568,8 @@ def test_checker_reports_each_forbidden_import_with_file_line_import_and_rule(tm
         "models/registry.py:1: `'vitray.trainers.loop:TrainingLoop' (by name)` -- imports vitray.trainers; rule: models -> nothing of vitray",
         "models/sub/deep.py:1: `from ...trainers import config` -- imports vitray.trainers; rule: models -> nothing of vitray",
         "models/vit.py:3: `from vitray.trainers.loop import TrainingLoop` -- imports vitray.trainers; rule: models -> nothing of vitray",
-        "trainers/loop.py:3: `from vitray.evaluation.fewshot import probe` -- imports vitray.evaluation; rule: trainers -> common, data, models, runfolder, storage",
+        "data/plugins.py:1: `'vitray.trainers.trackers:TensorBoard' (by name)` -- imports vitray.trainers; rule: data -> storage",
+        "trainers/loop.py:3: `from vitray.cluster.runtime import connect` -- imports vitray.cluster; rule: trainers -> common, data, evaluation, models, runfolder, storage",
         "trainers/loop.py:4: `from vitray.nowhere import thing` -- vitray.nowhere has no row in the rule table MAY_IMPORT",
         "cluster/run.py:4: `importlib.import_module('deepspeed.ops')` -- imports deepspeed; rule: only trainers imports deepspeed",
     ]
@@ -604,17 +603,19 @@ def test_checker_cycle_exemption_is_by_module_name(tmp_path: Path) -> None:
 
 def test_checker_allows_a_by_name_edge_only_where_by_name_lists_it(tmp_path: Path) -> None:
     root = write_tree(tmp_path, SYNTHETIC)
-    # trainers/plugins.py names evaluation's probe: allowed by BY_NAME's (trainers, evaluation) row,
-    # refused without it. ("vitray.data:x y" is no dotted name: not an import.)
-    assert not [p for p in layer_violations(root, ["trainers"]) if "plugins.py" in p]
-    assert [p for p in layer_violations(root, ["trainers"], by_name={}) if "plugins.py" in p] == [
-        "trainers/plugins.py:1: `'vitray.evaluation.fewshot:probe' (by name)` -- imports vitray.evaluation; "
-        "rule: trainers -> common, data, models, runfolder, storage"
+    # data/plugins.py names a module of trainers: allowed by a BY_NAME row (data, trainers), refused
+    # without it. ("vitray.data:x y" is no dotted name: not an import.)
+    listed = {("data", "trainers"): "why"}
+    assert not [p for p in layer_violations(root, ["data"], by_name=listed) if "plugins.py" in p]
+    assert [p for p in layer_violations(root, ["data"], by_name={}) if "plugins.py" in p] == [
+        "data/plugins.py:1: `'vitray.trainers.trackers:TensorBoard' (by name)` -- imports vitray.trainers; "
+        "rule: data -> storage"
     ]
 
 
-def test_the_fewshot_evaluator_is_the_listed_by_name_edge() -> None:
-    """The one by-name edge of the tree is the one BY_NAME explains, and removing it is noticed."""
+def test_by_name_edges_between_packages_are_the_listed_ones() -> None:
+    """Every by-name edge between two packages of the tree is one BY_NAME explains, and one BY_NAME
+    lists that the tree no longer has is noticed."""
     edges = {
         (package, other)
         for package in present_packages()
@@ -710,7 +711,7 @@ def test_every_by_name_import_names_a_module_that_exists() -> None:
         for imp in collect_imports(REPO, path)
         if imp.by_name
     ]
-    assert named, "no by-name import found (trainers/evaluators.py's registry names its evaluators)"
+    assert named, "no by-name import found (the engine registries name their backends)"
     assert [f"{imp.file}:{imp.line}: {imp.text}" for imp in named if not module_exists(REPO, imp.target)] == []
 
 

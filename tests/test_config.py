@@ -15,10 +15,14 @@ import yaml
 
 from vitray.common.config import ConfigError, load_config
 from vitray.evaluation.config import GridConfig
+from vitray.evaluation.evaluators import VAL_TOP1, Forward, metric_name
+from vitray.evaluation.evaluators import fewshot as fewshot_evaluator
+from vitray.evaluation.evaluators import val as val_evaluator
+from vitray.evaluation.evaluators.fewshot import FewshotEvalConfig
+from vitray.evaluation.evaluators.val import ValEvalConfig
 from vitray.storage import absolute
 from vitray.trainers.config import MOVED_KEYS, TrainingConfig
-from vitray.trainers.evals import VAL_TOP1, FewshotEvalConfig, ValEvalConfig, metric_name
-from vitray.trainers.evaluators import Evaluator, FewshotEvaluator, ValEvaluator, build_evaluators
+from vitray.trainers.eval_schedule import ScheduledEvaluator, build_evaluators
 
 REPO = Path(__file__).resolve().parents[1]
 # Run recipes (pre-training and fine-tuning); grid_*.yaml are evaluation grids, checked in test_evaluate.
@@ -379,10 +383,10 @@ def test_evals_are_typed_by_name_and_type():
     assert cfg.evals["probe"] == FewshotEvalConfig(
         type="fewshot", every=50, datasets={"digits": "/d"}, shots=[1, 5], seeds=2, batch_size=256
     )
-    evaluators = build_evaluators(cfg)
-    assert [(type(e), e.name, e.every) for e in evaluators] == [
-        (ValEvaluator, "val", 10),
-        (FewshotEvaluator, "probe", 50),
+    evaluators = build_evaluators(cfg, rank=0, world_size=1)
+    assert [(type(e.evaluator), e.name, e.config.every) for e in evaluators] == [
+        (val_evaluator.Evaluator, "val", 10),
+        (fewshot_evaluator.Evaluator, "probe", 50),
     ]
     assert load_config(TrainingConfig, None, ["data.train=d"]).evals == {}
 
@@ -416,10 +420,29 @@ def test_masked_patch_refuses_a_val_evaluator():
 def test_evaluator_metric_names_are_made_in_one_place():
     assert metric_name("val", "top1") == VAL_TOP1 == "val/top1"
 
-    class Constant(Evaluator):
-        def evaluate(self, module, env):
-            return {"a": 1.0, "b_10shot": 0.5}
+    class Constant:
+        rank0_only = False
 
-    ev = Constant("probe", ValEvalConfig(type="val", every=4), None)
-    assert ev(None, None) == {"probe/a": 1.0, "probe/b_10shot": 0.5}
+        def run(self, module, forward):
+            yield from {"a": 1.0, "b_10shot": 0.5}.items()
+
+    ev = ScheduledEvaluator("probe", ValEvalConfig(type="val", every=4), Constant())
+    assert ev(None, Forward(None, None, None), rank=0) == {"probe/a": 1.0, "probe/b_10shot": 0.5}
     assert [s for s in range(1, 11) if ev.due(s, last_step=10)] == [4, 8, 10]
+
+
+def test_a_rank_0_evaluator_runs_on_the_other_ranks_only_when_the_forward_is_a_collective():
+    ran_on = []
+
+    class RankZero:
+        rank0_only = True
+
+        def run(self, module, forward):
+            ran_on.append(module)
+            yield "acc", 1.0
+
+    ev = ScheduledEvaluator("probe", FewshotEvalConfig(type="fewshot", every=1, datasets={"d": "/d"}), RankZero())
+    alone, collective = Forward(None, None, None), Forward(None, None, None, collective_forward=True)
+    assert ev("rank 1", alone, rank=1) == {} and ran_on == []  # rank 1 goes on training
+    assert ev("rank 1", collective, rank=1) == {} and ran_on == ["rank 1"]  # it joins rank 0's forward calls
+    assert ev("rank 0", collective, rank=0) == {"probe/acc": 1.0}  # rank 0 alone reports

@@ -24,8 +24,9 @@ from typer.testing import CliRunner
 from vitray.cluster.checkpoint_inputs import resolve_checkpoints
 from vitray.cluster.finetune import final_top1
 from vitray.common.config import load_config
-from vitray.evaluation import fewshot_probe
 from vitray.evaluation.config import GridConfig
+from vitray.evaluation.evaluators import TEST_TOP1, VAL_TOP1
+from vitray.evaluation.evaluators.fewshot import fewshot_accuracies
 from vitray.evaluation.grid import CheckpointRef, plan_grid
 from vitray.evaluation.report import summarize
 from vitray.evaluation.results import ResultsTable
@@ -37,7 +38,6 @@ from vitray.runfolder.checkpoint_folders import (
     load_checkpoint,
 )
 from vitray.runfolder.files import RunFiles
-from vitray.trainers.evals import TEST_TOP1, VAL_TOP1
 
 pytestmark = pytest.mark.slow
 
@@ -279,7 +279,7 @@ def test_a_grid_with_nothing_left_to_do_does_not_start_ray(killed_and_rerun):
 def test_pretraining_fewshot_hook_matches_the_grid(killed_and_rerun, pretrained, digits_dataset):
     model, _ = load_checkpoint(pretrained)
     model.train()
-    metrics = dict(fewshot_probe.evaluate(model, {"digits": str(digits_dataset)}, shots=(1, 5), seeds=2))
+    metrics = dict(fewshot_accuracies(model, {"digits": str(digits_dataset)}, shots=(1, 5), seeds=2))
     assert model.training
     latest = killed_and_rerun["latest"]
     grid = summarize(latest[latest["method"] == "fewshot"])

@@ -382,10 +382,10 @@ class _CountingPixels(torch.nn.Module):
 
 def test_probe_encodes_only_the_sampled_train_images_and_matches_the_whole_split_probe(digits_dataset):
     from vitray.data import EvalLoader, read_labels
-    from vitray.evaluation import fewshot_probe
+    from vitray.evaluation.evaluators.fewshot import fewshot_accuracies
 
     model = _CountingPixels()
-    probed = dict(fewshot_probe.evaluate(model, {"digits": str(digits_dataset)}, shots=(1, 5, 10), seeds=2))
+    probed = dict(fewshot_accuracies(model, {"digits": str(digits_dataset)}, shots=(1, 5, 10), seeds=2))
 
     # Reference: every train image encoded, sets drawn from the decoded pool (the former path),
     # with the authors' few-shot pre-processing (squashed square, then the central crop).

@@ -14,14 +14,16 @@ from safetensors.torch import save_file
 
 from vitray.common.config import load_config
 from vitray.data.transforms import EVAL_CROP_FRACTION, TRAIN_CROP_SCALE
+from vitray.evaluation.evaluators import Forward
+from vitray.evaluation.evaluators.fewshot import FewshotEvalConfig
+from vitray.evaluation.evaluators.val import ValEvalConfig
 from vitray.evaluation.finetune_recipe import FinetuneRecipe
 from vitray.evaluation.suite import get_benchmark
 from vitray.models import ModelConfig, create_model
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.checkpoint.rank_files import files_under, mark_complete, write_state
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.evals import FewshotEvalConfig, ValEvalConfig
-from vitray.trainers.evaluators import EvalEnv, Evaluator
+from vitray.trainers.eval_schedule import ScheduledEvaluator
 from vitray.trainers.step.ema import Ema, WholeWeights
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,15 +66,16 @@ def test_fine_tune_recipe_resets_the_head_bias():
 
 
 # -- EMA weights for evaluation and fine-tuning ---------------------------------------------------
-class _WeightSum(Evaluator):
+class _WeightSum:
     """Reports the sum of the head's weights it is given: which weights were scored."""
 
-    def evaluate(self, module, env):
-        return {"sum": float(module.head.weight.detach().sum())}
+    rank0_only = False
+
+    def run(self, module, forward):
+        yield "sum", float(module.head.weight.detach().sum())
 
 
-def _env(ema=None) -> EvalEnv:
-    return EvalEnv(0, 1, "cpu", torch.float32, lambda values: values, ema=ema)
+_FORWARD = Forward("cpu", torch.float32, lambda values: values)
 
 
 def test_evaluators_score_the_ema_weights_and_put_the_live_ones_back():
@@ -81,13 +84,12 @@ def test_evaluators_score_the_ema_weights_and_put_the_live_ones_back():
     with torch.no_grad():
         model.head.weight.fill_(1.0)
     live = {k: v.clone() for k, v in model.state_dict().items()}
-    training = None  # these evaluators read nothing of the run's config
-    on_ema = _WeightSum("val", ValEvalConfig(type="val", every=1), training)
-    assert on_ema(model, _env(ema)) == {"val/sum": 0.0}
+    on_ema = ScheduledEvaluator("val", ValEvalConfig(type="val", every=1), _WeightSum())
+    assert on_ema(model, _FORWARD, rank=0, ema=ema) == {"val/sum": 0.0}
     assert all(torch.equal(v, live[k]) for k, v in model.state_dict().items())  # restored bit for bit
-    assert on_ema(model, _env(None)) == {"val/sum": 3 * 192}  # no EMA kept: the live weights
-    on_live = _WeightSum("raw", ValEvalConfig(type="val", every=1, weights="live"), training)
-    assert on_live(model, _env(ema)) == {"raw/sum": 3 * 192}
+    assert on_ema(model, _FORWARD, rank=0) == {"val/sum": 3 * 192}  # no EMA kept: the live weights
+    on_live = ScheduledEvaluator("raw", ValEvalConfig(type="val", every=1, weights="live"), _WeightSum())
+    assert on_live(model, _FORWARD, rank=0, ema=ema) == {"raw/sum": 3 * 192}
     with pytest.raises(ValidationError, match="weights"):
         FewshotEvalConfig(type="fewshot", every=1, datasets={"d": "/d"}, weights="average")
 

@@ -22,14 +22,14 @@ from vitray.cluster.checkpoint_inputs import resolve_checkpoints
 from vitray.cluster.finetune import finetune_cell_metrics, finetune_config, run_finetune, training_config
 from vitray.common.config import ConfigError
 from vitray.evaluation.config import FinetuneGrid, GridConfig
+from vitray.evaluation.evaluators import TEST, TEST_TOP1, VAL, VAL_TOP1, Forward
+from vitray.evaluation.evaluators.val import ValEvalConfig
 from vitray.evaluation.finetune_recipe import FinetuneRecipe
 from vitray.evaluation.grid import CheckpointRef, finetune_settings, plan_grid
 from vitray.evaluation.suite import get_benchmark
 from vitray.models import resample_posemb
 from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint, read_state
 from vitray.runfolder.files import RunFiles
-from vitray.trainers.evals import TEST, TEST_TOP1, VAL, VAL_TOP1, ValEvalConfig
-from vitray.trainers.evaluators import EvalEnv, ValEvaluator
 
 pytestmark = pytest.mark.slow
 
@@ -351,8 +351,11 @@ def test_the_val_evaluator_scores_the_path_and_split_its_section_names(digits_da
             "evals.other={type: val, every: 1, batch_size: 64, path: /nowhere, split: 'train[10%:20%]'}",
         ],
     )
-    env = EvalEnv(rank=0, world_size=1, device="cpu", dtype=torch.float32, sum_over_ranks=lambda values: values)
-    val, test = (ValEvaluator(name, cfg.evals[name], cfg)(model, env) for name in (VAL, TEST))
+    from vitray.trainers.eval_schedule import build_evaluators
+
+    forward = Forward(device="cpu", dtype=torch.float32, sum_over_ranks=lambda values: values)
+    evaluators = {e.name: e for e in build_evaluators(cfg, rank=0, world_size=1)}
+    val, test = (evaluators[name](model, forward, rank=0) for name in (VAL, TEST))
     assert val == {VAL_TOP1: pytest.approx(split_top1(model, str(digits_dataset), "train[:10%]", batch_size=64))}
     assert test == {TEST_TOP1: pytest.approx(split_top1(model, str(digits_dataset), "test", batch_size=64))}
     assert cfg.evals["other"].dataset(cfg.data) == ("/nowhere", "train[10%:20%]")

@@ -341,12 +341,12 @@ def test_masked_patch_pretraining_loss_falls(mpp_checkpoint):
 def test_masked_patch_checkpoint_transfers_to_fewshot_and_finetuning(
     mpp_checkpoint, digits_dataset, process_group, tmp_path
 ):
-    from vitray.evaluation import fewshot_probe
+    from vitray.evaluation.evaluators.fewshot import fewshot_accuracies
 
     folder, _ = mpp_checkpoint
     model, _state = ckpt.load_model(folder)  # strict: the [mask] embedding and predictor load too
     assert model.num_classes == 0 and model.masked_patch_outputs == 512
-    scores = dict(fewshot_probe.evaluate(model.eval(), {"digits": str(digits_dataset)}, shots=(10,)))
+    scores = dict(fewshot_accuracies(model.eval(), {"digits": str(digits_dataset)}, shots=(10,)))
     assert scores["digits_10shot"] > 0.3  # chance is 0.1
     model.reset_head(10)
     assert model(torch.zeros(2, 3, 16, 16)).shape == (2, 10) and model.masked_patch is None

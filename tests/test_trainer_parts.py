@@ -149,7 +149,7 @@ def test_loop_in_process_with_zero2_bf16_ema_mixup(process_group, digits_dataset
     ctx = WorkerContext(rank=0, world_size=1, run_dir=str(tmp_path / "run"), report=lambda m, d: reports.append((m, d)))
     loop = TrainingLoop(cfg, ctx)
     assert loop.accum == 2 and loop.backend.dtype == torch.bfloat16
-    assert loop._eval_env().ema is loop.ema is not None  # evaluators get the EMA weights to score
+    assert loop.ema is not None  # evaluators score the EMA weights (tests/test_fidelity.py)
     last = loop.run()
     assert math.isfinite(last["loss"]) and last["lr"] == pytest.approx(0.0)  # linear decay ends at 0
     # Only the checkpoint is reported (log step 2 is not: under Ray Train a report is a barrier
@@ -271,12 +271,13 @@ def test_a_runs_evaluation_starts_workers_only_for_a_share_that_repays_them(digi
     """The val evaluator reads a rank's share of fewer than 512 samples per worker in its own
     process: no forkserver importing torch for the 180 samples of digits' test split."""
     from vitray.data.eval_loader import worker_count
-    from vitray.trainers.evaluators import build_evaluators
 
     assert [worker_count(n, 4) for n in (0, 511, 512, 1535, 1536, 100_000)] == [0, 0, 1, 2, 3, 4]
     assert worker_count(100_000, 0) == 0
 
-    def val(split: str, num_workers: int = 2):
+    def val(split: str, rank: int = 0, world_size: int = 1, num_workers: int = 2):
+        from vitray.trainers.eval_schedule import build_evaluators
+
         cfg = load_config(
             TrainingConfig,
             None,
@@ -286,11 +287,13 @@ def test_a_runs_evaluation_starts_workers_only_for_a_share_that_repays_them(digi
                 f"evals.val={{type: val, every: 4, split: {split}}}",
             ],
         )
-        (evaluator,) = build_evaluators(cfg)
-        return evaluator
+        (scheduled,) = build_evaluators(cfg, rank, world_size)
+        return scheduled.evaluator
 
-    assert not val("test").uses_worker_processes(0, 1)  # 360 samples
-    assert val("train").uses_worker_processes(1, 2)  # 718 of 1,437
-    assert not val("train").uses_worker_processes(0, 3)  # 479
-    assert not val("train", num_workers=0).uses_worker_processes(0, 1)
-    assert val("train")._loader(0, 1).num_workers == 2  # 1,437: two workers (at most data.num_workers)
+    assert not val("test").uses_worker_processes()  # 360 samples
+    assert val("train", 1, 2).uses_worker_processes()  # 718 of 1,437
+    assert not val("train", 0, 3).uses_worker_processes()  # 479
+    assert not val("train", num_workers=0).uses_worker_processes()
+    evaluator = val("train")
+    assert evaluator.loader().num_workers == 2  # 1,437: two workers (at most data.num_workers)
+    assert evaluator.loader() is evaluator.loader()  # the split is listed once, not at every evaluation

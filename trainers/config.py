@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from vitray.data.config import DataConfig, StoragePath
 from vitray.data.plan import default_num_slots
+from vitray.evaluation.evaluators import EVAL_NAME, EvalConfig
 from vitray.models.config import ModelConfig
 from vitray.models.variants import get_variant
 from vitray.storage import absolute
@@ -22,7 +23,6 @@ from vitray.storage.retries import OUTAGE_S
 from vitray.trainers.driver_checks.tpu_slices import tpu_slice
 from vitray.trainers.engines.registry import ENGINES
 from vitray.trainers.engines.seam import Engine
-from vitray.trainers.evals import EVAL_NAME, EvalConfig
 from vitray.trainers.step.masked_patch import MaskedPatchTarget, target_outputs
 from vitray.trainers.trackers import MlflowSettings, WandbSettings
 
@@ -403,7 +403,7 @@ class TrainingConfig(_Section):
     evals: dict[str, EvalConfig] = Field(
         default_factory=dict,
         description="name -> evaluator run during training; its metrics are named <name>/<metric> "
-        f"({_EVALS_EXAMPLE}; see vitray.trainers.evals).",
+        f"({_EVALS_EXAMPLE}; see vitray.evaluation.evaluators).",
     )
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)

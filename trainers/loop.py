@@ -29,6 +29,7 @@ from vitray.common.redact import redacted_config
 from vitray.data import ShardLoader, read_dataset_info
 from vitray.data.batch import UnreadableData
 from vitray.data.eval_loader import start_worker_server
+from vitray.evaluation.evaluators import Forward
 from vitray.models import ModelConfig, create_model_from_config
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.runfolder.files import RunFiles
@@ -41,7 +42,7 @@ from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
 from vitray.trainers.engines.registry import create_backend
 from vitray.trainers.engines.seam import TrainBackend
-from vitray.trainers.evaluators import EvalEnv, build_evaluators
+from vitray.trainers.eval_schedule import build_evaluators
 from vitray.trainers.keys import SampleKeyRecorder
 from vitray.trainers.metrics import MetricsWriter, accelerator_peak_tflops, train_flops_per_image
 from vitray.trainers.preemption import PreemptionWatch
@@ -64,8 +65,8 @@ class TrainingLoop:
         self.accum = cfg.grad_accumulation
         self.info = read_dataset_info(cfg.data.train, cfg.data.storage_options)
         self.objective = build_objective(cfg.train, self.info.label_kind, self.info.num_classes)
-        self.evaluators = build_evaluators(cfg)
-        if any(e.uses_worker_processes(self.rank, self.world) for e in self.evaluators):
+        self.evaluators = build_evaluators(cfg, self.rank, self.world)
+        if any(e.evaluator.uses_worker_processes() for e in self.evaluators):
             start_worker_server()  # evaluation workers' server imports while the model is built
         self.run_files = RunFiles(ctx.run_dir)
         self._skipped_shards: set[str] = set()  # this rank's, since the last log step
@@ -223,7 +224,7 @@ class TrainingLoop:
                 window = _Window(lazy=self.cfg.engine.lazy_tensors)
             for evaluator in self.evaluators:
                 if evaluator.due(self.step, train.steps):
-                    metrics.update(evaluator(self.backend.module, self._eval_env()))
+                    metrics.update(evaluator(self.backend.module, self._forward(), rank=self.rank, ema=self.ema))
             save = self.checkpointer.due(self.step)
             if metrics and self.metrics is not None:
                 self.metrics.write(self.step, metrics)
@@ -401,15 +402,13 @@ class TrainingLoop:
                 "complete checkpoint is finite); see train.nonfinite"
             )
 
-    def _eval_env(self) -> EvalEnv:
+    def _forward(self) -> Forward:
+        """How evaluators run the model: on the engine's device and dtype, summing over the ranks."""
         device = self.backend.device
-        return EvalEnv(
-            self.rank,
-            self.world,
+        return Forward(
             device,
             self.backend.dtype,
             lambda values: _all_reduce(values, average=[False] * len(values), device=device),
-            ema=self.ema,
             collective_forward=self.backend.collective_forward,
         )
 

@@ -1,0 +1,110 @@
+"""``val``: top-1 of the model being trained on a labelled split, every rank scoring its share.
+
+    evals:
+      val:  {type: val, every: 100, batch_size: 256}                     # data.val_path / data.val_split
+      test: {type: val, every: 1000, path: /data/cifar10, split: test}   # the same kind on another split
+
+Several evaluators of this kind score different splits: one reads `data.val_path` /
+`data.val_split` unless its section names a `path` / `split`. Metric: ``top1`` (the ranks'
+counts summed; multi-label data scored as `vitray.data.top1_hits` does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator
+
+from vitray.data.config import DataConfig, StoragePath
+from vitray.data.splits import parse_split
+from vitray.evaluation.evaluators.base import EvalSection, Forward, Worker
+
+KIND = "val"
+
+
+class ValEvalConfig(EvalSection):
+    """Top-1 of the model being trained on `path` / `split` (by default `data.val_path` /
+    `data.val_split`), on every rank (all-reduced)."""
+
+    type: Literal["val"] = Field(description="val: top-1 (and loss) of the model on a labelled split.")
+    batch_size: int = Field(256, gt=0, description="Samples per worker per forward.")
+    path: StoragePath | None = Field(
+        None, description="Prepared dataset scored (local or s3://); data.val_path when unset."
+    )
+    split: str | None = Field(None, description="Split (or slice: train[98%:]) scored; data.val_split when unset.")
+
+    @field_validator("split")
+    @classmethod
+    def _split_syntax(cls, split: str | None) -> str | None:
+        if split is not None:
+            parse_split(split)  # a malformed slice fails with the config, before any worker starts
+        return split
+
+    def dataset(self, data: DataConfig) -> tuple[str, str]:
+        """(path, split) this evaluator scores, given the run's data section."""
+        return self.path or data.val_path, self.split or data.val_split
+
+
+Config = ValEvalConfig
+
+
+class Evaluator:
+    """``top1`` on the section's split; every rank scores its share, the counts are summed."""
+
+    rank0_only: ClassVar[bool] = False
+
+    def __init__(self, config: ValEvalConfig, worker: Worker):
+        self.config, self.worker = config, worker
+        self._loader: Any = None
+
+    def uses_worker_processes(self) -> bool:
+        # Without data.num_workers there is nothing to decide: no listing of the split for it.
+        return self.worker.data.num_workers > 0 and self.loader().num_workers > 0
+
+    def loader(self):
+        """This rank's share of the split (listed once), with data.num_workers workers where the
+        share is big enough to repay starting them (`vitray.data.eval_loader.worker_count`)."""
+        if self._loader is None:
+            from vitray.data import EvalLoader
+            from vitray.data.eval_loader import worker_count
+
+            data = self.worker.data
+            path, split = self.config.dataset(data)
+            self._loader = EvalLoader(
+                path,
+                split,
+                rank=self.worker.rank,
+                world_size=self.worker.world_size,
+                batch_size=self.config.batch_size,
+                img_size=self.worker.img_size,
+                num_workers=0,
+                storage_options=data.storage_options,
+            )
+            # The share's size is known once the split is listed: workers only where it repays them.
+            self._loader.num_workers = worker_count(self._loader.num_samples, data.num_workers)
+        return self._loader
+
+    def run(self, model: Any, forward: Forward) -> Iterator[tuple[str, float]]:
+        import torch
+
+        from vitray.evaluation.top1 import count_top1
+
+        loader = self.loader()
+        model.eval()
+        try:
+            correct, seen = count_top1(model, loader, device=forward.device, dtype=forward.dtype)
+            if forward.collective_forward:
+                # Ranks' shares can differ by a batch; the forward is a collective, so a rank with
+                # fewer batches makes as many forward calls (on a blank image, not scored).
+                rank, world = self.worker.rank, self.worker.world_size
+                counts = forward.sum_over_ranks([float(len(loader)) if r == rank else 0.0 for r in range(world)])
+                img = self.worker.img_size
+                blank = torch.zeros(1, 3, img, img, device=forward.device, dtype=forward.dtype)
+                with torch.no_grad():
+                    for _ in range(int(max(counts)) - len(loader)):
+                        model(blank)
+        finally:
+            model.train()
+        correct, seen = forward.sum_over_ranks([float(correct), float(seen)])
+        yield "top1", correct / max(seen, 1.0)
