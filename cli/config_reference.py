@@ -21,8 +21,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from vitray.evaluation.config import GridConfig
-from vitray.evaluation.evaluators.fewshot import FewshotEvalConfig
-from vitray.evaluation.evaluators.val import ValEvalConfig
+from vitray.evaluation.evaluators import KINDS
 from vitray.evaluation.suite import BENCHMARKS, group_names
 from vitray.models.variants import HYBRID_STAGES, PATCH_SIZES, TRANSFORMER_SIZES
 from vitray.trainers.config import MOVED_KEYS, TrainingConfig
@@ -50,15 +49,8 @@ TRAINING_SECTIONS: dict[str, str] = {
     "log": "Metrics: `<run>/vitray/metrics.jsonl`, TensorBoard events beside it, and optional trackers.",
     "log.mlflow": "MLflow tracking (`log.mlflow: {}` for the defaults; needs the `trackers` extra).",
     "log.wandb": "Weights & Biases tracking (`log.wandb: {}` for the defaults; needs the `trackers` extra).",
-    "evals": "Evaluators run during training, by name: `evals: {NAME: {type: val | fewshot, every: N, ...}}`. "
-    "Each metric is `NAME/METRIC`.",
     "cluster": "The Ray worker group.",
     "debug": "Fault injection and measurement hooks for tests and benchmarks.",
-}
-EVALUATOR_SECTIONS: dict[str, str] = {
-    "ValEvalConfig": "Top-1 on a prepared split, on every rank: metric `NAME/top1`.",
-    "FewshotEvalConfig": "A closed-form linear few-shot probe on frozen features, on rank 0: metrics "
-    "`NAME/DATASET_Kshot` (mean over seeds).",
 }
 GRID_SECTIONS: dict[str, str] = {
     "": "Top-level keys. `benchmarks` takes names ({benchmarks}) and groups ({groups}).",
@@ -275,7 +267,13 @@ def _model_names() -> str:
     return f"`SIZE/PATCH` with SIZE {sizes} and PATCH {patches} (e.g. `B/16`), or a hybrid: {hybrids}"
 
 
-EVALUATORS = {ValEvalConfig: "Evaluator `val`", FewshotEvalConfig: "Evaluator `fewshot`"}
+# Each evaluator kind's section, under the heading the `evals` row links to; its caption is its
+# config model's docstring, so that a new kind (vitray.evaluation.evaluators.KINDS) needs nothing here.
+EVALUATORS = {module.Config: f"Evaluator `{kind}`" for kind, module in KINDS.items()}
+
+
+def _caption(model: type[BaseModel]) -> str:
+    return " ".join(line.strip() for line in (model.__doc__ or "").strip().splitlines())
 
 
 def render() -> str:
@@ -287,7 +285,7 @@ def render() -> str:
     lines += _sections(TrainingConfig, training, links=EVALUATORS)
     lines += ["## Evaluators run during training", ""]
     for model, heading in EVALUATORS.items():
-        lines += [f"### {heading}", "", EVALUATOR_SECTIONS[model.__name__], ""]
+        lines += [f"### {heading}", "", _caption(model), ""]
         lines += [*_table(_rows(model, "evals.NAME.", "", {})), ""]
     lines += ["## Evaluation grid", ""]
     lines += _sections(GridConfig, grid, heading_prefix="grid")

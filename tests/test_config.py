@@ -15,7 +15,7 @@ import yaml
 
 from vitray.common.config import ConfigError, load_config
 from vitray.evaluation.config import GridConfig
-from vitray.evaluation.evaluators import VAL_TOP1, Forward, metric_name
+from vitray.evaluation.evaluators import KINDS, VAL_TOP1, Forward, metric_name
 from vitray.evaluation.evaluators import fewshot as fewshot_evaluator
 from vitray.evaluation.evaluators import val as val_evaluator
 from vitray.evaluation.evaluators.fewshot import FewshotEvalConfig
@@ -415,6 +415,22 @@ def test_masked_patch_refuses_a_val_evaluator():
     ):
         load_config(TrainingConfig, None, [*base, "evals.val={type: val, every: 10}"])
     assert load_config(TrainingConfig, None, [*base, "evals.probe={type: fewshot, every: 10, datasets: {d: /d}}"])
+
+
+def test_every_evaluator_module_is_a_registered_kind_with_its_config_and_evaluator():
+    """A kind is one module of vitray/evaluation/evaluators/ and its line in KINDS: the config's
+    union, the reference docs and the loop take them from there."""
+    import typing
+
+    from vitray.evaluation import evaluators
+
+    folder = Path(evaluators.__file__).parent
+    assert sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "base")) == sorted(KINDS)
+    for kind, module in KINDS.items():
+        assert kind == module.KIND and typing.get_args(module.Config.model_fields["type"].annotation) == (kind,)
+        assert all(callable(getattr(module.Evaluator, m)) for m in ("run", "uses_worker_processes"))
+    union = typing.get_args(typing.get_args(TrainingConfig.model_fields["evals"].annotation)[1])[0]
+    assert set(typing.get_args(union)) == {module.Config for module in KINDS.values()}
 
 
 def test_evaluator_metric_names_are_made_in_one_place():

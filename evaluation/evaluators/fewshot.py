@@ -25,8 +25,8 @@ KIND = "fewshot"
 
 
 class FewshotEvalConfig(EvalSection):
-    """A closed-form linear probe on frozen features (as `vitray fewshot`), on rank 0:
-    metrics ``<name>/<dataset>_<k>shot`` (mean over seeds)."""
+    """A closed-form linear probe on frozen features (as `vitray fewshot`), on rank 0: metrics
+    `NAME/DATASET_Kshot` (mean over seeds)."""
 
     type: Literal["fewshot"] = Field(description="fewshot: the closed-form linear probe on frozen features.")
     datasets: dict[str, StoragePath] = Field(

@@ -25,7 +25,7 @@ KIND = "val"
 
 class ValEvalConfig(EvalSection):
     """Top-1 of the model being trained on `path` / `split` (by default `data.val_path` /
-    `data.val_split`), on every rank (all-reduced)."""
+    `data.val_split`), every rank scoring its share: metric `NAME/top1`."""
 
     type: Literal["val"] = Field(description="val: top-1 (and loss) of the model on a labelled split.")
     batch_size: int = Field(256, gt=0, description="Samples per worker per forward.")
