@@ -25,8 +25,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from vitray import storage
+
 from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_order
-from .layout import LabelKind, read_split
+from .layout import LabelKind, ResolvedSplit, read_split
 from .plan import ShardRange
 from .reader import RawSample, SampleStream
 from .transforms import CorruptSample, EvalResize, decode_label, eval_transform
@@ -58,6 +60,7 @@ class _EvalSpec:
     label_kind: LabelKind
     num_classes: int
     storage_options: dict[str, Any] | None
+    outage_s: float | None  # EvalLoader's
 
 
 class _EvalStream(IterableDataset):
@@ -77,7 +80,7 @@ class _EvalStream(IterableDataset):
             return
         transform, reporter = eval_transform(spec.img_size, spec.resize), SkipReporter()
         at = positions[mine[0] * spec.batch_size]
-        stream = SampleStream(spec.shard_urls, spec.ranges, spec.storage_options, start=at)
+        stream = SampleStream(spec.shard_urls, spec.ranges, spec.storage_options, start=at, outage_s=spec.outage_s)
         try:
             for b in mine:
                 raws = []
@@ -110,6 +113,9 @@ class EvalLoader:
     ``"square"`` is the authors' few-shot pre-processing).
     ``indices``: read only these positions of the split (or slice), in ascending order; ranks
     share them out as they share the whole split.
+    ``outage_s``: a training run's evaluation (its ``run.storage_outage_s``): listing the split and
+    opening its shards wait this long for a store that stopped answering, instead of failing after
+    the bounded retries (`vitray.storage.ride_out`).
     """
 
     def __init__(
@@ -126,6 +132,7 @@ class EvalLoader:
         storage_options: dict[str, Any] | None = None,
         float_images: bool = True,
         indices: Sequence[int] | None = None,
+        outage_s: float | None = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
@@ -134,7 +141,7 @@ class EvalLoader:
                 f"batch_size and img_size must be positive and num_workers non-negative; got {batch_size}, "
                 f"{img_size}, {num_workers}"
             )
-        source = read_split(path, split, storage_options)
+        source = _listed(path, split, storage_options, outage_s)
         self.info, total = source.info, source.num_samples
         self.num_workers, self.float_images = num_workers, float_images
         self._yielded, self._skipped = 0, 0
@@ -155,6 +162,7 @@ class EvalLoader:
             label_kind=self.info.label_kind,
             num_classes=self.info.num_classes,
             storage_options=storage_options,
+            outage_s=outage_s,
         )
 
     @property
@@ -269,21 +277,27 @@ def load_split(
 
 
 def read_labels(
-    path: str, split: str, *, storage_options: dict[str, Any] | None = None, threads: int = 8
+    path: str,
+    split: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    threads: int = 8,
+    outage_s: float | None = None,
 ) -> tuple[list[str], np.ndarray]:
     """Keys and class ids of every sample of a single-label split (or slice), in stored order.
 
     No image is decoded: the samples' bytes are read (shards in parallel threads, for remote
     storage) and only the ``.cls`` member is parsed. A sample whose label cannot be read (damaged
-    data) gets class id -1 and, when its key is unreadable too, the key ``""``.
+    data) gets class id -1 and, when its key is unreadable too, the key ``""``. ``outage_s`` as
+    :class:`EvalLoader` takes it.
     """
-    source = read_split(path, split, storage_options)
+    source = _listed(path, split, storage_options, outage_s)
     info = source.info
     if info.label_kind != "single":
         raise ValueError(f"read_labels reads single-label splits; {path} holds {info.label_kind}-label data")
 
     def one_extent(extent: ShardRange) -> list[tuple[str, int]]:
-        stream = SampleStream(source.shard_urls, [extent], storage_options)
+        stream = SampleStream(source.shard_urls, [extent], storage_options, outage_s=outage_s)
         try:
             return [_key_and_label(stream.read(want=True), info.num_classes) for _ in range(len(extent))]
         finally:
@@ -292,6 +306,16 @@ def read_labels(
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(source.extents)))) as pool:
         pairs = [pair for part in pool.map(one_extent, source.extents) for pair in part]
     return [k for k, _ in pairs], np.array([label for _, label in pairs], dtype=np.int64)
+
+
+def _listed(path: str, split: str, storage_options: dict[str, Any] | None, outage_s: float | None) -> ResolvedSplit:
+    """The split's shards and extents from the dataset's manifest; with ``outage_s``, read the way
+    a run's storage calls are: riding out an outage of the store."""
+    if outage_s is None:
+        return read_split(path, split, storage_options)
+    return storage.ride_out(
+        lambda: read_split(path, split, storage_options), what=f"listing {path} ({split})", within_s=outage_s
+    )
 
 
 def _key_and_label(raw: Any, num_classes: int) -> tuple[str, int]:

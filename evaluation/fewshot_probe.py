@@ -72,8 +72,10 @@ def extract_split_features(
     num_workers: int = 0,
     storage_options: dict[str, Any] | None = None,
     device: Any = "cpu",
+    outage_s: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Pre-logits features (N, D) and labels of a whole prepared split, streamed in batches."""
+    """Pre-logits features (N, D) and labels of a whole prepared split, streamed in batches
+    (`outage_s` as :class:`vitray.data.EvalLoader` takes it)."""
     from vitray.data import EvalLoader
 
     loader = EvalLoader(
@@ -84,6 +86,7 @@ def extract_split_features(
         resize=resize,
         num_workers=num_workers,
         storage_options=storage_options,
+        outage_s=outage_s,
     )
     return extract_features(model, loader, device=device)
 
@@ -99,10 +102,12 @@ class FewShotPool:
     positions: np.ndarray  # each member's position in the split (or slice)
 
     @classmethod
-    def read(cls, path: str, split: str, storage_options: dict[str, Any] | None = None) -> FewShotPool:
+    def read(
+        cls, path: str, split: str, storage_options: dict[str, Any] | None = None, outage_s: float | None = None
+    ) -> FewShotPool:
         from vitray.data import read_labels
 
-        keys, labels = read_labels(path, split, storage_options=storage_options)
+        keys, labels = read_labels(path, split, storage_options=storage_options, outage_s=outage_s)
         readable = np.flatnonzero(labels >= 0)
         return cls([keys[i] for i in readable], labels[readable], readable)
 
@@ -120,6 +125,7 @@ def sampled_features(
     num_workers: int = 0,
     storage_options: dict[str, Any] | None = None,
     device: Any = "cpu",
+    outage_s: float | None = None,
 ) -> dict[Any, tuple[np.ndarray, np.ndarray]]:
     """Features and labels of every few-shot set in `picks` (name -> pool indices, e.g. from
     :func:`vitray.evaluation.fewshot.sample_few_shot`), each picked image extracted once.
@@ -139,6 +145,7 @@ def sampled_features(
         num_workers=num_workers,
         storage_options=storage_options,
         indices=pool.positions[union].tolist(),
+        outage_s=outage_s,
     )
     keys: list[str] = []
 
@@ -167,10 +174,12 @@ def probe(
     num_workers: int = 0,
     storage_options: dict[str, Any] | None = None,
     device: Any = "cpu",
+    outage_s: float | None = None,
 ) -> dict[Hashable, FewShotScore | Exception]:
     """Every few-shot set of `draws` probed on `model`'s features at `data.img_size`: its score, or
     the error that drawing or solving it raised (e.g. fewer examples than shots: that set alone).
-    Reading or extraction errors raise."""
+    Reading or extraction errors raise; `outage_s` (a training run's probe): reads wait this long
+    for a store that stopped answering (`vitray.storage.ride_out`)."""
     common = {
         "img_size": data.img_size,
         "resize": FEWSHOT_RESIZE,
@@ -178,8 +187,9 @@ def probe(
         "num_workers": num_workers,
         "storage_options": storage_options,
         "device": device,
+        "outage_s": outage_s,
     }
-    pool = FewShotPool.read(data.train_path, data.train_split, storage_options)
+    pool = FewShotPool.read(data.train_path, data.train_split, storage_options, outage_s)
     results: dict[Hashable, FewShotScore | Exception] = {}
     picks = {}
     for key, draw in draws.items():

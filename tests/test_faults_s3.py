@@ -5,7 +5,7 @@ slow answer (`tests/s3_proxy.py`), on a seeded schedule.
 Everything vitray reads and writes on S3 must come through unchanged: prepared shards, the
 samples read back, a results table, small run files -- and a whole pre-training run with its
 data and checkpoints on S3 ends with the weights of a run on local disk. Storage calls of a run
-(the stop-file check, checkpoint uploads, opening shards) wait for a store that went away
+(the stop-file check, checkpoint uploads, opening shards, evaluations) wait for a store that went away
 (`run.storage_outage_s`); a whole run riding out a store cut off for 45 s is `test_multinode.py`'s.
 """
 
@@ -174,6 +174,61 @@ def test_a_runs_shard_reader_waits_for_a_store_that_went_away(seaweed_s3, monkey
         proxy.stop()
     said = capsys.readouterr().err
     assert said.count(f"vitray: storage unreachable (opening shard {shard}") == 1, said
+    assert said.count("vitray: storage reachable again after") == 1, said
+
+
+def test_a_runs_evaluators_wait_for_a_store_that_went_away(seaweed_s3, monkeypatch, capsys):
+    """A run's evaluators (`Worker.outage_s`: run.storage_outage_s) scoring while the store refuses
+    connections -- the val evaluator listing and reading its split, the few-shot probe reading
+    labels, dataset info and images -- wait for the store instead of failing the worker, say so
+    once, and then score exactly what they score on a store that never went away."""
+    import threading
+
+    import s3fs
+
+    from vitray.data.config import DataConfig
+    from vitray.evaluation.evaluators import Forward, Worker, build_evaluator
+    from vitray.evaluation.evaluators.fewshot import FewshotEvalConfig
+    from vitray.evaluation.evaluators.val import ValEvalConfig
+    from vitray.models import create_model
+
+    dataset = seaweed_s3.url("datasets", "digits")
+    prepare_dataset("builtin:digits", dataset, samples_per_shard=100)  # no proxy yet
+    torch.manual_seed(0)
+    model = create_model("Ti/4", num_classes=10, img_size=16)
+    forward = Forward("cpu", torch.float32, lambda values: values)
+    configs = [
+        ValEvalConfig(type="val", every=1, path=dataset, split="test", batch_size=128),
+        FewshotEvalConfig(type="fewshot", every=1, datasets={"digits": dataset}, shots=[2], batch_size=128),
+    ]
+
+    def score(outage_s: float | None) -> list[dict[str, float]]:
+        worker = Worker(
+            rank=0, world_size=1, img_size=16, data=DataConfig(train=dataset, num_workers=0), outage_s=outage_s
+        )
+        return [dict(build_evaluator(config, worker).run(model, forward)) for config in configs]
+
+    expected = score(None)
+    proxy = FlakyS3Proxy(seaweed_s3.endpoint_url, rate=0.0).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setattr(storage.retries, "OUTAGE_MAX_DELAY_S", 0.5)
+    s3fs.S3FileSystem.clear_instance_cache()
+    scored: list = []
+    try:
+        proxy.cut()
+        scoring = threading.Thread(target=lambda: scored.append(score(120)))
+        scoring.start()
+        _until_an_outage_is_ridden_out()
+        time.sleep(10)  # and longer than the bounded retries of a listing or a shard's opening would last
+        assert scoring.is_alive() and not scored, "an evaluator gave up on (or read from) a store that was cut"
+        proxy.restore()
+        scoring.join(120)
+        assert scored == [expected]
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        proxy.stop()
+    said = capsys.readouterr().err
+    assert said.count("vitray: storage unreachable (") == 1, said
     assert said.count("vitray: storage reachable again after") == 1, said
 
 

@@ -78,7 +78,7 @@ class RunConfig(_Section):
         OUTAGE_S,
         gt=0,
         description="How long the storage calls a run makes while it trains (the stop-file check, the lease "
-        "heartbeat, the metrics and checkpoint uploads) wait for a store that does not answer (connection "
+        "heartbeat, the metrics and checkpoint uploads, opening data shards, the evaluators' reads) wait for a store that does not answer (connection "
         "refused, timeouts, 503 SlowDown) before the run fails; the console says once when an outage starts "
         "and once when it ends. No worker-group restart is spent on an outage shorter than this.",
     )

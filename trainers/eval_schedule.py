@@ -44,5 +44,11 @@ class ScheduledEvaluator:
 
 def build_evaluators(training: TrainingConfig, rank: int, world_size: int) -> list[ScheduledEvaluator]:
     """The evaluators of a `TrainingConfig`'s `evals:` section for this rank, in the order given."""
-    worker = Worker(rank=rank, world_size=world_size, img_size=training.model.img_size, data=training.data)
+    worker = Worker(
+        rank=rank,
+        world_size=world_size,
+        img_size=training.model.img_size,
+        data=training.data,
+        outage_s=training.run.storage_outage_s,
+    )
     return [ScheduledEvaluator(name, ev, build_evaluator(ev, worker)) for name, ev in training.evals.items()]

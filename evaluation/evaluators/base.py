@@ -54,6 +54,9 @@ class Worker:
     world_size: int
     img_size: int  # the resolution the model is trained at
     data: DataConfig  # the run's data section: default validation split, data workers, storage options
+    # run.storage_outage_s: an evaluator's reads wait this long for a store that stopped answering
+    # (`vitray.storage.ride_out`), as the run's other storage calls do; None: bounded retries only.
+    outage_s: float | None = None
 
 
 @dataclass(frozen=True)

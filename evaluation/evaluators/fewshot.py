@@ -67,6 +67,7 @@ class Evaluator:
             seeds=cfg.seeds,
             batch_size=cfg.batch_size,
             storage_options=self.worker.data.storage_options,
+            outage_s=self.worker.outage_s,
         )
 
 
@@ -82,6 +83,7 @@ def fewshot_accuracies(
     batch_size: int = 256,
     num_workers: int = 0,
     storage_options: dict[str, Any] | None = None,
+    outage_s: float | None = None,
 ) -> Iterator[tuple[str, float]]:
     """Few-shot accuracy of a model: ``("NAME_{k}shot", mean over seeds)`` per dataset and shots
     value.
@@ -89,10 +91,10 @@ def fewshot_accuracies(
     `datasets` maps a short name to a prepared dataset folder (local or s3://), e.g.
     ``{"digits": "/data/digits"}``. The model is probed at its own resolution on its own device
     and dtype, and is left in the train/eval mode it was in. Same probe as `vitray fewshot`;
-    `l2_reg` is its default ridge strength when unset.
+    `l2_reg` is its default ridge strength when unset; `outage_s` (a training run's probe): reads
+    wait this long for a store that stopped answering.
     """
     # The probe's solver imports scipy: on first use, not when a run's config names this evaluator.
-    from vitray.data import read_dataset_info
     from vitray.evaluation.fewshot import DEFAULT_L2_REG
     from vitray.evaluation.fewshot_probe import Draw, ProbeData, probe
 
@@ -101,7 +103,7 @@ def fewshot_accuracies(
     param = next(model.parameters())
     features_of = model if param.dtype == torch.float32 else _CastInputs(model, param.dtype)
     for name, path in datasets.items():
-        num_classes = read_dataset_info(path, storage_options).num_classes
+        num_classes = _dataset_info(path, storage_options, outage_s).num_classes
         data = ProbeData(path, train_split, path, test_split, num_classes, model.img_size)
         draws = {
             (k, seed): Draw(k, seed, DEFAULT_L2_REG if l2_reg is None else l2_reg)
@@ -116,12 +118,24 @@ def fewshot_accuracies(
             num_workers=num_workers,
             storage_options=storage_options,
             device=param.device,
+            outage_s=outage_s,
         )
         for result in results.values():
             if isinstance(result, Exception):
                 raise result
         for k in shots:
             yield f"{name}_{k}shot", float(np.mean([results[k, seed].accuracy for seed in range(seeds)]))
+
+
+def _dataset_info(path: str, storage_options: dict[str, Any] | None, outage_s: float | None) -> Any:
+    from vitray import storage
+    from vitray.data import read_dataset_info
+
+    if outage_s is None:
+        return read_dataset_info(path, storage_options)
+    return storage.ride_out(
+        lambda: read_dataset_info(path, storage_options), what=f"reading {path}'s dataset info", within_s=outage_s
+    )
 
 
 class _CastInputs(torch.nn.Module):

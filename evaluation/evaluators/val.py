@@ -80,6 +80,7 @@ class Evaluator:
                 img_size=self.worker.img_size,
                 num_workers=0,
                 storage_options=data.storage_options,
+                outage_s=self.worker.outage_s,
             )
             # The share's size is known once the split is listed: workers only where it repays them.
             self._loader.num_workers = worker_count(self._loader.num_samples, data.num_workers)
