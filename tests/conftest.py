@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import socket
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -13,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from ports import free_port
 from seaweed import SeaweedS3
 
 pytest_plugins = ["timeline"]
@@ -58,12 +58,6 @@ class S3Endpoint:
     def storage_options(self) -> dict:
         """Explicit fsspec options, for code that does not read the environment."""
         return {"endpoint_url": self.endpoint_url, "key": self.key, "secret": self.secret}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _clear_s3fs_cache() -> None:
@@ -234,7 +228,7 @@ def init_one_rank_group() -> None:
     and tests that train in a process of their own)."""
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("gloo", rank=0, world_size=1)
 
 

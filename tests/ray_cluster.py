@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,14 +19,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from netns import Host
+from ports import free_port
 
 BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 NOT_INHERITED = {"RAY_ADDRESS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "GLOO_SOCKET_IFNAME"}
@@ -42,7 +36,7 @@ class RayCluster:
         self.head = head
         # Ray's socket paths live under the temp dir and must stay under the 107-byte socket limit.
         self.temp_dir = tempfile.mkdtemp(prefix="vd", dir="/tmp")
-        self.port = _free_port()
+        self.port = free_port()
         self.address = f"{head.address if head else '127.0.0.1'}:{self.port}"
         # Nodes are machines of their own: not the test process's Ray address, nor the variables of
         # the one-rank process group earlier tests made in it (conftest's `process_group`).

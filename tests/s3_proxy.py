@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import threading
 from collections import Counter
 
 from aiohttp import ClientSession, ClientTimeout, web
+from ports import free_port
 
 FAULTS = ("slowdown", "error", "reset", "slow")
 CONDITIONAL_HEADERS = ("If-None-Match", "If-Match")
@@ -44,12 +44,6 @@ _INTERNAL = (
     b"internal error. Please try again.</Message></Error>"
 )
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-encoding", "content-length", "host"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FlakyS3Proxy:
@@ -80,7 +74,7 @@ class FlakyS3Proxy:
         if unknown:
             raise ValueError(f"unknown faults {sorted(unknown)}: expected some of {FAULTS}")
         self.faults, self.operations = tuple(faults), operations
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.injected: Counter[tuple[str, str]] = Counter()  # (fault, operation) -> count
         self.requests: Counter[str] = Counter()  # operation -> count

