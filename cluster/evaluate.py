@@ -45,6 +45,7 @@ from vitray.evaluation.grid import (
     FinalRun,
     FinetuneJob,
     GridPlan,
+    GridWork,
     plan_grid,
 )
 from vitray.evaluation.results import CellOutcome, ResultsTable, error_text
@@ -100,13 +101,16 @@ def run_grid(
     connect(grid.cluster.address, verbose=verbose)
     retries = _Retries(grid.retries)
     with _progress(console, len(pending.cells) + len(ready) + len(finals.waiting), show_progress) as bar:
-        futures: dict[Future, FewShotGroup | FinetuneJob] = {}
-        for group in pending.fewshot:
-            futures[submit_fewshot(group, grid)] = group
+        futures: dict[Future, GridWork] = {}
         pool = ThreadPoolExecutor(max_workers=_finetune_slots(grid), thread_name_prefix="finetune")
+        runners = _runners(grid, pool, verbose)
+
+        def submit(work: GridWork) -> None:
+            futures[runners[work.method](work)] = work
+
         try:
-            for job in [*pending.finetune, *ready]:
-                futures[pool.submit(_finetune_cell, job, grid, verbose)] = job
+            for work in [*pending.fewshot, *pending.finetune, *ready]:
+                submit(work)
             while futures:
                 done, _ = wait(futures, timeout=1.0, return_when=FIRST_COMPLETED)
                 check_ray_alive("the evaluation grid")  # Ray would end this process in silence
@@ -115,7 +119,7 @@ def run_grid(
                     outcomes = _outcomes(future, work)
                     retry = retries.failed_again(work, outcomes)
                     if retry is not None:  # resubmitted; its failed cells are recorded after the last try
-                        futures[_resubmit(retry, grid, pool, verbose)] = retry
+                        submit(retry)
                         outcomes = [o for o in outcomes if o.ok]
                     for outcome in outcomes:
                         outcome = retries.annotate(outcome)
@@ -124,7 +128,7 @@ def run_grid(
                         scores.add(outcome)
                         bar.advance(outcome, summary)
                 for job in finals.release():
-                    futures[pool.submit(_finetune_cell, job, grid, verbose)] = job
+                    submit(job)
             bar.skip(finals.take_closed())
         except RayLost:
             # The fine-tune runs see it too: wait for them to end their attempts and release their
@@ -193,19 +197,13 @@ class _Retries:
         self.retries = retries
         self.tries: dict[str, int] = {}  # cell_id -> attempts so far
 
-    def failed_again(
-        self, work: FewShotGroup | FinetuneJob, outcomes: list[CellOutcome]
-    ) -> FewShotGroup | FinetuneJob | None:
+    def failed_again(self, work: GridWork, outcomes: list[CellOutcome]) -> GridWork | None:
         """The work to submit again (only its failed cells), or None when it succeeded or is out of tries."""
         failed = [o.cell for o in outcomes if not o.ok]
         for cell in (o.cell for o in outcomes):
             self.tries[cell.cell_id] = self.tries.get(cell.cell_id, 0) + 1
         again = [c for c in failed if self.tries[c.cell_id] <= self.retries]
-        if not again:
-            return None
-        if isinstance(work, FewShotGroup):
-            return replace(work, cells=tuple(again))
-        return work
+        return work.with_cells(tuple(again)) if again else None
 
     def annotate(self, outcome: CellOutcome) -> CellOutcome:
         tries = self.tries.get(outcome.cell.cell_id, 1)
@@ -216,10 +214,14 @@ class _Retries:
         )
 
 
-def _resubmit(work: FewShotGroup | FinetuneJob, grid: GridConfig, pool: ThreadPoolExecutor, verbose: bool) -> Future:
-    if isinstance(work, FewShotGroup):
-        return submit_fewshot(work, grid)
-    return pool.submit(_finetune_cell, work, grid, verbose)
+def _runners(grid: GridConfig, pool: ThreadPoolExecutor, verbose: bool) -> dict[str, Callable[[GridWork], Future]]:
+    """Grid method -> how one unit of its work starts, as a future of its cells' outcomes: few-shot
+    groups as Ray tasks with the grid's few-shot resources, fine-tune runs from the driver's thread
+    pool (their `fit()` only waits on Ray Train's controller)."""
+    return {
+        FewShotGroup.method: lambda group: submit_fewshot(group, grid),
+        FinetuneJob.method: lambda job: pool.submit(_finetune_cell, job, grid, verbose),
+    }
 
 
 def _finetune_cell(job: FinetuneJob, grid: GridConfig, verbose: bool) -> CellOutcome:
@@ -295,14 +297,13 @@ class _FinalRuns:
         return closed
 
 
-def _outcomes(future: Future, work: FewShotGroup | FinetuneJob) -> list[CellOutcome]:
+def _outcomes(future: Future, work: GridWork) -> list[CellOutcome]:
     try:
         result = future.result()
     except RayLost:
         raise
     except Exception as error:
-        cells = work.cells if isinstance(work, FewShotGroup) else (work.cell,)
-        return [CellOutcome(cell, error=error_text(error)) for cell in cells]
+        return [CellOutcome(cell, error=error_text(error)) for cell in work.cells]
     return result if isinstance(result, list) else [result]
 
 

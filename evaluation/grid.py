@@ -15,8 +15,8 @@ and a re-run of the same grid finds its finished cells.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Protocol
 
 from vitray.evaluation.config import FewShotGrid, FinetuneGrid, GridConfig
 from vitray.evaluation.results import Cell
@@ -49,14 +49,32 @@ class CheckpointRef:
         return str(self.model["name"])
 
 
+class GridWork(Protocol):
+    """A unit of a grid's work, run as a whole by its method's runner (`cluster/evaluate.py` finds
+    the runner by `method`): the cells it computes."""
+
+    method: ClassVar[str]  # the cells' method, `Cell.method`
+
+    @property
+    def cells(self) -> tuple[Cell, ...]: ...
+
+    def with_cells(self, cells: tuple[Cell, ...]) -> GridWork:
+        """The same work for only `cells` (some of its own): a retry of the cells that failed."""
+        ...
+
+
 @dataclass(frozen=True)
 class FewShotGroup:
     """Few-shot cells of one (checkpoint, benchmark, resolution): one feature extraction."""
 
+    method: ClassVar[str] = "fewshot"
     checkpoint: CheckpointRef
     benchmark: Benchmark
     img_size: int
     cells: tuple[Cell, ...]
+
+    def with_cells(self, cells: tuple[Cell, ...]) -> FewShotGroup:
+        return replace(self, cells=cells)
 
 
 @dataclass(frozen=True)
@@ -64,9 +82,18 @@ class FinetuneJob:
     """One fine-tune cell: `cell.settings` holds lr, steps, batch_size, warmup_steps, resolution,
     crop, flip (and, with the inception crop, min_crop_area)."""
 
+    method: ClassVar[str] = "finetune"
     checkpoint: CheckpointRef
     benchmark: Benchmark
     cell: Cell
+
+    @property
+    def cells(self) -> tuple[Cell, ...]:
+        return (self.cell,)
+
+    def with_cells(self, cells: tuple[Cell, ...]) -> FinetuneJob:
+        assert cells == (self.cell,), cells  # one cell: retried whole
+        return self
 
 
 @dataclass(frozen=True)
