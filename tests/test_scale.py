@@ -148,10 +148,10 @@ class DelayingProxy:
     forwarding it, and counts requests and how many were in flight at once."""
 
     def __init__(self, upstream: str, delay_s: float):
-        from conftest import _free_port
+        from ports import free_port
 
         self.upstream, self.delay_s = upstream.rstrip("/"), delay_s
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.requests: list[tuple[str, str]] = []
         self.in_flight = self.max_in_flight = 0
