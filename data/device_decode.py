@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
-from torchvision.io import ImageReadMode, decode_jpeg
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +209,11 @@ def _decode_jpegs(jpegs: list[torch.Tensor], device: torch.device) -> list[torch
     """RGB uint8 ``(3, H, W)`` images on ``device``, None for a JPEG neither the device's decoder
     nor the CPU's decodes. One call for the whole list (nvjpeg batches it; a refusal of any image
     fails the call, so then each is tried alone)."""
+    # Imported here, not at the top: every training worker imports this module (through the loader's
+    # batch types), and torchvision's import takes its models and ops along (~0.3 CPU-s a process,
+    # ~1.5 before torch._dynamo is imported), which only device decoding needs.
+    from torchvision.io import ImageReadMode, decode_jpeg
+
     try:
         return list(decode_jpeg(jpegs, mode=ImageReadMode.RGB, device=device))
     except RuntimeError as error:
@@ -218,6 +222,8 @@ def _decode_jpegs(jpegs: list[torch.Tensor], device: torch.device) -> list[torch
 
 
 def _decode_one(jpeg: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    from torchvision.io import ImageReadMode, decode_jpeg  # see _decode_jpegs
+
     for where in dict.fromkeys([device, torch.device("cpu")]):
         try:
             return decode_jpeg(jpeg, mode=ImageReadMode.RGB, device=where).to(device)

@@ -43,9 +43,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from torchvision.io import ImageReadMode, decode_jpeg
-from torchvision.transforms import v2
 
+# torchvision (v2, decode_jpeg) is imported in the functions that use it, not here: every training
+# worker imports this module, and torchvision's import takes its models and ops along (~0.3 CPU-s
+# a process; ~1.5 where torch._dynamo is not yet imported), which training crops (TrainCrop, the
+# region decoder) never use.
 from .config import RESIZE_RATIO, TRAIN_CROPS, TrainCropKind
 from .layout import LabelKind
 
@@ -270,6 +272,8 @@ def train_augment(
 def train_transform(img_size: int, **augment: Any) -> Transform:
     """PIL image -> uint8 tensor ``(3, img_size, img_size)``: :func:`train_augment` (its keyword
     arguments: crop, min_crop_area, resize_ratio, flip), then to a tensor."""
+    from torchvision.transforms import v2  # imported here: see the note at the imports
+
     return v2.Compose([train_augment(img_size, **augment), v2.PILToTensor()])
 
 
@@ -278,6 +282,8 @@ def eval_resize(img_size: int, resize: EvalResize = "aspect") -> Augment:
     (see the module's docstring)."""
     if resize not in EVAL_RESIZES:
         raise ValueError(f"resize must be one of {EVAL_RESIZES}, got {resize!r}")
+    from torchvision.transforms import v2  # imported here: see the note at the imports
+
     enlarged = round(img_size / EVAL_CROP_FRACTION)
     if resize == "square":
         return v2.Compose([v2.Resize((enlarged, enlarged), antialias=True), v2.CenterCrop(img_size)])
@@ -292,6 +298,8 @@ def eval_resize(img_size: int, resize: EvalResize = "aspect") -> Augment:
 
 def eval_transform(img_size: int, resize: EvalResize = "aspect") -> Transform:
     """PIL image -> uint8 tensor ``(3, img_size, img_size)``: :func:`eval_resize`, then to a tensor."""
+    from torchvision.transforms import v2  # imported here: see the note at the imports
+
     resized, to_tensor = eval_resize(img_size, resize), v2.PILToTensor()
 
     def transform(image: Image.Image) -> torch.Tensor:
@@ -380,6 +388,8 @@ def _decode_jpeg_region(data: bytes, top: int, left: int, height: int, width: in
 def _decode_jpeg(data: bytes) -> torch.Tensor:
     """RGB uint8 ``(3, H, W)`` (a channels-last view) by torchvision, or PIL's decode where
     torchvision refuses (e.g. a JPEG coding it does not support); errors come from PIL's attempt."""
+    from torchvision.io import ImageReadMode, decode_jpeg  # imported here: see the note at the imports
+
     try:
         return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
     except RuntimeError:

@@ -729,3 +729,20 @@ def test_the_driver_does_not_import_torchvision_or_deepspeed() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["loaded"], out.stdout
+
+
+def test_the_training_workers_modules_do_not_import_torchvision() -> None:
+    """Every Ray Train worker of every run imports the training loop. torchvision's import takes its
+    models and ops along (~0.3 CPU-s a process after torch._dynamo, which torch.optim imports
+    anyway; ~1.5 s before it); only device decoding and evaluation transforms use it, and import it
+    where they do (`vitray.data.transforms`)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, vitray.cluster.train_worker, vitray.trainers.loop; "
+        "print('loaded', *sorted(m for m in ('torchvision',) if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["loaded"], out.stdout
