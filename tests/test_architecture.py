@@ -719,16 +719,8 @@ def test_the_driver_does_not_import_torchvision_or_deepspeed() -> None:
     """A `vitray pretrain` driver loads the config and starts Ray; torchvision (through
     torch._dynamo ~1.4 s of CPU) and DeepSpeed (~3 s) belong to the workers. Every run and every
     test's run starts a driver, so what it imports for nothing is paid again and again."""
-    import subprocess
-    import sys
-
-    script = (
-        "import sys, vitray.cli.main, vitray.cluster.pretrain, vitray.cluster.finetune, vitray.cluster.evaluate; "
-        "print('loaded', *sorted(m for m in ('torchvision', 'deepspeed', 'mlflow') if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["loaded"], out.stdout
+    imports = "vitray.cli.main, vitray.cluster.pretrain, vitray.cluster.finetune, vitray.cluster.evaluate"
+    assert _loaded_after(imports, ("torchvision", "deepspeed", "mlflow")) == []
 
 
 def test_the_training_workers_modules_do_not_import_torchvision() -> None:
@@ -736,13 +728,16 @@ def test_the_training_workers_modules_do_not_import_torchvision() -> None:
     models and ops along (~0.3 CPU-s a process after torch._dynamo, which torch.optim imports
     anyway; ~1.5 s before it); only device decoding and evaluation transforms use it, and import it
     where they do (`vitray.data.transforms`)."""
+    assert _loaded_after("vitray.cluster.train_worker, vitray.trainers.loop", ("torchvision",)) == []
+
+
+def _loaded_after(imports: str, watched: tuple[str, ...]) -> list[str]:
+    """Which of the `watched` modules a fresh Python process has loaded after `import <imports>`."""
     import subprocess
     import sys
 
-    script = (
-        "import sys, vitray.cluster.train_worker, vitray.trainers.loop; "
-        "print('loaded', *sorted(m for m in ('torchvision',) if m in sys.modules))"
-    )
+    script = f"import sys, {imports}; print('loaded', *sorted(m for m in {watched!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["loaded"], out.stdout
+    assert out.stdout.split()[0] == "loaded", out.stdout
+    return out.stdout.split()[1:]

@@ -109,6 +109,36 @@ def _until_an_outage_is_ridden_out(timeout: float = 120) -> None:
         time.sleep(0.2)
 
 
+def _finished_only_after_a_cut(seaweed_s3, monkeypatch, call, what: str, join_s: float):
+    """`call()` in a thread while the store, behind a proxy, refuses connections: it must meet the
+    outage and still be waiting 10 s later (longer than the bounded retries of a listing or of a
+    shard's opening, ~4-12 s, would last), then finish within `join_s` once the store is back.
+    Returns what it returned."""
+    import threading
+
+    import s3fs
+
+    proxy = FlakyS3Proxy(seaweed_s3.endpoint_url, rate=0.0).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setattr(storage.retries, "OUTAGE_MAX_DELAY_S", 0.5)
+    s3fs.S3FileSystem.clear_instance_cache()
+    done: list = []
+    try:
+        proxy.cut()
+        caller = threading.Thread(target=lambda: done.append(call()))
+        caller.start()
+        _until_an_outage_is_ridden_out()
+        time.sleep(10)
+        assert caller.is_alive() and not done, f"{what} gave up on (or read from) a store that was cut"
+        proxy.restore()
+        caller.join(join_s)
+        (result,) = done
+        return result
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        proxy.stop()
+
+
 def test_a_shard_whose_every_read_is_cut_short_fails_naming_the_shard(seaweed_s3, monkeypatch):
     """Retries are bounded: botocore and s3fs repeat a cut-short GET, the reader reopens the shard
     at the sample (aiohttp's payload error counts as transient), each a few times with backoff;
@@ -141,10 +171,6 @@ def test_a_runs_shard_reader_waits_for_a_store_that_went_away(seaweed_s3, monkey
     """A run's reader (`outage_s`: run.storage_outage_s) opening a shard while its store refuses
     connections waits for the store instead of failing after its bounded retries, says so once,
     and then reads the shard whole."""
-    import threading
-
-    import s3fs
-
     from vitray.data.reader import ShardCursor
 
     dataset = seaweed_s3.url("datasets", "digits")
@@ -153,25 +179,15 @@ def test_a_runs_shard_reader_waits_for_a_store_that_went_away(seaweed_s3, monkey
     before = ShardCursor(shard)
     expected = [before.read(True).key for _ in range(100)]
     before.close()
-    proxy = FlakyS3Proxy(seaweed_s3.endpoint_url, rate=0.0).start()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    monkeypatch.setattr(storage.retries, "OUTAGE_MAX_DELAY_S", 0.5)
-    s3fs.S3FileSystem.clear_instance_cache()
-    read: list = []
-    try:
-        proxy.cut()
-        opening = threading.Thread(target=lambda: read.append(ShardCursor(shard, outage_s=120)))
-        opening.start()
-        _until_an_outage_is_ridden_out()
-        time.sleep(10)  # and longer than the bounded retries of opening a shard (~4-12 s) would last
-        assert opening.is_alive() and not read, "the reader gave up on (or read from) a store that was cut"
-        proxy.restore()
-        opening.join(60)
-        (cursor,) = read
-        assert [cursor.read(True).key for _ in range(100)] == expected
-    finally:
-        s3fs.S3FileSystem.clear_instance_cache()
-        proxy.stop()
+
+    def open_and_read() -> list[str]:
+        cursor = ShardCursor(shard, outage_s=120)
+        try:
+            return [cursor.read(True).key for _ in range(100)]
+        finally:
+            cursor.close()
+
+    assert _finished_only_after_a_cut(seaweed_s3, monkeypatch, open_and_read, "the reader", join_s=60) == expected
     said = capsys.readouterr().err
     assert said.count(f"vitray: storage unreachable (opening shard {shard}") == 1, said
     assert said.count("vitray: storage reachable again after") == 1, said
@@ -182,10 +198,6 @@ def test_a_runs_evaluators_wait_for_a_store_that_went_away(seaweed_s3, monkeypat
     connections -- the val evaluator listing and reading its split, the few-shot probe reading
     labels, dataset info and images -- wait for the store instead of failing the worker, say so
     once, and then score exactly what they score on a store that never went away."""
-    import threading
-
-    import s3fs
-
     from vitray.data.config import DataConfig
     from vitray.evaluation.evaluators import Forward, Worker, build_evaluator
     from vitray.evaluation.evaluators.fewshot import FewshotEvalConfig
@@ -209,24 +221,9 @@ def test_a_runs_evaluators_wait_for_a_store_that_went_away(seaweed_s3, monkeypat
         return [dict(build_evaluator(config, worker).run(model, forward)) for config in configs]
 
     expected = score(None)
-    proxy = FlakyS3Proxy(seaweed_s3.endpoint_url, rate=0.0).start()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    monkeypatch.setattr(storage.retries, "OUTAGE_MAX_DELAY_S", 0.5)
-    s3fs.S3FileSystem.clear_instance_cache()
-    scored: list = []
-    try:
-        proxy.cut()
-        scoring = threading.Thread(target=lambda: scored.append(score(120)))
-        scoring.start()
-        _until_an_outage_is_ridden_out()
-        time.sleep(10)  # and longer than the bounded retries of a listing or a shard's opening would last
-        assert scoring.is_alive() and not scored, "an evaluator gave up on (or read from) a store that was cut"
-        proxy.restore()
-        scoring.join(120)
-        assert scored == [expected]
-    finally:
-        s3fs.S3FileSystem.clear_instance_cache()
-        proxy.stop()
+    assert (
+        _finished_only_after_a_cut(seaweed_s3, monkeypatch, lambda: score(120), "an evaluator", join_s=120) == expected
+    )
     said = capsys.readouterr().err
     assert said.count("vitray: storage unreachable (") == 1, said
     assert said.count("vitray: storage reachable again after") == 1, said
