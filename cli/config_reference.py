@@ -22,6 +22,7 @@ from pydantic_core import PydanticUndefined
 
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.evaluators import KINDS
+from vitray.evaluation.methods import METHODS
 from vitray.evaluation.suite import BENCHMARKS, group_names
 from vitray.models.variants import HYBRID_STAGES, PATCH_SIZES, TRANSFORMER_SIZES
 from vitray.trainers.config import MOVED_KEYS, TrainingConfig
@@ -52,13 +53,18 @@ TRAINING_SECTIONS: dict[str, str] = {
     "cluster": "The Ray worker group.",
     "debug": "Fault injection and measurement hooks for tests and benchmarks.",
 }
+
+
+def _caption(model: type[BaseModel]) -> str:
+    return " ".join(line.strip() for line in (model.__doc__ or "").strip().splitlines())
+
+
 GRID_SECTIONS: dict[str, str] = {
     "": "Top-level keys. `benchmarks` takes names ({benchmarks}) and groups ({groups}).",
-    "fewshot": "Linear few-shot probes: features extracted once per checkpoint and benchmark, in a Ray task. "
-    "Unset keys take the benchmark's protocol.",
-    "finetune": "Fine-tuning cells: one Ray Train run of the fine-tune recipe per benchmark, learning rate and "
-    "seed. Unset keys take the benchmark's protocol.",
     "cluster": "Where the grid runs.",
+    # each transfer method's section: its config model's docstring, so that a new method
+    # (vitray.evaluation.methods.METHODS) needs nothing here
+    **{name: _caption(method.Config) for name, method in METHODS.items()},
 }
 
 HEADER = f"""# Configuration reference
@@ -270,10 +276,6 @@ def _model_names() -> str:
 # Each evaluator kind's section, under the heading the `evals` row links to; its caption is its
 # config model's docstring, so that a new kind (vitray.evaluation.evaluators.KINDS) needs nothing here.
 EVALUATORS = {module.Config: f"Evaluator `{kind}`" for kind, module in KINDS.items()}
-
-
-def _caption(model: type[BaseModel]) -> str:
-    return " ".join(line.strip() for line in (model.__doc__ or "").strip().splitlines())
 
 
 def render() -> str:

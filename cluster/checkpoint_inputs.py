@@ -1,20 +1,16 @@
-"""Checkpoints as evaluation inputs, and the one way an evaluation loads one onto a device.
-
-- :func:`resolve_checkpoints`: a checkpoint folder, or a run folder's latest / every complete one,
-  as grid inputs (:class:`~vitray.evaluation.grid.CheckpointRef`, found and opened by
-  :mod:`vitray.runfolder.checkpoint_folders`);
-- :func:`load_on_device`: a checkpoint's model on the GPU when asked for and present, else the CPU
-  (`vitray fewshot` and the grid's few-shot tasks; a fine-tune cell scores its test split in its
-  own run, `vitray.cluster.finetune`).
+"""Checkpoints as evaluation inputs: :func:`resolve_checkpoints` takes a checkpoint folder, or a
+run folder's latest / every complete one, as grid inputs
+(:class:`~vitray.evaluation.methods.CheckpointRef`, found and opened by
+:mod:`vitray.runfolder.checkpoint_folders`). A grid's work loads its checkpoint itself
+(`vitray.evaluation.methods.base.load_on_device`, or a fine-tune run's `init.checkpoint`).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from vitray import storage
-from vitray.evaluation.grid import CheckpointRef
+from vitray.evaluation.methods import CheckpointRef
 from vitray.runfolder import checkpoint_folders as ckpt
 
 
@@ -41,13 +37,3 @@ def resolve_checkpoints(path: str, *, all_checkpoints: bool = False) -> list[Che
         if complete:
             return [checkpoint_ref(c) for c in complete]
     return [checkpoint_ref(ckpt.resolve_checkpoint(path))]
-
-
-def load_on_device(path: str, *, use_gpu: bool = False) -> tuple[Any, str]:
-    """The model of the checkpoint at `path` and the device it is to run on: "cuda" when `use_gpu`
-    and a GPU is visible (a Ray task given one), else "cpu"."""
-    import torch
-
-    model, _ = ckpt.load_checkpoint(path)
-    device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
-    return model.to(device), device

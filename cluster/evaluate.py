@@ -1,7 +1,8 @@
 """`vitray evaluate`: an evaluation grid fanned out over Ray, written to the results table cell by cell.
 
-- Few-shot: one Ray task per (checkpoint, benchmark) with its own resource request
-  (`fewshot.num_cpus` / `num_gpus`) extracts the features once and solves every (shots, seed) cell.
+- Few-shot (and any method of `vitray.evaluation.methods` that runs as Ray tasks): one Ray task
+  per unit of work -- a (checkpoint, benchmark) for few-shot, which extracts the features once and
+  solves every (shots, seed) cell -- with its section's resource request (`fewshot.num_cpus` / `num_gpus`).
 - Fine-tune: every cell is a Ray Train V2 TorchTrainer run (`run_finetune`), named after the cell
   under `<output>/finetune_runs`, so a re-run resumes a half-done run. The driver calls `fit()`
   from a thread pool sized to what the cluster can hold: V2's `fit()` only blocks on its
@@ -21,12 +22,14 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import tempfile
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import ray
 from rich.console import Console
@@ -34,22 +37,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from vitray import storage
 from vitray.cluster.checkpoint_inputs import absolute, checkpoint_ref, resolve_checkpoints
-from vitray.cluster.fewshot_cells import submit_fewshot
 from vitray.cluster.finetune import finetune_cell_metrics, finetune_config
 from vitray.cluster.runtime import RayLost, check_ray_alive, connect
 from vitray.evaluation.config import GridConfig
-from vitray.evaluation.grid import (
-    VAL_METRIC,
-    CheckpointRef,
-    FewShotGroup,
-    FinalRun,
-    FinetuneJob,
-    GridPlan,
-    GridWork,
-    plan_grid,
-)
+from vitray.evaluation.grid import GridPlan, plan_grid
+from vitray.evaluation.methods import METHODS, TASK, CheckpointRef, GridWork, PendingWork, finetune
+from vitray.evaluation.methods.finetune import FinetuneJob
 from vitray.evaluation.results import CellOutcome, ResultsTable, error_text
-from vitray.evaluation.selection import select_lr
 from vitray.evaluation.suite import find_missing
 from vitray.runfolder.checkpoint_folders import find_checkpoints, is_checkpoint
 
@@ -63,7 +57,7 @@ class GridSummary:
     ok: int = 0
     failed: int = 0
     missing: int = 0
-    waiting: int = 0  # final runs not started: a cell of their learning-rate sweep did not succeed
+    waiting: int = 0  # pending work not started: a cell it waits for did not succeed (a sweep's final run)
     checkpoints: list[str] = field(default_factory=list)
 
     def add(self, outcome: CellOutcome) -> None:
@@ -87,20 +81,20 @@ def run_grid(
     table = ResultsTable(grid.results_path, storage_options=grid.storage_options)
     plan = plan_grid(grid, checkpoints)
     summary = GridSummary(total=len(plan), checkpoints=[c.path for c in checkpoints])
-    scores = _val_scores(table)
+    scores = _scores(table)
     pending = plan.without(scores.finished)
     summary.skipped = len(plan.cells) - len(pending.cells)
     pending = _record_unprepared(pending, grid, table, summary)
-    finals = _FinalRuns(pending.finals, scores, summary)
-    ready = finals.release()  # sweeps an earlier invocation finished
-    finals.take_closed()  # not part of the progress bar's total
-    if not pending.cells and not ready and not finals.waiting:
+    waiting = _Waiting(pending.pending, scores, summary)
+    ready = waiting.release()  # what waited for cells an earlier invocation finished
+    waiting.take_closed()  # not part of the progress bar's total
+    if not pending.cells and not ready and not waiting.work:
         return summary
 
-    _check_models(pending, ready, grid)  # in seconds, before Ray starts
+    _check_work([*pending.work, *ready], grid)  # in seconds, before Ray starts
     connect(grid.cluster.address, verbose=verbose)
     retries = _Retries(grid.retries)
-    with _progress(console, len(pending.cells) + len(ready) + len(finals.waiting), show_progress) as bar:
+    with _progress(console, len(pending.cells) + len(ready) + len(waiting.work), show_progress) as bar:
         futures: dict[Future, GridWork] = {}
         pool = ThreadPoolExecutor(max_workers=_finetune_slots(grid), thread_name_prefix="finetune")
         runners = _runners(grid, pool, verbose)
@@ -109,7 +103,7 @@ def run_grid(
             futures[runners[work.method](work)] = work
 
         try:
-            for work in [*pending.fewshot, *pending.finetune, *ready]:
+            for work in [*pending.work, *ready]:
                 submit(work)
             while futures:
                 done, _ = wait(futures, timeout=1.0, return_when=FIRST_COMPLETED)
@@ -127,9 +121,9 @@ def run_grid(
                         summary.add(outcome)
                         scores.add(outcome)
                         bar.advance(outcome, summary)
-                for job in finals.release():
-                    submit(job)
-            bar.skip(finals.take_closed())
+                for work in waiting.release():
+                    submit(work)
+            bar.skip(waiting.take_closed())
         except RayLost:
             # The fine-tune runs see it too: wait for them to end their attempts and release their
             # leases (seconds); Ray's shutdown would wait for the GCS that is gone.
@@ -145,25 +139,27 @@ def run_grid(
     return summary
 
 
-def _check_models(pending: GridPlan, ready: list[FinetuneJob], grid: GridConfig) -> None:
-    """Every fine-tune and few-shot cell's model builds at its resolution (on the meta device),
-    once per checkpoint and resolution: a resolution the patch size does not divide is refused
-    (PreflightError) before any cell starts, instead of failing every cell on its workers."""
+def _check_work(work: list[GridWork], grid: GridConfig) -> None:
+    """Every unit's model builds at its resolution (on the meta device), once per checkpoint and
+    resolution, and every fine-tune run's training config (its `finetune.overrides` included)
+    validates: a resolution the patch size does not divide, or a wrong override, is refused
+    (PreflightError, ConfigError) before any cell starts, instead of failing every cell on its workers."""
     from vitray.models import ModelConfig
     from vitray.trainers.driver_checks.preflight import PreflightError, check_model
 
-    jobs = [*pending.finetune, *ready]
-    cells = [("fine-tune", job.checkpoint, finetune_config(job, grid).model.img_size) for job in jobs]
-    cells += [("few-shot", group.checkpoint, group.img_size) for group in pending.fewshot]
     checked: set[tuple[str, int]] = set()
-    for kind, checkpoint, img_size in cells:
+    for unit in work:
+        if isinstance(unit, FinetuneJob):
+            finetune_config(unit, grid)
+        checkpoint, img_size = unit.checkpoint, unit.img_size
         if (checkpoint.path, img_size) in checked or not checkpoint.model:
             continue
         checked.add((checkpoint.path, img_size))
         try:
             check_model(ModelConfig.model_validate({**checkpoint.model, "img_size": img_size}))
         except PreflightError as err:
-            raise PreflightError(f"{kind} cells of {checkpoint.path} at {img_size} px: {err}") from None
+            title = METHODS[unit.method].TITLE
+            raise PreflightError(f"{title} cells of {checkpoint.path} at {img_size} px: {err}") from None
 
 
 def _record_unprepared(plan: GridPlan, grid: GridConfig, table: ResultsTable, summary: GridSummary) -> GridPlan:
@@ -215,13 +211,28 @@ class _Retries:
 
 
 def _runners(grid: GridConfig, pool: ThreadPoolExecutor, verbose: bool) -> dict[str, Callable[[GridWork], Future]]:
-    """Grid method -> how one unit of its work starts, as a future of its cells' outcomes: few-shot
-    groups as Ray tasks with the grid's few-shot resources, fine-tune runs from the driver's thread
-    pool (their `fit()` only waits on Ray Train's controller)."""
-    return {
-        FewShotGroup.method: lambda group: submit_fewshot(group, grid),
-        FinetuneJob.method: lambda job: pool.submit(_finetune_cell, job, grid, verbose),
+    """Grid method -> how one unit of its work starts, as a future of its cells' outcomes: the
+    units of a method that runs as Ray tasks (few-shot) each in a task of its own; fine-tune runs
+    from the driver's thread pool (their `fit()` only waits on Ray Train's controller)."""
+    runners = {
+        name: functools.partial(_submit_task, grid=grid) for name, method in METHODS.items() if method.RUNS_AS == TASK
     }
+    runners[finetune.NAME] = lambda job: pool.submit(_finetune_cell, job, grid, verbose)
+    return runners
+
+
+def _submit_task(work: GridWork, grid: GridConfig) -> Future:
+    """`work` in a Ray task that calls its method's `run`, with the resources its grid section asks for."""
+    method, section = METHODS[work.method], grid.section(work.method)
+    task = _remote(method.run).options(
+        name=f"vitray-{work.method}", num_cpus=section.num_cpus, num_gpus=section.num_gpus
+    )
+    return task.remote(work, section, grid.inputs).future()
+
+
+@functools.cache
+def _remote(run: Callable) -> Any:
+    return ray.remote(run)
 
 
 def _finetune_cell(job: FinetuneJob, grid: GridConfig, verbose: bool) -> CellOutcome:
@@ -236,63 +247,66 @@ def _finetune_cell(job: FinetuneJob, grid: GridConfig, verbose: bool) -> CellOut
 
 
 class _Scores:
-    """Finished cells and the validation top-1 of finished selection cells: the results table's at
-    the start, plus every outcome since."""
+    """Finished cells and their metrics: the results table's at the start, plus every outcome since;
+    and the cells that failed in this invocation."""
 
-    def __init__(self, finished: set[str], val: dict[str, float], failed: set[str]):
-        self.finished, self.val, self.failed = finished, val, failed
+    def __init__(self, metrics: dict[str, dict[str, float]]):
+        self.metrics = metrics  # cell_id -> metric -> value, of finished cells
+        self.failed: set[str] = set()
+
+    @property
+    def finished(self) -> set[str]:
+        return set(self.metrics)
 
     def add(self, outcome: CellOutcome) -> None:
         cell_id = outcome.cell.cell_id
         if outcome.ok:
-            self.finished.add(cell_id)
+            self.metrics[cell_id] = {k: float(v) for k, v in (outcome.metrics or {}).items()}
             self.failed.discard(cell_id)
-            if VAL_METRIC in outcome.metrics:
-                self.val[cell_id] = float(outcome.metrics[VAL_METRIC])
         else:
             self.failed.add(cell_id)
 
 
-def _val_scores(table: ResultsTable) -> _Scores:
-    rows = table.to_table().to_pylist()
-    finished = {r["cell_id"] for r in rows if r["status"] == "ok"}
-    val = {r["cell_id"]: float(r["value"]) for r in rows if r["status"] == "ok" and r["metric"] == VAL_METRIC}
-    return _Scores(finished, val, set())
+def _scores(table: ResultsTable) -> _Scores:
+    metrics: dict[str, dict[str, float]] = {}
+    for row in table.to_table().to_pylist():
+        if row["status"] == "ok":
+            metrics.setdefault(row["cell_id"], {})[row["metric"]] = float(row["value"])
+    return _Scores(metrics)
 
 
-class _FinalRuns:
-    """Final runs (VTAB-1k: the selected lr re-trained on train[:1000]) waiting for their sweep.
+class _Waiting:
+    """Pending work (VTAB-1k: the selected lr re-trained on train[:1000]) waiting for its cells.
 
-    :meth:`release` turns every final run whose sweep is scored into its job -- or into a skipped
-    cell when an earlier invocation finished it -- and gives up on those whose sweep has a cell
-    that failed in this invocation (a later one retries the cell, then runs the final)."""
+    :meth:`release` turns every pending unit whose cells are all finished into its work -- or into
+    a skipped cell when an earlier invocation finished that work -- and gives up on those with a
+    cell that failed in this invocation (a later one retries the cell, then runs the work)."""
 
-    def __init__(self, finals: tuple[FinalRun, ...], scores: _Scores, summary: GridSummary):
-        self.waiting, self.scores, self.summary = list(finals), scores, summary
-        self._closed = 0  # given up or found finished: no job for the progress bar
+    def __init__(self, pending: tuple[PendingWork, ...], scores: _Scores, summary: GridSummary):
+        self.work, self.scores, self.summary = list(pending), scores, summary
+        self._closed = 0  # given up or found finished: no work for the progress bar
 
-    def release(self) -> list[FinetuneJob]:
-        jobs, still = [], []
-        for final in self.waiting:
-            ids = [c.cell_id for c in final.selection]
-            if all(i in self.scores.val for i in ids):
-                lr = select_lr({float(c.settings["lr"]): self.scores.val[c.cell_id] for c in final.selection})
-                job = final.job(lr)
-                if job.cell.cell_id in self.scores.finished:
+    def release(self) -> list[GridWork]:
+        ready, still = [], []
+        for pending in self.work:
+            ids = [c.cell_id for c in pending.waits_for]
+            if all(i in self.scores.metrics for i in ids):
+                work = pending.release(self.scores.metrics)
+                if all(c.cell_id in self.scores.metrics for c in work.cells):
                     self.summary.skipped += 1
                     self._closed += 1
                 else:
-                    jobs.append(job)
+                    ready.append(work)
             elif any(i in self.scores.failed for i in ids):
                 self.summary.waiting += 1
                 self._closed += 1
             else:
-                still.append(final)
-        self.waiting = still
-        return jobs
+                still.append(pending)
+        self.work = still
+        return ready
 
     def take_closed(self) -> int:
-        """Final runs closed without a job since the last call."""
+        """Pending work closed without being run since the last call."""
         closed, self._closed = self._closed, 0
         return closed
 

@@ -21,11 +21,12 @@ from typing import Any
 
 from vitray.cluster.checkpoint_inputs import resolve_checkpoints
 from vitray.common.config import validate_config
-from vitray.evaluation.config import FinetuneGrid, GridConfig
+from vitray.evaluation.config import GridConfig
 from vitray.evaluation.evaluators import TEST, TEST_TOP1, VAL, VAL_TOP1
 from vitray.evaluation.evaluators.val import ValEvalConfig
 from vitray.evaluation.finetune_recipe import FinetuneRecipe, finetune_run_name
-from vitray.evaluation.grid import METRIC, VAL_METRIC, FinetuneJob, finetune_settings, is_selection
+from vitray.evaluation.methods import METRIC
+from vitray.evaluation.methods.finetune import VAL_METRIC, FinetuneGrid, FinetuneJob, finetune_settings, is_selection
 from vitray.evaluation.results import Cell
 from vitray.evaluation.suite import get_benchmark, require_prepared
 from vitray.runfolder.files import RunFiles

@@ -1,5 +1,6 @@
 """Transfer evaluation: the evaluators a training run schedules (`vitray.evaluation.evaluators`),
-few-shot linear probes, the benchmark suite, the evaluation grid, the results table and reports.
+few-shot linear probes, the benchmark suite, the evaluation grid and its transfer methods
+(`vitray.evaluation.methods`), the results table and reports.
 
 Nothing is imported with the package: its names below are imported on first use, so that a
 training worker that only needs an evaluator does not import scipy, pyarrow, matplotlib or pandas.
@@ -48,7 +49,8 @@ _HOMES: dict[str, str] = {
     **dict.fromkeys(
         ["print_table", "write_report", "summarize", "vtab_group_averages", "fine_tune_sweeps", "ReportFiles"], "report"
     ),
-    **dict.fromkeys(["select_lr", "selected_finetune"], "selection"),
+    **dict.fromkeys(["selected_finetune"], "selection"),
+    **dict.fromkeys(["select_lr"], "methods.finetune"),
 }
 
 

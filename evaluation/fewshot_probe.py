@@ -8,16 +8,15 @@ every set. Its two callers:
 
 - `vitray.evaluation.evaluators.fewshot`, on the model being trained (a run's evaluators of kind
   ``fewshot``): ``("digits_10shot", accuracy)`` per dataset and shots value (mean over seeds);
-- :func:`run_fewshot_group`, a grid's cells of one (checkpoint, benchmark) on a loaded model
-  (`vitray fewshot` and `vitray evaluate`, through `cluster/fewshot_cells.py`): one
+- the grid's few-shot method (`vitray.evaluation.methods.fewshot`, for `vitray fewshot` and
+  `vitray evaluate`), a group of cells of one (checkpoint, benchmark) on a loaded model: one
   :class:`~vitray.evaluation.results.CellOutcome` per cell, a cell that cannot be solved (too few
   examples for its shots) failing alone.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +29,6 @@ from vitray.evaluation.fewshot import (
     sample_few_shot,
     score_few_shot_set,
 )
-from vitray.evaluation.grid import METRIC, FewShotGroup
-from vitray.evaluation.results import CellOutcome, error_text
-from vitray.evaluation.suite import locate, locate_train
 
 # The few-shot images' pre-processing, as the authors' (big_vision configs/common_fewshot.py,
 # resize(256)|central_crop(224) at 224 px): squashed square to img_size/0.875, then the central
@@ -217,65 +213,3 @@ def probe(
         except Exception as error:
             results[key] = error
     return {key: results[key] for key in draws}
-
-
-def run_fewshot_group(
-    model: Any,
-    group: FewShotGroup,
-    data_root: str,
-    *,
-    batch_size: int = 256,
-    num_workers: int = 0,
-    storage_options: dict[str, Any] | None = None,
-    device: Any = "cpu",
-) -> list[CellOutcome]:
-    """Every cell of `group` on `model` (resampled to `group.img_size` in place when it differs).
-
-    Reading or extraction errors fail every cell of the group; a sampling or solve error (e.g.
-    fewer examples than shots) fails its own cell only. A cell's `seconds` is its share of the
-    group's time.
-    """
-    benchmark = group.benchmark
-    started = time.perf_counter()
-    draws = {cell.cell_id: Draw(cell.settings["shots"], cell.seed, cell.settings["l2_reg"]) for cell in group.cells}
-    try:
-        if model.img_size != group.img_size:
-            model.set_img_size(group.img_size)
-        data = ProbeData(
-            locate_train(benchmark, data_root),
-            benchmark.train_split,
-            locate(benchmark, data_root),
-            benchmark.test_split,
-            benchmark.num_classes,
-            group.img_size,
-        )
-        results = probe(
-            model,
-            data,
-            draws,
-            batch_size=batch_size,
-            num_workers=num_workers,
-            storage_options=storage_options,
-            device=device,
-        )
-    except Exception as error:
-        seconds = (time.perf_counter() - started) / len(group.cells)
-        return [CellOutcome(cell, error=error_text(error), seconds=seconds) for cell in group.cells]
-    share = (time.perf_counter() - started) / len(group.cells)
-    outcomes = []
-    for cell in group.cells:
-        result = results[cell.cell_id]
-        if isinstance(result, Exception):
-            outcomes.append(CellOutcome(cell, error=f"{type(result).__name__}: {result}", seconds=share))
-        else:
-            outcomes.append(CellOutcome(cell, {METRIC: result.accuracy}, seconds=share))
-    return outcomes
-
-
-def summarize_scores(outcomes: Iterable[CellOutcome]) -> dict[int, tuple[float, float, int]]:
-    """Few-shot outcomes per shots value: (mean, population std, number of seeds) of the ok ones."""
-    by_shots: dict[int, list[float]] = {}
-    for outcome in outcomes:
-        if outcome.ok:
-            by_shots.setdefault(int(outcome.cell.settings["shots"]), []).append(outcome.metrics[METRIC])
-    return {k: (float(np.mean(v)), float(np.std(v)), len(v)) for k, v in sorted(by_shots.items())}

@@ -3,7 +3,7 @@
 SGD momentum 0.9, cosine decay after a linear warm-up, no weight decay, grad-norm clip 1, a
 zero-initialised head (the pre-logits layer dropped) and position embeddings resampled to the
 fine-tuning resolution. :meth:`FinetuneRecipe.for_cell` builds it once from a cell's settings (see
-:func:`vitray.evaluation.grid.finetune_settings`); pydantic checks it there. `cluster/finetune.py`
+:func:`vitray.evaluation.methods.finetune.finetune_settings`); pydantic checks it there. `cluster/finetune.py`
 makes it the run's `vitray.trainers.config.TrainingConfig` (:meth:`FinetuneRecipe.config` is that
 config's shape: this package does not import the trainers) and runs it on Ray Train.
 
@@ -24,8 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vitray.data.config import TrainCropKind
 from vitray.data.plan import default_num_slots
-from vitray.evaluation.config import FinetuneGrid
-from vitray.evaluation.grid import TRAIN_SPLIT, VAL_SPLIT, is_selection
+from vitray.evaluation.methods.finetune import TRAIN_SPLIT, VAL_SPLIT, FinetuneGrid, is_selection
 from vitray.evaluation.results import Cell
 from vitray.evaluation.suite import Benchmark, locate, locate_train
 

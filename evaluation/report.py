@@ -31,7 +31,8 @@ from rich.table import Table as RichTable
 
 from vitray.common.failures import describe_failure
 from vitray.data.transforms import EVAL_CROP_FRACTION
-from vitray.evaluation.grid import METRIC, VAL_METRIC, VAL_SPLIT
+from vitray.evaluation.methods.base import METRIC
+from vitray.evaluation.methods.finetune import VAL_METRIC, VAL_SPLIT
 from vitray.evaluation.results import ResultsTable
 from vitray.evaluation.selection import selected_finetune
 from vitray.evaluation.suite import BENCHMARKS, VTAB_GROUPS, TrainPreprocess

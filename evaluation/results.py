@@ -20,6 +20,7 @@ import hashlib
 import io
 import json
 import math
+import re
 import time
 import traceback
 import uuid
@@ -32,9 +33,9 @@ import pyarrow.parquet as pq
 
 from vitray import storage
 
-Method = Literal["fewshot", "finetune"]
 Status = Literal["ok", "failed", "missing"]
-METHODS: tuple[str, ...] = ("fewshot", "finetune")
+# A method's name (`vitray.evaluation.methods.METHODS`; the table takes any method's rows alike).
+METHOD_NAME = re.compile(r"[a-z][a-z0-9_]*")
 STATUSES: tuple[str, ...] = ("ok", "failed", "missing")
 PART_PREFIX = "part-"
 MAX_ERROR_CHARS = 4000
@@ -82,14 +83,14 @@ class Cell:
 
     checkpoint: str
     benchmark: str
-    method: Method
+    method: str  # its method's NAME (vitray.evaluation.methods)
     settings: Mapping[str, Any] = field(default_factory=dict)
     seed: int = 0
     step: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not _is_method_name(self.method):
+            raise ValueError(f"method must be a method name (lowercase letters, digits, _), got {self.method!r}")
         canonical_settings(self.settings)  # fail at construction, not at write time
 
     @property
@@ -288,12 +289,16 @@ def shorten_error(text: str, limit: int = MAX_ERROR_CHARS) -> str:
     return f"{text[:head]}\n... ({len(text) - head - tail} characters cut) ...\n{text[-tail:]}"
 
 
+def _is_method_name(method: object) -> bool:
+    return isinstance(method, str) and METHOD_NAME.fullmatch(method) is not None
+
+
 def _check_row(row: dict[str, Any], i: int) -> None:
     for name in ("cell_id", "checkpoint", "benchmark", "method", "settings", "seed", "status"):
         if row[name] is None:
             raise ValueError(f"row {i}: column {name!r} is required")
-    if row["method"] not in METHODS:
-        raise ValueError(f"row {i}: method must be one of {', '.join(METHODS)}, got {row['method']!r}")
+    if not _is_method_name(row["method"]):
+        raise ValueError(f"row {i}: method must be a method name (lowercase letters, digits, _), got {row['method']!r}")
     if row["status"] not in STATUSES:
         raise ValueError(f"row {i}: status must be one of {', '.join(STATUSES)}, got {row['status']!r}")
     if row["status"] == "ok":

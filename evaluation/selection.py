@@ -1,7 +1,7 @@
 """Fine-tuning model selection: the learning rate with the best held-out top-1, and its test top-1.
 
 Every fine-tune *selection* cell (one learning rate of a sweep, see
-:mod:`vitray.evaluation.grid`) records two metrics: `val_accuracy` on the held-out slice of the
+:mod:`vitray.evaluation.methods.finetune`) records two metrics: `val_accuracy` on the held-out slice of the
 train split and `accuracy` on the test split. Per (checkpoint, benchmark, seed, other settings)
 the reported number is the test top-1 of the lr with the best `val_accuracy` -- or, where the
 protocol re-trains that lr on the final train split (VTAB-1k), the final run's test top-1. The
@@ -15,7 +15,8 @@ from collections.abc import Mapping
 
 import pandas as pd
 
-from vitray.evaluation.grid import METRIC, TRAIN_SPLIT, VAL_METRIC, VAL_SPLIT
+from vitray.evaluation.methods.base import METRIC
+from vitray.evaluation.methods.finetune import TRAIN_SPLIT, VAL_METRIC, VAL_SPLIT, select_lr
 
 SWEEP_KEYS = ("lr", TRAIN_SPLIT, VAL_SPLIT)  # what varies inside one selection (or names its data)
 
@@ -33,13 +34,6 @@ SELECTED_COLUMNS = [
     "train_split",
     "final",
 ]
-
-
-def select_lr(val_top1: Mapping[float, float]) -> float:
-    """The learning rate with the best validation top-1; ties go to the smallest lr."""
-    if not val_top1:
-        raise ValueError("no learning rate to select from: the sweep has no scored cell")
-    return max(sorted(val_top1), key=lambda lr: val_top1[lr])
 
 
 def common_settings(settings: Mapping[str, object]) -> str:

@@ -637,7 +637,6 @@ EVALUATES: dict[str, str] = {
     "top1_hits": "evaluation/top1.py",  # the top-1 count (vitray.data's per-batch hits)
     "sample_few_shot": "evaluation/fewshot_probe.py",  # a few-shot set drawn ...
     "score_few_shot_set": "evaluation/fewshot_probe.py",  # ... and solved
-    "run_fewshot_group": "cluster/fewshot_cells.py",  # the grid's and `vitray fewshot`'s cells on a checkpoint
     "FinetuneRecipe": "cluster/finetune.py",  # the typed recipe, made a TrainingConfig once
 }
 

@@ -433,6 +433,28 @@ def test_every_evaluator_module_is_a_registered_kind_with_its_config_and_evaluat
     assert set(typing.get_args(union)) == {module.Config for module in KINDS.values()}
 
 
+def test_every_grid_method_module_is_registered_with_its_section_plan_and_runner():
+    """A grid method is one module of vitray/evaluation/methods/ and its line in METHODS: the grid
+    config's sections, the plan, the reference docs and the grid's runners take them from there."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vitray.cluster.evaluate import _runners
+    from vitray.evaluation import methods
+    from vitray.evaluation.config import GridConfig
+    from vitray.evaluation.methods import METHODS, TASK, TRAINING_RUN, MethodSection, TaskSection
+
+    folder = Path(methods.__file__).parent
+    assert sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "base")) == sorted(METHODS)
+    for name, module in METHODS.items():
+        assert name == module.NAME and issubclass(module.Config, MethodSection) and callable(module.plan)
+        assert GridConfig.model_fields[name].annotation is module.Config
+        assert module.RUNS_AS in (TASK, TRAINING_RUN)
+        if module.RUNS_AS == TASK:  # a Ray task per unit of work, asking for its section's resources
+            assert issubclass(module.Config, TaskSection) and callable(module.run)
+    with ThreadPoolExecutor(1) as pool:
+        assert set(_runners(GridConfig(data_root="/d"), pool, verbose=False)) == set(METHODS)
+
+
 def test_evaluator_metric_names_are_made_in_one_place():
     assert metric_name("val", "top1") == VAL_TOP1 == "val/top1"
 

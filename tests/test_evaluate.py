@@ -27,7 +27,8 @@ from vitray.common.config import load_config
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.evaluators import TEST_TOP1, VAL_TOP1
 from vitray.evaluation.evaluators.fewshot import fewshot_accuracies
-from vitray.evaluation.grid import CheckpointRef, plan_grid
+from vitray.evaluation.grid import plan_grid
+from vitray.evaluation.methods import CheckpointRef
 from vitray.evaluation.report import summarize
 from vitray.evaluation.results import ResultsTable
 from vitray.evaluation.top1 import split_top1

@@ -154,8 +154,8 @@ def test_fine_tuning_crops_as_the_authors_transfer_config(benchmark, crop):
 def test_few_shot_probes_at_the_checkpoint_resolution_with_a_256_to_224_crop():
     # big_vision configs/common_fewshot.py: resize(256)|central_crop(224) for a 224 px model.
     assert round(224 / EVAL_CROP_FRACTION) == 256
-    from vitray.evaluation.config import FewShotGrid
-    from vitray.evaluation.grid import CheckpointRef, fewshot_group
+    from vitray.evaluation.methods import CheckpointRef
+    from vitray.evaluation.methods.fewshot import FewShotGrid, fewshot_group
 
     checkpoint = CheckpointRef(path="/ckpt", step=1, model={"name": "B/16", "img_size": 224})
     group = fewshot_group(checkpoint, get_benchmark("pets"), FewShotGrid())

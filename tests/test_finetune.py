@@ -21,11 +21,13 @@ from safetensors.torch import load_file
 from vitray.cluster.checkpoint_inputs import resolve_checkpoints
 from vitray.cluster.finetune import finetune_cell_metrics, finetune_config, run_finetune, training_config
 from vitray.common.config import ConfigError
-from vitray.evaluation.config import FinetuneGrid, GridConfig
+from vitray.evaluation.config import GridConfig
 from vitray.evaluation.evaluators import TEST, TEST_TOP1, VAL, VAL_TOP1, Forward
 from vitray.evaluation.evaluators.val import ValEvalConfig
 from vitray.evaluation.finetune_recipe import FinetuneRecipe
-from vitray.evaluation.grid import CheckpointRef, finetune_settings, plan_grid
+from vitray.evaluation.grid import plan_grid
+from vitray.evaluation.methods import CheckpointRef
+from vitray.evaluation.methods.finetune import FinetuneGrid, finetune_settings
 from vitray.evaluation.suite import get_benchmark
 from vitray.models import resample_posemb
 from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint, read_state
@@ -75,7 +77,7 @@ def test_recipe_is_the_papers_finetuning_recipe(pretrained, tmp_path):
     grid = GridConfig(
         data_root=str(tmp_path / "data"), output=str(tmp_path / "eval"), finetune={"resolution": 24, "steps": 30}
     )
-    (job, *_) = plan_grid(grid, [ref]).finetune
+    (job,) = [w for w in plan_grid(grid, [ref]).work if w.method == "finetune"][:1]
     cfg = finetune_config(job, grid)
     train, optim, schedule = cfg.train, cfg.optim, cfg.schedule
     assert (optim.name, optim.momentum, schedule.decay, optim.weight_decay, optim.grad_clip) == (
@@ -250,75 +252,78 @@ def _grid_plan(tmp_path, benchmarks, **finetune):
 
 def test_each_lr_trains_on_the_train_slice_and_is_scored_on_the_held_out_slice(tmp_path):
     grid, plan = _grid_plan(tmp_path, ["cifar10"])
-    assert len(plan.finetune) == 4 * 2 and not plan.finals  # 4 lrs x 2 seeds, nothing re-trained
-    for job in plan.finetune:
+    assert len(plan.work) == 4 * 2 and not plan.pending  # 4 lrs x 2 seeds, nothing re-trained
+    for job in plan.work:
         assert (job.cell.settings["train_split"], job.cell.settings["val_split"]) == ("train[:98%]", "train[98%:]")
         cfg = finetune_config(job, grid)
         assert (cfg.data.train_split, cfg.data.val_split) == ("train[:98%]", "train[98%:]")
         assert cfg.data.train == cfg.data.val == str(tmp_path / "cifar10")
     # ImageNet-ReaL holds out part of ImageNet's train split; its test split is ReaL's.
     grid, plan = _grid_plan(tmp_path, ["imagenet_real"], learning_rates=[0.01])
-    cfg = finetune_config(plan.finetune[0], grid)
+    cfg = finetune_config(plan.work[0], grid)
     assert cfg.data.train == cfg.data.val == str(tmp_path / "imagenet") and cfg.data.val_split == "train[99%:]"
 
 
 def test_vtab_selects_on_800_200_then_retrains_the_chosen_lr_on_1000(tmp_path):
     # The protocol's single lr: nothing to select, the one run is the final run on all 1000 examples.
     grid, plan = _grid_plan(tmp_path, ["vtab/dtd"])
-    assert not plan.finals and len(plan.finetune) == 2
-    cfg = finetune_config(plan.finetune[0], grid)
-    settings = plan.finetune[0].cell.settings
+    assert not plan.pending and len(plan.work) == 2
+    cfg = finetune_config(plan.work[0], grid)
+    settings = plan.work[0].cell.settings
     assert settings["train_split"] == "train[:1000]" and "val_split" not in settings
     assert (cfg.data.train_split, cfg.data.val_split) == ("train[:1000]", "test")
     assert cfg.data.val == str(tmp_path / "vtab_dtd")
 
     # A sweep: every lr on train[:800] scored on train[800:1000], then per seed a final run.
     grid, plan = _grid_plan(tmp_path, ["vtab/dtd"], learning_rates=[0.003, 0.01, 0.03])
-    assert len(plan.finetune) == 3 * 2 and len(plan.finals) == 2 and len(plan) == 8
-    assert {(j.cell.settings["train_split"], j.cell.settings["val_split"]) for j in plan.finetune} == {
+    assert len(plan.work) == 3 * 2 and len(plan.pending) == 2 and len(plan) == 8
+    assert {(j.cell.settings["train_split"], j.cell.settings["val_split"]) for j in plan.work} == {
         ("train[:800]", "train[800:1000]")
     }
-    final = plan.finals[1]
+    final = plan.pending[1]
     assert final.seed == 1 and [c.settings["lr"] for c in final.selection] == [0.003, 0.01, 0.03]
     assert all(c.seed == 1 for c in final.selection)
     job = final.job(0.01)
+    # Released once its sweep is scored: the lr with the best validation top-1 (ties: the smaller).
+    scores = {c.cell_id: {"val_accuracy": v, "accuracy": 0.5} for c, v in zip(final.selection, [0.2, 0.7, 0.7])}
+    assert final.release(scores) == job
     assert job.cell.settings == {
         **{k: v for k, v in final.selection[1].settings.items() if k != "val_split"},
         "train_split": "train[:1000]",
     }
     _, lone = _grid_plan(tmp_path, ["vtab/dtd"], learning_rates=[0.01])
-    assert job.cell.cell_id == lone.finetune[1].cell.cell_id  # the same run as a grid of that lr alone
+    assert job.cell.cell_id == lone.work[1].cell.cell_id  # the same run as a grid of that lr alone
     assert finetune_config(job, grid).data.train_split == "train[:1000]"
     # The splits can be set per grid, and bad ones fail with the config.
     _, plan = _grid_plan(
         tmp_path, ["digits"], train_split="train[:1000]", val_split="train[1000:]", final_train_split="train"
     )
-    assert plan.finetune[0].cell.settings["val_split"] == "train[1000:]" and plan.finals[0].train_split == "train"
+    assert plan.work[0].cell.settings["val_split"] == "train[1000:]" and plan.pending[0].train_split == "train"
     with pytest.raises(ValueError, match="malformed"):
         FinetuneGrid(val_split="train[1000]")
 
 
 def test_a_selection_cell_scores_the_held_out_slice_and_the_test_split_in_its_run(tmp_path):
     grid, plan = _grid_plan(tmp_path, ["vtab/dtd"], learning_rates=[0.003, 0.01])
-    for job in plan.finetune:  # selection cells: train[:800], validated on train[800:1000]
+    for job in plan.work:  # selection cells: train[:800], validated on train[800:1000]
         cfg = finetune_config(job, grid)
         assert list(cfg.evals) == [VAL, TEST]
         assert cfg.evals[VAL].dataset(cfg.data) == (str(tmp_path / "vtab_dtd"), "train[800:1000]")
         assert cfg.evals[TEST].dataset(cfg.data) == (str(tmp_path / "vtab_dtd"), "test")
         assert cfg.evals[VAL].every == cfg.evals[TEST].every == cfg.train.steps
         assert cfg.evals[VAL].batch_size == cfg.evals[TEST].batch_size == grid.finetune.eval_batch_size
-    final = finetune_config(plan.finals[0].job(0.01), grid)  # validated on the test split: one evaluator
+    final = finetune_config(plan.pending[0].job(0.01), grid)  # validated on the test split: one evaluator
     assert list(final.evals) == [VAL] and final.evals[VAL].dataset(final.data) == (str(tmp_path / "vtab_dtd"), "test")
     # ImageNet-ReaL holds out part of ImageNet's train split; its test evaluator reads ReaL's folder.
     grid, plan = _grid_plan(tmp_path, ["imagenet_real"], learning_rates=[0.01])
-    cfg = finetune_config(plan.finetune[0], grid)
+    cfg = finetune_config(plan.work[0], grid)
     assert cfg.evals[VAL].dataset(cfg.data) == (str(tmp_path / "imagenet"), "train[99%:]")
     bench = get_benchmark("imagenet_real")
     assert cfg.evals[TEST].dataset(cfg.data) == (str(tmp_path / bench.dataset), bench.test_split)
     # The recipe's shape names the test evaluator only where it has one to name.
     recipe = FinetuneRecipe.for_cell(
         get_benchmark("digits"),
-        plan.finetune[0].cell.settings | {"val_split": "train[90%:]"},
+        plan.work[0].cell.settings | {"val_split": "train[90%:]"},
         checkpoint="/ckpt",
         model={"name": "Ti/4"},
         data_root=str(tmp_path),
@@ -400,10 +405,10 @@ def _finished_run(tmp_path, grid, job, **top1s):
 
 def test_a_cell_reads_both_top1s_off_its_run_and_an_old_run_without_the_test_one_is_named(tmp_path):
     grid, plan = _grid_plan(tmp_path, ["vtab/dtd"], learning_rates=[0.003, 0.01])
-    selection, other = plan.finetune[:2]
+    selection, other = plan.work[:2]
     _finished_run(tmp_path, grid, selection, **{VAL_TOP1: 0.5, TEST_TOP1: 0.25})
     assert finetune_cell_metrics(selection, grid) == {"val_accuracy": 0.5, "accuracy": 0.25}
-    final = plan.finals[0].job(0.01)
+    final = plan.pending[0].job(0.01)
     cfg, _ = _finished_run(tmp_path, grid, final, **{VAL_TOP1: 0.75})
     assert finetune_cell_metrics(final, grid) == {"accuracy": 0.75}
     assert run_finetune(cfg).test is None

@@ -225,8 +225,10 @@ def test_cell_id_is_stable_and_order_independent():
     # The documented scheme, spelled out: changing it would make every existing table re-run its grid.
     identity = '["runs/r1/checkpoint_000100","digits","fewshot","{\\"l2\\":1024.0,\\"shots\\":10}",0]'
     assert a.cell_id == hashlib.sha256(identity.encode()).hexdigest()[:16]
-    with pytest.raises(ValueError, match="method must be one of fewshot, finetune"):
-        Cell("c", "digits", "linear", {})
+    with pytest.raises(
+        ValueError, match=r"method must be a method name \(lowercase letters, digits, _\), got 'Linear probe'"
+    ):
+        Cell("c", "digits", "Linear probe", {})
 
 
 def _cell(seed: int, shots: int = 10, benchmark: str = "digits") -> Cell:
@@ -488,7 +490,7 @@ def test_vtab_group_averages_mark_incomplete_groups(grid_table):
 
 
 def test_select_lr_takes_the_best_val_and_the_smaller_lr_on_ties():
-    from vitray.evaluation.selection import select_lr
+    from vitray.evaluation.methods.finetune import select_lr
 
     assert select_lr({0.03: 0.5, 0.01: 0.7, 0.1: 0.6}) == 0.01
     assert select_lr({0.03: 0.7, 0.01: 0.7, 0.001: 0.2}) == 0.01
@@ -557,7 +559,8 @@ def test_each_row_says_how_its_number_was_made(tmp_path):
     """Fine-tune rows name their crop, flip, resolution, steps and lr; few-shot rows their resize and
     crop. The cells are the grid's own (`plan_grid`), so the settings are what a run records."""
     from vitray.evaluation.config import GridConfig
-    from vitray.evaluation.grid import CheckpointRef, plan_grid
+    from vitray.evaluation.grid import plan_grid
+    from vitray.evaluation.methods import CheckpointRef
 
     grid = GridConfig(
         data_root=str(tmp_path),
