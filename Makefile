@@ -43,9 +43,12 @@ demo: $(STAMP)
 # on held steps), and on CI's two cores the suite took ~16% less time so (session 13: 26:42 against
 # ~32 min). The `xla` tests run in the same workers: each worker is a process of its own, and both
 # start PJRT's CPU client with the same 4 devices (XLA_TEST_ENV) if they start it at all; run
-# after the rest, they left a CPU idle a third of their 3-4 minutes (session 15).
+# after the rest, they left a CPU idle a third of their 3-4 minutes (session 15). Modules are
+# handed out costliest first (tests/conftest.py's COSTLIEST_FIRST; --no-loadscope-reorder keeps
+# that order): ordered by their number of tests instead, the longest modules came last and one
+# worker ran alone for the suite's last minutes.
 test: $(STAMP)
-	$(XLA_TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(XLA_TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test-xla: $(STAMP)
 	$(XLA_TEST_ENV) $(BIN)/python -m pytest -q -m xla

@@ -18,9 +18,35 @@ from seaweed import SeaweedS3
 pytest_plugins = ["timeline"]
 
 
+# The modules that start the most runs, costliest first (their minutes on a CI worker, from
+# `python tests/timeline.py FILE`): collected first, they are handed out first by pytest-xdist
+# (`make test` passes --no-loadscope-reorder, which keeps the collection's order instead of putting
+# the modules with the most tests first), so that both workers end on short modules together.
+COSTLIEST_FIRST = (
+    "test_faults_pretrain",
+    "test_zero_stages",
+    "test_xla",
+    "test_nonfinite",
+    "test_multinode",
+    "test_evaluate",
+    "test_recipes",
+    "test_pretrain",
+    "test_faults_s3",
+    "test_step_overhead",
+    "test_feed",
+    "test_pretrain_s3",
+    "test_drain",
+    "test_masked_patch",
+    "test_finetune",
+    "test_trainer_parts",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`xla` tests need torch-xla (the `xla` extra, which `make install` includes): skipped where it
-    is not installed."""
+    """The costliest modules first (COSTLIEST_FIRST), the rest in their own order. `xla` tests need
+    torch-xla (the `xla` extra, which `make install` includes): skipped where it is not installed."""
+    rank = {name: i for i, name in enumerate(COSTLIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a module's tests keep their order
     if importlib.util.find_spec("torch_xla") is not None:
         return
     skip = pytest.mark.skip(reason="needs torch-xla: pip install -e '.[xla]' (make install does)")
