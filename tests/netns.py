@@ -7,7 +7,9 @@ that host's address and its own loopback.
 
 A host's link can be cut and restored (`cut`, `restore`: the bridge side of its veth down and up,
 the host's processes keep running, as when a switch port or cable fails) and its rate capped both
-ways (`cap`, a `tc` token bucket: this kernel has no `netem`). Made with `ip` and `tc` as root, as
+ways (`cap`, a `tc` token bucket: this kernel has no `netem`), and the path between two hosts cut
+alone (`cut_from`, `reconnect`: a blackhole route on each to the other, as a failed route or a
+firewall rule leaves one pair of machines apart while both reach the rest). Made with `ip` and `tc` as root, as
 these machines and CI run; `network()` removes every namespace, link and queue it made, and kills
 the processes left in its namespaces by pid, when its block ends, also when a test fails.
 """
@@ -68,6 +70,15 @@ class Host:
 
     def restore(self) -> None:
         _ip("link", "set", self.link, "up")
+
+    def cut_from(self, other: Host) -> None:
+        """No path between this host and `other`, both ways; each still reaches every other host."""
+        for host, peer in ((self, other), (other, self)):
+            _ip("-n", host.name, "route", "add", "blackhole", f"{peer.address}/32")
+
+    def reconnect(self, other: Host) -> None:
+        for host, peer in ((self, other), (other, self)):
+            _ip("-n", host.name, "route", "del", "blackhole", f"{peer.address}/32")
 
     def cap(self, rate: str = "20mbit") -> None:
         """At most `rate` out of and into the host (a token bucket on each end of its veth)."""
