@@ -1,7 +1,6 @@
 """A Ray cluster of several nodes on this machine, started as users start one (`ray start`), for
 the multi-node tests: a head node and worker nodes, each on a host of its own (`tests/netns.py`:
-its own network namespace, address and temp dir), or all on 127.0.0.1 (`loopback_cluster`). Each
-node runs in its own process group, so that a test can kill one with SIGKILL (all its processes:
+its own network namespace, address and temp dir). Each node runs in its own process group, so that a test can kill one with SIGKILL (all its processes:
 raylet, workers: a machine lost) or stop all."""
 
 from __future__ import annotations
@@ -30,14 +29,14 @@ NOT_INHERITED = {"RAY_ADDRESS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZ
 class RayCluster:
     """A head node and worker nodes started with `ray start --block`, each in its own process group
     (stopped whole at the end): on `head` and the hosts given to `add_worker_node`, each with a temp
-    dir of its own, or, without hosts, all on 127.0.0.1 sharing one temp dir."""
+    dir of its own."""
 
-    def __init__(self, head: Host | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(self, head: Host, env: dict[str, str] | None = None) -> None:
         self.head = head
         # Ray's socket paths live under the temp dir and must stay under the 107-byte socket limit.
         self.temp_dir = tempfile.mkdtemp(prefix="vd", dir="/tmp")
         self.port = free_port()
-        self.address = f"{head.address if head else '127.0.0.1'}:{self.port}"
+        self.address = f"{head.address}:{self.port}"
         # Nodes are machines of their own: not the test process's Ray address, nor the variables of
         # the one-rank process group earlier tests made in it (conftest's `process_group`).
         inherited = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
@@ -56,7 +55,7 @@ class RayCluster:
             host=self.head,
         )
 
-    def add_worker_node(self, resources: dict[str, float], host: Host | None = None) -> str:
+    def add_worker_node(self, resources: dict[str, float], host: Host) -> str:
         """Start a node with 2 CPUs and `resources` (on `host`); returns its node id
         (`self.processes[id]` is its `ray start` process, the leader of the node's process group)."""
         before = set(self.node_ids())
@@ -77,8 +76,7 @@ class RayCluster:
             if new:
                 node = new.pop()
                 self.processes[node] = process
-                if host is not None:
-                    self.hosts[node] = host
+                self.hosts[node] = host
                 return node
             time.sleep(1)
         raise AssertionError("the new node never registered with the head")
@@ -113,7 +111,7 @@ class RayCluster:
     def on_head(self, argv: list[str]) -> list[str]:
         """`argv` as run on the head's host (a driver runs there: Ray drivers join the cluster
         through a node of their own machine)."""
-        return self.head.command(argv) if self.head else argv
+        return self.head.command(argv)
 
     def _python_list(self, script: str) -> list:
         """The JSON list `script` prints last, run on the head's host."""
@@ -144,21 +142,18 @@ class RayCluster:
         )
         assert out.returncode == 0, f"ray drain-node failed: {out.stderr[-3000:]}"
 
-    def _temp_dir_args(self, host: Host | None) -> list[str]:
-        """A host's node keeps its files in a temp dir of its own (as on a machine of its own);
-        on 127.0.0.1 the nodes share the head's."""
-        if host is None:
-            return [f"--temp-dir={self.temp_dir}"] if self.head is None and not self.nodes else []
+    def _temp_dir_args(self, host: Host) -> list[str]:
+        """A host's node keeps its files in a temp dir of its own (as on a machine of its own)."""
         own = Path(self.temp_dir) / host.address.rsplit(".", 1)[-1]
         own.mkdir(exist_ok=True)
         return [f"--temp-dir={own}"]
 
-    def _start(self, *args: str, settle_s: float = 3, host: Host | None = None) -> subprocess.Popen:
+    def _start(self, *args: str, host: Host, settle_s: float = 3) -> subprocess.Popen:
         argv = [
             str(BIN / "ray"),
             "start",
             "--block",
-            f"--node-ip-address={host.address if host else '127.0.0.1'}",
+            f"--node-ip-address={host.address}",
             "--disable-usage-stats",
             "--object-store-memory=150000000",
             # Not Ray's fixed default port (52365): that belongs to whichever Ray instance on the
@@ -167,7 +162,7 @@ class RayCluster:
             *args,
         ]
         node = subprocess.Popen(
-            host.command(argv) if host else argv,
+            host.command(argv),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             env=self.env,
@@ -194,8 +189,8 @@ class RayCluster:
 
 
 @contextmanager
-def ray_cluster(head: Host | None = None, env: dict[str, str] | None = None) -> Iterator[RayCluster]:
-    """A cluster with its head node started (on `head`, else on 127.0.0.1), stopped at the end;
+def ray_cluster(head: Host, env: dict[str, str] | None = None) -> Iterator[RayCluster]:
+    """A cluster with its head node started on `head`, stopped at the end;
     `env`: more variables for its nodes (Ray's settings, `RAY_<name>`)."""
     cluster = RayCluster(head, env)
     try:

@@ -1,5 +1,6 @@
 """Ray drains the node that holds the workers -- what KubeRay or Ray's autoscaler does before a spot
-node is reclaimed -- during a real pre-training run on a cluster of `ray start` nodes on 127.0.0.1.
+node is reclaimed -- during a real pre-training run on a cluster of `ray start` nodes, each on a host with a network of
+its own (`tests/netns.py`).
 
 The workers checkpoint at the next check step and stop, the driver starts a new worker group on
 the node that joined meanwhile (a replacement node, as an autoscaler would add), and the run ends
@@ -11,6 +12,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from netns import available, network
 from pretrain_helpers import (
     REFERENCE,
     REFERENCE_NAME,
@@ -25,12 +27,12 @@ from ray_cluster import ray_cluster
 from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 from vitray.runfolder.files import RunFiles
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(available() is not None, reason=f"{available()}")]
 
 STEPS, EVERY = REFERENCE_STEPS, 25
 # Half a second a step: the drain goes through `ray drain-node` and Ray's GCS before rank 0 sees it.
 COMMON = (*REFERENCE, f"checkpoint.every={EVERY}", "checkpoint.preemption_check_every=2", "debug.step_delay_s=0.5")
-# Never on the head node; the nodes share this machine's disk, which the run is told.
+# Never on the head node; the hosts share this machine's disk, which the run is told.
 ON_WORKER_NODES = ("cluster.resources_per_worker={vitray_node: 1}", "cluster.shared_filesystem=true")
 
 
@@ -44,9 +46,9 @@ def test_a_drained_worker_node_is_left_at_a_checkpoint_and_the_run_ends_as_unint
 ):
     storage = tmp_path / "drained"
     run_dir = str(storage / REFERENCE_NAME)
-    with ray_cluster() as cluster:
-        for _ in range(2):  # room for the two workers on either node
-            cluster.add_worker_node({"vitray_node": 2})
+    with network() as net, ray_cluster(net.add_host("head")) as cluster:
+        for number in (1, 2):  # room for the two workers on either node
+            cluster.add_worker_node({"vitray_node": 2}, host=net.add_host(f"w{number}"))
         args = pretrain_args(
             str(digits_dataset),
             str(storage),
@@ -55,7 +57,7 @@ def test_a_drained_worker_node_is_left_at_a_checkpoint_and_the_run_ends_as_unint
             *ON_WORKER_NODES,
             f"cluster.address={cluster.address}",
         )
-        with running(args) as driver:
+        with running(cluster.on_head(args)) as driver:
             deadline = time.monotonic() + 300
             while _logged_step(run_dir) < 2:
                 assert driver.poll() is None, f"the run ended early:\n{driver.stderr.read()[-4000:]}"
