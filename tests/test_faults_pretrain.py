@@ -3,7 +3,8 @@
 - a second `vitray pretrain` of a running run refuses (the run's lease);
 - SIGTERM to the driver: a checkpoint at the next check step, exit 75 (pre-empted); Ctrl-C
   (SIGINT) to the re-run: the same, recorded as stopped by user, exit 130; the next re-run resumes
-  from it (saying so) and ends with the uninterrupted run's weights;
+  from it (saying so), has one of its Ray Train workers SIGTERMed (Ray Train restarts the group)
+  and ends with the uninterrupted run's weights, every step on its samples;
 - the checkpoint staging disk (a small tmpfs) fills up: a clear error, the previous checkpoint
   intact, and the re-run resumes from it to the uninterrupted run's weights;
 - an evaluation grid cell that fails every time is retried, then recorded as failed, and the
@@ -82,12 +83,35 @@ def _logged_step(run_dir: str) -> int:
     return metrics[-1]["step"] if metrics else 0
 
 
+def _train_workers(proc: subprocess.Popen) -> list:
+    """The run's Ray Train workers themselves (their DataLoader processes are named pt_data_worker)."""
+    import psutil
+
+    return [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("ray::RayTrainWorker")]
+
+
+def _complete_step(run_dir: str) -> int:
+    latest = latest_complete_checkpoint(run_dir)
+    return latest.step if latest else 0
+
+
 @pytest.fixture(scope="module")
 def preempted(digits_dataset, reference, tmp_path_factory):
-    """Start a run; start it again while it runs (refused); SIGTERM its driver mid-run; re-run it."""
+    """Start a run; start it again while it runs (refused); SIGTERM its driver mid-run; re-run it
+    and Ctrl-C it; re-run it to its end, SIGTERM to one of its Ray Train workers once it has
+    checkpointed. One run folder serves the checks of all four: a run costs ~50 CPU-s before its
+    first step (its Ray instance, driver and workers), so each run here is one the suite saves."""
     storage = tmp_path_factory.mktemp("preempted")
     run_dir = str(storage / "ref")
-    args = _args(digits_dataset, storage, f"checkpoint.every={EVERY}")
+    keys = storage / "keys"
+    args = _args(
+        digits_dataset,
+        storage,
+        f"checkpoint.every={EVERY}",
+        "cluster.max_failures=1",  # the worker SIGTERMed in the last run: one group restart
+        f"evals.val={{type: val, every: {STEPS}}}",
+        f"debug.record_sample_keys={keys}",
+    )
     with running(args) as first:
         _wait_for(lambda: read_lease(RunFiles(run_dir).lease_path) is not None, first, "the run took its lease")
         second = subprocess.run(args, capture_output=True, text=True, timeout=300)
@@ -105,7 +129,12 @@ def preempted(digits_dataset, reference, tmp_path_factory):
         out, err = interrupted.communicate(timeout=240)
         ctrl_c = (interrupted.returncode, out, err)
     by_user = latest_complete_checkpoint(run_dir)
-    rerun = run(args)
+    with running(args) as rerun:
+        _wait_for(lambda: _complete_step(run_dir) > by_user.step, rerun, "a checkpoint after the resume")
+        workers = _train_workers(rerun)
+        if len(workers) == 2:  # else the test says so; the run goes on to its end
+            workers[-1].send_signal(signal.SIGTERM)
+        rerun_out, rerun_err = rerun.communicate(timeout=300)
     return {
         "run_dir": run_dir,
         "storage": storage,
@@ -117,7 +146,11 @@ def preempted(digits_dataset, reference, tmp_path_factory):
         "runs_while_stopped": runs_while_stopped,
         "ctrl_c": ctrl_c,
         "by_user": by_user,
-        "rerun": rerun,
+        "rerun": (rerun.returncode, rerun_out, rerun_err),
+        "workers": workers,
+        "keys": collect_keys(keys),
+        # worker groups that recorded sample keys (a file a rank and group)
+        "groups": len({p.name.split("-from")[0] for p in keys.glob("keys-attempt*.tsv")}),
     }
 
 
@@ -158,14 +191,33 @@ def test_ctrl_c_checkpoints_and_stops_like_sigterm_recorded_as_stopped_by_user(p
 
 
 def test_the_rerun_resumes_from_the_stop_checkpoint_exactly(preempted, reference):
+    code, stdout, stderr = preempted["rerun"]
+    assert code == 0, stdout[-2000:] + stderr[-4000:]
     stopped = preempted["by_user"]
-    assert f"resuming ref from step {stopped.step} ({stopped.path})" in _flat(preempted["rerun"].stderr)
+    assert f"resuming ref from step {stopped.step} ({stopped.path})" in _flat(stderr)
     assert_same_weights(final_weights(preempted["run_dir"]), reference["weights"])
     attempts = RunFiles(preempted["run_dir"]).read_attempts()
     assert [a["status"] for a in attempts] == ["stopped", "stopped", "finished"]
     assert attempts[1]["resumed_from_step"] == preempted["stopped"].step
     assert attempts[2]["resumed_from_step"] == stopped.step
     assert read_lease(RunFiles(preempted["run_dir"]).lease_path) is None  # released at the end
+
+
+def test_sigterm_to_a_worker_restarts_the_group_and_the_run_finishes_identically(preempted, reference):
+    """Ray's worker turns SIGTERM into an immediate exit; Ray Train restarts the group from the
+    latest complete checkpoint (cluster.max_failures), so nothing is lost: the same weights (checked
+    by the test above), and every step, over all of the run's starts and its restart, trained on
+    the same samples as the uninterrupted run's. The worker is the re-run's of `preempted`, after
+    its first checkpoint. (A worker that kills itself at a given step is
+    `tests/test_zero_stages.py`'s ZeRO-3 restart.)"""
+    code, stdout, stderr = preempted["rerun"]
+    assert code == 0, stdout[-2000:] + stderr[-4000:]
+    workers = preempted["workers"]
+    assert len(workers) == 2, [p.name() for p in workers]
+    assert not workers[-1].is_running()
+    assert preempted["groups"] == 4  # the first run's, the Ctrl-C'd run's, the re-run's and its restart
+    assert_same_weights(final_weights(preempted["run_dir"]), reference["weights"])
+    assert preempted["keys"] == reference["keys"]
 
 
 @pytest.fixture
@@ -252,39 +304,6 @@ def test_a_grid_cell_failing_every_time_is_retried_then_recorded_and_the_rest_co
     assert "500-shot sampling needs at least 500 examples" in failed[0]["error"]
     # Every part file is whole (each written under a temporary name, then renamed).
     assert len(table.part_files()) == len(list((tmp_path / "eval" / "results").glob("part-*.parquet")))
-
-
-def test_sigterm_to_a_worker_restarts_the_group_and_the_run_finishes_identically(digits_dataset, reference, tmp_path):
-    """Ray's worker turns SIGTERM into an immediate exit; Ray Train restarts the group from the
-    latest complete checkpoint (cluster.max_failures), so nothing is lost: the same weights, and
-    every step trained on the same samples as the uninterrupted run's. (A worker that kills itself
-    at a given step is `tests/test_zero_stages.py`'s ZeRO-3 restart.)"""
-    import psutil
-
-    storage = tmp_path / "runs"
-    run_dir = str(storage / "ref")
-    keys = tmp_path / "keys"
-    args = _args(
-        digits_dataset,
-        storage,
-        f"checkpoint.every={EVERY}",
-        "cluster.max_failures=1",
-        f"evals.val={{type: val, every: {STEPS}}}",
-        f"debug.record_sample_keys={keys}",
-    )
-    with running(args) as proc:
-        _wait_for(lambda: latest_complete_checkpoint(run_dir) is not None, proc, "the first checkpoint")
-        # The Ray Train workers themselves (their DataLoader processes are named pt_data_worker).
-        workers = [
-            p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("ray::RayTrainWorker")
-        ]
-        assert len(workers) == 2, [p.name() for p in workers]
-        workers[-1].send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
-    assert not workers[-1].is_running()
-    assert_same_weights(final_weights(run_dir), reference["weights"])
-    assert collect_keys(keys) == reference["keys"]
 
 
 def test_when_the_grace_period_runs_out_the_driver_exits_without_a_new_checkpoint(digits_dataset, tmp_path):
