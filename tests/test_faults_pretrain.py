@@ -95,6 +95,16 @@ def _complete_step(run_dir: str) -> int:
     return latest.step if latest else 0
 
 
+def _steps_done(keys: Path) -> int:
+    """The steps the run's latest worker group has trained: rank 0 records each step's sample keys
+    (numbered from 0) as the step begins, at once, where the metrics reach the run folder only every
+    `log.upload_every_s` (10 s: 20 steps here)."""
+    files = sorted(keys.glob("keys-attempt*-rank0000.tsv"))  # named by the group's start time
+    text = files[-1].read_text() if files else ""
+    lines = text[: text.rfind("\n")].splitlines()  # whole lines only
+    return int(lines[-1].split("\t")[0]) if lines else 0
+
+
 @pytest.fixture(scope="module")
 def preempted(digits_dataset, reference, tmp_path_factory):
     """Start a run; start it again while it runs (refused); SIGTERM its driver mid-run; re-run it
@@ -103,7 +113,7 @@ def preempted(digits_dataset, reference, tmp_path_factory):
     first step (its Ray instance, driver and workers), so each run here is one the suite saves."""
     storage = tmp_path_factory.mktemp("preempted")
     run_dir = str(storage / "ref")
-    keys = storage / "keys"
+    keys = tmp_path_factory.mktemp("preempted-keys")
     args = _args(
         digits_dataset,
         storage,
@@ -116,20 +126,23 @@ def preempted(digits_dataset, reference, tmp_path_factory):
         _wait_for(lambda: read_lease(RunFiles(run_dir).lease_path) is not None, first, "the run took its lease")
         second = subprocess.run(args, capture_output=True, text=True, timeout=300)
         assert first.poll() is None, "the first run must still be running when the second starts"
-        _wait_for(lambda: _logged_step(run_dir) >= 2, first, "step 2 was logged")
-        signalled_at = _logged_step(run_dir)
+        _wait_for(lambda: _steps_done(keys) >= 2, first, "step 2 was trained")
+        signalled_at = _steps_done(keys)
         first.send_signal(signal.SIGTERM)  # the driver only, as Kubernetes does
         stdout, stderr = first.communicate(timeout=240)
     stopped = latest_complete_checkpoint(run_dir)
     stopped_state = verify_complete(stopped.path) if stopped else None
     runs_while_stopped = subprocess.run(vitray_cmd("runs", str(storage)), capture_output=True, text=True, timeout=120)
     with running(args) as interrupted:  # Ctrl-C: the terminal signals the driver (Ray's processes block SIGINT)
-        _wait_for(lambda: _logged_step(run_dir) >= stopped.step + 2, interrupted, "two steps after the resume")
+        _wait_for(lambda: _steps_done(keys) >= stopped.step + 2, interrupted, "two steps after the resume")
         interrupted.send_signal(signal.SIGINT)
         out, err = interrupted.communicate(timeout=240)
         ctrl_c = (interrupted.returncode, out, err)
     by_user = latest_complete_checkpoint(run_dir)
-    with running(args) as rerun:
+    # The re-run's first checkpoint two steps after its resume (the interval changes no weights),
+    # wherever the Ctrl-C landed: the worker is lost with a checkpoint of the re-run's own to
+    # restart from, steps before the run's end.
+    with running([*args, "--set", f"checkpoint.every={by_user.step + 2}"]) as rerun:
         _wait_for(lambda: _complete_step(run_dir) > by_user.step, rerun, "a checkpoint after the resume")
         workers = _train_workers(rerun)
         if len(workers) == 2:  # else the test says so; the run goes on to its end
