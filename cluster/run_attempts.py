@@ -5,9 +5,11 @@ folder's latest complete step then."""
 
 from __future__ import annotations
 
+import sys
 import traceback
 from collections.abc import Iterable
 
+from vitray.common.failures import describe_failure
 from vitray.runfolder.checkpoint_folders import CheckpointInfo, latest_complete_checkpoint
 from vitray.runfolder.files import RunFiles
 
@@ -30,10 +32,21 @@ class RunAttempts:
         )
 
     def end(self, status: str, reason: str | None = None) -> None:
-        """`status`: finished, stopped or failed."""
-        if self._open is not None:
-            self.files.end_attempt(self._open, status, reason, **self._last_step())
-            self._open = None
+        """`status`: finished, stopped or failed. A record that cannot be written (the run folder's
+        disk full, its store gone) is said on the console instead of raised: the run's own outcome
+        -- its error, or its success -- is what the command reports; the record stays `running`."""
+        if self._open is None:
+            return
+        record, self._open = self._open, None
+        try:
+            self.files.end_attempt(record, status, reason, **self._last_step())
+        except Exception as error:
+            print(
+                f"vitray: could not record the end of this attempt ({status}) in {self.folder}/vitray/attempts "
+                f"({describe_failure(error).one_line()}): `vitray runs` lists it as running",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def __enter__(self) -> RunAttempts:
         return self

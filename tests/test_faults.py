@@ -422,6 +422,30 @@ def test_runs_lists_attempts_and_marks_a_vanished_one_lost(tmp_path):
         lease.release()
 
 
+def test_an_attempt_whose_end_cannot_be_recorded_says_so_and_the_run_keeps_its_own_outcome(tmp_path, capsys):
+    """The run folder's disk full when the driver ends its attempt: the console says the record
+    could not be written, and the command reports what the run itself did (its error, or its end)."""
+    from vitray.cluster.run_attempts import RunAttempts
+
+    with mounted_tmpfs(tmp_path / "disk", "4m") as disk:
+        folder = str(disk / "run")
+        failing, finishing = RunAttempts(folder, "owner-1"), RunAttempts(folder, "owner-2")
+        failing.start(None)
+        finishing.start(None)
+        with open(disk / "filler", "wb") as f, pytest.raises(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        with pytest.raises(RuntimeError, match="the run's own error"), failing:
+            raise RuntimeError("the run's own error")
+        finishing.end("finished")  # a run that finished is not turned into a failure
+        said = " ".join(capsys.readouterr().err.split())
+        assert [a["status"] for a in RunFiles(folder).read_attempts()] == ["running", "running"]
+    for status in ("failed", "finished"):
+        assert f"vitray: could not record the end of this attempt ({status}) in {folder}/vitray/attempts (" in said
+    assert said.count("No space left on device") == 2 and "`vitray runs` lists it as running" in said
+
+
 @pytest.fixture
 def full_disk(tmp_path):
     """A 4 MiB tmpfs filled to the last byte (mounting it needs root)."""

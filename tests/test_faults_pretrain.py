@@ -255,7 +255,7 @@ def test_the_rerun_resumes_from_the_stop_checkpoint_exactly(preempted, reference
     assert f"resuming ref from step {stopped.step} ({stopped.path})" in _flat(stderr)
     assert_same_weights(final_weights(preempted["run_dir"]), reference["weights"])
     attempts = RunFiles(preempted["run_dir"]).read_attempts()
-    # (The full-disk run's end goes unrecorded: its record is written into the full run folder.)
+    # (The full-disk run's end may go unrecorded, said on its console: its record goes into the full run folder.)
     assert [attempts[0]["status"], attempts[1]["status"], attempts[-1]["status"]] == ["stopped", "stopped", "finished"]
     assert attempts[1]["resumed_from_step"] == preempted["stopped"].step
     assert attempts[2]["resumed_from_step"] == stopped.step
