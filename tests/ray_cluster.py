@@ -55,7 +55,7 @@ class RayCluster:
             host=self.head,
         )
 
-    def add_worker_node(self, resources: dict[str, float], host: Host) -> str:
+    def add_worker_node(self, resources: dict[str, float], host: Host, *, retried: bool = False) -> str:
         """Start a node with 2 CPUs and `resources` (on `host`); returns its node id
         (`self.processes[id]` is its `ray start` process, the leader of the node's process group)."""
         before = set(self.node_ids())
@@ -71,7 +71,14 @@ class RayCluster:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise AssertionError(f"ray start of a worker node failed: {process.stderr.read()[-3000:]}")
+                error = process.stderr.read().decode(errors="replace")
+                if "timed out during startup" in error and not retried:
+                    # Ray gives a new node's raylet a fixed 30 s to register with the GCS, which a
+                    # loaded 2-core machine can miss (CI, once): started again, as an autoscaler
+                    # retries a failed launch.
+                    _kill_group(process)
+                    return self.add_worker_node(resources, host, retried=True)
+                raise AssertionError(f"ray start of a worker node failed: {error[-3000:]}")
             new = set(self.node_ids()) - before
             if new:
                 node = new.pop()
@@ -176,16 +183,21 @@ class RayCluster:
 
     def stop(self) -> None:
         for node in reversed(self.nodes):
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(node.pid, sig)
-                    node.wait(timeout=3)  # then SIGKILL: nothing of a throw-away node needs saving
-                    break
-                except ProcessLookupError:
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            _kill_group(node)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _kill_group(node: subprocess.Popen) -> None:
+    """A node's processes (its `ray start` leads their process group), SIGTERM then SIGKILL."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(node.pid, sig)
+            node.wait(timeout=3)  # then SIGKILL: nothing of a throw-away node needs saving
+            break
+        except ProcessLookupError:
+            break
+        except subprocess.TimeoutExpired:
+            continue
 
 
 @contextmanager
