@@ -45,9 +45,12 @@ class ShardResult:
 
 
 class BadImagesError(ValueError):
-    """Images that cannot be read, found while preparing; ``bad`` holds "ORIGIN: why" for each."""
+    """Images that cannot be read, found while preparing; ``bad`` holds "ORIGIN: why" for each,
+    sorted: the message is the same whichever order the shards were written in (Ray's tasks finish
+    in any order)."""
 
     def __init__(self, bad: list[str], *, shown: int = 5) -> None:
+        bad = sorted(bad)
         self.bad = bad
         more = f"; {len(bad) - shown} more" if len(bad) > shown else ""
         n = len(bad)
