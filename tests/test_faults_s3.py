@@ -11,6 +11,7 @@ data and checkpoints on S3 ends with the weights of a run on local disk. Storage
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -109,6 +110,24 @@ def _until_an_outage_is_ridden_out(timeout: float = 120) -> None:
         time.sleep(0.2)
 
 
+@contextlib.contextmanager
+def _behind_a_cuttable_proxy(seaweed_s3, monkeypatch):
+    """The store reached through a proxy the test can cut and restore (`FlakyS3Proxy`, no random
+    faults), riding out with waits of at most 0.5 s; the proxy stopped and s3fs's cached clients
+    dropped at the end."""
+    import s3fs
+
+    proxy = FlakyS3Proxy(seaweed_s3.endpoint_url, rate=0.0).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setattr(storage.retries, "OUTAGE_MAX_DELAY_S", 0.5)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        yield proxy
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        proxy.stop()
+
+
 def _finished_only_after_a_cut(seaweed_s3, monkeypatch, call, what: str, join_s: float):
     """`call()` in a thread while the store, behind a proxy, refuses connections: it must meet the
     outage and still be waiting 10 s later (longer than the bounded retries of a listing or of a
@@ -116,14 +135,8 @@ def _finished_only_after_a_cut(seaweed_s3, monkeypatch, call, what: str, join_s:
     Returns what it returned."""
     import threading
 
-    import s3fs
-
-    proxy = FlakyS3Proxy(seaweed_s3.endpoint_url, rate=0.0).start()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    monkeypatch.setattr(storage.retries, "OUTAGE_MAX_DELAY_S", 0.5)
-    s3fs.S3FileSystem.clear_instance_cache()
     done: list = []
-    try:
+    with _behind_a_cuttable_proxy(seaweed_s3, monkeypatch) as proxy:
         proxy.cut()
         caller = threading.Thread(target=lambda: done.append(call()))
         caller.start()
@@ -134,9 +147,6 @@ def _finished_only_after_a_cut(seaweed_s3, monkeypatch, call, what: str, join_s:
         caller.join(join_s)
         (result,) = done
         return result
-    finally:
-        s3fs.S3FileSystem.clear_instance_cache()
-        proxy.stop()
 
 
 def test_a_shard_whose_every_read_is_cut_short_fails_naming_the_shard(seaweed_s3, monkeypatch):
@@ -235,15 +245,9 @@ def test_ride_out_waits_for_a_store_that_went_away_and_says_so_once(seaweed_s3, 
     it ends; with a shorter time than the outage, the call fails naming the setting."""
     import threading
 
-    import s3fs
-
     path = seaweed_s3.url("runs", "r", "vitray", "stop.json")
     storage.write_bytes_atomic(path, b"{}")
-    proxy = FlakyS3Proxy(seaweed_s3.endpoint_url, rate=0.0).start()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    monkeypatch.setattr(storage.retries, "OUTAGE_MAX_DELAY_S", 0.5)
-    s3fs.S3FileSystem.clear_instance_cache()
-    try:
+    with _behind_a_cuttable_proxy(seaweed_s3, monkeypatch) as proxy:
         storage.read_bytes(path)  # connections open before the cut
         proxy.cut()
         with pytest.raises(OSError, match=r"storage unreachable for 1 s, run.storage_outage_s"):
@@ -267,9 +271,6 @@ def test_ride_out_waits_for_a_store_that_went_away_and_says_so_once(seaweed_s3, 
         for rider in riders:
             rider.join(60)
         assert storage.read_bytes(f"{checkpoint}/weights.bin") == b"w" * 999  # uploaded whole once the store came back
-    finally:
-        s3fs.S3FileSystem.clear_instance_cache()
-        proxy.stop()
     assert read == [b"{}"] and [(w.name, w.size) for w in uploaded] == [("weights.bin", 999)]
     said = capsys.readouterr().err
     # The failed call's outage, then the one both threads rode out: one start and one end line each.
@@ -284,17 +285,11 @@ def test_the_stop_file_check_rides_out_a_store_that_went_away(seaweed_s3, proces
     (botocore's EndpointConnectionError is not the end of the worker) and then reads the notice."""
     import threading
 
-    import s3fs
-
     from vitray.trainers.preemption import PreemptionWatch
 
     run_dir = seaweed_s3.url("runs", "r")
-    proxy = FlakyS3Proxy(seaweed_s3.endpoint_url, rate=0.0).start()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    monkeypatch.setattr(storage.retries, "OUTAGE_MAX_DELAY_S", 0.5)
-    s3fs.S3FileSystem.clear_instance_cache()
     decided: list = []
-    try:
+    with _behind_a_cuttable_proxy(seaweed_s3, monkeypatch) as proxy:
         watch = PreemptionWatch(run_dir, rank=0, every=1, device=torch.device("cpu"))
         assert watch.check(1) is None  # no notice: the store answers
         proxy.cut()
@@ -312,9 +307,6 @@ def test_the_stop_file_check_rides_out_a_store_that_went_away(seaweed_s3, proces
         storage.write_bytes_atomic(watch.path, json.dumps(notice).encode(), seaweed_s3.storage_options)
         proxy.restore()
         checking.join(60)
-    finally:
-        s3fs.S3FileSystem.clear_instance_cache()
-        proxy.stop()
     assert len(decided) == 1 and decided[0] is not None and decided[0].step == 2 and decided[0].save, decided
     said = capsys.readouterr().err
     assert said.count("vitray: storage unreachable (checking s3://") == 1, said
