@@ -77,6 +77,10 @@ def _write_grid(path: Path, data_root: Path, output: Path) -> Path:
             "resolution": 24,
             "checkpoint_every": 4,
             "final_train_split": FINAL_SPLIT,
+            # Steps held a little (weights unchanged), so that a run that the kill below finds half
+            # done is still unfinished when its workers go: on a fast machine the few steps left
+            # took less than the moments the workers outlive their raylet.
+            "overrides": {"debug.step_delay_s": 0.5},
         },
     }
     path.write_text(yaml.safe_dump(grid))

@@ -1,12 +1,15 @@
 """ZeRO stages end to end with 2 CPU workers: training, the val evaluator, the few-shot probe and
-the EMA, checkpoints, and for ZeRO-3 a killed worker's restart and a resume onto another number of
-workers. ZeRO-1 is `tests/test_pretrain.py`'s recipe; ZeRO-2 runs in process in
+the EMA, checkpoints, a killed worker's restart and a resume onto another number of workers, at
+ZeRO-3. ZeRO-1 is `tests/test_pretrain.py`'s recipe; ZeRO-2 runs in process in
 `tests/test_trainer_parts.py` and `tests/test_step_overhead.py` (it partitions what ZeRO-1 does,
-and the gradients).
+and the gradients); ZeRO-0 and ZeRO-3 in bf16 run in process here (one rank: the evaluators, the
+EMA and the consolidated fp32 master weights of each stage's optimizer).
 
 ZeRO-3 is the stage where these used to hang or break: its forward pass gathers each layer's
 weights from every rank, so a probe on rank 0 alone waits forever, ranks with different numbers
 of validation batches wait on each other, and the EMA of a partitioned (empty) parameter fails.
+ZeRO-0 has nothing of this kind across ranks (every rank holds everything; its gradients are
+all-reduced as ZeRO-1's are), so its two-worker run was one the suite could do without.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pretrain_helpers import assert_same_weights, pretrain_args, run
+from pretrain_helpers import assert_same_weights, in_process_loop, pretrain_args, run
 from safetensors.torch import load_file
 
 from vitray.runfolder.checkpoint_folders import find_checkpoints, latest_complete_checkpoint, verify_complete
@@ -25,11 +28,10 @@ from vitray.runfolder.files import RunFiles
 pytestmark = pytest.mark.slow
 
 # Evaluations (val + probe) and checkpoints every 4 steps: a restart at step 6 goes back to step 4.
-STEPS = 8
-EVERY = 4
 # The resume on one worker goes on from step 8 of 12: from step 4, Adam's young moments magnify the
 # rounding differences of one worker's gradient sums to the size of a lost state (measured 1.2e-4).
-RESUME_STEPS = 12
+STEPS = 12
+EVERY = 4
 # Validation on the first 359 test samples in batches of 179: rank 0 scores 179 samples in one
 # batch, rank 1 180 in two, so under ZeRO-3 rank 0 makes a padding forward call.
 VAL_SPLIT, VAL_BATCH = "test[:359]", 179
@@ -96,27 +98,42 @@ def _check_reference(
     return weights, ema, evals
 
 
-@pytest.mark.parametrize(("stage", "dtype"), [(0, "bf16"), (3, "bf16")])
-def test_zero_stage_trains_evaluates_probes_and_keeps_the_ema(stage, dtype, digits_dataset, tmp_path):
-    # ZeRO-3 in bf16: the consolidated weights are gathered from the ranks' fp32 master partitions.
-    run(_args(digits_dataset, tmp_path, stage, dtype))
-    _check_reference(tmp_path / "run", dtype)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_zero_stage_in_process_trains_evaluates_probes_and_keeps_the_ema_in_bf16(
+    stage, process_group, digits_dataset, tmp_path
+):
+    """One rank, in this process: the val evaluator and the probe every 2 steps on the EMA weights,
+    and a checkpoint whose consolidated weights are the fp32 master ones (at ZeRO-3 gathered from
+    the optimizer's partition), not the bf16 module weights upcast."""
+    loop = in_process_loop(
+        digits_dataset,
+        tmp_path,
+        f"train.zero_stage={stage}",
+        "optim.ema_decay=0.9",
+        "checkpoint.every=4",
+        "log.every=2",
+        f"evals.val={{type: val, every: 2, batch_size: {VAL_BATCH}}}",
+        f"data.val_split={VAL_SPLIT}",
+        f"evals.probe={{type: fewshot, every: 2, datasets: {{digits: {digits_dataset}}}, batch_size: 64}}",
+    )
+    loop.run()
+    _check_reference(tmp_path / "run", "bf16", steps=4, evals_every=2)
 
 
 def test_zero3_restarts_exactly_and_resumes_on_one_worker(digits_dataset, tmp_path):
     """ZeRO-3's state is partitioned over the ranks: a killed worker's restart loads every rank's
     partition back, and a resume on one worker needs DeepSpeed's universal conversion, which
     re-partitions the weights and the optimizer state. fp32, so that the one-worker resume can be
-    told from one that lost Adam's moments (bf16's rounding would be of that size). The evaluations
-    at the last step only: what the restart must give again are their numbers (repeated rounds
-    between training steps are the parametrised runs' check), and a ZeRO-3 round costs more CPU than
-    4 steps."""
+    told from one that lost Adam's moments (bf16's rounding would be of that size). The reference
+    evaluates every 4 steps on both ranks (rounds between training steps; rank 0 with a padding
+    batch); the restarted run at its last step only: what the restart must give again are that
+    step's numbers, and a ZeRO-3 round costs more CPU than 4 steps."""
     reference = tmp_path / "reference"
-    run(_args(digits_dataset, reference, 3, "fp32", steps=RESUME_STEPS, evals_every=RESUME_STEPS))
-    weights, ema, evals = _check_reference(reference / "run", "fp32", steps=RESUME_STEPS, evals_every=RESUME_STEPS)
+    run(_args(digits_dataset, reference, 3, "fp32"))
+    weights, ema, evals = _check_reference(reference / "run", "fp32")
 
     # A worker killed mid-run: Ray Train restarts the group from the step-4 checkpoint, and the run
-    # ends with the same weights, EMA and evaluations (after the restart) as the uninterrupted one.
+    # ends with the same weights, EMA and last evaluations as the uninterrupted one.
     restarted = tmp_path / "restarted"
     run(
         _args(
@@ -126,15 +143,14 @@ def test_zero3_restarts_exactly_and_resumes_on_one_worker(digits_dataset, tmp_pa
             "fp32",
             "debug.kill_worker_at_step=6",
             "cluster.max_failures=1",
-            steps=RESUME_STEPS,
-            evals_every=RESUME_STEPS,
+            evals_every=STEPS,
         )
     )
     assert (restarted / "run" / "vitray" / "markers" / "killed-at-step-6").exists()
     again_weights, again_ema = _final(restarted / "run")
     assert_same_weights(again_weights, weights)
     assert_same_weights(again_ema, ema)
-    assert _evals(restarted / "run") == evals
+    assert _evals(restarted / "run") == {STEPS: evals[STEPS]}
 
     # The reference with its last checkpoint left unfinished by rank 1: it goes on from step 8 on
     # one worker (the same global batch of 32 in one micro-batch). Without the evaluations: what is
@@ -143,16 +159,16 @@ def test_zero3_restarts_exactly_and_resumes_on_one_worker(digits_dataset, tmp_pa
     resumed = tmp_path / "resumed"
     shutil.copytree(reference, resumed)
     last = Path(find_checkpoints(str(resumed / "run"))[-1].path)
-    assert verify_complete(last)["step"] == RESUME_STEPS
+    assert verify_complete(last)["step"] == STEPS
     (last / "complete-rank-0001.json").unlink()
     one_worker = ("cluster.num_workers=1", "train.micro_batch_size=32")
-    out = run(_args(digits_dataset, resumed, 3, "fp32", *one_worker, steps=RESUME_STEPS, evals=False))
+    out = run(_args(digits_dataset, resumed, 3, "fp32", *one_worker, evals=False))
     # Converted once, by the driver, into the step-8 checkpoint (its record written last).
     assert "written by 2 workers; converting it once for 1" in out.stderr, out.stderr[-3000:]
-    step8 = next(Path(c.path) for c in find_checkpoints(str(resumed / "run")) if c.step == RESUME_STEPS - EVERY)
+    step8 = next(Path(c.path) for c in find_checkpoints(str(resumed / "run")) if c.step == STEPS - EVERY)
     assert (step8 / "deepspeed" / "state_universal" / "complete.json").is_file()
     state = verify_complete(latest_complete_checkpoint(str(resumed / "run")).path)
-    assert state["step"] == RESUME_STEPS and state["world_size"] == 1
+    assert state["step"] == STEPS and state["world_size"] == 1
     resumed_weights, resumed_ema = _final(resumed / "run")
     # Not bit-equal: one worker sums the gradients in another order. Restored Adam moments keep the
     # difference at rounding level; moments lost on resume would move the weights by about the
