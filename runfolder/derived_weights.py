@@ -1,13 +1,18 @@
 """The consolidated fp32 weights of a checkpoint that was written without them
-(`checkpoint.model_weights`), derived on demand from its DeepSpeed ZeRO 1-2 shards: the
+(`checkpoint.model_weights`), derived on demand from its DeepSpeed ZeRO 1-3 shards: the
 optimizer's fp32 master copy, partitioned flat across the ranks, is the model.
 
 Read without DeepSpeed (only `trainers` imports it) and without running a checkpoint's code: the
 files are opened with `torch.load(weights_only=True)`, with DeepSpeed's few plain-data classes
-(loss scaler, ZeRO stage, fragment address) stood in for by name. The layout is DeepSpeed's own
-(`deepspeed/utils/zero_to_fp32.py`, `_zero2_merge_trainable_params`): each parameter group's
-partitions joined in rank order hold the group's parameters one after the other, in the order
-the module states' `param_shapes` list them, each followed by its alignment padding.
+(loss scaler, ZeRO stage, fragment address) stood in for by name. The layouts are DeepSpeed's own
+(`deepspeed/utils/zero_to_fp32.py`):
+
+- ZeRO 1-2 (`_zero2_merge_trainable_params`): each parameter group's partitions joined in rank
+  order hold the group's parameters one after the other, in the order the module states'
+  `param_shapes` list them, each followed by its alignment padding.
+- ZeRO-3 (`_zero3_merge_trainable_params`): every parameter is cut into one equal part a rank
+  (the last padded); a rank's flat groups, joined, hold its part of each parameter in turn, and a
+  parameter is its parts joined in rank order, the padding cut off.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ import torch
 
 SHARDS = "deepspeed/state"
 MODULE_STATES = f"{SHARDS}/mp_rank_00_model_states.pt"
+# ZeRO-3: each rank writes module states of its own (the parameters in them empty); rank 0's
+# lists the shapes.
+ZERO3_MODULE_STATES = f"{SHARDS}/zero_pp_rank_0_mp_rank_00_model_states.pt"
 
 # DeepSpeed's classes pickled into its optimizer states: plain data, stood in for by name.
 _DEEPSPEED_DATA_CLASSES = (
@@ -53,13 +61,14 @@ def derivable(state: dict[str, Any], names: set[str]) -> bool:
     stage = (config.get("train") or {}).get("zero_stage")
     # DeepSpeed's layout (its module states file), at a stage whose optimizer shards hold the whole
     # fp32 master copy in flat partitions.
-    return stage in (1, 2) and MODULE_STATES in names
+    return (stage in (1, 2) and MODULE_STATES in names) or (stage == 3 and ZERO3_MODULE_STATES in names)
 
 
 def derive(folder: str, fs, state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The module's fp32 weights (and buffers) of the ZeRO 1-2 checkpoint `folder` on `fs`."""
+    """The module's fp32 weights (and buffers) of the ZeRO 1-3 checkpoint `folder` on `fs`."""
     world = int(state["world_size"])
-    module_states = _load(fs, f"{folder}/{MODULE_STATES}")
+    stage = state["config"]["train"]["zero_stage"]
+    module_states = _load(fs, f"{folder}/{ZERO3_MODULE_STATES if stage == 3 else MODULE_STATES}")
     shards = fs.ls(f"{folder}/{SHARDS}", detail=False)
     optim = []
     for rank in range(world):  # zero_pp_rank_R_... (bf16: bf16_zero_pp_rank_R_...)
@@ -67,6 +76,8 @@ def derive(folder: str, fs, state: dict[str, Any]) -> dict[str, torch.Tensor]:
         optim.append(_load(fs, path)["optimizer_state_dict"])
     buffers = set(module_states.get("buffer_names") or [])
     out = {name: t.float() for name, t in module_states["module"].items() if name in buffers}
+    if stage == 3:
+        return {**out, **_zero3_parameters(folder, module_states["param_shapes"], optim)}
     paddings = optim[0].get("param_alignment_paddings")
     for group, shapes in enumerate(module_states["param_shapes"]):
         flat = torch.cat([o["single_partition_of_fp32_groups"][group] for o in optim])
@@ -79,4 +90,20 @@ def derive(folder: str, fs, state: dict[str, Any]) -> dict[str, torch.Tensor]:
             raise ValueError(
                 f"checkpoint {folder}: its shards hold {flat.numel()} values of group {group}, not {offset}"
             )
+    return out
+
+
+def _zero3_parameters(folder: str, param_shapes: list[dict], optim: list[dict]) -> dict[str, torch.Tensor]:
+    """Each parameter of a ZeRO-3 checkpoint: its part from every rank's flat groups, joined."""
+    ranks = [torch.cat(list(o["fp32_flat_groups"])) for o in optim]
+    world, out, offset = len(ranks), {}, 0
+    for shapes in param_shapes:
+        for name, shape in shapes.items():
+            numel = math.prod(shape)
+            part = -(-numel // world)  # every rank's part, the last one padded
+            whole = torch.cat([flat.narrow(0, offset, part) for flat in ranks])
+            out[name] = whole[:numel].view(tuple(shape)).clone()
+            offset += part
+    if offset != ranks[0].numel():
+        raise ValueError(f"checkpoint {folder}: its ZeRO-3 shards hold {ranks[0].numel()} values a rank, not {offset}")
     return out

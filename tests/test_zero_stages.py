@@ -22,6 +22,8 @@ import torch
 from pretrain_helpers import assert_same_weights, in_process_loop, pretrain_args, run
 from safetensors.torch import load_file
 
+from vitray import storage
+from vitray.runfolder import derived_weights
 from vitray.runfolder.checkpoint_folders import find_checkpoints, latest_complete_checkpoint, verify_complete
 from vitray.runfolder.files import RunFiles
 
@@ -131,6 +133,13 @@ def test_zero3_restarts_exactly_and_resumes_on_one_worker(digits_dataset, tmp_pa
     reference = tmp_path / "reference"
     run(_args(digits_dataset, reference, 3, "fp32"))
     weights, ema, evals = _check_reference(reference / "run", "fp32")
+    # Only the last checkpoint carries model.safetensors (checkpoint.model_weights=last): the others'
+    # weights are derived from the two ranks' ZeRO-3 shards, as they are from the last one's.
+    checkpoints = find_checkpoints(str(reference / "run"))
+    with_weights = [(c.step, (Path(c.path) / "model.safetensors").exists()) for c in checkpoints]
+    assert with_weights == [(4, False), (8, False), (12, True)], with_weights
+    last = checkpoints[-1].path
+    assert_same_weights(derived_weights.derive(last, storage.filesystem(last)[0], verify_complete(last)), weights)
 
     # A worker killed mid-run: Ray Train restarts the group from the step-4 checkpoint, and the run
     # ends with the same weights, EMA and last evaluations as the uninterrupted one.

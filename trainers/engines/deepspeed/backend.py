@@ -390,8 +390,8 @@ class DeepSpeedBackend:
         self.engine = build_engine(model, cfg, world_size=world_size, load_universal=self._universal_dir is not None)
         self._checkpoints = BackgroundCheckpointEngine(self.engine._config)
         self._checkpoints.drop_module_weights = weights_from_master(self.engine)
-        # ZeRO 1-2's optimizer shards hold the fp32 master copy whole (runfolder's derived_weights).
-        self.weights_in_shards = self.engine.zero_optimization_stage() in (1, 2)
+        # ZeRO 1-3's optimizer shards hold the fp32 master copy whole (runfolder's derived_weights).
+        self.weights_in_shards = self.engine.zero_optimization_stage() in (1, 2, 3)
         self.engine.checkpoint_engine = self._checkpoints
         self.module = self.engine.module
         self.device = self.engine.device
