@@ -13,6 +13,9 @@ files are opened with `torch.load(weights_only=True)`, with DeepSpeed's few plai
 - ZeRO-3 (`_zero3_merge_trainable_params`): every parameter is cut into one equal part a rank
   (the last padded); a rank's flat groups, joined, hold its part of each parameter in turn, and a
   parameter is its parts joined in rank order, the padding cut off.
+- ZeRO-0, every rank holding everything, in the module states file alone: in fp32 the module's
+  own weights; in bf16/fp16 the unfused wrapper's master copies (`optimizer.fp32_groups`, a tensor
+  a parameter), named group by group in `param_shapes` (which vitray's checkpoint engine fills).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def derivable(state: dict[str, Any], names: set[str]) -> bool:
     stage = (config.get("train") or {}).get("zero_stage")
     # DeepSpeed's layout (its module states file), at a stage whose optimizer shards hold the whole
     # fp32 master copy in flat partitions.
-    return (stage in (1, 2) and MODULE_STATES in names) or (stage == 3 and ZERO3_MODULE_STATES in names)
+    return (stage in (0, 1, 2) and MODULE_STATES in names) or (stage == 3 and ZERO3_MODULE_STATES in names)
 
 
 def derive(folder: str, fs, state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -69,6 +72,8 @@ def derive(folder: str, fs, state: dict[str, Any]) -> dict[str, torch.Tensor]:
     world = int(state["world_size"])
     stage = state["config"]["train"]["zero_stage"]
     module_states = _load(fs, f"{folder}/{ZERO3_MODULE_STATES if stage == 3 else MODULE_STATES}")
+    if stage == 0:
+        return _zero0_weights(folder, module_states)
     shards = fs.ls(f"{folder}/{SHARDS}", detail=False)
     optim = []
     for rank in range(world):  # zero_pp_rank_R_... (bf16: bf16_zero_pp_rank_R_...)
@@ -106,4 +111,17 @@ def _zero3_parameters(folder: str, param_shapes: list[dict], optim: list[dict]) 
             offset += part
     if offset != ranks[0].numel():
         raise ValueError(f"checkpoint {folder}: its ZeRO-3 shards hold {ranks[0].numel()} values a rank, not {offset}")
+    return out
+
+
+def _zero0_weights(folder: str, module_states: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A ZeRO-0 checkpoint's weights: the module's (fp32), with the master copies in place of the
+    trained weights where the optimizer keeps them (bf16/fp16)."""
+    out = {name: t.float() for name, t in module_states["module"].items()}
+    masters = (module_states.get("optimizer") or {}).get("fp32_groups")
+    if masters:
+        names = [name for shapes in module_states.get("param_shapes") or () for name in shapes]
+        if len(names) != sum(len(group) for group in masters):
+            raise ValueError(f"checkpoint {folder}: its module states do not name its {len(masters)} master groups")
+        out.update(zip(names, (t.float().clone() for group in masters for t in group)))
     return out

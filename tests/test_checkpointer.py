@@ -284,34 +284,35 @@ def test_a_writer_killed_mid_checkpoint_leaves_nothing_a_resume_takes(tmp_path, 
     assert restored[1]["step"] == chosen.step
 
 
-def _deepspeed_backend(stage: int):
+def _deepspeed_backend(stage: int, dtype: str = "bf16"):
     from vitray.common.config import load_config
     from vitray.models import create_model_from_config
     from vitray.trainers.config import TrainingConfig
     from vitray.trainers.engines.deepspeed.backend import DeepSpeedBackend
 
     settings = ["data.train=/unused", "model.name=Ti/16", "model.img_size=32", f"train.zero_stage={stage}"]
-    settings += ["precision.dtype=bf16", "train.batch_size=2", "train.micro_batch_size=2", "cluster.num_workers=1"]
+    settings += [f"precision.dtype={dtype}", "train.batch_size=2", "train.micro_batch_size=2", "cluster.num_workers=1"]
     cfg = load_config(TrainingConfig, None, settings)
     torch.manual_seed(0)
     backend = DeepSpeedBackend(cfg, create_model_from_config(cfg.model, 10), 1, None)
     return cfg, backend
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize(("stage", "dtype"), [(0, "bf16"), (0, "fp32"), (1, "bf16"), (3, "bf16")])
 def test_a_zero_checkpoint_keeps_12_bytes_a_parameter_resumes_exactly_and_gives_its_weights(
-    tmp_path, process_group, stage
+    tmp_path, process_group, stage, dtype
 ):
     """(The session's one-rank group: DeepSpeed caches its groups, so a group of the test's own
-    would clash with other tests' in the same worker.) AdamW under ZeRO-1 and ZeRO-3, bf16: the
-    master weights and two moments (12 bytes a parameter) and no more -- no bf16 module copy, no
-    model.safetensors (checkpoint.model_weights=last, not the last step); a resume rounds the
-    master copy to the very weights trained, and evaluation's loader derives the fp32 weights from
-    the shards (ZeRO-3's layout: each parameter cut into one part a rank). (Several ranks' shards
-    are joined by the end-to-end runs of tests/test_zero_stages.py and test_pretrain.py.)"""
+    would clash with other tests' in the same worker.) AdamW at ZeRO 0, 1 and 3: the fp32 weights
+    and two moments (12 bytes a parameter) and no more -- no bf16 module copy, no model.safetensors
+    (checkpoint.model_weights=last, not the last step); a resume rounds the master copy to the very
+    weights trained, and evaluation's loader derives the fp32 weights from the shards (ZeRO-3's
+    layout: each parameter cut into one part a rank; ZeRO-0's: the module states, with the master
+    copies named). (Several ranks' shards are joined by the end-to-end runs of
+    tests/test_zero_stages.py and test_pretrain.py.)"""
     from vitray.runfolder.checkpoint_folders import load_model
 
-    cfg, backend = _deepspeed_backend(stage=stage)
+    cfg, backend = _deepspeed_backend(stage=stage, dtype=dtype)
     for _ in range(2):
         backend.backward_step(backend(torch.randn(2, 3, 32, 32, dtype=backend.dtype)).float().square().mean())
     record = {"num_classes": 10, "model": cfg.model.model_dump(), "config": cfg.settings()}
@@ -332,7 +333,7 @@ def test_a_zero_checkpoint_keeps_12_bytes_a_parameter_resumes_exactly_and_gives_
     assert all(torch.equal(model.state_dict()[k], v) for k, v in whole.items())
 
     trained = {k: v.clone() for k, v in backend.module.state_dict().items()}
-    _, fresh = _deepspeed_backend(stage=stage)
+    _, fresh = _deepspeed_backend(stage=stage, dtype=dtype)
     local, state = rank_files.rank_copy(str(folder), None, tmp_path / "restore", 0)
     fresh.load(local, state)
     if stage < 3:  # (ZeRO-3's module holds no weights outside its forward pass)

@@ -240,7 +240,7 @@ class CheckpointConfig(_Section):
         description="Which checkpoints also hold the consolidated fp32 weights (model.safetensors, 4 bytes a "
         "parameter) that evaluation and export read: every one, the run's last one only, or none. Without "
         "them evaluation and export derive the weights from the optimizer's shards (slower: they read 3x the "
-        "bytes); a resume never reads them. DeepSpeed ZeRO 1-2 only: other engines and stages always write them.",
+        "bytes); a resume never reads them. DeepSpeed only (every ZeRO stage): the XLA engine always writes them.",
     )
     staging_dir: StoragePath | None = Field(
         None,

@@ -8,10 +8,12 @@ hands each state dict to the engine, which snapshots it into host buffers kept f
 to the next (pinned on a GPU) and returns, so training goes on while the files are serialised and
 written, once, straight into the checkpoint folder in the run folder (local or s3://).
 
-What a resume needs is written once: under ZeRO 1-2 the optimizer's fp32 master copy is the model
-(the bf16/fp16 weights are that copy rounded, after every step), so the module states keep only
-what it does not hold (buffers, frozen parameters) and a resume rounds the master copy again --
-bit-exact. AdamW then costs 12 bytes a parameter (master weights and two moments).
+What a resume needs is written once: the optimizer's fp32 master copy is the model (ZeRO 1-2,
+and ZeRO-0 in bf16/fp16: the module's weights are that copy rounded, after every step), so the
+module states keep only what it does not hold (buffers, frozen parameters) and a resume rounds the
+master copy again -- bit-exact. AdamW then costs 12 bytes a parameter (master weights and two
+moments) at every ZeRO stage (ZeRO-3's module holds no weights; ZeRO-0 in fp32 trains the module's
+own).
 """
 
 from __future__ import annotations
@@ -178,17 +180,43 @@ def load(engine, checkpoint_dir: Path, *, universal_dir: Path | None = None) -> 
     if path is None:
         raise RuntimeError(f"no DeepSpeed state under {load_dir}/{tag}")
     if masters and universal_dir is None:  # (a universal load rounds them itself)
-        engine.optimizer.update_lp_params()  # the weights the step trains: the master copy, rounded
+        round_masters_into_module(engine)  # the weights the step trains: the master copy, rounded
     return client_state or {}
 
 
 def weights_from_master(engine) -> set[str]:
     """The names of the module's parameters whose weights follow from the optimizer's fp32 master
-    copy (ZeRO 1-2: DeepSpeed rounds them from it after every step and `update_lp_params` does
-    the same on a resume), which a checkpoint's module states therefore need not hold."""
-    if engine.zero_optimization_stage() not in (1, 2) or not hasattr(engine.optimizer, "update_lp_params"):
+    copy (ZeRO 1-2, and ZeRO-0 in bf16/fp16: DeepSpeed rounds them from it after every step and
+    `round_masters_into_module` does the same on a resume), which a checkpoint's module states
+    therefore need not hold."""
+    stage, optimizer = engine.zero_optimization_stage(), engine.optimizer
+    if not (stage in (1, 2) and hasattr(optimizer, "update_lp_params")) and _unfused_masters(engine) is None:
         return set()
     return {name for name, p in engine.module.named_parameters() if p.requires_grad}
+
+
+def _unfused_masters(engine) -> list[list[str]] | None:
+    """ZeRO-0 in bf16/fp16 trains through DeepSpeed's unfused wrapper, which keeps an fp32 master
+    copy of each trained parameter in groups (`fp32_groups`, beside the module's `fp16_groups`):
+    the parameters' names, group by group in that order; None under any other optimizer."""
+    optimizer = engine.optimizer
+    if engine.zero_optimization_stage() != 0 or not getattr(optimizer, "fp32_groups", None):
+        return None
+    names = {id(p): name for name, p in engine.module.named_parameters()}
+    return [[names[id(p)] for p in group] for group in optimizer.fp16_groups]
+
+
+def round_masters_into_module(engine) -> None:
+    """The module's trained weights set to the fp32 master copy rounded to their dtype: what the
+    optimizer does after every step, done on a resume whose module states left them out."""
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "update_lp_params"):  # ZeRO 1-2
+        optimizer.update_lp_params()
+        return
+    with torch.no_grad():  # ZeRO-0's unfused wrapper
+        for weights, masters in zip(optimizer.fp16_groups, optimizer.fp32_groups):
+            for weight, master in zip(weights, masters):
+                weight.copy_(master)
 
 
 def shard_files(checkpoint_dir: Path) -> list[str]:
@@ -333,6 +361,10 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
         self._buffers = HostBuffers()
         self._target: tuple[Path, str] | None = None
         self.drop_module_weights: set[str] = set()
+        # ZeRO-0's master copies (bf16/fp16) are kept in groups with no names; the module states
+        # name them in DeepSpeed's own key for that (`param_shapes`, which ZeRO 1-3 fill), so that
+        # the weights can be derived from the checkpoint (runfolder's derived_weights).
+        self.master_shapes: list[dict[str, torch.Size]] | None = None
 
     def preserves_storage_sharing(self) -> bool:
         return False  # the snapshot already copies every tensor compactly
@@ -347,6 +379,8 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
         if self.drop_module_weights and isinstance(module, dict):
             kept = type(module)((k, v) for k, v in module.items() if k not in self.drop_module_weights)
             state_dict = {**state_dict, "module": kept}
+            if self.master_shapes is not None and state_dict.get("param_shapes") is None:
+                state_dict["param_shapes"] = self.master_shapes
         snapshot = self._buffers.snapshot(state_dict, (name,))
         self._buffers.settle()
         self._queued.append(self._writer.submit(write_file, folder, name, lambda f: torch.save(snapshot, f)))
@@ -390,8 +424,14 @@ class DeepSpeedBackend:
         self.engine = build_engine(model, cfg, world_size=world_size, load_universal=self._universal_dir is not None)
         self._checkpoints = BackgroundCheckpointEngine(self.engine._config)
         self._checkpoints.drop_module_weights = weights_from_master(self.engine)
-        # ZeRO 1-3's optimizer shards hold the fp32 master copy whole (runfolder's derived_weights).
-        self.weights_in_shards = self.engine.zero_optimization_stage() in (1, 2, 3)
+        groups = _unfused_masters(self.engine)
+        if groups is not None:
+            shapes = {name: p.shape for name, p in self.engine.module.named_parameters()}
+            self._checkpoints.master_shapes = [{name: shapes[name] for name in group} for group in groups]
+        # The shards hold the fp32 weights whole (runfolder's derived_weights): ZeRO 1-3's optimizer
+        # partitions, ZeRO-0's master copies (bf16/fp16) or its module itself (fp32).
+        stage = self.engine.zero_optimization_stage()
+        self.weights_in_shards = stage in (1, 2, 3) or groups is not None or not _flat_fp32_masters(self.engine)
         self.engine.checkpoint_engine = self._checkpoints
         self.module = self.engine.module
         self.device = self.engine.device
