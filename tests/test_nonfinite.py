@@ -25,17 +25,18 @@ import pytest
 import torch
 from pretrain_helpers import (
     HELD,
+    HOLD_RECORDS,
     assert_same_weights,
     final_weights,
     in_process_loop,
     pretrain_args,
     run,
-    run_until_checkpoint,
+    run_until_mid_checkpoint,
 )
 
 from vitray.common.config import ConfigError, load_config
 from vitray.data.layout import read_manifest
-from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
+from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint, read_state
 from vitray.runfolder.files import RunFiles
 from vitray.runfolder.listing import run_summary
 from vitray.trainers.config import TrainingConfig
@@ -132,9 +133,11 @@ def _damage(dataset, dest):
 @pytest.mark.slow
 def test_skipped_steps_and_damaged_samples_are_counted_across_a_kill_and_the_resume_is_exact(digits_dataset, tmp_path):
     """One run over damaged shards with NaN losses at steps 3 and 7 (`skip`), and the same run
-    killed with SIGKILL after its step-10 checkpoint and re-run: the skipped steps' count is
-    restored (DeepSpeed's), the damaged samples are skipped at the same steps, and the weights are
-    the uninterrupted run's. (One pair of runs for both counts keeps the suite's time down.)"""
+    killed -- SIGKILL to every process of it -- in the middle of its step-20 checkpoint (its files
+    written, not all of its completion records) and re-run: that checkpoint is never taken, the run
+    goes on from step 10, the skipped steps' count is restored (DeepSpeed's), the damaged samples
+    are skipped at the same steps, and the weights are the uninterrupted run's. (One pair of runs
+    for the counts and the kill keeps the suite's time down.)"""
     damaged = str(_damage(digits_dataset, tmp_path / "damaged"))
     poisoned = ("train.nonfinite=skip", "debug.nonfinite_loss_at_steps=[3, 7]")
     reference = tmp_path / "reference"
@@ -153,9 +156,11 @@ def test_skipped_steps_and_damaged_samples_are_counted_across_a_kill_and_the_res
 
     killed = tmp_path / "killed"
     args = pretrain_args(damaged, str(killed), "bad", *COMMON, *poisoned)
-    assert run_until_checkpoint([*args, "--set", HELD], str(killed / "bad"), min_step=10) >= 10
+    cut_short = run_until_mid_checkpoint([*args, "--set", HELD, "--set", HOLD_RECORDS], str(killed / "bad"), 10)
+    assert read_state(cut_short.path)["step"] == 20 and "never finished writing it" in cut_short.problem
     rerun = run(args)
-    assert "resuming bad from step" in " ".join(rerun.stderr.split())
+    said = " ".join(rerun.stderr.split())
+    assert "resuming bad from step 10 (" in said and f"skipped newer checkpoint {cut_short.path}: " in said, said
     resumed = RunFiles(str(killed / "bad")).read_metrics()
     assert resumed[-1]["nonfinite_steps"] == 2  # DeepSpeed's count was restored
     assert {m["step"]: m["skipped_samples"] for m in resumed} == logged  # the same samples skipped at the same steps

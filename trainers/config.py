@@ -345,6 +345,13 @@ class DebugConfig(_Section):
         description="Tests: every step waits this long before its work, so that a test can act on a run in "
         "progress (a small model's run otherwise ends in seconds). Changes no result.",
     )
+    checkpoint_record_delay_s: float = Field(
+        0.0,
+        ge=0,
+        le=600,
+        description="Tests: each rank waits this long between writing its checkpoint files and its completion "
+        "record, so that a test can kill a run in the middle of a checkpoint. Changes no result.",
+    )
     loader_only: bool = Field(
         False,
         description="Benchmarks: every step reads its batches through the device feed and trains on none (no "

@@ -153,6 +153,7 @@ class TrainingLoop:
             report=self.ctx.report,
             run_dir=self.ctx.run_dir,
             model_weights=self.cfg.checkpoint.model_weights,
+            record_delay_s=self.cfg.debug.checkpoint_record_delay_s,
             states={"data": self.loader},
             weights={ckpt.EMA_FILE: self.ema} if self.ema is not None else {},
             record={

@@ -90,6 +90,7 @@ class Checkpointer:
         record: dict[str, Any],
         run_dir: str,
         model_weights: str = "last",
+        record_delay_s: float = 0.0,
     ):
         if model_weights not in MODEL_WEIGHTS_CHOICES:
             raise ValueError(f"checkpoint.model_weights must be one of {MODEL_WEIGHTS_CHOICES}, got {model_weights!r}")
@@ -99,6 +100,7 @@ class Checkpointer:
         self.states, self.weights, self.record = states, weights, record
         self.run_dir = str(run_dir).rstrip("/")
         self.model_weights = model_weights
+        self.record_delay_s = record_delay_s  # tests (debug.checkpoint_record_delay_s)
         self._in_flight: _InFlight | None = None
         self._costs: dict[str, float] = {}
         # Called by rank 0 at each save; the background write waits on the handle it returns
@@ -134,7 +136,9 @@ class Checkpointer:
         }
         lead = self.rank == 0
         also = self.before_complete() if lead and self.before_complete is not None else None
-        writer = _Writer(folder, self.rank, shards, files if lead else {}, state if lead else None, also)
+        writer = _Writer(
+            folder, self.rank, shards, files if lead else {}, state if lead else None, also, self.record_delay_s
+        )
         self._in_flight = _InFlight(folder, step, metrics, writer, snapshot_s=time.perf_counter() - t0)
 
     def _with_model_weights(self, step: int) -> bool:
@@ -227,18 +231,25 @@ class _Writer:
     the completion record last."""
 
     def __init__(
-        self, folder: str, rank: int, shards: PendingSave, files: dict[str, dict], state: dict | None, also_wait=None
+        self,
+        folder: str,
+        rank: int,
+        shards: PendingSave,
+        files: dict[str, dict],
+        state: dict | None,
+        also_wait=None,
+        record_delay_s: float = 0.0,
     ):
         self.seconds = 0.0
         self.bytes = 0
         self._error: BaseException | None = None
-        self._args = (folder, rank, shards, files, state, also_wait)
+        self._args = (folder, rank, shards, files, state, also_wait, record_delay_s)
         self._thread = threading.Thread(target=self._run, name=f"vitray-ckpt-r{rank}", daemon=True)
         self._started = time.perf_counter()
         self._thread.start()
 
     def _run(self) -> None:
-        folder, rank, shards, files, state, also_wait = self._args
+        folder, rank, shards, files, state, also_wait, record_delay_s = self._args
         try:
             from safetensors.torch import save
 
@@ -251,6 +262,7 @@ class _Writer:
             if state is not None:
                 written.append(ckpt.write_state(folder, state))
             ckpt.sync_folders(folder, written)
+            time.sleep(record_delay_s)  # tests: a checkpoint whose files are written, its record not yet
             ckpt.mark_complete(folder, rank, written)
             self.bytes = sum(w.size for w in written)
         except BaseException as error:  # surfaced by wait() on the training thread
