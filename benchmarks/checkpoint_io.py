@@ -177,6 +177,11 @@ class S3Store:
             AWS_SECRET_ACCESS_KEY=self.store.secret_key,
             AWS_DEFAULT_REGION="us-east-1",
         )
+        import s3fs
+
+        # s3fs keeps its filesystems by their options, not by the environment they read: the one
+        # of a store started before (another model's) would still be used.
+        s3fs.S3FileSystem.clear_instance_cache()
 
     def transfer_manager_s(self, size: int) -> tuple[float, float]:
         """(upload, download) seconds of `size` bytes from and into memory with boto3's TransferManager."""

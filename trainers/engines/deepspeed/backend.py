@@ -383,7 +383,7 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
                 state_dict["param_shapes"] = self.master_shapes
         snapshot = self._buffers.snapshot(state_dict, (name,))
         self._buffers.settle()
-        self._queued.append(self._writer.submit(write_file, folder, name, lambda f: torch.save(snapshot, f)))
+        self._queued.append(self._writer.submit(write_file, folder, name, lambda f: _save_without_zip_crc(snapshot, f)))
 
     def load(self, path: str, map_location=None):
         with torch.serialization.safe_globals(_deepspeed_checkpoint_classes()):
@@ -392,6 +392,19 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
     def pending(self) -> PendingSave:
         self._target = None
         return PendingSave(list(self._queued))
+
+
+def _save_without_zip_crc(state: Any, f) -> None:
+    """`torch.save` without the CRC-32 of each of its zip records: every checkpoint file's CRC-32C is
+    in its rank's completion record and checked on every read (`write_file` computes it as the bytes
+    go out), and torch's own took most of the save's time (measured: a 1 GB state fsynced at ~0.5
+    GB/s with it, ~1.3 GB/s without). `torch.load` reads such files as any other; only a zip tool
+    would complain of their CRCs. (torch's option is process-wide: set for this save alone, on the
+    checkpoint engine's one writer thread.)"""
+    from torch.utils.serialization import config
+
+    with config.patch({"save.compute_crc32": False}):
+        torch.save(state, f)
 
 
 def _deepspeed_checkpoint_classes() -> list[type]:
