@@ -1,6 +1,6 @@
 """The consolidated fp32 weights of a checkpoint that was written without them
-(`checkpoint.model_weights`), derived on demand from its DeepSpeed ZeRO 1-3 shards: the
-optimizer's fp32 master copy, partitioned flat across the ranks, is the model.
+(`checkpoint.model_weights`), derived on demand from its DeepSpeed ZeRO 0-3 shards: the
+optimizer's fp32 master copy (at ZeRO 1-3 partitioned flat across the ranks) is the model.
 
 Read without DeepSpeed (only `trainers` imports it) and without running a checkpoint's code: the
 files are opened with `torch.load(weights_only=True)`, with DeepSpeed's few plain-data classes
@@ -62,13 +62,12 @@ def derivable(state: dict[str, Any], names: set[str]) -> bool:
     """Whether `derive` can make the weights of a checkpoint with this trainer state and files."""
     config = state.get("config") or {}
     stage = (config.get("train") or {}).get("zero_stage")
-    # DeepSpeed's layout (its module states file), at a stage whose optimizer shards hold the whole
-    # fp32 master copy in flat partitions.
+    # DeepSpeed's layout: its module states file (ZeRO-3: rank 0's), which names the parameters.
     return (stage in (0, 1, 2) and MODULE_STATES in names) or (stage == 3 and ZERO3_MODULE_STATES in names)
 
 
 def derive(folder: str, fs, state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The module's fp32 weights (and buffers) of the ZeRO 1-3 checkpoint `folder` on `fs`."""
+    """The module's fp32 weights (and buffers) of the ZeRO 0-3 checkpoint `folder` on `fs`."""
     world = int(state["world_size"])
     stage = state["config"]["train"]["zero_stage"]
     module_states = _load(fs, f"{folder}/{ZERO3_MODULE_STATES if stage == 3 else MODULE_STATES}")
@@ -79,8 +78,10 @@ def derive(folder: str, fs, state: dict[str, Any]) -> dict[str, torch.Tensor]:
     for rank in range(world):  # zero_pp_rank_R_... (bf16: bf16_zero_pp_rank_R_...)
         [path] = [p for p in shards if re.search(rf"(^|[_/])zero_pp_rank_{rank}_mp_rank_00_optim_states\.pt$", p)]
         optim.append(_load(fs, path)["optimizer_state_dict"])
-    buffers = set(module_states.get("buffer_names") or [])
-    out = {name: t.float() for name, t in module_states["module"].items() if name in buffers}
+    # What the optimizer does not hold: buffers and, at ZeRO 1-2, frozen parameters (the module
+    # states keep them; a ZeRO-3 checkpoint with frozen parameters carries model.safetensors).
+    trained = {name for shapes in module_states["param_shapes"] for name in shapes}
+    out = {name: t.float() for name, t in module_states["module"].items() if name not in trained}
     if stage == 3:
         return {**out, **_zero3_parameters(folder, module_states["param_shapes"], optim)}
     paddings = optim[0].get("param_alignment_paddings")

@@ -284,7 +284,7 @@ def test_a_writer_killed_mid_checkpoint_leaves_nothing_a_resume_takes(tmp_path, 
     assert restored[1]["step"] == chosen.step
 
 
-def _deepspeed_backend(stage: int, dtype: str = "bf16"):
+def _deepspeed_backend(stage: int, dtype: str = "bf16", frozen: tuple[str, ...] = ()):
     from vitray.common.config import load_config
     from vitray.models import create_model_from_config
     from vitray.trainers.config import TrainingConfig
@@ -294,7 +294,10 @@ def _deepspeed_backend(stage: int, dtype: str = "bf16"):
     settings += [f"precision.dtype={dtype}", "train.batch_size=2", "train.micro_batch_size=2", "cluster.num_workers=1"]
     cfg = load_config(TrainingConfig, None, settings)
     torch.manual_seed(0)
-    backend = DeepSpeedBackend(cfg, create_model_from_config(cfg.model, 10), 1, None)
+    model = create_model_from_config(cfg.model, 10)
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
+    backend = DeepSpeedBackend(cfg, model, 1, None)
     return cfg, backend
 
 
@@ -339,3 +342,24 @@ def test_a_zero_checkpoint_keeps_12_bytes_a_parameter_resumes_exactly_and_gives_
     if stage < 3:  # (ZeRO-3's module holds no weights outside its forward pass)
         assert all(torch.equal(fresh.module.state_dict()[k], v) for k, v in trained.items())
     assert all(torch.equal(fresh.full_state_dict()[k], v) for k, v in whole.items())
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_frozen_parameters_are_in_the_derived_weights(tmp_path, process_group, stage):
+    """A frozen parameter lies outside the optimizer's master copy: ZeRO 1-2's module states keep it
+    (and the derived weights take it from there); ZeRO-3 partitions it outside the optimizer, so its
+    checkpoints carry model.safetensors."""
+    from vitray.runfolder.checkpoint_folders import load_model
+
+    cfg, backend = _deepspeed_backend(stage=stage, frozen=("pos_embed",))
+    backend.backward_step(backend(torch.randn(2, 3, 32, 32, dtype=backend.dtype)).float().square().mean())
+    reports = []
+    saver = checkpointer(backend, reports, FakeLoader(), None, every=2, last_step=4, run_dir=tmp_path)
+    saver.record.update({"num_classes": 10, "model": cfg.model.model_dump(), "config": cfg.settings()})
+    saver.save(2, {})
+    saver.finish(wait=True)
+    folder = Path(reports[0][1])
+    assert (folder / ckpt.MODEL_FILE).exists() == (stage == 3)
+    whole = backend.full_state_dict()
+    model, _ = load_model(str(folder))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in whole.items())

@@ -442,9 +442,12 @@ class DeepSpeedBackend:
             shapes = {name: p.shape for name, p in self.engine.module.named_parameters()}
             self._checkpoints.master_shapes = [{name: shapes[name] for name in group} for group in groups]
         # The shards hold the fp32 weights whole (runfolder's derived_weights): ZeRO 1-3's optimizer
-        # partitions, ZeRO-0's master copies (bf16/fp16) or its module itself (fp32).
+        # partitions, ZeRO-0's master copies (bf16/fp16) or its module itself (fp32). (ZeRO-3's frozen
+        # parameters lie partitioned outside the optimizer, where derived_weights does not look.)
         stage = self.engine.zero_optimization_stage()
-        self.weights_in_shards = stage in (1, 2, 3) or groups is not None or not _flat_fp32_masters(self.engine)
+        frozen = any(not p.requires_grad for p in self.engine.module.parameters())
+        zero0 = groups is not None or not _flat_fp32_masters(self.engine)
+        self.weights_in_shards = {1: True, 2: True, 3: not frozen}.get(stage, zero0)
         self.engine.checkpoint_engine = self._checkpoints
         self.module = self.engine.module
         self.device = self.engine.device
