@@ -102,7 +102,7 @@ def _check_reference(
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_zero_stage_in_process_trains_evaluates_probes_and_keeps_the_ema_in_bf16(
-    stage, process_group, digits_dataset, tmp_path
+    stage, process_group, restores_torch_linear, digits_dataset, tmp_path
 ):
     """One rank, in this process: the val evaluator and the probe every 2 steps on the EMA weights,
     and a checkpoint whose consolidated weights are the fp32 master ones (at ZeRO-3 gathered from
