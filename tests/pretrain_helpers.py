@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from vitray.runfolder.checkpoint_folders import CheckpointInfo, find_checkpoints, latest_complete_checkpoint
+from vitray.runfolder.checkpoint_folders import STATE_FILE, CheckpointInfo, find_checkpoints, latest_complete_checkpoint
 
 # A small, quick recipe: Ti/4 at 16 px on digits, 2 CPU workers, fp32, ZeRO-1.
 BASE = [
@@ -108,17 +108,13 @@ def python_stacks(pid: int, limit: int = 30000) -> str:
     return "\n".join(dumps)[-limit:]
 
 
-# A run given this holds each checkpoint for a while between its files and its completion records
-# (`debug.checkpoint_record_delay_s`), so that `run_until_mid_checkpoint` can kill it there.
-HOLD_RECORDS = "debug.checkpoint_record_delay_s=5"
-
-
 def run_until_mid_checkpoint(cmd: list[str], run_dir: str, after_step: int, timeout: float = 480) -> CheckpointInfo:
-    """Start a run (`cmd` with HOLD_RECORDS among its settings) and kill its whole process tree --
-    driver, embedded Ray, workers -- with SIGKILL in the middle of its first checkpoint after the
-    complete one at `after_step` or later: its files in the folder (rank 0's trainer state among
-    them), not all of its completion records. A pre-emption at the worst moment. Returns that
-    unfinished checkpoint."""
+    """Start a run whose checkpoints wait 5 s between their files and their completion records
+    (`debug.checkpoint_record_delay_s`) and kill its whole process tree -- driver, embedded Ray,
+    workers -- with SIGKILL in the middle of its first checkpoint after the complete one at
+    `after_step` or later: its files in the folder (rank 0's trainer state among them), not all of
+    its completion records. A pre-emption at the worst moment. Returns that unfinished checkpoint."""
+    cmd = [*cmd, "--set", "debug.checkpoint_record_delay_s=5"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + timeout
     try:
@@ -129,7 +125,7 @@ def run_until_mid_checkpoint(cmd: list[str], run_dir: str, after_step: int, time
                     c
                     for c in find_checkpoints(run_dir)
                     if not c.complete and Path(c.path).name > Path(latest.path).name  # dated names
-                    if (Path(c.path) / "trainer_state.json").is_file()
+                    if (Path(c.path) / STATE_FILE).is_file()
                 ]
                 if unfinished:
                     os.killpg(proc.pid, signal.SIGKILL)

@@ -25,7 +25,6 @@ import pytest
 import torch
 from pretrain_helpers import (
     HELD,
-    HOLD_RECORDS,
     assert_same_weights,
     final_weights,
     in_process_loop,
@@ -156,7 +155,7 @@ def test_skipped_steps_and_damaged_samples_are_counted_across_a_kill_and_the_res
 
     killed = tmp_path / "killed"
     args = pretrain_args(damaged, str(killed), "bad", *COMMON, *poisoned)
-    cut_short = run_until_mid_checkpoint([*args, "--set", HELD, "--set", HOLD_RECORDS], str(killed / "bad"), 10)
+    cut_short = run_until_mid_checkpoint([*args, "--set", HELD], str(killed / "bad"), 10)
     assert read_state(cut_short.path)["step"] == 20 and "never finished writing it" in cut_short.problem
     rerun = run(args)
     said = " ".join(rerun.stderr.split())

@@ -446,7 +446,7 @@ class DeepSpeedBackend:
         # parameters lie partitioned outside the optimizer, where derived_weights does not look.)
         stage = self.engine.zero_optimization_stage()
         frozen = any(not p.requires_grad for p in self.engine.module.parameters())
-        zero0 = groups is not None or not _flat_fp32_masters(self.engine)
+        zero0 = groups is not None or not getattr(self.engine.optimizer, "fp16_groups", None)  # no wrapper: fp32
         self.weights_in_shards = {1: True, 2: True, 3: not frozen}.get(stage, zero0)
         self.engine.checkpoint_engine = self._checkpoints
         self.module = self.engine.module
