@@ -249,19 +249,6 @@ def process_group() -> Iterator[None]:
     dist.destroy_process_group()
 
 
-@pytest.fixture
-def restores_torch_linear() -> Iterator[None]:
-    """For a test that builds a ZeRO-3 engine in this process: DeepSpeed then replaces
-    `torch.nn.functional.linear` with its memory-efficient ZeRO-3 version for the whole process
-    ("This will persist unless manually reset"), which changed the gradients of a later test's
-    checkpointed model in the same pytest worker. Put back afterwards."""
-    import torch
-
-    linear = torch.nn.functional.linear
-    yield
-    torch.nn.functional.linear = linear
-
-
 def init_one_rank_group() -> None:
     """A one-rank gloo process group on a free port of 127.0.0.1, in this process (`process_group`,
     and tests that train in a process of their own)."""

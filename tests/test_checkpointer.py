@@ -303,7 +303,7 @@ def _deepspeed_backend(stage: int, dtype: str = "bf16", frozen: tuple[str, ...] 
 
 @pytest.mark.parametrize(("stage", "dtype"), [(0, "bf16"), (0, "fp32"), (1, "bf16"), (3, "bf16")])
 def test_a_zero_checkpoint_keeps_12_bytes_a_parameter_resumes_exactly_and_gives_its_weights(
-    tmp_path, process_group, restores_torch_linear, stage, dtype
+    tmp_path, process_group, stage, dtype
 ):
     """(The session's one-rank group: DeepSpeed caches its groups, so a group of the test's own
     would clash with other tests' in the same worker.) AdamW at ZeRO 0, 1 and 3: the fp32 weights
@@ -345,7 +345,7 @@ def test_a_zero_checkpoint_keeps_12_bytes_a_parameter_resumes_exactly_and_gives_
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_frozen_parameters_are_in_the_derived_weights(tmp_path, process_group, restores_torch_linear, stage):
+def test_frozen_parameters_are_in_the_derived_weights(tmp_path, process_group, stage):
     """A frozen parameter lies outside the optimizer's master copy: ZeRO 1-2's module states keep it
     (and the derived weights take it from there); ZeRO-3 partitions it outside the optimizer, so its
     checkpoints carry model.safetensors."""

@@ -67,6 +67,13 @@ def deepspeed_config(cfg: TrainingConfig, *, world_size: int, load_universal: bo
         # copies the gradients into its flat partition once, after the backward pass, with no hook.
         # (ZeRO-2 and ZeRO-3 always collect gradients through such hooks.)
         zero.update(overlap_comm=False, contiguous_gradients=False)
+    if train.zero_stage == 3:
+        # Left on, DeepSpeed replaces torch.nn.functional.linear for the whole process with its
+        # "memory-efficient" linear, which adds the bias in place to the product it has just made:
+        # under remat_policy=dots_saveable that product is the output the block keeps, so the
+        # recompute adds the bias twice and every gradient is wrong. It saves the same tensors for
+        # the backward pass as torch's linear, so turning it off costs no memory.
+        zero.update(memory_efficient_linear=False)
     return {
         "train_batch_size": train.batch_size,
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
