@@ -208,6 +208,27 @@ def test_the_record_lists_crc32c_and_a_restore_refuses_a_corrupt_file(tmp_path):
         rank_files.rank_copy(str(folder), None, restore_dir, 0)
 
 
+def test_a_file_checksummed_in_parallel_ranges_has_the_crc32c_of_one_pass(tmp_path, monkeypatch):
+    """Ranges of 1,000 bytes (16 MiB in use) read in parallel, their CRCs joined in order: the
+    CRC-32C of the whole file read in one pass, for lengths on and off the range boundaries."""
+    import random
+
+    from vitray.trainers.checkpoint import checksums
+
+    monkeypatch.setattr(checksums, "SLICE_BYTES", 1000)
+    rng = random.Random(0)
+    files = {}
+    for size in (0, 1, 999, 1000, 1001, 7321, 20_000):
+        data = rng.randbytes(size)
+        (tmp_path / str(size)).write_bytes(data)
+        files[str(size)] = (tmp_path / str(size), size, google_crc32c.value(data))
+    crcs = checksums.files_crc32c({name: (path, size) for name, (path, size, _) in files.items()}, threads=3)
+    assert crcs == {name: crc for name, (_, _, crc) in files.items()}
+    a, b = rng.randbytes(12345), rng.randbytes(678)
+    joined = checksums.crc32c_combine(google_crc32c.value(a), google_crc32c.value(b), len(b))
+    assert joined == google_crc32c.value(a + b)
+
+
 def test_a_record_of_an_older_checkpoint_with_sizes_only_still_resumes(tmp_path):
     """Checkpoints written before records listed CRCs (name -> size) are still read."""
     reports = []

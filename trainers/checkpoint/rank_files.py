@@ -21,11 +21,8 @@ import io
 import json
 import os
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
-
-import google_crc32c
 
 from vitray import storage
 from vitray.runfolder.checkpoint_folders import (
@@ -39,6 +36,7 @@ from vitray.runfolder.checkpoint_folders import (
     listed_size,
     read_state,
 )
+from vitray.trainers.checkpoint.checksums import crc32c_extend, files_crc32c
 from vitray.trainers.engines.seam import FileSelector, Written
 
 __all__ = [
@@ -84,20 +82,6 @@ class _Checksummed(io.RawIOBase):
         self.size += view.nbytes
         self.crc = crc32c_extend(self.crc, view)
         return view.nbytes
-
-
-def crc32c_extend(crc: int, data) -> int:
-    """`crc` extended over `data` (any buffer): google-crc32c's C extension takes only bytes, so a
-    large buffer goes through in slices (a copy costs far less than the checksum's memory read)."""
-    if isinstance(data, bytes):
-        return google_crc32c.extend(crc, data)
-    view = memoryview(data).cast("B")
-    for start in range(0, view.nbytes, _CRC_SLICE):
-        crc = google_crc32c.extend(crc, bytes(view[start : start + _CRC_SLICE]))
-    return crc
-
-
-_CRC_SLICE = 16 * 2**20
 
 
 def write_file(folder: str, name: str, write: Callable[[IO[bytes]], None]) -> Written:
@@ -183,11 +167,8 @@ def mark_complete(folder: str | Path, rank: int, written: list[Written] | list[P
 
 
 def _read_written(folder: Path, path: Path) -> Written:
-    crc = 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_CRC_SLICE):
-            crc = google_crc32c.extend(crc, chunk)
-    return Written(path.relative_to(folder).as_posix(), path.stat().st_size, crc)
+    size = path.stat().st_size
+    return Written(path.relative_to(folder).as_posix(), size, files_crc32c({"": (path, size)})[""])
 
 
 def files_under(folder: Path) -> list[Path]:
@@ -253,35 +234,23 @@ def rank_copy(path: str, select: FileSelector | None, node_dir: Path, rank: int)
     return node_dir, state
 
 
-# Files are read and checked this many at a time (reads from a disk or the page cache overlap;
-# google-crc32c's C implementation runs at several GB/s).
-CHECK_THREADS = 8
-
-
 def _check_files(path: str, folder: Path, listed: dict[str, Any], at: dict[str, Path] | None = None) -> None:
-    """Raise IncompleteCheckpointError unless each file has its listed size and CRC-32C."""
-
-    def check(name: str) -> str | None:
-        file = (at or {}).get(name) or folder / name
-        size, crc = listed_size(listed[name]), listed_crc32c(listed[name])
+    """Raise IncompleteCheckpointError unless each file has its listed size and CRC-32C (the files'
+    ranges read in parallel: `checksums.files_crc32c`)."""
+    files = {name: (at or {}).get(name) or folder / name for name in listed}
+    for name in sorted(listed):
         try:
-            actual = file.stat().st_size
+            actual = files[name].stat().st_size
         except FileNotFoundError:
-            return f"{name} is missing"
-        if actual != size:
-            return f"{name} has {actual} bytes, its record lists {size}"
-        if crc is None:
-            return None
-        value = 0
-        with open(file, "rb", buffering=0) as f:
-            while chunk := f.read(_CRC_SLICE):
-                value = google_crc32c.extend(value, chunk)
-        return None if value == crc else f"{name} does not have the CRC-32C its record lists (corrupt)"
-
-    with ThreadPoolExecutor(max_workers=CHECK_THREADS, thread_name_prefix="vitray-ckpt-check") as pool:
-        problems = [p for p in pool.map(check, sorted(listed)) if p]
-    if problems:
-        raise IncompleteCheckpointError(path, problems[0])
+            raise IncompleteCheckpointError(path, f"{name} is missing") from None
+        if actual != listed_size(listed[name]):
+            raise IncompleteCheckpointError(
+                path, f"{name} has {actual} bytes, its record lists {listed_size(listed[name])}"
+            )
+    crcs = files_crc32c({n: (files[n], listed_size(listed[n])) for n in listed if listed_crc32c(listed[n]) is not None})
+    for name in sorted(crcs):
+        if crcs[name] != listed_crc32c(listed[name]):
+            raise IncompleteCheckpointError(path, f"{name} does not have the CRC-32C its record lists (corrupt)")
 
 
 def _listed_files(fs, root: str, path: str, ranks: set[int]) -> dict[str, Any]:

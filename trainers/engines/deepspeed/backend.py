@@ -393,8 +393,12 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
         self._queued.append(self._writer.submit(write_file, folder, name, lambda f: _save_without_zip_crc(snapshot, f)))
 
     def load(self, path: str, map_location=None):
+        # Memory-mapped: the restore has just read every file for its CRC-32C, so its pages are in
+        # the page cache, and DeepSpeed copies each tensor into its own buffers; a plain load would
+        # first copy the whole file into freshly allocated tensors (measured: 0.46 of 0.55 s for a
+        # B/16's 1 GB of optimizer state). The mapping is private: nothing writes the file.
         with torch.serialization.safe_globals(_deepspeed_checkpoint_classes()):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=True)
 
     def pending(self) -> PendingSave:
         self._target = None
