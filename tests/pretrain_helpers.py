@@ -130,7 +130,8 @@ def run_until_mid_checkpoint(cmd: list[str], run_dir: str, after_step: int, time
                 if unfinished:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-                    return unfinished[-1]
+                    # Read again, after the kill: the listing above may predate the trainer state.
+                    return next(c for c in find_checkpoints(run_dir) if c.path == unfinished[-1].path)
             if proc.poll() is not None:
                 raise AssertionError(f"run ended before it could be stopped: {proc.stderr.read()[-3000:]}")
             time.sleep(0.1)
