@@ -32,6 +32,7 @@ from .files import (
     open_file,
     read_bytes,
     remove,
+    start_writeback,
     upload_file,
     write_bytes_atomic,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "remove",
     "ride_out",
     "set_outage_budget",
+    "start_writeback",
     "upload_file",
     "with_retries",
     "write_bytes_atomic",

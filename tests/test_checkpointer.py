@@ -229,6 +229,26 @@ def test_a_file_checksummed_in_parallel_ranges_has_the_crc32c_of_one_pass(tmp_pa
     assert joined == google_crc32c.value(a + b)
 
 
+def test_a_tensor_over_2_gib_reaches_the_file_whole(tmp_path):
+    """Linux writes at most 2 GiB - 4 KiB in one call: a tensor larger than that (an H/14's fp32
+    master weights on one rank are 2.5 GB) is written whole, and the size and CRC-32C the writer
+    lists are the file's."""
+    from vitray.trainers.checkpoint import checksums
+
+    data = torch.zeros(2**31 + 2**20, dtype=torch.uint8)
+    data[-3:] = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    written = rank_files.write_file(str(tmp_path), "big.bin", lambda f: f.write(memoryview(data.numpy())))
+    path = tmp_path / "big.bin"
+    try:
+        assert written.size == path.stat().st_size == data.numel()
+        with open(path, "rb") as f:
+            f.seek(-4, os.SEEK_END)
+            assert f.read() == b"\0\1\2\3"
+        assert written.crc32c == checksums.files_crc32c({"big": (path, written.size)})["big"]
+    finally:
+        path.unlink()
+
+
 def test_a_record_of_an_older_checkpoint_with_sizes_only_still_resumes(tmp_path):
     """Checkpoints written before records listed CRCs (name -> size) are still read."""
     reports = []
