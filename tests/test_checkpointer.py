@@ -208,6 +208,33 @@ def test_the_record_lists_crc32c_and_a_restore_refuses_a_corrupt_file(tmp_path):
         rank_files.rank_copy(str(folder), None, restore_dir, 0)
 
 
+def test_a_checkpoint_on_s3_comes_down_in_ranges_checked_and_a_corrupt_object_is_refused(
+    seaweed_s3, tmp_path, monkeypatch
+):
+    """On a real S3 store (SeaweedFS): the files come down in ranges (1,000 bytes here, 16 MiB in use)
+    fetched concurrently, equal to what was written, their CRC-32C joined from the ranges'; an
+    object replaced by other bytes of the same size is refused by its CRC."""
+    from vitray import storage
+
+    monkeypatch.setattr(rank_files, "DOWNLOAD_RANGE_BYTES", 1000)
+    backend = FakeBackend()
+    backend.shard = bytes(range(256)) * 40 + b"tail"  # 10,244 bytes: 11 ranges, the last short
+    reports = []
+    saver = checkpointer(backend, reports, FakeLoader(), None, run_dir=seaweed_s3.url("runs/one"))
+    saver.save(2, {})
+    saver.finish(wait=True)
+    folder = reports[0][1]
+    local, state = rank_files.rank_copy(folder, None, tmp_path / "node", 0)
+    assert state["step"] == 2 and (local / "fake" / "shard.bin").read_bytes() == backend.shard
+    assert not list(local.rglob("*.part-*"))
+
+    fs, fs_path = storage.filesystem(folder)
+    fs.pipe_file(f"{fs_path}/fake/shard.bin", backend.shard[::-1])  # same size, other bytes
+    with pytest.raises(ckpt.IncompleteCheckpointError, match="fake/shard.bin does not have the CRC-32C"):
+        rank_files.rank_copy(folder, None, tmp_path / "elsewhere", 0)
+    assert not (tmp_path / "elsewhere" / "fake" / "shard.bin").exists()  # never taken for a whole one
+
+
 def test_a_file_checksummed_in_parallel_ranges_has_the_crc32c_of_one_pass(tmp_path, monkeypatch):
     """Ranges of 1,000 bytes (16 MiB in use) read in parallel, their CRCs joined in order: the
     CRC-32C of the whole file read in one pass, for lengths on and off the range boundaries."""

@@ -37,7 +37,7 @@ from vitray.runfolder.checkpoint_folders import (
     listed_size,
     read_state,
 )
-from vitray.trainers.checkpoint.checksums import crc32c_extend, files_crc32c
+from vitray.trainers.checkpoint.checksums import crc32c_combine, crc32c_extend, files_crc32c
 from vitray.trainers.engines.seam import FileSelector, Written
 
 __all__ = [
@@ -244,12 +244,8 @@ def rank_copy(path: str, select: FileSelector | None, node_dir: Path, rank: int)
         parts = {n: node_dir / f"{n}.part-{os.getpid()}" for n in missing}
         for part in parts.values():
             part.parent.mkdir(parents=True, exist_ok=True)
-        if missing:
-            storage.with_retries(
-                lambda: fs.get([f"{root}/{n}" for n in missing], [str(parts[n]) for n in missing]),
-                what=f"downloading {len(missing)} files of checkpoint {path}",
-            )
-        _check_files(path, node_dir, {n: listed[n] for n in missing}, at=parts)
+        crcs = _download(fs, root, path, {n: (parts[n], listed_size(listed[n])) for n in missing})
+        _check_files(path, node_dir, {n: listed[n] for n in missing}, at=parts, crcs=crcs)
         for name, part in parts.items():
             os.replace(part, node_dir / name)  # whole and checked, or not there
     finally:
@@ -259,9 +255,61 @@ def rank_copy(path: str, select: FileSelector | None, node_dir: Path, rank: int)
     return node_dir, state
 
 
-def _check_files(path: str, folder: Path, listed: dict[str, Any], at: dict[str, Path] | None = None) -> None:
+# A remote checkpoint's files come down in ranges of this many bytes, this many at a time (ranged
+# GETs, as boto3's TransferManager downloads: one GET streaming a large file is far slower).
+DOWNLOAD_RANGE_BYTES = 16 * 2**20
+DOWNLOAD_THREADS = 10
+
+
+def _download(fs, root: str, path: str, files: dict[str, tuple[Path, int]]) -> dict[str, int]:
+    """Download each file name -> (local path, listed size) of checkpoint `path` (at `root` on `fs`)
+    in ranges, concurrently, and return the CRC-32C of the bytes each got, joined from its ranges'
+    as they arrived (so that the check need not read the file again)."""
+
+    def fetch(name: str, fd: int, start: int, nbytes: int) -> tuple[int, int]:
+        data = storage.with_retries(
+            lambda: fs.cat_file(f"{root}/{name}", start=start, end=start + nbytes),
+            what=f"downloading {name} of checkpoint {path}",
+        )
+        view = memoryview(data)
+        while view.nbytes:
+            view = view[os.pwrite(fd, view, start + len(data) - view.nbytes) :]
+        return crc32c_extend(0, data), len(data)
+
+    descriptors = {
+        name: os.open(local, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for name, (local, _) in files.items()
+    }
+    try:
+        with ThreadPoolExecutor(max_workers=DOWNLOAD_THREADS, thread_name_prefix="vitray-ckpt-get") as pool:
+            ranges = {
+                name: [
+                    pool.submit(fetch, name, descriptors[name], start, min(DOWNLOAD_RANGE_BYTES, size - start))
+                    for start in range(0, size, DOWNLOAD_RANGE_BYTES)
+                ]
+                for name, (_, size) in files.items()
+            }
+            crcs = {}
+            for name, parts in ranges.items():
+                crc = 0
+                for part in parts:
+                    part_crc, got = part.result()
+                    crc = crc32c_combine(crc, part_crc, got)
+                crcs[name] = crc
+            return crcs
+    finally:
+        for fd in descriptors.values():
+            os.close(fd)
+
+
+def _check_files(
+    path: str,
+    folder: Path,
+    listed: dict[str, Any],
+    at: dict[str, Path] | None = None,
+    crcs: dict[str, int] | None = None,
+) -> None:
     """Raise IncompleteCheckpointError unless each file has its listed size and CRC-32C (the files'
-    ranges read in parallel: `checksums.files_crc32c`)."""
+    ranges read in parallel: `checksums.files_crc32c`; or `crcs`, computed as they were downloaded)."""
     files = {name: (at or {}).get(name) or folder / name for name in listed}
     for name in sorted(listed):
         try:
@@ -272,9 +320,10 @@ def _check_files(path: str, folder: Path, listed: dict[str, Any], at: dict[str, 
             raise IncompleteCheckpointError(
                 path, f"{name} has {actual} bytes, its record lists {listed_size(listed[name])}"
             )
-    crcs = files_crc32c({n: (files[n], listed_size(listed[n])) for n in listed if listed_crc32c(listed[n]) is not None})
+    unknown = [n for n in listed if listed_crc32c(listed[n]) is not None and n not in (crcs or {})]
+    crcs = {**(crcs or {}), **files_crc32c({n: (files[n], listed_size(listed[n])) for n in unknown})}
     for name in sorted(crcs):
-        if crcs[name] != listed_crc32c(listed[name]):
+        if listed_crc32c(listed[name]) is not None and crcs[name] != listed_crc32c(listed[name]):
             raise IncompleteCheckpointError(path, f"{name} does not have the CRC-32C its record lists (corrupt)")
 
 
