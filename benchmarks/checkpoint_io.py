@@ -245,84 +245,86 @@ def main() -> None:
     for model in args.models.split(","):
         cfg, backend, params = build(model)
         root = Path(tempfile.mkdtemp(prefix="vitray-ckio-", dir=args.dir))
-        print(f"\n{model}: {params / 1e6:.1f}M parameters, 1 worker, ZeRO-1, bf16, AdamW; disk of {root}")
-        print(
-            "| round | dd write MB/s | torch.save MB/s | DCP save MB/s | DCP async_save MB/s (stall ms) "
-            "| vitray save MB/s | vs dd | vs torch.save | bytes/param | stall ms (ms/GB) | host copy ms "
-            "| dd read MB/s | vitray restore MB/s | vs dd read |"
-        )
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-        buffers: dict = {}
-        for round_ in range(1, args.rounds + 1):
-            run_dir = root / "run"
-            run_dir.mkdir(exist_ok=True)
-            folder, seconds, costs = vitray_save(backend, run_dir, args.model_weights)
-            folder = Path(folder)
-            size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-            vitray_mb_s = size / MB / seconds
-
-            blocks = max(1, round(size / 2**24))
-            dd_file = root / "dd.bin"
-            dd_s = _dd(["if=/dev/zero", f"of={dd_file}", "bs=16M", f"count={blocks}", "oflag=direct", "conv=fsync"])
-            dd_mb_s = blocks * 2**24 / MB / dd_s
-
-            state = the_state(backend)
-            ts_file = root / "torch_save.pt"
-            t0 = time.perf_counter()
-            with open(ts_file, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            ts_mb_s = ts_file.stat().st_size / MB / (time.perf_counter() - t0)
-
-            dcp_dir = root / "dcp"
-            t0 = time.perf_counter()
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dcp_dir), sync_files=True), no_dist=True)
-            dcp_bytes = sum(p.stat().st_size for p in dcp_dir.rglob("*") if p.is_file())
-            dcp_mb_s = dcp_bytes / MB / (time.perf_counter() - t0)
-
-            async_dir = root / "dcp_async"
-            t0 = time.perf_counter()
-            pending = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(str(async_dir), sync_files=True))
-            async_stall = time.perf_counter() - t0
-            pending.result()
-            async_bytes = sum(p.stat().st_size for p in async_dir.rglob("*") if p.is_file())
-            async_mb_s = async_bytes / MB / (time.perf_counter() - t0)
-            copy_s = host_copy_s(state, buffers)
-
-            _drop_cache(root)
-            read_s = _dd([f"if={dd_file}", "of=/dev/null", "bs=16M", "iflag=direct"])
-            read_mb_s = blocks * 2**24 / MB / read_s
-            restore_mb_s = size / MB / vitray_restore(cfg, backend, str(folder), folder.parent / "restore")
-
-            stall = costs["checkpoint_snapshot_s"]
+        try:  # (a failed round leaves nothing on the disk: an L/16 round writes ~16 GB)
+            print(f"\n{model}: {params / 1e6:.1f}M parameters, 1 worker, ZeRO-1, bf16, AdamW; disk of {root}")
             print(
-                f"| {round_} | {dd_mb_s:.0f} | {ts_mb_s:.0f} | {dcp_mb_s:.0f} | {async_mb_s:.0f} "
-                f"({async_stall * 1e3:.0f}) | {vitray_mb_s:.0f} | "
-                f"{vitray_mb_s / dd_mb_s:.2f}x | {vitray_mb_s / ts_mb_s:.2f}x | {size / params:.2f} | "
-                f"{stall * 1e3:.0f} ({stall * 1e3 / (size / 1e9):.0f}) | {copy_s * 1e3:.0f} | {read_mb_s:.0f} | "
-                f"{restore_mb_s:.0f} | {restore_mb_s / read_mb_s:.2f}x |",
-                flush=True,
+                "| round | dd write MB/s | torch.save MB/s | DCP save MB/s | DCP async_save MB/s (stall ms) "
+                "| vitray save MB/s | vs dd | vs torch.save | bytes/param | stall ms (ms/GB) | host copy ms "
+                "| dd read MB/s | vitray restore MB/s | vs dd read |"
             )
-            del state
-            for path in (run_dir, dcp_dir, async_dir, folder.parent / "restore"):
-                shutil.rmtree(path, ignore_errors=True)
-            for path in (dd_file, ts_file):
-                path.unlink(missing_ok=True)
-        if args.s3:
-            store = S3Store(root / "seaweed")
-            try:
-                print(f"\n{model} on SeaweedFS S3 at {store.store.endpoint_url} (its data on the disk of {root})")
+            print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+            buffers: dict = {}
+            for round_ in range(1, args.rounds + 1):
+                run_dir = root / "run"
+                run_dir.mkdir(exist_ok=True)
+                folder, seconds, costs = vitray_save(backend, run_dir, args.model_weights)
+                folder = Path(folder)
+                size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+                vitray_mb_s = size / MB / seconds
+
+                blocks = max(1, round(size / 2**24))
+                dd_file = root / "dd.bin"
+                dd_s = _dd(["if=/dev/zero", f"of={dd_file}", "bs=16M", f"count={blocks}", "oflag=direct", "conv=fsync"])
+                dd_mb_s = blocks * 2**24 / MB / dd_s
+
+                state = the_state(backend)
+                ts_file = root / "torch_save.pt"
+                t0 = time.perf_counter()
+                with open(ts_file, "wb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                ts_mb_s = ts_file.stat().st_size / MB / (time.perf_counter() - t0)
+
+                dcp_dir = root / "dcp"
+                t0 = time.perf_counter()
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dcp_dir), sync_files=True), no_dist=True)
+                dcp_bytes = sum(p.stat().st_size for p in dcp_dir.rglob("*") if p.is_file())
+                dcp_mb_s = dcp_bytes / MB / (time.perf_counter() - t0)
+
+                async_dir = root / "dcp_async"
+                t0 = time.perf_counter()
+                pending = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(str(async_dir), sync_files=True))
+                async_stall = time.perf_counter() - t0
+                pending.result()
+                async_bytes = sum(p.stat().st_size for p in async_dir.rglob("*") if p.is_file())
+                async_mb_s = async_bytes / MB / (time.perf_counter() - t0)
+                copy_s = host_copy_s(state, buffers)
+
+                _drop_cache(root)
+                read_s = _dd([f"if={dd_file}", "of=/dev/null", "bs=16M", "iflag=direct"])
+                read_mb_s = blocks * 2**24 / MB / read_s
+                restore_mb_s = size / MB / vitray_restore(cfg, backend, str(folder), folder.parent / "restore")
+
+                stall = costs["checkpoint_snapshot_s"]
                 print(
-                    "| round | TransferManager upload MB/s | vitray save MB/s | vs TransferManager | bytes/param "
-                    "| TransferManager download MB/s | vitray restore MB/s | vs TransferManager |"
+                    f"| {round_} | {dd_mb_s:.0f} | {ts_mb_s:.0f} | {dcp_mb_s:.0f} | {async_mb_s:.0f} "
+                    f"({async_stall * 1e3:.0f}) | {vitray_mb_s:.0f} | "
+                    f"{vitray_mb_s / dd_mb_s:.2f}x | {vitray_mb_s / ts_mb_s:.2f}x | {size / params:.2f} | "
+                    f"{stall * 1e3:.0f} ({stall * 1e3 / (size / 1e9):.0f}) | {copy_s * 1e3:.0f} | {read_mb_s:.0f} | "
+                    f"{restore_mb_s:.0f} | {restore_mb_s / read_mb_s:.2f}x |",
+                    flush=True,
                 )
-                print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-                for round_ in range(1, args.rounds + 1):
-                    s3_round(round_, cfg, backend, params, store, root, args.model_weights)
-            finally:
-                store.stop()
-        shutil.rmtree(root, ignore_errors=True)
+                del state
+                for path in (run_dir, dcp_dir, async_dir, folder.parent / "restore"):
+                    shutil.rmtree(path, ignore_errors=True)
+                for path in (dd_file, ts_file):
+                    path.unlink(missing_ok=True)
+            if args.s3:
+                store = S3Store(root / "seaweed")
+                try:
+                    print(f"\n{model} on SeaweedFS S3 at {store.store.endpoint_url} (its data on the disk of {root})")
+                    print(
+                        "| round | TransferManager upload MB/s | vitray save MB/s | vs TransferManager | bytes/param "
+                        "| TransferManager download MB/s | vitray restore MB/s | vs TransferManager |"
+                    )
+                    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+                    for round_ in range(1, args.rounds + 1):
+                        s3_round(round_, cfg, backend, params, store, root, args.model_weights)
+                finally:
+                    store.stop()
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -211,14 +211,16 @@ def test_the_record_lists_crc32c_and_a_restore_refuses_a_corrupt_file(tmp_path):
 def test_a_checkpoint_on_s3_comes_down_in_ranges_checked_and_a_corrupt_object_is_refused(
     seaweed_s3, tmp_path, monkeypatch
 ):
-    """On a real S3 store (SeaweedFS): the files come down in ranges (1,000 bytes here, 16 MiB in use)
+    """On a real S3 store (SeaweedFS): a large file goes up as a multipart upload (parts of 5 MiB,
+    S3's least, here; 8 MiB in use), the files come down in ranges (1 MiB here, 16 MiB in use)
     fetched concurrently, equal to what was written, their CRC-32C joined from the ranges'; an
     object replaced by other bytes of the same size is refused by its CRC."""
     from vitray import storage
 
-    monkeypatch.setattr(rank_files, "DOWNLOAD_RANGE_BYTES", 1000)
+    monkeypatch.setattr(storage.files, "UPLOAD_PART_BYTES", 5 * 2**20)
+    monkeypatch.setattr(rank_files, "DOWNLOAD_RANGE_BYTES", 2**20)
     backend = FakeBackend()
-    backend.shard = bytes(range(256)) * 40 + b"tail"  # 10,244 bytes: 11 ranges, the last short
+    backend.shard = bytes(range(256)) * 40960 + b"tail"  # 10 MiB + 4 bytes: 3 parts, 11 ranges
     reports = []
     saver = checkpointer(backend, reports, FakeLoader(), None, run_dir=seaweed_s3.url("runs/one"))
     saver.save(2, {})
@@ -229,6 +231,7 @@ def test_a_checkpoint_on_s3_comes_down_in_ranges_checked_and_a_corrupt_object_is
     assert not list(local.rglob("*.part-*"))
 
     fs, fs_path = storage.filesystem(folder)
+    assert fs.info(f"{fs_path}/fake/shard.bin")["ETag"].strip('"').endswith("-3")  # a multipart ETag: 3 parts
     fs.pipe_file(f"{fs_path}/fake/shard.bin", backend.shard[::-1])  # same size, other bytes
     with pytest.raises(ckpt.IncompleteCheckpointError, match="fake/shard.bin does not have the CRC-32C"):
         rank_files.rank_copy(folder, None, tmp_path / "elsewhere", 0)

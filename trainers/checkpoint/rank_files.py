@@ -55,10 +55,6 @@ __all__ = [
     "write_state",
 ]
 
-# Remote files larger than this go up as a multipart upload, this many bytes a part, the parts
-# in parallel (s3fs's `pipe_file`); below it, one PUT.
-S3_PART_BYTES = 64 * 2**20
-
 
 def checkpoint_name() -> str:
     """A new checkpoint folder's name, as Ray Train names them (checkpoint_<date-time>, which sorts
@@ -121,11 +117,9 @@ def write_file(folder: str, name: str, write: Callable[[IO[bytes]], None]) -> Wr
         write(counted)
         data = buffer.getvalue()  # bytes: what botocore sends as a body (a part is a slice of it)
         del buffer
-        fs, fs_path = storage.filesystem(storage.join(folder, name))
         # An outage of the store is waited for (run.storage_outage_s), not spent as a restart.
         storage.ride_out(
-            lambda: fs.pipe_file(fs_path, data, chunksize=S3_PART_BYTES),
-            what=f"uploading {name} of checkpoint {folder}",
+            lambda: storage.put_bytes(storage.join(folder, name), data), what=f"uploading {name} of checkpoint {folder}"
         )
         return Written(name, counted.size, counted.crc)
     path = os.path.join(folder, name)
