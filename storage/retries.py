@@ -12,6 +12,7 @@ when it ends, however many calls of the process wait for it."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import random
@@ -42,10 +43,18 @@ def _network_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+# OSErrors that the same call meets again: s3fs's translation of an S3 store's answer to a request
+# that is wrong in itself (400: an invalid argument, a part smaller than the store's least, a
+# malformed request; 501: what the store does not implement), and a read-only file system.
+_PERMANENT_ERRNOS = {errno.EINVAL, errno.ENOSYS, errno.EROFS, errno.ENAMETOOLONG}
+
+
 def is_transient(error: BaseException) -> bool:
-    """Errors worth retrying: I/O, timeouts and dropped connections, but not a missing file or a
-    permission problem."""
+    """Errors worth retrying: I/O, timeouts and dropped connections, but not a missing file, a
+    permission problem or a request the store refuses as invalid."""
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if type(error) is OSError and error.errno in _PERMANENT_ERRNOS:
         return False
     return isinstance(error, (OSError, TimeoutError, ConnectionError, *_network_errors()))
 

@@ -129,6 +129,8 @@ def test_s3_slowdown_and_server_errors_are_retried():
     for code in ("SlowDown", "ServiceUnavailable", "InternalError", "503"):
         error = translate_boto_error(ClientError({"Error": {"Code": code, "Message": "slow"}}, "GetObject"))
         assert storage.is_transient(error), code
-    for code in ("NoSuchKey", "AccessDenied"):
+    # A missing object, a refusal, and a request the store refuses as invalid (a multipart part
+    # under S3's 5 MiB least, as SeaweedFS answers it): the same request fails again.
+    for code in ("NoSuchKey", "AccessDenied", "EntityTooSmall", "InvalidArgument", "400", "NotImplemented"):
         error = translate_boto_error(ClientError({"Error": {"Code": code, "Message": "no"}}, "GetObject"))
         assert not storage.is_transient(error), code
