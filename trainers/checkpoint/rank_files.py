@@ -115,6 +115,7 @@ def write_file(folder: str, name: str, write: Callable[[IO[bytes]], None]) -> Wr
         buffer = io.BytesIO()
         counted = _Checksummed(buffer)
         write(counted)
+        counted.close()  # (its checksum thread)
         data = buffer.getvalue()  # bytes: what botocore sends as a body (a part is a slice of it)
         del buffer
         # An outage of the store is waited for (run.storage_outage_s), not spent as a restart.
