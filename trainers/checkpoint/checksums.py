@@ -1,6 +1,6 @@
 """CRC-32C of checkpoint files, as their completion records list them.
 
-A file is checksummed in ranges read in parallel (`file_crc32c`): one thread reading a large
+A file is checksummed in ranges read in parallel (`files_crc32c`): one thread reading a large
 file in order leaves the disk at queue depth one (measured: a 1 GB shard read at about half the
 disk's sequential speed), and the ranges' CRCs join into the file's (`crc32c_combine`, the same
 algebra as zlib's `crc32_combine`: the first range's CRC is carried across the second's length by
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -69,6 +70,19 @@ def crc32c_combine(first: int, second: int, second_nbytes: int) -> int:
     return _multiply(_x_to_8n(second_nbytes), first) ^ second
 
 
+def joined_crc32c(parts: Iterable[tuple[int, int]]) -> int:
+    """The CRC-32C of consecutive pieces, from each piece's CRC-32C and length, in order."""
+    crc = 0
+    for part_crc, nbytes in parts:
+        crc = crc32c_combine(crc, part_crc, nbytes)
+    return crc
+
+
+def byte_ranges(size: int, step: int) -> list[tuple[int, int]]:
+    """(start, length) of the consecutive ranges of at most `step` bytes that cover `size` bytes."""
+    return [(start, min(step, size - start)) for start in range(0, size, step)]
+
+
 def _range_crc32c(path: Path, start: int, nbytes: int) -> int:
     crc = 0
     fd = os.open(path, os.O_RDONLY)
@@ -89,19 +103,7 @@ def files_crc32c(files: dict[str, tuple[Path, int]], threads: int = 8) -> dict[s
     size): every file's ranges are read and checksummed `threads` at a time."""
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="vitray-crc32c") as pool:
         parts = {
-            name: [
-                (
-                    min(SLICE_BYTES, size - start),
-                    pool.submit(_range_crc32c, path, start, min(SLICE_BYTES, size - start)),
-                )
-                for start in range(0, size, SLICE_BYTES)
-            ]
+            name: [(pool.submit(_range_crc32c, path, start, n), n) for start, n in byte_ranges(size, SLICE_BYTES)]
             for name, (path, size) in files.items()
         }
-        crcs = {}
-        for name, ranges in parts.items():
-            crc = 0
-            for nbytes, part in ranges:
-                crc = crc32c_combine(crc, part.result(), nbytes)
-            crcs[name] = crc
-        return crcs
+        return {name: joined_crc32c((part.result(), n) for part, n in ranges) for name, ranges in parts.items()}

@@ -37,7 +37,7 @@ from vitray.runfolder.checkpoint_folders import (
     listed_size,
     read_state,
 )
-from vitray.trainers.checkpoint.checksums import crc32c_combine, crc32c_extend, files_crc32c
+from vitray.trainers.checkpoint.checksums import byte_ranges, crc32c_extend, files_crc32c, joined_crc32c
 from vitray.trainers.engines.seam import FileSelector, Written
 
 __all__ = [
@@ -278,19 +278,12 @@ def _download(fs, root: str, path: str, files: dict[str, tuple[Path, int]]) -> d
         with ThreadPoolExecutor(max_workers=DOWNLOAD_THREADS, thread_name_prefix="vitray-ckpt-get") as pool:
             ranges = {
                 name: [
-                    pool.submit(fetch, name, descriptors[name], start, min(DOWNLOAD_RANGE_BYTES, size - start))
-                    for start in range(0, size, DOWNLOAD_RANGE_BYTES)
+                    pool.submit(fetch, name, descriptors[name], start, n)
+                    for start, n in byte_ranges(size, DOWNLOAD_RANGE_BYTES)
                 ]
                 for name, (_, size) in files.items()
             }
-            crcs = {}
-            for name, parts in ranges.items():
-                crc = 0
-                for part in parts:
-                    part_crc, got = part.result()
-                    crc = crc32c_combine(crc, part_crc, got)
-                crcs[name] = crc
-            return crcs
+            return {name: joined_crc32c(part.result() for part in parts) for name, parts in ranges.items()}
     finally:
         for fd in descriptors.values():
             os.close(fd)
