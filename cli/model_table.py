@@ -10,9 +10,7 @@ tests/test_docs.py fails when the README's table differs from what this prints.
 
 from __future__ import annotations
 
-import torch
-
-from vitray.models import create_model
+from vitray.models import create_model, on_meta_device
 from vitray.models.variants import get_variant
 from vitray.runfolder.timm_folder import HYBRIDS, plain_architecture
 from vitray.trainers.metrics import forward_flops
@@ -34,7 +32,7 @@ def row(name: str) -> str:
     def build():
         return create_model(name, num_classes=NUM_CLASSES, img_size=IMG_SIZE)
 
-    with torch.device("meta"):
+    with on_meta_device():
         parameters = sum(p.numel() for p in build().parameters())
     gflops = forward_flops(build, IMG_SIZE) / 1e9
     return (

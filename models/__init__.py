@@ -2,6 +2,7 @@
 
 from .config import ModelConfig
 from .factory import create_model, create_model_from_config
+from .initializers import on_meta_device
 from .io_npz import load_npz, save_npz
 from .io_safetensors import load_safetensors, save_safetensors
 from .io_timm import load_timm_state_dict, to_timm_state_dict
@@ -20,6 +21,7 @@ __all__ = [
     "load_timm_state_dict",
     "load_weights",
     "model_names",
+    "on_meta_device",
     "resample_posemb",
     "save_npz",
     "save_safetensors",

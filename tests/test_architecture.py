@@ -730,12 +730,28 @@ def test_the_training_workers_modules_do_not_import_torchvision() -> None:
     assert _loaded_after("vitray.cluster.train_worker, vitray.trainers.loop", ("torchvision",)) == []
 
 
-def _loaded_after(imports: str, watched: tuple[str, ...]) -> list[str]:
-    """Which of the `watched` modules a fresh Python process has loaded after `import <imports>`."""
+def test_the_drivers_model_check_does_not_import_torch_dynamo() -> None:
+    """The driver builds the model on the meta device to check it (`vitray pretrain`, `--dry-run`,
+    `vitray evaluate`). Initialising meta tensors ran torch's Python reference kernels, which import
+    torch._dynamo and sympy: ~0.7 CPU-s for values a meta tensor does not hold."""
+    check = "preflight.check_model(models.ModelConfig(name='R50+B/16', img_size=224, representation_size=768), 1000)"
+    assert (
+        _loaded_after(
+            "vitray.models as models, vitray.trainers.driver_checks.preflight as preflight",
+            ("torch._dynamo",),
+            then=check,
+        )
+        == []
+    )
+
+
+def _loaded_after(imports: str, watched: tuple[str, ...], then: str = "pass") -> list[str]:
+    """Which of the `watched` modules a fresh Python process has loaded after `import <imports>`
+    (and the statement `then`)."""
     import subprocess
     import sys
 
-    script = f"import sys, {imports}; print('loaded', *sorted(m for m in {watched!r} if m in sys.modules))"
+    script = f"import sys, {imports}; {then}; print('loaded', *sorted(m for m in {watched!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[0] == "loaded", out.stdout

@@ -19,6 +19,7 @@ from vitray.models import (
     create_model,
     create_model_from_config,
     model_names,
+    on_meta_device,
     resample_posemb,
 )
 from vitray.models.resnet import same_padding
@@ -37,7 +38,7 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 
 def meta_model(name: str, img_size: int = 224, **kwargs) -> VisionTransformer:
-    with torch.device("meta"):
+    with on_meta_device():
         return create_model(name, num_classes=1000, img_size=img_size, **kwargs)
 
 
@@ -114,6 +115,22 @@ def test_representation_size_and_hybrid_counts():
     with torch.device("meta"):
         reference = timm.create_model("vit_base_r50_s16_224", pretrained=False, num_classes=1000)
     assert num_params(meta_model("R50+B/16")) == num_params(reference) == 98_659_112
+
+
+@pytest.mark.parametrize(
+    ("name", "options"), [("Ti/16", {"masked_patch_outputs": 48}), ("R26+Ti/32", {"representation_size": 24})]
+)
+def test_a_model_built_on_the_meta_device_has_the_parameters_of_a_real_one(name, options):
+    """`on_meta_device` skips the initialisers (a meta tensor holds no values); what it builds must
+    still be the real model's parameters and buffers, shape for shape, and nothing real."""
+    real = create_model(name, num_classes=10, img_size=64, **options)
+    with on_meta_device():
+        meta = create_model(name, num_classes=10, img_size=64, **options)
+    shapes = {k: v.shape for k, v in real.state_dict().items()}
+    assert {k: v.shape for k, v in meta.state_dict().items()} == shapes
+    assert {v.device.type for v in meta.state_dict().values()} == {"meta"}
+    # Outside the context, in-place fills act as usual again.
+    assert torch.ones(2).mul_(3).tolist() == [3.0, 3.0]
 
 
 # -- shapes -----------------------------------------------------------------------------

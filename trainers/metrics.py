@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from vitray.models import on_meta_device
 from vitray.runfolder.files import METRICS_FILE
 
 # Dense (no sparsity) bf16/fp16 tensor-core peak TFLOP/s per GPU, from the vendor's datasheets,
@@ -61,7 +62,7 @@ def forward_flops(build_model, img_size: int) -> float:
     the meta device (nothing is allocated or computed). `build_model` makes the model."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with torch.device("meta"):
+    with on_meta_device():
         model = build_model()
         images = torch.empty(1, 3, img_size, img_size)
     counter = FlopCounterMode(display=False)

@@ -23,14 +23,13 @@ import tarfile
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from vitray import storage
 from vitray.common.config import flatten_config
 from vitray.common.redact import redacted_config
 from vitray.data.layout import DatasetInfo, read_dataset_info, read_split
-from vitray.models import ModelConfig, create_model_from_config
+from vitray.models import ModelConfig, create_model_from_config, on_meta_device
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.step.float8 import float8_layer_names, local_gpu_fp8_problem, no_float8_layer, torchao_missing
@@ -255,7 +254,7 @@ def check_model(model: ModelConfig, num_classes: int = 1) -> nn.Module:
     """The model builds at its configured size (what `--dry-run` checks without touching data);
     returns it, on the meta device (shapes only)."""
     try:
-        with torch.device("meta"):  # shapes only: nothing allocated, nothing initialised for real
+        with on_meta_device():  # shapes only: nothing allocated, nothing initialised
             return create_model_from_config(model, num_classes)
     except ValueError as err:
         raise PreflightError(f"model: {err}") from None
