@@ -12,14 +12,16 @@ know which::
 
 The modules: :mod:`.files` (the filesystem for a path, reading, atomic writes, uploads, listing;
 where the S3 endpoint and credentials come from), :mod:`.retries` (which errors are transient, the
-backoff, riding out a storage outage during a run), :mod:`.shard_cache` (whole remote shards in a node-local folder), :mod:`.reachable`
-(the quick probe a command makes before expensive work starts). Constants stay in their modules,
+backoff, riding out a storage outage during a run), :mod:`.shard_cache` (whole remote shards in a
+node-local folder), :mod:`.direct_file` (a large local file written once, past the page cache, and
+fsynced), :mod:`.reachable` (the quick probe a command makes before expensive work starts). Constants stay in their modules,
 read and patched there (``storage.retries.RETRY_ATTEMPTS``, ``storage.shard_cache.CACHE_PART_BYTES``):
 a copy here would not be the value the functions use.
 
 This package imports nothing else from vitray (`common` is the only one it may) and never imports ray.
 """
 
+from .direct_file import DirectFile
 from .files import (
     absolute,
     atomic_write,
@@ -33,7 +35,6 @@ from .files import (
     put_bytes,
     read_bytes,
     remove,
-    start_writeback,
     upload_file,
     write_bytes_atomic,
 )
@@ -42,6 +43,7 @@ from .retries import backoff_delay, gave_up, is_transient, polled, ride_out, set
 from .shard_cache import ShardCache
 
 __all__ = [
+    "DirectFile",
     "ShardCache",
     "StorageUnreachable",
     "absolute",
@@ -63,7 +65,6 @@ __all__ = [
     "remove",
     "ride_out",
     "set_outage_budget",
-    "start_writeback",
     "upload_file",
     "with_retries",
     "write_bytes_atomic",

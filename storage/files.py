@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import functools
 import os
 import posixpath
-import sys
 import tempfile
 from collections.abc import Iterator
 from typing import IO, Any
@@ -196,29 +193,6 @@ def list_names(folder: str, storage_options: dict[str, Any] | None = None) -> li
     except FileNotFoundError:
         return []
     return sorted(posixpath.basename(str(e).rstrip("/")) for e in entries)
-
-
-def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing a range of a local file to its disk now, without waiting for
-    it (Linux's `sync_file_range` with SYNC_FILE_RANGE_WRITE; nothing elsewhere). A hint that
-    spreads the disk's work over the writing of a large file: durability is still the fsync's."""
-    call = _sync_file_range()
-    if call is not None:
-        call(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # its errors mean only "not started"
-
-
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-@functools.cache
-def _sync_file_range():
-    if not sys.platform.startswith("linux"):
-        return None
-    call = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
-    if call is not None:
-        call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        call.restype = ctypes.c_int
-    return call
 
 
 # A large object goes up as a multipart upload of parts this large, this many in flight at any

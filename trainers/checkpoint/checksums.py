@@ -17,22 +17,21 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import google_crc32c
+import numpy as np
 
-# Large buffers go through google-crc32c in slices of this size (it takes only bytes: a slice is
-# copied, which costs far less than the checksum's read of memory); files are read in ranges of it.
+# Files are checked in ranges of this size, read in parallel.
 SLICE_BYTES = 16 * 2**20
 
 _POLYNOMIAL = 0x82F63B78  # CRC-32C (Castagnoli), bit-reversed as the CRC is computed
 
 
 def crc32c_extend(crc: int, data) -> int:
-    """`crc` extended over `data` (any buffer)."""
-    if isinstance(data, bytes):
-        return google_crc32c.extend(crc, data)
-    view = memoryview(data).cast("B")
-    for start in range(0, view.nbytes, SLICE_BYTES):
-        crc = google_crc32c.extend(crc, bytes(view[start : start + SLICE_BYTES]))
-    return crc
+    """`crc` extended over `data` (any contiguous buffer), read where it lies: google-crc32c takes
+    bytes or a numpy array, not a memoryview, and a copy into bytes (a new allocation each time)
+    ran the checksum at 1.3-4 GB/s instead of 7-9."""
+    if not isinstance(data, bytes):
+        data = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+    return google_crc32c.extend(crc, data)
 
 
 def _multiply(a: int, b: int) -> int:

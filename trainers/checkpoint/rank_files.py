@@ -69,13 +69,10 @@ class _Checksummed(io.RawIOBase):
 
     The CRC of a large write is computed on a thread of its own while the bytes go out (both
     release the GIL: measured on 2 cores, the checksum's copy and read of memory stopped adding
-    0.2 s a GB to the save). On a local file (`fd`), the kernel is asked to start writing each
-    `WRITE_BEHIND_BYTES` to the disk as soon as they are in the page cache (`sync_file_range`), so
-    that the fsync at the end finds little left to write (it waited 0.36 s a GB for all of it)."""
+    0.2 s a GB to the save)."""
 
-    def __init__(self, out: IO[bytes], fd: int | None = None):
+    def __init__(self, out: IO[bytes]):
         self.out, self.size, self.crc = out, 0, 0
-        self._fd, self._written_back = fd, 0
         self._checksums = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitray-ckpt-crc")
 
     def writable(self) -> bool:
@@ -84,12 +81,7 @@ class _Checksummed(io.RawIOBase):
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         crc = self._checksums.submit(crc32c_extend, self.crc, view) if view.nbytes >= _OVERLAP_BYTES else None
-        done = 0
-        while done < view.nbytes:  # in steps (a raw write may also take less: Linux's at most 2 GiB - 4 KiB)
-            done += self.out.write(view[done : done + WRITE_BEHIND_BYTES])
-            if self._fd is not None and self.size + done - self._written_back >= WRITE_BEHIND_BYTES:
-                storage.start_writeback(self._fd, self._written_back, self.size + done - self._written_back)
-                self._written_back = self.size + done
+        self.out.write(view)
         self.crc = crc.result() if crc is not None else crc32c_extend(self.crc, view)
         self.size += view.nbytes
         return view.nbytes
@@ -100,17 +92,25 @@ class _Checksummed(io.RawIOBase):
 
 
 # Writes at least this large have their CRC computed beside them (below, a thread's hand-off costs
-# more than the checksum); local files are handed to the disk in steps of WRITE_BEHIND_BYTES.
+# more than the checksum).
 _OVERLAP_BYTES = 1 * 2**20
-WRITE_BEHIND_BYTES = 32 * 2**20
+
+
+class _RunningCrc32c:
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data: memoryview) -> None:
+        self.value = crc32c_extend(self.value, data)
 
 
 def write_file(folder: str, name: str, write: Callable[[IO[bytes]], None]) -> Written:
     """Write the checkpoint file `name` (relative, `/`-separated) of `folder` (a local path or a
-    URL) once, where it stays, through `write(f)`. Locally the file is fsynced before this returns
-    (its folder's entry is `sync_folders`'s); remotely it is serialised into memory and PUT (a
-    multipart upload with parallel parts when large), riding out an outage of the store
-    (`storage.ride_out`, the worker's run.storage_outage_s)."""
+    URL) once, where it stays, through `write(f)`. Locally the file is written past the page cache
+    and fsynced before this returns (`storage.DirectFile`; its folder's entry is `sync_folders`'s);
+    remotely it is serialised into memory and PUT (a multipart upload with parallel parts when
+    large), riding out an outage of the store (`storage.ride_out`, the worker's
+    run.storage_outage_s)."""
     if storage.is_remote(folder):
         buffer = io.BytesIO()
         counted = _Checksummed(buffer)
@@ -125,13 +125,10 @@ def write_file(folder: str, name: str, write: Callable[[IO[bytes]], None]) -> Wr
         return Written(name, counted.size, counted.crc)
     path = os.path.join(folder, name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb", buffering=0) as raw:
-        counted = _Checksummed(raw, raw.fileno())
-        with io.BufferedWriter(counted, buffer_size=8 * 2**20) as f:
-            write(f)
-            f.flush()
-            os.fsync(raw.fileno())
-    return Written(name, counted.size, counted.crc)
+    crc = _RunningCrc32c()  # computed on the writer thread, as each buffer goes to the disk
+    with storage.DirectFile(path, on_bytes=crc.update) as f:
+        write(f)
+    return Written(name, f.size, crc.value)
 
 
 def write_bytes(folder: str, name: str, data: bytes) -> Written:
