@@ -4,7 +4,9 @@ state of a real run: one DeepSpeed worker (gloo, ZeRO-1, bf16, AdamW after one s
     .venv/bin/python benchmarks/checkpoint_io.py [--models B/16,L/16] [--rounds 3] [--dir /path/on/the/disk] [--s3]
 
 In each round, alternating, on the same disk and with the same bytes: `dd` writing the checkpoint's
-size (bs=16M, oflag=direct, conv=fsync: the disk's sequential write), `torch.save` of the same state
+size (bs=16M, oflag=direct, conv=fsync: the disk's sequential write) of random bytes (a 1 GiB file
+in /dev/shm, written again at each GiB's offset; a virtual disk may write zeros faster than data:
+this project's wrote /dev/zero at 1.4x), `torch.save` of the same state
 (one file, fsynced), `torch.distributed.checkpoint.save` of it (fsynced: DCP's `sync_files`), and
 vitray's whole save (`Checkpointer.save` to the last file and the completion record in the run
 folder, fsynced). Then the restore: `dd iflag=direct` reading a file the checkpoint's size (the
@@ -66,6 +68,33 @@ def _dd(args: list[str]) -> float:
     t0 = time.perf_counter()
     subprocess.run(["dd", *args, "status=none"], check=True)
     return time.perf_counter() - t0
+
+
+SOURCE_BLOCKS = 64  # of 16 MiB: the random source dd copies from (1 GiB)
+
+
+def random_source(root: Path) -> Path:
+    """A 1 GiB file of random bytes in memory (tmpfs at /dev/shm when it has room, else `root`,
+    read once so that its pages are cached): what dd copies to the disk."""
+    import numpy as np
+
+    shm = Path("/dev/shm")
+    folder = shm if shm.is_dir() and shutil.disk_usage(shm).free > 2 * SOURCE_BLOCKS * 2**24 else root
+    path = Path(tempfile.mkstemp(prefix="vitray-ckio-random-", dir=folder)[1])
+    path.write_bytes(np.random.default_rng(0).bytes(SOURCE_BLOCKS * 2**24))
+    path.read_bytes()
+    return path
+
+
+def dd_write_s(source: Path, target: Path, blocks: int) -> float:
+    """Seconds dd takes to write `blocks` of 16 MiB of `source`'s random bytes to `target`, direct
+    and fsynced, one GiB (one dd) at a time."""
+    seconds = 0.0
+    for start in range(0, blocks, SOURCE_BLOCKS):
+        count = min(SOURCE_BLOCKS, blocks - start)
+        where = [f"if={source}", f"of={target}", f"count={count}", f"seek={start}"]
+        seconds += _dd([*where, "bs=16M", "oflag=direct", "conv=notrunc,fsync"])
+    return seconds
 
 
 def build(model: str):
@@ -245,6 +274,7 @@ def main() -> None:
     for model in args.models.split(","):
         cfg, backend, params = build(model)
         root = Path(tempfile.mkdtemp(prefix="vitray-ckio-", dir=args.dir))
+        source = random_source(root)
         try:  # (a failed round leaves nothing on the disk: an L/16 round writes ~16 GB)
             print(f"\n{model}: {params / 1e6:.1f}M parameters, 1 worker, ZeRO-1, bf16, AdamW; disk of {root}")
             print(
@@ -264,7 +294,7 @@ def main() -> None:
 
                 blocks = max(1, round(size / 2**24))
                 dd_file = root / "dd.bin"
-                dd_s = _dd(["if=/dev/zero", f"of={dd_file}", "bs=16M", f"count={blocks}", "oflag=direct", "conv=fsync"])
+                dd_s = dd_write_s(source, dd_file, blocks)
                 dd_mb_s = blocks * 2**24 / MB / dd_s
 
                 state = the_state(backend)
@@ -324,6 +354,7 @@ def main() -> None:
                 finally:
                     store.stop()
         finally:
+            source.unlink(missing_ok=True)
             shutil.rmtree(root, ignore_errors=True)
 
 
