@@ -14,7 +14,7 @@ The modules: :mod:`.files` (the filesystem for a path, reading, atomic writes, u
 where the S3 endpoint and credentials come from), :mod:`.retries` (which errors are transient, the
 backoff, riding out a storage outage during a run), :mod:`.shard_cache` (whole remote shards in a
 node-local folder), :mod:`.direct_file` (a large local file written once, past the page cache, and
-fsynced), :mod:`.reachable` (the quick probe a command makes before expensive work starts). Constants stay in their modules,
+fsynced), :mod:`.upload_stream` (an S3 object written as a stream of parts), :mod:`.reachable` (the quick probe a command makes before expensive work starts). Constants stay in their modules,
 read and patched there (``storage.retries.RETRY_ATTEMPTS``, ``storage.shard_cache.CACHE_PART_BYTES``):
 a copy here would not be the value the functions use.
 
@@ -32,7 +32,6 @@ from .files import (
     join,
     list_names,
     open_file,
-    put_bytes,
     read_bytes,
     remove,
     upload_file,
@@ -41,11 +40,13 @@ from .files import (
 from .reachable import StorageUnreachable, check_reachable
 from .retries import backoff_delay, gave_up, is_transient, polled, ride_out, set_outage_budget, with_retries
 from .shard_cache import ShardCache
+from .upload_stream import UploadStream
 
 __all__ = [
     "DirectFile",
     "ShardCache",
     "StorageUnreachable",
+    "UploadStream",
     "absolute",
     "atomic_write",
     "backoff_delay",
@@ -60,7 +61,6 @@ __all__ = [
     "list_names",
     "open_file",
     "polled",
-    "put_bytes",
     "read_bytes",
     "remove",
     "ride_out",

@@ -11,7 +11,6 @@ the fsspec filesystem, e.g. ``{"endpoint_url": ...}``) override them.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import posixpath
@@ -20,7 +19,6 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 import fsspec
-import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
 
 from .retries import with_retries
@@ -193,46 +191,3 @@ def list_names(folder: str, storage_options: dict[str, Any] | None = None) -> li
     except FileNotFoundError:
         return []
     return sorted(posixpath.basename(str(e).rstrip("/")) for e in entries)
-
-
-# A large object goes up as a multipart upload of parts this large, this many in flight at any
-# time (boto3 TransferManager's defaults). s3fs's own `pipe_file` sends its parts in batches and
-# waits for each batch's slowest part before the next: measured on a SeaweedFS here, 1 GB went up
-# at 105-136 MB/s that way, 157-161 MB/s this way, as with TransferManager (156-164).
-UPLOAD_PART_BYTES = 8 * 2**20
-UPLOAD_CONCURRENCY = 10
-
-
-def put_bytes(path: str, data: bytes) -> None:
-    """Write `data` as the whole object or file at `path`: on S3 one PUT, or for a large object a
-    multipart upload whose parts go up concurrently (UPLOAD_CONCURRENCY at any time); the object
-    exists, whole, only once this returns. (Retried only as each request is: see `ride_out`.)"""
-    fs, fs_path = filesystem(path)
-    if not hasattr(fs, "_call_s3") or len(data) < 2 * UPLOAD_PART_BYTES:
-        fs.pipe_file(fs_path, data)
-        return
-    fsspec.asyn.sync(fs.loop, _multipart_upload, fs, fs_path, data)
-    fs.invalidate_cache(fs_path)
-
-
-async def _multipart_upload(fs, fs_path: str, data: bytes) -> None:
-    bucket, key, _ = fs.split_path(fs_path)
-    upload = (await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key))["UploadId"]
-    slots = asyncio.Semaphore(UPLOAD_CONCURRENCY)
-
-    async def part(number: int, start: int) -> dict[str, Any]:
-        async with slots:
-            body = data[start : start + UPLOAD_PART_BYTES]
-            sent = await fs._call_s3(
-                "upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=number, Body=body
-            )
-            return {"PartNumber": number, "ETag": sent["ETag"]}
-
-    try:
-        parts = await asyncio.gather(*(part(i + 1, s) for i, s in enumerate(range(0, len(data), UPLOAD_PART_BYTES))))
-        await fs._call_s3(
-            "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": parts}
-        )
-    except BaseException:
-        await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
-        raise

@@ -217,7 +217,7 @@ def test_a_checkpoint_on_s3_comes_down_in_ranges_checked_and_a_corrupt_object_is
     object replaced by other bytes of the same size is refused by its CRC."""
     from vitray import storage
 
-    monkeypatch.setattr(storage.files, "UPLOAD_PART_BYTES", 5 * 2**20)
+    monkeypatch.setattr(storage.upload_stream, "UPLOAD_PART_BYTES", 5 * 2**20)
     monkeypatch.setattr(rank_files, "DOWNLOAD_RANGE_BYTES", 2**20)
     backend = FakeBackend()
     backend.shard = bytes(range(256)) * 40960 + b"tail"  # 10 MiB + 4 bytes: 3 parts, 11 ranges
@@ -434,3 +434,42 @@ def test_frozen_parameters_are_in_the_derived_weights(tmp_path, process_group, s
     whole = backend.full_state_dict()
     model, _ = load_model(str(folder))
     assert all(torch.equal(model.state_dict()[k], v) for k, v in whole.items())
+
+
+def test_an_upload_stream_sends_parts_as_they_fill_and_an_error_leaves_nothing(seaweed_s3, monkeypatch):
+    """storage.UploadStream on a real S3 store (SeaweedFS): parts go up while the caller still
+    writes (the multipart upload exists before the last byte is written); the object appears whole
+    at close, `on_bytes` saw every byte in order; a small object is one PUT; an error in the `with`
+    block aborts the upload: no object, no upload left open."""
+    from vitray import storage
+
+    monkeypatch.setattr(storage.upload_stream, "UPLOAD_PART_BYTES", 5 * 2**20)
+    fs, fs_path = storage.filesystem(seaweed_s3.url("runs", "stream"))
+    bucket, prefix, _ = fs.split_path(fs_path)
+
+    def open_uploads() -> list[str]:
+        listed = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+        return [u["Key"] for u in listed.get("Uploads", [])]
+
+    data = bytes(range(256)) * (4096 * 50) + b"end"  # 50 MiB + 3 bytes: 11 parts
+    seen = bytearray()
+    with storage.UploadStream(seaweed_s3.url("runs", "stream", "big.bin"), what="test", on_bytes=seen.extend) as f:
+        for start in range(0, len(data), 3 * 2**20):
+            f.write(data[start : start + 3 * 2**20])
+            if start >= 12 * 2**20:
+                assert open_uploads() == [f"{prefix}/big.bin"]  # under way while the caller writes
+        assert not fs.exists(f"{fs_path}/big.bin")
+    assert fs.cat_file(f"{fs_path}/big.bin") == data and bytes(seen) == data and f.size == len(data)
+    assert fs.info(f"{fs_path}/big.bin")["ETag"].strip('"').endswith("-11")
+    assert open_uploads() == []
+
+    with storage.UploadStream(seaweed_s3.url("runs", "stream", "small.json"), what="test") as f:
+        f.write(b"{}")
+    assert fs.cat_file(f"{fs_path}/small.json") == b"{}"
+
+    failing = storage.UploadStream(seaweed_s3.url("runs", "stream", "failed.bin"), what="test")
+    with pytest.raises(RuntimeError, match="serialisation failed"), failing as f:
+        f.write(data[: 12 * 2**20])  # two parts sent
+        raise RuntimeError("serialisation failed")
+    assert not fs.exists(f"{fs_path}/failed.bin")
+    assert open_uploads() == []

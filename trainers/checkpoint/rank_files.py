@@ -17,7 +17,6 @@ which uses these.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -64,38 +63,6 @@ def checkpoint_name() -> str:
     return f"checkpoint_{datetime.today().strftime('%Y-%m-%d_%H-%M-%S.%f')}"
 
 
-class _Checksummed(io.RawIOBase):
-    """A write-only file that passes bytes on to `out` and keeps their count and CRC-32C.
-
-    The CRC of a large write is computed on a thread of its own while the bytes go out (both
-    release the GIL: measured on 2 cores, the checksum's copy and read of memory stopped adding
-    0.2 s a GB to the save)."""
-
-    def __init__(self, out: IO[bytes]):
-        self.out, self.size, self.crc = out, 0, 0
-        self._checksums = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitray-ckpt-crc")
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        crc = self._checksums.submit(crc32c_extend, self.crc, view) if view.nbytes >= _OVERLAP_BYTES else None
-        self.out.write(view)
-        self.crc = crc.result() if crc is not None else crc32c_extend(self.crc, view)
-        self.size += view.nbytes
-        return view.nbytes
-
-    def close(self) -> None:
-        self._checksums.shutdown()
-        super().close()
-
-
-# Writes at least this large have their CRC computed beside them (below, a thread's hand-off costs
-# more than the checksum).
-_OVERLAP_BYTES = 1 * 2**20
-
-
 class _RunningCrc32c:
     def __init__(self):
         self.value = 0
@@ -108,24 +75,17 @@ def write_file(folder: str, name: str, write: Callable[[IO[bytes]], None]) -> Wr
     """Write the checkpoint file `name` (relative, `/`-separated) of `folder` (a local path or a
     URL) once, where it stays, through `write(f)`. Locally the file is written past the page cache
     and fsynced before this returns (`storage.DirectFile`; its folder's entry is `sync_folders`'s);
-    remotely it is serialised into memory and PUT (a multipart upload with parallel parts when
-    large), riding out an outage of the store (`storage.ride_out`, the worker's
-    run.storage_outage_s)."""
+    remotely its parts go up as they are serialised (`storage.UploadStream`: a multipart upload,
+    parts in parallel), riding out an outage of the store (the worker's run.storage_outage_s)."""
+    crc = _RunningCrc32c()  # computed as each buffer or part goes out, beside the write before it
     if storage.is_remote(folder):
-        buffer = io.BytesIO()
-        counted = _Checksummed(buffer)
-        write(counted)
-        counted.close()  # (its checksum thread)
-        data = buffer.getvalue()  # bytes: what botocore sends as a body (a part is a slice of it)
-        del buffer
         # An outage of the store is waited for (run.storage_outage_s), not spent as a restart.
-        storage.ride_out(
-            lambda: storage.put_bytes(storage.join(folder, name), data), what=f"uploading {name} of checkpoint {folder}"
-        )
-        return Written(name, counted.size, counted.crc)
+        what = f"uploading {name} of checkpoint {folder}"
+        with storage.UploadStream(storage.join(folder, name), what=what, on_bytes=crc.update) as f:
+            write(f)
+        return Written(name, f.size, crc.value)
     path = os.path.join(folder, name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    crc = _RunningCrc32c()  # computed on the writer thread, as each buffer goes to the disk
     with storage.DirectFile(path, on_bytes=crc.update) as f:
         write(f)
     return Written(name, f.size, crc.value)
