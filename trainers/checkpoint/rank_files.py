@@ -7,8 +7,8 @@ The layout, and when a checkpoint counts as complete, are `vitray.runfolder.chec
 fsynced as it is closed, and every folder that gained an entry is fsynced before the rank's
 completion record, which is written last, to a temporary name, fsynced and renamed into place --
 so a power loss or a kill -9 at any moment leaves either a whole record over whole files or no
-record. On S3 an object exists only once its PUT (a multipart upload from memory for a large one,
-parts in parallel) has returned, and the record is PUT after every file. The record lists each
+record. On S3 an object exists only once its upload is complete (a multipart upload whose parts go
+up, in parallel, as they are serialised), and the record is PUT after every file. The record lists each
 file's size and CRC-32C, which a restore checks.
 When to save, the background write and restoring are `vitray.trainers.checkpoint.checkpointer`'s,
 which uses these.
