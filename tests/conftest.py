@@ -254,8 +254,18 @@ def init_one_rank_group() -> None:
     and tests that train in a process of their own)."""
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # The port is free when picked and bound only later, by the group's store: a server another
+    # test worker starts meanwhile (Ray, SeaweedFS) can take it, so a taken port means another try.
+    for attempt in range(5):
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+        )
+        try:
+            dist.init_process_group("gloo", rank=0, world_size=1)
+            return
+        except dist.DistNetworkError as error:
+            if "EADDRINUSE" not in str(error) or attempt == 4:
+                raise
 
 
 @pytest.fixture(scope="module")
