@@ -3,9 +3,9 @@
 What a checkpoint needs: gigabytes written once and read back only at a resume, at the disk's
 speed. Written through the page cache, each byte is copied into it, then written back by the
 kernel, and a large file meets the dirty-page limit, where the writer waits on writeback: on this
-project's 2-core VM, 1 GiB reached 0.25-0.7x and 3 GiB 0.35x `dd oflag=direct`'s write. With
-O_DIRECT the bytes are copied once into page-aligned buffers that the disk reads from: 0.9-1.2x
-`dd`, the buffers written on a thread while the caller fills the next.
+project's 2-core VM, 1 GiB reached 0.25-0.73x and 3 GiB 0.34-0.38x `dd oflag=direct`'s write. With
+O_DIRECT the bytes are copied once into page-aligned buffers that the disk reads from: 0.64-1.28x
+`dd`, the buffers written on threads while the caller fills the next (BENCHMARKS.md).
 
 Where the file system does not take O_DIRECT (tmpfs, some FUSE and network mounts: the open or
 the first write fails with EINVAL), the file is written through the page cache as usual. Linux

@@ -45,6 +45,9 @@ class UploadStream(io.RawIOBase):
         self.size = 0
         self._part = bytearray()
         self._s3 = hasattr(self.fs, "_call_s3")
+        if self._s3:
+            bucket, key, _ = self.fs.split_path(self.fs_path)
+            self._bucket_key = {"Bucket": bucket, "Key": key}
         self._upload_id: str | None = None
         self._in_flight: deque[tuple[int, bytes, Future]] = deque()  # part number, body, its upload
         self._sent: list[dict[str, Any]] = []
@@ -57,6 +60,8 @@ class UploadStream(io.RawIOBase):
         view = memoryview(data).cast("B")
         if not self._s3:
             self._whole.write(view)
+            if self._on_bytes is not None:
+                self._on_bytes(view)
         else:
             taken = 0
             while taken < view.nbytes:
@@ -65,8 +70,6 @@ class UploadStream(io.RawIOBase):
                 taken += n
                 if len(self._part) == UPLOAD_PART_BYTES:
                     self._send_part()
-        if self._on_bytes is not None and not self._s3:
-            self._on_bytes(view)
         self.size += view.nbytes
         return view.nbytes
 
@@ -75,10 +78,7 @@ class UploadStream(io.RawIOBase):
         if self._on_bytes is not None:
             self._on_bytes(memoryview(body))
         if self._upload_id is None:
-            bucket, key, _ = self.fs.split_path(self.fs_path)
-            self._bucket_key = {"Bucket": bucket, "Key": key}
-            created = self._request("create_multipart_upload", **self._bucket_key)
-            self._upload_id = created["UploadId"]
+            self._upload_id = self._request("create_multipart_upload", **self._bucket_key)["UploadId"]
         if len(self._in_flight) >= UPLOAD_CONCURRENCY:
             self._finish_oldest()
         number = len(self._sent) + len(self._in_flight) + 1
