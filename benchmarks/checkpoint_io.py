@@ -1,7 +1,7 @@
 """vitray's checkpoint save and restore against the disk and against PyTorch's own writers, on the
 state of a real run: one DeepSpeed worker (gloo, ZeRO-1, bf16, AdamW after one step) of a ViT.
 
-    .venv/bin/python benchmarks/checkpoint_io.py [--models B/16,L/16] [--rounds 3] [--dir /path/on/the/disk] [--s3]
+    .venv/bin/python benchmarks/checkpoint_io.py [--models B/16,L/16] [--rounds 3] [--dir /path/on/the/disk] [--s3 | --s3-only]
 
 In each round, alternating, on the same disk and with the same bytes: `dd` writing the checkpoint's
 size (bs=16M, oflag=direct, conv=fsync: the disk's sequential write) of random bytes (a 1 GiB file
@@ -268,6 +268,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="a folder on the disk to measure (default: the temp folder)")
     parser.add_argument("--model-weights", default="last", help="checkpoint.model_weights for vitray's save")
     parser.add_argument("--s3", action="store_true", help="also on a SeaweedFS S3 store against TransferManager")
+    parser.add_argument("--s3-only", action="store_true", help="only the S3 rounds (implies --s3)")
     args = parser.parse_args()
     import torch.distributed.checkpoint as dcp
 
@@ -284,7 +285,7 @@ def main() -> None:
             )
             print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
             buffers: dict = {}
-            for round_ in range(1, args.rounds + 1):
+            for round_ in range(1, 0 if args.s3_only else args.rounds + 1):
                 run_dir = root / "run"
                 run_dir.mkdir(exist_ok=True)
                 folder, seconds, costs = vitray_save(backend, run_dir, args.model_weights)
@@ -340,7 +341,7 @@ def main() -> None:
                     shutil.rmtree(path, ignore_errors=True)
                 for path in (dd_file, ts_file):
                     path.unlink(missing_ok=True)
-            if args.s3:
+            if args.s3 or args.s3_only:
                 store = S3Store(root / "seaweed")
                 try:
                     print(f"\n{model} on SeaweedFS S3 at {store.store.endpoint_url} (its data on the disk of {root})")

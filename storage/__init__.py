@@ -14,7 +14,9 @@ The modules: :mod:`.files` (the filesystem for a path, reading, atomic writes, u
 where the S3 endpoint and credentials come from), :mod:`.retries` (which errors are transient, the
 backoff, riding out a storage outage during a run), :mod:`.shard_cache` (whole remote shards in a
 node-local folder), :mod:`.direct_file` (a large local file written once, past the page cache, and
-fsynced), :mod:`.upload_stream` (an S3 object written as a stream of parts), :mod:`.reachable` (the quick probe a command makes before expensive work starts). Constants stay in their modules,
+fsynced), :mod:`.upload_stream` (an S3 object written as a stream of parts), :mod:`.s3_client` (a blocking
+botocore client for the store an s3fs filesystem reaches, for requests spread over threads),
+:mod:`.reachable` (the quick probe a command makes before expensive work starts). Constants stay in their modules,
 read and patched there (``storage.retries.RETRY_ATTEMPTS``, ``storage.shard_cache.CACHE_PART_BYTES``):
 a copy here would not be the value the functions use.
 

@@ -160,11 +160,14 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def ride_out(fn: Callable[[], T], *, what: str, within_s: float | None = None) -> T:
+def ride_out(
+    fn: Callable[[], T], *, what: str, within_s: float | None = None, stop: threading.Event | None = None
+) -> T:
     """Call ``fn`` until it succeeds, retrying transient errors (see :func:`is_transient`) with
     jittered backoff for up to ``within_s`` seconds (default: the process's, `set_outage_budget`)
     from the first failure; other errors, and the last failure once that time is spent, propagate
-    (an OSError saying what failed for how long).
+    (an OSError saying what failed for how long). Once ``stop`` is set (the caller no longer wants
+    the result: an upload aborted), the wait ends and the last failure propagates as it is.
 
     The first failure of an outage prints ``vitray: storage unreachable (WHAT: ERROR): retrying for
     up to N s``, the first success after it ``vitray: storage reachable again after N s``: one line
@@ -181,6 +184,8 @@ def ride_out(fn: Callable[[], T], *, what: str, within_s: float | None = None) -
                 if deadline is not None:
                     _outage.recovered()  # the store answered (with an error of another kind)
                 raise
+            if stop is not None and stop.is_set():
+                raise
             now = time.monotonic()
             if deadline is None:
                 deadline = now + within_s
@@ -194,7 +199,10 @@ def ride_out(fn: Callable[[], T], *, what: str, within_s: float | None = None) -
             delay = min(OUTAGE_MAX_DELAY_S, backoff_delay(attempt), max(0.0, deadline - now))
             # debug, not warning: with no logging set up a warning reaches the console, at every retry
             log.debug("%s failed (%s); riding out, retry %d in %.1fs", what, error, attempt, delay)
-            time.sleep(delay)
+            if stop is not None:
+                stop.wait(delay)
+            else:
+                time.sleep(delay)
             continue
         finally:
             _riding.out -= 1

@@ -311,3 +311,56 @@ def test_the_stop_file_check_rides_out_a_store_that_went_away(seaweed_s3, proces
     said = capsys.readouterr().err
     assert said.count("vitray: storage unreachable (checking s3://") == 1, said
     assert said.count("vitray: storage reachable again after") == 1, said
+
+
+def test_a_streamed_uploads_parts_ride_out_a_cut_store_and_an_abort_stops_waiting(seaweed_s3, monkeypatch, capsys):
+    """storage.UploadStream's parts go up on threads of their own: when the store is cut in the
+    middle of an object, the parts sent after the cut wait for it (run.storage_outage_s), and the
+    object appears whole once it is back, its multipart upload closed. An error in the `with` block
+    during an outage ends the parts' waits at once: the caller is not kept for the outage budget."""
+    import threading
+
+    monkeypatch.setattr(storage.upload_stream, "UPLOAD_PART_BYTES", 5 * 2**20)
+    data = bytes(range(256)) * (4096 * 20) + b"end"  # 20 MiB + 3 bytes: 5 parts
+    url = seaweed_s3.url("runs", "stream", "cut.bin")
+    with _behind_a_cuttable_proxy(seaweed_s3, monkeypatch) as proxy:
+        stream = storage.UploadStream(url, what="uploading cut.bin")
+        stream.write(data[: 10 * 2**20])  # two parts under way before the cut
+        proxy.cut()
+        finished: list[int] = []
+
+        def the_rest() -> None:
+            with stream:
+                stream.write(data[10 * 2**20 :])
+            finished.append(stream.size)
+
+        writer = threading.Thread(target=the_rest)
+        writer.start()
+        _until_an_outage_is_ridden_out()
+        time.sleep(2)
+        assert writer.is_alive() and not finished, "the upload gave up on a store that was cut"
+        proxy.restore()
+        writer.join(120)
+        assert finished == [len(data)]
+
+        aborted = storage.UploadStream(seaweed_s3.url("runs", "stream", "aborted.bin"), what="uploading aborted.bin")
+        aborted.write(data[: 5 * 2**20])
+        proxy.cut()
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="serialisation failed"), aborted:
+            aborted.write(data[5 * 2**20 : 10 * 2**20])  # this part's upload meets the outage
+            time.sleep(1)
+            raise RuntimeError("serialisation failed")
+        assert time.monotonic() - started < 60  # not the 300 s outage budget
+        proxy.restore()
+        fs, fs_path = storage.filesystem(url)
+        assert fs.cat_file(fs_path) == data
+        assert fs.info(fs_path)["ETag"].strip('"').endswith("-5")
+        assert not fs.exists(fs_path.replace("cut.bin", "aborted.bin"))
+        bucket, key, _ = fs.split_path(fs_path)
+        listed = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key)
+        assert not listed.get("Uploads"), "the finished upload was left open"
+    said = capsys.readouterr().err
+    assert "vitray: storage unreachable (uploading cut.bin (part " in said, said
+    # The abort ended the waits without a word: the store was not reachable again.
+    assert said.count("vitray: storage reachable again after") == 1, said
