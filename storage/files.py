@@ -110,6 +110,18 @@ def open_file(
         raise FileNotFoundError(f"{path} does not exist") from error
 
 
+def read_range(fs: fsspec.AbstractFileSystem, fs_path: str, start: int, end: int, *, threads: int = 1) -> bytes:
+    """Bytes ``start`` to ``end`` (exclusive) of a file of ``fs``, for callers that read many
+    ranges on ``threads`` threads of their own: on S3 each is a ranged GET through a blocking
+    botocore client (:mod:`.s3_client`; s3fs's would send every thread's request from its single
+    event-loop thread), elsewhere ``fs.cat_file``. Not retried (see :func:`with_retries`)."""
+    if hasattr(fs, "_call_s3"):
+        from .s3_client import read_range as s3_read_range
+
+        return s3_read_range(fs, fs_path, start, end, connections=threads)
+    return fs.cat_file(fs_path, start=start, end=end)
+
+
 def read_bytes(path: str, storage_options: dict[str, Any] | None = None) -> bytes:
     """The whole content of a (small) file, with retries on transient errors."""
 

@@ -30,7 +30,8 @@ T = TypeVar("T")
 @functools.cache
 def _network_errors() -> tuple[type[BaseException], ...]:
     """The HTTP clients' own connection errors, which s3fs lets through untranslated once its own
-    retries are spent: aiohttp's (a body cut short, a dropped connection) and botocore's."""
+    retries are spent, as the blocking botocore client of `s3_client` does once botocore's are:
+    aiohttp's (a body cut short, a dropped connection) and botocore's."""
     errors: list[type[BaseException]] = []
     with contextlib.suppress(ImportError):
         import aiohttp
@@ -39,7 +40,12 @@ def _network_errors() -> tuple[type[BaseException], ...]:
     with contextlib.suppress(ImportError):
         import botocore.exceptions
 
-        errors += [botocore.exceptions.HTTPClientError, botocore.exceptions.ConnectionError]
+        # IncompleteReadError: a body shorter than its Content-Length (a connection cut mid-body)
+        errors += [
+            botocore.exceptions.HTTPClientError,
+            botocore.exceptions.ConnectionError,
+            botocore.exceptions.IncompleteReadError,
+        ]
     return tuple(errors)
 
 

@@ -86,3 +86,14 @@ def call(fs, client, method: str, **kwargs) -> dict[str, Any]:
         return getattr(client, method)(**kwargs)
     except ClientError as error:
         raise translate_boto_error(error) from error
+
+
+def read_range(fs, fs_path: str, start: int, end: int, *, connections: int) -> bytes:
+    """Bytes `start` to `end` (exclusive) of the object at `fs_path` on the S3 store `fs` reaches,
+    through `sync_client(fs, connections=connections)`: one ranged GET, on the caller's thread."""
+    bucket, key, version = fs.split_path(fs_path)
+    client = sync_client(fs, connections=connections)
+    kwargs = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
+    if version:
+        kwargs["VersionId"] = version
+    return call(fs, client, "get_object", **kwargs)["Body"].read()

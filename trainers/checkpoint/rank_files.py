@@ -220,7 +220,7 @@ def _download(fs, root: str, path: str, files: dict[str, tuple[Path, int]]) -> d
 
     def fetch(name: str, fd: int, start: int, nbytes: int) -> tuple[int, int]:
         data = storage.with_retries(
-            lambda: fs.cat_file(f"{root}/{name}", start=start, end=start + nbytes),
+            lambda: storage.read_range(fs, f"{root}/{name}", start, start + nbytes, threads=DOWNLOAD_THREADS),
             what=f"downloading {name} of checkpoint {path}",
         )
         view = memoryview(data)
