@@ -21,6 +21,7 @@ from typing import IO, Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from . import s3_client
 from .retries import with_retries
 
 # Streamed shard reads fetch this much per request: large enough that skipping small tar members
@@ -115,10 +116,8 @@ def read_range(fs: fsspec.AbstractFileSystem, fs_path: str, start: int, end: int
     ranges on ``threads`` threads of their own: on S3 each is a ranged GET through a blocking
     botocore client (:mod:`.s3_client`; s3fs's would send every thread's request from its single
     event-loop thread), elsewhere ``fs.cat_file``. Not retried (see :func:`with_retries`)."""
-    if hasattr(fs, "_call_s3"):
-        from .s3_client import read_range as s3_read_range
-
-        return s3_read_range(fs, fs_path, start, end, connections=threads)
+    if s3_client.is_s3(fs):
+        return s3_client.read_range(fs, fs_path, start, end, connections=threads)
     return fs.cat_file(fs_path, start=start, end=end)
 
 

@@ -26,6 +26,11 @@ _clients: dict[int, tuple[weakref.ref, Any]] = {}
 _clients_lock = threading.RLock()  # re-entered when a collection inside `sync_client` drops a filesystem
 
 
+def is_s3(fs) -> bool:
+    """Whether `fs` is an s3fs filesystem (one this module's client can stand in for)."""
+    return hasattr(fs, "_call_s3")
+
+
 def sync_client(fs, *, connections: int) -> Any:
     """The botocore S3 client for `fs` (an s3fs filesystem), with at least `connections` pooled
     HTTP connections."""

@@ -44,7 +44,7 @@ class UploadStream(io.RawIOBase):
         self.what, self._on_bytes = what, on_bytes
         self.size = 0
         self._part, self._filled = bytearray(), 0  # the part being filled, and how much of it is
-        self._s3 = hasattr(self.fs, "_call_s3")
+        self._s3 = s3_client.is_s3(self.fs)
         if self._s3:
             bucket, key, _ = self.fs.split_path(self.fs_path)
             self._bucket_key = {"Bucket": bucket, "Key": key}
