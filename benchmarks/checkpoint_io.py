@@ -275,7 +275,7 @@ def main() -> None:
     for model in args.models.split(","):
         cfg, backend, params = build(model)
         root = Path(tempfile.mkdtemp(prefix="vitray-ckio-", dir=args.dir))
-        source = random_source(root)
+        source = None if args.s3_only else random_source(root)  # dd's, for the local rounds
         try:  # (a failed round leaves nothing on the disk: an L/16 round writes ~16 GB)
             print(f"\n{model}: {params / 1e6:.1f}M parameters, 1 worker, ZeRO-1, bf16, AdamW; disk of {root}")
             print(
@@ -355,7 +355,8 @@ def main() -> None:
                 finally:
                     store.stop()
         finally:
-            source.unlink(missing_ok=True)
+            if source is not None:
+                source.unlink(missing_ok=True)
             shutil.rmtree(root, ignore_errors=True)
 
 
