@@ -124,6 +124,9 @@ def build(model: str):
     backend = DeepSpeedBackend(cfg, create_model_from_config(cfg.model, 1000), 1, None)
     images = torch.randn(1, 3, 32, 32, dtype=backend.dtype)
     backend.backward_step(backend(images).float().square().mean())
+    # The first step reserved the checkpoint's host buffers on a background thread; a run's first
+    # checkpoint comes `checkpoint.every` steps later (1000 by default), when they are long ready.
+    backend._checkpoints._buffers.wait_reserved()
     params = sum(p.numel() for p in backend.module.parameters())
     return cfg, backend, params
 

@@ -206,6 +206,28 @@ def test_background_checkpoint_writes_the_state_as_it_was_when_saved(tmp_path):
     assert loaded["step"] == 7 and loaded["groups"] == [{"lr": 0.1}]
 
 
+def test_host_buffers_reserved_ahead_serve_the_first_snapshot_and_are_kept_for_the_next():
+    """The first checkpoint's snapshot takes buffers reserved (allocated and touched) ahead of it,
+    also for a tensor a few elements smaller (a ZeRO partition saved without its padding), allocates
+    only what nothing reserved fits, and the next snapshot copies into the same buffers."""
+    from vitray.trainers.checkpoint.host_buffers import HostBuffers
+
+    buffers = HostBuffers()
+    master, moment = torch.randn(10, 10), torch.randn(64, dtype=torch.bfloat16)
+    buffers.reserve([master, moment, torch.zeros(1000)])  # (the last one no snapshot takes)
+    state = {"master": master, "moments": [moment[:62]], "counts": torch.arange(7)}
+    first = buffers.snapshot(state)
+    buffers.release_reserve()
+    assert buffers.allocated_in_snapshots == 7 * 8  # only `counts`: int64, which nothing reserved fits
+    assert torch.equal(first["master"], master) and torch.equal(first["moments"][0], moment[:62])
+    assert first["moments"][0].shape == (62,)
+    master.add_(1.0)
+    second = buffers.snapshot(state)
+    assert torch.equal(second["master"], master) and buffers.allocated_in_snapshots == 7 * 8
+    assert second["master"].data_ptr() == first["master"].data_ptr()
+    assert second["moments"][0].data_ptr() == first["moments"][0].data_ptr()
+
+
 def test_checkpoint_loading_refuses_pickled_code(tmp_path):
     from vitray.trainers.engines.deepspeed.backend import BackgroundCheckpointEngine
 

@@ -33,6 +33,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from torch import nn
 
+from vitray.trainers.checkpoint.host_buffers import HostBuffers
 from vitray.trainers.checkpoint.rank_files import write_file
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.engines.deepspeed import zero_step
@@ -186,9 +187,23 @@ def load(engine, checkpoint_dir: Path, *, universal_dir: Path | None = None) -> 
     )
     if path is None:
         raise RuntimeError(f"no DeepSpeed state under {load_dir}/{tag}")
+    _own_optimizer_state(engine)
     if masters and universal_dir is None:  # (a universal load rounds them itself)
         round_masters_into_module(engine)  # the weights the step trains: the master copy, rounded
     return client_state or {}
+
+
+def _own_optimizer_state(engine) -> None:
+    """The wrapped optimizer's state in host memory of its own. The checkpoint engine maps the files
+    it loads (BackgroundCheckpointEngine.load), and torch's `Optimizer.load_state_dict` keeps a
+    loaded tensor as it is where its dtype and device already fit: Adam's moments would stay
+    mappings of the checkpoint's file for the rest of the run -- holding the file's disk space
+    after the checkpoint is pruned (or its local copy removed), and faulting each page in at the
+    next snapshot. (DeepSpeed copies the master weights into its own partitions.)"""
+    for state in _wrapped_optimizer(engine).state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                state[key] = value.clone()
 
 
 def weights_from_master(engine) -> set[str]:
@@ -313,41 +328,6 @@ def _partition_of(param, whole: torch.Tensor) -> torch.Tensor:
     return padded[rank * size : (rank + 1) * size].clone()
 
 
-class HostBuffers:
-    """Host copies of (nested) state dicts that later training steps cannot change, in buffers kept
-    from one checkpoint to the next: a tensor is copied into the buffer its place in the state
-    had last time (same shape and dtype), else into a new one, pinned when it comes from a GPU
-    (compact, so views do not drag their whole storage along). A checkpoint's buffers are reused
-    only after its files are written: the checkpointer waits for one write before the next save."""
-
-    def __init__(self):
-        self._buffers: dict[tuple, torch.Tensor] = {}
-        self._on_device = False
-
-    def snapshot(self, value: Any, key: tuple = ()) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach()
-            buffer = self._buffers.get(key)
-            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-                pin = tensor.device.type == "cuda"
-                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
-                self._buffers[key] = buffer
-            self._on_device |= tensor.device.type != "cpu"
-            buffer.copy_(tensor, non_blocking=tensor.device.type == "cuda")
-            return buffer
-        if isinstance(value, dict):
-            return type(value)((k, self.snapshot(v, (*key, k))) for k, v in value.items())
-        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-            return type(value)(self.snapshot(v, (*key, i)) for i, v in enumerate(value))
-        return copy.deepcopy(value)
-
-    def settle(self) -> None:
-        """Wait for the copies from the device (the snapshot is whole once this returns)."""
-        if self._on_device and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self._on_device = False
-
-
 class BackgroundCheckpointEngine(TorchCheckpointEngine):
     """DeepSpeed's torch.save engine with the writes moved to a background thread and into the
     checkpoint folder itself.
@@ -394,14 +374,20 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
 
     def load(self, path: str, map_location=None):
         # Memory-mapped: the restore has just read every file for its CRC-32C, so its pages are in
-        # the page cache, and DeepSpeed copies each tensor into its own buffers; a plain load would
+        # the page cache, and each tensor is copied once, into DeepSpeed's own buffers (the master
+        # weights) or the optimizer's (`_own_optimizer_state`: the moments); a plain load would
         # first copy the whole file into freshly allocated tensors (measured: 0.46 of 0.55 s for a
         # B/16's 1 GB of optimizer state). The mapping is private: nothing writes the file.
         with torch.serialization.safe_globals(_deepspeed_checkpoint_classes()):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=True)
 
+    def reserve_buffers(self, like: list[torch.Tensor]) -> None:
+        """Have host buffers for tensors like `like` ready for the first snapshot (HostBuffers.reserve)."""
+        self._buffers.reserve(like)
+
     def pending(self) -> PendingSave:
         self._target = None
+        self._buffers.release_reserve()  # (what the first checkpoint did not take)
         return PendingSave(list(self._queued))
 
 
@@ -460,6 +446,7 @@ class DeepSpeedBackend:
         zero0 = groups is not None or not getattr(self.engine.optimizer, "fp16_groups", None)  # no wrapper: fp32
         self.weights_in_shards = {1: True, 2: True, 3: not frozen}.get(stage, zero0)
         self.engine.checkpoint_engine = self._checkpoints
+        self._buffers_reserved = False
         self.module = self.engine.module
         self.device = self.engine.device
         self.dtype = next(self.module.parameters()).dtype
@@ -481,6 +468,11 @@ class DeepSpeedBackend:
     def backward_step(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
         self.engine.step()  # DeepSpeed steps the optimizer only at accumulation boundaries
+        if not self._buffers_reserved and self.engine.global_steps > 0:
+            # The optimizer's state exists from its first step on: the checkpoint's host buffers are
+            # allocated now, in the background, rather than in the first checkpoint's stall.
+            self._buffers_reserved = True
+            self._checkpoints.reserve_buffers(_checkpointed_tensors(self.engine, self._checkpoints.drop_module_weights))
 
     def end_step(self) -> None:
         pass
@@ -562,6 +554,23 @@ class DeepSpeedBackend:
             # group's own, as this run's config makes them; lr is the schedule's (restored with it).
             for group, own in zip(_wrapped_optimizer(self.engine).param_groups, settings):
                 group.update(own)
+
+
+def _checkpointed_tensors(engine, dropped: set[str]) -> list[torch.Tensor]:
+    """The tensors this rank's checkpoint holds, as near as can be told without saving one: the
+    wrapped optimizer's parameters (the fp32 master partitions, under a ZeRO or bf16 wrapper) and
+    their state (Adam's moments), and the module states the checkpoint keeps (not `dropped`, nor
+    ZeRO-3's partitioned parameters, which it saves empty); a tensor seen twice (ZeRO-0 in fp32
+    trains the module's own parameters) counts once."""
+    optimizer = _wrapped_optimizer(engine)
+    # (ZeRO-3 puts its partitions into the optimizer's groups only while it steps: the state's keys
+    # are those parameters all the time.)
+    tensors = [p for group in optimizer.param_groups for p in group["params"]] + list(optimizer.state)
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    dropped = dropped | {name for name, p in engine.module.named_parameters() if hasattr(p, "ds_tensor")}
+    tensors += [v for k, v in engine.module.state_dict().items() if k not in dropped]
+    unique = {(t.data_ptr(), t.numel(), t.dtype): t.detach() for t in tensors if t.numel()}
+    return list(unique.values())
 
 
 def _wrapped_optimizer(engine):
