@@ -9,6 +9,12 @@ machine lets us (root); elsewhere by the command's reaped children (`RUSAGE_CHIL
 Ray processes that are not reaped by their parents. Prints CPU and wall seconds of each, their
 medians and the ratio vitray / bare (issue 38's bar: <= 1.3).
 
+A third command shows how much of the difference is the training itself: the bare job whose two
+workers also build the demo's model (Ti/4 at 16 px, 10 classes), wrap it in DistributedDataParallel
+and take the same number of plain `torch.optim.AdamW` steps on random micro-batches of the demo's
+size (32) -- the least any Ray Train job that trains this model costs (no data, evaluation,
+checkpoint, metrics or DeepSpeed). Its ratio to the bare job is printed, and vitray's to it.
+
     .venv/bin/python benchmarks/startup.py --rounds 3
 """
 
@@ -45,6 +51,30 @@ TorchTrainer(
 ).fit()
 ray.shutdown()
 """
+
+
+# The bare job, its workers training the demo's model with a plain loop (`{steps}`: how many steps).
+PLAIN_LOOP = BARE.replace(
+    """def barrier():
+    dist.barrier()""",
+    """def barrier():
+    import torch
+    from vitray.models import create_model_from_config
+    from vitray.models.config import ModelConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        create_model_from_config(ModelConfig(name="Ti/4", img_size=16), 10)
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    for _ in range({steps}):
+        images, labels = torch.randn(32, 3, 16, 16), torch.randint(0, 10, (32,))
+        torch.nn.functional.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    dist.barrier()""",
+).replace('name="bare"', 'name="loop"')
+assert PLAIN_LOOP != BARE
 
 
 class CpuMeter:
@@ -120,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     meter = CpuMeter()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     python = sys.executable
-    results: dict[str, list[tuple[float, float]]] = {"vitray": [], "bare": []}
+    results: dict[str, list[tuple[float, float]]] = {"vitray": [], "bare": [], "loop": []}
     with tempfile.TemporaryDirectory(prefix="vitray-startup-") as tmp:
         data = Path(tmp) / "digits"
         subprocess.run(
@@ -143,7 +173,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             recipe = str(REPO / "configs" / "demo.yaml")
             vitray = [python, "-m", "vitray.cli", "pretrain", "-c", recipe, *[a for v in sets for a in ("--set", v)]]
             bare = [python, "-c", BARE, str(Path(tmp) / f"bare-{round_}")]
-            order = [("vitray", vitray), ("bare", bare)] if round_ % 2 == 0 else [("bare", bare), ("vitray", vitray)]
+            loop = [python, "-c", PLAIN_LOOP.replace("{steps}", str(args.steps)), str(Path(tmp) / f"loop-{round_}")]
+            order = [("vitray", vitray), ("bare", bare), ("loop", loop)]
+            order = order[round_ % 3 :] + order[: round_ % 3]  # each command first in some round
             for name, command in order:
                 cpu, wall, _ = meter.run(command, env)
                 results[name].append((cpu, wall))
@@ -155,7 +187,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"{cpu['vitray']:.1f} CPU-s ({wall['vitray']:.1f} s wall), bare TorchTrainer barrier {cpu['bare']:.1f} CPU-s "
         f"({wall['bare']:.1f} s wall)"
     )
+    print(f"plain training loop {cpu['loop']:.1f} CPU-s ({wall['loop']:.1f} s wall)")
     print(f"vitray/bare CPU: {cpu['vitray'] / cpu['bare']:.2f}; wall: {wall['vitray'] / wall['bare']:.2f}")
+    print(f"loop/bare CPU: {cpu['loop'] / cpu['bare']:.2f}; vitray/loop CPU: {cpu['vitray'] / cpu['loop']:.2f}")
     return {"vitray_cpu_s": cpu["vitray"], "bare_cpu_s": cpu["bare"], "ratio": cpu["vitray"] / cpu["bare"]}
 
 
