@@ -46,20 +46,22 @@ class HostBuffers:
     def reserve(self, like: Iterable[torch.Tensor]) -> None:
         """Allocate and touch buffers for tensors like `like` (their sizes and dtypes; pinned for
         those on a GPU) on a background thread, for the next snapshot to take."""
-        wanted = sorted(
-            ((t.numel(), t.dtype, t.device.type == "cuda") for t in like if t.numel()),
-            key=lambda w: w[0],
-            reverse=True,
-        )
+        like = [t for t in like if t.numel()]
+        wanted = sorted(((t.numel(), t.dtype, t.device.type == "cuda") for t in like), key=lambda w: w[0], reverse=True)
         if not wanted or self._reserving is not None:
             return
+        gpu = next((t.device for t in like if t.device.type == "cuda"), None)
         self._reserving = threading.Thread(
-            target=self._allocate, args=(wanted,), name="vitray-host-buffers", daemon=True
+            target=self._allocate, args=(wanted, gpu), name="vitray-host-buffers", daemon=True
         )
         self._reserving.start()
 
-    def _allocate(self, wanted: list[tuple[int, torch.dtype, bool]]) -> None:
+    def _allocate(self, wanted: list[tuple[int, torch.dtype, bool]], gpu: torch.device | None) -> None:
         try:
+            if gpu is not None:
+                # Pinning goes through the thread's current GPU, which is GPU 0 on a new thread: a
+                # rank of another GPU would make a CUDA context on GPU 0 (and take its memory).
+                torch.cuda.set_device(gpu)
             for numel, dtype, pin in wanted:
                 buffer = torch.empty(numel, dtype=dtype, pin_memory=pin)
                 if not pin:  # (pinned memory is resident as allocated)
