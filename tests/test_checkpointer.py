@@ -208,6 +208,43 @@ def test_the_record_lists_crc32c_and_a_restore_refuses_a_corrupt_file(tmp_path):
         rank_files.rank_copy(str(folder), None, restore_dir, 0)
 
 
+def test_a_resume_checks_a_local_checkpoint_while_the_engine_loads_and_refuses_a_corrupt_one(tmp_path):
+    """A local checkpoint's CRC-32Cs are computed while the worker builds its engine and loads the
+    files (the body of `restore_copy`); leaving waits for the check, and a corrupt file fails the
+    resume there -- also when the load failed on it first, with an error that did not say so."""
+    import pickle
+    from types import SimpleNamespace
+
+    from vitray.trainers.checkpoint.restore import restore_copy
+    from vitray.trainers.context import WorkerContext
+
+    reports = []
+    saver = checkpointer(FakeBackend(), reports, FakeLoader(), None, run_dir=tmp_path)
+    saver.save(2, {})
+    saver.finish(wait=True)
+    folder = Path(reports[0][1])
+    every_file = SimpleNamespace(restore_files=lambda cfg, rank, world: None)
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(staging_dir=str(tmp_path / "staging")), engine=every_file)
+    ctx = WorkerContext(
+        rank=0, world_size=1, run_dir=str(tmp_path), report=None, resume_from=str(folder), resume_step=2
+    )
+    with restore_copy(cfg, ctx) as (local, state):
+        assert state["step"] == 2 and (local / "fake" / "shard.bin").read_bytes() == b"shard"
+
+    (folder / "fake" / "shard.bin").write_bytes(b"sharp")  # same size: only the checksum tells
+    loaded = []
+    corrupt = pytest.raises(ckpt.IncompleteCheckpointError, match="fake/shard.bin does not have the CRC-32C")
+    with corrupt, restore_copy(cfg, ctx) as (local, _):
+        loaded.append((local / "fake" / "shard.bin").read_bytes())
+    assert loaded == [b"sharp"]  # loaded, never trained on: the resume fails when the body ends
+    with pytest.raises(ckpt.IncompleteCheckpointError, match="fake/shard.bin") as raised, restore_copy(cfg, ctx):
+        raise pickle.UnpicklingError("invalid load key, 'x'.")
+    assert isinstance(raised.value.__cause__, pickle.UnpicklingError)
+    (folder / "fake" / "shard.bin").write_bytes(b"shard")
+    with pytest.raises(ValueError, match="not about the files"), restore_copy(cfg, ctx):
+        raise ValueError("not about the files")  # the body's own errors stay its own
+
+
 def test_a_checkpoint_on_s3_comes_down_in_ranges_checked_and_a_corrupt_object_is_refused(
     seaweed_s3, tmp_path, monkeypatch
 ):

@@ -20,7 +20,7 @@ import contextlib
 import json
 import os
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
@@ -49,6 +49,7 @@ __all__ = [
     "mark_complete",
     "node_restore_dir",
     "rank_copy",
+    "start_rank_copy",
     "sync_folders",
     "write_file",
     "write_state",
@@ -166,6 +167,21 @@ def rank_copy(path: str, select: FileSelector | None, node_dir: Path, rank: int)
     checkpoint must already be known complete (the driver or rank 0 verified it): this reads the
     trainer state and the records of rank 0 (the shared files) and of `rank` only, so a resume
     costs each rank a constant number of requests, not one per rank."""
+    folder, state, checking = start_rank_copy(path, select, node_dir, rank)
+    if checking is not None:
+        checking.result()
+    return folder, state
+
+
+def start_rank_copy(
+    path: str, select: FileSelector | None, node_dir: Path, rank: int
+) -> tuple[Path, dict[str, Any], Future | None]:
+    """`rank_copy`, but the CRC-32Cs of a local checkpoint's files (their sizes are checked at once)
+    are computed on background threads while the caller goes on -- builds its engine and loads the
+    files, reading what the check has brought into the page cache or bringing it in for the check:
+    the disk is read once, and the check no longer comes before everything else. The third value
+    (None when nothing is left to check) raises IncompleteCheckpointError from `result()` if a file
+    is corrupt: the caller waits for it before it trains on anything it loaded."""
     import fcntl
 
     fs, fs_path = storage.filesystem(path)
@@ -178,8 +194,12 @@ def rank_copy(path: str, select: FileSelector | None, node_dir: Path, rank: int)
         wanted = sorted(listed)
     names = sorted(set(wanted) - {STATE_FILE})
     if not storage.is_remote(path):
-        _check_files(path, Path(path), {n: listed[n] for n in names})
-        return Path(path), state
+        files = {n: Path(path) / n for n in names}
+        _check_sizes(path, files, {n: listed[n] for n in names})
+        checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitray-ckpt-check")
+        checking = checker.submit(_check_crc32cs, path, files, {n: listed[n] for n in names})
+        checker.shutdown(wait=False)  # (the check runs on; its thread ends with it)
+        return Path(path), state, checking
     locks = node_dir / ".locks"
     locks.mkdir(parents=True, exist_ok=True)
     held = []
@@ -204,7 +224,7 @@ def rank_copy(path: str, select: FileSelector | None, node_dir: Path, rank: int)
         for handle in held:
             handle.close()
     (node_dir / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
-    return node_dir, state
+    return node_dir, state, None
 
 
 # A remote checkpoint's files come down in ranges of this many bytes, this many at a time (ranged
@@ -256,6 +276,11 @@ def _check_files(
     """Raise IncompleteCheckpointError unless each file has its listed size and CRC-32C (the files'
     ranges read in parallel: `checksums.files_crc32c`; or `crcs`, computed as they were downloaded)."""
     files = {name: (at or {}).get(name) or folder / name for name in listed}
+    _check_sizes(path, files, listed)
+    _check_crc32cs(path, files, listed, crcs)
+
+
+def _check_sizes(path: str, files: dict[str, Path], listed: dict[str, Any]) -> None:
     for name in sorted(listed):
         try:
             actual = files[name].stat().st_size
@@ -265,6 +290,11 @@ def _check_files(
             raise IncompleteCheckpointError(
                 path, f"{name} has {actual} bytes, its record lists {listed_size(listed[name])}"
             )
+
+
+def _check_crc32cs(
+    path: str, files: dict[str, Path], listed: dict[str, Any], crcs: dict[str, int] | None = None
+) -> None:
     unknown = [n for n in listed if listed_crc32c(listed[n]) is not None and n not in (crcs or {})]
     crcs = {**(crcs or {}), **files_crc32c({n: (files[n], listed_size(listed[n])) for n in unknown})}
     for name in sorted(crcs):

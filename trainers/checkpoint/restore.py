@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from vitray.runfolder.checkpoint_folders import CheckpointInfo, resume_point
-from vitray.trainers.checkpoint.rank_files import node_restore_dir, rank_copy
+from vitray.trainers.checkpoint.rank_files import node_restore_dir, start_rank_copy
 from vitray.trainers.collectives import broadcast_json
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
@@ -41,8 +41,10 @@ def choose_checkpoint(run_dir: str, announced: str | None, step: int | None, *, 
 @contextlib.contextmanager
 def restore_copy(cfg: TrainingConfig, ctx: WorkerContext) -> Iterator[tuple[Path, dict[str, Any]] | None]:
     """This rank's local copy of the checkpoint the run resumes from and its trainer state, or None
-    for a run from scratch; a collective (rank 0 chooses). The copy is removed on leaving, once the
-    last rank of the node has loaded it: training does not need it any more."""
+    for a run from scratch; a collective (rank 0 chooses). A local checkpoint's files are checked
+    (CRC-32C) while the body builds the engine and loads them (`start_rank_copy`); leaving waits for
+    the check and raises IncompleteCheckpointError if a file is corrupt. The copy is removed on
+    leaving, once the last rank of the node has loaded it: training does not need it any more."""
     path = broadcast_json(
         choose_checkpoint(ctx.run_dir, ctx.resume_from, ctx.resume_step, restarted=ctx.restarted)
         if ctx.rank == 0
@@ -53,4 +55,16 @@ def restore_copy(cfg: TrainingConfig, ctx: WorkerContext) -> Iterator[tuple[Path
         yield None
         return
     with node_restore_dir(path, cfg.checkpoint.staging_dir) as node_dir:
-        yield rank_copy(path, cfg.engine.restore_files(cfg, ctx.rank, ctx.world_size), node_dir, ctx.rank)
+        folder, state, checking = start_rank_copy(
+            path, cfg.engine.restore_files(cfg, ctx.rank, ctx.world_size), node_dir, ctx.rank
+        )
+        try:
+            yield folder, state
+        except Exception as error:
+            # A corrupt file can make the load fail first, with an error that does not say so.
+            problem = checking.exception() if checking is not None else None
+            if problem is not None:
+                raise problem from error
+            raise
+        if checking is not None:
+            checking.result()  # before anything trains on what was loaded
