@@ -214,8 +214,9 @@ def test_host_buffers_reserved_ahead_serve_the_first_snapshot_and_are_kept_for_t
 
     buffers = HostBuffers()
     master, moment = torch.randn(10, 10), torch.randn(64, dtype=torch.bfloat16)
-    buffers.reserve([master, moment, torch.zeros(1000)])  # (the last one no snapshot takes)
-    state = {"master": master, "moments": [moment[:62]], "counts": torch.arange(7)}
+    buffers.reserve([master, moment, torch.zeros(10_000)])  # (the last one fits nothing below)
+    # An empty tensor (ZeRO-3's module states) comes first and must not take the master's buffer.
+    state = {"empty": torch.zeros(0), "master": master, "moments": [moment[:62]], "counts": torch.arange(7)}
     first = buffers.snapshot(state)
     buffers.release_reserve()
     assert buffers.allocated_in_snapshots == 7 * 8  # only `counts`: int64, which nothing reserved fits

@@ -99,7 +99,7 @@ class HostBuffers:
 
     def _new_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
         pin = tensor.device.type == "cuda"
-        if self._reserving is not None:
+        if self._reserving is not None and tensor.numel():  # (an empty tensor takes no reserved buffer)
             self.wait_reserved()  # (long done, unless the checkpoint follows the first step at once)
             numel = tensor.numel()
             fitting = [
