@@ -47,7 +47,7 @@ class HostBuffers:
         """Allocate and touch buffers for tensors like `like` (their sizes and dtypes; pinned for
         those on a GPU) on a background thread, for the next snapshot to take."""
         like = [t for t in like if t.numel()]
-        wanted = sorted(((t.numel(), t.dtype, t.device.type == "cuda") for t in like), key=lambda w: w[0], reverse=True)
+        wanted = [(t.numel(), t.dtype, t.device.type == "cuda") for t in like]
         if not wanted or self._reserving is not None:
             return
         gpu = next((t.device for t in like if t.device.type == "cuda"), None)
