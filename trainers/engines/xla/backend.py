@@ -272,6 +272,9 @@ class XlaBackend:
         source = folder / CHECKPOINT_SUBDIR
         if not (source / ".metadata").is_file():
             raise FileNotFoundError(f"checkpoint {folder} has no {CHECKPOINT_SUBDIR}/.metadata (DCP shards)")
+        # DCP reads each tensor's shards to plan the load: every tensor must be finished (the
+        # optimizer state just created may still be computing; reading it then fails in torch_xla).
+        _materialise()
         target = self._state()  # DCP loads in place, re-sharding onto this mesh
         dcp.load(
             target,
