@@ -35,6 +35,7 @@ from torch import nn
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.engines.seam import PendingSave
 from vitray.trainers.engines.xla.loader import DeviceLoader
+from vitray.trainers.engines.xla.written_files import WrittenFiles
 from vitray.trainers.step.optim import build_optimizer
 from vitray.trainers.step.schedule import build_lr_schedule
 
@@ -241,7 +242,6 @@ class XlaBackend:
         _materialise()
         snapshot = _sharded_cpu_state_dict(self._state())  # host copies: training may go on at once
         target = storage.join(folder, CHECKPOINT_SUBDIR)
-        rank = dist.get_rank(self._group) if dist.is_initialized() else 0
 
         def write() -> list:
             _quiet_warnings()
@@ -252,8 +252,9 @@ class XlaBackend:
                 if storage.is_remote(target)
                 else dcp.FileSystemWriter(target, sync_files=True)
             )
+            written = WrittenFiles(writer)  # each file's size and CRC-32C, as it is written
             dcp.save(snapshot, storage_writer=writer, planner=SPMDSavePlanner(), process_group=self._group)
-            return _dcp_files_of(target, rank)
+            return _written_entries(written.files())
 
         return PendingSave([self._writer.submit(write)])
 
@@ -287,27 +288,15 @@ class XlaBackend:
         torch_xla.sync()
 
 
-def _dcp_files_of(target: str, rank: int) -> list:
-    """The files rank `rank` wrote under a DCP folder (its `__<rank>_*.distcp`, and rank 0 the
-    `.metadata`), as `Written` entries (read back for their CRC-32C) for its completion record."""
-    import google_crc32c
-
-    from vitray import storage
+def _written_entries(files: dict[str, tuple[int, int]]) -> list:
+    """A rank's DCP files (its `__<rank>_*.distcp`, and rank 0 the `.metadata`; DCP writes them all
+    directly in its folder) as `Written` entries for its completion record."""
     from vitray.trainers.engines.seam import Written
 
-    fs, root = storage.filesystem(target)
-    root = root.rstrip("/")
-    written = []
-    for path in sorted(fs.find(root)):
-        base = path.rsplit("/", 1)[-1]
-        if not (base.startswith(f"__{rank}_") or (rank == 0 and base == ".metadata")):
-            continue
-        crc, size = 0, 0
-        with fs.open(path, "rb") as f:
-            while chunk := f.read(16 * 2**20):
-                crc, size = google_crc32c.extend(crc, chunk), size + len(chunk)
-        written.append(Written(f"{CHECKPOINT_SUBDIR}/{path[len(root) + 1 :]}", size, crc))
-    return written
+    return [
+        Written(f"{CHECKPOINT_SUBDIR}/{path.rsplit('/', 1)[-1]}", size, crc)
+        for path, (size, crc) in sorted(files.items())
+    ]
 
 
 def _materialise() -> None:
