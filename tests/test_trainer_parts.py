@@ -290,6 +290,21 @@ def test_the_deepspeed_backend_imports_deepspeed_without_mlflow_or_inductor():
     assert said == [["False", "False"], ["False", "True"], ["mlflow"], ["True", "True"]]
 
 
+def test_the_metrics_writer_imports_tensorboard_without_boto3(tmp_path):
+    """TensorBoard's file layer imports boto3 for s3:// paths (~0.3 CPU-s of rank 0's start-up);
+    the writer's events go to a local folder, so vitray keeps boto3 out of that import only: the
+    events are written, and boto3 imports as before afterwards."""
+    script = (
+        "import sys; from pathlib import Path; from vitray.trainers.metrics import MetricsWriter; "
+        f"writer = MetricsWriter(Path({str(tmp_path)!r})); writer.write(1, {{'loss': 2.5}}); writer.close(); "
+        "from tensorboard.compat.tensorflow_stub.io import gfile; "
+        "print('result', 'boto3' in sys.modules, gfile.S3_ENABLED); "
+        f"print('result', len(list(Path({str(tmp_path)!r}, 'tensorboard').glob('events.out.tfevents.*')))); "
+        "import boto3; print('result', boto3.__name__)"
+    )
+    assert _results_in_a_fresh_process(script) == [["False", "False"], ["1"], ["boto3"]]
+
+
 def test_a_runs_evaluation_starts_workers_only_for_a_share_that_repays_them(digits_dataset):
     """The val evaluator reads a rank's share of fewer than 512 samples per worker in its own
     process: no forkserver importing torch for the 180 samples of digits' test split."""

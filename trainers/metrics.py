@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from vitray.common.imports import import_without
 from vitray.models import on_meta_device
 from vitray.runfolder.files import METRICS_FILE
 
@@ -112,7 +113,9 @@ class MetricsWriter:
     def __init__(self, local_dir: Path, mirror=None, *, upload_every_s: float = 10.0, outage_s: float | None = None):
         self.local_dir = local_dir
         self.local_dir.mkdir(parents=True, exist_ok=True)
-        from torch.utils.tensorboard import SummaryWriter
+        # TensorBoard's file layer imports boto3 for its own s3:// support, about 0.3 CPU-s of a
+        # worker's start-up; its events go to this local folder (the mirror uploads them).
+        SummaryWriter = import_without("torch.utils.tensorboard", hidden=("boto3",)).SummaryWriter
 
         from vitray.trainers.metrics_upload import BackgroundMirror
 

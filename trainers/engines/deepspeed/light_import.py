@@ -18,20 +18,10 @@ Import this module before anything from deepspeed.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
-
-def _import_deepspeed_without_mlflow() -> None:
-    hidden = "mlflow" not in sys.modules
-    if hidden:
-        sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` now raises ImportError
-    try:
-        import deepspeed  # noqa: F401
-    finally:
-        if hidden and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
-            del sys.modules["mlflow"]
+from vitray.common.imports import import_without
 
 
 def _left_eager(model: Callable[..., Any] | None = None, **_: Any) -> Any:
@@ -50,5 +40,5 @@ def _import_muon_uncompiled() -> None:
         torch.compile = compile_
 
 
-_import_deepspeed_without_mlflow()
+import_without("deepspeed", hidden=("mlflow",))
 _import_muon_uncompiled()
