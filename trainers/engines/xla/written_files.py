@@ -31,7 +31,7 @@ class _ChecksummedStream:
     def write(self, data: Any) -> int | None:
         returned = self._stream.write(data)
         view = memoryview(data).cast("B")
-        written = view.nbytes if returned is None else returned  # (fsspec's streams return None)
+        written = view.nbytes if returned is None else returned  # (None: a stream that does not say)
         self.crc32c = crc32c_extend(self.crc32c, view[:written])
         self.size += written
         return returned
