@@ -218,9 +218,8 @@ def _worker_context():
     context = multiprocessing.get_context(WORKER_START)
     # Effective until the forkserver first starts. The main module too: each worker would otherwise
     # import it again (Ray's worker script: Ray, a second each), as workers started so always do.
-    # torchvision's transforms as well: `transforms` imports them only when used (eval_transform, in
-    # the worker), and with them torchvision.models and torch._dynamo, ~1.5 s a worker otherwise.
-    context.set_forkserver_preload(["__main__", __name__, "torchvision.transforms.v2"])
+    # (The evaluation transforms are PIL's alone: no torchvision to preload.)
+    context.set_forkserver_preload(["__main__", __name__])
     return context
 
 

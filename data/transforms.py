@@ -1,4 +1,4 @@
-"""Decoding and augmentation of one sample (torchvision v2 transforms on PIL images).
+"""Decoding and augmentation of one sample (on PIL images, as torchvision's v2 transforms do them).
 
 - train: ``RandomResizedCrop(img_size, scale=(0.05, 1.0))`` (the "inception crop" of the ViT
   paper's pre-training) and a horizontal flip, as :class:`TrainCrop`: the same random draws and
@@ -47,7 +47,7 @@ from PIL import Image
 # torchvision (v2, decode_jpeg) is imported in the functions that use it, not here: every training
 # worker imports this module, and torchvision's import takes its models and ops along (~0.3 CPU-s
 # a process; ~1.5 where torch._dynamo is not yet imported), which training crops (TrainCrop, the
-# region decoder) never use.
+# region decoder) and the evaluation transforms (PIL's own resampling) never use.
 from .config import RESIZE_RATIO, TRAIN_CROPS, TrainCropKind
 from .layout import LabelKind
 
@@ -279,31 +279,47 @@ def train_transform(img_size: int, **augment: Any) -> Transform:
 
 def eval_resize(img_size: int, resize: EvalResize = "aspect") -> Augment:
     """PIL image -> PIL image ``img_size x img_size``: resize and central crop, as ``resize`` says
-    (see the module's docstring)."""
+    (see the module's docstring). The pixels of torchvision's ``v2.Resize`` (bilinear; on a PIL
+    image PIL's own resampling) and ``v2.CenterCrop``, done with PIL directly: the val evaluator
+    runs this in every training worker, where importing torchvision would cost ~0.1-0.3 CPU-s
+    (tests/test_data_loader.py holds the two equal)."""
     if resize not in EVAL_RESIZES:
         raise ValueError(f"resize must be one of {EVAL_RESIZES}, got {resize!r}")
-    from torchvision.transforms import v2  # imported here: see the note at the imports
-
     enlarged = round(img_size / EVAL_CROP_FRACTION)
     if resize == "square":
-        return v2.Compose([v2.Resize((enlarged, enlarged), antialias=True), v2.CenterCrop(img_size)])
-    small = v2.Resize((img_size, img_size), antialias=True)
-    large = v2.Compose([v2.Resize(enlarged, antialias=True), v2.CenterCrop(img_size)])
+        return lambda image: _center_crop(_resized(image, (enlarged, enlarged)), img_size)
 
     def keep_aspect(image: Image.Image) -> Image.Image:
-        return small(image) if min(image.size) <= img_size else large(image)
+        if min(image.size) <= img_size:
+            return _resized(image, (img_size, img_size))
+        width, height = image.size
+        short, long = min(width, height), max(width, height)
+        # The shorter side to `enlarged`, the longer in proportion, rounded down (torchvision's rule).
+        scaled = enlarged, int(enlarged * long / short)
+        return _center_crop(_resized(image, scaled if width <= height else scaled[::-1]), img_size)
 
     return keep_aspect
 
 
+def _resized(image: Image.Image, size: tuple[int, int]) -> Image.Image:
+    """`image` at `size` (width, height), bilinear; the image itself when it already has that size."""
+    return image if image.size == size else image.resize(size, resample=Image.BILINEAR)
+
+
+def _center_crop(image: Image.Image, size: int) -> Image.Image:
+    """The central `size` square of `image` (at least that large), its corner rounded as torchvision's."""
+    left, top = (round((side - size) / 2.0) for side in image.size)
+    return image.crop((left, top, left + size, top + size))
+
+
 def eval_transform(img_size: int, resize: EvalResize = "aspect") -> Transform:
     """PIL image -> uint8 tensor ``(3, img_size, img_size)``: :func:`eval_resize`, then to a tensor."""
-    from torchvision.transforms import v2  # imported here: see the note at the imports
-
-    resized, to_tensor = eval_resize(img_size, resize), v2.PILToTensor()
+    resized = eval_resize(img_size, resize)
 
     def transform(image: Image.Image) -> torch.Tensor:
-        return to_tensor(resized(image))
+        out = resized(image)
+        pixels = torch.from_numpy(np.array(out, copy=True))
+        return pixels.view(out.height, out.width, len(out.getbands())).permute(2, 0, 1)
 
     return transform
 

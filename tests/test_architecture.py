@@ -725,9 +725,13 @@ def test_the_driver_does_not_import_torchvision_or_deepspeed() -> None:
 def test_the_training_workers_modules_do_not_import_torchvision() -> None:
     """Every Ray Train worker of every run imports the training loop. torchvision's import takes its
     models and ops along (~0.3 CPU-s a process after torch._dynamo, which torch.optim imports
-    anyway; ~1.5 s before it); only device decoding and evaluation transforms use it, and import it
-    where they do (`vitray.data.transforms`)."""
-    assert _loaded_after("vitray.cluster.train_worker, vitray.trainers.loop", ("torchvision",)) == []
+    anyway; ~1.5 s before it); only device decoding uses it, and imports it where it does
+    (`vitray.data.transforms`). The val evaluator's transform, which every worker runs on its share
+    of the split, is PIL's alone."""
+    transform = "vitray.data.transforms.eval_transform(16)(PIL.Image.new('RGB', (40, 30)))"
+    assert (
+        _loaded_after("PIL.Image, vitray.cluster.train_worker, vitray.trainers.loop", ("torchvision",), transform) == []
+    )
 
 
 def test_the_drivers_model_check_does_not_import_torch_dynamo() -> None:

@@ -542,6 +542,35 @@ def test_square_eval_resize_squashes_then_crops_as_the_authors_few_shot_protocol
         eval_transform(32, "squash")
 
 
+@pytest.mark.parametrize("resize", ["aspect", "square"])
+def test_eval_transform_gives_torchvisions_pixels(resize):
+    """The evaluation transform is done with PIL alone (no torchvision in a training worker), pixel
+    for pixel what torchvision's v2.Resize (bilinear, antialiased) and v2.CenterCrop gave: every
+    aspect and size class (smaller than, equal to and larger than img_size; odd margins that round)."""
+    from torchvision.transforms import v2
+
+    img_size = 32
+    enlarged = round(img_size / 0.875)
+    if resize == "square":
+        reference = v2.Compose([v2.Resize((enlarged, enlarged), antialias=True), v2.CenterCrop(img_size)])
+    else:
+        small = v2.Resize((img_size, img_size), antialias=True)
+        large = v2.Compose([v2.Resize(enlarged, antialias=True), v2.CenterCrop(img_size)])
+        reference = lambda image: small(image) if min(image.size) <= img_size else large(image)  # noqa: E731
+    rng = np.random.default_rng(0)
+    ours = eval_transform(img_size, resize)
+    sizes = [(8, 6), (32, 32), (31, 40), (33, 33), (37, 37), (60, 20), (20, 60), (41, 97), (100, 75), (333, 500)]
+    for width, height in sizes:
+        for mode in ("RGB", "L"):
+            channels = 3 if mode == "RGB" else 1
+            pixels = rng.integers(0, 256, (height, width, channels), dtype=np.uint8)
+            image = Image.fromarray(pixels.squeeze(-1) if mode == "L" else pixels, mode)
+            expected = v2.PILToTensor()(reference(image))
+            got = ours(image)
+            assert got.shape == expected.shape == (channels, img_size, img_size), (width, height, mode)
+            assert torch.equal(got, expected), (width, height, mode)
+
+
 def test_eval_transform_resizes_small_images_and_crops_large_ones():
     small, large = Image.new("RGB", (8, 6), (255, 0, 0)), Image.new("RGB", (300, 400), (0, 0, 0))
     out = to_model_range(eval_transform(16)(small)[None])[0]
