@@ -194,10 +194,10 @@ def start_rank_copy(
         wanted = sorted(listed)
     names = sorted(set(wanted) - {STATE_FILE})
     if not storage.is_remote(path):
-        files, read = {n: Path(path) / n for n in names}, {n: listed[n] for n in names}
-        _check_sizes(path, files, read)
+        files, records = {n: Path(path) / n for n in names}, {n: listed[n] for n in names}
+        _check_sizes(path, files, records)
         checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitray-ckpt-check")
-        checking = checker.submit(_check_crc32cs, path, files, read)
+        checking = checker.submit(_check_crc32cs, path, files, records)
         checker.shutdown(wait=False)  # (the check runs on; its thread ends with it)
         return Path(path), state, checking
     locks = node_dir / ".locks"
