@@ -34,6 +34,18 @@ def crc32c_extend(crc: int, data) -> int:
     return google_crc32c.extend(crc, data)
 
 
+class RunningCrc32c:
+    """The CRC-32C and size of bytes seen one buffer at a time, as they are written."""
+
+    def __init__(self):
+        self.value = 0
+        self.size = 0
+
+    def update(self, data) -> None:
+        self.value = crc32c_extend(self.value, data)
+        self.size += memoryview(data).nbytes
+
+
 def _multiply(a: int, b: int) -> int:
     """a * b modulo the polynomial, both in the CRC's bit-reversed order (bit 31 is x^0)."""
     product, bit = 0, 1 << 31

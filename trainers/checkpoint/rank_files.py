@@ -36,7 +36,13 @@ from vitray.runfolder.checkpoint_folders import (
     listed_size,
     read_state,
 )
-from vitray.trainers.checkpoint.checksums import byte_ranges, crc32c_extend, files_crc32c, joined_crc32c
+from vitray.trainers.checkpoint.checksums import (
+    RunningCrc32c,
+    byte_ranges,
+    crc32c_extend,
+    files_crc32c,
+    joined_crc32c,
+)
 from vitray.trainers.engines.seam import FileSelector, Written
 
 __all__ = [
@@ -64,21 +70,13 @@ def checkpoint_name() -> str:
     return f"checkpoint_{datetime.today().strftime('%Y-%m-%d_%H-%M-%S.%f')}"
 
 
-class _RunningCrc32c:
-    def __init__(self):
-        self.value = 0
-
-    def update(self, data: memoryview) -> None:
-        self.value = crc32c_extend(self.value, data)
-
-
 def write_file(folder: str, name: str, write: Callable[[IO[bytes]], None]) -> Written:
     """Write the checkpoint file `name` (relative, `/`-separated) of `folder` (a local path or a
     URL) once, where it stays, through `write(f)`. Locally the file is written past the page cache
     and fsynced before this returns (`storage.DirectFile`; its folder's entry is `sync_folders`'s);
     remotely its parts go up as they are serialised (`storage.UploadStream`: a multipart upload,
     parts in parallel), riding out an outage of the store (the worker's run.storage_outage_s)."""
-    crc = _RunningCrc32c()  # computed as each buffer or part goes out, beside the write before it
+    crc = RunningCrc32c()  # computed as each buffer or part goes out, beside the write before it
     if storage.is_remote(folder):
         # An outage of the store is waited for (run.storage_outage_s), not spent as a restart.
         what = f"uploading {name} of checkpoint {folder}"

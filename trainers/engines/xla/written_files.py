@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from vitray.trainers.checkpoint.checksums import crc32c_extend
+from vitray.trainers.checkpoint.checksums import RunningCrc32c
 
 
 class _ChecksummedStream:
@@ -25,15 +25,12 @@ class _ChecksummedStream:
 
     def __init__(self, stream: Any):
         self._stream = stream
-        self.size = 0
-        self.crc32c = 0
+        self.written = RunningCrc32c()
 
     def write(self, data: Any) -> int | None:
         returned = self._stream.write(data)
         view = memoryview(data).cast("B")
-        written = view.nbytes if returned is None else returned  # (None: a stream that does not say)
-        self.crc32c = crc32c_extend(self.crc32c, view[:written])
-        self.size += written
+        self.written.update(view if returned is None else view[:returned])  # (None: a stream that does not say)
         return returned
 
     def __getattr__(self, name: str) -> Any:
@@ -59,7 +56,7 @@ class WrittenFiles:
                 counted = _ChecksummedStream(stream)
                 yield counted
                 with self._lock:
-                    self._files[os.fspath(path)] = (counted.size, counted.crc32c)
+                    self._files[os.fspath(path)] = (counted.written.size, counted.written.value)
 
         def renamed(path: Any, new_path: Any) -> None:
             rename(path, new_path)
