@@ -16,7 +16,7 @@ PIP_INSTALL := TMPDIR=$(PIP_TMPDIR) $(BIN)/python -m pip install --no-cache-dir 
 # TPU host's chips. PJRT's client is made once per process: every test process gets the same setting.
 XLA_TEST_ENV := PJRT_DEVICE=CPU CPU_NUM_DEVICES=4
 
-.PHONY: demo test test-xla lint format docs install clean
+.PHONY: demo test test-xla lint format docs gpu-kit install clean
 
 install: $(STAMP)
 
@@ -67,6 +67,12 @@ format: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/python -m vitray.cli.config_reference > docs/configuration.md.tmp
 	mv docs/configuration.md.tmp docs/configuration.md
+
+# .gpu-kit/ for a device call (carry [".gpu-kit"], then `source .gpu-kit/env.sh || exit 1;`): the shared
+# kit made to fit this project's layout, with torchao for the device's torch and pytest
+# (benchmarks/gpu_kit.sh says what and why).
+gpu-kit: $(STAMP)
+	bash benchmarks/gpu_kit.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache demo-output

@@ -21,18 +21,16 @@
 #   `dots_saveable` against the plain loop's whole-block recompute (its own row, not the issue's comparison).
 # - checks: checks.txt: the CUDA variants of the feed's and the GPU decode's tests (tests/test_feed.py and
 #   tests/test_device_decode.py, `-k cuda`: the feed's thread, pinned copies on the side stream, nvjpeg, the crops
-#   on the GPU against the CPU path's). Needs pytest in the kit: after make-kit.sh,
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .gpu-kit/whl \
-#       $(grep -iE '^(pytest|pluggy|iniconfig|packaging)==' requirements.lock)
-#   About 1 minute.
+#   on the GPU against the CPU path's). About 1 minute.
 # - graphs: gpu_step_<model>_graphs.txt: `gpu_step.py --compile-mode reduce-overhead` (CUDA graphs, both loops) for
 #   S/16 and B/16, to hold against the step group's default-mode figures (and their last losses). About 4 minutes.
 # - fp8 (issue #40's item 4): fp8_step_<model>.txt: `gpu_step.py --dtypes bf16,fp8` for L/16 and H/14 (activation
 #   checkpointing): vitray in bf16 (L/16) and in fp8 against the plain bf16 loop (L/16
 #   profiled: where the fp8 step's device time goes, the casts against the products); fp8_loss.txt: `benchmarks/fp8_loss.py`,
-#   B/16 for 500 steps in bf16 then fp8 from the same seed and batches, and their losses (the fp8 loops compile for over a minute each). Needs torchao in the kit
-#   (a version for the device's torch: 0.17 for torch 2.11). About 13 minutes: two device calls.
+#   B/16 for 500 steps in bf16 then fp8 from the same seed and batches, and their losses (the fp8 loops compile for over a minute each). About 13 minutes: two device calls.
 # Budget: about 20 minutes on one H100 for the first four (each step has its own time limit).
+# The kit: `make gpu-kit` (benchmarks/gpu_kit.sh: the shared kit with every vitray sub-package linked, torchao
+# for the device's torch, pytest for `checks`); each device call starts `source .gpu-kit/env.sh || exit 1;`.
 set -u
 OUT=${1:?usage: run_gpu.sh OUTDIR [attention] [step] [data] [pretrain] [decode] [remat] [graphs] [checks] [fp8]}
 shift
