@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for mark in marks:
         window = slice(max(0, mark - args.window), mark)
         means = [sum(losses[window]) / len(losses[window]) for losses, _ in results.values()]
-        print(f"{mark - args.window:>4}-{mark:<4}" + "  ".join(f"{m:15.4f}" for m in means))
+        print(f"{window.start:>4}-{mark:<4}" + "  ".join(f"{m:15.4f}" for m in means))
     end = {dtype: sum(losses[-args.window :]) / args.window for dtype, (losses, _) in results.items()}
     difference = (end["fp8"] - end["bf16"]) / end["bf16"]
     print(
