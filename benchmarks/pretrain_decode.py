@@ -70,7 +70,7 @@ def pretrain(data: str, storage: str, decode: str, args: argparse.Namespace) -> 
         "train.steps": args.steps,
         "train.batch_size": args.batch,
         "train.micro_batch_size": args.batch,
-        "schedule.warmup_steps": 10,
+        "schedule.warmup_steps": min(10, args.steps),  # (a short trial run is refused a longer warm-up)
         "precision.dtype": "bf16",
         "cluster.num_workers": 1,
         "cluster.gpus_per_worker": 1,
