@@ -49,8 +49,7 @@ for spec in "$(pin google-crc32c)" "$(pin pytest)" "$(pin pluggy)" "$(pin inicon
     [ -n "$spec" ] || { echo "a kit package is not in requirements.lock" >&2; exit 2; }
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT \
         -d "$KIT/whl" "$spec" 2>&1 | grep -v '^WARNING' || true
-done
-for name in google_crc32c pytest pluggy iniconfig packaging torchao; do
-    ls "$KIT"/whl/"$name"-*.whl >/dev/null 2>&1 || { echo "no wheel for $name in $KIT/whl" >&2; exit 1; }
+    wheel=${spec%%==*}  # a wheel's file name spells the project's name with underscores
+    ls "$KIT"/whl/"${wheel//-/_}"-*.whl >/dev/null 2>&1 || { echo "no wheel for $spec in $KIT/whl" >&2; exit 1; }
 done
 du -sh "$KIT"
