@@ -30,7 +30,7 @@ class _ChecksummedStream:
     def write(self, data: Any) -> int | None:
         returned = self._stream.write(data)
         view = memoryview(data).cast("B")
-        self.written.update(view if returned is None else view[:returned])  # (None: a stream that does not say)
+        self.written.update(view if returned is None else view[:returned])  # (fsspec's streams return None)
         return returned
 
     def __getattr__(self, name: str) -> Any:
