@@ -9,6 +9,7 @@ import this module and add their commands to :data:`app`; `cli/main.py` imports 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 from collections.abc import Iterator
@@ -47,6 +48,18 @@ app = typer.Typer(
 )
 data_app = typer.Typer(help="Prepare datasets as webdataset shards.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
+
+
+def reflow_help(typer_app: typer.Typer) -> None:
+    """Each command's help with every paragraph on one line, for the terminal to wrap. Typer's rich
+    help keeps a docstring's line breaks in the command list and in every paragraph after the first,
+    so `vitray --help` showed lines broken where the source was; a paragraph starting with \\b
+    keeps its lines (click's convention)."""
+    for command in typer_app.registered_commands:
+        text = inspect.cleandoc(command.help or (command.callback.__doc__ if command.callback else None) or "")
+        paragraphs = text.split("\n\n")
+        command.help = "\n\n".join(p if p.startswith("\b") else " ".join(p.split("\n")) for p in paragraphs)
+
 
 # Progress and messages (never wrapped: paths and commands stay copyable); result tables go to stdout.
 console = Console(stderr=True, soft_wrap=True)

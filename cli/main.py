@@ -8,8 +8,11 @@ import typer
 
 # In `vitray --help` order; importing a command module adds its commands to `app`.
 from vitray.cli import data, demo, inspection, pretrain, runs, submit, transfer  # noqa: F401
-from vitray.cli.app import app, handled, say_stopped_by_user
+from vitray.cli.app import app, data_app, handled, reflow_help, say_stopped_by_user
 from vitray.cluster.runtime import enable_token_auth_if_available
+
+reflow_help(app)
+reflow_help(data_app)
 
 __all__ = ["app", "main"]
 

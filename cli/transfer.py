@@ -144,9 +144,11 @@ def finetune(
 
     From a fine-tune config (a pretrain YAML with init.checkpoint): vitray finetune -c configs/finetune_digits.yaml
     prints the top-1 on data.val_split at the end.
+
     From a benchmark's protocol: vitray finetune CHECKPOINT --benchmark digits --data-root ROOT --lr 0.01
     trains on the protocol's train slice (e.g. train[:90%]) and prints the top-1 on the held-out slice and on
     the test split (VTAB-1k: trains on train[:1000], prints the test top-1).
+
     Re-running the same command resumes the run.
     """
     from vitray.cluster.finetune import benchmark_config, reporting_top1, run_finetune

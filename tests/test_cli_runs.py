@@ -180,3 +180,18 @@ def test_help_without_a_terminal_keeps_every_option_name_whole():
         result = CliRunner().invoke(whole_app, [*command, "--help"])  # its output is not a terminal
         assert result.exit_code == 0 and "…" not in result.output, result.output
     assert "--samples-per-shard" in CliRunner().invoke(whole_app, ["data", "prepare", "--help"]).output
+
+
+def test_help_breaks_lines_where_the_terminal_ends_not_where_the_source_did():
+    """A docstring's paragraphs are wrapped to the width of the help (100 columns without a
+    terminal), in the command list and on each command's page, not broken where its source lines end."""
+    from vitray.cli.main import app as whole_app
+
+    def lines(*command: str) -> list[str]:
+        result = CliRunner().invoke(whole_app, [*command, "--help"])
+        assert result.exit_code == 0, result.output
+        return result.output.splitlines()
+
+    assert any("mean attention distance per head and layer" in line for line in lines())
+    assert any("(exit 75); Ctrl-C does the same (exit 130)" in line for line in lines("pretrain"))
+    assert any("rest. Prints the table" in line for line in lines("evaluate"))
