@@ -17,6 +17,15 @@ from seaweed import SeaweedS3
 
 pytest_plugins = ["timeline"]
 
+# One OpenMP thread in every test process and what it starts (the drivers of end-to-end runs; Ray
+# gives its one-CPU workers one already), set before any of them imports torch. The suite runs two
+# pytest workers on CI's two cores: torch's default of a thread per core put four busy threads on
+# two cores, and OpenMP's waiting threads spin. Measured on two cores: the in-process training
+# modules (test_checkpointer, test_trainer_parts, test_masked_patch) took 114-119 s and 180-187
+# CPU-s with the default, 74-76 s and 104-106 CPU-s with one thread. (Tiny models: a second thread
+# hardly speeds their steps on any machine.)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 # The modules that start the most runs, costliest first (their minutes on a CI worker, from
 # `python tests/timeline.py FILE`): collected first, they are handed out first by pytest-xdist

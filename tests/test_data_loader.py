@@ -914,8 +914,13 @@ def test_worker_chunks_travel_as_ring_slots_and_labels_by_value_from_single_thre
 
     real_decode, real_in_order, received = loader_module.decode_chunk, loader_module.in_order, []
     monkeypatch.setattr(loader_module, "decode_chunk", recording_decode)  # forked workers inherit it
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a parent with more than one (the suite's processes run on one)
     monkeypatch.setattr(loader_module, "in_order", recording_in_order)
-    batches = take(jpeg_loader(jpeg_dataset, workers=2, float_images=False), 5)
+    try:
+        batches = take(jpeg_loader(jpeg_dataset, workers=2, float_images=False), 5)
+    finally:
+        torch.set_num_threads(threads)
     worker_states = {key.rsplit("@", 1)[1] for b in batches for key in b.keys}
     # DataLoader workers run torch on one thread (decoding is per sample), and they were forked with
     # the parent's objects frozen, out of their garbage collections; the parent's are unfrozen.
