@@ -216,8 +216,9 @@ class DelayingProxy:
 
 def test_completion_records_are_checked_concurrently_on_s3(seaweed_s3, tmp_path, monkeypatch):
     """64 ranks' records behind 0.1 s per request: read one after another (as before: 7.7 s here,
-    one request in flight) they take at least 6.4 s; read concurrently after one listing, a
-    fraction of that."""
+    one request in flight) they take at least 6.4 s; read concurrently after one listing, less.
+    The bound is the sequential read's floor, not a fraction of it: on a loaded two-core machine
+    the proxy's own work took 3.4 s with 10 requests in flight (CI, session 34)."""
     import s3fs
 
     world, delay = 64, 0.1
@@ -234,7 +235,7 @@ def test_completion_records_are_checked_concurrently_on_s3(seaweed_s3, tmp_path,
         assert state["world_size"] == world
         assert len(records) == world  # each record read once, no per-record existence check
         assert len(proxy.requests) < world + 10, proxy.requests
-        assert proxy.max_in_flight >= 4 and elapsed < world * delay / 2, (proxy.max_in_flight, elapsed)
+        assert proxy.max_in_flight >= 4 and elapsed < world * delay, (proxy.max_in_flight, elapsed)
         # Still as strict: a missing record and a cut-short file are refused.
         fs.rm(f"{remote}/complete-rank-0017.json")
         slow.invalidate_cache()
