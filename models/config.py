@@ -15,6 +15,12 @@ class ModelConfig(BaseModel):
 
     name: str = Field("Ti/4", description='Variant, e.g. "B/16", "L/32", "R50+B/16", "Ti/4".')
     img_size: int = Field(32, gt=0, description="Input resolution in pixels (square).")
+    depth: int | None = Field(
+        None,
+        gt=0,
+        description="Encoder blocks (the Transformer's layers), to override the variant's (e.g. 12 for Ti, S and B): "
+        "fewer give a quick model of the same width for trials and tests. None: the variant's.",
+    )
     head: Literal["token", "gap"] = Field(
         "token",
         description="token: classify the class token (the paper's); gap: the mean of the patch tokens, no class token.",

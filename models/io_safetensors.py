@@ -20,6 +20,7 @@ def save_safetensors(model: VisionTransformer, path: str | os.PathLike) -> None:
     metadata = {
         "format": "vitray",
         "name": model.name,
+        "depth": str(model.depth),
         "img_size": str(model.img_size),
         "head": model.head_type,
         "num_classes": str(model.num_classes),

@@ -228,6 +228,7 @@ def test_safetensors_round_trip_and_metadata(tmp_path):
     assert metadata == {
         "format": "vitray",
         "name": "Ti/4",
+        "depth": "12",
         "img_size": "32",
         "head": "gap",
         "num_classes": "10",

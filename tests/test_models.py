@@ -458,6 +458,7 @@ def test_resample_posemb_rejects_non_grids():
         ({"num_classes": 10, "img_size": 0}, r"^create_model\('Ti/4'\): img_size=0: Input should be greater than 0$"),
         ({"num_classes": 10, "representation_size": 0}, r"representation_size=0: Input should be greater than 0$"),
         ({"num_classes": 10, "dropout": 1.0}, r"dropout=1.0: Input should be less than 1$"),
+        ({"num_classes": 10, "depth": 0}, r"^create_model\('Ti/4'\): depth=0: Input should be greater than 0$"),
         ({"num_classes": 10, "attn_dropout": -0.1}, r"attn_dropout=-0.1: Input should be greater than or equal to 0$"),
     ],
 )
@@ -471,10 +472,30 @@ def test_an_unknown_argument_names_the_arguments_create_model_takes():
     with pytest.raises(TypeError) as error:
         create_model("Ti/4", num_classes=10, head_type="gap")
     assert str(error.value) == (
-        "create_model('Ti/4') got unknown argument(s) head_type; it takes num_classes, img_size, head, "
+        "create_model('Ti/4') got unknown argument(s) head_type; it takes num_classes, img_size, depth, head, "
         "representation_size, dropout, attn_dropout, grad_checkpointing, remat_policy, head_bias_init, "
         "masked_patch_outputs"
     )
+
+
+def test_depth_overrides_the_variants_number_of_blocks_and_its_weights_load_only_into_that_depth(tmp_path):
+    """model.depth: a quick model of the variant's width (big_vision's and timm's `depth`); its weights,
+    exported with it, name the depth, and a model of another depth refuses them."""
+    from vitray.models import load_safetensors, save_safetensors
+    from vitray.models.io_safetensors import read_safetensors_metadata
+
+    short = create_model("Ti/4", num_classes=10, img_size=16, depth=2)
+    full = create_model("Ti/4", num_classes=10, img_size=16)
+    assert (short.depth, len(short.blocks), full.depth, len(full.blocks)) == (2, 2, 12, 12)
+    assert short.width == full.width and short.name == "Ti/4"
+    assert num_params(full) - num_params(short) == 10 * sum(p.numel() for p in full.blocks[0].parameters())
+    save_safetensors(short, tmp_path / "short.safetensors")
+    assert read_safetensors_metadata(tmp_path / "short.safetensors")["depth"] == "2"
+    again = create_model("Ti/4", num_classes=10, img_size=16, depth=2)
+    load_safetensors(again, tmp_path / "short.safetensors")
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), short.state_dict().values()))
+    with pytest.raises(ValueError, match="depth 2"):
+        load_safetensors(full, tmp_path / "short.safetensors")
 
 
 def test_wrong_input_shape_is_a_clear_error():

@@ -244,6 +244,11 @@ def test_an_initial_checkpoint_of_another_architecture_is_refused(pretrained, di
     assert f"init.checkpoint {pretrained} holds a Ti/4, but model.name=S/4" in line, line
     assert "set model.name=Ti/4 or leave it out" in line
     assert not (tmp_path / "runs").exists(), "a refused run leaves nothing behind"
+    # The same name with another number of blocks is another architecture too.
+    sets = _sets(digits_dataset, tmp_path / "runs", f"init.checkpoint={pretrained}", "model.depth=3", name="ft")
+    line = refused(*sets)
+    assert f"init.checkpoint {pretrained} holds a Ti/4 of 2 blocks, but model.depth=3" in line, line
+    assert "set model.depth=2 or leave it out" in line
     # The same name, or none, trains on (resolution and head are the run's own).
     cfg = load_config(
         TrainingConfig,

@@ -41,6 +41,7 @@ def test_pretrain_on_s3_lists_exports_and_resumes(seaweed_s3, tmp_path):
     assert read_safetensors_metadata(out) == {
         "format": "vitray",
         "name": "Ti/4",
+        "depth": "2",
         "img_size": "16",
         "head": "token",
         "num_classes": "10",

@@ -220,7 +220,7 @@ SMALL_TRAIN = [
     "data.flip=false",
     "data.val_split=test",
 ]
-SMALL_MODEL = ["model.name=Ti/4", "model.img_size=16", "model.representation_size=32"]
+SMALL_MODEL = ["model.name=Ti/4", "model.depth=2", "model.img_size=16", "model.representation_size=32"]
 
 
 def _sets(*items: str) -> list[str]:
@@ -267,7 +267,7 @@ def test_scaled_down_pretraining_recipe_runs(digits_dataset, tmp_path):
     for dotted, value in kept.items():
         section, key = dotted.split(".")
         assert config[section][key] == value, dotted
-    assert state["model"]["name"] == "Ti/4"
+    assert (state["model"]["name"], state["model"]["depth"]) == ("Ti/4", 2)
 
 
 @pytest.mark.slow
@@ -288,7 +288,8 @@ def test_scaled_down_finetuning_recipe_runs(pretrained, digits_dataset, tmp_path
     )
     assert re.search(r"top-1 \(.*split test\): [01]\.\d{4}", out.stdout), out.stdout
     state = _finished_state(tmp_path / "small-ft", 4)
-    assert state["model"]["name"] == "Ti/4" and state["model"]["img_size"] == 24  # from the checkpoint, resampled
+    assert (state["model"]["name"], state["model"]["depth"]) == ("Ti/4", 2)  # from the checkpoint
+    assert state["model"]["img_size"] == 24  # resampled
     assert state["model"]["representation_size"] is None  # the pre-logits went with the head
     optim, schedule = state["config"]["optim"], state["config"]["schedule"]
     assert (optim["name"], optim["momentum"], optim["weight_decay"], schedule["decay"]) == ("sgd", 0.9, 0.0, "cosine")

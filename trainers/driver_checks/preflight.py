@@ -30,6 +30,7 @@ from vitray.common.config import flatten_config
 from vitray.common.redact import redacted_config
 from vitray.data.layout import DatasetInfo, read_dataset_info, read_split
 from vitray.models import ModelConfig, create_model_from_config, on_meta_device
+from vitray.models.variants import get_variant
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.step.float8 import float8_layer_names, local_gpu_fp8_problem, no_float8_layer, torchao_missing
@@ -41,6 +42,7 @@ __all__ = ["PreflightError", "ResumePlan", "check_inputs", "check_model", "check
 # what the head predicts, and the layout of the optimizer state that DeepSpeed / XLA restore.
 FIXED_ON_RESUME = (
     "model.name",
+    "model.depth",
     "model.img_size",
     "model.head",
     "model.representation_size",
@@ -239,15 +241,20 @@ def _check_init_checkpoint(cfg: TrainingConfig) -> ModelConfig:
         state = ckpt.resolve_checkpoint(path).state
     except (FileNotFoundError, ckpt.IncompleteCheckpointError, storage.StorageUnreachable) as err:
         raise PreflightError(f"init.checkpoint: {err}") from None
-    theirs = state["model"]["name"]
-    # The weights decide the architecture; a model.name that says otherwise would be recorded as
-    # the run's while it trains the checkpoint's (resolution and head may differ: they are adapted).
-    if "name" in cfg.model.model_fields_set and cfg.model.name != theirs:
-        raise PreflightError(
-            f"init.checkpoint {path} holds a {theirs}, but model.name={cfg.model.name}: fine-tuning keeps the "
-            f"checkpoint's architecture; set model.name={theirs} or leave it out"
-        )
-    return ModelConfig.model_validate({**state["model"], "img_size": cfg.model.img_size})
+    theirs = ModelConfig.model_validate({**state["model"], "img_size": cfg.model.img_size})
+    # The weights decide the architecture; a model.name or model.depth that says otherwise would be
+    # recorded as the run's while it trains the checkpoint's (resolution and head may differ: they
+    # are adapted).
+    blocks = theirs.depth or get_variant(theirs.name).size.depth
+    given = {"name": (theirs.name, theirs.name), "depth": (blocks, f"{theirs.name} of {blocks} blocks")}
+    for key, (value, held) in given.items():
+        ours = getattr(cfg.model, key)
+        if key in cfg.model.model_fields_set and ours != value:
+            raise PreflightError(
+                f"init.checkpoint {path} holds a {held}, but model.{key}={ours}: fine-tuning keeps the "
+                f"checkpoint's architecture; set model.{key}={value} or leave it out"
+            )
+    return theirs
 
 
 def check_model(model: ModelConfig, num_classes: int = 1) -> nn.Module:
