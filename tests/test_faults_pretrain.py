@@ -78,11 +78,6 @@ def _wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 300
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _logged_step(run_dir: str) -> int:
-    metrics = RunFiles(run_dir).read_metrics()
-    return metrics[-1]["step"] if metrics else 0
-
-
 def _train_workers(proc: subprocess.Popen) -> list:
     """The run's Ray Train workers themselves (their DataLoader processes are named pt_data_worker)."""
     import psutil
@@ -385,6 +380,7 @@ def test_shards_gone_mid_run_fail_it_at_once_without_spending_restarts(digits_da
     shutil.copytree(digits_dataset, data)
     storage = tmp_path / "runs"
     run_dir = str(storage / "ref")
+    keys = tmp_path / "keys"
     seen: set[int] = set()  # every Ray Train worker process of the run: a restart starts new ones
 
     def workers(proc: subprocess.Popen) -> set[int]:
@@ -396,8 +392,11 @@ def test_shards_gone_mid_run_fail_it_at_once_without_spending_restarts(digits_da
             )
         return seen
 
-    with running(_args(data, storage, "checkpoint.every=100", "cluster.max_failures=2")) as proc:
-        _wait_for(lambda: _logged_step(run_dir) >= 2, proc, "step 2")
+    # Step 2 as rank 0 begins it (its sample keys; the metrics reach the run folder 10 s later, by
+    # which time the ranks may have opened every shard they read), long before a slot's second shard.
+    extra = ("checkpoint.every=100", "cluster.max_failures=2", f"debug.record_sample_keys={keys}")
+    with running(_args(data, storage, *extra)) as proc:
+        _wait_for(lambda: _steps_done(keys) >= 2, proc, "step 2")
         first = set(workers(proc))
         for shard in data.glob("train-*.tar"):
             shard.unlink()

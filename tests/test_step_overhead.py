@@ -274,7 +274,7 @@ def _zero_step_operators(dataset, tmp_path, monkeypatch, depth: int) -> tuple[in
 
     tiny = variants.TransformerSize(width=16, depth=depth, mlp_dim=32, num_heads=2)
     monkeypatch.setitem(variants.VARIANTS, "Ti/4", variants.Variant("Ti/4", tiny, 4))
-    loop = in_process_loop(dataset, tmp_path / f"depth{depth}", "train.micro_batch_size=4")
+    loop = in_process_loop(dataset, tmp_path / f"depth{depth}", "train.micro_batch_size=4", f"model.depth={depth}")
     engine = loop.backend.engine
     for name in ("allreduce_gradients", "step"):
         method = getattr(engine, name)

@@ -308,7 +308,7 @@ def test_exported_weights_give_the_same_logits_on_deepspeed(reference, process_g
         "train.micro_batch_size=32",
         "cluster.num_workers=1",
     ]
-    model = create_model("Ti/4", num_classes=10, img_size=16)
+    model = create_model("Ti/4", num_classes=10, img_size=16, depth=2)  # the run's (pretrain_helpers.BASE)
     load_safetensors(model, out)
     ds = DeepSpeedBackend(load_config(TrainingConfig, None, common), model, world_size=1, restore=None)
     ds.module.eval()

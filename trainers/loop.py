@@ -419,6 +419,8 @@ class TrainingLoop:
         return {
             **self.cfg.model.model_dump(mode="json"),
             "name": module.name,
+            # (None: the variant's own, as a config that does not set it says)
+            "depth": module.depth if module.depth != module.variant.size.depth else None,
             "img_size": module.img_size,
             "head": module.head_type,
             "representation_size": module.representation_size,
