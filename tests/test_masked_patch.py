@@ -295,13 +295,14 @@ def _run_loop(overrides: list[str], run_dir: Path) -> tuple[list[str], list[dict
 def mpp_checkpoint(
     process_group, unlabelled_digits, digits_dataset, tmp_path_factory, single_thread
 ) -> tuple[str, list[dict]]:
-    """20 steps of masked patch prediction (mean colour, 3 bits) of a Ti/4 at 16 px on unlabelled
+    """20 steps of masked patch prediction (mean colour, 3 bits) of a Ti/4 of 2 blocks at 16 px on unlabelled
     digits, ZeRO-2 with 2 accumulated micro-batches; (final checkpoint, reported metrics)."""
     storage = tmp_path_factory.mktemp("mpp")
     saved, metrics = _run_loop(
         [
             f"data.train={unlabelled_digits}",
             "model.img_size=16",
+            "model.depth=2",
             "train.objective=masked_patch",
             "train.steps=20",
             "train.batch_size=32",
@@ -402,6 +403,7 @@ def test_masked_patch_pretraining_on_the_xla_backend(unlabelled_digits, tmp_path
     overrides = [
         f"data.train={unlabelled_digits}",
         "model.img_size=16",
+        "model.depth=2",
         "train.objective=masked_patch",
         "train.backend=xla",
         "precision.dtype=bf16",
