@@ -29,6 +29,7 @@ from vitray.evaluation.methods import METRIC
 from vitray.evaluation.methods.finetune import VAL_METRIC, FinetuneGrid, FinetuneJob, finetune_settings, is_selection
 from vitray.evaluation.results import Cell
 from vitray.evaluation.suite import get_benchmark, require_prepared
+from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 from vitray.runfolder.files import RunFiles
 from vitray.trainers.config import TrainingConfig
 
@@ -133,15 +134,20 @@ def run_finetune(cfg: TrainingConfig, *, show_progress: bool = False, verbose: b
     """Runs (or resumes) a fine-tune run and returns the top-1s its evaluators `val` and (when it has
     one) `test` logged at the last step.
 
-    A run that already logged them is not started again; one that stopped halfway resumes from its
-    latest checkpoint (same run.name and run.storage).
+    A run that already logged them and completed its last checkpoint is not started again; one that
+    stopped halfway resumes from its latest checkpoint (same run.name and run.storage). Logged
+    top-1s alone do not make a run finished: a worker that outlives its Ray node for a moment (a
+    kill) may log the last step's evaluations and not complete its checkpoint, and that step's
+    weights would then be in no checkpoint that counts.
     """
     from vitray.cluster.pretrain import AlreadyFinished, pretrain
     from vitray.cluster.runtime import run_dir
 
     files = RunFiles(run_dir(cfg.run.storage, cfg.run.name))
     metrics = files.read_metrics()
-    top1 = final_top1(metrics, cfg.train.steps, VAL_TOP1)
+    latest = latest_complete_checkpoint(files.run_dir) if metrics else None
+    finished = latest is not None and latest.step >= cfg.train.steps
+    top1 = final_top1(metrics, cfg.train.steps, VAL_TOP1) if finished else None
     if top1 is None:
         with contextlib.suppress(AlreadyFinished):  # trained to the end; its top-1 is checked just below
             pretrain(cfg, show_progress=show_progress, verbose=verbose)  # raises TrainingFailedError on failure

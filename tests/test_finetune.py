@@ -392,14 +392,23 @@ def test_preflight_checks_every_split_a_val_evaluator_scores(digits_dataset, tmp
         check_inputs(load_config(TrainingConfig, None, [*base, "evals.test={type: val, every: 1, split: validation}"]))
 
 
-def _finished_run(tmp_path, grid, job, **top1s):
-    """A run folder of `job`'s cell that logged `top1s` at its last step (no Ray needed to read it)."""
+def _finished_run(tmp_path, grid, job, complete: bool = True, **top1s):
+    """A run folder of `job`'s cell that logged `top1s` at its last step and left its checkpoint of
+    that step complete, or (`complete=False`) with its files and no completion record (no Ray
+    needed to read it)."""
     import json
+
+    from vitray.trainers.checkpoint.rank_files import mark_complete, write_state
 
     cfg = finetune_config(job, grid)
     files = RunFiles(str(Path(cfg.run.storage) / cfg.run.name))
     Path(files.metrics_path).parent.mkdir(parents=True)
     Path(files.metrics_path).write_text(json.dumps({"step": cfg.train.steps, "loss": 0.1, **top1s}) + "\n")
+    checkpoint = Path(files.run_dir) / "checkpoint_2026-12-01_00-00-00.000000"
+    checkpoint.mkdir()
+    write_state(checkpoint, {"step": cfg.train.steps, "world_size": 1, "data": {"epoch": 0}})
+    if complete:
+        mark_complete(checkpoint, 0, [checkpoint / "trainer_state.json"])
     return cfg, files
 
 
@@ -417,6 +426,31 @@ def test_a_cell_reads_both_top1s_off_its_run_and_an_old_run_without_the_test_one
     with pytest.raises(RuntimeError, match=rf"without {TEST_TOP1}.*Delete the run folder {re.escape(files.run_dir)}"):
         finetune_cell_metrics(other, grid)
     assert Path(files.metrics_path).exists()
+
+
+def test_a_run_that_logged_its_top1_but_never_completed_its_last_checkpoint_is_resumed(tmp_path, monkeypatch):
+    """A worker that outlived its Ray node for a moment logged the last step's evaluations and died
+    writing that step's checkpoint: the cell is not done (its top-1 belongs to weights in no complete
+    checkpoint), so the run is started again, to resume and finish."""
+    import vitray.cluster.pretrain
+
+    grid, plan = _grid_plan(tmp_path, ["vtab/dtd"], learning_rates=[0.003, 0.01])
+    selection = plan.work[0]
+    cfg, files = _finished_run(tmp_path, grid, selection, complete=False, **{VAL_TOP1: 0.5, TEST_TOP1: 0.25})
+    started = []
+
+    def resumed(cfg, **kwargs):  # the run as the re-run leaves it: its last checkpoint complete
+        started.append(cfg.run.name)
+        (checkpoint,) = Path(files.run_dir).glob("checkpoint_*")
+        from vitray.trainers.checkpoint.rank_files import mark_complete
+
+        mark_complete(checkpoint, 0, [checkpoint / "trainer_state.json"])
+
+    monkeypatch.setattr(vitray.cluster.pretrain, "pretrain", resumed)
+    assert finetune_cell_metrics(selection, grid) == {"val_accuracy": 0.5, "accuracy": 0.25}
+    assert started == [cfg.run.name]
+    assert finetune_cell_metrics(selection, grid) == {"val_accuracy": 0.5, "accuracy": 0.25}
+    assert started == [cfg.run.name], "a finished run is not started again"
 
 
 # ---------------------------------------------------------------------------------------------
