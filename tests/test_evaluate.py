@@ -80,7 +80,9 @@ def _write_grid(path: Path, data_root: Path, output: Path) -> Path:
             # Steps held a little (weights unchanged), so that a run that the kill below finds half
             # done is still unfinished when its workers go: on a fast machine the few steps left
             # took less than the moments the workers outlive their raylet.
-            "overrides": {"debug.step_delay_s": 0.5},
+            # (1 s: with the 2-block model's quick steps, 0.5 s let a run complete its last checkpoint
+            # in those moments, session 35)
+            "overrides": {"debug.step_delay_s": 1.0},
         },
     }
     path.write_text(yaml.safe_dump(grid))
