@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .variants import get_variant
+
 
 class ModelConfig(BaseModel):
     """Which ViT to build: the one declaration of the model's arguments, which :func:`create_model`,
@@ -52,3 +54,8 @@ class ModelConfig(BaseModel):
         description="Predictions per patch of the masked patch predictor; a run config sets it from "
         "train.objective and train.masked_patch (none for every other objective).",
     )
+
+    @property
+    def blocks(self) -> int:
+        """The number of encoder blocks the model is built with: `depth`, else the variant's."""
+        return self.depth or get_variant(self.name).size.depth

@@ -198,7 +198,7 @@ class VisionTransformer(nn.Module):
         self.name = variant.name
         self.patch_size = variant.patch_size
         self.width = size.width
-        self.depth = config.depth or size.depth
+        self.depth = config.blocks
         self.num_heads = size.num_heads
         self.mlp_dim = size.mlp_dim
         self.head_type = config.head

@@ -290,7 +290,8 @@ def single_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def pretrained(digits_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A Ti/4 of 2 blocks (pretrain_helpers.BASE) pre-trained at 16 px on digits (2 Ray workers, 8 steps, checkpoints at steps 4 and 8);
+    """A Ti/4 of 2 blocks (pretrain_helpers.BASE) pre-trained at 16 px on digits (2 Ray workers, 8
+    steps, checkpoints at steps 4 and 8);
     returns the run folder. Treat it as read-only (copy it to change it)."""
     from pretrain_helpers import pretrain_args, run
 

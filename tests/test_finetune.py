@@ -30,8 +30,9 @@ from vitray.evaluation.methods import CheckpointRef
 from vitray.evaluation.methods.finetune import FinetuneGrid, finetune_settings
 from vitray.evaluation.suite import get_benchmark
 from vitray.models import resample_posemb
-from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint, read_state
+from vitray.runfolder.checkpoint_folders import STATE_FILE, latest_complete_checkpoint, read_state
 from vitray.runfolder.files import RunFiles
+from vitray.trainers.checkpoint.rank_files import mark_complete, write_state
 
 pytestmark = pytest.mark.slow
 
@@ -398,8 +399,6 @@ def _finished_run(tmp_path, grid, job, complete: bool = True, **top1s):
     needed to read it)."""
     import json
 
-    from vitray.trainers.checkpoint.rank_files import mark_complete, write_state
-
     cfg = finetune_config(job, grid)
     files = RunFiles(str(Path(cfg.run.storage) / cfg.run.name))
     Path(files.metrics_path).parent.mkdir(parents=True)
@@ -408,7 +407,7 @@ def _finished_run(tmp_path, grid, job, complete: bool = True, **top1s):
     checkpoint.mkdir()
     write_state(checkpoint, {"step": cfg.train.steps, "world_size": 1, "data": {"epoch": 0}})
     if complete:
-        mark_complete(checkpoint, 0, [checkpoint / "trainer_state.json"])
+        mark_complete(checkpoint, 0, [checkpoint / STATE_FILE])
     return cfg, files
 
 
@@ -442,9 +441,7 @@ def test_a_run_that_logged_its_top1_but_never_completed_its_last_checkpoint_is_r
     def resumed(cfg, **kwargs):  # the run as the re-run leaves it: its last checkpoint complete
         started.append(cfg.run.name)
         (checkpoint,) = Path(files.run_dir).glob("checkpoint_*")
-        from vitray.trainers.checkpoint.rank_files import mark_complete
-
-        mark_complete(checkpoint, 0, [checkpoint / "trainer_state.json"])
+        mark_complete(checkpoint, 0, [checkpoint / STATE_FILE])
 
     monkeypatch.setattr(vitray.cluster.pretrain, "pretrain", resumed)
     assert finetune_cell_metrics(selection, grid) == {"val_accuracy": 0.5, "accuracy": 0.25}

@@ -30,7 +30,6 @@ from vitray.common.config import flatten_config
 from vitray.common.redact import redacted_config
 from vitray.data.layout import DatasetInfo, read_dataset_info, read_split
 from vitray.models import ModelConfig, create_model_from_config, on_meta_device
-from vitray.models.variants import get_variant
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.step.float8 import float8_layer_names, local_gpu_fp8_problem, no_float8_layer, torchao_missing
@@ -245,9 +244,8 @@ def _check_init_checkpoint(cfg: TrainingConfig) -> ModelConfig:
     # The weights decide the architecture; a model.name or model.depth that says otherwise would be
     # recorded as the run's while it trains the checkpoint's (resolution and head may differ: they
     # are adapted).
-    blocks = theirs.depth or get_variant(theirs.name).size.depth
-    given = {"name": (theirs.name, theirs.name), "depth": (blocks, f"{theirs.name} of {blocks} blocks")}
-    for key, (value, held) in given.items():
+    given = (("name", theirs.name, theirs.name), ("depth", theirs.blocks, f"{theirs.name} of {theirs.blocks} blocks"))
+    for key, value, held in given:
         ours = getattr(cfg.model, key)
         if key in cfg.model.model_fields_set and ours != value:
             raise PreflightError(
