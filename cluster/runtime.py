@@ -8,8 +8,10 @@ started by `ray start --head` use token authentication: the token is read from
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -91,8 +93,27 @@ def connect(address: str | None, *, num_cpus: int | None = None, verbose: bool =
         # A run has none: Ray Train's actors each get a worker of their own (their runtime
         # environment differs), and the idle ones sit unused to the end, ~0.6 CPU-s each to start.
         os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
-        # address="local" always starts a private instance, never joins a `ray start` cluster by accident.
+        _start_local(num_cpus, verbose)
+        _started_local = True
+    _lifeline.record()
+
+
+# What Ray raises when the new raylet has not registered with the GCS within the 30 s that
+# ray/_private/node.py allows it (a constant there, no setting).
+_REGISTRATION_TIMED_OUT = "timed out during startup"
+
+
+def _start_local(num_cpus: int | None, verbose: bool) -> None:
+    """Start the private instance; once more if Ray gave up waiting for its raylet to register.
+
+    On a machine whose CPUs are busy with other work (another job's start, a neighbour's build) a
+    raylet can take longer than Ray's fixed 30 s to register, and the start fails although nothing
+    is wrong; a second start, the first one's processes stopped, almost always makes it."""
+    import ray
+
+    for attempt in (1, 2):
         try:
+            # address="local" always starts a private instance, never joins a `ray start` cluster by accident.
             ray.init(
                 address="local",
                 num_cpus=num_cpus,
@@ -100,13 +121,44 @@ def connect(address: str | None, *, num_cpus: int | None = None, verbose: bool =
                 log_to_driver=verbose,
                 logging_level="info" if verbose else "warning",
             )
+            return
         except Exception as error:
+            if attempt == 1 and _REGISTRATION_TIMED_OUT in str(error):
+                stopped = _stop_own_ray_processes()
+                print(
+                    f"vitray: the local Ray instance did not start within Ray's 30 s ({_cause(error)}); "
+                    f"starting it again ({stopped} leftover Ray processes stopped)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                continue
             raise RayUnavailable(
                 f"the local Ray instance did not start ({_cause(error)}): check free memory and space in /tmp, stop "
                 "leftover Ray processes (`ray stop`), then retry; --verbose shows Ray's own logs"
             ) from error
-        _started_local = True
-    _lifeline.record()
+
+
+def _stop_own_ray_processes() -> int:
+    """SIGKILL what a failed local start left running -- this process's own descendants that run
+    Ray's binaries, scripts or workers, never another Ray on the machine -- and wait for them.
+    Returns how many there were."""
+    import psutil
+    import ray
+
+    ray_dir = os.path.dirname(ray.__file__)
+    leftovers = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            command = process.cmdline()
+            if process.name().startswith("ray::") or any(part.startswith(ray_dir) for part in command[:4]):
+                leftovers.append(process)
+        except psutil.Error:
+            continue  # already gone
+    for process in leftovers:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(leftovers, timeout=10)
+    return len(leftovers)
 
 
 class _Lifeline:
