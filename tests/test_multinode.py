@@ -53,7 +53,8 @@ STEPS, EVERY = REFERENCE_STEPS, 10
 COMMON = (*REFERENCE, f"checkpoint.every={EVERY}", "debug.step_delay_s=0.5")
 STORE_CUT_S = 45
 PAIR_CUT_S = 20
-# A capped link carries a step's gradients (ViT-Ti: ~22 MB) in about a second.
+# A capped link carries a step's gradients (the suite's 2-block Ti/4: 3.6 MB in fp32) in about a sixth of a
+# second (Ti's 12 blocks: 21 MB, about a second).
 CAP = "200mbit"
 # Ray's node timeout on these hosts: a node whose health checks fail for ~10-20 s is dead (Ray's
 # default is ~30-60 s; tighter than this, a node starting on a loaded machine can be declared
