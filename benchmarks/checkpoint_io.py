@@ -10,7 +10,7 @@ this project's wrote /dev/zero at 1.4x), `torch.save` of the same state
 (one file, fsynced), `torch.distributed.checkpoint.save` of it (fsynced: DCP's `sync_files`), and
 vitray's whole save (`Checkpointer.save` to the last file and the completion record in the run
 folder, fsynced). Then the restore: `dd iflag=direct` reading a file the checkpoint's size (the
-disk's read) against vitray's (each file's size and CRC-32C checked while DeepSpeed loads it), with
+disk's read) against vitray's (each file's size and CRC-32C checked as DeepSpeed's shards are read), with
 the checkpoint's pages dropped from the page cache first (`posix_fadvise(DONTNEED)`).
 
 Printed per round: MB/s of each (MB = 1e6 bytes of the checkpoint vitray writes; the references
@@ -157,9 +157,9 @@ def vitray_save(backend, run_dir: Path | str, model_weights: str):
 
 
 def vitray_restore(cfg, backend, folder: str, scratch: Path) -> float:
-    """Seconds to load the checkpoint as a resume does: a local one's files checked (CRC-32C) while
-    DeepSpeed loads them, a remote one's downloaded and checked first. (A resume also overlaps
-    the check with building the engine, which the benchmark's backend already is.)"""
+    """Seconds to load the checkpoint as a resume does: a local one's files checked (CRC-32C) as
+    DeepSpeed's shards are read into its tensors, the rest after; a remote one's downloaded and
+    checked first."""
     from vitray.trainers.checkpoint.rank_files import start_rank_copy
     from vitray.trainers.engines.deepspeed.resume_files import restore_files
 

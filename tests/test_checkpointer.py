@@ -458,6 +458,53 @@ def test_a_zero_checkpoint_keeps_12_bytes_a_parameter_resumes_exactly_and_gives_
     assert all(torch.equal(fresh.full_state_dict()[k], v) for k, v in whole.items())
 
 
+def test_a_resume_reads_deepspeeds_shards_once_checked_as_read_and_refuses_a_corrupt_one(
+    tmp_path, process_group, monkeypatch
+):
+    """DeepSpeed's shards are read by the checkpoint engine itself, straight into their tensors,
+    each checked (size, CRC-32C) as it is read: the check left for the end reads only the files no
+    reader took (the trainer state's siblings, here none of the shards); a shard with one byte
+    changed inside a tensor fails the engine's load, naming the file."""
+    from vitray.trainers.engines.deepspeed.resume_files import restore_files
+
+    _, backend = _deepspeed_backend(stage=1)
+    backend.backward_step(backend(torch.randn(2, 3, 32, 32, dtype=backend.dtype)).float().square().mean())
+    reports = []
+    saver = checkpointer(backend, reports, FakeLoader(), None, every=2, last_step=4, run_dir=tmp_path)
+    saver.save(2, {})
+    saver.finish(wait=True)
+    folder = Path(reports[0][1])
+    shards = sorted(p.relative_to(folder).as_posix() for p in (folder / "deepspeed").rglob("*.pt"))
+    assert len(shards) == 2  # the module states and rank 0's optimizer shard
+
+    checked_at_the_end = []
+    real_check = rank_files._check_crc32cs
+    monkeypatch.setattr(
+        rank_files,
+        "_check_crc32cs",
+        lambda path, files, listed, crcs=None: (
+            checked_at_the_end.append(sorted(files)) or real_check(path, files, listed, crcs)
+        ),
+    )
+    _, fresh = _deepspeed_backend(stage=1)
+    local, state, checking = rank_files.start_rank_copy(str(folder), restore_files(0, 1, 1), tmp_path / "r", 0)
+    fresh.load(local, state)
+    checking.result()
+    assert checked_at_the_end == [[]]
+    trained = backend.module.state_dict()
+    assert all(torch.equal(fresh.module.state_dict()[k], v) for k, v in trained.items())
+
+    optim = next(folder / name for name in shards if "optim_states" in name)
+    data = bytearray(optim.read_bytes())
+    data[len(data) // 2] ^= 1  # inside the master weights or a moment
+    optim.write_bytes(bytes(data))
+    _, again = _deepspeed_backend(stage=1)
+    local, state, checking = rank_files.start_rank_copy(str(folder), restore_files(0, 1, 1), tmp_path / "r2", 0)
+    with pytest.raises(ckpt.IncompleteCheckpointError, match=f"{optim.name} does not have the CRC-32C"):
+        again.load(local, state)
+    assert checking.exception() is None  # (what is left to check: nothing the engine read)
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_frozen_parameters_are_in_the_derived_weights(tmp_path, process_group, stage):
     """A frozen parameter lies outside the optimizer's master copy: ZeRO 1-2's module states keep it

@@ -19,8 +19,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,14 +44,17 @@ from vitray.trainers.checkpoint.checksums import (
     files_crc32c,
     joined_crc32c,
 )
+from vitray.trainers.checkpoint.torch_file import FileCheck
 from vitray.trainers.engines.seam import FileSelector, Written
 
 __all__ = [
     "EMA_FILE",
     "MODEL_FILE",
     "STATE_FILE",
+    "LocalCheck",
     "Written",
     "checkpoint_name",
+    "file_check",
     "files_under",
     "mark_complete",
     "node_restore_dir",
@@ -173,13 +177,13 @@ def rank_copy(path: str, select: FileSelector | None, node_dir: Path, rank: int)
 
 def start_rank_copy(
     path: str, select: FileSelector | None, node_dir: Path, rank: int
-) -> tuple[Path, dict[str, Any], Future | None]:
+) -> tuple[Path, dict[str, Any], LocalCheck | None]:
     """`rank_copy`, but the CRC-32Cs of a local checkpoint's files (their sizes are checked at once)
-    are computed on background threads while the caller goes on -- builds its engine and loads the
-    files, reading what the check has brought into the page cache or bringing it in for the check:
-    the disk is read once, and the check no longer comes before everything else. The third value
-    (None when nothing is left to check) raises IncompleteCheckpointError from `result()` if a file
-    is corrupt: the caller waits for it before it trains on anything it loaded."""
+    are left to whoever reads the files: a reader that reads a whole file checks it as it reads
+    (`file_check`), so the disk is read once and the check does not come before everything else.
+    The third value (None when nothing is left to check) checks the files no reader took when its
+    `result()` is called, and raises IncompleteCheckpointError if a file is corrupt: the caller
+    calls it once the files are loaded, before it trains on anything it loaded."""
     import fcntl
 
     fs, fs_path = storage.filesystem(path)
@@ -194,10 +198,7 @@ def start_rank_copy(
     if not storage.is_remote(path):
         files, records = {n: Path(path) / n for n in names}, {n: listed[n] for n in names}
         _check_sizes(path, files, records)
-        checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitray-ckpt-check")
-        checking = checker.submit(_check_crc32cs, path, files, records)
-        checker.shutdown(wait=False)  # (the check runs on; its thread ends with it)
-        return Path(path), state, checking
+        return Path(path), state, LocalCheck(path, files, records)
     locks = node_dir / ".locks"
     locks.mkdir(parents=True, exist_ok=True)
     held = []
@@ -223,6 +224,62 @@ def start_rank_copy(
             handle.close()
     (node_dir / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
     return node_dir, state, None
+
+
+class LocalCheck:
+    """The CRC-32C check of a local checkpoint's files, shared with their readers. While it is
+    pending, a reader that reads one of the files whole takes its check (`file_check`) and checks
+    it from the bytes it reads; `result()` reads and checks, in parallel, the files no reader took,
+    once (`exception()`: what `result()` raises, or None)."""
+
+    def __init__(self, path: str, files: dict[str, Path], listed: dict[str, Any]):
+        self.path, self._files, self._listed = path, files, listed
+        self._outcome: list[BaseException | None] = []
+        with _PENDING_LOCK:
+            for name, file in files.items():
+                _PENDING[os.path.realpath(file)] = (self, name)
+
+    def result(self) -> None:
+        if not self._outcome:
+            left = set()
+            with _PENDING_LOCK:
+                for name, file in self._files.items():
+                    if _PENDING.get(os.path.realpath(file), (None,))[0] is self:
+                        del _PENDING[os.path.realpath(file)]
+                        left.add(name)
+            try:
+                _check_crc32cs(self.path, {n: self._files[n] for n in left}, {n: self._listed[n] for n in left})
+                self._outcome.append(None)
+            except BaseException as error:
+                self._outcome.append(error)
+        if self._outcome[0] is not None:
+            raise self._outcome[0]
+
+    def exception(self) -> BaseException | None:
+        try:
+            self.result()
+        except BaseException as error:
+            return error
+        return None
+
+    def file_check(self, name: str) -> FileCheck:
+        def fail(problem: str) -> None:
+            raise IncompleteCheckpointError(self.path, f"{name} {problem}")
+
+        return FileCheck(listed_size(self._listed[name]), listed_crc32c(self._listed[name]), fail)
+
+
+_PENDING: dict[str, tuple[LocalCheck, str]] = {}  # a file's real path -> the pending check that lists it
+_PENDING_LOCK = threading.Lock()
+
+
+def file_check(path: str | Path) -> FileCheck | None:
+    """The listed size and CRC-32C of a file of a local checkpoint being restored (`start_rank_copy`),
+    for a reader that reads it whole and checks it as it reads; the pending check then leaves it out.
+    None when no pending check lists the file (nothing to check, or it is checked already)."""
+    with _PENDING_LOCK:
+        check, name = _PENDING.pop(os.path.realpath(path), (None, None))
+    return check.file_check(name) if check is not None else None
 
 
 # A remote checkpoint's files come down in ranges of this many bytes, this many at a time (ranged

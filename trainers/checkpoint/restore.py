@@ -42,8 +42,9 @@ def choose_checkpoint(run_dir: str, announced: str | None, step: int | None, *, 
 def restore_copy(cfg: TrainingConfig, ctx: WorkerContext) -> Iterator[tuple[Path, dict[str, Any]] | None]:
     """This rank's local copy of the checkpoint the run resumes from and its trainer state, or None
     for a run from scratch; a collective (rank 0 chooses). A local checkpoint's files are checked
-    (CRC-32C) while the body builds the engine and loads them (`start_rank_copy`); leaving waits for
-    the check and raises IncompleteCheckpointError if a file is corrupt. The copy is removed on
+    (CRC-32C) by whoever reads them whole in the body (the engine's load: `rank_files.file_check`),
+    the rest on leaving (`start_rank_copy`), which raises IncompleteCheckpointError if a file is
+    corrupt. The copy is removed on
     leaving, once the last rank of the node has loaded it: training does not need it any more."""
     path = broadcast_json(
         choose_checkpoint(ctx.run_dir, ctx.resume_from, ctx.resume_step, restarted=ctx.restarted)

@@ -33,8 +33,9 @@ import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from torch import nn
 
+from vitray.trainers.checkpoint import torch_file
 from vitray.trainers.checkpoint.host_buffers import HostBuffers
-from vitray.trainers.checkpoint.rank_files import write_file
+from vitray.trainers.checkpoint.rank_files import file_check, write_file
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.engines.deepspeed import zero_step
 from vitray.trainers.engines.deepspeed.resume_files import (
@@ -187,23 +188,9 @@ def load(engine, checkpoint_dir: Path, *, universal_dir: Path | None = None) -> 
     )
     if path is None:
         raise RuntimeError(f"no DeepSpeed state under {load_dir}/{tag}")
-    _own_optimizer_state(engine)
     if masters and universal_dir is None:  # (a universal load rounds them itself)
         round_masters_into_module(engine)  # the weights the step trains: the master copy, rounded
     return client_state or {}
-
-
-def _own_optimizer_state(engine) -> None:
-    """The wrapped optimizer's state in host memory of its own. The checkpoint engine maps the files
-    it loads (BackgroundCheckpointEngine.load), and torch's `Optimizer.load_state_dict` keeps a
-    loaded tensor as it is where its dtype and device already fit: Adam's moments would stay
-    mappings of the checkpoint's file for the rest of the run -- holding the file's disk space
-    after the checkpoint is pruned (or its local copy removed), and faulting each page in at the
-    next snapshot. (DeepSpeed copies the master weights into its own partitions.)"""
-    for state in _wrapped_optimizer(engine).state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-                state[key] = value.clone()
 
 
 def weights_from_master(engine) -> set[str]:
@@ -373,13 +360,13 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
         self._queued.append(self._writer.submit(write_file, folder, name, lambda f: _save_without_zip_crc(snapshot, f)))
 
     def load(self, path: str, map_location=None):
-        # Memory-mapped: the restore has just read every file for its CRC-32C, so its pages are in
-        # the page cache, and each tensor is copied once, into DeepSpeed's own buffers (the master
-        # weights) or the optimizer's (`_own_optimizer_state`: the moments); a plain load would
-        # first copy the whole file into freshly allocated tensors (measured: 0.46 of 0.55 s for a
-        # B/16's 1 GB of optimizer state). The mapping is private: nothing writes the file.
+        # Read once, straight into the tensors the optimizer keeps. A file of a local checkpoint
+        # (whose check the restore left to its reader) is checked as it is read, past the page
+        # cache; a copy downloaded from S3 was checked as it came down, and its bytes are in the
+        # page cache: read from there.
+        check = file_check(path)
         with torch.serialization.safe_globals(_deepspeed_checkpoint_classes()):
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+            return torch_file.load(path, check=check, direct=check is not None, map_location=map_location)
 
     def reserve_buffers(self, like: list[torch.Tensor]) -> None:
         """Have host buffers for tensors like `like` ready for the first snapshot (HostBuffers.reserve)."""
@@ -396,11 +383,13 @@ def _save_without_zip_crc(state: Any, f) -> None:
     in its rank's completion record and checked on every read (`write_file` computes it as the bytes
     go out), and torch's own took most of the save's time (measured: a 1 GB state fsynced at ~0.5
     GB/s with it, ~1.3 GB/s without). `torch.load` reads such files as any other; only a zip tool
-    would complain of their CRCs. (torch's option is process-wide: set for this save alone, on the
-    checkpoint engine's one writer thread.)"""
+    would complain of their CRCs. Each tensor's bytes start on a page of the file (torch's
+    `storage_alignment`; at most a page of padding a tensor), so that a restore reads them with
+    O_DIRECT straight into its tensors (`torch_file.load`). (torch's options are process-wide: set
+    for this save alone, on the checkpoint engine's one writer thread.)"""
     from torch.utils.serialization import config
 
-    with config.patch({"save.compute_crc32": False}):
+    with config.patch({"save.compute_crc32": False, "save.storage_alignment": torch_file.STORAGE_ALIGNMENT}):
         torch.save(state, f)
 
 
