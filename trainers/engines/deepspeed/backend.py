@@ -339,6 +339,18 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
         # name them in DeepSpeed's own key for that (`param_shapes`, which ZeRO 1-3 fill), so that
         # the weights can be derived from the checkpoint (runfolder's derived_weights).
         self.master_shapes: list[dict[str, torch.Size]] | None = None
+        # Where a restore reads the fp32 master weights of an optimizer shard straight into
+        # (`masters_into`): DeepSpeed's own partitions, which its load would otherwise copy them into.
+        self.master_partitions: list[torch.Tensor] = []
+
+    def masters_into(self, state: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Pairs of an optimizer shard's master weights (ZeRO 1-2) and the partition DeepSpeed loads
+        them into (`torch_file.load`'s `into`)."""
+        optimizer = state.get("optimizer_state_dict") if isinstance(state, dict) else None
+        saved = optimizer.get("single_partition_of_fp32_groups") if isinstance(optimizer, dict) else None
+        if not saved or len(saved) != len(self.master_partitions):
+            return []
+        return list(zip(saved, self.master_partitions))
 
     def preserves_storage_sharing(self) -> bool:
         return False  # the snapshot already copies every tensor compactly
@@ -366,7 +378,9 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
         # page cache: read from there.
         check = file_check(path)
         with torch.serialization.safe_globals(_deepspeed_checkpoint_classes()):
-            return torch_file.load(path, check=check, direct=check is not None, map_location=map_location)
+            return torch_file.load(
+                path, check=check, direct=check is not None, into=self.masters_into, map_location=map_location
+            )
 
     def reserve_buffers(self, like: list[torch.Tensor]) -> None:
         """Have host buffers for tensors like `like` ready for the first snapshot (HostBuffers.reserve)."""
@@ -434,6 +448,10 @@ class DeepSpeedBackend:
         frozen = any(not p.requires_grad for p in self.engine.module.parameters())
         zero0 = groups is not None or not getattr(self.engine.optimizer, "fp16_groups", None)  # no wrapper: fp32
         self.weights_in_shards = {1: True, 2: True, 3: not frozen}.get(stage, zero0)
+        if stage in (1, 2):  # DeepSpeed copies a shard's master weights into these on a resume
+            self._checkpoints.master_partitions = list(
+                getattr(self.engine.optimizer, "single_partition_of_fp32_groups", [])
+            )
         self.engine.checkpoint_engine = self._checkpoints
         self._buffers_reserved = False
         self.module = self.engine.module
