@@ -208,10 +208,11 @@ def test_the_record_lists_crc32c_and_a_restore_refuses_a_corrupt_file(tmp_path):
         rank_files.rank_copy(str(folder), None, restore_dir, 0)
 
 
-def test_a_resume_checks_a_local_checkpoint_while_the_engine_loads_and_refuses_a_corrupt_one(tmp_path):
-    """A local checkpoint's CRC-32Cs are computed while the worker builds its engine and loads the
-    files (the body of `restore_copy`); leaving waits for the check, and a corrupt file fails the
-    resume there -- also when the load failed on it first, with an error that did not say so."""
+def test_a_resume_checks_a_local_checkpoint_after_the_engine_loads_and_refuses_a_corrupt_one(tmp_path):
+    """A local checkpoint's files that no reader checked as it read them (here: the fake backend
+    reads its shard itself) are checked when the body of `restore_copy` ends, and a corrupt file
+    fails the resume there -- also when the load failed on it first, with an error that did not
+    say so."""
     import pickle
     from types import SimpleNamespace
 
@@ -449,8 +450,8 @@ def test_a_zero_checkpoint_keeps_12_bytes_a_parameter_resumes_exactly_and_gives_
     _, fresh = _deepspeed_backend(stage=stage, dtype=dtype)
     local, state = rank_files.rank_copy(str(folder), None, tmp_path / "restore", 0)
     fresh.load(local, state)
-    # The files are loaded memory-mapped: nothing the run keeps may still map them (Adam's moments
-    # would hold a pruned checkpoint's disk space for the rest of the run).
+    # Nothing the run keeps may map the checkpoint's files (Adam's moments, left as mappings, would
+    # hold a pruned checkpoint's disk space for the rest of the run).
     mapped = [line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()]
     assert not [path for path in mapped if path.startswith(str(tmp_path / "restore"))]
     if stage < 3:  # (ZeRO-3's module holds no weights outside its forward pass)
@@ -461,10 +462,11 @@ def test_a_zero_checkpoint_keeps_12_bytes_a_parameter_resumes_exactly_and_gives_
 def test_a_resume_reads_deepspeeds_shards_once_checked_as_read_and_refuses_a_corrupt_one(
     tmp_path, process_group, monkeypatch
 ):
-    """DeepSpeed's shards are read by the checkpoint engine itself, straight into their tensors,
-    each checked (size, CRC-32C) as it is read: the check left for the end reads only the files no
-    reader took (the trainer state's siblings, here none of the shards); a shard with one byte
-    changed inside a tensor fails the engine's load, naming the file."""
+    """DeepSpeed's shards are read by the checkpoint engine itself, straight into their tensors (the
+    fp32 master weights into DeepSpeed's own partitions), each checked (size, CRC-32C) as it is
+    read: the check left for the end reads only the files no reader took (here none of the
+    shards); a shard with one byte changed inside a tensor fails the engine's load, naming the
+    file."""
     from vitray.trainers.engines.deepspeed.resume_files import restore_files
 
     _, backend = _deepspeed_backend(stage=1)
@@ -486,11 +488,26 @@ def test_a_resume_reads_deepspeeds_shards_once_checked_as_read_and_refuses_a_cor
             checked_at_the_end.append(sorted(files)) or real_check(path, files, listed, crcs)
         ),
     )
+    from vitray.trainers.checkpoint import torch_file
+
+    read_into = []
+    real_read = torch_file._read
+    monkeypatch.setattr(
+        torch_file,
+        "_read",
+        lambda path, records, direct, targets: (
+            read_into.extend(t.data_ptr() for t in targets.values()) or real_read(path, records, direct, targets)
+        ),
+    )
     _, fresh = _deepspeed_backend(stage=1)
+    partitions = fresh.engine.optimizer.single_partition_of_fp32_groups
     local, state, checking = rank_files.start_rank_copy(str(folder), restore_files(0, 1, 1), tmp_path / "r", 0)
     fresh.load(local, state)
     checking.result()
     assert checked_at_the_end == [[]]
+    # The master weights were read straight into DeepSpeed's partitions, not copied there.
+    assert sorted(read_into) == sorted(p.data_ptr() for p in partitions)
+    assert all(torch.equal(a, b) for a, b in zip(partitions, backend.engine.optimizer.single_partition_of_fp32_groups))
     trained = backend.module.state_dict()
     assert all(torch.equal(fresh.module.state_dict()[k], v) for k, v in trained.items())
 

@@ -156,3 +156,22 @@ def test_tensors_outside_the_containers_it_walks_are_read_by_torch_load(tmp_path
     monkeypatch.setattr(torch_file, "_walk", walk_missing_the_list)
     got = torch_file.load(str(path))
     _assert_same(torch.load(path, weights_only=True), got)
+
+
+def test_tensors_are_read_into_the_callers_own_where_they_fit(tmp_path):
+    """`into`: a tensor of the file read straight into a tensor the caller already has (as a
+    restore reads the master weights into DeepSpeed's partitions): the caller's memory holds the
+    values and the loaded tensor is that memory, so copying it there is no copy at all. A target of
+    another shape, or a tensor of the file that shares its storage, is read into fresh memory."""
+    path = _save(_state(), tmp_path / "state.pt", 4096)
+    expected = torch.load(path, weights_only=True)
+    large, wrong_shape, shared = torch.empty(3 * 2**20 + 3), torch.empty(3), torch.empty(300, 7)
+
+    got = torch_file.load(
+        str(path), into=lambda s: [(s["large"], large), (s["list"][2], wrong_shape), (s["base"], shared)]
+    )
+    _assert_same(expected, got)
+    assert torch.equal(large, expected["large"])
+    assert got["large"].data_ptr() == large.data_ptr()
+    assert got["list"][2].data_ptr() != wrong_shape.data_ptr()
+    assert got["base"].data_ptr() != shared.data_ptr()  # `column` and `transposed` share its storage
