@@ -5,7 +5,10 @@ speed. Written through the page cache, each byte is copied into it, then written
 kernel, and a large file meets the dirty-page limit, where the writer waits on writeback: on this
 project's 2-core VM, 1 GiB reached 0.25-0.73x and 3 GiB 0.34-0.38x `dd oflag=direct`'s write. With
 O_DIRECT the bytes are copied once into page-aligned buffers that the disk reads from: 0.64-1.28x
-`dd`, the buffers written on threads while the caller fills the next (BENCHMARKS.md).
+`dd`, the buffers written on threads while the caller fills the next (BENCHMARKS.md). Bytes that
+already lie on pages of memory and go to a page of the file (a checkpoint's tensors, from
+page-aligned host buffers, into a file whose storages start on pages) are written from where they
+lie, with no copy.
 
 Where the file system does not take O_DIRECT (tmpfs, some FUSE and network mounts: the open or
 the first write fails with EINVAL), the file is written through the page cache as usual. Linux
@@ -63,14 +66,14 @@ class DirectFile(io.RawIOBase):
         self._filling, self._filled = self._free.pop(), 0  # which buffer the caller fills, and how far
         self._offset = 0  # where the next buffer goes in the file
         self._writers = ThreadPoolExecutor(max_workers=WRITES_IN_FLIGHT, thread_name_prefix="vitray-direct-write")
-        self._in_flight: deque[tuple[Future, int]] = deque()  # writes and their buffers, oldest first
+        self._in_flight: deque[tuple[Future, int | None]] = deque()  # writes and their buffers, oldest first
 
     def writable(self) -> bool:
         return True
 
     def write(self, data) -> int:
         source = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-        taken = 0
+        taken = self._write_in_place(source) if source.size >= CHUNK_BYTES else 0
         while taken < source.size:
             n = min(CHUNK_BYTES - self._filled, source.size - taken)
             self._arrays[self._filling][self._filled : self._filled + n] = source[taken : taken + n]
@@ -81,6 +84,31 @@ class DirectFile(io.RawIOBase):
         self.size += source.size
         return source.size
 
+    def _write_in_place(self, source: np.ndarray) -> int:
+        """Write the whole pages at the start of `source` to the disk from where they lie, with no
+        copy, when both `source` and the file's position start on a page (a tensor's bytes in a
+        checkpoint written with page-aligned storages, from page-aligned host buffers); returns the
+        bytes written (0 when they do not). The writes are waited for before this returns: the
+        caller may reuse `source` after `write`."""
+        position = self._offset + self._filled
+        if not self.direct or position % mmap.PAGESIZE or source.ctypes.data % mmap.PAGESIZE:
+            return 0
+        if self._filled:  # the buffer filled so far: whole pages, as the position is on one
+            self._hand_over()
+        body = source.size - source.size % mmap.PAGESIZE
+        view = memoryview(source)
+        for start in range(0, body, CHUNK_BYTES):
+            part = view[start : min(start + CHUNK_BYTES, body)]
+            if self._on_bytes is not None:
+                self._on_bytes(part)
+            while len(self._in_flight) >= WRITES_IN_FLIGHT:
+                self._wait_oldest()
+            self._in_flight.append((self._writers.submit(self._write_out, part, self._offset), None))
+            self._offset += part.nbytes
+        while self._in_flight:
+            self._wait_oldest()
+        return body
+
     def _hand_over(self) -> None:
         """The full buffer goes to a writer thread; the caller fills a free one (when none is,
         once the oldest write is done)."""
@@ -89,14 +117,15 @@ class DirectFile(io.RawIOBase):
             self._on_bytes(buffer)
         self._in_flight.append((self._writers.submit(self._write_out, buffer, self._offset), self._filling))
         self._offset += self._filled
-        if not self._free:
+        while not self._free:
             self._wait_oldest()
         self._filling, self._filled = self._free.pop(), 0
 
     def _wait_oldest(self) -> None:
         write, buffer = self._in_flight.popleft()
         write.result()  # the writer's error, if any, is the caller's
-        self._free.append(buffer)
+        if buffer is not None:  # (None: a write from the caller's own bytes)
+            self._free.append(buffer)
 
     def _write_out(self, buffer: memoryview, offset: int) -> None:
         done = 0

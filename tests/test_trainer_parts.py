@@ -209,7 +209,8 @@ def test_background_checkpoint_writes_the_state_as_it_was_when_saved(tmp_path):
 def test_host_buffers_reserved_ahead_serve_the_first_snapshot_and_are_kept_for_the_next():
     """The first checkpoint's snapshot takes buffers reserved (allocated and touched) ahead of it,
     also for a tensor a few elements smaller (a ZeRO partition saved without its padding), allocates
-    only what nothing reserved fits, and the next snapshot copies into the same buffers."""
+    only what nothing reserved fits, and the next snapshot copies into the same buffers; each starts
+    on a page of memory."""
     from vitray.trainers.checkpoint.host_buffers import HostBuffers
 
     buffers = HostBuffers()
@@ -222,6 +223,9 @@ def test_host_buffers_reserved_ahead_serve_the_first_snapshot_and_are_kept_for_t
     assert buffers.allocated_in_snapshots == 7 * 8  # only `counts`: int64, which nothing reserved fits
     assert torch.equal(first["master"], master) and torch.equal(first["moments"][0], moment[:62])
     assert first["moments"][0].shape == (62,)
+    # Every buffer's storage starts on a page: a checkpoint file writes it from there (DirectFile).
+    assert all(first[k].untyped_storage().data_ptr() % 4096 == 0 for k in ("master", "counts"))
+    assert first["moments"][0].untyped_storage().data_ptr() % 4096 == 0
     master.add_(1.0)
     second = buffers.snapshot(state)
     assert torch.equal(second["master"], master) and buffers.allocated_in_snapshots == 7 * 8

@@ -63,7 +63,7 @@ class HostBuffers:
                 # rank of another GPU would make a CUDA context on GPU 0 (and take its memory).
                 torch.cuda.set_device(gpu)
             for numel, dtype, pin in wanted:
-                buffer = torch.empty(numel, dtype=dtype, pin_memory=pin)
+                buffer = torch.empty(numel, dtype=dtype, pin_memory=True) if pin else page_aligned_empty(numel, dtype)
                 if not pin:  # (pinned memory is resident as allocated)
                     # One byte a page: the kernel maps the pages now, on this thread, single-threaded
                     # (a torch fill would take the intra-op threads the training step is using).
@@ -113,10 +113,22 @@ class HostBuffers:
                 _, i = min(fitting)
                 return self._reserved.pop(i)[1][:numel].view(tensor.shape)
         self.allocated_in_snapshots += tensor.numel() * tensor.element_size()
-        return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+        if pin:
+            return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+        return page_aligned_empty(tensor.numel(), tensor.dtype).view(tensor.shape)
 
     def settle(self) -> None:
         """Wait for the copies from the device (the snapshot is whole once this returns)."""
         if self._on_device and torch.cuda.is_available():
             torch.cuda.synchronize()
         self._on_device = False
+
+
+def page_aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of `numel` elements whose storage starts on a page of memory (an anonymous
+    mapping; torch's allocator aligns to 64 bytes): a checkpoint file writes its bytes to the disk
+    from where they lie (`storage.DirectFile`), with no copy into a buffer of its own."""
+    nbytes = numel * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype)  # (the tensor keeps the mapping)
