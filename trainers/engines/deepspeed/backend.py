@@ -382,6 +382,10 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
                 path, check=check, direct=check is not None, into=self.masters_into, map_location=map_location
             )
 
+    def after_writes(self, fn, *args, **kwargs) -> None:
+        """Run `fn` on the writer thread once the files queued so far are written."""
+        self._writer.submit(fn, *args, **kwargs)
+
     def reserve_buffers(self, like: list[torch.Tensor]) -> None:
         """Have host buffers for tensors like `like` ready for the first snapshot (HostBuffers.reserve)."""
         self._buffers.reserve(like)
@@ -435,6 +439,10 @@ class DeepSpeedBackend:
                 restore[0], Path(tempfile.mkdtemp(prefix="vitray-universal-"))
             )
         self.engine = build_engine(model, cfg, world_size=world_size, load_universal=self._universal_dir is not None)
+        # DeepSpeed copies its zero_to_fp32.py recovery script into every checkpoint, on the training
+        # thread; it would land in the scratch folder vitray discards (vitray derives the weights
+        # itself: runfolder's derived_weights), so it is not copied at all.
+        self.engine._copy_recovery_script = lambda save_path: None
         self._checkpoints = BackgroundCheckpointEngine(self.engine._config)
         self._checkpoints.drop_module_weights = weights_from_master(self.engine)
         groups = _unfused_masters(self.engine)
@@ -541,15 +549,16 @@ class DeepSpeedBackend:
         return out
 
     def save(self, folder: str) -> PendingSave:
-        # DeepSpeed makes its folders (and copies its recovery scripts) under a local scratch
-        # folder; every file it saves goes to `folder` instead (see BackgroundCheckpointEngine).
+        # DeepSpeed makes its folders under a local scratch folder; every file it saves goes to
+        # `folder` instead (see BackgroundCheckpointEngine). The scratch folder is removed on the
+        # writer thread, after the files: the training step does not wait on the file system for it.
         scratch = Path(tempfile.mkdtemp(prefix="vitray-ds-save-"))
         try:
             self._checkpoints.begin(scratch, folder)
             save(self.engine, scratch, client_state={})
             return self._checkpoints.pending()
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            self._checkpoints.after_writes(shutil.rmtree, scratch, ignore_errors=True)
 
     def load(self, folder: Path, state: dict[str, Any]) -> None:
         settings = _group_settings(self.engine)
