@@ -127,8 +127,12 @@ class HostBuffers:
 def page_aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of `numel` elements whose storage starts on a page of memory (an anonymous
     mapping; torch's allocator aligns to 64 bytes): a checkpoint file writes its bytes to the disk
-    from where they lie (`storage.DirectFile`), with no copy into a buffer of its own."""
+    from where they lie (`storage.DirectFile`), and a restore reads them into it with O_DIRECT
+    (`torch_file`), with no copy through a buffer of their own."""
     nbytes = numel * dtype.itemsize
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype)  # (the tensor keeps the mapping)
+    # Private, as the allocator's own large blocks are (Python's default for an anonymous mapping is
+    # shared memory: not copied on write in a forked loader worker, and counted as shmem).
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=dtype)  # (the tensor keeps the mapping)

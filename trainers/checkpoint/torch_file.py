@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from vitray.trainers.checkpoint.checksums import crc32c_extend, files_crc32c, joined_crc32c
+from vitray.trainers.checkpoint.host_buffers import page_aligned_empty
 
 # torch.save's alignment of each storage in the file for vitray's checkpoint files: a page, as
 # O_DIRECT needs (torch's default is 64 bytes). It costs at most a page of padding a tensor.
@@ -178,7 +179,10 @@ def _read(
 ) -> tuple[int, dict[int, torch.Tensor]]:
     """The file's CRC-32C and each record's bytes (offset -> its uint8 tensor in `targets`, or a
     fresh page-aligned one), every byte of the file read once."""
-    buffers = {offset: targets.get(offset) if offset in targets else _aligned_empty(n) for offset, n in records.items()}
+    buffers = {
+        offset: targets.get(offset) if offset in targets else page_aligned_empty(n, torch.uint8)
+        for offset, n in records.items()
+    }
     buffered = os.open(path, os.O_RDONLY)
     unbuffered = None
     if direct and hasattr(os, "O_DIRECT"):
@@ -218,13 +222,6 @@ def _read(
         os.close(buffered)
         if unbuffered is not None:
             os.close(unbuffered)
-
-
-def _aligned_empty(nbytes: int) -> torch.Tensor:
-    """A fresh uint8 tensor of `nbytes` whose first byte lies on a page (as O_DIRECT reads need)."""
-    raw = torch.empty(nbytes + STORAGE_ALIGNMENT, dtype=torch.uint8)
-    skip = -raw.data_ptr() % STORAGE_ALIGNMENT
-    return raw[skip : skip + nbytes]
 
 
 def _pread(fd: int, length: int, start: int) -> bytes:
