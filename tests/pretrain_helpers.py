@@ -49,6 +49,17 @@ REFERENCE = (f"train.steps={REFERENCE_STEPS}", "data.min_crop_area=1.0")
 HELD = "debug.step_delay_s=0.25"
 
 
+def steps_begun(keys: Path) -> int:
+    """The steps the run's latest worker group has begun, from rank 0's sample keys in `keys` (a
+    run's `debug.record_sample_keys`): rank 0 records each step's keys (numbered from 0) as the step
+    begins, at once, where the metrics reach the run folder only every `log.upload_every_s` (10 s:
+    20 held steps)."""
+    files = sorted(keys.glob("keys-attempt*-rank0000.tsv"))  # named by the group's start time
+    text = files[-1].read_text() if files else ""
+    lines = text[: text.rfind("\n")].splitlines()  # whole lines only
+    return int(lines[-1].split("\t")[0]) if lines else 0
+
+
 def vitray_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "vitray.cli", *args]
 

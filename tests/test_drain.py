@@ -21,6 +21,7 @@ from pretrain_helpers import (
     final_weights,
     pretrain_args,
     running,
+    steps_begun,
 )
 from ray_cluster import ray_cluster
 
@@ -36,16 +37,12 @@ COMMON = (*REFERENCE, f"checkpoint.every={EVERY}", "checkpoint.preemption_check_
 ON_WORKER_NODES = ("cluster.resources_per_worker={vitray_node: 1}", "cluster.shared_filesystem=true")
 
 
-def _logged_step(run_dir: str) -> int:
-    metrics = RunFiles(run_dir).read_metrics()
-    return metrics[-1]["step"] if metrics else 0
-
-
 def test_a_drained_worker_node_is_left_at_a_checkpoint_and_the_run_ends_as_uninterrupted(
     digits_dataset, reference_run, tmp_path
 ):
     storage = tmp_path / "drained"
     run_dir = str(storage / REFERENCE_NAME)
+    keys = tmp_path / "keys"  # rank 0's sample keys: a step as it begins (the metrics come 20 steps late)
     with network() as net, ray_cluster(net.add_host("head")) as cluster:
         for number in (1, 2):  # room for the two workers on either node
             cluster.add_worker_node({"vitray_node": 2}, host=net.add_host(f"w{number}"))
@@ -56,12 +53,13 @@ def test_a_drained_worker_node_is_left_at_a_checkpoint_and_the_run_ends_as_unint
             *COMMON,
             *ON_WORKER_NODES,
             f"cluster.address={cluster.address}",
+            f"debug.record_sample_keys={keys}",
         )
         with running(cluster.on_head(args)) as driver:
             deadline = time.monotonic() + 300
-            while _logged_step(run_dir) < 2:
+            while steps_begun(keys) < 2:
                 assert driver.poll() is None, f"the run ended early:\n{driver.stderr.read()[-4000:]}"
-                assert time.monotonic() < deadline, "no step logged in time"
+                assert time.monotonic() < deadline, "no step begun in time"
                 time.sleep(0.2)
             in_use = cluster.nodes_in_use("vitray_node")
             assert in_use, "the workers hold no vitray_node: they did not run on the worker nodes"

@@ -35,6 +35,7 @@ from pretrain_helpers import (
     final_weights,
     pretrain_args,
     running,
+    steps_begun,
     vitray_cmd,
 )
 
@@ -90,16 +91,6 @@ def _complete_step(run_dir: str) -> int:
     return latest.step if latest else 0
 
 
-def _steps_done(keys: Path) -> int:
-    """The steps the run's latest worker group has trained: rank 0 records each step's sample keys
-    (numbered from 0) as the step begins, at once, where the metrics reach the run folder only every
-    `log.upload_every_s` (10 s: 20 steps here)."""
-    files = sorted(keys.glob("keys-attempt*-rank0000.tsv"))  # named by the group's start time
-    text = files[-1].read_text() if files else ""
-    lines = text[: text.rfind("\n")].splitlines()  # whole lines only
-    return int(lines[-1].split("\t")[0]) if lines else 0
-
-
 def _fill(folder: Path) -> Path:
     """What another process on the machine does: write until the disk is full."""
     filler = folder / "filler"
@@ -149,15 +140,15 @@ def preempted(digits_dataset, reference, small_disk, tmp_path_factory):
         _wait_for(lambda: read_lease(RunFiles(run_dir).lease_path) is not None, first, "the run took its lease")
         second = subprocess.run(args, capture_output=True, text=True, timeout=300)
         assert first.poll() is None, "the first run must still be running when the second starts"
-        _wait_for(lambda: _steps_done(keys) >= 2, first, "step 2 was trained")
-        signalled_at = _steps_done(keys)
+        _wait_for(lambda: steps_begun(keys) >= 2, first, "step 2 was trained")
+        signalled_at = steps_begun(keys)
         first.send_signal(signal.SIGTERM)  # the driver only, as Kubernetes does
         stdout, stderr = first.communicate(timeout=240)
     stopped = latest_complete_checkpoint(run_dir)
     stopped_state = verify_complete(stopped.path) if stopped else None
     runs_while_stopped = subprocess.run(vitray_cmd("runs", str(storage)), capture_output=True, text=True, timeout=120)
     with running(args) as interrupted:  # Ctrl-C: the terminal signals the driver (Ray's processes block SIGINT)
-        _wait_for(lambda: _steps_done(keys) >= stopped.step + 2, interrupted, "two steps after the resume")
+        _wait_for(lambda: steps_begun(keys) >= stopped.step + 2, interrupted, "two steps after the resume")
         interrupted.send_signal(signal.SIGINT)
         out, err = interrupted.communicate(timeout=240)
         ctrl_c = (interrupted.returncode, out, err)
@@ -169,7 +160,7 @@ def preempted(digits_dataset, reference, small_disk, tmp_path_factory):
         # No worker-group restart (cluster.max_failures' default): it would meet the same full disk.
         fill_args = ["--set", f"checkpoint.every={by_user.step + 6}", "--set", "cluster.max_failures=0"]
         with running([*args, *fill_args]) as filled:
-            _wait_for(lambda: _steps_done(keys) > by_user.step, filled, "a step after the resume")
+            _wait_for(lambda: steps_begun(keys) > by_user.step, filled, "a step after the resume")
             filler = _fill(small_disk)
             out, err = filled.communicate(timeout=240)
         full_disk = {"run": (filled.returncode, out, err), "checkpoints": find_checkpoints(run_dir)}
@@ -396,7 +387,7 @@ def test_shards_gone_mid_run_fail_it_at_once_without_spending_restarts(digits_da
     # which time the ranks may have opened every shard they read), long before a slot's second shard.
     extra = ("checkpoint.every=100", "cluster.max_failures=2", f"debug.record_sample_keys={keys}")
     with running(_args(data, storage, *extra)) as proc:
-        _wait_for(lambda: _steps_done(keys) >= 2, proc, "step 2")
+        _wait_for(lambda: steps_begun(keys) >= 2, proc, "step 2")
         first = set(workers(proc))
         for shard in data.glob("train-*.tar"):
             shard.unlink()
