@@ -1,4 +1,4 @@
-"""Real full disks for the fault tests: small tmpfs mounts."""
+"""Real full disks for the fault tests (small tmpfs mounts), and what a process has read."""
 
 from __future__ import annotations
 
@@ -22,3 +22,9 @@ def mounted_tmpfs(folder: Path, size: str) -> Iterator[Path]:
         yield folder
     finally:
         subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def bytes_read() -> int:
+    """The bytes this process has read so far (/proc/self/io's rchar: every read call, of any file,
+    page cache or not)."""
+    return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["rchar"])

@@ -10,6 +10,7 @@ from pathlib import Path
 import google_crc32c
 import pytest
 import torch
+from disk_helpers import bytes_read
 from torch.utils.serialization import config
 
 from vitray.trainers.checkpoint import torch_file
@@ -61,10 +62,6 @@ def _assert_same(expected, got) -> None:
         assert got == expected
 
 
-def _read_bytes() -> int:
-    return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["rchar"])
-
-
 @pytest.mark.parametrize("alignment", [4096, 64])
 @pytest.mark.parametrize("o_direct", ["taken", "refused"])
 def test_a_file_is_read_once_into_fresh_tensors_equal_to_torch_loads(tmp_path, alignment, o_direct, monkeypatch):
@@ -102,9 +99,9 @@ def test_a_file_is_read_once_into_fresh_tensors_equal_to_torch_loads(tmp_path, a
     expected = torch.load(path, weights_only=True)
     torch_file.load(str(path))  # (the first fake load in a process imports modules: their files count as read)
     direct_bytes.clear()
-    before = _read_bytes()
+    before = bytes_read()
     got = torch_file.load(str(path), check=torch_file.FileCheck(len(data), google_crc32c.value(data), _fail))
-    read = _read_bytes() - before
+    read = bytes_read() - before
     _assert_same(expected, got)
     assert got["column"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
     got["base"][0, 2] = 99.0

@@ -143,15 +143,13 @@ def test_a_checkpoints_files_are_checksummed_as_written_not_read_back(where, dig
     local save reads back none of what it wrote (this process's read bytes, from /proc/self/io,
     grow by far less than the checkpoint)."""
     import google_crc32c
+    from disk_helpers import bytes_read
 
     from vitray import storage
     from vitray.common.config import load_config
     from vitray.models import create_model
     from vitray.trainers.config import TrainingConfig
     from vitray.trainers.engines.xla.backend import XlaBackend
-
-    def bytes_read() -> int:
-        return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["rchar"])
 
     root = request.getfixturevalue("seaweed_s3").url("runs") if where == "s3" else str(tmp_path)
     cfg = load_config(

@@ -234,26 +234,24 @@ class LocalCheck:
 
     def __init__(self, path: str, files: dict[str, Path], listed: dict[str, Any]):
         self.path, self._files, self._listed = path, files, listed
-        self._outcome: list[BaseException | None] = []
+        self._checked, self._problem = False, None
         with _PENDING_LOCK:
             for name, file in files.items():
                 _PENDING[os.path.realpath(file)] = (self, name)
 
     def result(self) -> None:
-        if not self._outcome:
-            left = set()
+        if not self._checked:
             with _PENDING_LOCK:
-                for name, file in self._files.items():
-                    if _PENDING.get(os.path.realpath(file), (None,))[0] is self:
-                        del _PENDING[os.path.realpath(file)]
-                        left.add(name)
+                left = [n for n, f in self._files.items() if _PENDING.get(os.path.realpath(f), (None,))[0] is self]
+                for name in left:
+                    del _PENDING[os.path.realpath(self._files[name])]
             try:
                 _check_crc32cs(self.path, {n: self._files[n] for n in left}, {n: self._listed[n] for n in left})
-                self._outcome.append(None)
             except BaseException as error:
-                self._outcome.append(error)
-        if self._outcome[0] is not None:
-            raise self._outcome[0]
+                self._problem = error
+            self._checked = True
+        if self._problem is not None:
+            raise self._problem
 
     def exception(self) -> BaseException | None:
         try:

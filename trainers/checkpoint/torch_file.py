@@ -19,6 +19,7 @@ is read with `torch.load` instead.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import struct
@@ -111,14 +112,12 @@ def _targets(pairs, fakes: list[torch.Tensor], records: dict[int, int]) -> dict[
     """Storage offset -> the caller's tensor (as bytes) to read it into, for the pairs of `into`
     where the file's tensor is the whole of a storage no other tensor of the file uses, and the
     caller's is a contiguous CPU tensor of the same dtype and shape."""
-    users: dict[int, int] = {}
-    for fake in fakes:
-        users[fake.untyped_storage()._checkpoint_offset] = users.get(fake.untyped_storage()._checkpoint_offset, 0) + 1
+    users = collections.Counter(fake.untyped_storage()._checkpoint_offset for fake in fakes)
     targets = {}
     for fake, target in pairs:
         offset = fake.untyped_storage()._checkpoint_offset
         if (
-            users.get(offset) == 1
+            users[offset] == 1
             and (fake.dtype, fake.shape, fake.storage_offset()) == (target.dtype, target.shape, 0)
             and fake.is_contiguous()
             and records[offset] == target.numel() * target.element_size()
@@ -180,7 +179,7 @@ def _read(
     """The file's CRC-32C and each record's bytes (offset -> its uint8 tensor in `targets`, or a
     fresh page-aligned one), every byte of the file read once."""
     buffers = {
-        offset: targets.get(offset) if offset in targets else page_aligned_empty(n, torch.uint8)
+        offset: targets[offset] if offset in targets else page_aligned_empty(n, torch.uint8)
         for offset, n in records.items()
     }
     buffered = os.open(path, os.O_RDONLY)
@@ -203,9 +202,10 @@ def _read(
 
         def read(piece: tuple[int, int, torch.Tensor | None]) -> tuple[int, int]:
             start, length, target = piece
-            if target is None:
-                data = _pread(buffered, length, start)
-                return crc32c_extend(0, data), len(data)
+            if target is None:  # the bytes between storages: headers and the pickle, small
+                between = memoryview(bytearray(length))
+                got = _readinto(buffered, between, start)
+                return crc32c_extend(0, between[:got]), got
             view = memoryview(target.numpy())
             aligned = unbuffered is not None and start % STORAGE_ALIGNMENT == 0 == target.data_ptr() % STORAGE_ALIGNMENT
             whole = length - length % STORAGE_ALIGNMENT if aligned else 0  # (the tail: through the page cache)
@@ -222,17 +222,6 @@ def _read(
         os.close(buffered)
         if unbuffered is not None:
             os.close(unbuffered)
-
-
-def _pread(fd: int, length: int, start: int) -> bytes:
-    chunks = []
-    while length:
-        data = os.pread(fd, length, start)
-        if not data:  # the file is shorter than its structure says: its size check fails
-            break
-        chunks.append(data)
-        start, length = start + len(data), length - len(data)
-    return b"".join(chunks)
 
 
 def _readinto(fd: int, view: memoryview, start: int) -> int:
