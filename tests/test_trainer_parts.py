@@ -3,6 +3,7 @@ weight-decay groups, EMA, and DeepSpeed ZeRO-2 / bf16 / EMA / mixup / label smoo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import pickle
@@ -183,27 +184,41 @@ def test_loop_in_process_with_zero2_bf16_ema_mixup(process_group, digits_dataset
 
 
 def test_background_checkpoint_writes_the_state_as_it_was_when_saved(tmp_path):
-    from vitray.trainers.engines.deepspeed.backend import BackgroundCheckpointEngine
+    from vitray.trainers.engines.deepspeed.backend import DEEPSPEED_SAVE_ROOT, BackgroundCheckpointEngine
 
     engine = BackgroundCheckpointEngine()
     weights = torch.arange(6, dtype=torch.float32)
     view = weights[2:4]  # a view must be written compactly, not with its whole storage
-    state = {"module": {"w": weights, "v": view}, "step": 7, "groups": [{"lr": 0.1}]}
-    # DeepSpeed saves under a scratch folder; the engine writes each file into the checkpoint's folder.
-    scratch, folder = tmp_path / "scratch", tmp_path / "checkpoint"
-    engine.begin(scratch, str(folder))
-    engine.save(state, str(scratch / "state.pt"))
+    scale = _Scale(2.0)  # a plain object DeepSpeed pickles (its loss scaler, fragment addresses)
+    state = {"module": {"w": weights, "v": view}, "step": 7, "groups": [{"lr": 0.1}], "shape": weights.shape}
+    state["scaler"] = scale
+    # DeepSpeed names its files under a folder that is never made; each goes into the checkpoint's folder.
+    folder = tmp_path / "checkpoint"
+    engine.begin(str(folder))
+    engine.makedirs(str(DEEPSPEED_SAVE_ROOT / "deepspeed"), exist_ok=True)
+    engine.save(state, str(DEEPSPEED_SAVE_ROOT / "deepspeed" / "state.pt"))
     weights.add_(100.0)  # training goes on while the file is written
     state["groups"][0]["lr"] = 0.0
+    scale.value = 0.5
+    # Nothing is written until the whole snapshot is taken (the writer would hold the GIL the
+    # training thread needs between its copies).
+    assert not folder.exists()
     pending = engine.pending()
     pending.wait()
     assert pending.done()
-    assert not (scratch / "state.pt").exists()
-    loaded = engine.load(str(folder / "state.pt"))
+    assert not DEEPSPEED_SAVE_ROOT.exists()
+    with torch.serialization.safe_globals([_Scale]):
+        loaded = engine.load(str(folder / "deepspeed" / "state.pt"))
     assert torch.equal(loaded["module"]["w"], torch.arange(6, dtype=torch.float32))
     assert torch.equal(loaded["module"]["v"], torch.tensor([2.0, 3.0]))
     assert loaded["module"]["v"].untyped_storage().nbytes() == 2 * 4
-    assert loaded["step"] == 7 and loaded["groups"] == [{"lr": 0.1}]
+    assert loaded["step"] == 7 and loaded["groups"] == [{"lr": 0.1}] and loaded["shape"] == (6,)
+    assert loaded["scaler"] == _Scale(2.0)
+
+
+@dataclasses.dataclass
+class _Scale:
+    value: float
 
 
 def test_host_buffers_reserved_ahead_serve_the_first_snapshot_and_are_kept_for_the_next():

@@ -12,6 +12,7 @@ snapshot takes them from there; what it does not take is let go.
 from __future__ import annotations
 
 import copy
+import enum
 import logging
 import mmap
 import threading
@@ -25,6 +26,12 @@ logger = logging.getLogger(__name__)
 # A reserved buffer serves a tensor of its dtype up to this many elements smaller: DeepSpeed saves a
 # ZeRO partition without the few elements of padding that align the last rank's slice.
 _SLACK_ELEMENTS = 4096
+
+
+# Values a snapshot can keep as they are: nothing changes them in place (a deep copy of each of the
+# thousands in DeepSpeed's state dicts -- its config twice, a shape for every parameter -- cost
+# milliseconds of the step's stall).
+_UNCHANGING = (str, bytes, int, float, complex, bool, type(None), torch.Size, torch.dtype, torch.device, enum.Enum)
 
 
 class HostBuffers:
@@ -93,6 +100,8 @@ class HostBuffers:
             return buffer
         if isinstance(value, dict):
             return type(value)((k, self.snapshot(v, (*key, k))) for k, v in value.items())
+        if isinstance(value, _UNCHANGING):  # (torch.Size is a tuple: before the tuples)
+            return value
         if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
             return type(value)(self.snapshot(v, (*key, i)) for i, v in enumerate(value))
         return copy.deepcopy(value)

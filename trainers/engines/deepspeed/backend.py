@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import copy
 import logging
-import shutil
 import tempfile
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,10 @@ from vitray.trainers.step.schedule import build_lr_schedule
 # and ~13 for H/14, each large enough to keep the interconnect busy.
 ZERO_BUCKET_ELEMENTS = 50_000_000
 
+# The folder DeepSpeed is told to save under: it only names the files (their paths under it are
+# their paths in the checkpoint folder); nothing is made there (BackgroundCheckpointEngine).
+DEEPSPEED_SAVE_ROOT = Path("/vitray-deepspeed-save")
+
 
 def deepspeed_config(cfg: TrainingConfig, *, world_size: int, load_universal: bool = False) -> dict[str, Any]:
     train = cfg.train
@@ -84,7 +88,9 @@ def deepspeed_config(cfg: TrainingConfig, *, world_size: int, load_universal: bo
         "zero_optimization": zero,
         # A checkpoint from another number of workers is converted to DeepSpeed's universal
         # format first (see `to_universal`), which re-partitions the optimizer state on load.
-        "checkpoint": {"load_universal": load_universal},
+        # Every checkpoint has the one tag CHECKPOINT_TAG: DeepSpeed's check that all ranks name it
+        # alike (two all-reduces inside the step's stall at every checkpoint) has nothing to find.
+        "checkpoint": {"load_universal": load_universal, "tag_validation": "Ignore"},
         # train.nonfinite=skip: DeepSpeed's overflow check drops a step with non-finite gradients (fp32
         # ZeRO always checks the grad norm; fp16 always checks).
         "bf16": {
@@ -319,10 +325,13 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
     """DeepSpeed's torch.save engine with the writes moved to a background thread and into the
     checkpoint folder itself.
 
-    DeepSpeed is given a local scratch folder to save under (it makes its folders there);
-    `begin(scratch, folder)` says where the files go instead: `save` snapshots each state dict into
-    host buffers and queues the write of `folder/<its path under scratch>` (a local path or a URL),
-    and `pending()` gives the futures of everything queued since `begin`. Module states leave out
+    DeepSpeed names its files under `DEEPSPEED_SAVE_ROOT`, a folder that is never made (`makedirs`
+    does nothing); `begin(folder)` says where the files go instead: `save` snapshots each state dict
+    into host buffers and queues the write of `folder/<its path under the root>` (a local path or a
+    URL; the writer makes the folders it needs), and `pending()` queues the writes of everything
+    snapshotted since `begin` and gives their futures. (The writes start once the whole snapshot is
+    taken: a writer thread serialising beside the snapshot holds the GIL for milliseconds at a time,
+    which the training thread, between its copies and DeepSpeed's collectives, would wait for.) Module states leave out
     the weights named in `drop_module_weights` (they follow from the fp32 master copy). Loading
     reads with `weights_only=True`, so a checkpoint cannot run code when it is opened.
     """
@@ -331,9 +340,9 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
         super().__init__(config_params)
         self.name = "VitrayBackgroundCheckpointEngine"
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitray-ckpt")
-        self._queued: list[Future] = []
+        self._snapshots: list[tuple[str, Any]] = []  # (file name, its state in host buffers)
         self._buffers = HostBuffers()
-        self._target: tuple[Path, str] | None = None
+        self._target: str | None = None
         self.drop_module_weights: set[str] = set()
         # ZeRO-0's master copies (bf16/fp16) are kept in groups with no names; the module states
         # name them in DeepSpeed's own key for that (`param_shapes`, which ZeRO 1-3 fill), so that
@@ -355,12 +364,14 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
     def preserves_storage_sharing(self) -> bool:
         return False  # the snapshot already copies every tensor compactly
 
-    def begin(self, scratch: Path, folder: str) -> None:
-        self._queued, self._target = [], (scratch, folder)
+    def begin(self, folder: str) -> None:
+        self._snapshots, self._target = [], folder
+
+    def makedirs(self, path, exist_ok=False) -> None:
+        """Nothing: DeepSpeed's folders are only names (the files go to the checkpoint folder)."""
 
     def save(self, state_dict, path: str) -> None:
-        scratch, folder = self._target
-        name = Path(path).relative_to(scratch).as_posix()
+        name = Path(path).relative_to(DEEPSPEED_SAVE_ROOT).as_posix()
         module = state_dict.get("module") if isinstance(state_dict, dict) else None
         if self.drop_module_weights and isinstance(module, dict):
             kept = type(module)((k, v) for k, v in module.items() if k not in self.drop_module_weights)
@@ -368,8 +379,7 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
             if self.master_shapes is not None and state_dict.get("param_shapes") is None:
                 state_dict["param_shapes"] = self.master_shapes
         snapshot = self._buffers.snapshot(state_dict, (name,))
-        self._buffers.settle()
-        self._queued.append(self._writer.submit(write_file, folder, name, lambda f: _save_without_zip_crc(snapshot, f)))
+        self._snapshots.append((name, snapshot))
 
     def load(self, path: str, map_location=None):
         # Read once, straight into the tensors the optimizer keeps. A file of a local checkpoint
@@ -382,18 +392,21 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
                 path, check=check, direct=check is not None, into=self.masters_into, map_location=map_location
             )
 
-    def after_writes(self, fn, *args, **kwargs) -> None:
-        """Run `fn` on the writer thread once the files queued so far are written."""
-        self._writer.submit(fn, *args, **kwargs)
-
     def reserve_buffers(self, like: list[torch.Tensor]) -> None:
         """Have host buffers for tensors like `like` ready for the first snapshot (HostBuffers.reserve)."""
         self._buffers.reserve(like)
 
     def pending(self) -> PendingSave:
-        self._target = None
+        self._buffers.settle()  # (the copies from a GPU, all in flight until now)
         self._buffers.release_reserve()  # (what the first checkpoint did not take)
-        return PendingSave(list(self._queued))
+        folder, snapshots = self._target, self._snapshots
+        self._target, self._snapshots = None, []
+        return PendingSave(
+            [
+                self._writer.submit(write_file, folder, name, partial(_save_without_zip_crc, state))
+                for name, state in snapshots
+            ]
+        )
 
 
 def _save_without_zip_crc(state: Any, f) -> None:
@@ -549,16 +562,11 @@ class DeepSpeedBackend:
         return out
 
     def save(self, folder: str) -> PendingSave:
-        # DeepSpeed makes its folders under a local scratch folder; every file it saves goes to
-        # `folder` instead (see BackgroundCheckpointEngine). The scratch folder is removed on the
-        # writer thread, after the files: the training step does not wait on the file system for it.
-        scratch = Path(tempfile.mkdtemp(prefix="vitray-ds-save-"))
-        try:
-            self._checkpoints.begin(scratch, folder)
-            save(self.engine, scratch, client_state={})
-            return self._checkpoints.pending()
-        finally:
-            self._checkpoints.after_writes(shutil.rmtree, scratch, ignore_errors=True)
+        # DeepSpeed names its files under a folder of its own; every file goes to `folder` instead
+        # (see BackgroundCheckpointEngine), and that folder is never made.
+        self._checkpoints.begin(folder)
+        save(self.engine, DEEPSPEED_SAVE_ROOT, client_state={})
+        return self._checkpoints.pending()
 
     def load(self, folder: Path, state: dict[str, Any]) -> None:
         settings = _group_settings(self.engine)
