@@ -163,7 +163,7 @@ def vitray_restore(cfg, backend, folder: str, scratch: Path) -> float:
     """Seconds to load the checkpoint as a resume does: a local one's files checked (CRC-32C) as
     DeepSpeed's shards are read into its tensors, the rest after; a remote one's downloaded and
     checked first."""
-    from vitray.trainers.checkpoint.rank_files import start_rank_copy
+    from vitray.trainers.checkpoint.checked_copy import start_rank_copy
     from vitray.trainers.engines.deepspeed.resume_files import restore_files
 
     t0 = time.perf_counter()
@@ -331,6 +331,11 @@ def main() -> None:
                 pending.result()
                 async_bytes = sum(p.stat().st_size for p in async_dir.rglob("*") if p.is_file())
                 async_mb_s = async_bytes / MB / (time.perf_counter() - t0)
+                # The references' files go now: their ~3x the checkpoint's bytes sit in the page
+                # cache, which the restore's fresh memory would otherwise have to reclaim first.
+                for path in (dcp_dir, async_dir):
+                    shutil.rmtree(path, ignore_errors=True)
+                ts_file.unlink(missing_ok=True)
                 # The stall against one host copy: three of each, alternating (the first save is the
                 # round's; each of the other two writes a whole checkpoint too), their medians.
                 stalls, copies = [costs["checkpoint_snapshot_s"]], [host_copy_s(state, buffers)]
@@ -359,10 +364,9 @@ def main() -> None:
                     flush=True,
                 )
                 del state
-                for path in (run_dir, dcp_dir, async_dir, folder.parent / "restore"):
+                for path in (run_dir, folder.parent / "restore"):
                     shutil.rmtree(path, ignore_errors=True)
-                for path in (dd_file, ts_file):
-                    path.unlink(missing_ok=True)
+                dd_file.unlink(missing_ok=True)
             if args.s3 or args.s3_only:
                 store = S3Store(root / "seaweed")
                 try:

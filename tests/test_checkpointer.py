@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from vitray.runfolder import checkpoint_folders as ckpt
-from vitray.trainers.checkpoint import rank_files
+from vitray.trainers.checkpoint import checked_copy, rank_files
 from vitray.trainers.checkpoint.checkpointer import Checkpointer
 from vitray.trainers.engines.seam import PendingSave, Written
 from vitray.trainers.step.ema import Ema, WholeWeights
@@ -201,11 +201,11 @@ def test_the_record_lists_crc32c_and_a_restore_refuses_a_corrupt_file(tmp_path):
     listing = json.loads((folder / ckpt.completion_record(0)).read_text())
     assert listing["fake/shard.bin"] == {"size": 5, "crc32c": f"{google_crc32c.value(b'shard'):08x}"}
     restore_dir = tmp_path / "restore"
-    assert rank_files.rank_copy(str(folder), None, restore_dir, 0)[1]["step"] == 2
+    assert checked_copy.rank_copy(str(folder), None, restore_dir, 0)[1]["step"] == 2
     (folder / "fake" / "shard.bin").write_bytes(b"sharp")  # same size: only the checksum tells
     assert ckpt.verify_complete(folder)["step"] == 2  # listing sizes alone would take it
     with pytest.raises(ckpt.IncompleteCheckpointError, match="fake/shard.bin does not have the CRC-32C"):
-        rank_files.rank_copy(str(folder), None, restore_dir, 0)
+        checked_copy.rank_copy(str(folder), None, restore_dir, 0)
 
 
 def test_a_resume_checks_a_local_checkpoint_after_the_engine_loads_and_refuses_a_corrupt_one(tmp_path):
@@ -256,7 +256,7 @@ def test_a_checkpoint_on_s3_comes_down_in_ranges_checked_and_a_corrupt_object_is
     from vitray import storage
 
     monkeypatch.setattr(storage.upload_stream, "UPLOAD_PART_BYTES", 5 * 2**20)
-    monkeypatch.setattr(rank_files, "DOWNLOAD_RANGE_BYTES", 2**20)
+    monkeypatch.setattr(checked_copy, "DOWNLOAD_RANGE_BYTES", 2**20)
     backend = FakeBackend()
     backend.shard = bytes(range(256)) * 40960 + b"tail"  # 10 MiB + 4 bytes: 3 parts, 11 ranges
     reports = []
@@ -264,7 +264,7 @@ def test_a_checkpoint_on_s3_comes_down_in_ranges_checked_and_a_corrupt_object_is
     saver.save(2, {})
     saver.finish(wait=True)
     folder = reports[0][1]
-    local, state = rank_files.rank_copy(folder, None, tmp_path / "node", 0)
+    local, state = checked_copy.rank_copy(folder, None, tmp_path / "node", 0)
     assert state["step"] == 2 and (local / "fake" / "shard.bin").read_bytes() == backend.shard
     assert not list(local.rglob("*.part-*"))
 
@@ -272,7 +272,7 @@ def test_a_checkpoint_on_s3_comes_down_in_ranges_checked_and_a_corrupt_object_is
     assert fs.info(f"{fs_path}/fake/shard.bin")["ETag"].strip('"').endswith("-3")  # a multipart ETag: 3 parts
     fs.pipe_file(f"{fs_path}/fake/shard.bin", backend.shard[::-1])  # same size, other bytes
     with pytest.raises(ckpt.IncompleteCheckpointError, match="fake/shard.bin does not have the CRC-32C"):
-        rank_files.rank_copy(folder, None, tmp_path / "elsewhere", 0)
+        checked_copy.rank_copy(folder, None, tmp_path / "elsewhere", 0)
     assert not (tmp_path / "elsewhere" / "fake" / "shard.bin").exists()  # never taken for a whole one
 
 
@@ -328,7 +328,7 @@ def test_a_record_of_an_older_checkpoint_with_sizes_only_still_resumes(tmp_path)
     listing = json.loads(record.read_text())
     record.write_text(json.dumps({name: entry["size"] for name, entry in listing.items()}))
     assert ckpt.resume_point(str(tmp_path))[0].step == 2
-    assert rank_files.rank_copy(str(folder), None, tmp_path / "restore", 0)[1]["step"] == 2
+    assert checked_copy.rank_copy(str(folder), None, tmp_path / "restore", 0)[1]["step"] == 2
 
 
 # A writer process: saves a checkpoint at step 2 (handed over), then one at step 4 whose shard is
@@ -389,7 +389,7 @@ def test_a_writer_killed_mid_checkpoint_leaves_nothing_a_resume_takes(tmp_path, 
         assert newer.path == folders[1] and ("not finished" in newer.problem or "never finished" in newer.problem)
     if chosen.step == 2:
         assert len(folders) == 1 or [c.path for c in skipped] == folders[1:]
-    restored = rank_files.rank_copy(chosen.path, None, tmp_path / "restore", 0)
+    restored = checked_copy.rank_copy(chosen.path, None, tmp_path / "restore", 0)
     assert restored[1]["step"] == chosen.step
 
 
@@ -448,7 +448,7 @@ def test_a_zero_checkpoint_keeps_12_bytes_a_parameter_resumes_exactly_and_gives_
 
     trained = {k: v.clone() for k, v in backend.module.state_dict().items()}
     _, fresh = _deepspeed_backend(stage=stage, dtype=dtype)
-    local, state = rank_files.rank_copy(str(folder), None, tmp_path / "restore", 0)
+    local, state = checked_copy.rank_copy(str(folder), None, tmp_path / "restore", 0)
     fresh.load(local, state)
     # Nothing the run keeps may map the checkpoint's files (Adam's moments, left as mappings, would
     # hold a pruned checkpoint's disk space for the rest of the run).
@@ -480,9 +480,9 @@ def test_a_resume_reads_deepspeeds_shards_once_checked_as_read_and_refuses_a_cor
     assert len(shards) == 2  # the module states and rank 0's optimizer shard
 
     checked_at_the_end = []
-    real_check = rank_files._check_crc32cs
+    real_check = checked_copy._check_crc32cs
     monkeypatch.setattr(
-        rank_files,
+        checked_copy,
         "_check_crc32cs",
         lambda path, files, listed, crcs=None: (
             checked_at_the_end.append(sorted(files)) or real_check(path, files, listed, crcs)
@@ -501,7 +501,7 @@ def test_a_resume_reads_deepspeeds_shards_once_checked_as_read_and_refuses_a_cor
     )
     _, fresh = _deepspeed_backend(stage=1)
     partitions = fresh.engine.optimizer.single_partition_of_fp32_groups
-    local, state, checking = rank_files.start_rank_copy(str(folder), restore_files(0, 1, 1), tmp_path / "r", 0)
+    local, state, checking = checked_copy.start_rank_copy(str(folder), restore_files(0, 1, 1), tmp_path / "r", 0)
     fresh.load(local, state)
     checking.result()
     assert checked_at_the_end == [[]]
@@ -516,7 +516,7 @@ def test_a_resume_reads_deepspeeds_shards_once_checked_as_read_and_refuses_a_cor
     data[len(data) // 2] ^= 1  # inside the master weights or a moment
     optim.write_bytes(bytes(data))
     _, again = _deepspeed_backend(stage=1)
-    local, state, checking = rank_files.start_rank_copy(str(folder), restore_files(0, 1, 1), tmp_path / "r2", 0)
+    local, state, checking = checked_copy.start_rank_copy(str(folder), restore_files(0, 1, 1), tmp_path / "r2", 0)
     with pytest.raises(ckpt.IncompleteCheckpointError, match=f"{optim.name} does not have the CRC-32C"):
         again.load(local, state)
     assert checking.exception() is None  # (what is left to check: nothing the engine read)

@@ -26,7 +26,8 @@ from vitray.data.loader import ShardLoader
 from vitray.data.plan import ExtentTable, ShardRange, epoch_plan, rank_slots
 from vitray.data.splits import split_extents, split_table
 from vitray.runfolder import checkpoint_folders as ckpt
-from vitray.trainers.checkpoint.rank_files import mark_complete, node_restore_dir, rank_copy
+from vitray.trainers.checkpoint.checked_copy import node_restore_dir, rank_copy
+from vitray.trainers.checkpoint.rank_files import mark_complete
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from vitray.runfolder.checkpoint_folders import CheckpointInfo, resume_point
-from vitray.trainers.checkpoint.rank_files import node_restore_dir, start_rank_copy
+from vitray.trainers.checkpoint.checked_copy import node_restore_dir, start_rank_copy
 from vitray.trainers.collectives import broadcast_json
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.context import WorkerContext
@@ -42,7 +42,7 @@ def choose_checkpoint(run_dir: str, announced: str | None, step: int | None, *, 
 def restore_copy(cfg: TrainingConfig, ctx: WorkerContext) -> Iterator[tuple[Path, dict[str, Any]] | None]:
     """This rank's local copy of the checkpoint the run resumes from and its trainer state, or None
     for a run from scratch; a collective (rank 0 chooses). A local checkpoint's files are checked
-    (CRC-32C) by whoever reads them whole in the body (the engine's load: `rank_files.file_check`),
+    (CRC-32C) by whoever reads them whole in the body (the engine's load: `checked_copy.file_check`),
     the rest on leaving (`start_rank_copy`), which raises IncompleteCheckpointError if a file is
     corrupt. The copy is removed on
     leaving, once the last rank of the node has loaded it: training does not need it any more."""

@@ -34,8 +34,9 @@ from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from torch import nn
 
 from vitray.trainers.checkpoint import torch_file
+from vitray.trainers.checkpoint.checked_copy import file_check
 from vitray.trainers.checkpoint.host_buffers import HostBuffers
-from vitray.trainers.checkpoint.rank_files import file_check, write_file
+from vitray.trainers.checkpoint.rank_files import write_file
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.engines.deepspeed import zero_step
 from vitray.trainers.engines.deepspeed.resume_files import (
