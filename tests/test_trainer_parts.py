@@ -184,7 +184,7 @@ def test_loop_in_process_with_zero2_bf16_ema_mixup(process_group, digits_dataset
 
 
 def test_background_checkpoint_writes_the_state_as_it_was_when_saved(tmp_path):
-    from vitray.trainers.engines.deepspeed.backend import DEEPSPEED_SAVE_ROOT, BackgroundCheckpointEngine
+    from vitray.trainers.engines.deepspeed.checkpoint_engine import DEEPSPEED_SAVE_ROOT, BackgroundCheckpointEngine
 
     engine = BackgroundCheckpointEngine()
     weights = torch.arange(6, dtype=torch.float32)
@@ -249,7 +249,7 @@ def test_host_buffers_reserved_ahead_serve_the_first_snapshot_and_are_kept_for_t
 
 
 def test_checkpoint_loading_refuses_pickled_code(tmp_path):
-    from vitray.trainers.engines.deepspeed.backend import BackgroundCheckpointEngine
+    from vitray.trainers.engines.deepspeed.checkpoint_engine import BackgroundCheckpointEngine
 
     class Payload:
         def __reduce__(self):
