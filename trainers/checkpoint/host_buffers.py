@@ -70,7 +70,7 @@ class HostBuffers:
                 # rank of another GPU would make a CUDA context on GPU 0 (and take its memory).
                 torch.cuda.set_device(gpu)
             for numel, dtype, pin in wanted:
-                buffer = torch.empty(numel, dtype=dtype, pin_memory=True) if pin else page_aligned_empty(numel, dtype)
+                buffer = _host_empty(numel, dtype, pin)
                 if not pin:  # (pinned memory is resident as allocated)
                     # One byte a page: the kernel maps the pages now, on this thread, single-threaded
                     # (a torch fill would take the intra-op threads the training step is using).
@@ -122,15 +122,18 @@ class HostBuffers:
                 _, i = min(fitting)
                 return self._reserved.pop(i)[1][:numel].view(tensor.shape)
         self.allocated_in_snapshots += tensor.numel() * tensor.element_size()
-        if pin:
-            return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
-        return page_aligned_empty(tensor.numel(), tensor.dtype).view(tensor.shape)
+        return _host_empty(tensor.numel(), tensor.dtype, pin).view(tensor.shape)
 
     def settle(self) -> None:
         """Wait for the copies from the device (the snapshot is whole once this returns)."""
         if self._on_device and torch.cuda.is_available():
             torch.cuda.synchronize()
         self._on_device = False
+
+
+def _host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A flat host buffer: pinned for copies from a GPU, else page-aligned (`page_aligned_empty`)."""
+    return torch.empty(numel, dtype=dtype, pin_memory=True) if pin else page_aligned_empty(numel, dtype)
 
 
 def page_aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:

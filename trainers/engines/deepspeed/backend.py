@@ -331,8 +331,8 @@ class DeepSpeedBackend:
             )
         self.engine = build_engine(model, cfg, world_size=world_size, load_universal=self._universal_dir is not None)
         # DeepSpeed copies its zero_to_fp32.py recovery script into every checkpoint, on the training
-        # thread; it would land in the scratch folder vitray discards (vitray derives the weights
-        # itself: runfolder's derived_weights), so it is not copied at all.
+        # thread and past the checkpoint engine: into DEEPSPEED_SAVE_ROOT, which is never made. vitray
+        # derives the weights itself (runfolder's derived_weights), so it is not copied at all.
         self.engine._copy_recovery_script = lambda save_path: None
         self._checkpoints = BackgroundCheckpointEngine(self.engine._config)
         self._checkpoints.drop_module_weights = weights_from_master(self.engine)
