@@ -104,7 +104,10 @@ def _main(
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.")]
 SetOpt = Annotated[
-    list[str] | None, typer.Option("--set", help="Override a config value: --set train.steps=100 (repeatable).")
+    list[str] | None,
+    typer.Option(
+        "--set", help="Override a config value: --set KEY=VALUE, KEY dotted as in the config file (repeatable)."
+    ),
 ]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config and exit.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's and the workers' logs.")]

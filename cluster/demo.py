@@ -52,7 +52,7 @@ def run_demo(
     """The demo into `out_dir`: progress and results on `console` (stdout by default), the results
     table on `tables` (`console` by default); returns what it made (top-1, run folder, checkpoint,
     report, the grid's summary, the inspection files). `overrides` are the pre-training config's,
-    `grid_overrides` the evaluation grid's (one fine-tune learning rate by default).
+    `grid_overrides` the evaluation grid's (after the demo's own: one fine-tune learning rate).
     Raises ConfigError for a bad override, TrainingFailedError when pre-training fails."""
     console = console or Console()
     out = Path(out_dir).absolute()
@@ -88,7 +88,7 @@ def run_demo(
     grid = load_config(
         GridConfig,
         config_path("grid_digits.yaml"),
-        [f"data_root={out / 'data'}", f"output={out / 'eval'}", *(grid_overrides or DEMO_GRID)],
+        [f"data_root={out / 'data'}", f"output={out / 'eval'}", *DEMO_GRID, *(grid_overrides or [])],
     )
     summary = run_grid(grid, resolve_checkpoints(run), console=console)
     report = report_grid(grid, console=tables or console)

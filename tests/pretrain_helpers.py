@@ -36,6 +36,30 @@ BASE = [
     "data.flip=false",
 ]
 
+
+def make_checkpoint(folder: Path, **model: object):
+    """A complete one-rank checkpoint, as a run writes it, of a model (`ModelConfig` fields over a
+    Ti/4 at 16 px, `depth` left to the variant's) with random values in every parameter: no training
+    needed. Returns the model, in eval mode."""
+    import torch
+    from safetensors.torch import save_file
+
+    from vitray.models import ModelConfig, create_model_from_config
+    from vitray.trainers.checkpoint import rank_files
+
+    config = ModelConfig(**{"name": "Ti/4", "img_size": 16, **model})
+    net = create_model_from_config(config, num_classes=10)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in net.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    folder.mkdir(parents=True)
+    save_file(net.state_dict(), str(folder / rank_files.MODEL_FILE))
+    rank_files.write_state(folder, {"step": 4, "world_size": 1, "num_classes": 10, "model": config.model_dump()})
+    rank_files.mark_complete(folder, 0, rank_files.files_under(folder))
+    return net.eval()
+
+
 # The uninterrupted run (the `reference_run` fixture) that runs killed, restarted, stopped by a
 # signal or a full disk, drained or short of a node must end up equal to: 30 steps on whole digits,
 # named `ref`. The checkpoint and pre-emption-check intervals do not change the weights (a resume is

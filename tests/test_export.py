@@ -6,34 +6,15 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from pretrain_helpers import vitray_cmd
-from safetensors.torch import save_file
+from pretrain_helpers import make_checkpoint, vitray_cmd
 
-from vitray.models import ModelConfig, create_model_from_config
 from vitray.runfolder.export import ExportRefused, export
-from vitray.trainers.checkpoint import rank_files as ckpt
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-def make_checkpoint(folder: Path, **model: object) -> torch.nn.Module:
-    """A complete one-rank checkpoint of a model with random values in every parameter."""
-    config = ModelConfig(**{"name": "Ti/4", "img_size": 16, **model})
-    net = create_model_from_config(config, num_classes=10)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in net.parameters():
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
-    folder.mkdir(parents=True)
-    save_file(net.state_dict(), str(folder / ckpt.MODEL_FILE))
-    ckpt.write_state(folder, {"step": 4, "world_size": 1, "num_classes": 10, "model": config.model_dump()})
-    ckpt.mark_complete(folder, 0, ckpt.files_under(folder))
-    return net.eval()
 
 
 @pytest.fixture(scope="module")

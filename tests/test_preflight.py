@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from pretrain_helpers import BASE, in_process_loop
+from pretrain_helpers import BASE, in_process_loop, make_checkpoint
 from typer.testing import CliRunner
 
 from vitray.cli.main import app
@@ -255,6 +255,21 @@ def test_an_initial_checkpoint_of_another_architecture_is_refused(pretrained, di
         None,
         [*BASE, f"data.train={digits_dataset}", f"init.checkpoint={pretrained}", "model.img_size=24"],
     )
+    assert check_inputs(cfg).num_classes == 10
+
+
+def test_a_checkpoint_of_its_variants_own_depth_fine_tunes_from_the_benchmarks_recipe(digits_dataset, tmp_path):
+    """A model pre-trained without model.depth (the demo's Ti/4: the variant's 12 blocks) keeps
+    depth None in its checkpoint; the fine-tune recipe copies that model section, and the depth it
+    passes on is no claim against the checkpoint's blocks."""
+    from vitray.cluster.finetune import benchmark_config
+
+    make_checkpoint(tmp_path / "run" / "checkpoint_2026-01-01_00-00-00.000001")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "digits").symlink_to(digits_dataset)
+    cfg = benchmark_config(str(tmp_path / "run"), "digits", str(tmp_path / "data"), storage=str(tmp_path / "runs"))
+    assert "depth" in cfg.model.model_fields_set and cfg.model.depth is None, cfg.model
+    assert cfg.model.blocks == 12
     assert check_inputs(cfg).num_classes == 10
 
 

@@ -243,11 +243,12 @@ def _check_init_checkpoint(cfg: TrainingConfig) -> ModelConfig:
     theirs = ModelConfig.model_validate({**state["model"], "img_size": cfg.model.img_size})
     # The weights decide the architecture; a model.name or model.depth that says otherwise would be
     # recorded as the run's while it trains the checkpoint's (resolution and head may differ: they
-    # are adapted).
+    # are adapted). A depth of None is the variant's own and so is no claim: a fine-tune recipe
+    # copies the checkpoint's model section, None included.
     given = (("name", theirs.name, theirs.name), ("depth", theirs.blocks, f"{theirs.name} of {theirs.blocks} blocks"))
     for key, value, held in given:
         ours = getattr(cfg.model, key)
-        if key in cfg.model.model_fields_set and ours != value:
+        if key in cfg.model.model_fields_set and ours is not None and ours != value:
             raise PreflightError(
                 f"init.checkpoint {path} holds a {held}, but model.{key}={ours}: fine-tuning keeps the "
                 f"checkpoint's architecture; set model.{key}={value} or leave it out"
