@@ -81,6 +81,12 @@ class _Spec:
     outage_s: float | None = None  # how long opening a shard rides out an outage of its store
 
 
+# Objects counted frozen before this module was imported: the interpreter's own (Python 3.12 starts
+# with a few hundred of its tuples counted there; 3.11 and 3.13 with none). More than these, and the
+# application froze objects itself.
+FROZEN_BEFORE_VITRAY = gc.get_freeze_count()
+
+
 def _start_workers(loader: DataLoader) -> Iterable[Any]:
     """``iter(loader)``, its worker processes forked while the garbage collector's objects are frozen.
 
@@ -89,7 +95,7 @@ def _start_workers(loader: DataLoader) -> Iterable[Any]:
     hundred milliseconds of CPU per worker. Frozen, they stay out of the workers' collections; the
     main process unfreezes them at once (unless the application froze them itself).
     """
-    if loader.num_workers == 0 or gc.get_freeze_count():
+    if loader.num_workers == 0 or gc.get_freeze_count() > FROZEN_BEFORE_VITRAY:
         return iter(loader)
     gc.freeze()
     try:

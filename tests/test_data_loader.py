@@ -903,7 +903,7 @@ def _png_bytes(width: int, height: int) -> bytes:
 def test_worker_chunks_travel_as_ring_slots_and_labels_by_value_from_single_threaded_workers(jpeg_dataset, monkeypatch):
     def recording_decode(*args, **kwargs):
         chunk = real_decode(*args, **kwargs)
-        state = f"{torch.get_num_threads()},{gc.get_freeze_count() > 0}"
+        state = f"{torch.get_num_threads()},{gc.get_freeze_count() > loader_module.FROZEN_BEFORE_VITRAY}"
         chunk.keys = [f"{key}@{state}" for key in chunk.keys]  # travels back with the chunk
         return chunk
 
@@ -924,7 +924,7 @@ def test_worker_chunks_travel_as_ring_slots_and_labels_by_value_from_single_thre
     worker_states = {key.rsplit("@", 1)[1] for b in batches for key in b.keys}
     # DataLoader workers run torch on one thread (decoding is per sample), and they were forked with
     # the parent's objects frozen, out of their garbage collections; the parent's are unfrozen.
-    assert worker_states == {"1,True"} and gc.get_freeze_count() == 0
+    assert worker_states == {"1,True"} and gc.get_freeze_count() <= loader_module.FROZEN_BEFORE_VITRAY
     # Images stay in each worker's shared ring; the messages carry (worker, slot), slots in turn.
     assert [ring for ring, _, _ in received] == [(w, s % 4) for s in range(5) for w in (0, 1)]
     assert {numel for _, numel, _ in received} == {0}
