@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from vitray.cli.app import console, data_app, handled
+from vitray.cli.app import console, data_app, fail, handled
 
 
 def plural(count: int, noun: str, many: str = "") -> str:
@@ -45,6 +45,11 @@ def data_prepare(
         if storage.is_remote(dest):
             storage.check_reachable(dest)
         existing = check_destination(dest, overwrite=overwrite)
+    if existing is not None and existing.source != src.spec:  # not the dataset asked for: never taken for it
+        fail(
+            f"{dest} holds a dataset prepared from {existing.source}, not from {src.spec}: choose another DEST, "
+            "or pass --overwrite to replace it"
+        )
     if existing is not None:
         console.print(f"{dest} is already prepared from {existing.source}; nothing to do (--overwrite redoes it)")
         return

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
@@ -31,6 +32,8 @@ def demo(
     verbose: VerboseOpt = False,
 ):
     """The whole pipeline on built-in data: prepare -> pretrain -> evaluate -> report."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        fail(f"--out {out} is a file: give a folder for the demo's data, runs and report")
     from vitray.cluster.demo import run_demo
 
     with handled():  # a bad --set: one line, exit 2

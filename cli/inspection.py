@@ -4,12 +4,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
 from rich.markup import escape
 
-from vitray.cli.app import CheckpointArg, app, console, handled
+from vitray.cli.app import CheckpointArg, app, console, fail, handled
 
 
 @app.command("inspect")
@@ -30,8 +31,11 @@ def inspect(
     """Paper figures of a checkpoint: embedding-filter PCA, position-embedding similarity, mean attention
     distance per head and layer, attention rollout maps. Writes PNGs and the numbers behind them (JSON/Parquet)."""
     from vitray.evaluation.checkpoint_inspection import REFUSED, inspect_checkpoint
+    from vitray.storage import is_remote
 
-    with handled(REFUSED):
+    if not is_remote(out) and os.path.exists(out) and not os.path.isdir(out):
+        fail(f"--out {out} is a file: give a folder for the figures")
+    with handled(REFUSED), console.status("computing the figures (the model over the images)..."):
         files = inspect_checkpoint(
             checkpoint,
             out,

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
+import traceback
+from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 # In `vitray --help` order; importing a command module adds its commands to `app`.
 from vitray.cli import data, demo, inspection, pretrain, runs, submit, transfer  # noqa: F401
-from vitray.cli.app import app, data_app, handled, reflow_help, say_stopped_by_user
+from vitray.cli.app import app, command_line, console, data_app, handled, reflow_help, say_stopped_by_user
 from vitray.cluster.runtime import enable_token_auth_if_available
+from vitray.common import exit_codes
+from vitray.common.failures import describe_failure
 
 reflow_help(app)
 reflow_help(data_app)
@@ -30,6 +37,22 @@ def main() -> None:
         if _ctrl_c_outside_handled(done):
             say_stopped_by_user()
         raise
+    except Exception as err:  # what no command foresaw: one line here, the traceback in a file
+        sys.exit(_unforeseen(err))
+
+
+def _unforeseen(err: Exception) -> int:
+    """An error no command turned into its own message: `error: COMMAND failed: CAUSE`, and the whole
+    traceback in a file named on that line (for a bug report), not on the console."""
+    path = Path(tempfile.gettempdir()) / f"vitray-error-{os.getpid()}.txt"
+    where = f"the traceback: {path}"
+    try:
+        path.write_text(f"{' '.join(sys.argv)}\n\n{''.join(traceback.format_exception(err))}")
+    except OSError:
+        where = "no traceback file could be written"
+    cause = " ".join(describe_failure(err).one_line().split())
+    console.print(f"[bold red]error:[/] {escape(command_line())} failed: {escape(cause)} ({where})", highlight=False)
+    return exit_codes.FAILED
 
 
 def _ctrl_c_outside_handled(done: SystemExit) -> bool:

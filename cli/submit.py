@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
@@ -35,6 +36,8 @@ def submit(
     args = list(ctx.args)
     if not args:
         fail("nothing to submit: give the vitray command after --, e.g. -- pretrain -c configs/demo.yaml")
+    if working_dir is not None and not os.path.isdir(working_dir):
+        fail(f"--working-dir {working_dir}: no such folder (the folder uploaded as the job's working dir)")
     env_vars = {}
     for item in env or []:
         name, sep, value = item.partition("=")

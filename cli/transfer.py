@@ -176,6 +176,14 @@ def finetune(
                 overrides=overrides,
             )
     else:
+        recipe_only = {"--data-root": data_root, "--lr": lr, "--steps": steps, "--crop": crop, "--flip": flip}
+        recipe_only |= {"--name": name, "--storage": None if storage == "./runs" else storage, "--seed": seed or None}
+        given = [option for option, value in recipe_only.items() if value is not None]
+        if given:  # they would be ignored: the config file holds the run's settings
+            fail(
+                f"{', '.join(given)} only go with --benchmark; with a fine-tune config, set those values in it "
+                "or with --set (e.g. --set optim.lr=0.01 --set train.steps=500)"
+            )
         if checkpoint is not None:
             overrides.insert(0, f"init.checkpoint={checkpoint}")
         from vitray.trainers.config import TrainingConfig

@@ -116,10 +116,14 @@ _MISSING = object()
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} is not a file: pass -c FILE.yaml")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not text (not UTF-8): pass -c FILE.yaml") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
     if data is None:

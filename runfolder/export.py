@@ -57,7 +57,13 @@ def _publish(local: str, out: str) -> None:
 
 def check_output(out: str, fmt: str, *, overwrite: bool) -> None:
     """Refuse (ExportRefused, one line) an output that exists, unless `overwrite`; a folder where a
-    file is written, or a file where a folder is, always."""
+    file is written, or a file where a folder is, always; a store that cannot be reached (credentials,
+    endpoint, bucket) too, before the checkpoint is read."""
+    if storage.is_remote(out):
+        try:
+            storage.check_reachable(out)
+        except storage.StorageUnreachable as err:
+            raise ExportRefused(f"--out {out}: {err}") from None
     fs, fs_path = storage.filesystem(out)
     if fmt in FOLDER_FORMATS:
         if fs.isfile(fs_path):

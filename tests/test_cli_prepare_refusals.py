@@ -95,6 +95,13 @@ def test_an_unfinished_preparation_and_a_prepared_dataset_are_vitrays_own(tmp_pa
     # Already prepared: said at once, without starting Ray.
     result = prepare(f"imagefolder:{src}", str(dest))
     assert result.exit_code == 0 and "already prepared" in result.output and not ray.is_initialized()
+    # ... but not from another source: never taken for the dataset asked for.
+    other = image_folder(tmp_path / "other")
+    message = refused(f"imagefolder:{other}", str(dest))
+    assert message == (
+        f"error: {dest} holds a dataset prepared from imagefolder:{src}, not from imagefolder:{other}: "
+        "choose another DEST, or pass --overwrite to replace it"
+    )
 
 
 def test_bad_images_are_refused_with_their_names(tmp_path):

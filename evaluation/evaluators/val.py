@@ -1,10 +1,10 @@
 """``val``: top-1 of the model being trained on a labelled split, every rank scoring its share.
 
     evals:
-      val:  {type: val, every: 100, batch_size: 256}                     # data.val_path / data.val_split
+      val:  {type: val, every: 100, batch_size: 256}                     # data.val (else data.train) / data.val_split
       test: {type: val, every: 1000, path: /data/cifar10, split: test}   # the same kind on another split
 
-Several evaluators of this kind score different splits: one reads `data.val_path` /
+Several evaluators of this kind score different splits: one reads `data.val` (else `data.train`) /
 `data.val_split` unless its section names a `path` / `split`. Metric: ``top1`` (the ranks'
 counts summed; multi-label data scored as `vitray.data.top1_hits` does).
 """
@@ -24,13 +24,13 @@ KIND = "val"
 
 
 class ValEvalConfig(EvalSection):
-    """Top-1 of the model being trained on `path` / `split` (by default `data.val_path` /
+    """Top-1 of the model being trained on `path` / `split` (by default `data.val` (else `data.train`) /
     `data.val_split`), every rank scoring its share: metric `NAME/top1`."""
 
     type: Literal["val"] = Field(description="val: top-1 (and loss) of the model on a labelled split.")
     batch_size: int = Field(256, gt=0, description="Samples per worker per forward.")
     path: StoragePath | None = Field(
-        None, description="Prepared dataset scored (local or s3://); data.val_path when unset."
+        None, description="Prepared dataset scored (local or s3://); data.val (else data.train) when unset."
     )
     split: str | None = Field(None, description="Split (or slice: train[98%:]) scored; data.val_split when unset.")
 

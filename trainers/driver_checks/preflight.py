@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import posixpath
 import tarfile
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,10 +171,14 @@ def _check_writable_folder(key: str, path: str) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise PreflightError(f"{key}={path}: {existing} is a file, not a folder; pick another {key}")
-    if not os.access(existing, os.W_OK | os.X_OK):
+    # os.access answers yes to root whatever the file system says (/proc, a read-only or root-squashed
+    # mount): a folder made and removed at once is the answer that holds.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".vitray-check-", dir=existing))
+    except OSError as err:
         raise PreflightError(
-            f"{key}={path}: {existing} cannot be written (permissions or a read-only file system); pick another {key}"
-        )
+            f"{key}={path}: {existing} cannot be written ({err.strerror}); pick another {key}"
+        ) from None
 
 
 def _check_dataset(key: str, path: str, split: str | None, options: dict[str, Any] | None) -> DatasetInfo:

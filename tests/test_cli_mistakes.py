@@ -1,0 +1,102 @@
+"""Command-line mistakes that once ended in a traceback: each is now one line that names the cause and
+the fix, exit 2, before any work and with nothing written; and what no command foresees is one line
+too, exit 1, with its traceback in a file named on that line. Through the real app, in-process
+(typer's CliRunner), so that `ray.is_initialized()` tells whether Ray was started."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import ray
+from typer.testing import CliRunner
+
+from vitray.cli import app as cli_app
+from vitray.cli import main as cli_main
+from vitray.cli.main import app
+from vitray.common import exit_codes
+
+FILE_TEXT = "a: 1\n"
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+@pytest.fixture
+def a_file(tmp_path):
+    path = tmp_path / "victim.yaml"
+    path.write_text(FILE_TEXT)
+    return path
+
+
+def refused(*args: str) -> str:
+    result = CliRunner().invoke(app, list(args))
+    assert result.exit_code == exit_codes.INPUT_ERROR, result.output
+    assert "Traceback" not in result.output and not ray.is_initialized()
+    (line,) = [line for line in result.output.splitlines() if line.strip()]
+    return line
+
+
+def test_a_config_that_is_no_text_or_no_file_is_refused(tmp_path):
+    (tmp_path / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
+    assert refused("pretrain", "-c", str(tmp_path / "image.png")) == (
+        f"error: config file {tmp_path / 'image.png'} is not text (not UTF-8): pass -c FILE.yaml"
+    )
+    assert refused("pretrain", "-c", str(tmp_path)) == f"error: config file {tmp_path} is not a file: pass -c FILE.yaml"
+
+
+@pytest.mark.parametrize(
+    "command, expected",
+    [
+        (
+            ["data", "prepare", "builtin:digits", "{file}", "--overwrite"],
+            "is a file, not a folder: give a new or empty",
+        ),
+        (["demo", "--out", "{file}"], "--out {file} is a file: give a folder for the demo's data, runs and report"),
+        (["inspect", "{tmp}", "--out", "{file}"], "--out {file} is a file: give a folder for the figures"),
+        (["runs", "{file}"], "{file} is a file: give the folder that holds the runs (a run.storage)"),
+    ],
+    ids=["data-prepare-into-a-file", "demo-out-a-file", "inspect-out-a-file", "runs-of-a-file"],
+)
+def test_a_file_where_a_folder_belongs_is_refused_and_left_as_it_was(command, expected, a_file, tmp_path):
+    line = refused(*(arg.format(file=a_file, tmp=tmp_path) for arg in command))
+    assert expected.format(file=a_file) in line, line
+    assert a_file.read_text() == FILE_TEXT
+
+
+def test_submit_refuses_a_working_dir_that_does_not_exist(tmp_path):
+    line = refused(
+        "submit", "--address", "http://127.0.0.1:1", "--working-dir", str(tmp_path / "nowhere"), "--", "runs"
+    )
+    assert (
+        line
+        == f"error: --working-dir {tmp_path / 'nowhere'}: no such folder (the folder uploaded as the job's working dir)"
+    )
+
+
+def test_finetune_from_a_config_refuses_the_options_of_a_benchmarks_recipe(tmp_path):
+    """They would be ignored: the config file holds the run's settings."""
+    config = ["finetune", str(tmp_path), "-c", str(CONFIGS / "finetune_digits.yaml"), "--dry-run"]
+    line = refused(*config, "--lr", "0.5", "--steps", "7", "--storage", str(tmp_path))
+    assert line.startswith("error: --lr, --steps, --storage only go with --benchmark; with a fine-tune config, set")
+
+
+def test_an_error_no_command_foresaw_is_one_line_and_its_traceback_is_in_a_file(monkeypatch, capsys, tmp_path):
+    def a_bug(*args, **kwargs):
+        raise ZeroDivisionError("division by zero in a place nobody thought of")
+
+    monkeypatch.setattr(cli_main, "enable_token_auth_if_available", lambda: None)  # Ray's auth: not here
+    monkeypatch.setattr(cli_app, "load_config", a_bug)  # the config load of `vitray pretrain`
+    monkeypatch.setattr(sys, "argv", ["vitray", "pretrain", "--set", "train.steps=4"])
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(SystemExit) as stopped:
+        cli_main.main()
+    assert stopped.value.code == exit_codes.FAILED
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(
+        "error: vitray pretrain failed: ZeroDivisionError: division by zero in a place nobody thought of (the traceback: "
+    ), line
+    (saved,) = tmp_path.glob("vitray-error-*.txt")
+    assert line.endswith(f"{saved})")
+    text = saved.read_text()
+    assert text.startswith("vitray pretrain --set train.steps=4\n") and "in a_bug" in text and "Traceback" in text
