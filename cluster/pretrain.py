@@ -92,10 +92,10 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
         if plan.finished:
             raise AlreadyFinished(plan.chosen)
         _announce_resume(cfg, folder, plan)
-        attempts.start(plan.chosen, plan.skipped)
         cfg = _on_the_cluster(cfg, verbose=verbose)
+        check_workers_fit(cfg)  # refused before an attempt is recorded: nothing was tried
+        attempts.start(plan.chosen, plan.skipped)
         cfg.engine.prepare_resume(cfg, plan.chosen)  # e.g. DeepSpeed's conversion for a new world size
-        check_workers_fit(cfg)
         progress = TrainingProgress(
             folder,
             total_steps=cfg.train.steps,

@@ -273,6 +273,43 @@ def test_a_checkpoint_of_its_variants_own_depth_fine_tunes_from_the_benchmarks_r
     assert check_inputs(cfg).num_classes == 10
 
 
+def test_an_online_wandb_run_without_an_api_key_is_refused_before_ray_starts(digits_dataset, monkeypatch, tmp_path):
+    """wandb.init would fail in the worker, after Ray and the workers started; offline needs no key."""
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # none there yet
+    sets = _sets(digits_dataset, tmp_path / "runs", "log.wandb={project: p}")
+    line = refused(*sets)
+    assert line == (
+        "error: log.wandb: no W&B API key here: set WANDB_API_KEY (or run `wandb login`), or set log.wandb.mode=offline"
+    )
+    assert not (tmp_path / "runs").exists()
+
+    def checked(*extra: str) -> int:
+        cfg = load_config(TrainingConfig, None, [*BASE, f"data.train={digits_dataset}", *extra])
+        return check_inputs(cfg).num_classes
+
+    assert checked("log.wandb={mode: offline}") == 10
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password 0123456789abcdef\n")
+    (tmp_path / "netrc").chmod(0o600)
+    assert checked("log.wandb={project: p}") == 10  # what `wandb login` writes
+    (tmp_path / "netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef")
+    assert checked("log.wandb={project: p}") == 10
+
+
+def test_a_fewshot_evaluator_asking_more_shots_than_its_data_holds_is_refused(digits_dataset, tmp_path):
+    """The probe would fail at the run's first evaluation, which may be hours in."""
+    fewshot = f"evals.fs={{type: fewshot, every: 10, datasets: {{digits: '{digits_dataset}'}}, shots: [5, 500]}}"
+    line = refused(*_sets(digits_dataset, tmp_path / "runs", fewshot))
+    assert line == (
+        "error: evals.fs.shots: 500 shots of each of the 10 classes of digits need 5,000 samples in its train split, "
+        "which has 1,437; lower evals.fs.shots"
+    )
+    cfg = load_config(TrainingConfig, None, [*BASE, f"data.train={digits_dataset}", fewshot.replace("500", "100")])
+    assert check_inputs(cfg).num_classes == 10
+
+
 def test_a_run_storage_that_cannot_be_made_or_written_is_refused(digits_dataset, tmp_path):
     (tmp_path / "a-file").write_text("not a folder")
     line = refused(*_sets(digits_dataset, tmp_path / "a-file" / "runs"))

@@ -190,6 +190,8 @@ def test_more_workers_than_the_local_instance_has_fails_at_once(digits_dataset, 
     assert "cluster.address" in message
     assert time.monotonic() - started < 120
     assert not (tmp_path / "too-big").exists() or not find_checkpoints(str(tmp_path / "too-big"))
+    # Refused before an attempt began: nothing for `vitray runs` to list as a failed attempt.
+    assert RunFiles(str(tmp_path / "too-big")).read_attempts() == []
 
 
 def test_the_log_of_a_run_follows_it_and_ends_with_its_numbers_and_what_to_do_next(reference):

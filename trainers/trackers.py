@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import netrc
+import os
 import re
 import time
+import urllib.parse
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -75,6 +78,21 @@ def missing_tracker_packages(mlflow: MlflowSettings | None, wandb: WandbSettings
         for key, (settings, module) in wanted.items()
         if settings is not None and not importlib.util.find_spec(module)
     ]
+
+
+def wandb_login_missing(wandb: WandbSettings | None) -> bool:
+    """Whether an online W&B run would find no API key in this process's environment: the
+    WANDB_API_KEY variable, an identity token file, or the netrc entry `wandb login` writes for the
+    W&B host. Without one, `wandb.init` fails in the worker, after Ray and the workers started."""
+    if wandb is None or wandb.mode != "online" or os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun"):
+        return False
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return False
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host or "") is None
+    except (OSError, netrc.NetrcParseError):  # no netrc file, or one wandb could not read either
+        return True
 
 
 class Trackers:

@@ -34,7 +34,7 @@ from vitray.models import ModelConfig, create_model_from_config, on_meta_device
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.step.float8 import float8_layer_names, local_gpu_fp8_problem, no_float8_layer, torchao_missing
-from vitray.trainers.trackers import missing_tracker_packages
+from vitray.trainers.trackers import missing_tracker_packages, wandb_login_missing
 
 __all__ = ["PreflightError", "ResumePlan", "check_inputs", "check_model", "check_resume", "config_changes"]
 
@@ -90,11 +90,17 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
         checked.add(scored)
     for name, ev in cfg.evals.items():
         for dataset_name, path in getattr(ev, "datasets", {}).items():
-            _check_dataset(f"evals.{name}.datasets.{dataset_name}", path, None, options)
+            probed = _check_dataset(f"evals.{name}.datasets.{dataset_name}", path, None, options)
+            _check_enough_shots(f"evals.{name}", dataset_name, probed, max(ev.shots))
     missing = missing_tracker_packages(cfg.log.mlflow, cfg.log.wandb)
     if missing:
         raise PreflightError(
             f"{' and '.join(missing)} not installed: pip install 'vitray[trackers]', or unset the setting"
+        )
+    # On the local Ray the workers share this environment; a cluster's nodes may hold their own key.
+    if not cfg.cluster.address and wandb_login_missing(cfg.log.wandb):
+        raise PreflightError(
+            "log.wandb: no W&B API key here: set WANDB_API_KEY (or run `wandb login`), or set log.wandb.mode=offline"
         )
     model = _check_init_checkpoint(cfg) if cfg.init.checkpoint else cfg.model
     if cfg.precision.dtype == "fp8":
@@ -105,6 +111,18 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
     ):
         raise PreflightError(no_float8_layer(cfg.precision.fp8_layers))
     return info
+
+
+def _check_enough_shots(key: str, dataset_name: str, info: DatasetInfo, shots: int) -> None:
+    """A few-shot probe draws `shots` examples of every class from the train split: fewer samples
+    there than that in all would fail the run at its first evaluation (which may be hours in)."""
+    train = info.splits.get("train")
+    needed = shots * info.num_classes
+    if train is not None and train.num_samples < needed:
+        raise PreflightError(
+            f"{key}.shots: {shots} shots of each of the {info.num_classes} classes of {dataset_name} need {needed:,} "
+            f"samples in its train split, which has {train.num_samples:,}; lower {key}.shots"
+        )
 
 
 def _check_fp8_can_run(cfg: TrainingConfig) -> None:
