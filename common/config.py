@@ -156,7 +156,21 @@ def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
             shown = redact_at(parts[: i + 1], child)
             raise ConfigError(f"--set {dotted}: {prefix} is a value ({shown!r}), not a section")
         node = child
-    node[parts[-1]] = value
+    _merge(node, parts[-1], value)
+
+
+def _merge(node: dict[str, Any], key: str, value: Any) -> None:
+    """`node[key] = value`, except that a mapping given for a section merges into it key by key (a
+    `--set 'train={steps: 5}'` that dropped the file's other train settings would change the run
+    behind the user's back); an empty mapping empties it, and one of another `type` (an evaluator
+    of another kind) replaces it."""
+    current = node.get(key)
+    merges = isinstance(value, dict) and value and isinstance(current, dict)
+    if not merges or value.get("type", current.get("type")) != current.get("type"):
+        node[key] = value
+        return
+    for name, item in value.items():
+        _merge(current, name, item)
 
 
 def _describe(err: ValidationError, schema: type[BaseModel], blame: _Blame) -> str:

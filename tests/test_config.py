@@ -42,6 +42,24 @@ def test_yaml_and_overrides_are_typed(tmp_path):
     assert cfg.seed == 3
 
 
+def test_a_mapping_set_on_a_section_merges_into_it(tmp_path):
+    """`--set 'train={steps: 5}'` changes the steps and keeps the file's other train settings; `{}`
+    empties a section, and an evaluator of another type replaces the one there."""
+    path = tmp_path / "c.yaml"
+    val = {"type": "val", "every": 7, "split": "test"}
+    path.write_text(
+        yaml.safe_dump(
+            {"train": {"steps": 70, "batch_size": 64}, "data": {"train": "d"}, "evals": {"v": val, "w": val}}
+        )
+    )
+    cfg = load_config(TrainingConfig, path, ["train={steps: 5, micro_batch_size: 16}", "evals.v={every: 3}"])
+    assert (cfg.train.steps, cfg.train.batch_size, cfg.train.micro_batch_size) == (5, 64, 16)
+    assert (cfg.evals["v"].every, cfg.evals["v"].split) == (3, "test")
+    assert load_config(TrainingConfig, path, ["evals={}"]).evals == {}
+    fewshot = "evals.w={type: fewshot, every: 5, datasets: {digits: d}}"
+    assert load_config(TrainingConfig, path, [fewshot]).evals["w"].type == "fewshot"
+
+
 def test_typo_suggests_the_closest_key():
     with pytest.raises(ConfigError) as err:
         load_config(TrainingConfig, None, ["train.setps=5"])
