@@ -37,7 +37,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from vitray import storage
 from vitray.cluster.checkpoint_inputs import absolute, checkpoint_ref, resolve_checkpoints
-from vitray.cluster.finetune import finetune_cell_metrics, finetune_config
+from vitray.cluster.finetune import finetune_cell_metrics
+from vitray.cluster.grid_checks import check_work
 from vitray.cluster.runtime import RayLost, check_ray_alive, connect
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.grid import GridPlan, plan_grid
@@ -91,7 +92,7 @@ def run_grid(
     if not pending.cells and not ready and not waiting.work:
         return summary
 
-    _check_work([*pending.work, *ready], grid)  # in seconds, before Ray starts
+    check_work([*pending.work, *ready], grid)  # in seconds, before Ray starts
     connect(grid.cluster.address, verbose=verbose)
     retries = _Retries(grid.retries)
     with _progress(console, len(pending.cells) + len(ready) + len(waiting.work), show_progress) as bar:
@@ -137,29 +138,6 @@ def run_grid(
             raise
         pool.shutdown(wait=True)
     return summary
-
-
-def _check_work(work: list[GridWork], grid: GridConfig) -> None:
-    """Every unit's model builds at its resolution (on the meta device), once per checkpoint and
-    resolution, and every fine-tune run's training config (its `finetune.overrides` included)
-    validates: a resolution the patch size does not divide, or a wrong override, is refused
-    (PreflightError, ConfigError) before any cell starts, instead of failing every cell on its workers."""
-    from vitray.models import ModelConfig
-    from vitray.trainers.driver_checks.preflight import PreflightError, check_model
-
-    checked: set[tuple[str, int]] = set()
-    for unit in work:
-        if isinstance(unit, FinetuneJob):
-            finetune_config(unit, grid)
-        checkpoint, img_size = unit.checkpoint, unit.img_size
-        if (checkpoint.path, img_size) in checked or not checkpoint.model:
-            continue
-        checked.add((checkpoint.path, img_size))
-        try:
-            check_model(ModelConfig.model_validate({**checkpoint.model, "img_size": img_size}))
-        except PreflightError as err:
-            title = METHODS[unit.method].TITLE
-            raise PreflightError(f"{title} cells of {checkpoint.path} at {img_size} px: {err}") from None
 
 
 def _record_unprepared(plan: GridPlan, grid: GridConfig, table: ResultsTable, summary: GridSummary) -> GridPlan:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vitray.cluster.checkpoint_inputs import resolve_checkpoints
+from vitray.cluster.grid_checks import check_work
 from vitray.common.failures import describe_failure
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.methods import CheckpointRef, fewshot
@@ -29,13 +30,16 @@ def fewshot_checkpoint(checkpoint: str, grid: GridConfig) -> FewshotSummary:
     (ref,) = resolve_checkpoints(checkpoint)
     summary = FewshotSummary(ref)
     section = grid.fewshot.model_copy(update={"num_gpus": 0.0})  # this process: the CPU
+    groups = []
     for bench in grid.resolved_benchmarks():
         try:
             require_prepared(bench, grid.data_root, storage_options=grid.storage_options)
-            group = fewshot.fewshot_group(ref, bench, section)
+            groups.append((bench, fewshot.fewshot_group(ref, bench, section)))
         except (MissingDataset, ValueError) as err:
             summary.problems.append(str(err))
-            continue
+    # A resolution the patch size does not divide: refused once (PreflightError), not by every cell.
+    check_work([group for _, group in groups], grid)
+    for bench, group in groups:
         outcomes = fewshot.run(group, section, grid.inputs)
         for k, (mean, std, n) in fewshot.summarize_scores(outcomes).items():
             summary.rows.append((bench.name, k, mean, std, n))

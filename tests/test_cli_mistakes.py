@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from pretrain_helpers import make_checkpoint
 from typer.testing import CliRunner
 
 from vitray.cli import app as cli_app
@@ -79,6 +80,21 @@ def test_finetune_from_a_config_refuses_the_options_of_a_benchmarks_recipe(tmp_p
     config = ["finetune", str(tmp_path), "-c", str(CONFIGS / "finetune_digits.yaml"), "--dry-run"]
     line = refused(*config, "--lr", "0.5", "--steps", "7", "--storage", str(tmp_path))
     assert line.startswith("error: --lr, --steps, --storage only go with --benchmark; with a fine-tune config, set")
+
+
+def test_fewshot_refuses_a_probe_resolution_the_patch_does_not_divide_once(digits_dataset, tmp_path):
+    """Not once per cell: every cell would meet it."""
+    checkpoint = tmp_path / "run" / "checkpoint_2026-01-01_00-00-00.000001"
+    make_checkpoint(checkpoint)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "digits").symlink_to(digits_dataset)
+    line = refused(
+        "fewshot", str(checkpoint), "-b", "digits", "--data-root", str(tmp_path / "data"), "--img-size", "18"
+    )
+    assert line == (
+        f"error: few-shot cells of {checkpoint} at 18 px: model: img_size 18 is not divisible by the patch size 4 of "
+        "Ti/4; use a multiple of 4, e.g. 16"
+    )
 
 
 def test_an_error_no_command_foresaw_is_one_line_and_its_traceback_is_in_a_file(monkeypatch, capsys, tmp_path):
