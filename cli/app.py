@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -204,7 +205,10 @@ def load(schema: type[M], config: Path | None, overrides: list[str] | None) -> M
 
 def config_message(err: ConfigError) -> str:
     """A config error's text, and the command-line options that set the keys it names."""
-    return str(err) + "".join(f"\n  ({key}: {hint})" for key, hint in OPTION_HINTS.items() if f"{key}:" in str(err))
+    text = str(err)
+    # A key the config lacks, not one it holds wrongly (a training config's `data_root: unknown key`).
+    lacks = lambda key: f"{key}: Field required" in text or re.search(rf"must set .*\b{key}\b", text)  # noqa: E731
+    return text + "".join(f"\n  ({key}: {hint})" for key, hint in OPTION_HINTS.items() if lacks(key))
 
 
 def print_config(config: BaseModel) -> None:

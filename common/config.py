@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import difflib
 import re
+import types
+import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,7 +29,10 @@ class ConfigError(ValueError):
 
 
 # Said when a command needs sections that no file gave (the defaults alone do not make a config).
-NO_CONFIG = "no config given: pass -c FILE.yaml (see configs/, e.g. configs/demo.yaml)"
+def no_config(schema: type[BaseModel]) -> str:
+    """The refusal of a command run without the config it needs, pointing at an example of its kind."""
+    example = getattr(schema, "EXAMPLE_CONFIG", "configs/demo.yaml")
+    return f"no config given: pass -c FILE.yaml (see configs/, e.g. {example})"
 
 
 def load_config(schema: type[M], path: str | Path | None = None, overrides: Sequence[str] = ()) -> M:
@@ -56,7 +61,7 @@ def validate_config(
     try:
         return schema.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_describe(err, schema, blame)) from None
+        raise ConfigError(_describe(err, schema, blame, data)) from None
 
 
 # A dotted config key inside a validator's message ("train.batch_size=100 must be ...").
@@ -173,18 +178,19 @@ def _merge(node: dict[str, Any], key: str, value: Any) -> None:
         _merge(current, name, item)
 
 
-def _describe(err: ValidationError, schema: type[BaseModel], blame: _Blame) -> str:
+def _describe(err: ValidationError, schema: type[BaseModel], blame: _Blame, data: Mapping[str, Any]) -> str:
     problems = err.errors()
     if blame.source is None and all(p["type"] == "missing" and len(p["loc"]) == 1 for p in problems):
         # Nothing given at all: the missing sections are a missing -c, not a config to fix.
         missing = ", ".join(".".join(str(part) for part in p["loc"]) for p in problems)
-        return f"{NO_CONFIG}; it must set {missing}"  # one line
+        return f"{no_config(schema)}; it must set {missing}"  # one line
     lines, blamed = [], []
     for problem in problems:
-        loc = [str(p) for p in problem["loc"]]
+        tagged = [str(p) for p in problem["loc"]]
+        loc = _without_tags(tagged, data)
         key = ".".join(loc)
         if problem["type"] == "extra_forbidden":
-            valid = _fields_at(schema, loc[:-1])
+            valid = _fields_at(schema, tagged[:-1])
             hint = difflib.get_close_matches(loc[-1], valid, n=1)
             suggestion = f"; did you mean {'.'.join(loc[:-1] + hint[:1])!r}?" if hint else ""
             lines.append(f"  {key}: unknown key{suggestion} (valid here: {', '.join(sorted(valid))})")
@@ -205,19 +211,62 @@ def _describe(err: ValidationError, schema: type[BaseModel], blame: _Blame) -> s
         lines.append(f"  {key or '(top level)'}: {message}{shown}")
         blamed.append(blame.of(key))
     if blame.source is None and any(p["type"] == "missing" and len(p["loc"]) == 1 for p in problems):
-        lines.append(f"  ({NO_CONFIG})")
+        lines.append(f"  ({no_config(schema)})")
+    top_level = [p for p in problems if len(p["loc"]) == 1]
+    if len(top_level) > 1 and all(p["type"] in ("extra_forbidden", "missing") for p in top_level):
+        # Not one section of the file is this command's: most likely another command's config.
+        lines.append(
+            "  (none of its sections belong here: pretrain and finetune take a training config such as "
+            "configs/demo.yaml, evaluate and fewshot a grid such as configs/grid_digits.yaml)"
+        )
     return "\n".join([blame.header(blamed), *lines])
 
 
 def _fields_at(schema: type[BaseModel], loc: list[str]) -> list[str]:
-    """The valid keys of the section at `loc`, following nested pydantic models."""
-    model: Any = schema
+    """The valid keys of the section at `loc` (pydantic's location of an error), following nested
+    models, the values of `dict[str, Model]` sections (`evals.NAME`) and, in a union told apart by
+    its `type`, the member whose type is the next part (pydantic puts the tag in the location)."""
+    node: Any = schema
     for part in loc:
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+        node = _unwrapped(node)
+        if typing.get_origin(node) is dict:  # part: one of its keys
+            node = typing.get_args(node)[1]
+        elif typing.get_origin(node) in (typing.Union, types.UnionType):  # part: the member's `type`
+            node = next((m for m in typing.get_args(node) if part in _type_tags(m)), None)
+        elif isinstance(node, type) and issubclass(node, BaseModel) and part in node.model_fields:
+            node = node.model_fields[part].annotation
+        else:
             return []
-        model = field.annotation
-    return list(getattr(model, "model_fields", {}))
+    node = _unwrapped(node)
+    return list(node.model_fields) if isinstance(node, type) and issubclass(node, BaseModel) else []
+
+
+def _unwrapped(annotation: Any) -> Any:
+    """`X` of `Annotated[X, ...]` and of `X | None`."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [m for m in typing.get_args(annotation) if m is not type(None)]
+        if len(members) == 1:
+            return _unwrapped(members[0])
+    return annotation
+
+
+def _type_tags(member: Any) -> tuple[Any, ...]:
+    field = getattr(member, "model_fields", {}).get("type")
+    return typing.get_args(field.annotation) if field is not None else ()
+
+
+def _without_tags(loc: list[str], data: Any) -> list[str]:
+    """`loc` as the user writes the key: without the `type` tags pydantic inserts for a union (the
+    `val` in `evals.val.val.every`), found by walking the config's data along it."""
+    kept, node = [], data
+    for part in loc:
+        if isinstance(node, Mapping) and part not in node and node.get("type") == part:
+            continue
+        kept.append(part)
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return kept
 
 
 def dump_config(config: BaseModel) -> str:

@@ -17,7 +17,7 @@ the one config loader, `vitray.common.config.load_config(GridConfig, path, overr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
@@ -37,6 +37,8 @@ class EvalClusterConfig(_Section):
 class _GridBase(_Section):
     """The whole evaluation grid (see the module docstring for an example): where and what, and a
     section per transfer method (:data:`~vitray.evaluation.methods.METHODS`)."""
+
+    EXAMPLE_CONFIG: ClassVar[str] = "configs/grid_digits.yaml"  # what a refusal for a missing -c points to
 
     data_root: StoragePath = Field(description="Folder (local or s3://) holding the prepared benchmark datasets.")
     output: StoragePath = Field(

@@ -59,6 +59,25 @@ def test_no_config_at_all_says_to_pass_one():
     assert line == "error: no config given: pass -c FILE.yaml (see configs/, e.g. configs/demo.yaml); it must set data"
 
 
+def test_no_grid_at_all_points_to_a_grid_and_the_option_that_sets_what_it_lacks(tmp_path):
+    lines = refused("evaluate", str(tmp_path), "--dry-run")
+    assert lines == [
+        "error: no config given: pass -c FILE.yaml (see configs/, e.g. configs/grid_digits.yaml); it must set data_root",
+        "  (data_root: give --data-root ROOT, or `data_root:` in the -c file)",
+    ]
+
+
+def test_another_commands_config_is_said_to_be_one(tmp_path):
+    grid = str(REPO / "configs" / "grid_digits.yaml")
+    lines = refused("pretrain", "-c", grid, "--dry-run")
+    assert lines[-1].strip() == (
+        "(none of its sections belong here: pretrain and finetune take a training config such as configs/demo.yaml, "
+        "evaluate and fewshot a grid such as configs/grid_digits.yaml)"
+    )
+    assert not any("--data-root" in line for line in lines)  # the grid's data_root is no key of pretrain's
+    assert refused("evaluate", str(tmp_path), "-c", DEMO, "--dry-run")[-2].strip().startswith("(none of its sections")
+
+
 def test_a_warmup_longer_than_the_run_is_refused():
     lines = refused("pretrain", "-c", DEMO, "--set", "train.steps=20", "--dry-run")
     assert lines[0] == f"error: invalid config ({DEMO}, --set train.steps=20):"

@@ -67,6 +67,20 @@ def test_typo_suggests_the_closest_key():
     assert "train.setps" in message and "did you mean 'train.steps'" in message
 
 
+def test_keys_inside_an_evaluator_and_an_optional_section_are_named_as_written():
+    """Pydantic puts an evaluator's `type` in the error's location (`evals.v.val.every`): the
+    message names the key as the user wrote it, blames the --set that gave it, and lists the keys
+    valid there, as for any other section."""
+    with pytest.raises(ConfigError) as bad:
+        load_config(TrainingConfig, None, ["data.train=d", "evals.v={type: val, every: 0}"])
+    assert str(bad.value).splitlines()[1] == "  evals.v.every: Input should be greater than 0 (got 0)"
+    assert "evals.v={type: val, every: 0}" in str(bad.value).splitlines()[0]
+    with pytest.raises(ConfigError, match=r"evals.v.evry: unknown key; did you mean 'evals.v.every'\? \(valid here: b"):
+        load_config(TrainingConfig, None, ["data.train=d", "evals.v={type: val, evry: 3}"])
+    with pytest.raises(ConfigError, match=r"log.wandb.projct: unknown key; did you mean 'log.wandb.project'\?"):
+        load_config(TrainingConfig, None, ["data.train=d", "log.wandb={projct: x}"])
+
+
 def test_typo_in_section_name():
     with pytest.raises(ConfigError, match=r"did you mean 'train'"):
         load_config(TrainingConfig, None, ["trian.steps=5"])
@@ -413,10 +427,10 @@ def test_evals_are_typed_by_name_and_type():
     "bad, expected",
     [
         ("evals.val={type: top5, every: 10}", r"evals\.val: Input tag 'top5'.*expected tags: 'val', 'fewshot'"),
-        ("evals.val={type: val}", r"evals\.val\.val\.every: Field required"),
-        ("evals.val={type: val, every: 0}", r"evals\.val\.val\.every: Input should be greater than 0"),
-        ("evals.val={type: val, every: 5, shots: [1]}", r"evals\.val\.val\.shots: unknown key"),
-        ("evals.probe={type: fewshot, every: 5, datasets: {}}", r"evals\.probe\.fewshot\.datasets: .*at least 1"),
+        ("evals.val={type: val}", r"evals\.val\.every: Field required"),
+        ("evals.val={type: val, every: 0}", r"evals\.val\.every: Input should be greater than 0"),
+        ("evals.val={type: val, every: 5, shots: [1]}", r"evals\.val\.shots: unknown key"),
+        ("evals.probe={type: fewshot, every: 5, datasets: {}}", r"evals\.probe\.datasets: .*at least 1"),
         ("evals.probe={type: fewshot, every: 5, datasets: {d: /d}, shots: [0]}", r"must be positive"),
         ("evals={a/b: {type: val, every: 5}}", r"evaluator name 'a/b' must start with"),
     ],
