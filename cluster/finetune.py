@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from vitray.cluster.checkpoint_inputs import resolve_checkpoints
 from vitray.common.config import validate_config
 from vitray.evaluation.config import GridConfig
@@ -84,9 +86,15 @@ def benchmark_config(
     under `storage`. Where the protocol validates on a held-out slice, the run scores the test split
     too (its `test` evaluator)."""
     bench = get_benchmark(benchmark)
-    options = FinetuneGrid.model_validate(
-        {"learning_rates": [lr] if lr else None, "steps": steps, "crop": crop, "flip": flip}
-    )
+    given = {"--lr": lr, "--steps": steps, "--crop": crop, "--flip": flip}
+    try:
+        options = FinetuneGrid.model_validate(
+            {"learning_rates": None if lr is None else [lr], "steps": steps, "crop": crop, "flip": flip}
+        )
+    except ValidationError as err:  # the option as the user gave it, not the grid's field
+        problem = err.errors()[0]
+        field = {"learning_rates": "--lr", "steps": "--steps", "crop": "--crop", "flip": "--flip"}[problem["loc"][0]]
+        raise ValueError(f"{field} {given[field]}: {problem['msg'].removeprefix('Value error, ')}") from None
     settings = finetune_settings(bench, options)[0]
     (ref,) = resolve_checkpoints(checkpoint)
     require_prepared(bench, data_root)

@@ -82,19 +82,33 @@ def test_finetune_from_a_config_refuses_the_options_of_a_benchmarks_recipe(tmp_p
     assert line.startswith("error: --lr, --steps, --storage only go with --benchmark; with a fine-tune config, set")
 
 
-def test_fewshot_refuses_a_probe_resolution_the_patch_does_not_divide_once(digits_dataset, tmp_path):
-    """Not once per cell: every cell would meet it."""
+@pytest.fixture
+def checkpoint_and_data_root(digits_dataset, tmp_path):
+    """A Ti/4 checkpoint (no training) and a data root holding the prepared digits."""
     checkpoint = tmp_path / "run" / "checkpoint_2026-01-01_00-00-00.000001"
     make_checkpoint(checkpoint)
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "digits").symlink_to(digits_dataset)
-    line = refused(
-        "fewshot", str(checkpoint), "-b", "digits", "--data-root", str(tmp_path / "data"), "--img-size", "18"
-    )
+    return checkpoint, tmp_path / "data"
+
+
+def test_fewshot_refuses_a_probe_resolution_the_patch_does_not_divide_once(checkpoint_and_data_root):
+    """Not once per cell: every cell would meet it."""
+    checkpoint, data_root = checkpoint_and_data_root
+    line = refused("fewshot", str(checkpoint), "-b", "digits", "--data-root", str(data_root), "--img-size", "18")
     assert line == (
         f"error: few-shot cells of {checkpoint} at 18 px: model: img_size 18 is not divisible by the patch size 4 of "
         "Ti/4; use a multiple of 4, e.g. 16"
     )
+
+
+def test_finetune_names_the_option_of_a_bad_value(checkpoint_and_data_root):
+    checkpoint, data_root = checkpoint_and_data_root
+    for lr in ("-1", "0"):  # 0 was taken for "not given": the protocol's learning rate, silently
+        line = refused(
+            "finetune", str(checkpoint), "-b", "digits", "--data-root", str(data_root), "--lr", lr, "--dry-run"
+        )
+        assert line.startswith(f"error: --lr {float(lr)}: must be a non-empty list of positive learning rates"), line
 
 
 def test_an_error_no_command_foresaw_is_one_line_and_its_traceback_is_in_a_file(monkeypatch, capsys, tmp_path):
