@@ -20,7 +20,8 @@ def data_prepare(
         str,
         typer.Argument(
             help="imagefolder:PATH | cifar10:PATH | cifar100:PATH | parquet:PATH | hf:PATH[?image=COL&label=COL] | "
-            "tfds:DATA_DIR/NAME/VERSION | vtab:TASK:DATA_DIR/NAME/VERSION | pets:DIR | flowers102:DIR | builtin:digits"
+            "tfds:DATA_DIR/NAME/VERSION | vtab:TASK:DATA_DIR/NAME/VERSION | pets:DIR | flowers102:DIR | builtin:digits | "
+            "unlabelled:SOURCE (any of these, its labels dropped)"
         ),
     ],
     dest: Annotated[str, typer.Argument(help="Output folder: a local path or s3://bucket/prefix.")],

@@ -86,7 +86,10 @@ def fewshot(
     grid = _grid(config, overrides + list(set_ or []))
     from vitray.cluster.fewshot_cells import fewshot_checkpoint
 
-    with handled((FileNotFoundError, ValueError, RuntimeError)):
+    with (
+        handled((FileNotFoundError, ValueError, RuntimeError)),
+        console.status("few-shot probes: features, then fits..."),
+    ):
         summary = fewshot_checkpoint(checkpoint, grid)
     table = Table(title=f"few-shot linear probe: {summary.checkpoint.path} (step {summary.checkpoint.step})")
     for name, justify in [

@@ -364,7 +364,12 @@ def test_shard_tasks_pickle(tmp_path):
         ("webp:/x", ValueError, "source 'webp:/x' is not KIND:PATH"),
         ("builtin:mnist", ValueError, "no built-in dataset 'mnist'; built-in datasets: \\['digits'\\]"),
         ("imagefolder:/does/not/exist", FileNotFoundError, "imagefolder source /does/not/exist is not a folder"),
-        ("cifar10:/does/not/exist", FileNotFoundError, "cifar10 source /does/not/exist lacks \\['batches.meta', "),
+        (
+            "cifar10:/does/not/exist",
+            FileNotFoundError,
+            "cifar10 source /does/not/exist does not exist: give the cifar10 archive as downloaded "
+            "\\(its binary version, e.g. cifar10:/path/to/cifar-10-binary.tar.gz\\)",
+        ),
         ("parquet:/does/not/exist", FileNotFoundError, "parquet source /does/not/exist: no .parquet files"),
     ],
 )

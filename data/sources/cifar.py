@@ -129,6 +129,7 @@ class _CifarSource(Source):
     label_key: ClassVar[str]
 
     binary_folder: ClassVar[str]
+    archive_example: ClassVar[str]  # the binary archive as downloaded, for messages
     binary_files: ClassVar[dict[str, list[str]]]
     binary_names: ClassVar[str]
     label_bytes: ClassVar[int]
@@ -149,6 +150,11 @@ class _CifarSource(Source):
     @classmethod
     def open(cls, location: str) -> _CifarSource:
         folder = Path(location).expanduser().resolve()
+        if not folder.exists():
+            raise FileNotFoundError(
+                f"{cls.kind} source {folder} does not exist: give the {cls.kind} archive as downloaded "
+                f"(its binary version, e.g. {cls.kind}:/path/to/{cls.archive_example}) or its extracted folder"
+            )
         if folder.is_file() and tarfile.is_tarfile(folder):
             return cls._open_binary(folder, f"{folder}{ARCHIVE_SEPARATOR}{cls.binary_folder}/")
         if (folder / cls.binary_folder).is_dir():
@@ -212,6 +218,7 @@ class Cifar10Source(_CifarSource):
     names_key = "label_names"
     label_key = "labels"
     binary_folder = "cifar-10-batches-bin"
+    archive_example = "cifar-10-binary.tar.gz"
     binary_files = {"train": [f"data_batch_{i}.bin" for i in range(1, 6)], "test": ["test_batch.bin"]}
     binary_names = "batches.meta.txt"
     label_bytes = 1
@@ -225,6 +232,7 @@ class Cifar100Source(_CifarSource):
     names_key = "fine_label_names"
     label_key = "fine_labels"
     binary_folder = "cifar-100-binary"
+    archive_example = "cifar-100-binary.tar.gz"
     binary_files = {"train": ["train.bin"], "test": ["test.bin"]}
     binary_names = "fine_label_names.txt"
     label_bytes = 2
