@@ -365,7 +365,7 @@ def test_the_val_evaluator_scores_the_path_and_split_its_section_names(digits_da
     assert val == {VAL_TOP1: pytest.approx(split_top1(model, str(digits_dataset), "train[:10%]", batch_size=64))}
     assert test == {TEST_TOP1: pytest.approx(split_top1(model, str(digits_dataset), "test", batch_size=64))}
     assert cfg.evals["other"].dataset(cfg.data) == ("/nowhere", "train[10%:20%]")
-    with pytest.raises(ConfigError, match=r"evals\.test\.val\.split"):
+    with pytest.raises(ConfigError, match=r"evals\.test\.split"):
         load_config(
             TrainingConfig, None, [f"data.train={digits_dataset}", "evals.test={type: val, every: 1, split: 'test[1'}"]
         )
