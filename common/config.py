@@ -208,7 +208,7 @@ def _describe(err: ValidationError, schema: type[BaseModel], blame: _Blame, data
             continue
         # Redacted: a bad value under a secret's key (or a whole section holding one) is not printed.
         shown = "" if problem["type"] == "missing" else f" (got {redact_at(loc, problem.get('input'))!r})"
-        lines.append(f"  {key or '(top level)'}: {message}{shown}")
+        lines.append(f"  {key or '(top level)'}: {message}{shown}{_yaml_hint(key, problem)}")
         blamed.append(blame.of(key))
     if blame.source is None and any(p["type"] == "missing" and len(p["loc"]) == 1 for p in problems):
         lines.append(f"  ({no_config(schema)})")
@@ -220,6 +220,20 @@ def _describe(err: ValidationError, schema: type[BaseModel], blame: _Blame, data
             "configs/demo.yaml, evaluate and fewshot a grid such as configs/grid_digits.yaml)"
         )
     return "\n".join([blame.header(blamed), *lines])
+
+
+def _yaml_hint(key: str, problem: Mapping[str, Any]) -> str:
+    """How to write the value, where YAML read it as another type than the key takes (`--set
+    run.name=123` is a number, `--set benchmarks=digits` a string)."""
+    given = problem.get("input")
+    if problem["type"] == "string_type" and isinstance(given, (bool, int, float)):
+        # An int reads back as written; a float or a YAML boolean (on, yes) may not.
+        written = given if isinstance(given, int) and not isinstance(given, bool) else "..."
+        kind = "a boolean" if isinstance(given, bool) else "a number"
+        return f"; YAML read {kind}: quote it to give a string, --set '{key}=\"{written}\"'"
+    if problem["type"] == "list_type" and isinstance(given, str):
+        return f"; a list is written in brackets: --set '{key}=[{given}]'"
+    return ""
 
 
 def _fields_at(schema: type[BaseModel], loc: list[str]) -> list[str]:

@@ -78,6 +78,16 @@ def test_another_commands_config_is_said_to_be_one(tmp_path):
     assert refused("evaluate", str(tmp_path), "-c", DEMO, "--dry-run")[-2].strip().startswith("(none of its sections")
 
 
+def test_a_value_yaml_reads_as_another_type_says_how_to_write_it(tmp_path):
+    (_, line) = refused("pretrain", "-c", DEMO, "--set", "run.name=123", "--dry-run")
+    assert line.endswith("(got 123); YAML read a number: quote it to give a string, --set 'run.name=\"123\"'"), line
+    (_, line) = refused("pretrain", "-c", DEMO, "--set", "run.name=on", "--dry-run")
+    assert line.endswith("(got True); YAML read a boolean: quote it to give a string, --set 'run.name=\"...\"'"), line
+    grid = str(REPO / "configs" / "grid_digits.yaml")
+    (_, line) = refused("evaluate", str(tmp_path), "-c", grid, "--set", "benchmarks=digits", "--dry-run")
+    assert line.endswith("(got 'digits'); a list is written in brackets: --set 'benchmarks=[digits]'"), line
+
+
 def test_a_warmup_longer_than_the_run_is_refused():
     lines = refused("pretrain", "-c", DEMO, "--set", "train.steps=20", "--dry-run")
     assert lines[0] == f"error: invalid config ({DEMO}, --set train.steps=20):"
