@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Annotated
 
 import typer
@@ -32,7 +31,9 @@ def demo(
     verbose: VerboseOpt = False,
 ):
     """The whole pipeline on built-in data: prepare -> pretrain -> evaluate -> report."""
-    if os.path.exists(out) and not os.path.isdir(out):
+    from vitray.storage import is_local_file
+
+    if is_local_file(out):
         fail(f"--out {out} is a file: give a folder for the demo's data, runs and report")
     from vitray.cluster.demo import run_demo
 

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Annotated
 
 import typer
@@ -31,9 +30,9 @@ def inspect(
     """Paper figures of a checkpoint: embedding-filter PCA, position-embedding similarity, mean attention
     distance per head and layer, attention rollout maps. Writes PNGs and the numbers behind them (JSON/Parquet)."""
     from vitray.evaluation.checkpoint_inspection import REFUSED, inspect_checkpoint
-    from vitray.storage import is_remote
+    from vitray.storage import is_local_file
 
-    if not is_remote(out) and os.path.exists(out) and not os.path.isdir(out):
+    if is_local_file(out):
         fail(f"--out {out} is a file: give a folder for the figures")
     with handled(REFUSED), console.status("computing the figures (the model over the images)..."):
         files = inspect_checkpoint(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import posixpath
 from typing import Annotated
 
@@ -25,12 +24,12 @@ def runs(
     from rich.table import Table
 
     from vitray.runfolder.listing import list_runs, run_summary
-    from vitray.storage import check_reachable, is_remote
+    from vitray.storage import check_reachable, is_local_file
 
     # A mistyped path, missing credentials or an unreachable endpoint: one line, at once.
     with handled((ValueError, FileNotFoundError, PermissionError)):
         check_reachable(storage, must_exist=True)
-        if not is_remote(storage) and not os.path.isdir(storage):
+        if is_local_file(storage):
             raise ValueError(f"{storage} is a file: give the folder that holds the runs (a run.storage)")
         found = list_runs(storage)
         itself = None if found else run_summary(storage)

@@ -179,8 +179,16 @@ def finetune(
                 overrides=overrides,
             )
     else:
-        recipe_only = {"--data-root": data_root, "--lr": lr, "--steps": steps, "--crop": crop, "--flip": flip}
-        recipe_only |= {"--name": name, "--storage": None if storage == "./runs" else storage, "--seed": seed or None}
+        recipe_only = {
+            "--data-root": data_root,
+            "--lr": lr,
+            "--steps": steps,
+            "--crop": crop,
+            "--flip": flip,
+            "--name": name,
+            "--storage": None if storage == "./runs" else storage,
+            "--seed": seed or None,
+        }
         given = [option for option, value in recipe_only.items() if value is not None]
         if given:  # they would be ignored: the config file holds the run's settings
             fail(

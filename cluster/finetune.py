@@ -86,15 +86,20 @@ def benchmark_config(
     under `storage`. Where the protocol validates on a held-out slice, the run scores the test split
     too (its `test` evaluator)."""
     bench = get_benchmark(benchmark)
-    given = {"--lr": lr, "--steps": steps, "--crop": crop, "--flip": flip}
+    given = {
+        "learning_rates": ("--lr", lr),
+        "steps": ("--steps", steps),
+        "crop": ("--crop", crop),
+        "flip": ("--flip", flip),
+    }
     try:
         options = FinetuneGrid.model_validate(
             {"learning_rates": None if lr is None else [lr], "steps": steps, "crop": crop, "flip": flip}
         )
     except ValidationError as err:  # the option as the user gave it, not the grid's field
         problem = err.errors()[0]
-        field = {"learning_rates": "--lr", "steps": "--steps", "crop": "--crop", "flip": "--flip"}[problem["loc"][0]]
-        raise ValueError(f"{field} {given[field]}: {problem['msg'].removeprefix('Value error, ')}") from None
+        option, value = given[problem["loc"][0]]
+        raise ValueError(f"{option} {value}: {problem['msg'].removeprefix('Value error, ')}") from None
     settings = finetune_settings(bench, options)[0]
     (ref,) = resolve_checkpoints(checkpoint)
     require_prepared(bench, data_root)

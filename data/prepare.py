@@ -19,7 +19,6 @@ replace. Any other non-empty folder holds someone else's files and is refused un
 from __future__ import annotations
 
 import functools
-import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -71,7 +70,7 @@ def check_destination(
     there, for a non-empty folder that is neither a vitray dataset nor an unfinished preparation,
     unless ``overwrite``, and for a file (whatever ``overwrite`` says: it is never replaced). Cheap:
     one listing and at most one small read."""
-    if not storage.is_remote(dest) and os.path.isfile(dest):
+    if storage.is_local_file(dest):
         raise DestinationNotEmpty(f"{dest} is a file, not a folder: give a new or empty folder for the dataset")
     names = storage.list_names(dest, storage_options)
     if DATASET_JSON in names:

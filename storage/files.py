@@ -45,6 +45,11 @@ def is_remote(path: str) -> bool:
     return protocol not in (None, "file", "local")
 
 
+def is_local_file(path: str) -> bool:
+    """A local path (not a URL) where a file stands: given where a folder belongs, a mistake to refuse."""
+    return not is_remote(path) and os.path.isfile(path)
+
+
 # botocore retries every S3 request that fails transiently -- 503 SlowDown and other throttling,
 # 500/502/503/504, connection errors and timeouts -- with exponential backoff and full jitter
 # ("standard" mode), this many attempts in all. s3fs retries on top of it what botocore does not

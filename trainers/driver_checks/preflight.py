@@ -182,8 +182,8 @@ def config_changes(recorded: dict[str, Any], new: dict[str, Any]) -> tuple[list[
 
 
 def _check_writable_folder(key: str, path: str) -> None:
-    """A local folder that exists and can be written, or that can be made (nothing is made here: a
-    refused run leaves nothing behind)."""
+    """A local folder that exists and can be written, or that can be made (only a probe folder is
+    made here, and removed at once: a refused run leaves nothing behind)."""
     existing = path
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)
