@@ -51,8 +51,12 @@ def data_prepare(
             f"{dest} holds a dataset prepared from {existing.source}, not from {src.spec}: choose another DEST, "
             "or pass --overwrite to replace it"
         )
-    if existing is not None:
-        console.print(f"{dest} is already prepared from {existing.source}; nothing to do (--overwrite redoes it)")
+    if existing is not None:  # its layout said, so that a different --samples-per-shard is not missed
+        console.print(
+            f"{dest} is already prepared from {existing.source} ({_splits_text(existing)}); nothing to do "
+            "(--overwrite prepares it again, e.g. with another --samples-per-shard)",
+            soft_wrap=True,
+        )
         return
     if src.left_out:
         console.print(
@@ -71,10 +75,15 @@ def data_prepare(
             overwrite=overwrite,
             bad_images="skip" if skip_bad else "refuse",
         )
-    splits = ", ".join(
+    console.print(
+        f"{dest}: {info.name}, {plural(info.num_classes, 'class', 'classes')} ({info.label_kind}-label); "
+        + _splits_text(info),
+        soft_wrap=True,
+    )
+
+
+def _splits_text(info) -> str:
+    return ", ".join(
         f"{name}: {plural(split.num_samples, 'sample')} in {plural(split.num_shards, 'shard')}"
         for name, split in info.splits.items()
-    )
-    console.print(
-        f"{dest}: {info.name}, {plural(info.num_classes, 'class', 'classes')} ({info.label_kind}-label); {splits}"
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-# In `vitray --help` order; importing a command module adds its commands to `app`.
+# Importing a command module adds its commands to `app`.
 from vitray.cli import data, demo, inspection, pretrain, runs, submit, transfer  # noqa: F401
 from vitray.cli.app import app, command_line, console, data_app, handled, reflow_help, say_stopped_by_user
 from vitray.cluster.runtime import enable_token_auth_if_available
@@ -20,6 +20,30 @@ from vitray.common.failures import describe_failure
 
 reflow_help(app)
 reflow_help(data_app)
+
+# `vitray --help` lists the commands in the order of the work, in these panels.
+HELP_PANELS = {
+    "Start here": ["demo"],
+    # `data` is a group: Typer lists groups after the commands (of its panel, and all panels)
+    "Data and pre-training": ["pretrain", "runs", "inspect", "export", "data"],
+    "Transfer to benchmarks": ["fewshot", "finetune", "evaluate"],
+    "On a Ray cluster": ["submit"],
+}
+
+
+def _arrange_help() -> None:
+    order = [name for names in HELP_PANELS.values() for name in names]
+    panel = {name: title for title, names in HELP_PANELS.items() for name in names}
+    for infos, name_of in (
+        (app.registered_commands, lambda info: info.name or info.callback.__name__),
+        (app.registered_groups, lambda info: info.name),
+    ):
+        infos.sort(key=lambda info: order.index(name_of(info)))
+        for info in infos:
+            info.rich_help_panel = panel[name_of(info)]
+
+
+_arrange_help()
 
 __all__ = ["app", "main"]
 

@@ -10,7 +10,10 @@ import typer
 from vitray.cli.app import app, fail, handled
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    options_metavar="[OPTIONS] -- COMMAND [ARGS]...",
+)
 def submit(
     ctx: typer.Context,
     address: Annotated[

@@ -91,7 +91,15 @@ def fewshot(
         console.status("few-shot probes: features, then fits..."),
     ):
         summary = fewshot_checkpoint(checkpoint, grid)
-    table = Table(title=f"few-shot linear probe: {summary.checkpoint.path} (step {summary.checkpoint.step})")
+    out = table_console()
+    # A line of its own, not the table's title: rich wraps a title to the table's width, mid-path.
+    out.print(
+        f"few-shot linear probe: {summary.checkpoint.path} (step {summary.checkpoint.step})",
+        soft_wrap=True,
+        markup=False,
+        highlight=False,
+    )
+    table = Table()
     for name, justify in [
         ("benchmark", "left"),
         ("shots", "right"),
@@ -102,7 +110,7 @@ def fewshot(
         table.add_column(name, justify=justify)
     for bench, k, mean, std, n in summary.rows:
         table.add_row(bench, str(k), f"{mean:.4f}", f"{std:.4f}", str(n))
-    table_console().print(table)
+    out.print(table)
     if summary.problems:
         fail("\n".join(summary.problems), code=1)
 

@@ -6,6 +6,7 @@ tells whether Ray was started."""
 from __future__ import annotations
 
 import io
+import re
 import socket
 from pathlib import Path
 
@@ -92,9 +93,11 @@ def test_an_unfinished_preparation_and_a_prepared_dataset_are_vitrays_own(tmp_pa
         prepare_dataset(f"imagefolder:{src}", str(dest), samples_per_shard=2, map_fn=crash_after_one)
     prepare_dataset(f"imagefolder:{src}", str(dest), samples_per_shard=2)  # its own leftovers: no refusal
     assert sorted(p.name for p in dest.iterdir())[0] == "dataset.json"  # the marker is gone once finished
-    # Already prepared: said at once, without starting Ray.
-    result = prepare(f"imagefolder:{src}", str(dest))
+    # Already prepared: said at once, without starting Ray, with the layout it has (a different
+    # --samples-per-shard is not silently taken for done).
+    result = prepare(f"imagefolder:{src}", str(dest), "--samples-per-shard", "1000")
     assert result.exit_code == 0 and "already prepared" in result.output and not ray.is_initialized()
+    assert re.search(r"\(\w+: \d+ samples? in \d+ shards?", result.output), result.output
     # ... but not from another source: never taken for the dataset asked for.
     other = image_folder(tmp_path / "other")
     message = refused(f"imagefolder:{other}", str(dest))

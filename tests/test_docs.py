@@ -176,3 +176,22 @@ def test_every_vitray_command_line_parses_as_written(where, args):
 
 def test_the_anchor_rule_numbers_repeated_headings():
     assert anchors("# A b\n## `x.y` (z)\n## A b\n```bash\n# not a heading\n```\n") == {"a-b", "xy-z", "a-b-1"}
+
+
+def test_vitray_help_lists_every_command_once_in_the_order_of_the_work():
+    from typer.testing import CliRunner
+
+    from vitray.cli.main import HELP_PANELS, app
+
+    shown = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"}).output
+    registered = {c.name or c.callback.__name__ for c in app.registered_commands} | {
+        g.name for g in app.registered_groups
+    }
+    listed = [name for names in HELP_PANELS.values() for name in names]
+    assert sorted(listed) == sorted(registered)  # every command in a panel, once
+    # the panels and, within each, the commands, top to bottom as HELP_PANELS has them
+    places = [shown.index(title) for title in HELP_PANELS]
+    assert places == sorted(places), shown
+    for title, names in HELP_PANELS.items():
+        panel = shown[shown.index(title) :].split("╰")[0]
+        assert re.findall(r"^│ (\S+)", panel, flags=re.M) == names, panel  # (a wrapped line starts blank)

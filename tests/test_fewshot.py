@@ -403,3 +403,30 @@ def test_probe_encodes_only_the_sampled_train_images_and_matches_the_whole_split
     assert keys[:2] == ["train_00000000", "train_00000001"]
     union = {int(i) for k in (1, 5, 10) for seed in range(2) for i in sample_few_shot(labels, k, seed, 10)}
     assert model.encoded == len(union) + len(test_y) and len(union) < 200  # not the 1437 train images
+
+
+def test_the_fewshot_command_prints_each_shots_mean_over_its_seeds(digits_dataset, tmp_path, monkeypatch):
+    """`vitray fewshot` end to end, in this process (no Ray): a checkpoint and a data root in, the
+    checkpoint's line (whole on an 80-column terminal, however long its path) and one row per
+    benchmark and shots out."""
+    from pretrain_helpers import make_checkpoint
+    from rich.console import Console
+    from typer.testing import CliRunner
+
+    from vitray.cli import transfer
+    from vitray.cli.main import app
+
+    monkeypatch.setattr(transfer, "table_console", lambda: Console(width=80))  # as on a terminal
+
+    checkpoint = tmp_path / ("a-long-run-name-" * 6) / "checkpoint_2026-01-01_00-00-00.000001"
+    make_checkpoint(checkpoint)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "digits").symlink_to(digits_dataset)
+    args = ["fewshot", str(checkpoint), "-b", "digits", "--data-root", str(tmp_path / "data")]
+    result = CliRunner().invoke(app, [*args, "--shots", "1,5", "--seeds", "2"])
+    assert result.exit_code == 0, result.output
+    assert f"few-shot linear probe: {checkpoint} (step " in result.output
+    rows = [line.split("│")[1:-1] for line in result.output.splitlines() if line.startswith("│ digits")]
+    assert [[cell.strip() for cell in row][:2] for row in rows] == [["digits", "1"], ["digits", "5"]]
+    for _, _, accuracy, std, seeds in ([cell.strip() for cell in row] for row in rows):
+        assert 0.0 <= float(accuracy) <= 1.0 and float(std) >= 0.0 and seeds == "2"
