@@ -330,7 +330,8 @@ def print_table(
             str(row.seeds),
             row.lr,
         )
-    console.print(results)
+    if not summary.empty:  # (no cell finished: the cells' table below says why)
+        console.print(results)
     sweeps = fine_tune_sweeps(frame)
     if not sweeps.empty:
         lrs = RichTable(title="fine-tuning: every learning rate (the selected one is reported above)")
@@ -359,19 +360,20 @@ def print_table(
                 f"{row.selected}/{row.seeds}",
             )
         console.print(lrs)
-    problems = _problem_cells(frame)
-    if not problems.empty:
+    problems = problem_rows(frame)
+    if problems:
         failed = RichTable(title="cells not finished", show_lines=True)
-        for name in ("benchmark", "setting", "seed", "status", "error"):
+        for name in ("benchmark", "step", "setting", "seed", "status", "error"):
             failed.add_column(name, overflow="fold")
-        for row in problems.itertuples():
+        for row in problems:
             style = "yellow" if row.status == "missing" else "red"
             failed.add_row(
                 escape(row.benchmark),
-                escape(setting_label(row.method, row.settings)),
-                str(row.seed),
+                row.step,
+                escape(row.setting),
+                row.seed,
                 f"[{style}]{row.status}[/{style}]",
-                escape(problem_text(row.status, row.error)),
+                escape(row.cause),
             )
         console.print(failed)
 
@@ -495,19 +497,19 @@ def _markdown(
                 f"| {_cell(row.checkpoint)} | {_step_text(row.step)} | {_cell(row.label)} | "
                 f"{_cell(row.metric)} | {row.group} | {row.mean:.4f} | {row.tasks}/{row.total} |"
             )
-    problems = _problem_cells(frame)
-    if not problems.empty:
+    problems = problem_rows(frame)
+    if problems:
         lines += [
             "",
             "## Cells not finished",
             "",
-            "| benchmark | setting | seed | status | error |",
-            "| --- | --- | ---: | --- | --- |",
+            "| benchmark | step | setting | seed | status | error |",
+            "| --- | ---: | --- | ---: | --- | --- |",
         ]
-        for row in problems.itertuples():
+        for row in problems:
             lines.append(
-                f"| {_cell(row.benchmark)} | {_cell(setting_label(row.method, row.settings))} | "
-                f"{row.seed} | {row.status} | {_cell(problem_text(row.status, row.error))} |"
+                f"| {_cell(row.benchmark)} | {row.step} | {_cell(row.setting)} | {row.seed} | {row.status} | "
+                f"{_cell(row.cause)} |"
             )
     if plots:
         lines += ["", "## Plots", ""]
@@ -633,7 +635,67 @@ def _plot_vs_step(summary: pd.DataFrame, metric: str, path: Path) -> Path:
 
 
 def _problem_cells(frame: pd.DataFrame) -> pd.DataFrame:
-    return frame[frame["status"] != "ok"].drop_duplicates("cell_id").sort_values(["benchmark", "seed"])
+    return frame[frame["status"] != "ok"].drop_duplicates("cell_id").sort_values(["benchmark", "step", "seed"])
+
+
+@dataclass(frozen=True)
+class ProblemRow:
+    """A row of the "cells not finished" table: one failed cell, or all the cells of a benchmark
+    whose data is missing (one reason and one command to fix them all: the paper's grid has 96
+    cells for each of its benchmarks)."""
+
+    benchmark: str
+    step: str
+    setting: str
+    seed: str
+    status: str
+    cause: str
+
+
+def problem_rows(frame: pd.DataFrame) -> list[ProblemRow]:
+    """The cells not finished, as the table and report.md show them."""
+    rows = []
+    problems = _problem_cells(frame)
+    for row in problems[problems["status"] != "missing"].itertuples():
+        rows.append(
+            ProblemRow(
+                row.benchmark,
+                _step_text(row.step),
+                setting_label(row.method, row.settings),
+                str(row.seed),
+                row.status,
+                problem_text(row.status, row.error),
+            )
+        )
+    missing = problems[problems["status"] == "missing"]
+    for (benchmark, error), cells in missing.groupby(["benchmark", missing["error"].fillna("")], sort=False):
+        if len(cells) == 1:
+            (cell,) = cells.itertuples()
+            setting, seed, step = setting_label(cell.method, cell.settings), str(cell.seed), _step_text(cell.step)
+        else:
+            setting, seed, step = _cells_text(cells), _values_text(cells["seed"]), _values_text(cells["step"])
+        rows.append(ProblemRow(benchmark, step, setting, seed, "missing", problem_text("missing", error)))
+    return sorted(rows, key=lambda row: row.benchmark)
+
+
+def _cells_text(cells: pd.DataFrame) -> str:
+    """e.g. "96 cells: few-shot 1, 5, 10, 25 shots; finetune lr 0.001, 0.003, 0.01, 0.03"."""
+    parts = []
+    for method, group in cells.groupby("method", sort=True):
+        settings = [json.loads(text) for text in group["settings"]]
+        if method == "fewshot":
+            parts.append(f"few-shot {_values_text(pd.Series([v.get('shots') for v in settings]))} shots")
+        elif all("lr" in values for values in settings):
+            parts.append(f"{method} lr {_values_text(pd.Series([v['lr'] for v in settings]))}")
+        else:
+            parts.append(method)
+    return f"{len(cells)} cells: " + "; ".join(parts)
+
+
+def _values_text(values: pd.Series) -> str:
+    """The distinct values, in order: "0, 1, 2" ("" where none is recorded)."""
+    present = sorted({value for value in values if value is not None and not pd.isna(value)})
+    return ", ".join(f"{int(v)}" if float(v).is_integer() else f"{v:g}" for v in present)
 
 
 def _short_checkpoint(checkpoint: str) -> str:

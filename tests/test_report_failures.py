@@ -70,3 +70,36 @@ def test_shorten_error_keeps_both_ends():
     short = shorten_error(text, limit=1000)
     assert short.startswith("start ") and short.endswith(" end") and len(short) < 1100 and "characters cut" in short
     assert shorten_error("short", limit=1000) == "short"
+
+
+def test_the_cells_of_a_missing_benchmark_are_one_row_with_their_count(tmp_path):
+    """One reason and one command fix them all: the paper's grid has 16 cells (x seeds) for each
+    of its benchmarks, which filled the table with the same prepare command. Failed cells stay one
+    row each (each has its own cause), and `--format json` lists every cell."""
+    table = results(tmp_path)
+    reason = "benchmark 'pets': no dataset.json at /data/pets (not prepared). Prepare it with:\n  vitray data prepare pets:DIR /data/pets"
+    for seed in range(3):
+        for shots in (1, 5, 10, 25):
+            table.append(
+                Cell("runs/r1/checkpoint_000010", "pets", "fewshot", {"shots": shots}, seed, 10).missing(reason)
+            )
+    for lr in (0.001, 0.01):
+        table.append(Cell("runs/r1/checkpoint_000010", "pets", "finetune", {"lr": lr}, 0, 10).missing(reason))
+    console = Console(record=True, width=400)
+    print_table(table, console=console)
+    printed = console.export_text()
+    assert printed.count("vitray data prepare pets:DIR /data/pets") == 1
+    (pets,) = [line for line in printed.splitlines() if line.startswith("│ pets")]
+    cells = [cell.strip() for cell in pets.split("│")[1:-1]]
+    assert cells[:5] == [
+        "pets",
+        "10",
+        "14 cells: few-shot 1, 5, 10, 25 shots; finetune lr 0.001, 0.01",
+        "0, 1, 2",
+        "missing",
+    ]
+    assert CAUSE in printed  # the failed cell, on its own row
+
+    markdown = write_report(table, tmp_path / "report").markdown.read_text()
+    assert markdown.count("| missing |") == 1 and "| pets | 10 | 14 cells: few-shot 1, 5, 10, 25 shots;" in markdown
+    assert len(json.loads(summary_json(table))["not_finished"]) == 15
