@@ -68,8 +68,13 @@ def fewshot(
     img_size: Annotated[int | None, typer.Option(help="Probe resolution (the checkpoint's by default).", min=1)] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
+    format_: Annotated[
+        OutputFormat, typer.Option("--format", "-f", help="How the results go to stdout.")
+    ] = OutputFormat.table,
 ):
-    """Few-shot linear probe of a checkpoint on benchmarks: accuracy per shots, mean ± std over seeds."""
+    """Few-shot linear probe of a checkpoint on benchmarks: accuracy per shots, mean ± std over seeds.
+
+    Exit code 1 when a benchmark's data is missing or a cell failed (the others are printed)."""
     overrides = []
     if benchmark:
         overrides.append(f"benchmarks=[{', '.join(benchmark)}]")
@@ -91,6 +96,30 @@ def fewshot(
         console.status("few-shot probes: features, then fits..."),
     ):
         summary = fewshot_checkpoint(checkpoint, grid)
+    if format_ == OutputFormat.json:
+        typer.echo(_fewshot_json(summary))
+    else:
+        _print_fewshot_table(summary)
+    if summary.problems:
+        fail("\n".join(summary.problems), code=1)
+
+
+def _fewshot_json(summary) -> str:
+    import json
+
+    columns = ("benchmark", "shots", "accuracy", "std", "seeds")
+    return json.dumps(
+        {
+            "checkpoint": summary.checkpoint.path,
+            "step": summary.checkpoint.step,
+            "results": [dict(zip(columns, row, strict=True)) for row in summary.rows],
+            "problems": summary.problems,
+        },
+        indent=1,
+    )
+
+
+def _print_fewshot_table(summary) -> None:
     out = table_console()
     # A line of its own, not the table's title: rich wraps a title to the table's width, mid-path.
     out.print(
@@ -111,8 +140,6 @@ def fewshot(
     for bench, k, mean, std, n in summary.rows:
         table.add_row(bench, str(k), f"{mean:.4f}", f"{std:.4f}", str(n))
     out.print(table)
-    if summary.problems:
-        fail("\n".join(summary.problems), code=1)
 
 
 # ---------------------------------------------------------------------------------------------

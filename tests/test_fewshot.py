@@ -3,6 +3,7 @@ a real accuracy check on scikit-learn's digits, and feature extraction from a to
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -430,3 +431,12 @@ def test_the_fewshot_command_prints_each_shots_mean_over_its_seeds(digits_datase
     assert [[cell.strip() for cell in row][:2] for row in rows] == [["digits", "1"], ["digits", "5"]]
     for _, _, accuracy, std, seeds in ([cell.strip() for cell in row] for row in rows):
         assert 0.0 <= float(accuracy) <= 1.0 and float(std) >= 0.0 and seeds == "2"
+
+    # For scripts: the same numbers as JSON on stdout; a missing benchmark is said, and exits 1.
+    result = CliRunner().invoke(app, [*args, "-b", "cifar10", "--shots", "1,5", "--seeds", "2", "--format", "json"])
+    assert result.exit_code == 1 and "benchmark 'cifar10'" in result.stderr
+    answer = json.loads(result.stdout)
+    assert (answer["checkpoint"], answer["step"]) == (str(checkpoint), 4)
+    assert [(r["benchmark"], r["shots"], r["seeds"]) for r in answer["results"]] == [("digits", 1, 2), ("digits", 5, 2)]
+    assert [f"{r['accuracy']:.4f}" for r in answer["results"]] == [[cell.strip() for cell in row][2] for row in rows]
+    assert len(answer["problems"]) == 1 and "vitray data prepare cifar10:" in answer["problems"][0]
