@@ -35,7 +35,8 @@ TRAINING_SECTIONS: dict[str, str] = {
     "": "Top-level keys.",
     "run": "Where the run lives. Re-running with the same `name` and `storage` resumes the run.",
     "model": "The ViT to build. `name` is one of {model_names}. A fine-tuning run takes the architecture from "
-    "`init.checkpoint`; `img_size` and `head` may change there.",
+    "`init.checkpoint` (at its own `img_size`: the position embeddings are resampled); `dropout`, `attn_dropout`, "
+    "`grad_checkpointing` and `remat_policy` are the run's own.",
     "init": "Where the weights start: resuming the run comes first, then `init.checkpoint`, then random weights.",
     "data": "The prepared dataset (`vitray data prepare`) and how it is read. Splits take slices: `train[:98%]`, "
     "`train[800:1000]`.",

@@ -159,8 +159,17 @@ class FinetuneRecipe(BaseModel):
             "seed": self.seed,
             "run": {"name": self.run_name, "storage": self.run_storage},
             # Fine-tuning drops the pre-logits layer (reset_head) and starts from a zero head (weights
-            # and bias, whatever the pre-training head's bias was), as the paper does.
-            "model": {**self.model, "img_size": self.resolution, "representation_size": None, "head_bias_init": 0.0},
+            # and bias, whatever the pre-training head's bias was), as the paper does; without the
+            # pre-training's dropout, as big_vision's transfer configs (vit_jax's configs keep 0.1
+            # for L/16 and H/14: --set model.dropout=0.1).
+            "model": {
+                **self.model,
+                "img_size": self.resolution,
+                "representation_size": None,
+                "head_bias_init": 0.0,
+                "dropout": 0.0,
+                "attn_dropout": 0.0,
+            },
             "init": {"checkpoint": self.checkpoint, "reset_head": True},
             "data": {
                 "train": self.train,

@@ -1,6 +1,6 @@
 """The ViT model family: models by name, position-embedding resampling and weight I/O."""
 
-from .config import ModelConfig
+from .config import TRAINING_SETTINGS, ModelConfig
 from .factory import create_model, create_model_from_config
 from .initializers import on_meta_device
 from .io_npz import load_npz, save_npz
@@ -12,6 +12,7 @@ from .vit import VisionTransformer
 from .weights import load_weights
 
 __all__ = [
+    "TRAINING_SETTINGS",
     "ModelConfig",
     "VisionTransformer",
     "create_model",

@@ -8,6 +8,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .variants import get_variant
 
+# The settings of how a model trains, not of what its weights are: a run that starts from a
+# checkpoint (fine-tuning) takes these from its own config, the rest from the checkpoint.
+TRAINING_SETTINGS = ("dropout", "attn_dropout", "grad_checkpointing", "remat_policy")
+
 
 class ModelConfig(BaseModel):
     """Which ViT to build: the one declaration of the model's arguments, which :func:`create_model`,

@@ -105,11 +105,19 @@ def verify_complete(folder: str | Path, fs=None) -> dict[str, Any]:
     return state
 
 
-def load_model(folder: str, fs=None, *, ema: bool = True, state: dict[str, Any] | None = None):
+def load_model(
+    folder: str,
+    fs=None,
+    *,
+    ema: bool = True,
+    state: dict[str, Any] | None = None,
+    settings: dict[str, Any] | None = None,
+):
     """The trained model stored in a complete checkpoint folder (built from its own config), and
     the checkpoint's trainer state, with the weights file read under ``"weights_file"``. `state`:
     the trainer state of a checkpoint this use already verified (`CheckpointInfo.state`): it is
-    not verified again.
+    not verified again. `settings`: how the model is to train (`vitray.models.config.TRAINING_SETTINGS`:
+    dropout, activation checkpointing), in place of the checkpoint's.
 
     With ``ema`` (the default) a run trained with ``optim.ema_decay`` gives its EMA weights -- the
     averaged weights are the model, as the paper reports its Polyak-averaged models; ``ema=False``
@@ -123,7 +131,9 @@ def load_model(folder: str, fs=None, *, ema: bool = True, state: dict[str, Any] 
     fs = fs or fsspec.filesystem("file")
     folder = str(folder).rstrip("/")
     state = state if state is not None else verify_complete(folder, fs)
-    model = create_model_from_config(ModelConfig.model_validate(state["model"]), int(state["num_classes"]))
+    model = create_model_from_config(
+        ModelConfig.model_validate({**state["model"], **(settings or {})}), int(state["num_classes"])
+    )
     name = EMA_FILE if ema and fs.isfile(f"{folder}/{EMA_FILE}") else MODEL_FILE
     if name == MODEL_FILE and not fs.isfile(f"{folder}/{MODEL_FILE}"):
         model.load_state_dict(model_weights(folder, fs, state), strict=True)
@@ -324,11 +334,11 @@ def resolve_checkpoint(path: str) -> CheckpointInfo:
     return latest
 
 
-def load_checkpoint(path: str, *, ema: bool = True):
+def load_checkpoint(path: str, *, ema: bool = True, settings: dict[str, Any] | None = None):
     """The model of a checkpoint (or of a run's latest complete one) and its trainer state, with
     the checkpoint folder it came from under ``"checkpoint"``; its EMA weights when it has them
-    and ``ema`` is true (see :func:`load_model`)."""
+    and ``ema`` is true, trained as `settings` say (see :func:`load_model`)."""
     checkpoint = resolve_checkpoint(path)
     fs, fs_path = storage.filesystem(checkpoint.path)
-    model, state = load_model(fs_path, fs, ema=ema, state=checkpoint.state)
+    model, state = load_model(fs_path, fs, ema=ema, state=checkpoint.state, settings=settings)
     return model, {**state, "checkpoint": checkpoint.path}

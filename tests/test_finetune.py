@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
-from pretrain_helpers import run
+from pretrain_helpers import in_process_loop, make_checkpoint, run
 from safetensors.torch import load_file
 
 from vitray.cluster.checkpoint_inputs import resolve_checkpoints
@@ -100,6 +100,8 @@ def test_recipe_is_the_papers_finetuning_recipe(pretrained, tmp_path):
     assert cfg.evals[TEST] == ValEvalConfig(type="val", every=30, path=str(tmp_path / "data" / "digits"), split="test")
     assert cfg.init.checkpoint == ref.path and cfg.init.reset_head
     assert cfg.model.name == "Ti/4" and cfg.model.img_size == 24 and cfg.model.representation_size is None
+    # No dropout, whatever the pre-training's (big_vision's transfer configs)
+    assert (cfg.model.dropout, cfg.model.attn_dropout) == (0.0, 0.0)
     # Trained on the train-minus-validation slice; the run's top-1 is on the held-out slice.
     assert cfg.data.train == cfg.data.val == str(tmp_path / "data" / "digits")
     assert (cfg.data.train_split, cfg.data.val_split) == ("train[:90%]", "train[90%:]")
@@ -507,3 +509,28 @@ def test_finetune_resets_head_resamples_posemb_and_reports_top1(pretrained, thre
     moved = (tuned["pos_embed"] - resampled).norm()
     assert moved < 0.2 * (fresh - resampled).norm(), float(moved)
     assert (tuned["pos_embed"][:, 0] - before["pos_embed"][:, 0]).norm() < 0.2 * before["pos_embed"][:, 0].norm() + 0.05
+
+
+def test_a_fine_tune_trains_with_its_own_dropout_and_checkpointing_not_the_checkpoints(
+    process_group, digits_dataset, tmp_path
+):
+    """Dropout and activation checkpointing say how a model trains, not what its weights are: a run
+    from `init.checkpoint` takes them from its own config (they were the pre-training's, whatever the
+    fine-tune config said, and its record then claimed the config's)."""
+    from torch import nn
+
+    checkpoint = tmp_path / "pre" / "checkpoint_2026-01-01_00-00-00.000001"
+    make_checkpoint(checkpoint, depth=2, dropout=0.1, attn_dropout=0.1)
+    loop = in_process_loop(
+        digits_dataset,
+        tmp_path / "tuned",
+        f"init.checkpoint={checkpoint}",
+        "model.dropout=0.0",
+        "model.grad_checkpointing=true",
+        "model.remat_policy=dots_saveable",
+    )
+    model = loop.backend.module
+    assert [m.p for m in model.modules() if isinstance(m, nn.Dropout)] == [0.0] * (1 + 2 * 2)  # embeddings, 2 a block
+    assert [block.attn.attn_dropout for block in model.blocks] == [0.0, 0.0]
+    assert (model.grad_checkpointing, model.remat_policy) == (True, "dots_saveable")
+    assert model.depth == 2

@@ -30,7 +30,7 @@ from vitray.data import ShardLoader, read_dataset_info
 from vitray.data.batch import UnreadableData
 from vitray.data.eval_loader import start_worker_server
 from vitray.evaluation.evaluators import Forward
-from vitray.models import ModelConfig, create_model_from_config
+from vitray.models import TRAINING_SETTINGS, ModelConfig, create_model_from_config
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.runfolder.files import RunFiles
 from vitray.trainers.checkpoint.checkpointer import Checkpointer
@@ -326,12 +326,14 @@ class TrainingLoop:
         return attention_context(self.cfg.train.attention, device), kernel
 
     def _initial_model(self) -> torch.nn.Module:
-        """Scratch, or `init.checkpoint`'s weights at this run's resolution with a fresh head
-        (when resuming, the run's own checkpoint then replaces these weights)."""
+        """Scratch, or `init.checkpoint`'s weights at this run's resolution with a fresh head,
+        trained with this run's dropout and activation checkpointing (when resuming, the run's own
+        checkpoint then replaces these weights)."""
         init = self.cfg.init
         if init.checkpoint is None:
             return create_model_from_config(self.cfg.model, self.info.num_classes)
-        model, _ = ckpt.load_checkpoint(init.checkpoint)
+        settings = self.cfg.model.model_dump(include=set(TRAINING_SETTINGS))
+        model, _ = ckpt.load_checkpoint(init.checkpoint, settings=settings)
         if init.reset_head or model.num_classes != self.info.num_classes:
             model.reset_head(self.info.num_classes)
         model.set_img_size(self.cfg.model.img_size)

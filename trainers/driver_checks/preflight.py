@@ -30,7 +30,7 @@ from vitray import storage
 from vitray.common.config import flatten_config
 from vitray.common.redact import redacted_config
 from vitray.data.layout import DatasetInfo, read_dataset_info, read_split
-from vitray.models import ModelConfig, create_model_from_config, on_meta_device
+from vitray.models import TRAINING_SETTINGS, ModelConfig, create_model_from_config, on_meta_device
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.step.float8 import float8_layer_names, local_gpu_fp8_problem, no_float8_layer, torchao_missing
@@ -263,7 +263,9 @@ def _check_init_checkpoint(cfg: TrainingConfig) -> ModelConfig:
         state = ckpt.resolve_checkpoint(path).state
     except (FileNotFoundError, ckpt.IncompleteCheckpointError, storage.StorageUnreachable) as err:
         raise PreflightError(f"init.checkpoint: {err}") from None
-    theirs = ModelConfig.model_validate({**state["model"], "img_size": cfg.model.img_size})
+    # (and with this run's dropout and activation checkpointing: how it trains is the run's own)
+    settings = cfg.model.model_dump(include=set(TRAINING_SETTINGS))
+    theirs = ModelConfig.model_validate({**state["model"], **settings, "img_size": cfg.model.img_size})
     # The weights decide the architecture; a model.name or model.depth that says otherwise would be
     # recorded as the run's while it trains the checkpoint's (resolution and head may differ: they
     # are adapted). A depth of None is the variant's own and so is no claim: a fine-tune recipe
