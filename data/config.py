@@ -12,6 +12,7 @@ from .layout import DatasetInfo, read_dataset_info
 from .splits import parse_split
 
 __all__ = [
+    "EVAL_RESIZE_RATIO",
     "RESIZE_RATIO",
     "TRAIN_CROPS",
     "DataConfig",
@@ -28,6 +29,9 @@ TRAIN_CROPS: tuple[TrainCropKind, ...] = ("inception_crop", "resmall_crop", "res
 # resmall_crop / resize_crop: the image is resized to this multiple of img_size before the random
 # img_size crop (big_vision's transfer config: 448 for 384).
 RESIZE_RATIO = 448 / 384
+# Evaluation's resize_small(R)|central_crop(S) (vitray.data.transforms.eval_resize): R / S of the
+# authors' ImageNet evaluation, 256 / 224.
+EVAL_RESIZE_RATIO = 256 / 224
 
 # A config field naming a local folder or file, or a URL: a relative local path is made absolute
 # when the config is read (on the driver), so that Ray's workers, in other working directories,

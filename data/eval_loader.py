@@ -31,7 +31,7 @@ from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_o
 from .layout import LabelKind, ResolvedSplit, read_split
 from .plan import ShardRange
 from .reader import RawSample, SampleStream
-from .transforms import CorruptSample, EvalResize, decode_label, eval_transform
+from .transforms import EVAL_RESIZE_RATIO, CorruptSample, EvalResize, decode_label, eval_transform
 
 # Evaluation workers start from a forkserver, not as forks of this process: evaluations run inside
 # training processes, whose other threads (the device feed's, Ray's, the metrics uploader's) may
@@ -57,6 +57,7 @@ class _EvalSpec:
     batch_size: int
     img_size: int
     resize: EvalResize
+    resize_ratio: float
     label_kind: LabelKind
     num_classes: int
     storage_options: dict[str, Any] | None
@@ -78,7 +79,7 @@ class _EvalStream(IterableDataset):
         mine = range(worker, num_batches, workers)
         if not mine:
             return
-        transform, reporter = eval_transform(spec.img_size, spec.resize), SkipReporter()
+        transform, reporter = eval_transform(spec.img_size, spec.resize, spec.resize_ratio), SkipReporter()
         at = positions[mine[0] * spec.batch_size]
         stream = SampleStream(spec.shard_urls, spec.ranges, spec.storage_options, start=at, outage_s=spec.outage_s)
         try:
@@ -110,7 +111,7 @@ class EvalLoader:
     Iterating it again starts a new pass. ``len(loader)`` is this rank's number of batches.
     ``float_images=False`` gives uint8 images, as for :class:`vitray.data.ShardLoader`.
     ``resize``: how images reach ``img_size`` (:data:`vitray.data.transforms.EvalResize`;
-    ``"square"`` is the authors' few-shot pre-processing).
+    ``"square"`` is the authors' few-shot pre-processing), from ``round(img_size x resize_ratio)``.
     ``indices``: read only these positions of the split (or slice), in ascending order; ranks
     share them out as they share the whole split.
     ``outage_s``: a training run's evaluation (its ``run.storage_outage_s``): listing the split and
@@ -128,6 +129,7 @@ class EvalLoader:
         batch_size: int,
         img_size: int,
         resize: EvalResize = "aspect",
+        resize_ratio: float = EVAL_RESIZE_RATIO,
         num_workers: int = 1,
         storage_options: dict[str, Any] | None = None,
         float_images: bool = True,
@@ -141,6 +143,7 @@ class EvalLoader:
                 f"batch_size and img_size must be positive and num_workers non-negative; got {batch_size}, "
                 f"{img_size}, {num_workers}"
             )
+        eval_transform(img_size, resize, resize_ratio)  # a bad resize fails here, not in a worker
         source = _listed(path, split, storage_options, outage_s)
         self.info, total = source.info, source.num_samples
         self.num_workers, self.float_images = num_workers, float_images
@@ -159,6 +162,7 @@ class EvalLoader:
             batch_size=batch_size,
             img_size=img_size,
             resize=resize,
+            resize_ratio=resize_ratio,
             label_kind=self.info.label_kind,
             num_classes=self.info.num_classes,
             storage_options=storage_options,

@@ -15,12 +15,14 @@
   rows and cropped scanlines: the pixels of a full decode at ~2/3 of its cost), or the whole
   image by torchvision's ``decode_jpeg`` where that extension is not built; the crop is resized
   by torch's uint8 antialiased bilinear kernel (within one level of PIL's, at under half its cost);
-- eval: the shorter side resized to ``round(img_size / 0.875)`` then a central ``img_size`` crop
-  (256 -> 224, the usual ImageNet evaluation); images whose shorter side is at most ``img_size``
-  (CIFAR, digits) are simply resized to ``img_size x img_size``, since cropping a small image
-  would only lose content; ``resize="square"`` is the few-shot protocol of the authors
-  (big_vision ``configs/common_fewshot.py``: ``resize(256)|central_crop(224)``): every image
-  squashed to ``round(img_size / 0.875)`` square, then the central ``img_size`` crop;
+- eval (:data:`EvalResize`), in big_vision's spelling: ``"aspect"``, ``resize_small(R)|central_crop(S)``,
+  the shorter side resized to ``R = round(S x ratio)`` whatever the image's size (smaller ones
+  are enlarged), then the central crop (256 -> 224 by default: the authors' ImageNet evaluation;
+  448 -> 384 in the fine-tune recipes: big_vision ``configs/transfer.py``); ``"square"``, the
+  authors' few-shot protocol (big_vision ``configs/common_fewshot.py``: ``resize(256)|central_crop(224)``):
+  every image squashed to ``R x R``, then the central crop; ``"whole"``, ``resize(S)``: the whole
+  image squashed to ``S x S`` (vit_jax's evaluation, and BiT's for the VTAB tasks, whose training
+  crops are squares of the squashed image too);
 - both: RGB (grayscale and palette images are converted); the transforms give uint8 tensors and
   :func:`~vitray.data.model_range.to_model_range` maps a stacked batch of them to float32 in ``[-1, 1]``.
   :func:`train_augment` and :func:`eval_resize` are the same transforms without the final
@@ -48,7 +50,7 @@ from PIL import Image
 # worker imports this module, and torchvision's import takes its models and ops along (~0.3 CPU-s
 # a process; ~1.5 where torch._dynamo is not yet imported), which training crops (TrainCrop, the
 # region decoder) and the evaluation transforms (PIL's own resampling) never use.
-from .config import RESIZE_RATIO, TRAIN_CROPS, TrainCropKind
+from .config import EVAL_RESIZE_RATIO, RESIZE_RATIO, TRAIN_CROPS, TrainCropKind
 from .layout import LabelKind
 
 try:  # the compiled region decoder (setup.py); optional: without it whole images are decoded
@@ -61,10 +63,11 @@ REGION_DECODE = _jpeg_region is not None
 EVAL_CROP_FRACTION = 0.875
 TRAIN_CROP_SCALE = (0.05, 1.0)
 IMAGE_FIELDS = ("jpg", "jpeg", "png")
-# How evaluation images reach img_size: "aspect" keeps the aspect ratio (shorter side, then a
-# central crop; small images resized whole), "square" squashes first (the few-shot protocol).
-EvalResize = Literal["aspect", "square"]
-EVAL_RESIZES = ("aspect", "square")
+# How evaluation images reach img_size (the module's docstring): "aspect" keeps the aspect ratio
+# (shorter side, then a central crop), "square" squashes first (the few-shot protocol), "whole"
+# squashes the whole image to img_size (no crop).
+EvalResize = Literal["aspect", "square", "whole"]
+EVAL_RESIZES = ("aspect", "square", "whole")
 UNLABELLED = -1  # the label of every sample of an unlabelled dataset
 
 Transform = Callable[[Image.Image], torch.Tensor]
@@ -277,21 +280,23 @@ def train_transform(img_size: int, **augment: Any) -> Transform:
     return v2.Compose([train_augment(img_size, **augment), v2.PILToTensor()])
 
 
-def eval_resize(img_size: int, resize: EvalResize = "aspect") -> Augment:
-    """PIL image -> PIL image ``img_size x img_size``: resize and central crop, as ``resize`` says
-    (see the module's docstring). The pixels of torchvision's ``v2.Resize`` (bilinear; on a PIL
-    image PIL's own resampling) and ``v2.CenterCrop``, done with PIL directly: the val evaluator
-    runs this in every training worker, where importing torchvision would cost ~0.1-0.3 CPU-s
-    (tests/test_data_loader.py holds the two equal)."""
+def eval_resize(img_size: int, resize: EvalResize = "aspect", ratio: float = EVAL_RESIZE_RATIO) -> Augment:
+    """PIL image -> PIL image ``img_size x img_size``: resize and central crop, as ``resize`` says,
+    from ``round(img_size x ratio)`` (see the module's docstring). The pixels of torchvision's
+    ``v2.Resize`` (bilinear; on a PIL image PIL's own resampling) and ``v2.CenterCrop``, done with
+    PIL directly: the val evaluator runs this in every training worker, where importing torchvision
+    would cost ~0.1-0.3 CPU-s (tests/test_data_loader.py holds the two equal)."""
     if resize not in EVAL_RESIZES:
         raise ValueError(f"resize must be one of {EVAL_RESIZES}, got {resize!r}")
-    enlarged = round(img_size / EVAL_CROP_FRACTION)
+    if ratio < 1:
+        raise ValueError(f"the resize ratio must be at least 1 (the crop is the central part), got {ratio}")
+    enlarged = round(img_size * ratio)
+    if resize == "whole":
+        return lambda image: _resized(image, (img_size, img_size))
     if resize == "square":
         return lambda image: _center_crop(_resized(image, (enlarged, enlarged)), img_size)
 
     def keep_aspect(image: Image.Image) -> Image.Image:
-        if min(image.size) <= img_size:
-            return _resized(image, (img_size, img_size))
         width, height = image.size
         short, long = min(width, height), max(width, height)
         # The shorter side to `enlarged`, the longer in proportion, rounded down (torchvision's rule).
@@ -312,9 +317,9 @@ def _center_crop(image: Image.Image, size: int) -> Image.Image:
     return image.crop((left, top, left + size, top + size))
 
 
-def eval_transform(img_size: int, resize: EvalResize = "aspect") -> Transform:
+def eval_transform(img_size: int, resize: EvalResize = "aspect", ratio: float = EVAL_RESIZE_RATIO) -> Transform:
     """PIL image -> uint8 tensor ``(3, img_size, img_size)``: :func:`eval_resize`, then to a tensor."""
-    resized = eval_resize(img_size, resize)
+    resized = eval_resize(img_size, resize, ratio)
 
     def transform(image: Image.Image) -> torch.Tensor:
         out = resized(image)

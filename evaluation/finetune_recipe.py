@@ -1,8 +1,9 @@
 """The ViT paper's fine-tuning recipe for one cell, typed: :class:`FinetuneRecipe`.
 
 SGD momentum 0.9, cosine decay after a linear warm-up, no weight decay, grad-norm clip 1, a
-zero-initialised head (the pre-logits layer dropped) and position embeddings resampled to the
-fine-tuning resolution. :meth:`FinetuneRecipe.for_cell` builds it once from a cell's settings (see
+zero-initialised head (the pre-logits layer dropped), position embeddings resampled to the
+fine-tuning resolution, and held-out and test images resized as the training crop's family
+evaluates (:attr:`FinetuneRecipe.eval_resize`). :meth:`FinetuneRecipe.for_cell` builds it once from a cell's settings (see
 :func:`vitray.evaluation.methods.finetune.finetune_settings`); pydantic checks it there. `cluster/finetune.py`
 makes it the run's `vitray.trainers.config.TrainingConfig` (:meth:`FinetuneRecipe.config` is that
 config's shape: this package does not import the trainers) and runs it on Ray Train.
@@ -22,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vitray.data.config import TrainCropKind
+from vitray.data.config import RESIZE_RATIO, TrainCropKind
 from vitray.data.plan import default_num_slots
 from vitray.evaluation.methods.finetune import TRAIN_SPLIT, VAL_SPLIT, FinetuneGrid, is_selection
 from vitray.evaluation.results import Cell
@@ -142,12 +143,22 @@ class FinetuneRecipe(BaseModel):
             storage_options=storage_options,
         )
 
+    @property
+    def eval_resize(self) -> dict[str, Any]:
+        """How the held-out and test images are resized (the val evaluators' `resize`): as the
+        training crop's family does. After the inception crop or resmall_crop, big_vision's transfer
+        config: resize_small(448)|central_crop(384); after a crop of the squashed image (resize_crop,
+        resize: BiT's VTAB rule), the whole image squashed, as BiT and vit_jax evaluate."""
+        if self.crop in ("resize_crop", "resize"):
+            return {"resize": "whole"}
+        return {"resize": "aspect", "resize_ratio": RESIZE_RATIO}
+
     def config(self, val_evaluator: str, test_evaluator: str | None = None) -> dict[str, Any]:
         """The run in the shape of `vitray.trainers.config.TrainingConfig`; `val_evaluator` names the
         evaluator that reports the run's top-1 on `val_split` once, at its last step
         (`vitray.evaluation.evaluators.VAL`), and -- a selection cell's run -- `test_evaluator` the one that
         reports its top-1 on the test split then (`vitray.evaluation.evaluators.TEST`)."""
-        scored = {"type": "val", "every": self.steps, "batch_size": self.eval_batch_size}
+        scored = {"type": "val", "every": self.steps, "batch_size": self.eval_batch_size, **self.eval_resize}
         evals = {val_evaluator: scored}
         if self.test is not None:
             if test_evaluator is None or test_evaluator == val_evaluator:

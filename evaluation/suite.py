@@ -169,7 +169,8 @@ def _paper(
 
 
 # VTAB-1k: the 1000-example "train800val200" set is prepared as split `train` (first 800 = train800,
-# last 200 = val200) and the full test set as `test`. Lr 0.01, 2500 steps, batch 512 for every task;
+# last 200 = val200) and the full test set as `test`. Lr 0.01, 2500 steps, batch 512 for every task,
+# 200 warm-up steps (the paper gives none; vit_jax's default is 500: vitray's choice);
 # a sweep selects on train800 / val200, then the chosen lr trains on all 1000 (the VTAB protocol).
 _VTAB_FINETUNE = FinetuneProtocol(
     steps=2500,

@@ -538,27 +538,32 @@ def test_square_eval_resize_squashes_then_crops_as_the_authors_few_shot_protocol
     assert np.abs(got.astype(int) - expected.astype(int)).max() <= 2  # antialias kernels differ by a level or two
     kept = eval_transform(32)(wide).permute(1, 2, 0).numpy()  # the aspect-keeping default differs
     assert np.abs(kept.astype(int) - expected.astype(int)).mean() > 10
-    with pytest.raises(ValueError, match=r"resize must be one of \('aspect', 'square'\), got 'squash'"):
+    with pytest.raises(ValueError, match=r"resize must be one of \('aspect', 'square', 'whole'\), got 'squash'"):
         eval_transform(32, "squash")
+    with pytest.raises(ValueError, match="resize ratio must be at least 1"):
+        eval_transform(32, "aspect", 0.9)
 
 
-@pytest.mark.parametrize("resize", ["aspect", "square"])
-def test_eval_transform_gives_torchvisions_pixels(resize):
+@pytest.mark.parametrize(
+    "resize, ratio", [("aspect", 256 / 224), ("aspect", 448 / 384), ("square", 256 / 224), ("whole", 1)]
+)
+def test_eval_transform_gives_torchvisions_pixels(resize, ratio):
     """The evaluation transform is done with PIL alone (no torchvision in a training worker), pixel
     for pixel what torchvision's v2.Resize (bilinear, antialiased) and v2.CenterCrop gave: every
-    aspect and size class (smaller than, equal to and larger than img_size; odd margins that round)."""
+    aspect and size class (smaller than, equal to and larger than img_size; odd margins that round).
+    "aspect" is big_vision's resize_small(R)|central_crop(S) for every image, small ones enlarged
+    (they were squashed whole: not the authors' evaluation, and a 500x375 photo at 384 px is small)."""
     from torchvision.transforms import v2
 
     img_size = 32
-    enlarged = round(img_size / 0.875)
-    if resize == "square":
-        reference = v2.Compose([v2.Resize((enlarged, enlarged), antialias=True), v2.CenterCrop(img_size)])
-    else:
-        small = v2.Resize((img_size, img_size), antialias=True)
-        large = v2.Compose([v2.Resize(enlarged, antialias=True), v2.CenterCrop(img_size)])
-        reference = lambda image: small(image) if min(image.size) <= img_size else large(image)  # noqa: E731
+    enlarged = round(img_size * ratio)
+    reference = {
+        "aspect": v2.Compose([v2.Resize(enlarged, antialias=True), v2.CenterCrop(img_size)]),
+        "square": v2.Compose([v2.Resize((enlarged, enlarged), antialias=True), v2.CenterCrop(img_size)]),
+        "whole": v2.Resize((img_size, img_size), antialias=True),
+    }[resize]
     rng = np.random.default_rng(0)
-    ours = eval_transform(img_size, resize)
+    ours = eval_transform(img_size, resize, ratio)
     sizes = [(8, 6), (32, 32), (31, 40), (33, 33), (37, 37), (60, 20), (20, 60), (41, 97), (100, 75), (333, 500)]
     for width, height in sizes:
         for mode in ("RGB", "L"):

@@ -393,7 +393,8 @@ def test_missing_data_and_report_on_s3(seaweed_s3):
     assert path == seaweed_s3.url("eval", "report", "report.md")
     text = storage.read_bytes(path).decode()
     command = f"vitray data prepare pets:/path/to/oxford-iiit-pet {seaweed_s3.url('prepared', 'pets')}"
-    assert "| 0.8750 |" in text and text.count(command) == 3
+    assert "| 0.8750 |" in text and text.count(command) == 1  # the 3 cells of pets in one row
+    assert "| pets | 100 | 3 cells: few-shot 5 shots; finetune lr 0.01 | 0, 1 | missing |" in text
     assert storage.exists(seaweed_s3.url("eval", "report", "accuracy_per_benchmark.png"))
     assert run_grid(grid, [ref], show_progress=False).missing == 3  # missing cells are retried, never skipped
 

@@ -95,9 +95,12 @@ def test_recipe_is_the_papers_finetuning_recipe(pretrained, tmp_path):
         digits.batch_size,
         digits.warmup_steps,
     )
-    # At the end, the top-1 on the held-out slice and, a second evaluator of the same type, on the test split.
-    assert cfg.evals[VAL] == ValEvalConfig(type="val", every=30)
-    assert cfg.evals[TEST] == ValEvalConfig(type="val", every=30, path=str(tmp_path / "data" / "digits"), split="test")
+    # At the end, the top-1 on the held-out slice and, a second evaluator of the same type, on the test
+    # split; whole images, as digits trains on them (resize: BiT's rule, whose evaluation squashes too).
+    assert cfg.evals[VAL] == ValEvalConfig(type="val", every=30, resize="whole")
+    assert cfg.evals[TEST] == ValEvalConfig(
+        type="val", every=30, path=str(tmp_path / "data" / "digits"), split="test", resize="whole"
+    )
     assert cfg.init.checkpoint == ref.path and cfg.init.reset_head
     assert cfg.model.name == "Ti/4" and cfg.model.img_size == 24 and cfg.model.representation_size is None
     # No dropout, whatever the pre-training's (big_vision's transfer configs)
@@ -152,8 +155,15 @@ def test_a_fine_tune_run_crops_and_flips_as_its_benchmark_or_the_grid_says(
         run_storage=str(tmp_path),
         options=options,
     )
-    data = training_config(recipe).data
+    cfg = training_config(recipe)
+    data = cfg.data
     assert (data.crop, data.flip) == expected == (settings["crop"], settings["flip"])
+    # Held-out images resized as the crop's family evaluates: big_vision's resize_small(448)|central_crop(384)
+    # after its crops, the whole image after BiT's (squares of the squashed image).
+    squashes = data.crop in ("resize_crop", "resize")
+    assert (cfg.evals[VAL].resize, cfg.evals[VAL].resize_ratio) == (
+        ("whole", 256 / 224) if squashes else ("aspect", 448 / 384)
+    )
     # The cell's settings name them (its id changes with them); the area only with the inception crop.
     assert ("min_crop_area" in settings) == (data.crop == "inception_crop")
     if grid_settings:
@@ -534,3 +544,32 @@ def test_a_fine_tune_trains_with_its_own_dropout_and_checkpointing_not_the_check
     assert [block.attn.attn_dropout for block in model.blocks] == [0.0, 0.0]
     assert (model.grad_checkpointing, model.remat_policy) == (True, "dots_saveable")
     assert model.depth == 2
+
+
+def test_the_val_evaluator_resizes_as_its_section_says(digits_dataset):
+    """big_vision's resize_small(R)|central_crop(S) at the section's R / S (256 / 224 by default), or
+    the whole image squashed (`resize: whole`): the images its loader gives are those."""
+    from vitray.common.config import load_config
+    from vitray.data import EvalLoader
+    from vitray.trainers.config import TrainingConfig
+    from vitray.trainers.eval_schedule import build_evaluators
+
+    sections = {
+        "plain": "{type: val, every: 1, batch_size: 64}",
+        "transfer": "{type: val, every: 1, batch_size: 64, resize_ratio: 1.1667}",
+        "whole": "{type: val, every: 1, batch_size: 64, resize: whole}",
+    }
+    cfg = load_config(
+        TrainingConfig,
+        None,
+        [f"data.train={digits_dataset}", "model.img_size=24", *[f"evals.{k}={v}" for k, v in sections.items()]],
+    )
+    first = {e.name: next(iter(e.evaluator.loader())).images for e in build_evaluators(cfg, rank=0, world_size=1)}
+    for name, resize in (("plain", {}), ("transfer", {"resize_ratio": 448 / 384}), ("whole", {"resize": "whole"})):
+        expected = next(iter(EvalLoader(str(digits_dataset), "test", batch_size=64, img_size=24, **resize))).images
+        assert torch.equal(first[name], expected), name
+    assert not torch.equal(first["plain"], first["transfer"]) and not torch.equal(first["plain"], first["whole"])
+    with pytest.raises(ConfigError, match=r"evals\.val\.resize"):
+        load_config(
+            TrainingConfig, None, [f"data.train={digits_dataset}", "evals.val={type: val, every: 1, resize: crop}"]
+        )

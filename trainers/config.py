@@ -190,7 +190,11 @@ class OptimConfig(_Section):
     name: Literal["adamw", "sgd"] = Field("adamw", description="adamw: pre-training; sgd (momentum): fine-tuning.")
     lr: float = Field(1e-3, gt=0, description="Peak learning rate (after warm-up).")
     weight_decay: float = Field(
-        0.1, ge=0, description="Decoupled weight decay (AdamW), on weight matrices only: not biases, norms, embeddings."
+        0.1,
+        ge=0,
+        description="Weight decay, on weight matrices only (not biases, norms, embeddings). adamw: decoupled, in "
+        "torch's convention: each step decays by the scheduled lr x this (the paper's values; big_vision's `wd` is "
+        "lr x this, e.g. 1e-4 at lr 1e-3 is 0.1 here). sgd: L2, added to the gradient (torch's SGD).",
     )
     b1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment decay.")
     b2: float = Field(0.999, ge=0, lt=1, description="AdamW's second-moment decay.")

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from vitray.data.config import DataConfig, StoragePath
+from vitray.data.config import EVAL_RESIZE_RATIO, DataConfig, StoragePath
 from vitray.data.splits import parse_split
 from vitray.evaluation.evaluators.base import EvalSection, Forward, Worker
 
@@ -33,6 +33,18 @@ class ValEvalConfig(EvalSection):
         None, description="Prepared dataset scored (local or s3://); data.val (else data.train) when unset."
     )
     split: str | None = Field(None, description="Split (or slice: train[98%:]) scored; data.val_split when unset.")
+    resize: Literal["aspect", "whole"] = Field(
+        "aspect",
+        description="How images reach the resolution S, in big_vision's spelling: aspect, resize_small(R)|"
+        "central_crop(S) with R = S x resize_ratio (the authors' ImageNet evaluation; big_vision's transfer "
+        "config); whole, resize(S): the whole image squashed to S x S (vit_jax's, and BiT's for VTAB-1k).",
+    )
+    resize_ratio: float = Field(
+        EVAL_RESIZE_RATIO,
+        ge=1,
+        description="resize=aspect: R / S (256 / 224 by default; the fine-tune recipes take 448 / 384, big_vision's "
+        "configs/transfer.py).",
+    )
 
     @field_validator("split")
     @classmethod
@@ -78,6 +90,8 @@ class Evaluator:
                 world_size=self.worker.world_size,
                 batch_size=self.config.batch_size,
                 img_size=self.worker.img_size,
+                resize=self.config.resize,
+                resize_ratio=self.config.resize_ratio,
                 num_workers=0,
                 storage_options=data.storage_options,
                 outage_s=self.worker.outage_s,
