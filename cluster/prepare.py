@@ -79,7 +79,7 @@ def prepare_dataset_on_ray(
     must be shared storage (``s3://...``) and the source readable from every node.
     """
     src = open_source(source) if isinstance(source, str) else source
-    existing = begin_prepare(dest, overwrite=overwrite, storage_options=storage_options)
+    existing = begin_prepare(dest, overwrite=overwrite, storage_options=storage_options, splits=src.split_sizes())
     if existing is not None:
         print(f"{dest} is already prepared from {existing.source}; nothing to do (use overwrite to redo it)")
         return existing

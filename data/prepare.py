@@ -18,6 +18,7 @@ replace. Any other non-empty folder holds someone else's files and is refused un
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -47,8 +48,15 @@ from .shards import (
 )
 from .sources import Source, open_source
 
-# Shards, manifests and the temporary files storage.atomic_write leaves when a process is killed.
-_OUR_FILES = re.compile(r"^(\.?[A-Za-z0-9_]+(-\d{6}\.tar|\.manifest\.parquet)|\.dataset\.json)(\.[^/]*\.tmp)?$")
+
+def _our_files(splits: Iterable[str]) -> re.Pattern[str]:
+    """The names vitray writes for `splits` -- their shards and manifests -- and the temporary files
+    storage.atomic_write leaves when a process is killed. Only a split's own names: a folder's
+    `shard-000001.tar` of another tool is not taken for a shard of split "shard" unless that split
+    is being prepared."""
+    names = "|".join(re.escape(split) for split in sorted(set(splits))) or "(?!)"
+    return re.compile(rf"^(\.?({names})(-\d{{6}}\.tar|\.manifest\.parquet)|\.dataset\.json)(\.[^/]*\.tmp)?$")
+
 
 # Written before the first shard, removed after dataset.json: "a vitray preparation began here".
 PREPARING_MARKER = ".vitray-preparing"
@@ -90,11 +98,19 @@ def check_destination(
 
 
 def begin_prepare(
-    dest: str, *, overwrite: bool = False, storage_options: dict[str, Any] | None = None
+    dest: str,
+    *,
+    overwrite: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    splits: Iterable[str] = (),
 ) -> DatasetInfo | None:
     """Check ``dest`` before writing (see :func:`check_destination`): returns the existing dataset
     if it is already prepared (and ``overwrite`` is false), else marks the folder as being
     prepared, clears what an earlier run left and returns None.
+
+    What is cleared: the shards and manifests of ``splits`` (those about to be written) and of the
+    splits of the vitray dataset there before, wherever a higher-numbered shard of an earlier, larger
+    preparation would linger. Every other file is left alone, whatever its name.
 
     With ``overwrite``, ``dataset.json`` is deleted first so that the folder stops counting as
     prepared before any of its shards change.
@@ -102,12 +118,16 @@ def begin_prepare(
     existing = check_destination(dest, overwrite=overwrite, storage_options=storage_options)
     if existing is not None:
         return existing
+    splits = set(splits)
+    # (a dataset.json vitray did not write does not say: its splits are not vitray's to clear)
+    with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
+        splits |= set(read_dataset_info(dest, storage_options).splits)
     storage.write_bytes_atomic(storage.join(dest, PREPARING_MARKER), b"", storage_options)
     if storage.exists(storage.join(dest, DATASET_JSON), storage_options):
         storage.remove(storage.join(dest, DATASET_JSON), storage_options)
-    # Shards and manifests of an earlier (unfinished or overwritten) run; other files are left alone.
+    ours = _our_files(splits)
     for name in storage.list_names(dest, storage_options):
-        if _OUR_FILES.match(name):
+        if ours.match(name):
             storage.remove(storage.join(dest, name), storage_options)
     return None
 
@@ -183,7 +203,8 @@ def prepare_dataset(
     are (``"keep"``: the readers skip them).
     """
     src = open_source(source) if isinstance(source, str) else source
-    existing = begin_prepare(dest, overwrite=overwrite, storage_options=storage_options)
+    splits = src.split_sizes()
+    existing = begin_prepare(dest, overwrite=overwrite, storage_options=storage_options, splits=splits)
     if existing is not None:
         print(f"{dest} is already prepared from {existing.source}; nothing to do (use overwrite to redo it)")
         return existing

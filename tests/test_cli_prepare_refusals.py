@@ -65,6 +65,9 @@ def test_a_folder_of_someone_elses_files_is_refused_and_kept(tmp_path):
     dest.mkdir()
     (dest / "train-000000.tar").write_bytes(b"the user's own shard")
     (dest / "notes.txt").write_text("mine")
+    # Named like shards and manifests of splits this preparation does not write: never vitray's.
+    (dest / "shard-000001.tar").write_bytes(b"another tool's webdataset shard")
+    (dest / "foo.manifest.parquet").write_bytes(b"another tool's manifest")
     # Without --serial: the refusal comes before Ray would start.
     message = refused(f"imagefolder:{src}", str(dest))
     assert "is not empty and is not a vitray dataset" in message
@@ -72,11 +75,13 @@ def test_a_folder_of_someone_elses_files_is_refused_and_kept(tmp_path):
     assert (dest / "train-000000.tar").read_bytes() == b"the user's own shard"
     with pytest.raises(DestinationNotEmpty):
         prepare_dataset(f"imagefolder:{src}", str(dest))
-    # --overwrite: the user asked for it; their other files stay.
+    # --overwrite: the user asked for it; the same-named shard is replaced, their other files stay.
     result = prepare(f"imagefolder:{src}", str(dest), "--overwrite", "--serial")
     assert result.exit_code == 0, result.output
     assert read_dataset_info(str(dest)).splits["train"].num_samples == 6
     assert (dest / "notes.txt").read_text() == "mine"
+    assert (dest / "shard-000001.tar").read_bytes() == b"another tool's webdataset shard"
+    assert (dest / "foo.manifest.parquet").read_bytes() == b"another tool's manifest"
 
 
 def test_an_unfinished_preparation_and_a_prepared_dataset_are_vitrays_own(tmp_path):

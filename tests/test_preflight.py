@@ -123,6 +123,20 @@ def test_a_resume_that_cannot_load_is_refused_naming_the_keys(pretrained, digits
     assert len(RunFiles(str(storage / "pre")).read_attempts()) == attempts, "a refusal records no attempt"
 
 
+def test_a_resume_in_another_data_stream_is_refused_before_ray(pretrained, digits_dataset, tmp_path):
+    """The checkpoint holds a position in its data stream: another seed, shuffle buffer, slot count
+    or set of samples failed every worker at its restore, after Ray started (they were listed as
+    allowed changes)."""
+    storage = tmp_path / "storage"
+    shutil.copytree(Path(pretrained).parent, storage)
+    more = [*PRETRAINED[1:], "train.steps=12"]
+    line = refused(*_sets(digits_dataset, storage, *more, "seed=1", "data.shuffle_buffer=16"))
+    assert "cannot resume with a changed seed: 0 -> 1, data.shuffle_buffer: " in line, line
+    assert "they decide the order of its data stream" in line and "start a new run (another run.name)" in line
+    line = refused(*_sets(digits_dataset, storage, *more, "data.train_split=train[:50%]"))
+    assert "was trained on 1,437 samples but data.train=" in line and "split train[:50%] has 718" in line, line
+
+
 def test_a_finished_run_exits_at_once_saying_so(pretrained, digits_dataset, tmp_path):
     storage = tmp_path / "storage"
     shutil.copytree(Path(pretrained).parent, storage)

@@ -163,7 +163,36 @@ def check_resume(cfg: TrainingConfig, run_dir: str, info: DatasetInfo) -> Resume
                 f"{where} was trained on {old} {what} but data.train={cfg.data.train} has {new}: its head would "
                 "not load. Resume on the same dataset, or start a new run (another run.name)"
             )
+    _check_data_stream(cfg, where, state.get("data") or {})
     return ResumePlan(chosen, skipped, changed, finished=chosen.step >= cfg.train.steps)
+
+
+def _check_data_stream(cfg: TrainingConfig, where: str, stream: dict[str, Any]) -> None:
+    """The checkpoint's position in the data stream (`vitray.data.ShardLoader.state_dict`) means
+    something only in the same stream: the seed, the slots, the shuffle buffer and the samples
+    decide which sample comes next. Another would fail every worker at its restore."""
+    changed = [
+        f"{key}: {old} -> {new}"
+        for key, old, new in (
+            ("seed", stream.get("seed"), cfg.seed),
+            ("data.num_slots", stream.get("num_slots"), cfg.data.num_slots or stream.get("num_slots")),
+            ("data.shuffle_buffer", stream.get("shuffle_buffer"), cfg.data.shuffle_buffer),
+        )
+        if old is not None and old != new
+    ]
+    if changed:
+        raise PreflightError(
+            f"{where} cannot resume with a changed {', '.join(changed)}: they decide the order of its data "
+            "stream, whose position the checkpoint holds. Keep them as recorded, or start a new run (another run.name)"
+        )
+    if "num_samples" in stream:
+        samples = read_split(cfg.data.train, cfg.data.train_split, cfg.data.storage_options).num_samples
+        if samples != stream["num_samples"]:
+            raise PreflightError(
+                f"{where} was trained on {stream['num_samples']:,} samples but data.train={cfg.data.train} split "
+                f"{cfg.data.train_split} has {samples:,}: its position in the data stream means nothing there. Resume "
+                "on the same dataset and split, or start a new run (another run.name)"
+            )
 
 
 def config_changes(recorded: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
