@@ -58,6 +58,9 @@ _TRANSIENT = {
     "DistBackendError",
     "DistNetworkError",
     "GetTimeoutError",
+    # A checkpoint found damaged as a resume read it: marked so (`runfolder.checkpoint_folders.mark_corrupt`),
+    # the next attempt resumes from the one before it.
+    "IncompleteCheckpointError",
 }
 
 

@@ -42,6 +42,9 @@ from vitray.runfolder import derived_weights
 STATE_FILE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
 EMA_FILE = "ema.safetensors"
+# Written into a checkpoint that was found corrupt as a resume read it (a file without the CRC-32C
+# its record lists): from then on it does not count, and the next resume takes the one before it.
+CORRUPT_FILE = "vitray-corrupt.json"
 COMPLETION_PREFIX = "complete-rank-"
 _COMPLETE = COMPLETION_PREFIX + "{rank:04d}.json"
 
@@ -90,6 +93,8 @@ def verify_complete(folder: str | Path, fs=None) -> dict[str, Any]:
     state = read_state(folder, fs)
     sizes = {info["name"].rstrip("/"): info["size"] for info in fs.find(folder, detail=True).values()}
     prefix = fs._strip_protocol(folder).rstrip("/")
+    if f"{prefix}/{CORRUPT_FILE}" in sizes:
+        raise IncompleteCheckpointError(folder, f"found corrupt by a resume: {_corrupt_reason(fs, folder)}")
     # The listing above says which records exist; they are then read in one call, which s3fs
     # sends concurrently (not one request after another: 1,024 round trips in turn at 1,024 ranks).
     records = [f"{prefix}/{_COMPLETE.format(rank=rank)}" for rank in range(state["world_size"])]
@@ -103,6 +108,22 @@ def verify_complete(folder: str | Path, fs=None) -> dict[str, Any]:
             if sizes.get(f"{prefix}/{name}") != listed_size(entry):
                 raise IncompleteCheckpointError(folder, f"{name} is missing or truncated")
     return state
+
+
+def mark_corrupt(folder: str, reason: str) -> None:
+    """Records in the checkpoint `folder` (local or s3://) that reading it found `reason` (a file
+    that is not what its record lists), so that it no longer counts (:func:`verify_complete`): a
+    re-run, or Ray's restart of the worker group, resumes from the checkpoint before it instead of
+    failing on this one again. Best effort: where the write fails the error still stops the run."""
+    with contextlib.suppress(OSError):
+        storage.write_bytes_atomic(storage.join(folder, CORRUPT_FILE), json.dumps({"reason": reason}).encode())
+
+
+def _corrupt_reason(fs, folder: str) -> str:
+    try:
+        return str(json.loads(fs.cat(f"{folder}/{CORRUPT_FILE}"))["reason"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "(no reason recorded)"
 
 
 def load_model(
@@ -243,9 +264,10 @@ def resume_point(
     known_name = _folder_name(known.path) if known is not None else None
     for path in reversed(checkpoint_folders(run_dir)):
         if known_name is not None and _folder_name(path) <= known_name:
-            if _folder_name(path) == known_name:
+            if _folder_name(path) == known_name and not storage.exists(storage.join(path, CORRUPT_FILE)):
                 return CheckpointInfo(path, known.step, True, state=known.state), skipped
-            known_name = None  # gone since (checkpoint.keep): the older ones are read as usual
+            # Gone since (checkpoint.keep), or found corrupt: it and the older ones are read as usual.
+            known_name = None
         checked = check_checkpoint(path)
         if checked is None:
             continue  # no checkpoint there (deleted, an empty prefix)

@@ -238,6 +238,14 @@ def test_a_resume_checks_a_local_checkpoint_after_the_engine_loads_and_refuses_a
     with corrupt, restore_copy(cfg, ctx) as (local, _):
         loaded.append((local / "fake" / "shard.bin").read_bytes())
     assert loaded == [b"sharp"]  # loaded, never trained on: the resume fails when the body ends
+    # ... and it no longer counts, so that the next attempt (a re-run, Ray's restart of the workers,
+    # which knows it as the announced one) resumes from the checkpoint before it, not from it again.
+    why = "found corrupt by a resume: fake/shard.bin does not have the CRC-32C its record lists"
+    with pytest.raises(ckpt.IncompleteCheckpointError, match=why):
+        ckpt.verify_complete(folder)
+    for known in (None, ckpt.CheckpointInfo(str(folder), 2, True)):
+        chosen, (skipped,) = ckpt.resume_point(str(tmp_path), known=known)
+        assert chosen is None and skipped.path == str(folder) and skipped.problem.startswith(why)
     with pytest.raises(ckpt.IncompleteCheckpointError, match="fake/shard.bin") as raised, restore_copy(cfg, ctx):
         raise pickle.UnpicklingError("invalid load key, 'x'.")
     assert isinstance(raised.value.__cause__, pickle.UnpicklingError)

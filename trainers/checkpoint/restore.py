@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from vitray.runfolder.checkpoint_folders import CheckpointInfo, resume_point
+from vitray.runfolder.checkpoint_folders import CheckpointInfo, IncompleteCheckpointError, mark_corrupt, resume_point
 from vitray.trainers.checkpoint.checked_copy import node_restore_dir, start_rank_copy
 from vitray.trainers.collectives import broadcast_json
 from vitray.trainers.config import TrainingConfig
@@ -55,17 +55,23 @@ def restore_copy(cfg: TrainingConfig, ctx: WorkerContext) -> Iterator[tuple[Path
     if path is None:
         yield None
         return
-    with node_restore_dir(path, cfg.checkpoint.staging_dir) as node_dir:
-        folder, state, checking = start_rank_copy(
-            path, cfg.engine.restore_files(cfg, ctx.rank, ctx.world_size), node_dir, ctx.rank
-        )
-        try:
-            yield folder, state
-        except Exception as error:
-            # A corrupt file can make the load fail first, with an error that does not say so.
-            problem = checking.exception() if checking is not None else None
-            if problem is not None:
-                raise problem from error
-            raise
-        if checking is not None:
-            checking.result()  # before anything trains on what was loaded
+    try:
+        with node_restore_dir(path, cfg.checkpoint.staging_dir) as node_dir:
+            folder, state, checking = start_rank_copy(
+                path, cfg.engine.restore_files(cfg, ctx.rank, ctx.world_size), node_dir, ctx.rank
+            )
+            try:
+                yield folder, state
+            except Exception as error:
+                # A corrupt file can make the load fail first, with an error that does not say so.
+                problem = checking.exception() if checking is not None else None
+                if problem is not None:
+                    raise problem from error
+                raise
+            if checking is not None:
+                checking.result()  # before anything trains on what was loaded
+    except IncompleteCheckpointError as damaged:
+        # It would fail every resume the same way: from now on it does not count, and the next
+        # attempt (Ray's restart, or a re-run) resumes from the checkpoint before it.
+        mark_corrupt(path, damaged.reason)
+        raise
