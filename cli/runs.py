@@ -71,9 +71,13 @@ def export(
 ):
     """Write consolidated model weights: the original ViT .npz layout, safetensors, a folder timm
     loads (timm.create_model("local-dir:OUT", pretrained=True)), or the network as ONNX."""
+    from vitray.runfolder.checkpoint_folders import IncompleteCheckpointError
     from vitray.runfolder.export import export as run_export
 
-    # An unknown --format, an output in the way, a checkpoint that is not there: one line, exit 2
-    with handled((FileNotFoundError, ValueError)):
+    # An unknown --format, an output in the way, a checkpoint that is not there or not complete:
+    # one line, exit 2
+    with handled((FileNotFoundError, ValueError, IncompleteCheckpointError)):
         source = run_export(checkpoint, format_, out, overwrite=overwrite)
-    console.print(f"wrote {out} ({format_}) from {source}")
+    for newer in source.passed_over:  # a run folder's newer checkpoints that do not count
+        console.print(f"skipped newer checkpoint {newer.path}: {newer.problem}", soft_wrap=True)
+    console.print(f"wrote {out} ({format_}) from {source.path} (step {source.step})", soft_wrap=True)

@@ -34,8 +34,8 @@ from vitray.cluster.runtime import (
     node_resources,
     run_dir,
 )
-from vitray.cluster.stop_signals import StopOnSignal
-from vitray.cluster.torch_trainer import check_workers_fit, fit
+from vitray.cluster.stop_signals import StopOnSignal, StoppedBeforeTraining
+from vitray.cluster.torch_trainer import RunWrittenElsewhere, check_workers_fit, fit
 from vitray.cluster.train_worker import prune
 from vitray.evaluation.evaluators import VAL_TOP1
 from vitray.runfolder.checkpoint_folders import (
@@ -56,7 +56,7 @@ __all__ = ["REFUSED", "AlreadyFinished", "Preempted", "TrainingFailedError", "la
 # What `pretrain` raises when it refuses a run before the workers start (the CLI's exit 2): a config or
 # input pre-flight rejects, resources the cluster lacks, local paths the nodes cannot see, a run that
 # another driver holds.
-REFUSED = (PreflightError, NotEnoughResources, LocalPathsOnCluster, RunLeaseHeld)
+REFUSED = (PreflightError, NotEnoughResources, LocalPathsOnCluster, RunLeaseHeld, RunWrittenElsewhere)
 
 
 class Preempted(Exception):
@@ -87,15 +87,32 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
     info = check_inputs(cfg)  # seconds, before anything is written or started
     check_cluster_answers(cfg.cluster.address)  # a cluster that is not there: no lease, no attempt
     folder = run_dir(cfg.run.storage, cfg.run.name)
-    with _held_lease(folder, cfg, force) as owner, RunAttempts(folder, owner) as attempts:
-        plan = check_resume(cfg, folder, info)
-        if plan.finished:
-            raise AlreadyFinished(plan.chosen)
-        _announce_resume(cfg, folder, plan)
-        cfg = _on_the_cluster(cfg, verbose=verbose)
-        check_workers_fit(cfg)  # refused before an attempt is recorded: nothing was tried
-        attempts.start(plan.chosen, plan.skipped)
-        cfg.engine.prepare_resume(cfg, plan.chosen)  # e.g. DeepSpeed's conversion for a new world size
+    with (
+        _held_lease(folder, cfg, force) as lease,
+        RunAttempts(folder, lease.owner) as attempts,
+        # Past the grace period the driver exits at once: its attempt and lease are settled first.
+        StopOnSignal(
+            folder,
+            cfg.run.preemption_grace_s,
+            before_exit=lambda why: (attempts.end("stopped", why), lease.release()),
+        ) as stop,
+    ):
+        try:
+            plan = check_resume(cfg, folder, info)
+            if plan.finished:
+                raise AlreadyFinished(plan.chosen)
+            _announce_resume(cfg, folder, plan)
+            cfg = _on_the_cluster(cfg, verbose=verbose)
+            stop.take_signals()  # back from ray.init's own SIGTERM handler
+            check_workers_fit(cfg)  # refused before an attempt is recorded: nothing was tried
+            attempts.start(plan.chosen, plan.skipped)
+            cfg.engine.prepare_resume(cfg, plan.chosen)  # e.g. DeepSpeed's conversion for a new world size
+        except (StoppedBeforeTraining, SystemExit) as error:  # a pre-emption while starting: nothing to checkpoint
+            early = stop.early_stop(error)
+            if early is None:
+                raise
+            attempts.end("stopped", str(early))
+            raise Preempted(None, str(early), by_user=early.by_user) from None
         progress = TrainingProgress(
             folder,
             total_steps=cfg.train.steps,
@@ -103,10 +120,8 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
             label="val top-1",
             outage_s=cfg.run.storage_outage_s,
         )
-        with (
-            StopOnSignal(folder, cfg.run.preemption_grace_s) as stop,
-            progress if show_progress else contextlib.nullcontext(),
-        ):
+        with progress if show_progress else contextlib.nullcontext():
+            stop.workers_started()
             result = fit(cfg, plan.chosen)
             while stop.reason is None and (drained := stopped_for_drain(folder)) is not None:
                 result = _new_worker_group_after_drain(cfg, folder, attempts, drained, result)
@@ -119,8 +134,8 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
 
 
 @contextlib.contextmanager
-def _held_lease(folder: str, cfg: TrainingConfig, force: bool) -> Iterator[str]:
-    """The run's lease, taken before any Ray resources are; yields its owner id."""
+def _held_lease(folder: str, cfg: TrainingConfig, force: bool) -> Iterator[RunLease]:
+    """The run's lease, taken before any Ray resources are (released on leaving)."""
     lease = RunLease(
         folder,
         timeout_s=cfg.run.lease_timeout_s,
@@ -133,7 +148,7 @@ def _held_lease(folder: str, cfg: TrainingConfig, force: bool) -> Iterator[str]:
     try:
         if warning:
             print(f"vitray: {warning}", file=sys.stderr, flush=True)
-        yield lease.owner
+        yield lease
     finally:
         lease.release()
 

@@ -1,6 +1,7 @@
 """SIGTERM and Ctrl-C on the driver of a `vitray pretrain` run: a stop notice for the workers
 (`vitray.trainers.preemption`), which checkpoint at their next agreed step and stop; the driver
-then exits 75 (or 130 after Ctrl-C; `vitray.common.exit_codes`)."""
+then exits 75 (or 130 after Ctrl-C; `vitray.common.exit_codes`). Before the workers start there
+is nothing to checkpoint: the driver stops at once, its attempt recorded as stopped."""
 
 from __future__ import annotations
 
@@ -8,30 +9,66 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from vitray.trainers.preemption import request_stop
 
 
-class StopOnSignal:
-    """While training: SIGTERM (a pre-emption) or Ctrl-C (SIGINT) writes a stop notice for the
-    workers, which checkpoint at their next check step and stop. If they have not stopped when the
-    grace period is over, the driver exits (143 after SIGTERM, 130 after Ctrl-C) without a new
-    checkpoint; a second Ctrl-C stops at once (KeyboardInterrupt)."""
+class StoppedBeforeTraining(Exception):
+    """SIGTERM or Ctrl-C before the workers started (`by_user`: Ctrl-C): nothing to checkpoint."""
 
-    def __init__(self, folder: str, grace_s: float):
-        self.folder, self.grace_s = folder, grace_s
+    def __init__(self, reason: str, *, by_user: bool):
+        super().__init__(reason)
+        self.by_user = by_user
+
+
+class StopOnSignal:
+    """From the moment the run's lease is held: SIGTERM (a pre-emption) or Ctrl-C (SIGINT) raises
+    StoppedBeforeTraining until `workers_started`; then it writes a stop notice for the workers,
+    which checkpoint at their next check step and stop. If they have not stopped when the grace
+    period is over, `before_exit` runs (the attempt's record, the lease; bounded) and the driver
+    exits (143 after SIGTERM, 130 after Ctrl-C) without a new checkpoint; a second Ctrl-C stops at
+    once (KeyboardInterrupt)."""
+
+    # How long the records written on the way out may take once the grace period is over.
+    BEFORE_EXIT_S = 10.0
+
+    def __init__(self, folder: str, grace_s: float, *, before_exit: Callable[[str], None] | None = None):
+        self.folder, self.grace_s, self.before_exit = folder, grace_s, before_exit
         self.reason: str | None = None
         self.by_user = False
+        self._workers_started = False
         self._timer: threading.Timer | None = None
 
     def __enter__(self) -> StopOnSignal:
-        # Only a main thread may take signals (`vitray evaluate` runs fine-tunes from a thread pool).
         self._previous: dict[int, Any] = {}
+        self.take_signals()
+        return self
+
+    def take_signals(self) -> None:
+        """Handles SIGTERM and SIGINT (again: `ray.init` sets a SIGTERM handler of its own). Only a
+        main thread may take signals (`vitray evaluate` runs fine-tunes from a thread pool)."""
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGTERM, signal.SIGINT):
-                self._previous[signum] = signal.signal(signum, self._on_signal)
-        return self
+                previous = signal.signal(signum, self._on_signal)
+                self._previous.setdefault(signum, previous)
+
+    @staticmethod
+    def early_stop(error: BaseException) -> StoppedBeforeTraining | None:
+        """The stop that an error raised while the run starts is, if any: ours, or the exit that
+        ray.init's own SIGTERM handler makes (SystemExit(15)) in the seconds before `take_signals`."""
+        if isinstance(error, StoppedBeforeTraining):
+            return error
+        if isinstance(error, SystemExit) and error.code == signal.SIGTERM:
+            return StoppedBeforeTraining(
+                f"SIGTERM to the driver (pid {os.getpid()}) before the workers started", by_user=False
+            )
+        return None
+
+    def workers_started(self) -> None:
+        """From now on a signal is a stop notice for the workers."""
+        self._workers_started = True
 
     def __exit__(self, *exc) -> None:
         for signum, handler in self._previous.items():
@@ -40,6 +77,10 @@ class StopOnSignal:
             self._timer.cancel()
 
     def _on_signal(self, signum, frame) -> None:
+        if not self._workers_started:
+            by_user = signum == signal.SIGINT
+            reason = "stopped by user (Ctrl-C)" if by_user else f"SIGTERM to the driver (pid {os.getpid()})"
+            raise StoppedBeforeTraining(f"{reason} before the workers started", by_user=by_user)
         if self.reason is not None:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt  # the second Ctrl-C: at once
@@ -66,4 +107,9 @@ class StopOnSignal:
             file=sys.stderr,
             flush=True,
         )
+        if self.before_exit is not None:
+            why = f"{self.reason}; the grace period ({self.grace_s:g} s) ended before the workers stopped"
+            records = threading.Thread(target=self.before_exit, args=(why,), daemon=True)
+            records.start()
+            records.join(self.BEFORE_EXIT_S)  # a store that does not answer does not keep the driver
         os._exit(code)

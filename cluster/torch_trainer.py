@@ -23,7 +23,7 @@ from vitray import storage
 from vitray.cluster.process_group import NodeBoundTorchConfig
 from vitray.cluster.runtime import check_local_resources, check_ray_alive, ray_storage, run_dir
 from vitray.cluster.train_worker import train_worker
-from vitray.common.failures import restart_cannot_fix
+from vitray.common.failures import describe_failure, restart_cannot_fix
 from vitray.runfolder.checkpoint_folders import CheckpointInfo
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.driver_checks.tpu_slices import tpu_slice
@@ -137,8 +137,21 @@ def fit(cfg: TrainingConfig, resume: CheckpointInfo | None):
         thread.join(0.2)  # short waits: the main thread runs signal handlers in between
         check_ray_alive(f"the run {cfg.run.name}")  # Ray would end this process in silence
     if "error" in outcome:
-        raise outcome["error"]
+        error = outcome["error"]
+        if describe_failure(error).kind == "CheckpointManagerInitializationError":
+            # Ray's own words blame a "corrupted run directory" and advise deleting it, every checkpoint
+            # with it; the snapshot was removed above, so another driver wrote it meanwhile.
+            raise RunWrittenElsewhere(
+                f"another driver is writing the run {cfg.run.name}: Ray Train's list of its checkpoints changed while "
+                "this driver started (the take-over of a live run with --force?). Stop the other driver, then re-run "
+                "the same command; the run folder is intact: do not delete it"
+            ) from error
+        raise error
     return outcome["result"]
+
+
+class RunWrittenElsewhere(RuntimeError):
+    """Another driver wrote the run's checkpoints while this one started its workers."""
 
 
 def _forget_ray_snapshot(folder: str) -> None:

@@ -102,8 +102,15 @@ def verify_complete(folder: str | Path, fs=None) -> dict[str, Any]:
         if record not in sizes:
             raise IncompleteCheckpointError(folder, f"rank {rank} never finished writing it")
     contents = fs.cat(records) if records else {}
-    for record in records:
-        listing = json.loads(contents[record])
+    for rank, record in enumerate(records):
+        try:
+            listing = json.loads(contents[record])
+        except ValueError:
+            listing = None
+        if not isinstance(listing, dict):  # (a damaged record: the trainer state may be whole)
+            raise IncompleteCheckpointError(
+                folder, f"rank {rank}'s completion record {_COMPLETE.format(rank=rank)} is unreadable"
+            )
         for name, entry in listing.items():
             if sizes.get(f"{prefix}/{name}") != listed_size(entry):
                 raise IncompleteCheckpointError(folder, f"{name} is missing or truncated")
@@ -196,6 +203,8 @@ class CheckpointInfo:
     complete: bool
     problem: str = ""  # why it does not count (an incomplete one): what `vitray runs` shows
     state: dict[str, Any] | None = field(default=None, repr=False, compare=False)  # a complete one's trainer state
+    # When chosen for a run folder: its newer checkpoints that do not count, each with why.
+    passed_over: list[CheckpointInfo] = field(default_factory=list, repr=False, compare=False)
 
 
 def check_checkpoint(path: str) -> CheckpointInfo | None:
@@ -345,7 +354,9 @@ def resolve_checkpoint(path: str) -> CheckpointInfo:
         fs, fs_path = storage.filesystem(path)
         state = verify_complete(fs_path, fs)
         return CheckpointInfo(path, int(state["step"]), True, state=state)
-    latest = latest_complete_checkpoint(path)
+    latest, passed_over = resume_point(path)
+    if latest is not None:
+        latest.passed_over = passed_over
     if latest is None and not storage.exists(path):
         raise FileNotFoundError(f"{path} does not exist: give a checkpoint folder or a run folder")
     if latest is None:
@@ -358,9 +369,10 @@ def resolve_checkpoint(path: str) -> CheckpointInfo:
 
 def load_checkpoint(path: str, *, ema: bool = True, settings: dict[str, Any] | None = None):
     """The model of a checkpoint (or of a run's latest complete one) and its trainer state, with
-    the checkpoint folder it came from under ``"checkpoint"``; its EMA weights when it has them
-    and ``ema`` is true, trained as `settings` say (see :func:`load_model`)."""
+    the checkpoint folder it came from under ``"checkpoint"`` (and, for a run folder, its newer
+    checkpoints that do not count under ``"passed_over"``); its EMA weights when it has them and
+    ``ema`` is true, trained as `settings` say (see :func:`load_model`)."""
     checkpoint = resolve_checkpoint(path)
     fs, fs_path = storage.filesystem(checkpoint.path)
     model, state = load_model(fs_path, fs, ema=ema, state=checkpoint.state, settings=settings)
-    return model, {**state, "checkpoint": checkpoint.path}
+    return model, {**state, "checkpoint": checkpoint.path, "passed_over": checkpoint.passed_over}

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 
 from vitray import storage
-from vitray.runfolder.checkpoint_folders import load_checkpoint
+from vitray.runfolder.checkpoint_folders import CheckpointInfo, load_checkpoint
 
 FORMATS = ("npz", "safetensors", "timm", "onnx")
 FOLDER_FORMATS = ("timm",)
@@ -26,9 +26,10 @@ class ExportRefused(ValueError):
     """The output path is unsuitable or would be overwritten."""
 
 
-def export(path: str, fmt: str, out: str, *, overwrite: bool = False) -> str:
+def export(path: str, fmt: str, out: str, *, overwrite: bool = False) -> CheckpointInfo:
     """Write the checkpoint's model (its EMA weights when it has them) to `out`; returns the
-    checkpoint folder it came from."""
+    checkpoint it came from (for a run folder: its latest complete one, with the newer ones passed
+    over and why)."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is not supported; expected one of: {', '.join(FORMATS)}")
     check_output(out, fmt, overwrite=overwrite)  # before the checkpoint is read: fail fast
@@ -46,7 +47,7 @@ def export(path: str, fmt: str, out: str, *, overwrite: bool = False) -> str:
         else:
             _write_single_file(model, fmt, local)
             _publish(local, out)
-    return state["checkpoint"]
+    return CheckpointInfo(state["checkpoint"], int(state["step"]), True, passed_over=state["passed_over"])
 
 
 def _publish(local: str, out: str) -> None:

@@ -343,6 +343,9 @@ class RunLease:
                 held = read_lease(self.path)
                 if held is not None and held.owner == self.owner:
                     storage.remove(self.path)
+                elif held is not None and not self.lost and self.on_lost is not None:
+                    self.lost = True  # taken over since the last heartbeat: said now, not never
+                    self.on_lost(held)
         except RunLeaseHeld as stuck:  # left to expire after run.lease_timeout_s
             print(f"vitray: the lease was not released: {stuck}", flush=True)
 

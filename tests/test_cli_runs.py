@@ -195,3 +195,39 @@ def test_help_breaks_lines_where_the_terminal_ends_not_where_the_source_did():
     assert any("mean attention distance per head and layer" in line for line in lines())
     assert any("(exit 75); Ctrl-C does the same (exit 130)" in line for line in lines("pretrain"))
     assert any("rest. Prints the table" in line for line in lines("evaluate"))
+
+
+def test_export_says_which_newer_checkpoints_it_passed_over_and_refuses_an_incomplete_one(tmp_path, monkeypatch):
+    """A run folder exports its latest complete checkpoint, saying why a newer one does not count (it
+    said nothing); a checkpoint folder that is not complete is refused in one line, exit 2 (it was
+    an unforeseen error, exit 1, with a traceback file)."""
+    import shutil
+
+    from pretrain_helpers import make_checkpoint
+
+    monkeypatch.setenv("COLUMNS", "1000")
+    good = tmp_path / "r1" / "checkpoint_2026-01-01_00-00-00.000001"
+    make_checkpoint(good)
+    cut = tmp_path / "r1" / "checkpoint_2026-01-01_00-01-00.000001"
+    shutil.copytree(good, cut)
+    (cut / "model.safetensors").write_bytes((cut / "model.safetensors").read_bytes()[:100])
+    result = invoke("export", str(tmp_path / "r1"), "--format", "safetensors", "--out", str(tmp_path / "m.st"))
+    assert result.exit_code == 0, result.output
+    flat = " ".join(result.output.split())
+    assert f"skipped newer checkpoint {cut}: model.safetensors is missing or truncated" in flat
+    assert f"from {good} (step 4)" in flat and (tmp_path / "m.st").stat().st_size > 1000
+    message = one_error_line(invoke("export", str(cut), "--out", str(tmp_path / "cut.npz")))
+    assert message == f"error: checkpoint {cut}: model.safetensors is missing or truncated"
+    assert not (tmp_path / "cut.npz").exists()
+
+
+def test_a_damaged_completion_record_is_named_not_the_trainer_state(tmp_path):
+    """`runs` blamed an unreadable record on trainer_state.json, which was whole."""
+    a_run_with_incomplete_checkpoints(tmp_path)
+    newest = tmp_path / "r1" / "checkpoint_2026-01-01_00-02-00.000001"
+    (newest / "complete-rank-0000.json").write_text("{")
+    result = invoke("runs", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    flat = " ".join(result.stdout.split())
+    assert f"ignored {newest.name}: rank 0's completion record complete-rank-0000.json is unreadable" in flat
+    assert "trainer_state.json" not in flat

@@ -79,6 +79,42 @@ def _foreign_lease(path: Path, age_s: float, timeout_s: float = 60.0) -> LeaseRe
     return record
 
 
+def test_a_driver_whose_lease_was_taken_says_so_when_it_ends_before_its_next_heartbeat(tmp_path):
+    """A --force take-over between two heartbeats of a driver that then finishes: it said nothing."""
+    lost = []
+    lease = RunLease(str(tmp_path / "run"), timeout_s=600, on_lost=lost.append)  # no heartbeat in this test
+    lease.acquire()
+    thief = RunLease(str(tmp_path / "run"), timeout_s=600, force=True)
+    thief.acquire()
+    lease.release()
+    assert [holder.owner for holder in lost] == [thief.owner] and lease.lost
+    assert read_lease(lease.path).owner == thief.owner  # the new holder's lease is left alone
+    thief.release()
+
+
+def test_ray_trains_advice_to_delete_a_run_written_by_two_drivers_is_not_passed_on(tmp_path, monkeypatch):
+    """Ray Train refuses to start on a checkpoint list (its snapshot) that names a folder gone since:
+    with two drivers on one run (a --force take-over of a live one) the other prunes meanwhile. Its
+    message calls the run folder corrupt and says to delete it; vitray's says what happened."""
+    from ray.train.v2._internal.exceptions import CheckpointManagerInitializationError
+
+    from vitray.cluster import pretrain as training
+    from vitray.cluster import torch_trainer
+    from vitray.common.config import load_config
+    from vitray.trainers.config import TrainingConfig
+
+    class Trainer:
+        def fit(self):
+            raise CheckpointManagerInitializationError("You are running in a corrupted run directory ... delete it")
+
+    monkeypatch.setattr(torch_trainer, "build_trainer", lambda cfg, resume: Trainer())
+    monkeypatch.setattr(torch_trainer, "check_ray_alive", lambda what: None)
+    cfg = load_config(TrainingConfig, None, [f"data.train={tmp_path}", f"run.storage={tmp_path}", "run.name=r"])
+    with pytest.raises(torch_trainer.RunWrittenElsewhere, match="another driver is writing the run r") as raised:
+        torch_trainer.fit(cfg, None)
+    assert "do not delete it" in str(raised.value) and isinstance(raised.value, training.REFUSED)
+
+
 def test_a_stale_lease_is_taken_over_and_a_fresh_one_needs_force(tmp_path):
     run_dir = str(tmp_path / "run")
     path = Path(RunFiles(run_dir).lease_path)

@@ -359,6 +359,29 @@ def test_when_the_grace_period_runs_out_the_driver_exits_without_a_new_checkpoin
     latest = latest_complete_checkpoint(run_dir)
     cut_short = [Path(c.path).name for c in find_checkpoints(run_dir) if not c.complete]
     assert latest is not None and all(name > Path(latest.path).name for name in cut_short), cut_short  # dated names
+    # The driver settled its records before it went: the attempt stopped (not "lost"), the lease free.
+    (attempt,) = RunFiles(run_dir).read_attempts()
+    assert attempt["status"] == "stopped" and "the grace period (3 s) ended" in attempt["error"], attempt
+    assert read_lease(RunFiles(run_dir).lease_path) is None
+
+
+def test_sigterm_while_the_run_starts_stops_it_at_once_recorded_and_released(digits_dataset, tmp_path):
+    """A pre-emption in the seconds between the lease and the workers (ray.init, the conversion of a
+    checkpoint): nothing to checkpoint, so the driver stops at once, as one that was stopped (exit
+    75, its attempt `stopped`, the lease released); it exited 15 in silence, leaving both behind."""
+    storage = tmp_path / "runs"
+    run_dir = str(storage / "ref")
+    args = pretrain_args(str(digits_dataset), str(storage), "ref", "train.steps=200", HELD)
+    with running(args) as proc:
+        _wait_for(lambda: read_lease(RunFiles(run_dir).lease_path) is not None, proc, "the run took its lease")
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 75, stdout[-2000:] + stderr[-4000:]
+    assert "stopped on a pre-emption notice (SIGTERM to the driver" in _flat(stderr)
+    assert "before the workers started" in _flat(stderr) and "Traceback" not in stderr
+    assert read_lease(RunFiles(run_dir).lease_path) is None
+    assert all(a["status"] == "stopped" for a in RunFiles(run_dir).read_attempts())
+    assert latest_complete_checkpoint(run_dir) is None
 
 
 def test_shards_gone_mid_run_fail_it_at_once_without_spending_restarts(digits_dataset, tmp_path):
