@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Iterator
 
 from ray.train import TrainingFailedError
@@ -119,6 +120,8 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
             headline=VAL_TOP1,
             label="val top-1",
             outage_s=cfg.run.storage_outage_s,
+            resumed_from=plan.chosen.step if plan.chosen else 0,
+            attempt_started=time.time(),
         )
         with progress if show_progress else contextlib.nullcontext():
             stop.workers_started()

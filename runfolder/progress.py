@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import threading
 from typing import Any
 
@@ -69,7 +70,14 @@ class TrainingProgress:
     On a terminal that is a live bar. Where the output is not one -- a log file, a pipe, `ray job
     logs`, a pod's log -- a bar shows nothing until the end, so each new record is printed as one
     line instead: step/total, loss, images/s, the data-wait share, the ETA, and the evaluations the
-    record holds (`val/top1 0.783 fewshot/digits_10shot 0.767`)."""
+    record holds (`val/top1 0.783 fewshot/digits_10shot 0.767`).
+
+    Only this attempt's records are shown: those past `resumed_from` (the step it resumes from), and
+    written after `attempt_started` (a time.time(); None: any), since until the attempt's first
+    upload the file still holds the previous attempt's lines, past its last checkpoint included."""
+
+    # How far a worker's clock may run behind the driver's before its first lines go unshown.
+    CLOCK_SKEW_S = 5.0
 
     def __init__(
         self,
@@ -80,9 +88,13 @@ class TrainingProgress:
         headline: str | None = None,
         label: str = "",
         outage_s: float = storage.retries.OUTAGE_S,
+        resumed_from: int = 0,
+        attempt_started: float | None = None,
     ):
         """`outage_s` (run.storage_outage_s): for the console's line when the run folder's store stops
         answering (`storage.polled`): how long the run waits for it."""
+        self.resumed_from = resumed_from
+        self.since = -math.inf if attempt_started is None else attempt_started - self.CLOCK_SKEW_S
         self.metrics = MetricsTail(RunFiles(run_dir).metrics_path)
         self.outage_s = outage_s
         self.headline, self.label = headline, label or headline
@@ -98,10 +110,13 @@ class TrainingProgress:
             TextColumn("eta"),
             TimeRemainingColumn(),
         )
-        self._task = self._progress.add_task("steps", total=total_steps, status="starting workers...")
+        # Started at the resumed step: the rate (and so the ETA) is this attempt's, not a jump to it.
+        self._task = self._progress.add_task(
+            "steps", total=total_steps, completed=resumed_from, status="starting workers..."
+        )
         self._thread = threading.Thread(target=self._follow, daemon=True)
         self.lines = not self._progress.console.is_terminal
-        self._printed = 0  # records already printed as lines
+        self._printed = resumed_from  # the last step printed as a line
 
     def __enter__(self) -> TrainingProgress:
         if not self.lines:
@@ -125,6 +140,7 @@ class TrainingProgress:
             records = storage.polled(self.metrics.read, what=f"reading {self.metrics.path}", within_s=self.outage_s)
         except Exception:
             return
+        records = [r for r in records if r.get("step", 0) > self.resumed_from and r.get("time", math.inf) >= self.since]
         if not records:
             return
         if self.lines:
@@ -140,17 +156,18 @@ class TrainingProgress:
         self._progress.update(self._task, completed=min(last.get("step", 0), self.total), status=status)
 
     def _print_lines(self, records: list[dict[str, Any]]) -> None:
-        self._printed = min(self._printed, len(records))  # a resumed attempt rewrote the file
-        for record in records[self._printed :]:
-            self._progress.console.print(
-                progress_line(record, records, self.total), markup=False, highlight=False, soft_wrap=True
-            )
-        self._printed = len(records)
+        for record in records:
+            if record.get("step", 0) > self._printed:
+                self._progress.console.print(
+                    progress_line(record, records, self.total), markup=False, highlight=False, soft_wrap=True
+                )
+                self._printed = record.get("step", 0)
 
 
 def progress_line(record: dict[str, Any], records: list[dict[str, Any]], total_steps: int) -> str:
     """One log line of a metrics record: "step 200/300  loss 1.0435  58.5 img/s  data wait 1%
-    eta 0:01:42  val/top1 0.783"; the ETA from the pace between the first record and this one."""
+    eta 0:01:42  val/top1 0.783"; the ETA from the pace between the first of `records` (this
+    attempt's) and this one."""
     step = int(record.get("step", 0))
     parts = [f"step {step}/{total_steps}"]
     if "loss" in record:

@@ -120,3 +120,29 @@ def test_without_a_terminal_each_record_is_a_log_line(tmp_path, capsys):
         f.write(json.dumps({"step": 30, "time": 1020.0, **record}) + "\n")
     progress._refresh()  # the next poll
     assert capsys.readouterr().out.splitlines() == ["step 30/100  loss 2.0000  50.0 img/s  data wait 1%  eta 0:01:10"]
+
+
+def test_a_resumed_attempt_shows_its_own_lines_and_eta_not_the_previous_attempts(tmp_path, capsys):
+    """Until a resumed attempt's first upload the metrics file holds the previous attempt's lines,
+    past its checkpoint too: they were printed as if training had started over, and the ETA counted
+    the time between the attempts."""
+    from vitray.runfolder.progress import TrainingProgress
+
+    run_dir = str(tmp_path / "run")
+    metrics = Path(RunFiles(run_dir).metrics_path)
+    metrics.parent.mkdir(parents=True)
+    record = {"loss": 2.0, "images_per_s": 50.0}
+    with metrics.open("w") as f:  # the previous attempt: checkpointed at 20, died after 30
+        for step in (10, 20, 30):
+            f.write(json.dumps({"step": step, "time": 1000.0 + step, **record}) + "\n")
+    progress = TrainingProgress(run_dir, total_steps=100, poll_seconds=60, resumed_from=20, attempt_started=5000.0)
+    progress._refresh()
+    assert capsys.readouterr().out == ""
+    with metrics.open("w") as f:  # this attempt's first upload: the lines to its checkpoint, then its own
+        for step, at in ((10, 1010.0), (20, 1020.0), (30, 5030.0), (40, 5040.0)):
+            f.write(json.dumps({"step": step, "time": at, **record}) + "\n")
+    progress._refresh()
+    assert capsys.readouterr().out.splitlines() == [
+        "step 30/100  loss 2.0000  50.0 img/s",
+        "step 40/100  loss 2.0000  50.0 img/s  eta 0:01:00",  # 1 s a step since step 30, not since step 10
+    ]
