@@ -343,3 +343,19 @@ def test_a_run_storage_that_cannot_be_made_or_written_is_refused(digits_dataset,
     # A folder that permissions allow (root's, here) in a file system that makes none: refused too.
     line = refused(*_sets(digits_dataset, "/proc/vitray-runs"))
     assert "run.storage=/proc/vitray-runs: /proc cannot be written (" in line, line
+
+
+def test_keys_added_to_vitray_since_a_checkpoint_are_not_reported_as_changes(digits_dataset):
+    """A checkpoint's config written before a key existed lacks it: on resume it was listed as
+    changed from None to its default (`evals.val.resize: None -> aspect`)."""
+    from vitray.common.redact import redacted_config
+    from vitray.trainers.driver_checks.preflight import _with_todays_defaults, config_changes
+
+    cfg = load_config(TrainingConfig, None, [*BASE, f"data.train={digits_dataset}", "evals.val={type: val, every: 4}"])
+    recorded = redacted_config(cfg)
+    del recorded["data"]["decode"], recorded["evals"]["val"]["resize"]  # as an older vitray wrote it
+    assert config_changes(recorded, redacted_config(cfg))[1] == [
+        "data.decode: None -> auto",
+        "evals.val.resize: None -> aspect",
+    ]
+    assert config_changes(_with_todays_defaults(recorded), redacted_config(cfg)) == ([], [])

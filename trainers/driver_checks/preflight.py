@@ -141,7 +141,7 @@ def check_resume(cfg: TrainingConfig, run_dir: str, info: DatasetInfo) -> Resume
     if chosen is None:
         return ResumePlan(None, skipped)
     state = chosen.state  # what resume_point read when it verified the checkpoint
-    recorded = state.get("config") or {}
+    recorded = _with_todays_defaults(state.get("config") or {})
     new = redacted_config(cfg)
     for config in (recorded, new):  # "auto" and what it resolves to on this dataset are the same objective
         train = config.get("train", {})
@@ -193,6 +193,16 @@ def _check_data_stream(cfg: TrainingConfig, where: str, stream: dict[str, Any]) 
                 f"{cfg.data.train_split} has {samples:,}: its position in the data stream means nothing there. Resume "
                 "on the same dataset and split, or start a new run (another run.name)"
             )
+
+
+def _with_todays_defaults(recorded: dict[str, Any]) -> dict[str, Any]:
+    """The recorded config with the keys added to vitray since it was written at their defaults, so
+    that they are not reported as changes (`evals.val.resize: None -> aspect`); as written where it
+    no longer validates (a key renamed since: the comparison names it)."""
+    try:
+        return redacted_config(TrainingConfig.model_validate(recorded))
+    except Exception:
+        return recorded
 
 
 def config_changes(recorded: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
