@@ -63,8 +63,8 @@ def pretrain(
             raise typer.Exit(exit_codes.STOPPED_BY_USER if stopped.by_user else exit_codes.PREEMPTED) from None
         except KeyboardInterrupt:
             console.print(
-                "stopped by user at once (no new checkpoint); latest complete checkpoint: "
-                f"{_latest_text(training, folder)}"
+                f"stopped by user at once; latest complete checkpoint: {_latest_text(training, folder)} (one the "
+                "workers were writing may still complete); re-run the same command to resume from the latest"
             )
             raise typer.Exit(exit_codes.STOPPED_BY_USER) from None
     from vitray.runfolder.run_report import run_report
