@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -28,6 +29,10 @@ def _convert_once_for_new_world_size(cfg: Any, chosen: Any) -> None:
     written_by = int(chosen.state["world_size"])  # what resume_point read when it verified it
     if written_by == cfg.cluster.num_workers:
         return
+    import torch
+
+    if not torch.cuda.is_available():  # DeepSpeed would warn on the console that it "set" the CPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     started = time.monotonic()
     print(
         f"vitray: the checkpoint was written by {written_by} workers; converting it once for {cfg.cluster.num_workers} "
