@@ -15,8 +15,10 @@ from typing import Any
 from vitray.trainers.preemption import request_stop
 
 
-class StoppedBeforeTraining(Exception):
-    """SIGTERM or Ctrl-C before the workers started (`by_user`: Ctrl-C): nothing to checkpoint."""
+class StoppedBeforeTraining(BaseException):
+    """SIGTERM or Ctrl-C before the workers started (`by_user`: Ctrl-C): nothing to checkpoint. A
+    BaseException, as KeyboardInterrupt is: what catches errors on the way (ray.init's "did not
+    start") must not take a stop for one."""
 
     def __init__(self, reason: str, *, by_user: bool):
         super().__init__(reason)
