@@ -1,6 +1,6 @@
 """The `vitray` app and what its commands share: the options every command takes, the one
 console for messages, and :func:`handled`, the one place where an error becomes a message and an
-exit status (common/exit_codes.py; README "Exit codes").
+exit status (common/exit_codes.py; docs/resuming-and-faults.md, "Exit codes").
 
 Every command takes `--config/-c FILE.yaml` and `--set key=value` overrides; a bad value fails here,
 before any Ray resources are taken. The command modules (`cli/pretrain.py`, `cli/data.py`, ...)

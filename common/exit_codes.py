@@ -1,5 +1,5 @@
-"""What a vitray command's exit status means (the README's "Exit codes" lists the same). Here, below
-every layer, because `vitray submit` reads them back from a job's driver."""
+"""What a vitray command's exit status means (docs/resuming-and-faults.md, "Exit codes", lists the
+same). Here, below every layer, because `vitray submit` reads them back from a job's driver."""
 
 OK = 0
 FAILED = 1  # the work failed; the message says whether re-running the same command can help

@@ -1,9 +1,10 @@
 """The training config tree (pre-training and fine-tuning): each component owns its section and
 this module composes them.
 
-Defaults follow the paper's pre-training recipe (Adam b1=0.9, b2=0.999, weight decay 0.1,
-batch 4096, 10k warm-up steps then linear decay, grad-norm clip 1.0); `configs/demo.yaml`
-scales it down to one CPU machine.
+Defaults follow the paper's pre-training settings (Table 3: Adam b1=0.9, b2=0.999, batch 4096,
+10k warm-up steps then linear decay, weight decay 0.1 as its JFT-300M rows, grad-norm clip 1.0
+as its ImageNet-1k runs); `configs/paper/` holds each recipe, `configs/demo.yaml` scales one down
+to one CPU machine.
 """
 
 from __future__ import annotations
