@@ -39,6 +39,7 @@ from vitray import storage
 from vitray.cluster.checkpoint_inputs import absolute, checkpoint_ref, resolve_checkpoints
 from vitray.cluster.finetune import finetune_cell_metrics
 from vitray.cluster.grid_checks import check_work
+from vitray.cluster.run_attempts import stopping_by_user
 from vitray.cluster.runtime import RayLost, check_ray_alive, connect
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.grid import GridPlan, plan_grid
@@ -130,9 +131,11 @@ def run_grid(
             # leases (seconds); Ray's shutdown would wait for the GCS that is gone.
             pool.shutdown(wait=True, cancel_futures=True)
             raise
-        except BaseException:
+        except BaseException as error:
             # Ctrl-C (or a results-table error): stop the fine-tunes instead of waiting for them;
             # their runs resume on the next invocation.
+            if isinstance(error, KeyboardInterrupt):
+                stopping_by_user()  # their attempts end stopped, not failed
             pool.shutdown(wait=False, cancel_futures=True)
             ray.shutdown()
             raise

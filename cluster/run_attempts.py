@@ -6,12 +6,21 @@ folder's latest complete step then."""
 from __future__ import annotations
 
 import sys
+import threading
 import traceback
 from collections.abc import Iterable
 
 from vitray.common.failures import describe_failure
 from vitray.runfolder.checkpoint_folders import CheckpointInfo, latest_complete_checkpoint
 from vitray.runfolder.files import RunFiles
+
+_STOPPED_BY_USER = threading.Event()
+
+
+def stopping_by_user() -> None:
+    """This process stops on a Ctrl-C while runs go on in its threads (`vitray evaluate`'s fine-tune
+    runs): an attempt that ends with an error from now on ends stopped by the user, not failed."""
+    _STOPPED_BY_USER.set()
 
 
 class RunAttempts:
@@ -56,6 +65,8 @@ class RunAttempts:
             return
         if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C: stopped at once, without a new checkpoint
             self.end("stopped", "stopped by user (a second Ctrl-C: no new checkpoint)")
+        elif _STOPPED_BY_USER.is_set():  # its workers went with the Ray the command shut down
+            self.end("stopped", "stopped by user (Ctrl-C): the command that ran it stopped")
         else:
             # The whole traceback text for the record (and `vitray runs --verbose`); consoles show its last line.
             self.end("failed", "".join(traceback.format_exception_only(error)).strip()[-4000:])

@@ -482,6 +482,28 @@ def test_an_attempt_whose_end_cannot_be_recorded_says_so_and_the_run_keeps_its_o
     assert said.count("No space left on device") == 2 and "`vitray runs` lists it as running" in said
 
 
+def test_runs_that_a_ctrl_c_of_their_command_ends_are_recorded_as_stopped_not_failed(tmp_path, monkeypatch):
+    """`vitray evaluate` runs fine-tunes in threads: its Ctrl-C shuts Ray down under them, and they
+    ended failed (ActorDiedError, SystemExit) in `vitray runs`."""
+    from vitray.cluster import run_attempts
+
+    monkeypatch.setattr(run_attempts, "_STOPPED_BY_USER", threading.Event())  # this process's only
+    before, after = (
+        run_attempts.RunAttempts(str(tmp_path / "a"), "o1"),
+        run_attempts.RunAttempts(str(tmp_path / "b"), "o2"),
+    )
+    for attempts, stopping in ((before, False), (after, True)):
+        if stopping:
+            run_attempts.stopping_by_user()
+        attempts.start(None)
+        with pytest.raises(RuntimeError), attempts:
+            raise RuntimeError("ActorDiedError: the actor died")
+    (failed,) = RunFiles(str(tmp_path / "a")).read_attempts()
+    (stopped,) = RunFiles(str(tmp_path / "b")).read_attempts()
+    assert failed["status"] == "failed" and stopped["status"] == "stopped"
+    assert stopped["error"] == "stopped by user (Ctrl-C): the command that ran it stopped"
+
+
 @pytest.fixture
 def full_disk(tmp_path):
     """A 4 MiB tmpfs filled to the last byte (mounting it needs root)."""
