@@ -10,6 +10,7 @@ cause and the fix. Callers find it as ``storage.check_reachable`` (:mod:`vitray.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import fsspec
@@ -31,6 +32,10 @@ _BAD_CREDENTIALS = {
     "AuthorizationHeaderMalformed",
 }
 _DENIED = {"AccessDenied", "AllAccessDisabled", "AccountProblem", "403", "Forbidden"}
+# A store that is busy, not a path that is wrong: S3 throttles a hot prefix with SlowDown (503) and
+# has the odd InternalError; the probe asks again, after these pauses, before it says so.
+_BUSY = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling", "ThrottlingException"}
+BUSY_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
 
 
 class StorageUnreachable(ValueError):
@@ -83,9 +88,7 @@ def _check_s3(url: str, rest: str, *, must_exist: bool, options: dict[str, Any])
     client = _s3_client(options)
     endpoint = client.meta.endpoint_url
     try:
-        found = client.list_objects_v2(Bucket=bucket, Prefix=f"{key}/" if key else "", MaxKeys=1)["KeyCount"]
-        if must_exist and not found and key:
-            found = _object_exists(client, bucket, key)
+        found = _while_busy(lambda: _stored_under(client, bucket, key, must_exist=must_exist))
     except (bex.NoCredentialsError, bex.PartialCredentialsError, bex.CredentialRetrievalError) as error:
         raise StorageUnreachable(
             f"no credentials for {url} ({type(error).__name__}): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
@@ -113,6 +116,28 @@ def _check_s3(url: str, rest: str, *, must_exist: bool, options: dict[str, Any])
         raise StorageUnreachable(
             f"nothing is stored at {url}: check the prefix (bucket {bucket} exists)", cause="missing", url=url
         )
+
+
+def _stored_under(client: Any, bucket: str, key: str, *, must_exist: bool) -> bool:
+    found = client.list_objects_v2(Bucket=bucket, Prefix=f"{key}/" if key else "", MaxKeys=1)["KeyCount"]
+    if must_exist and not found and key:
+        found = _object_exists(client, bucket, key)
+    return bool(found)
+
+
+def _while_busy(call: Any) -> Any:
+    """`call()`, asked again while the store answers that it is busy (`_BUSY`, or any 5xx)."""
+    import botocore.exceptions as bex
+
+    for delay in (*BUSY_RETRY_DELAYS_S, None):
+        try:
+            return call()
+        except bex.ClientError as error:
+            code = str(error.response.get("Error", {}).get("Code", ""))
+            status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            if delay is None or not (code in _BUSY or status >= 500):
+                raise
+            time.sleep(delay)
 
 
 def _object_exists(client: Any, bucket: str, key: str) -> bool:
@@ -150,6 +175,13 @@ def _client_error(error: Any, url: str, bucket: str, endpoint: str) -> StorageUn
             url=url,
         )
     message = " ".join(str(details.get("Message", "")).split())
+    if code in _BUSY or (status or 0) >= 500:
+        return StorageUnreachable(
+            f"the S3 store at {endpoint} answered {url} with {code or status} ({message}) "
+            f"{len(BUSY_RETRY_DELAYS_S) + 1} times in a row: it is busy or failing; retry later, or check the store",
+            cause="unreachable",
+            url=url,
+        )
     return StorageUnreachable(
         f"S3 refused {url} ({code or status}: {message}): check the URL and the credentials",
         cause="access-denied",

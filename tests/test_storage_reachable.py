@@ -81,3 +81,25 @@ def test_local_paths(tmp_path: Path) -> None:
     assert error.cause == "missing" and "absent does not exist" in str(error)
     error = _refusal(str(tmp_path / "no-parent" / "dest"))
     assert "parent folder" in str(error) and "no-parent" in str(error)
+
+
+def test_a_busy_store_is_asked_again_before_it_is_said_to_be_busy(seaweed_s3, monkeypatch) -> None:
+    """S3 throttles with SlowDown (503): the probe took it for a refused path ("check the URL and the
+    credentials") and a run was refused on one busy answer. It asks again; a store busy every time
+    is said to be busy, not wrong."""
+    from s3_proxy import FlakyS3Proxy
+
+    from vitray.storage import reachable
+
+    monkeypatch.setattr(reachable, "BUSY_RETRY_DELAYS_S", (0.01, 0.01, 0.01))
+    busy = FlakyS3Proxy(seaweed_s3.endpoint_url, rate=1.0, faults=("slowdown",)).start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", busy.url)
+        error = _refusal(seaweed_s3.url("runs"))
+        assert busy.requests and sum(busy.injected.values()) == 4  # the first answer and three more
+        assert error.cause == "unreachable" and "answered" in str(error) and "SlowDown" in str(error)
+        assert "4 times in a row: it is busy or failing" in str(error) and "credentials" not in str(error)
+        busy.rate = 0.5  # now and then busy: the probe gets through
+        check_reachable(seaweed_s3.url("runs"))
+    finally:
+        busy.stop()
