@@ -98,16 +98,21 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
             before_exit=lambda why: (attempts.end("stopped", why), lease.release()),
         ) as stop,
     ):
-        try:
+        try:  # a stop while the run starts is taken between these steps (`stop.check`)
             plan = check_resume(cfg, folder, info)
             if plan.finished:
                 raise AlreadyFinished(plan.chosen)
             _announce_resume(cfg, folder, plan)
-            cfg = _on_the_cluster(cfg, verbose=verbose)
-            stop.take_signals()  # back from ray.init's own SIGTERM handler
+            stop.check()
+            with stop.over_ray_init():
+                cfg = _on_the_cluster(cfg, verbose=verbose)
+            stop.take_signals()  # back from Ray's C++ core, which set its own SIGTERM handler
+            stop.check()
             check_workers_fit(cfg)  # refused before an attempt is recorded: nothing was tried
             attempts.start(plan.chosen, plan.skipped)
+            stop.check()
             cfg.engine.prepare_resume(cfg, plan.chosen)  # e.g. DeepSpeed's conversion for a new world size
+            stop.workers_started()  # from here a signal is a stop notice for the workers
         except (StoppedBeforeTraining, SystemExit) as error:  # a pre-emption while starting: nothing to checkpoint
             early = stop.early_stop(error)
             if early is None:
@@ -124,7 +129,6 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
             attempt_started=time.time(),
         )
         with progress if show_progress else contextlib.nullcontext():
-            stop.workers_started()
             result = fit(cfg, plan.chosen)
             while stop.reason is None and (drained := stopped_for_drain(folder)) is not None:
                 result = _new_worker_group_after_drain(cfg, folder, attempts, drained, result)

@@ -5,11 +5,12 @@ is nothing to checkpoint: the driver stops at once, its attempt recorded as stop
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from vitray.trainers.preemption import request_stop
@@ -17,8 +18,8 @@ from vitray.trainers.preemption import request_stop
 
 class StoppedBeforeTraining(BaseException):
     """SIGTERM or Ctrl-C before the workers started (`by_user`: Ctrl-C): nothing to checkpoint. A
-    BaseException, as KeyboardInterrupt is: what catches errors on the way (ray.init's "did not
-    start") must not take a stop for one."""
+    BaseException, as KeyboardInterrupt is: what catches errors on the way must not take a stop for
+    one."""
 
     def __init__(self, reason: str, *, by_user: bool):
         super().__init__(reason)
@@ -26,12 +27,14 @@ class StoppedBeforeTraining(BaseException):
 
 
 class StopOnSignal:
-    """From the moment the run's lease is held: SIGTERM (a pre-emption) or Ctrl-C (SIGINT) raises
-    StoppedBeforeTraining until `workers_started`; then it writes a stop notice for the workers,
-    which checkpoint at their next check step and stop. If they have not stopped when the grace
-    period is over, `before_exit` runs (the attempt's record, the lease; bounded) and the driver
-    exits (143 after SIGTERM, 130 after Ctrl-C) without a new checkpoint; a second Ctrl-C stops at
-    once (KeyboardInterrupt)."""
+    """From the moment the run's lease is held, SIGTERM (a pre-emption) and Ctrl-C (SIGINT) stop the
+    run. Before the workers start there is nothing to checkpoint: the signal is noted and the driver
+    stops at its next `check` (never by an exception raised from the handler, wherever the main
+    thread is: a lock it held then would stay held). Once `workers_started`, a signal writes a stop
+    notice for the workers, which checkpoint at their next check step and stop. If they have not
+    stopped when the grace period is over, `before_exit` runs (the attempt's record, the lease;
+    bounded) and the driver exits (143 after SIGTERM, 130 after Ctrl-C) without a new checkpoint; a
+    second Ctrl-C stops at once (KeyboardInterrupt)."""
 
     # How long the records written on the way out may take once the grace period is over.
     BEFORE_EXIT_S = 10.0
@@ -49,17 +52,42 @@ class StopOnSignal:
         return self
 
     def take_signals(self) -> None:
-        """Handles SIGTERM and SIGINT (again: `ray.init` sets a SIGTERM handler of its own). Only a
-        main thread may take signals (`vitray evaluate` runs fine-tunes from a thread pool)."""
+        """Handles SIGTERM and SIGINT; again after Ray started in this process, whose C++ core
+        installs a SIGTERM handler of its own (it prints a stack and aborts the driver). Only a main
+        thread may take signals (`vitray evaluate` runs fine-tunes from a thread pool)."""
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGTERM, signal.SIGINT):
                 previous = signal.signal(signum, self._on_signal)
                 self._previous.setdefault(signum, previous)
 
+    @contextlib.contextmanager
+    def over_ray_init(self) -> Iterator[None]:
+        """Keeps this handler while Ray starts: ray.init sets a SIGTERM handler that raises
+        SystemExit(15) wherever the main thread is (a lock taken and not yet released stays taken:
+        the logging module's, seen deadlocking the run). Private on purpose: Ray has no option to
+        keep a process's own handler; without the function (a Ray that renamed it), Ray's handler
+        is set and its exit is taken for a stop (`early_stop`)."""
+        import ray._private.utils as ray_utils
+
+        original = getattr(ray_utils, "set_sigterm_handler", None)
+        if original is None:
+            yield
+            return
+        ray_utils.set_sigterm_handler = lambda handler: None
+        try:
+            yield
+        finally:
+            ray_utils.set_sigterm_handler = original
+
+    def check(self) -> None:
+        """Raises StoppedBeforeTraining if a signal came before the workers started."""
+        if self.reason is not None and not self._workers_started:
+            raise StoppedBeforeTraining(f"{self.reason} before the workers started", by_user=self.by_user)
+
     @staticmethod
     def early_stop(error: BaseException) -> StoppedBeforeTraining | None:
-        """The stop that an error raised while the run starts is, if any: ours, or the exit that
-        ray.init's own SIGTERM handler makes (SystemExit(15)) in the seconds before `take_signals`."""
+        """The stop that an error raised while the run starts is, if any: ours, or the exit of a
+        SIGTERM handler Ray set after all (SystemExit(15))."""
         if isinstance(error, StoppedBeforeTraining):
             return error
         if isinstance(error, SystemExit) and error.code == signal.SIGTERM:
@@ -69,7 +97,9 @@ class StopOnSignal:
         return None
 
     def workers_started(self) -> None:
-        """From now on a signal is a stop notice for the workers."""
+        """From now on a signal is a stop notice for the workers; a stop that came while the run
+        started raises StoppedBeforeTraining here."""
+        self.check()
         self._workers_started = True
 
     def __exit__(self, *exc) -> None:
@@ -79,10 +109,6 @@ class StopOnSignal:
             self._timer.cancel()
 
     def _on_signal(self, signum, frame) -> None:
-        if not self._workers_started:
-            by_user = signum == signal.SIGINT
-            reason = "stopped by user (Ctrl-C)" if by_user else f"SIGTERM to the driver (pid {os.getpid()})"
-            raise StoppedBeforeTraining(f"{reason} before the workers started", by_user=by_user)
         if self.reason is not None:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt  # the second Ctrl-C: at once
@@ -90,6 +116,9 @@ class StopOnSignal:
         self.by_user = signum == signal.SIGINT
         self.reason = "stopped by user (Ctrl-C)" if self.by_user else f"SIGTERM to the driver (pid {os.getpid()})"
         again = "; Ctrl-C again to stop at once, without one" if self.by_user else ""
+        if not self._workers_started:
+            print(f"vitray: {self.reason}: stopping before the workers start{again}", file=sys.stderr, flush=True)
+            return
         print(
             f"vitray: {self.reason}: the workers checkpoint at their next check step and stop "
             f"(grace {self.grace_s:g} s, run.preemption_grace_s){again}",
