@@ -126,6 +126,11 @@ def mark_corrupt(folder: str, reason: str) -> None:
         storage.write_bytes_atomic(storage.join(folder, CORRUPT_FILE), json.dumps({"reason": reason}).encode())
 
 
+def marked_corrupt(folder: str) -> bool:
+    """Whether a resume found the checkpoint `folder` corrupt (:func:`mark_corrupt`): one request."""
+    return storage.exists(storage.join(folder, CORRUPT_FILE))
+
+
 def _corrupt_reason(fs, folder: str) -> str:
     try:
         return str(json.loads(fs.cat(f"{folder}/{CORRUPT_FILE}"))["reason"])
@@ -273,7 +278,7 @@ def resume_point(
     known_name = _folder_name(known.path) if known is not None else None
     for path in reversed(checkpoint_folders(run_dir)):
         if known_name is not None and _folder_name(path) <= known_name:
-            if _folder_name(path) == known_name and not storage.exists(storage.join(path, CORRUPT_FILE)):
+            if _folder_name(path) == known_name and not marked_corrupt(path):
                 return CheckpointInfo(path, known.step, True, state=known.state), skipped
             # Gone since (checkpoint.keep), or found corrupt: it and the older ones are read as usual.
             known_name = None

@@ -246,10 +246,16 @@ def test_a_resume_checks_a_local_checkpoint_after_the_engine_loads_and_refuses_a
     for known in (None, ckpt.CheckpointInfo(str(folder), 2, True)):
         chosen, (skipped,) = ckpt.resume_point(str(tmp_path), known=known)
         assert chosen is None and skipped.path == str(folder) and skipped.problem.startswith(why)
+    from vitray.trainers.checkpoint.restore import choose_checkpoint
+
+    for restarted in (False, True):  # the driver announced it; Ray's next group passes it over
+        assert choose_checkpoint(str(tmp_path), str(folder), 2, restarted=restarted) is None
+    (folder / ckpt.CORRUPT_FILE).unlink()  # (taken for whole again, for what follows)
     with pytest.raises(ckpt.IncompleteCheckpointError, match="fake/shard.bin") as raised, restore_copy(cfg, ctx):
         raise pickle.UnpicklingError("invalid load key, 'x'.")
     assert isinstance(raised.value.__cause__, pickle.UnpicklingError)
     (folder / "fake" / "shard.bin").write_bytes(b"shard")
+    (folder / ckpt.CORRUPT_FILE).unlink()
     with pytest.raises(ValueError, match="not about the files"), restore_copy(cfg, ctx):
         raise ValueError("not about the files")  # the body's own errors stay its own
 

@@ -17,7 +17,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from vitray.runfolder.checkpoint_folders import CheckpointInfo, IncompleteCheckpointError, mark_corrupt, resume_point
+from vitray.runfolder.checkpoint_folders import (
+    CheckpointInfo,
+    IncompleteCheckpointError,
+    mark_corrupt,
+    marked_corrupt,
+    resume_point,
+)
 from vitray.trainers.checkpoint.checked_copy import node_restore_dir, start_rank_copy
 from vitray.trainers.collectives import broadcast_json
 from vitray.trainers.config import TrainingConfig
@@ -26,16 +32,19 @@ from vitray.trainers.context import WorkerContext
 
 def choose_checkpoint(run_dir: str, announced: str | None, step: int | None, *, restarted: bool) -> str | None:
     """The checkpoint to resume from (None: from scratch); asked on rank 0. `announced` (with its
-    `step`, when known) is the driver's choice; `restarted`: Ray restarted the worker group."""
-    if not restarted:
+    `step`, when known) is the driver's choice; `restarted`: Ray restarted the worker group. An
+    announced checkpoint that an earlier group of this attempt found corrupt (`mark_corrupt`) is
+    passed over as any newer incomplete one is."""
+    corrupt = announced is not None and marked_corrupt(announced)
+    if not restarted and not corrupt:
         return announced
     known = CheckpointInfo(announced, int(step), True) if announced and step is not None else None
     chosen, skipped = resume_point(run_dir, known=known)
     for c in skipped:
         print(f"vitray: skipped newer checkpoint {c.path}: {c.problem}", flush=True)
-    if chosen is None:
+    if chosen is None and not corrupt:
         raise RuntimeError(f"Ray restarted the run {run_dir} from a checkpoint, but it has no complete checkpoint")
-    return chosen.path
+    return chosen.path if chosen is not None else None
 
 
 @contextlib.contextmanager
