@@ -38,7 +38,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from vitray import storage
 from vitray.cluster.checkpoint_inputs import absolute, checkpoint_ref, resolve_checkpoints
 from vitray.cluster.finetune import finetune_cell_metrics
-from vitray.cluster.grid_checks import check_work
+from vitray.cluster.grid_checks import check_grid_storage, check_work
 from vitray.cluster.run_attempts import stopping_by_user
 from vitray.cluster.runtime import RayLost, check_ray_alive, connect
 from vitray.evaluation.config import GridConfig
@@ -439,6 +439,7 @@ def evaluate_checkpoint(
     complete checkpoint, or every one with ``all_checkpoints``), or with ``watch`` on each new
     checkpoint of a run still training, the report brought up to date after each. ``finished`` is
     True unless a watch stopped at its time-out before the run's last step."""
+    check_grid_storage(checkpoint, grid)
     if watch:
         return watch_run(
             checkpoint,

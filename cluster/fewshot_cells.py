@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vitray.cluster.checkpoint_inputs import resolve_checkpoints
-from vitray.cluster.grid_checks import check_work
+from vitray.cluster.grid_checks import check_grid_storage, check_work
 from vitray.common.failures import describe_failure
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.methods import CheckpointRef, fewshot
@@ -27,6 +27,7 @@ def fewshot_checkpoint(checkpoint: str, grid: GridConfig) -> FewshotSummary:
     """Every (shots, seed) few-shot cell of the grid's benchmarks on the checkpoint (or a run
     folder's latest), in this process on the CPU. A benchmark whose data is not prepared is a
     problem whose text is the prepare command; the others go on."""
+    check_grid_storage(checkpoint, grid, writes=False)  # (its results go to the console only)
     (ref,) = resolve_checkpoints(checkpoint)
     summary = FewshotSummary(ref)
     section = grid.fewshot.model_copy(update={"num_gpus": 0.0})  # this process: the CPU

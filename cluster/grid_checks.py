@@ -4,6 +4,7 @@ once, in one line. Without Ray."""
 
 from __future__ import annotations
 
+from vitray import storage
 from vitray.cluster.finetune import finetune_config
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.methods import METHODS, GridWork
@@ -31,3 +32,15 @@ def check_work(work: list[GridWork], grid: GridConfig) -> None:
         except PreflightError as err:
             title = METHODS[unit.method].TITLE
             raise PreflightError(f"{title} cells of {checkpoint.path} at {img_size} px: {err}") from None
+
+
+def check_grid_storage(checkpoint: str, grid: GridConfig, *, writes: bool = True) -> None:
+    """The checkpoint (or run folder), the data root and -- where the grid `writes` its results --
+    the output can be reached with the credentials at hand (one quick probe each, `storage.check_reachable`):
+    a wrong key, endpoint or bucket is refused in one line naming it (a StorageUnreachable), not met
+    by the cells (as a missing dataset, or a traceback) after the grid's work has begun."""
+    options = grid.storage_options
+    probed = [(checkpoint, True), (grid.data_root, False)] + [(grid.output, False)] * writes
+    for path, must_exist in probed:
+        if storage.is_remote(path):  # (a local path is said where it is opened, as local paths are)
+            storage.check_reachable(path, must_exist=must_exist, storage_options=options)

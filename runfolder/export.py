@@ -33,6 +33,8 @@ def export(path: str, fmt: str, out: str, *, overwrite: bool = False) -> Checkpo
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is not supported; expected one of: {', '.join(FORMATS)}")
     check_output(out, fmt, overwrite=overwrite)  # before the checkpoint is read: fail fast
+    if storage.is_remote(path):  # a wrong key, endpoint or bucket: one line, not a traceback
+        storage.check_reachable(path, must_exist=True)
     model, state = load_checkpoint(path)
     model.eval()
     with tempfile.TemporaryDirectory() as tmp:

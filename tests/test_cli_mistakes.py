@@ -34,8 +34,9 @@ def refused(*args: str) -> str:
     result = CliRunner().invoke(app, list(args))
     assert result.exit_code == exit_codes.INPUT_ERROR, result.output
     assert "Traceback" not in result.output and not ray.is_initialized()
-    (line,) = [line for line in result.output.splitlines() if line.strip()]
-    return line
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    return lines[0]
 
 
 def test_a_config_that_is_no_text_or_no_file_is_refused(tmp_path):
@@ -130,3 +131,31 @@ def test_an_error_no_command_foresaw_is_one_line_and_its_traceback_is_in_a_file(
     assert line.endswith(f"{saved})")
     text = saved.read_text()
     assert text.startswith("vitray pretrain --set train.steps=4\n") and "in a_bug" in text and "Traceback" in text
+
+
+def test_s3_mistakes_of_the_checkpoint_commands_are_one_line_each(seaweed_s3, tmp_path, monkeypatch):
+    """A wrong key for the checkpoint's store ended `export`, `fewshot` and `inspect` as an unforeseen
+    error (exit 1, a traceback file) and `evaluate` with advice to resume; an `evaluate` output in a
+    bucket that does not exist was met by the grid after its cells had run (or the store made it)."""
+    import s3fs
+
+    monkeypatch.setenv("COLUMNS", "1000")
+    local = tmp_path / "checkpoint_2026-01-01_00-00-00.000001"
+    make_checkpoint(local)
+    s3fs.S3FileSystem().put(str(local), f"{seaweed_s3.bucket}/runs/r/{local.name}", recursive=True)
+    run = seaweed_s3.url("runs", "r")
+    fewshot = ["--data-root", seaweed_s3.url("data"), "-b", "digits"]
+    grid = ["--data-root", seaweed_s3.url("data"), "--set", "benchmarks=[digits]"]
+    line = refused("evaluate", run, *grid, "--output", "s3://no-such-bucket-vitray/eval")
+    assert "no such bucket 'no-such-bucket-vitray'" in line and "s3://no-such-bucket-vitray/eval" in line
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-key")
+    s3fs.S3FileSystem.clear_instance_cache()
+    for command in (
+        ["export", run, "--out", str(tmp_path / "m.npz")],
+        ["fewshot", run, *fewshot],
+        ["evaluate", run, *grid, "--output", seaweed_s3.url("eval")],
+        ["inspect", run, "--out", str(tmp_path / "figures")],
+    ):
+        line = refused(*command)
+        assert "the S3 credentials were rejected" in line and "AWS_SECRET_ACCESS_KEY" in line, (command, line)
+    s3fs.S3FileSystem.clear_instance_cache()
