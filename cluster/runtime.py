@@ -337,18 +337,23 @@ def check_paths_reach_every_node(paths: dict[str, str | None], *, shared_filesys
         )
 
 
-def ray_storage(storage_path: str):
+def ray_storage(storage_path: str, outage_s: float | None = None):
     """(storage_path, storage_filesystem) for Ray Train's RunConfig.
 
     Remote storage goes through the same fsspec filesystem vitray uses everywhere (s3fs, so any
-    S3-compatible endpoint from the AWS environment works), wrapped for pyarrow.
+    S3-compatible endpoint from the AWS environment works), wrapped for pyarrow, each call riding
+    out an outage of up to `outage_s` (run.storage_outage_s) as vitray's own calls do: Ray Train's
+    controller writes its list of the run's checkpoints through it after each one, and a store down
+    then failed the run.
     """
     if not storage.is_remote(storage_path):
         return os.path.abspath(storage_path), None
     import pyarrow.fs
 
+    from vitray.cluster.ray_filesystem import RidingOutHandler
+
     fs, path = storage.filesystem(storage_path)
-    return path, pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs))
+    return path, pyarrow.fs.PyFileSystem(RidingOutHandler(fs, outage_s))
 
 
 def run_dir(storage_root: str, name: str) -> str:

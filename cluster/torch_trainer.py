@@ -91,7 +91,7 @@ assert callable(getattr(TorchTrainer, "_initialize_and_run_controller", None)), 
 def build_trainer(cfg: TrainingConfig, resume: CheckpointInfo | None = None) -> TorchTrainer:
     """The run's TorchTrainer; its workers resume from `resume` (the driver's choice, announced with
     its step), or start from scratch."""
-    storage_path, storage_fs = ray_storage(cfg.run.storage)
+    storage_path, storage_fs = ray_storage(cfg.run.storage, cfg.run.storage_outage_s)
     scaling = scaling_config(cfg)
     return _Trainer(
         train_worker,

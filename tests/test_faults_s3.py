@@ -364,3 +364,26 @@ def test_a_streamed_uploads_parts_ride_out_a_cut_store_and_an_abort_stops_waitin
     assert "vitray: storage unreachable (uploading cut.bin (part " in said, said
     # The abort ended the waits without a word: the store was not reachable again.
     assert said.count("vitray: storage reachable again after") == 1, said
+
+
+def test_ray_trains_own_writes_and_reads_of_the_run_folder_ride_out_a_cut_store(seaweed_s3, monkeypatch):
+    """Ray Train's controller writes its list of the run's checkpoints after each one through the
+    filesystem vitray gives it: a store down at that moment failed the run (EndpointConnectionError),
+    where every call of vitray's own waits for it."""
+    import pickle
+
+    import pyarrow.fs
+
+    from vitray.cluster.runtime import ray_storage
+
+    def write_then_read() -> bytes:
+        root, fs = ray_storage(seaweed_s3.url("runs"), outage_s=120)
+        fs = pickle.loads(pickle.dumps(fs))  # as Ray sends it to its controller
+        with fs.open_output_stream(f"{root}/r/checkpoint_manager_snapshot.json") as f:
+            f.write(b'{"checkpoints": []}')
+        assert fs.get_file_info(f"{root}/r/checkpoint_manager_snapshot.json").type == pyarrow.fs.FileType.File
+        with fs.open_input_stream(f"{root}/r/checkpoint_manager_snapshot.json") as f:
+            return f.read()
+
+    got = _finished_only_after_a_cut(seaweed_s3, monkeypatch, write_then_read, "Ray's filesystem", join_s=60)
+    assert got == b'{"checkpoints": []}'
