@@ -339,6 +339,7 @@ def test_when_the_grace_period_runs_out_the_driver_exits_without_a_new_checkpoin
         "ref",
         "train.steps=200",
         "checkpoint.every=4",
+        "checkpoint.keep=1000",  # no prune, which a kill can cut short too: only the newest may be
         "checkpoint.preemption_check_every=1000",
         "run.preemption_grace_s=3",
         HELD,
