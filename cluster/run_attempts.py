@@ -52,7 +52,7 @@ class RunAttempts:
         except Exception as error:
             print(
                 f"vitray: could not record the end of this attempt ({status}) in {self.folder}/vitray/attempts "
-                f"({describe_failure(error).one_line()}): `vitray runs` lists it as running",
+                f"({describe_failure(error).one_line()}): `vitray runs` lists it as lost once this driver is gone",
                 file=sys.stderr,
                 flush=True,
             )

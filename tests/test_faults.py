@@ -479,7 +479,9 @@ def test_an_attempt_whose_end_cannot_be_recorded_says_so_and_the_run_keeps_its_o
         assert [a["status"] for a in RunFiles(folder).read_attempts()] == ["running", "running"]
     for status in ("failed", "finished"):
         assert f"vitray: could not record the end of this attempt ({status}) in {folder}/vitray/attempts (" in said
-    assert said.count("No space left on device") == 2 and "`vitray runs` lists it as running" in said
+    assert (
+        said.count("No space left on device") == 2 and "`vitray runs` lists it as lost once this driver is gone" in said
+    )
 
 
 def test_runs_that_a_ctrl_c_of_their_command_ends_are_recorded_as_stopped_not_failed(tmp_path, monkeypatch):
