@@ -43,8 +43,7 @@ def data_prepare(
     # destination's storage and what the destination already holds.
     with handled((ValueError, FileNotFoundError)):
         src = open_source(source)
-        if storage.is_remote(dest):
-            storage.check_reachable(dest)
+        storage.check_remote_reachable(dest)
         existing = check_destination(dest, overwrite=overwrite)
     if existing is not None and existing.source != src.spec:  # not the dataset asked for: never taken for it
         fail(

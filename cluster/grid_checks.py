@@ -40,7 +40,7 @@ def check_grid_storage(checkpoint: str, grid: GridConfig, *, writes: bool = True
     a wrong key, endpoint or bucket is refused in one line naming it (a StorageUnreachable), not met
     by the cells (as a missing dataset, or a traceback) after the grid's work has begun."""
     options = grid.storage_options
-    probed = [(checkpoint, True), (grid.data_root, False)] + [(grid.output, False)] * writes
-    for path, must_exist in probed:
-        if storage.is_remote(path):  # (a local path is said where it is opened, as local paths are)
-            storage.check_reachable(path, must_exist=must_exist, storage_options=options)
+    storage.check_remote_reachable(checkpoint, must_exist=True, storage_options=options)
+    storage.check_remote_reachable(grid.data_root, storage_options=options)
+    if writes:
+        storage.check_remote_reachable(grid.output, storage_options=options)

@@ -60,7 +60,7 @@ except ImportError:  # pragma: no cover - built wherever libjpeg's headers are i
 # Whether training crops of JPEGs are decoded by region (set False to compare the two paths).
 REGION_DECODE = _jpeg_region is not None
 
-EVAL_CROP_FRACTION = 0.875
+EVAL_CROP_FRACTION = 1 / EVAL_RESIZE_RATIO  # 0.875: the central crop of the resized image
 TRAIN_CROP_SCALE = (0.05, 1.0)
 IMAGE_FIELDS = ("jpg", "jpeg", "png")
 # How evaluation images reach img_size (the module's docstring): "aspect" keeps the aspect ratio

@@ -112,9 +112,8 @@ def inspect_checkpoint(
     """Writes the inspection figures of ``checkpoint`` (a checkpoint or run folder, local or
     s3://) into ``out`` (local or s3://); returns :class:`InspectionFiles` (local paths; for a
     remote ``out`` those of the temporary copy, already uploaded)."""
-    for path, must_exist in ((checkpoint, True), (out, False)):
-        if storage.is_remote(path):  # a wrong key, endpoint or bucket: one line, not a traceback
-            storage.check_reachable(path, must_exist=must_exist)
+    storage.check_remote_reachable(checkpoint, must_exist=True)  # a wrong key, endpoint or bucket: one line
+    storage.check_remote_reachable(out)
     model, state = load_checkpoint(checkpoint)
     if images:
         pixels, captions = load_image_files(images, model.img_size)

@@ -33,8 +33,7 @@ def export(path: str, fmt: str, out: str, *, overwrite: bool = False) -> Checkpo
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is not supported; expected one of: {', '.join(FORMATS)}")
     check_output(out, fmt, overwrite=overwrite)  # before the checkpoint is read: fail fast
-    if storage.is_remote(path):  # a wrong key, endpoint or bucket: one line, not a traceback
-        storage.check_reachable(path, must_exist=True)
+    storage.check_remote_reachable(path, must_exist=True)  # a wrong key, endpoint or bucket: one line
     model, state = load_checkpoint(path)
     model.eval()
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,11 +61,10 @@ def check_output(out: str, fmt: str, *, overwrite: bool) -> None:
     """Refuse (ExportRefused, one line) an output that exists, unless `overwrite`; a folder where a
     file is written, or a file where a folder is, always; a store that cannot be reached (credentials,
     endpoint, bucket) too, before the checkpoint is read."""
-    if storage.is_remote(out):
-        try:
-            storage.check_reachable(out)
-        except storage.StorageUnreachable as err:
-            raise ExportRefused(f"--out {out}: {err}") from None
+    try:
+        storage.check_remote_reachable(out)
+    except storage.StorageUnreachable as err:
+        raise ExportRefused(f"--out {out}: {err}") from None
     fs, fs_path = storage.filesystem(out)
     if fmt in FOLDER_FORMATS:
         if fs.isfile(fs_path):

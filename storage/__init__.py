@@ -41,7 +41,7 @@ from .files import (
     upload_file,
     write_bytes_atomic,
 )
-from .reachable import StorageUnreachable, check_reachable
+from .reachable import StorageUnreachable, check_reachable, check_remote_reachable
 from .retries import backoff_delay, gave_up, is_transient, polled, ride_out, set_outage_budget, with_retries
 from .shard_cache import ShardCache
 from .upload_stream import UploadStream
@@ -55,6 +55,7 @@ __all__ = [
     "atomic_write",
     "backoff_delay",
     "check_reachable",
+    "check_remote_reachable",
     "exists",
     "filesystem",
     "gave_up",

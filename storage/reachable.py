@@ -15,7 +15,7 @@ from typing import Any
 
 import fsspec
 
-__all__ = ["StorageUnreachable", "check_reachable"]
+__all__ = ["StorageUnreachable", "check_reachable", "check_remote_reachable"]
 
 # One probe, not the usual retry loop: a refused or silent endpoint is reported in seconds.
 CONNECT_TIMEOUT_S = 3
@@ -60,6 +60,15 @@ def check_reachable(url: str, *, must_exist: bool = False, storage_options: dict
         _check_local(rest if protocol else url, must_exist=must_exist)
     elif protocol in ("s3", "s3a"):
         _check_s3(url, rest, must_exist=must_exist, options=dict(storage_options or {}))
+
+
+def check_remote_reachable(
+    url: str, *, must_exist: bool = False, storage_options: dict[str, Any] | None = None
+) -> None:
+    """:func:`check_reachable` for a remote ``url`` (a wrong key, endpoint or bucket: one line, before
+    any work); a local path is left to where it is opened, which says what is wrong with it."""
+    if fsspec.core.split_protocol(str(url))[0] not in (None, "file", "local"):
+        check_reachable(url, must_exist=must_exist, storage_options=storage_options)
 
 
 def _check_local(path: str, *, must_exist: bool) -> None:
@@ -126,18 +135,22 @@ def _stored_under(client: Any, bucket: str, key: str, *, must_exist: bool) -> bo
 
 
 def _while_busy(call: Any) -> Any:
-    """`call()`, asked again while the store answers that it is busy (`_BUSY`, or any 5xx)."""
+    """`call()`, asked again while the store answers that it is busy (:func:`_busy`)."""
     import botocore.exceptions as bex
 
     for delay in (*BUSY_RETRY_DELAYS_S, None):
         try:
             return call()
         except bex.ClientError as error:
-            code = str(error.response.get("Error", {}).get("Code", ""))
-            status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-            if delay is None or not (code in _BUSY or status >= 500):
+            if delay is None or not _busy(error):
                 raise
             time.sleep(delay)
+
+
+def _busy(error: Any) -> bool:
+    """A ClientError of a store that is busy or failing (`_BUSY`, or any 5xx), not of a wrong path."""
+    code = str(error.response.get("Error", {}).get("Code", ""))
+    return code in _BUSY or (error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0) >= 500
 
 
 def _object_exists(client: Any, bucket: str, key: str) -> bool:
@@ -175,7 +188,7 @@ def _client_error(error: Any, url: str, bucket: str, endpoint: str) -> StorageUn
             url=url,
         )
     message = " ".join(str(details.get("Message", "")).split())
-    if code in _BUSY or (status or 0) >= 500:
+    if _busy(error):
         return StorageUnreachable(
             f"the S3 store at {endpoint} answered {url} with {code or status} ({message}) "
             f"{len(BUSY_RETRY_DELAYS_S) + 1} times in a row: it is busy or failing; retry later, or check the store",
