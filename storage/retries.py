@@ -132,11 +132,13 @@ class _Outage:
         self._lock = threading.Lock()
         self.since: float | None = None  # monotonic time of the first failure; None: no outage
 
-    def failed(self, what: str, error: BaseException, within_s: float) -> None:
+    def failed(self, what: str, error: BaseException, within_s: float, tried_at: float) -> None:
+        """`tried_at`: when the failed try began (a try against a cut store takes seconds to fail,
+        botocore's own retries included): the outage is counted from there."""
         with self._lock:
             if self.since is not None:
                 return
-            self.since = time.monotonic()
+            self.since = tried_at
         reason = " ".join(str(error).split()) or type(error).__name__
         _say(f"vitray: storage unreachable ({what}: {reason}): retrying for up to {within_s:g} s ({OUTAGE_SETTING})")
 
@@ -171,7 +173,8 @@ def ride_out(
 ) -> T:
     """Call ``fn`` until it succeeds, retrying transient errors (see :func:`is_transient`) with
     jittered backoff for up to ``within_s`` seconds (default: the process's, `set_outage_budget`)
-    from the first failure; other errors, and the last failure once that time is spent, propagate
+    from the start of the first failed try (no try starts after that; one already started may take
+    its few seconds past it); other errors, and the last failure once that time is spent, propagate
     (an OSError saying what failed for how long). Once ``stop`` is set (the caller no longer wants
     the result: an upload aborted), the wait ends and the last failure propagates as it is.
 
@@ -183,6 +186,7 @@ def ride_out(
     deadline, attempt = None, 0
     while True:
         _riding.out = getattr(_riding, "out", 0) + 1
+        tried_at = time.monotonic()
         try:
             result = fn()
         except Exception as error:
@@ -191,11 +195,13 @@ def ride_out(
                     _outage.recovered()  # the store answered (with an error of another kind)
                 raise
             if stop is not None and stop.is_set():
+                if deadline is not None:
+                    _outage.gave_up()  # the next failure is said again, and counted from itself
                 raise
             now = time.monotonic()
             if deadline is None:
-                deadline = now + within_s
-                _outage.failed(what, error, within_s)
+                deadline = tried_at + within_s
+                _outage.failed(what, error, within_s, tried_at)
             attempt += 1
             if now >= deadline:
                 _outage.gave_up()
@@ -222,11 +228,12 @@ def polled(fn: Callable[[], T], *, what: str, within_s: float = OUTAGE_S) -> T:
     reads the run's metrics every few seconds): a transient failure says that an outage started,
     as :func:`ride_out` does (once per process), the next success that it ended; errors propagate.
     The driver's console learns of an outage this way, as the workers' own lines go to their logs."""
+    tried_at = time.monotonic()
     try:
         result = fn()
     except Exception as error:
         if is_transient(error):
-            _outage.failed(what, error, within_s)
+            _outage.failed(what, error, within_s, tried_at)
         raise
     _outage.recovered()
     return result

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 
 import pytest
@@ -278,6 +279,54 @@ def test_ride_out_waits_for_a_store_that_went_away_and_says_so_once(seaweed_s3, 
     assert said.count("retrying for up to 1 s (run.storage_outage_s)") == 1, said
     assert said.count("retrying for up to 300 s (run.storage_outage_s)") == 1, said
     assert said.count("vitray: storage reachable again after") == 1, said
+
+
+def test_ride_out_counts_the_outage_from_the_start_of_its_first_failed_try(capsys):
+    """A try against a cut store takes seconds to fail (botocore's own retries): ride_out's budget and
+    its "reachable again after N s" count from when that try began, not from when it failed, so that
+    an outage longer than the budget is given up on after the budget and one try, not two tries more."""
+    try_s, budget_s = 1.5, 3.0
+
+    def slow_refusal():
+        time.sleep(try_s)
+        raise ConnectionRefusedError("refused after botocore's retries")
+
+    started = time.monotonic()
+    with pytest.raises(OSError, match=r"storage unreachable for 3 s, run.storage_outage_s"):
+        storage.ride_out(slow_refusal, what="reading", within_s=budget_s)
+    # Tries begin at 0 and at about 2 s, the second failing by 3.75 s, past the budget; counted from
+    # the first failure (1.5 s), a third would begin at about 4.5 s and the call give up at about 6 s.
+    assert time.monotonic() - started < 4.6
+
+    tries = []
+
+    def refused_once():
+        tries.append(time.sleep(try_s))
+        if len(tries) == 1:
+            raise ConnectionRefusedError("refused")
+
+    capsys.readouterr()
+    storage.ride_out(refused_once, what="reading", within_s=budget_s)
+    # Both tries and the wait between them (3.25-3.75 s), not the wait and the second try alone (about 2 s).
+    said = re.search(r"vitray: storage reachable again after (\d+) s", capsys.readouterr().err)
+    assert said and int(said.group(1)) >= 3, said
+
+    # A wait ended by its caller (an aborted upload) ends the outage as this process saw it: the
+    # next one is said again, not taken for the same one going on.
+    import threading
+
+    for _ in range(2):
+        aborted, calls = threading.Event(), []
+
+        def refused_then_aborted():
+            if calls:
+                aborted.set()  # the caller gave up on it while it waited
+            calls.append(1)
+            raise ConnectionRefusedError("refused")
+
+        with pytest.raises(ConnectionRefusedError):
+            storage.ride_out(refused_then_aborted, what="uploading", within_s=budget_s, stop=aborted)
+    assert capsys.readouterr().err.count("vitray: storage unreachable (uploading") == 2
 
 
 def test_the_stop_file_check_rides_out_a_store_that_went_away(seaweed_s3, process_group, monkeypatch, capsys):

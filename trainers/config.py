@@ -80,7 +80,8 @@ class RunConfig(_Section):
         gt=0,
         description="How long the storage calls a run makes while it trains (the stop-file check, the lease "
         "heartbeat, the metrics and checkpoint uploads, opening data shards, the evaluators' reads) wait for a store that does not answer (connection "
-        "refused, timeouts, 503 SlowDown) before the run fails; the console says once when an outage starts "
+        "refused, timeouts, 503 SlowDown), counted from the first failed try, before the run fails (or spends a "
+        "worker-group restart, cluster.max_failures); the console says once when an outage starts "
         "and once when it ends. No worker-group restart is spent on an outage shorter than this.",
     )
 
