@@ -439,7 +439,7 @@ def evaluate_checkpoint(
     complete checkpoint, or every one with ``all_checkpoints``), or with ``watch`` on each new
     checkpoint of a run still training, the report brought up to date after each. ``finished`` is
     True unless a watch stopped at its time-out before the run's last step."""
-    check_grid_storage(checkpoint, grid)
+    check_grid_storage(checkpoint, grid, watch=watch)
     if watch:
         return watch_run(
             checkpoint,

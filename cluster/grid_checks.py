@@ -34,13 +34,14 @@ def check_work(work: list[GridWork], grid: GridConfig) -> None:
             raise PreflightError(f"{title} cells of {checkpoint.path} at {img_size} px: {err}") from None
 
 
-def check_grid_storage(checkpoint: str, grid: GridConfig, *, writes: bool = True) -> None:
+def check_grid_storage(checkpoint: str, grid: GridConfig, *, writes: bool = True, watch: bool = False) -> None:
     """The checkpoint (or run folder), the data root and -- where the grid `writes` its results --
     the output can be reached with the credentials at hand (one quick probe each, `storage.check_reachable`):
     a wrong key, endpoint or bucket is refused in one line naming it (a StorageUnreachable), not met
-    by the cells (as a missing dataset, or a traceback) after the grid's work has begun."""
+    by the cells (as a missing dataset, or a traceback) after the grid's work has begun. A run folder
+    to `watch` may not be there yet (the run has not written anything): its store is probed, not it."""
     options = grid.storage_options
-    storage.check_remote_reachable(checkpoint, must_exist=True, storage_options=options)
+    storage.check_remote_reachable(checkpoint, must_exist=not watch, storage_options=options)
     storage.check_remote_reachable(grid.data_root, storage_options=options)
     if writes:
         storage.check_remote_reachable(grid.output, storage_options=options)

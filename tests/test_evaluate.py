@@ -368,6 +368,28 @@ def test_watch_evaluates_new_checkpoints_until_the_run_finishes(pretrained, data
     assert (output / "report" / "accuracy_vs_step.png").is_file()
 
 
+def test_watch_waits_for_a_run_on_s3_that_has_not_written_anything_yet(seaweed_s3):
+    """`evaluate --watch` may start before the run: a run folder on S3 that is not there yet is waited
+    for (its bucket probed, not it), as a local one is; a checkpoint that is not there is refused."""
+    import io
+
+    from rich.console import Console
+
+    from vitray import storage
+    from vitray.cluster.evaluate import evaluate_checkpoint
+
+    grid = GridConfig(data_root=seaweed_s3.url("prepared"), output=seaweed_s3.url("eval"), benchmarks=["digits"])
+    said = io.StringIO()
+    run = seaweed_s3.url("runs", "not-started-yet")
+    watched = evaluate_checkpoint(
+        run, grid, watch=True, poll_seconds=0.1, timeout_seconds=0.5, console=Console(file=said)
+    )
+    assert not watched.finished and not watched.grids
+    assert f"waiting for {run} to appear" in said.getvalue()
+    with pytest.raises(storage.StorageUnreachable, match="not-started-yet"):
+        evaluate_checkpoint(run, grid)
+
+
 def test_missing_data_and_report_on_s3(seaweed_s3):
     from rich.console import Console
 
