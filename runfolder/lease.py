@@ -296,14 +296,19 @@ class RunLease:
         while not self._stop.wait(self.timeout_s / 4):
             beat = self._beat_conditional if self._object is not None else self._beat
             try:
-                held = storage.ride_out(beat, what=f"the lease heartbeat ({self.path})", within_s=self.outage_s)
+                # `stop`: a release ends a beat that waits for the store, which would otherwise write the
+                # lease back after release() removed it (and keep the next run out for run.lease_timeout_s).
+                held = storage.ride_out(
+                    beat, what=f"the lease heartbeat ({self.path})", within_s=self.outage_s, stop=self._stop
+                )
                 if held is not None:
                     self.lost = True
                     if self.on_lost is not None:
                         self.on_lost(held)
                     return
             except Exception as error:
-                print(f"vitray: lease heartbeat failed ({error}); retrying", flush=True)
+                if not self._stop.is_set():
+                    print(f"vitray: lease heartbeat failed ({error}); retrying", flush=True)
 
     def _beat(self) -> LeaseRecord | None:
         """Refresh the lease; returns the other driver's record when it was taken over."""
@@ -311,11 +316,15 @@ class RunLease:
             held = read_lease(self.path)
             if held is not None and held.owner != self.owner:
                 return held
+            if self._stop.is_set():
+                return None  # released meanwhile: the lease is not written back
             self.record.heartbeat = time.time()
             self._write()
         return None
 
     def _beat_conditional(self) -> LeaseRecord | None:
+        if self._stop.is_set():
+            return None  # released meanwhile: the lease is not written back
         self.record.heartbeat = time.time()
         try:
             self._etag = self._object.replace(self._data(), self._etag)
@@ -328,7 +337,7 @@ class RunLease:
         held = _parse(current[0]) if current else None
         if held is not None and held.owner != self.owner:
             return held
-        if current is None:
+        if current is None and not self._stop.is_set():
             self._etag = self._object.create(self._data())
         else:
             self._etag = current[1]

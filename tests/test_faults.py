@@ -152,6 +152,37 @@ def test_the_heartbeat_keeps_the_lease_fresh_and_notices_a_take_over(where, tmp_
     thief.release()
 
 
+def test_a_heartbeat_waiting_for_the_store_does_not_write_the_lease_back_after_its_release(tmp_path, monkeypatch):
+    """The driver ends while its heartbeat rides out an outage (up to run.storage_outage_s): the release
+    ends that wait at once and removes the lease, and the beat does not put it back when the store
+    answers again -- which would keep the run's next driver out for run.lease_timeout_s."""
+    from vitray import storage
+    from vitray.runfolder import lease as lease_module
+
+    cut = threading.Event()
+    write = storage.write_bytes_atomic
+
+    def cuttable_write(*args, **kwargs):
+        if cut.is_set():
+            raise ConnectionRefusedError("the store is cut")
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(lease_module.storage, "write_bytes_atomic", cuttable_write)
+    lease = RunLease(str(tmp_path / "run"), timeout_s=0.4)
+    lease.acquire()
+    cut.set()
+    deadline = time.monotonic() + 10
+    while storage.retries.outage_since() is None:  # a heartbeat met the cut and waits
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    started = time.monotonic()
+    lease.release()
+    assert time.monotonic() - started < 5  # not the 30 s join nor the 300 s outage budget
+    cut.clear()
+    time.sleep(1.0)  # the store answers again: a beat still waiting would write now
+    assert read_lease(lease.path) is None
+
+
 def test_a_forced_take_over_on_s3_wins_against_a_live_heartbeat(seaweed_s3):
     """--force replaces the version of the lease it judged; the holder's heartbeat (here every
     25 ms, about an S3 round trip here) often rewrites it in between. That write is the same holder's,
