@@ -65,18 +65,27 @@ def export(
     checkpoint: CheckpointArg,
     format_: Annotated[str, typer.Option("--format", "-f", help="npz | safetensors | timm | onnx")] = "npz",
     out: Annotated[
-        str, typer.Option("--out", "-o", help="Output file (local or s3://); a folder for --format timm.")
-    ] = "model.npz",
+        str | None,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Output file (local or s3://); a folder for --format timm. "
+            "Default: model.FORMAT here (model-timm for timm).",
+            show_default=False,
+        ),
+    ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output.")] = False,
 ):
     """Write consolidated model weights: the original ViT .npz layout, safetensors, a folder timm
     loads (timm.create_model("local-dir:OUT", pretrained=True)), or the network as ONNX."""
     from vitray.runfolder.checkpoint_folders import IncompleteCheckpointError
+    from vitray.runfolder.export import default_output
     from vitray.runfolder.export import export as run_export
 
     # An unknown --format, an output in the way, a checkpoint that is not there or not complete:
     # one line, exit 2
     with handled((FileNotFoundError, ValueError, IncompleteCheckpointError)):
+        out = out or default_output(format_)
         source = run_export(checkpoint, format_, out, overwrite=overwrite)
     for newer in source.passed_over:  # a run folder's newer checkpoints that do not count
         console.print(f"skipped newer checkpoint {newer.path}: {newer.problem}", soft_wrap=True)

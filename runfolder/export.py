@@ -17,6 +17,13 @@ from vitray.runfolder.checkpoint_folders import CheckpointInfo, load_checkpoint
 
 FORMATS = ("npz", "safetensors", "timm", "onnx")
 FOLDER_FORMATS = ("timm",)
+
+
+def default_output(fmt: str) -> str:
+    """Where `vitray export` writes without --out: the current folder's `model.<format>` (`model-timm/` for timm)."""
+    return "model-timm" if fmt in FOLDER_FORMATS else f"model.{fmt}"
+
+
 ONNX_OPSET = 18  # opset 17 added LayerNormalization; 18 is what torch's exporter emits best
 # A single .onnx file is one protobuf message, which cannot exceed 2 GiB.
 ONNX_MAX_BYTES = 2**31 - 2**24

@@ -117,3 +117,15 @@ def test_cli_refuses_an_existing_output_in_one_line(checkpoint, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert np.load(target)["head/kernel"].shape == (192, 10)
+
+
+def test_without_out_the_output_is_named_for_its_format(checkpoint, tmp_path):
+    folder, _ = checkpoint
+    for fmt, name in [("safetensors", "model.safetensors"), ("timm", "model-timm")]:
+        done = subprocess.run(
+            vitray_cmd("export", folder, "--format", fmt), cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert f"wrote {name} ({fmt})" in " ".join((done.stdout + done.stderr).split())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model-timm", "model.safetensors"]
+    assert (tmp_path / "model-timm" / "config.json").is_file()
