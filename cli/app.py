@@ -30,6 +30,7 @@ from vitray.cluster.runtime import RayLost, RayUnavailable  # light: Ray itself 
 from vitray.common import exit_codes
 from vitray.common.config import ConfigError, dump_config, load_config
 from vitray.common.failures import describe_failure
+from vitray.common.redact import redact_text
 
 M = TypeVar("M", bound=BaseModel)
 HELP_WIDTH_WITHOUT_TERMINAL = 100
@@ -124,8 +125,9 @@ OPTION_HINTS = {"data_root": "give --data-root ROOT, or `data_root:` in the -c f
 
 
 def fail(message: str, code: int = exit_codes.INPUT_ERROR) -> NoReturn:
-    """`error: MESSAGE` on the console (stderr) and exit with `code` (by default: refused, 2)."""
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    """`error: MESSAGE` on the console (stderr) and exit with `code` (by default: refused, 2); a URL's
+    password or a secret of the environment quoted in it is masked (`common.redact`)."""
+    console.print(f"[bold red]error:[/] {escape(redact_text(message))}", highlight=False)
     raise typer.Exit(code)
 
 

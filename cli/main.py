@@ -15,7 +15,7 @@ from rich.markup import escape
 from vitray.cli import data, demo, inspection, pretrain, runs, submit, transfer  # noqa: F401
 from vitray.cli.app import app, command_line, console, data_app, handled, reflow_help, say_stopped_by_user
 from vitray.cluster.runtime import enable_token_auth_if_available
-from vitray.common import exit_codes
+from vitray.common import exit_codes, redact
 from vitray.common.failures import describe_failure
 
 reflow_help(app)
@@ -71,10 +71,13 @@ def _unforeseen(err: Exception) -> int:
     path = Path(tempfile.gettempdir()) / f"vitray-error-{os.getpid()}.txt"
     where = f"the traceback: {path}"
     try:
-        path.write_text(f"{' '.join(sys.argv)}\n\n{''.join(traceback.format_exception(err))}")
+        # Credentials (a --set of a secret, a URL's password, the shell's secret values) are masked:
+        # the file is for a bug report.
+        command = " ".join(redact.redact_args(sys.argv))
+        path.write_text(f"{command}\n\n{redact.redact_text(''.join(traceback.format_exception(err)))}")
     except OSError:
         where = "no traceback file could be written"
-    cause = " ".join(describe_failure(err).one_line().split())
+    cause = " ".join(redact.redact_text(describe_failure(err).one_line()).split())
     console.print(f"[bold red]error:[/] {escape(command_line())} failed: {escape(cause)} ({where})", highlight=False)
     return exit_codes.FAILED
 

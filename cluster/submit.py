@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from vitray.cluster.runtime import RayUnavailable, enable_token_auth_if_available
-from vitray.common import exit_codes
+from vitray.common import exit_codes, redact
 
 # What never belongs in a job's uploaded working dir.
 WORKING_DIR_EXCLUDES = [
@@ -64,6 +64,7 @@ def submit(address: str, args: list[str], *, working_dir: str | None, env: dict[
     Raises :class:`NotSubmitted` when the command's --dry-run fails here (:func:`check_here`)."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
+    refuse_credentials(args)
     check_here(args, working_dir)
     for line in env_notices(env):
         print(line, file=sys.stderr)
@@ -92,6 +93,20 @@ def submit(address: str, args: list[str], *, working_dir: str | None, env: dict[
         # whatever runs `vitray submit` can tell a pre-emption from a failure.
         raise SystemExit(info.driver_exit_code or 1)
     return job_id
+
+
+def refuse_credentials(args: list[str]) -> None:
+    """Refuse (NotSubmitted) a command line that carries a credential (`common.redact.redact_args`: a
+    `--set` of a secret-looking key or a mapping holding one, a URL with a password, the value of a
+    secret-looking variable of this shell): the job's entrypoint is stored with the job and shown to
+    anyone who can list jobs."""
+    found = [masked for arg, masked in zip(args, redact.redact_args(args), strict=True) if masked != arg]
+    if found:
+        raise NotSubmitted(
+            f"not submitted: {', '.join(found)} would be stored in the Ray job's entrypoint, which anyone who "
+            "can list jobs can read; give the cluster's nodes their own credentials (docs/deploy.md, Credentials), "
+            "or on a throw-away cluster pass them with --env NAME=VALUE"
+        )
 
 
 # Commands whose --dry-run validates the config (and, for pretrain, that the model builds).

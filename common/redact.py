@@ -9,6 +9,7 @@ need them as they are; what is *written* (``--dry-run``, the resolved config in 
   secret-looking key (``key``, ``secret``, ``token``, ``password``, ``credential``, ...; at any
   depth, e.g. ``storage_options.client_kwargs.aws_secret_access_key``) replaced by ``***``, and
   every string passed through :func:`redact_text`;
+- :func:`redact_args`: a command line, its `--set` values under secret-looking keys masked too;
 - :func:`redact_text`: free text with ``scheme://user:password@host`` passwords and the values of
   secret-looking environment variables (``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
   ``RAY_AUTH_TOKEN``, ...) masked;
@@ -88,6 +89,32 @@ def redact_at(path: Sequence[str], value: Any) -> Any:
     (a malformed one may be a pasted key), else redacted inside."""
     hidden = any(is_secret_name(part) or str(part) in CREDENTIAL_SECTIONS for part in path)
     return MASK if hidden else redact(value)
+
+
+def redact_args(args: Sequence[str], secrets: list[str] | None = None) -> list[str]:
+    """A command line with its credentials masked: a `--set KEY=VALUE` whose key names a secret
+    (`data.storage_options.secret`) or whose value is a mapping holding one becomes `KEY=***`; every
+    argument goes through :func:`redact_text` (URL passwords, the environment's secret values)."""
+    import yaml
+
+    secrets = environment_secrets() if secrets is None else secrets
+    masked = []
+    for index, arg in enumerate(args):
+        prefix, setting = "", None
+        if arg.startswith("--set="):
+            prefix, setting = "--set=", arg.removeprefix("--set=")
+        elif index > 0 and args[index - 1] == "--set":
+            setting = arg
+        key, sep, value = (setting or "").partition("=")
+        hidden = bool(sep and value) and any(is_secret_name(part) for part in key.split("."))
+        if sep and not hidden:
+            try:
+                parsed = yaml.safe_load(value)
+            except yaml.YAMLError:
+                parsed = None
+            hidden = isinstance(parsed, (dict, list)) and redact(parsed, []) != parsed
+        masked.append(f"{prefix}{key}={MASK}" if hidden else redact_text(arg, secrets))
+    return masked
 
 
 def redacted_config(config: BaseModel) -> dict[str, Any]:

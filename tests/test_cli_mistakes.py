@@ -114,23 +114,26 @@ def test_finetune_names_the_option_of_a_bad_value(checkpoint_and_data_root):
 
 def test_an_error_no_command_foresaw_is_one_line_and_its_traceback_is_in_a_file(monkeypatch, capsys, tmp_path):
     def a_bug(*args, **kwargs):
-        raise ZeroDivisionError("division by zero in a place nobody thought of")
+        raise ZeroDivisionError("division by zero in a place nobody thought of", "s3://me:hunter2@store/x")
 
     monkeypatch.setattr(cli_main, "enable_token_auth_if_available", lambda: None)  # Ray's auth: not here
     monkeypatch.setattr(cli_app, "load_config", a_bug)  # the config load of `vitray pretrain`
-    monkeypatch.setattr(sys, "argv", ["vitray", "pretrain", "--set", "train.steps=4"])
+    secret = "--set=data.storage_options.secret=hunter2"  # credentials are masked in the file
+    monkeypatch.setattr(sys, "argv", ["vitray", "pretrain", "--set", "train.steps=4", secret])
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(SystemExit) as stopped:
         cli_main.main()
     assert stopped.value.code == exit_codes.FAILED
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(
-        "error: vitray pretrain failed: ZeroDivisionError: division by zero in a place nobody thought of (the traceback: "
+        "error: vitray pretrain failed: ZeroDivisionError: ('division by zero in a place nobody thought of', "
+        "'s3://me:***@store/x') (the traceback: "
     ), line
     (saved,) = tmp_path.glob("vitray-error-*.txt")
     assert line.endswith(f"{saved})")
     text = saved.read_text()
-    assert text.startswith("vitray pretrain --set train.steps=4\n") and "in a_bug" in text and "Traceback" in text
+    assert text.startswith("vitray pretrain --set train.steps=4 --set=data.storage_options.secret=***\n"), text
+    assert "in a_bug" in text and "Traceback" in text and "hunter2" not in text
 
 
 def test_s3_mistakes_of_the_checkpoint_commands_are_one_line_each(seaweed_s3, tmp_path, monkeypatch):

@@ -217,6 +217,29 @@ def test_a_job_that_stopped_is_reported_by_what_its_exit_code_means():
     assert describe_end("SUCCEEDED", 0) == "SUCCEEDED"
 
 
+def test_a_command_line_that_carries_a_credential_is_not_submitted(monkeypatch):
+    """The job's entrypoint is readable by anyone who can list jobs: a --set of a secret-looking key (or
+    a mapping holding one), a URL with a password, the shell's secret values are refused before any
+    connection; storage options that are not secrets go through."""
+    from vitray.cluster.submit import NotSubmitted, refuse_credentials
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI/K7MDENG")
+    for args, named in [
+        (["pretrain", "--set", "data.storage_options.secret=abcdef"], "not submitted: data.storage_options.secret=***"),
+        (["pretrain", "--set=data.storage_options.client_kwargs.aws_secret_access_key=x"], "aws_secret_access_key=***"),
+        (["evaluate", "ckpt", "--set", 'storage_options={"key": "AKIA", "secret": "s"}'], "storage_options=***"),
+        (["data", "prepare", "hf:https://me:hunter2@hub.example/x", "out"], "hf:https://me:***@hub.example/x"),
+        (["pretrain", "--set", "data.train=s3://b/wJalrXUtnFEMI/K7MDENG"], "data.train=s3://b/***"),
+    ]:
+        with pytest.raises(NotSubmitted, match="would be stored in the Ray job's entrypoint") as refused:
+            refuse_credentials(args)
+        said = str(refused.value)
+        assert named in said and not any(s in said for s in ("abcdef", "AKIA", "hunter2", "wJalrXUtnFEMI")), said
+    refuse_credentials(
+        ["pretrain", "--set", "data.storage_options.endpoint_url=http://s3.local", "--set", "model.head=token"]
+    )
+
+
 def test_a_command_that_would_fail_is_not_submitted(tmp_path):
     from typer.testing import CliRunner
 
