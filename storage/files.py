@@ -146,8 +146,8 @@ def write_bytes_atomic(path: str, data: bytes, storage_options: dict[str, Any] |
 def atomic_write(path: str, storage_options: dict[str, Any] | None = None) -> Iterator[IO[bytes]]:
     """A binary file to write ``path`` through; it appears at ``path`` only once the block succeeds.
 
-    Locally the data goes to a hidden temporary file beside the target, renamed into place at the
-    end (a rename is atomic within one filesystem). For object storage it goes to a local temporary
+    Locally the data goes to a hidden temporary file beside the target, fsynced and renamed into
+    place at the end (a rename is atomic within one filesystem), the folder fsynced after. For object storage it goes to a local temporary
     file that is then uploaded (an object only becomes visible once its upload completes) and the
     stored size is checked against the local one. If the block raises, nothing is published.
     """
@@ -162,14 +162,27 @@ def atomic_write(path: str, storage_options: dict[str, Any] | None = None) -> It
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
+            if local:  # on disk before its name is: a crash never leaves an empty file under the name
+                f.flush()
+                os.fsync(f.fileno())
         if local:
             os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; published files are world-readable
             os.replace(tmp, fs_path)
+            fsync_folder(parent)  # and the rename itself
         else:
             _upload_verified(fs, tmp, fs_path, what=path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+def fsync_folder(path: str | os.PathLike) -> None:
+    """Make a local folder's entries (files created or renamed in it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def upload_file(local_path: str, path: str, storage_options: dict[str, Any] | None = None) -> None:

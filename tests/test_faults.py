@@ -578,3 +578,25 @@ def test_a_full_disk_raises_what_to_free_and_leaves_no_partial_files(full_disk):
     assert f"Free space in {full_disk}" in message and "checkpoint.keep" in message
     assert reports == []  # nothing handed to the run
     assert [p.name for p in full_disk.iterdir()] == ["filler"]  # the partial folder is gone
+
+
+def test_an_atomic_write_is_on_disk_before_its_name_and_its_name_after(tmp_path, monkeypatch):
+    """`storage.atomic_write` (dataset.json, results parts, attempts, the lease...): the data is fsynced
+    before the rename and the folder after it, so that a power loss never leaves an empty file under
+    the final name that a reader would take for a whole one."""
+    import os
+
+    from vitray import storage
+
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: (events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}"))), fsync(fd))
+    )
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(b))), replace(a, b)))
+    target = tmp_path / "dataset.json"
+    storage.write_bytes_atomic(str(target), b"{}")
+    (first, renamed, folder) = events
+    assert first[0] == "fsync" and first[1].startswith(str(tmp_path / ".dataset.json."))  # the temporary file
+    assert renamed == ("replace", str(target)) and folder == ("fsync", str(tmp_path))
+    assert target.read_bytes() == b"{}"

@@ -91,15 +91,7 @@ def sync_folders(folder: str, written: list[Written]) -> None:
             folders.add(parent)
             parent = parent.parent
     for path in sorted(folders, key=lambda p: len(p.parts), reverse=True):  # the deepest first
-        _fsync_folder(path)
-
-
-def _fsync_folder(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        storage.fsync_folder(path)
 
 
 def mark_complete(folder: str | Path, rank: int, written: list[Written] | list[Path]) -> None:
@@ -118,7 +110,7 @@ def mark_complete(folder: str | Path, rank: int, written: list[Written] | list[P
     tmp = os.path.join(folder, f".{name}.tmp")
     write_bytes(folder, f".{name}.tmp", data)
     os.replace(tmp, os.path.join(folder, name))
-    _fsync_folder(Path(folder))
+    storage.fsync_folder(Path(folder))
 
 
 def _read_written(folder: Path, path: Path) -> Written:
