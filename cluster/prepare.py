@@ -74,8 +74,8 @@ def prepare_dataset_on_ray(
     show_progress: bool = True,
 ) -> DatasetInfo:
     """Prepare ``source`` into ``dest`` with one Ray task per shard (see
-    :func:`vitray.data.prepare_dataset` for the arguments). Starts a local Ray instance when none
-    is running. Shards go straight from the tasks to ``dest``, so on a multi-node cluster ``dest``
+    :func:`vitray.data.prepare_dataset` for the arguments) on the Ray this process is connected to
+    (`runtime.connect`). Shards go straight from the tasks to ``dest``, so on a multi-node cluster ``dest``
     must be shared storage (``s3://...``) and the source readable from every node.
     """
     src = open_source(source) if isinstance(source, str) else source
@@ -84,8 +84,6 @@ def prepare_dataset_on_ray(
         print(f"{dest} is already prepared from {existing.source}; nothing to do (use overwrite to redo it)")
         return existing
     tasks = plan_shards(src, samples_per_shard=samples_per_shard, max_shard_bytes=max_shard_bytes)
-    if not ray.is_initialized():
-        ray.init()
     max_in_flight = max(2, IN_FLIGHT_PER_CPU * int(ray.cluster_resources().get("CPU", 1)))
 
     results: dict[str, ShardResult] = {}

@@ -8,7 +8,8 @@ checkpoint's collectives. So rank 0 reads it only every `checkpoint.preemption_c
 and broadcasts its decision (one 8-byte broadcast): a host sync every N steps rather than every
 step, costing at most N steps of the grace period. At that step every rank writes a checkpoint
 (unless one was just written, or the deadline has passed), waits until it is handed to the run,
-and the loop ends; the driver then exits 0 and a re-run resumes from that checkpoint.
+and the loop ends; the driver then exits 75 (pre-empted: schedulers retry) and a re-run resumes from
+that checkpoint.
 
 A cluster that is about to take a node away says so before it does: Ray's drain of a node (what
 KubeRay and Ray's autoscaler send for a spot reclaim or a scale-down, with a deadline). Rank 0
