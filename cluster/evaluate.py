@@ -83,7 +83,7 @@ def run_grid(
     table = ResultsTable(grid.results_path, storage_options=grid.storage_options)
     plan = plan_grid(grid, checkpoints)
     summary = GridSummary(total=len(plan), checkpoints=[c.path for c in checkpoints])
-    scores = _scores(table)
+    scores = _Scores(table.ok_metrics())
     pending = plan.without(scores.finished)
     summary.skipped = len(plan.cells) - len(pending.cells)
     pending = _record_unprepared(pending, grid, table, summary)
@@ -246,14 +246,6 @@ class _Scores:
             self.failed.discard(cell_id)
         else:
             self.failed.add(cell_id)
-
-
-def _scores(table: ResultsTable) -> _Scores:
-    metrics: dict[str, dict[str, float]] = {}
-    for row in table.to_table().to_pylist():
-        if row["status"] == "ok":
-            metrics.setdefault(row["cell_id"], {})[row["metric"]] = float(row["value"])
-    return _Scores(metrics)
 
 
 class _Waiting:

@@ -172,8 +172,3 @@ def split_table(split: str | SplitSpec, shard_sizes: Sequence[int] | np.ndarray)
     first, last = np.maximum(start, begins), np.minimum(stop, ends)
     keep = first < last
     return ExtentTable(np.nonzero(keep)[0].astype(np.int64), (first - begins)[keep], (last - begins)[keep])
-
-
-def extents_size(extents: Sequence[ShardRange]) -> int:
-    """Samples in a tuple of extents."""
-    return sum(len(e) for e in extents)

@@ -237,11 +237,17 @@ class ResultsTable:
         """:meth:`to_table` as a pandas DataFrame."""
         return self.to_table(latest=latest).to_pandas()
 
+    def ok_metrics(self) -> dict[str, dict[str, float]]:
+        """cell id -> metric -> value of every cell that succeeded (its deciding attempt)."""
+        metrics: dict[str, dict[str, float]] = {}
+        for row in self.to_table(latest=True).to_pylist():
+            if row["status"] == "ok":
+                metrics.setdefault(row["cell_id"], {})[row["metric"]] = float(row["value"])
+        return metrics
+
     def finished_cell_ids(self) -> set[str]:
         """Ids of cells that succeeded; failed and missing cells are not finished (they are retried)."""
-        table = self.to_table(latest=True)
-        ok = [cid for cid, status in zip(table["cell_id"].to_pylist(), table["status"].to_pylist()) if status == "ok"]
-        return set(ok)
+        return set(self.ok_metrics())
 
     def compact(self) -> str | None:
         """Merges all part files into one (fewer objects to list on S3 for large grids).

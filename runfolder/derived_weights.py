@@ -26,7 +26,10 @@ from typing import Any
 
 import torch
 
-SHARDS = "deepspeed/state"
+# Where the DeepSpeed engine writes a checkpoint's shards (`save_checkpoint(<checkpoint>/deepspeed,
+# tag="state")`): named here, below the engine, which reads it from here too.
+DEEPSPEED_SUBDIR, DEEPSPEED_TAG = "deepspeed", "state"
+SHARDS = f"{DEEPSPEED_SUBDIR}/{DEEPSPEED_TAG}"
 MODULE_STATES = f"{SHARDS}/mp_rank_00_model_states.pt"
 # ZeRO-3: each rank writes module states of its own (the parameters in them empty); rank 0's
 # lists the shapes.

@@ -33,13 +33,6 @@ class RunFiles:
     def metrics_path(self) -> str:
         return storage.join(self.root, METRICS_FILE)
 
-    def __call__(self, local_dir: Path) -> None:
-        """Upload a whole local metrics folder (JSONL + TensorBoard) now, each file whole; training
-        uses `put_metrics_file` through the background uploader (`trainers/metrics_upload.py`)."""
-        for path in sorted(Path(local_dir).rglob("*")):
-            if path.is_file():
-                self.put_metrics_file(path.relative_to(local_dir).as_posix(), path.read_bytes())
-
     def put_metrics_file(self, relative_name: str, data: bytes) -> None:
         """Publish one file of the metrics folder (`metrics.jsonl`, `tensorboard/...`) whole: a
         reader sees the previous content or this one, never a part (see `metrics_upload`)."""

@@ -226,11 +226,6 @@ def round_masters_into_module(engine) -> None:
                 weight.copy_(master)
 
 
-def shard_files(checkpoint_dir: Path) -> list[str]:
-    root = checkpoint_dir / CHECKPOINT_SUBDIR / CHECKPOINT_TAG
-    return sorted(p.name for p in root.glob("*")) if root.is_dir() else []
-
-
 def full_state_dict(engine) -> dict[str, torch.Tensor]:
     """The consolidated module weights from the fp32 master copy the optimizer keeps (not the bf16
     weights upcast), whole on rank 0 only (other ranks get {}). Collective: every rank calls it.

@@ -16,9 +16,8 @@ from typing import Any
 import fsspec
 
 from vitray import storage
-
-CHECKPOINT_SUBDIR = "deepspeed"
-CHECKPOINT_TAG = "state"
+from vitray.runfolder.derived_weights import DEEPSPEED_SUBDIR as CHECKPOINT_SUBDIR
+from vitray.runfolder.derived_weights import DEEPSPEED_TAG as CHECKPOINT_TAG
 
 
 def to_universal(checkpoint_dir: Path, out_dir: Path) -> Path:
