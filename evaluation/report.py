@@ -32,7 +32,7 @@ from rich.table import Table as RichTable
 from vitray.common.failures import describe_failure
 from vitray.data.transforms import EVAL_CROP_FRACTION
 from vitray.evaluation.methods.base import METRIC
-from vitray.evaluation.methods.finetune import VAL_METRIC, VAL_SPLIT
+from vitray.evaluation.methods.finetune import OVERRIDES, VAL_METRIC, VAL_SPLIT
 from vitray.evaluation.results import ResultsTable
 from vitray.evaluation.selection import selected_finetune
 from vitray.evaluation.suite import BENCHMARKS, VTAB_GROUPS, TrainPreprocess
@@ -86,8 +86,15 @@ def setting_label(method: str, settings: str | dict[str, Any]) -> str:
     head = f"{shots}-shot" if method == "fewshot" and shots is not None else method
     if shots is not None and method != "fewshot":
         values["shots"] = shots
-    rest = " ".join([f"{k}={values[k]}" for k in sorted(values)] + [preprocess] * bool(preprocess))
+    rest = " ".join(_setting_words(values) + [preprocess] * bool(preprocess))
     return f"{head} {rest}".strip()
+
+
+def _setting_words(values: dict[str, Any]) -> list[str]:
+    """ "key=value" of each setting, a fine-tune's config overrides each as one of them."""
+    values = dict(values)
+    overrides = values.pop(OVERRIDES, None) or {}
+    return [f"{k}={values[k]}" for k in sorted(values)] + [f"{k}={v}" for k, v in sorted(overrides.items())]
 
 
 def preprocess_label(method: str, values: dict[str, Any]) -> str:
@@ -190,7 +197,7 @@ def _sweep_label(common: dict[str, Any], row: Any, swept: bool) -> str:
     "finetune lr=0.01 on train[:1000] steps=..."."""
     common = dict(common)
     preprocess = preprocess_label("finetune", common)
-    rest = " ".join([f"{k}={common[k]}" for k in sorted(common)] + [preprocess] * bool(preprocess))
+    rest = " ".join(_setting_words(common) + [preprocess] * bool(preprocess))
     if not swept:
         head = f"finetune lr={row['lr']:g}" + (f" on {row['train_split']}" if row["train_split"] else "")
     else:

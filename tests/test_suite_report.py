@@ -583,6 +583,24 @@ def test_each_row_says_how_its_number_was_made(tmp_path):
     text = write_report(table, tmp_path / "report").markdown.read_text()
     assert "pp=resmall_crop\\|flip_lr" in text  # escaped in its Markdown cell
 
+    # The grid's config overrides change what its fine-tune runs compute: other cells (and so other
+    # runs), not the finished ones found again, and the label says them.
+    overridden = grid.model_copy(
+        update={"finetune": grid.finetune.model_copy(update={"overrides": {"train.label_smoothing": 0.1}})}
+    )
+    ref = CheckpointRef("runs/r/checkpoint_000010", 10, {"name": "Ti/16", "img_size": 32})
+    before = {c.cell_id for c in plan.cells if c.method == "finetune"}
+    after = [c for c in plan_grid(overridden, [ref]).cells if c.method == "finetune"]
+    assert len(after) == len(before) and not before & {c.cell_id for c in after}
+    assert {c.cell_id for c in plan.cells if c.method == "fewshot"} <= {
+        c.cell_id for c in plan_grid(overridden, [ref]).cells
+    }
+    other = ResultsTable(str(tmp_path / "other"))
+    for cell in after:
+        other.append(cell.ok({"val_accuracy": 0.6, "accuracy": 0.5}, 1.0))
+    (label,) = summarize(other).query("benchmark == 'cifar10'")["label"]
+    assert "train.label_smoothing=0.1" in label, label
+
 
 def test_the_raw_pixel_reference_is_fitted_on_the_prepared_splits(digits_dataset):
     """The demo's context row: a linear classifier on the 8x8 pixels of the prepared digits, fitted

@@ -28,6 +28,7 @@ RUNS_AS = TRAINING_RUN
 
 VAL_METRIC = "val_accuracy"  # top-1 on the held-out split, which selects the fine-tuning lr
 TRAIN_SPLIT, VAL_SPLIT = "train_split", "val_split"
+OVERRIDES = "overrides"  # the grid's finetune.overrides, in the settings of every cell they change
 
 
 class FinetuneGrid(MethodSection):
@@ -201,6 +202,8 @@ def finetune_settings(benchmark: Benchmark, section: FinetuneGrid) -> list[dict[
         "warmup_steps": int(min(warmup, steps)),
         "resolution": int(section.resolution or protocol.resolution),
         **train_preprocess(benchmark, section),
+        # What the runs compute changes with them: part of the cells' ids (none: the ids as before).
+        **({OVERRIDES: dict(sorted(section.overrides.items()))} if section.overrides else {}),
     }
     lrs = section.learning_rates or protocol.learning_rates
     train, val, final = finetune_splits(benchmark, section)
