@@ -586,7 +586,11 @@ def test_each_row_says_how_its_number_was_made(tmp_path):
     # The grid's config overrides change what its fine-tune runs compute: other cells (and so other
     # runs), not the finished ones found again, and the label says them.
     overridden = grid.model_copy(
-        update={"finetune": grid.finetune.model_copy(update={"overrides": {"train.label_smoothing": 0.1}})}
+        update={
+            "finetune": grid.finetune.model_copy(
+                update={"overrides": {"train.label_smoothing": 0.1, "checkpoint.keep": 1, "cluster.max_failures": 2}}
+            )
+        }
     )
     ref = CheckpointRef("runs/r/checkpoint_000010", 10, {"name": "Ti/16", "img_size": 32})
     before = {c.cell_id for c in plan.cells if c.method == "finetune"}
@@ -599,7 +603,7 @@ def test_each_row_says_how_its_number_was_made(tmp_path):
     for cell in after:
         other.append(cell.ok({"val_accuracy": 0.6, "accuracy": 0.5}, 1.0))
     (label,) = summarize(other).query("benchmark == 'cifar10'")["label"]
-    assert "train.label_smoothing=0.1" in label, label
+    assert "train.label_smoothing=0.1" in label and "keep" not in label and "max_failures" not in label, label
 
 
 def test_the_raw_pixel_reference_is_fitted_on_the_prepared_splits(digits_dataset):

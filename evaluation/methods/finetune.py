@@ -202,14 +202,24 @@ def finetune_settings(benchmark: Benchmark, section: FinetuneGrid) -> list[dict[
         "warmup_steps": int(min(warmup, steps)),
         "resolution": int(section.resolution or protocol.resolution),
         **train_preprocess(benchmark, section),
-        # What the runs compute changes with them: part of the cells' ids (none: the ids as before).
-        **({OVERRIDES: dict(sorted(section.overrides.items()))} if section.overrides else {}),
+        **_result_overrides(section.overrides),
     }
     lrs = section.learning_rates or protocol.learning_rates
     train, val, final = finetune_splits(benchmark, section)
     if final is not None and len(lrs) == 1:
         return [final_settings(base, lrs[0], final)]
     return [{"lr": float(lr), **base, TRAIN_SPLIT: train, VAL_SPLIT: val} for lr in lrs]
+
+
+# Config sections whose overrides change how a run goes, not what it computes: not part of a cell.
+_OPERATIONAL_SECTIONS = ("run", "checkpoint", "log", "cluster")
+
+
+def _result_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """The grid's overrides that change what its fine-tune runs compute, as a cell's setting (so part of
+    its id: other values are other cells, run again); none: no setting (the ids stay as they were)."""
+    changes = {k: v for k, v in sorted(overrides.items()) if k.split(".")[0] not in _OPERATIONAL_SECTIONS}
+    return {OVERRIDES: changes} if changes else {}
 
 
 def plan(checkpoint: CheckpointRef, benchmark: Benchmark, section: FinetuneGrid) -> Planned:
