@@ -28,12 +28,20 @@ from vitray.evaluation.evaluators import TEST, TEST_TOP1, VAL, VAL_TOP1
 from vitray.evaluation.evaluators.val import ValEvalConfig
 from vitray.evaluation.finetune_recipe import FinetuneRecipe, finetune_run_name
 from vitray.evaluation.methods import METRIC
-from vitray.evaluation.methods.finetune import VAL_METRIC, FinetuneGrid, FinetuneJob, finetune_settings, is_selection
+from vitray.evaluation.methods.finetune import (
+    OPERATIONAL_SECTIONS,
+    VAL_METRIC,
+    FinetuneGrid,
+    FinetuneJob,
+    finetune_settings,
+    is_selection,
+)
 from vitray.evaluation.results import Cell
 from vitray.evaluation.suite import get_benchmark, require_prepared
 from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 from vitray.runfolder.files import RunFiles
 from vitray.trainers.config import TrainingConfig
+from vitray.trainers.driver_checks.preflight import PreflightError, changes_since
 
 # ---------------------------------------------------------------------------------------------
 # The run's config
@@ -161,6 +169,8 @@ def run_finetune(cfg: TrainingConfig, *, show_progress: bool = False, verbose: b
     latest = latest_complete_checkpoint(files.run_dir) if metrics else None
     finished = latest is not None and latest.step >= cfg.train.steps
     top1 = final_top1(metrics, cfg.train.steps, VAL_TOP1) if finished else None
+    if top1 is not None:
+        _refuse_other_settings(cfg, files.run_dir, latest.state or {})
     if top1 is None:
         with contextlib.suppress(AlreadyFinished):  # trained to the end; its top-1 is checked just below
             pretrain(cfg, show_progress=show_progress, verbose=verbose)  # raises TrainingFailedError on failure
@@ -184,6 +194,23 @@ def run_finetune(cfg: TrainingConfig, *, show_progress: bool = False, verbose: b
             f"folder {files.run_dir} to re-run the cell"
         )
     return FinetuneResult(top1, test)
+
+
+class FinishedWithOtherSettings(PreflightError):
+    """The run folder holds a finished fine-tune of other settings: its top-1 is not this config's."""
+
+
+def _refuse_other_settings(cfg: TrainingConfig, run_dir: str, state: dict[str, Any]) -> None:
+    """Refuse to report a finished run's top-1 for a config that would compute another one (a
+    --set, a recipe's value changed since): only how a run goes (`OPERATIONAL_SECTIONS`) may differ."""
+    if not state.get("config"):
+        return  # nothing recorded to compare with (every run's checkpoint records it)
+    changes = [c for c in changes_since(cfg, state) if c.split(".")[0] not in OPERATIONAL_SECTIONS]
+    if changes:
+        raise FinishedWithOtherSettings(
+            f"fine-tune run {run_dir} finished with other settings ({'; '.join(changes)}): its top-1 is not "
+            "this config's. Give the run another name (--name, run.name) or storage to train these settings"
+        )
 
 
 def final_top1(metrics: Iterable[Mapping[str, Any]], steps: int, metric: str = VAL_TOP1) -> float | None:

@@ -405,7 +405,7 @@ def test_preflight_checks_every_split_a_val_evaluator_scores(digits_dataset, tmp
         check_inputs(load_config(TrainingConfig, None, [*base, "evals.test={type: val, every: 1, split: validation}"]))
 
 
-def _finished_run(tmp_path, grid, job, complete: bool = True, **top1s):
+def _finished_run(tmp_path, grid, job, complete: bool = True, config: dict | None = None, **top1s):
     """A run folder of `job`'s cell that logged `top1s` at its last step and left its checkpoint of
     that step complete, or (`complete=False`) with its files and no completion record (no Ray
     needed to read it)."""
@@ -417,7 +417,8 @@ def _finished_run(tmp_path, grid, job, complete: bool = True, **top1s):
     Path(files.metrics_path).write_text(json.dumps({"step": cfg.train.steps, "loss": 0.1, **top1s}) + "\n")
     checkpoint = Path(files.run_dir) / "checkpoint_2026-12-01_00-00-00.000000"
     checkpoint.mkdir()
-    write_state(checkpoint, {"step": cfg.train.steps, "world_size": 1, "data": {"epoch": 0}})
+    state = {"step": cfg.train.steps, "world_size": 1, "data": {"epoch": 0}}
+    write_state(checkpoint, state if config is None else {**state, "config": config})
     if complete:
         mark_complete(checkpoint, 0, [checkpoint / STATE_FILE])
     return cfg, files
@@ -437,6 +438,27 @@ def test_a_cell_reads_both_top1s_off_its_run_and_an_old_run_without_the_test_one
     with pytest.raises(RuntimeError, match=rf"without {TEST_TOP1}.*Delete the run folder {re.escape(files.run_dir)}"):
         finetune_cell_metrics(other, grid)
     assert Path(files.metrics_path).exists()
+
+
+def test_a_finished_run_of_other_settings_is_not_reported_for_these(tmp_path):
+    """`vitray finetune --set ...` (or a recipe changed since) on the run folder of a finished run:
+    its top-1 was computed with other settings, so it is refused in one line naming them; a change of
+    how a run goes (its checkpoint interval) still reads the finished run's top-1."""
+    from vitray.cluster.finetune import FinishedWithOtherSettings
+    from vitray.common.redact import redacted_config
+
+    grid, plan = _grid_plan(tmp_path, ["vtab/dtd"], learning_rates=[0.003, 0.01])
+    final = plan.pending[0].job(0.01)
+    cfg = finetune_config(final, grid)
+    _finished_run(tmp_path, grid, final, config=redacted_config(cfg), **{VAL_TOP1: 0.75})
+    assert run_finetune(cfg).top1 == 0.75
+    smoothed = cfg.model_copy(update={"train": cfg.train.model_copy(update={"label_smoothing": 0.2})})
+    with pytest.raises(
+        FinishedWithOtherSettings, match=r"finished with other settings \(train.label_smoothing: 0.0 -> 0.2\)"
+    ):
+        run_finetune(smoothed)
+    rarer = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"every": 7})})
+    assert run_finetune(rarer).top1 == 0.75
 
 
 def test_a_run_that_logged_its_top1_but_never_completed_its_last_checkpoint_is_resumed(tmp_path, monkeypatch):

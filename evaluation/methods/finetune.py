@@ -212,13 +212,13 @@ def finetune_settings(benchmark: Benchmark, section: FinetuneGrid) -> list[dict[
 
 
 # Config sections whose overrides change how a run goes, not what it computes: not part of a cell.
-_OPERATIONAL_SECTIONS = ("run", "checkpoint", "log", "cluster")
+OPERATIONAL_SECTIONS = ("run", "checkpoint", "log", "cluster")
 
 
 def _result_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     """The grid's overrides that change what its fine-tune runs compute, as a cell's setting (so part of
     its id: other values are other cells, run again); none: no setting (the ids stay as they were)."""
-    changes = {k: v for k, v in sorted(overrides.items()) if k.split(".")[0] not in _OPERATIONAL_SECTIONS}
+    changes = {k: v for k, v in sorted(overrides.items()) if k.split(".")[0] not in OPERATIONAL_SECTIONS}
     return {OVERRIDES: changes} if changes else {}
 
 

@@ -205,6 +205,13 @@ def _with_todays_defaults(recorded: dict[str, Any]) -> dict[str, Any]:
         return recorded
 
 
+def changes_since(cfg: TrainingConfig, state: dict[str, Any]) -> list[str]:
+    """How `cfg` differs from the config a checkpoint's trainer `state` recorded ("key: old -> new"
+    or "key (old -> new)"), keys added to vitray since at their defaults."""
+    fixed, changed = config_changes(_with_todays_defaults(state.get("config") or {}), redacted_config(cfg))
+    return fixed + changed
+
+
 def config_changes(recorded: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(keys of FIXED_ON_RESUME that differ, "key: old -> new" for every other difference)."""
     old_flat, new_flat = flatten_config(recorded), flatten_config(new)
