@@ -41,6 +41,7 @@ from vitray.cluster.finetune import finetune_cell_metrics
 from vitray.cluster.grid_checks import check_grid_storage, check_work
 from vitray.cluster.run_attempts import stopping_by_user
 from vitray.cluster.runtime import RayLost, check_ray_alive, connect
+from vitray.common.failures import describe_failure
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.grid import GridPlan, plan_grid
 from vitray.evaluation.methods import METHODS, TASK, CheckpointRef, GridWork, PendingWork, finetune
@@ -167,8 +168,9 @@ def _record_unprepared(plan: GridPlan, grid: GridConfig, table: ResultsTable, su
 
 class _Retries:
     """Re-runs failed work up to `retries` more times in this invocation (a crashed Ray worker,
-    a flaky read); a cell that still fails is recorded as failed, saying how often it was tried,
-    and the rest of the grid goes on."""
+    a flaky read) -- not a failure that would come again (a bad input, a refused config: its
+    `describe_failure(...).repeats`); a cell that still fails is recorded as failed, saying how
+    often it was tried, and the rest of the grid goes on."""
 
     def __init__(self, retries: int):
         self.retries = retries
@@ -176,7 +178,7 @@ class _Retries:
 
     def failed_again(self, work: GridWork, outcomes: list[CellOutcome]) -> GridWork | None:
         """The work to submit again (only its failed cells), or None when it succeeded or is out of tries."""
-        failed = [o.cell for o in outcomes if not o.ok]
+        failed = [o.cell for o in outcomes if not o.ok and not describe_failure(o.error).repeats]
         for cell in (o.cell for o in outcomes):
             self.tries[cell.cell_id] = self.tries.get(cell.cell_id, 0) + 1
         again = [c for c in failed if self.tries[c.cell_id] <= self.retries]

@@ -64,11 +64,36 @@ _TRANSIENT = {
 }
 
 
+# Failures that the same work meets again however often it is tried: a bad input, a refused
+# config, a bug. (Not the storage errors' OSErrors: a flaky read is worth another try.)
+_REPEATS = {
+    "ValueError",
+    "PreflightError",
+    "FinishedWithOtherSettings",
+    "ConfigError",
+    "ValidationError",
+    "TypeError",
+    "KeyError",
+    "IndexError",
+    "AttributeError",
+    "NotImplementedError",
+    "ZeroDivisionError",
+    "AssertionError",
+    "FileNotFoundError",
+    "RestartCannotFix",
+}
+
+
 @dataclass(frozen=True)
 class Failure:
     kind: str  # the root exception's type name ("FileNotFoundError")
     message: str  # its message, on one line
     transient: bool  # a re-run of the same command may get past it
+
+    @property
+    def repeats(self) -> bool:
+        """Whether trying the same work again would meet it again (a grid does not retry it)."""
+        return self.kind in _REPEATS
 
     def one_line(self, limit: int | None = None) -> str:
         """`kind: message`; cut to `limit` characters (tables) or whole (the console)."""

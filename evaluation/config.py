@@ -51,7 +51,8 @@ class _GridBase(_Section):
     retries: int = Field(
         2,
         ge=0,
-        description="Times a failed cell is tried again in the same invocation before it is recorded as failed.",
+        description="Times a failed cell is tried again in the same invocation before it is recorded as failed "
+        "(a lost worker, a flaky read; not an error that would come again: a bad input, a refused config).",
     )
     storage_options: dict[str, Any] | None = Field(
         None, description="fsspec options for remote paths (endpoint and credentials default to the AWS environment)."

@@ -103,6 +103,27 @@ def test_fewshot_refuses_a_probe_resolution_the_patch_does_not_divide_once(check
     )
 
 
+def test_a_grid_reading_splits_or_shots_its_data_does_not_have_is_refused_before_ray(
+    checkpoint_and_data_root, tmp_path
+):
+    """Found by the cells on Ray (and retried, each re-extracting the test set's features) before:
+    more shots than the train split holds, a split the dataset does not have, l2 selection at 1 shot."""
+    checkpoint, data_root = checkpoint_and_data_root
+    grid = ["evaluate", str(checkpoint), "--data-root", str(data_root), "--output", str(tmp_path / "eval")]
+    grid += ["--set", "benchmarks=[digits]"]
+    fewshot_only = ["--set", "finetune.enabled=false"]
+    line = refused(*grid, *fewshot_only, "--set", "fewshot.shots=[5,500]")
+    assert line == (
+        "error: few-shot: 500 shots of each of the 10 classes of digits need 5,000 examples, and train holds 1,437; "
+        "lower fewshot.shots"
+    ), line
+    line = refused(*grid, "--set", "fewshot.enabled=false", "--set", "finetune.train_split=bogus[:90%]")
+    assert line.startswith("error: finetune.train_split=bogus[:90%]: dataset 'digits' has no split 'bogus'; it has ")
+    line = refused("fewshot", str(checkpoint), "-b", "digits", "--data-root", str(data_root), "--l2", "select")
+    assert line.startswith("error: fewshot.l2_reg=select (--l2 select) holds out part of each few-shot set"), line
+    assert not (tmp_path / "eval").exists()
+
+
 def test_finetune_names_the_option_of_a_bad_value(checkpoint_and_data_root):
     checkpoint, data_root = checkpoint_and_data_root
     for lr in ("-1", "0"):  # 0 was taken for "not given": the protocol's learning rate, silently
