@@ -316,12 +316,13 @@ def evaluate(
     summaries = watched.grids
     if not watched.finished:
         console.print(f"[yellow]stopped watching after {watch_timeout:g} s: the run has not finished[/]")
-    files = report_grid(grid, table_console(), show=format_ == OutputFormat.table)
+    # This grid's cells: a failure of a cell no longer planned is not reported (its success is)
+    files = report_grid(grid, table_console(), show=format_ == OutputFormat.table, cells=watched.cell_ids)
     if format_ == OutputFormat.json:
+        from vitray.cluster.evaluate import reported_results
         from vitray.evaluation.report import summary_json
-        from vitray.evaluation.results import ResultsTable
 
-        typer.echo(summary_json(ResultsTable(grid.results_path, storage_options=grid.storage_options)))
+        typer.echo(summary_json(reported_results(grid, watched.cell_ids)))
     failed, missing = sum(s.failed for s in summaries), sum(s.missing for s in summaries)
     ok, skipped = sum(s.ok for s in summaries), sum(s.skipped for s in summaries)
     console.print(f"cells: {ok} ok, {skipped} already finished, {failed} failed, {missing} missing data")

@@ -31,6 +31,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import pyarrow as pa
 import ray
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -61,6 +62,7 @@ class GridSummary:
     failed: int = 0
     missing: int = 0
     waiting: int = 0  # pending work not started: a cell it waits for did not succeed (a sweep's final run)
+    cell_ids: set[str] = field(default_factory=set)  # every cell of this grid (pending work's once released)
     checkpoints: list[str] = field(default_factory=list)
 
     def add(self, outcome: CellOutcome) -> None:
@@ -84,6 +86,7 @@ def run_grid(
     table = ResultsTable(grid.results_path, storage_options=grid.storage_options)
     plan = plan_grid(grid, checkpoints)
     summary = GridSummary(total=len(plan), checkpoints=[c.path for c in checkpoints])
+    summary.cell_ids.update(c.cell_id for c in plan.cells)
     scores = _Scores(table.ok_metrics())
     pending = plan.without(scores.finished)
     summary.skipped = len(plan.cells) - len(pending.cells)
@@ -267,6 +270,7 @@ class _Waiting:
             ids = [c.cell_id for c in pending.waits_for]
             if all(i in self.scores.metrics for i in ids):
                 work = pending.release(self.scores.metrics)
+                self.summary.cell_ids.update(c.cell_id for c in work.cells)
                 if all(c.cell_id in self.scores.metrics for c in work.cells):
                     self.summary.skipped += 1
                     self._closed += 1
@@ -342,12 +346,30 @@ class _progress:
             self.bar.stop()
 
 
-def report_grid(grid: GridConfig, console: Console | None = None, *, show: bool = True) -> str:
+def reported_results(grid: GridConfig, cells: set[str] | None = None) -> pa.Table:
+    """The results table as reported: every cell that succeeded (the output folder's results
+    accumulate: other checkpoints, earlier grids), and the failed and missing ones of `cells` (this
+    invocation's grid; all when None) -- a failure of a cell no longer planned is no problem of
+    this grid, and a later one would never clear it."""
+    table = ResultsTable(grid.results_path, storage_options=grid.storage_options).to_table()
+    if cells is None:
+        return table
+    keep = [
+        status == "ok" or cell_id in cells
+        for status, cell_id in zip(table["status"].to_pylist(), table["cell_id"].to_pylist())
+    ]
+    return table.filter(pa.array(keep, type=pa.bool_()))
+
+
+def report_grid(
+    grid: GridConfig, console: Console | None = None, *, show: bool = True, cells: set[str] | None = None
+) -> str:
     """Writes `<output>/report` (Markdown + PNG plots, uploaded when the output is remote) from the
-    whole results table, printing the table first when `show`; returns the path of report.md."""
+    results table (:func:`reported_results` of `cells`), printing the table first when `show`;
+    returns the path of report.md."""
     from vitray.evaluation.report import print_table, write_report
 
-    table = ResultsTable(grid.results_path, storage_options=grid.storage_options).to_table()
+    table = reported_results(grid, cells)
     if show:
         print_table(table, console=console or Console())
     if not storage.is_remote(grid.report_path):
@@ -370,6 +392,11 @@ class WatchSummary:
     grids: list[GridSummary] = field(default_factory=list)
     finished: bool = False  # the run reached its last step and that checkpoint was evaluated
 
+    @property
+    def cell_ids(self) -> set[str]:
+        """Every cell of its grids."""
+        return {cell_id for summary in self.grids for cell_id in summary.cell_ids}
+
 
 def watch_run(
     run_path: str,
@@ -380,11 +407,11 @@ def watch_run(
     console: Console | None = None,
     show_progress: bool = True,
     verbose: bool = False,
-    on_grid: Callable[[GridSummary], None] | None = None,
+    on_grid: Callable[[WatchSummary], None] | None = None,
 ) -> WatchSummary:
     """Evaluates each new complete checkpoint of a run as it appears, until the run's final
     checkpoint (step == its train.steps) is evaluated or `timeout_seconds` pass. `on_grid` is
-    called after each batch of checkpoints (e.g. to refresh the report)."""
+    called with what was watched so far after each batch of checkpoints (e.g. to refresh the report)."""
     console = console or Console(stderr=True)
     run_path = absolute(run_path)
     if is_checkpoint(run_path):
@@ -408,7 +435,7 @@ def watch_run(
             summary = run_grid(grid, refs, console=console, show_progress=show_progress, verbose=verbose)
             watched.grids.append(summary)
             if on_grid is not None:
-                on_grid(summary)
+                on_grid(watched)
             if any(r.target_steps is not None and r.step is not None and r.step >= r.target_steps for r in refs):
                 watched.finished = True
                 return watched
@@ -443,7 +470,7 @@ def evaluate_checkpoint(
             console=console,
             show_progress=show_progress,
             verbose=verbose,
-            on_grid=lambda _: report_grid(grid, show=False),
+            on_grid=lambda watched: report_grid(grid, show=False, cells=watched.cell_ids),
         )
     refs = resolve_checkpoints(checkpoint, all_checkpoints=all_checkpoints)
     summary = run_grid(grid, refs, console=console, show_progress=show_progress, verbose=verbose)

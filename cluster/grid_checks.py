@@ -64,12 +64,18 @@ def check_grid_storage(checkpoint: str, grid: GridConfig, *, writes: bool = True
     the output can be reached with the credentials at hand (one quick probe each, `storage.check_reachable`):
     a wrong key, endpoint or bucket is refused in one line naming it (a StorageUnreachable), not met
     by the cells (as a missing dataset, or a traceback) after the grid's work has begun. A run folder
-    to `watch` may not be there yet (the run has not written anything): its store is probed, not it."""
+    to `watch` may not be there yet (the run has not written anything): its store is probed, not it.
+    An output that is a prepared dataset or a run folder (a mistyped --output) is refused too."""
     options = grid.storage_options
     storage.check_remote_reachable(checkpoint, must_exist=not watch, storage_options=options)
     storage.check_remote_reachable(grid.data_root, storage_options=options)
     if writes:
         storage.check_remote_reachable(grid.output, storage_options=options)
+        for marker, what in (("dataset.json", "a prepared dataset"), ("vitray", "a training run's folder")):
+            if storage.exists(storage.join(grid.output, marker), options):
+                raise ValueError(
+                    f"output={grid.output} is {what} (it holds {marker}); give the evaluation a folder of its own"
+                )
 
 
 class _SplitCheck:

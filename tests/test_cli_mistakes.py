@@ -122,6 +122,11 @@ def test_a_grid_reading_splits_or_shots_its_data_does_not_have_is_refused_before
     line = refused("fewshot", str(checkpoint), "-b", "digits", "--data-root", str(data_root), "--l2", "select")
     assert line.startswith("error: fewshot.l2_reg=select (--l2 select) holds out part of each few-shot set"), line
     assert not (tmp_path / "eval").exists()
+    line = refused(*grid[:4], "--output", str(data_root / "digits"), *fewshot_only)
+    assert (
+        line
+        == f"error: output={data_root / 'digits'} is a prepared dataset (it holds dataset.json); give the evaluation a folder of its own"
+    )
 
 
 def test_finetune_names_the_option_of_a_bad_value(checkpoint_and_data_root):

@@ -390,6 +390,26 @@ def test_watch_waits_for_a_run_on_s3_that_has_not_written_anything_yet(seaweed_s
         evaluate_checkpoint(run, grid)
 
 
+def test_the_report_holds_every_success_and_only_this_grids_failures(tmp_path):
+    """An output folder's results accumulate (other checkpoints, earlier grids): their successes are
+    reported, but a failure of a cell this grid no longer plans (500 shots, dropped since) is no
+    problem of this grid and would never clear."""
+    from vitray.cluster.evaluate import reported_results
+    from vitray.evaluation.results import Cell
+
+    grid = GridConfig(data_root=str(tmp_path / "data"), output=str(tmp_path / "eval"), benchmarks=["digits"])
+    table = ResultsTable(grid.results_path)
+    earlier_ok, dropped, planned = (Cell("ckpt", "digits", "fewshot", {"shots": s}, 0, 1) for s in (5, 500, 10))
+    table.append(earlier_ok.ok({"accuracy": 0.5}, 1.0))
+    table.append(dropped.failed("ValueError: 500-shot sampling needs at least 500 examples", 1.0))
+    table.append(planned.failed("WorkerCrashedError: lost", 1.0))
+    reported = reported_results(grid, {planned.cell_id})
+    assert sorted(zip(reported["cell_id"].to_pylist(), reported["status"].to_pylist())) == sorted(
+        [(earlier_ok.cell_id, "ok"), (planned.cell_id, "failed")]
+    )
+    assert reported_results(grid).num_rows == 3  # all of it, where no grid is named
+
+
 def test_missing_data_and_report_on_s3(seaweed_s3):
     from rich.console import Console
 
