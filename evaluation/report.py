@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import posixpath
+import textwrap
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -531,6 +533,35 @@ def _figure(width: float, height: float):
     return Figure(figsize=(width, height), layout="constrained")
 
 
+# Legend entries are whole setting labels (70-120 characters): wrapped to this many, under the plot.
+LEGEND_WRAP = 90
+
+
+def _legend_height(labels: Iterable[str]) -> float:
+    """Inches a legend of `labels` below the plot takes (:func:`_legend_below`)."""
+    return 0.25 + 0.19 * sum(len(textwrap.wrap(label, LEGEND_WRAP)) or 1 for label in labels)
+
+
+def _legend_below(fig, axes) -> None:
+    """One legend for the figure, under its plots, its labels wrapped: over the plot it hid the
+    bars or lines, and at the side it squeezed them (the labels are long)."""
+    entries: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if entries:
+        labels = ["\n".join(textwrap.wrap(label, LEGEND_WRAP)) for label in entries]
+        fig.legend(list(entries.values()), labels, loc="outside lower center", fontsize="small", frameon=False)
+
+
+def _colours(names: Iterable[str]) -> dict[str, Any]:
+    """A colour per series name, the same in every panel of a figure."""
+    from matplotlib import colormaps
+
+    palette = colormaps["tab10"].colors
+    return {name: palette[i % len(palette)] for i, name in enumerate(dict.fromkeys(names))}
+
+
 def _series_name(row: Any, multi_run: bool) -> str:
     prefix = f"{_short_checkpoint(row.checkpoint)} · " if multi_run else ""
     return prefix + row.label
@@ -542,7 +573,7 @@ def _plot_per_benchmark(newest: pd.DataFrame, metric: str, path: Path) -> Path:
     benchmarks = list(dict.fromkeys(newest["benchmark"]))
     series = list(dict.fromkeys(newest["series"]))
     height = 0.8 / len(series)
-    fig = _figure(8, 1.0 + 0.35 * len(benchmarks) * max(1, len(series) / 2))
+    fig = _figure(8, 1.0 + 0.35 * len(benchmarks) * max(1, len(series) / 2) + _legend_height(series))
     ax = fig.add_subplot()
     positions = np.arange(len(benchmarks))
     for i, name in enumerate(series):
@@ -552,7 +583,7 @@ def _plot_per_benchmark(newest: pd.DataFrame, metric: str, path: Path) -> Path:
     ax.invert_yaxis()
     ax.set_xlabel(f"{metric} (mean over seeds)")
     ax.set_title(f"{metric} per benchmark")
-    ax.legend(fontsize="small", loc="best")
+    _legend_below(fig, [ax])
     fig.savefig(path, dpi=110)
     return path
 
@@ -563,7 +594,7 @@ def _plot_vtab_groups(vtab: pd.DataFrame, metric: str, path: Path) -> Path:
     vtab = vtab.assign(series=[_series_name(r, multi_run) for r in vtab.itertuples()])
     series = list(dict.fromkeys(vtab["series"]))
     width = 0.8 / len(series)
-    fig = _figure(7, 4)
+    fig = _figure(7, 4 + _legend_height(series))
     ax = fig.add_subplot()
     positions = np.arange(len(groups))
     for i, name in enumerate(series):
@@ -576,7 +607,7 @@ def _plot_vtab_groups(vtab: pd.DataFrame, metric: str, path: Path) -> Path:
     ax.set_xticks(positions + width * (len(series) - 1) / 2, labels)
     ax.set_ylabel(f"mean {metric} over tasks")
     ax.set_title("VTAB-1k group averages (tasks present / in group)")
-    ax.legend(fontsize="small")
+    _legend_below(fig, [ax])
     fig.savefig(path, dpi=110)
     return path
 
@@ -593,7 +624,7 @@ def _plot_fewshot_vs_shots(fewshot: pd.DataFrame, metric: str, path: Path) -> Pa
             for r, s in zip(fewshot.itertuples(), settings)
         ],
     ).dropna(subset=["shots"])
-    fig = _figure(7, 4.5)
+    fig = _figure(7, 4.5 + _legend_height(fewshot["line"].unique()))
     ax = fig.add_subplot()
     for name, part in fewshot.groupby("line", sort=True):
         part = part.sort_values("shots")
@@ -604,7 +635,7 @@ def _plot_fewshot_vs_shots(fewshot: pd.DataFrame, metric: str, path: Path) -> Pa
     ax.set_xlabel("shots per class")
     ax.set_ylabel(f"{metric} (mean ± std over seeds)")
     ax.set_title(f"few-shot linear probe: {metric} vs shots")
-    ax.legend(fontsize="small")
+    _legend_below(fig, [ax])
     fig.savefig(path, dpi=110)
     return path
 
@@ -617,20 +648,27 @@ def _plot_vs_step(summary: pd.DataFrame, metric: str, path: Path) -> Path:
     benchmarks = list(dict.fromkeys(summary["benchmark"]))
     cols = min(3, len(benchmarks))
     rows = -(-len(benchmarks) // cols)
-    fig = _figure(4.2 * cols, 3.2 * rows)
+    names = [
+        (f"{_short_checkpoint(r)} · " if multi_run else "") + label
+        for r, label in zip(summary["run"], summary["label"])
+    ]
+    summary = summary.assign(series=names)
+    colours = _colours(names)  # one legend for every panel: a series has one colour in all of them
+    fig = _figure(max(7.0, 4.2 * cols), 3.2 * rows + _legend_height(colours))
     axes = fig.subplots(rows, cols, squeeze=False)
     for ax, benchmark in zip(axes.flat, benchmarks):
         part = summary[summary["benchmark"] == benchmark]
-        for (run, label), line in part.groupby(["run", "label"], sort=False):
+        for name, line in part.groupby("series", sort=False):
             line = line.sort_values("step")
-            name = (f"{_short_checkpoint(run)} · " if multi_run else "") + label
-            ax.errorbar(line["step"], line["mean"], yerr=line["std"], marker="o", capsize=3, label=name)
+            ax.errorbar(
+                line["step"], line["mean"], yerr=line["std"], marker="o", capsize=3, label=name, color=colours[name]
+            )
         ax.set_title(benchmark, fontsize="medium")
         ax.set_xlabel("pre-training step")
         ax.set_ylabel(metric)
-        ax.legend(fontsize="x-small")
     for ax in list(axes.flat)[len(benchmarks) :]:
         ax.set_visible(False)
+    _legend_below(fig, list(axes.flat))
     fig.suptitle(f"{metric} (mean ± std over seeds) during pre-training")
     fig.savefig(path, dpi=110)
     return path
