@@ -416,7 +416,7 @@ def watch_run(
     run_path = absolute(run_path)
     if is_checkpoint(run_path):
         raise ValueError(f"--watch follows a run folder; {run_path} is a checkpoint (drop --watch to evaluate it)")
-    if not storage.exists(run_path, grid.storage_options):
+    if not storage.exists(run_path):
         console.print(f"waiting for {run_path} to appear (the run has not written anything yet)")
     done: set[str] = set()
     watched = WatchSummary()

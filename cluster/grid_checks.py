@@ -67,7 +67,7 @@ def check_grid_storage(checkpoint: str, grid: GridConfig, *, writes: bool = True
     to `watch` may not be there yet (the run has not written anything): its store is probed, not it.
     An output that is a prepared dataset or a run folder (a mistyped --output) is refused too."""
     options = grid.storage_options
-    storage.check_remote_reachable(checkpoint, must_exist=not watch, storage_options=options)
+    storage.check_remote_reachable(checkpoint, must_exist=not watch)  # read with the environment's credentials
     storage.check_remote_reachable(grid.data_root, storage_options=options)
     if writes:
         storage.check_remote_reachable(grid.output, storage_options=options)

@@ -93,7 +93,9 @@ class DataConfig(BaseModel):
         "CUDA (cluster.gpus_per_worker > 0, train.backend=deepspeed), cpu otherwise.",
     )
     storage_options: dict[str, Any] | None = Field(
-        None, description="fsspec options for remote paths (endpoint and credentials default to the AWS environment)."
+        None,
+        description="fsspec options for the data's remote paths (data.train, data.val, the evaluators' datasets); "
+        "endpoint and credentials default to the AWS environment, which the run folder and checkpoints always use.",
     )
 
     @field_validator("train_split", "val_split")

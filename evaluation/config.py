@@ -55,7 +55,9 @@ class _GridBase(_Section):
         "(a lost worker, a flaky read; not an error that would come again: a bad input, a refused config).",
     )
     storage_options: dict[str, Any] | None = Field(
-        None, description="fsspec options for remote paths (endpoint and credentials default to the AWS environment)."
+        None,
+        description="fsspec options for data_root and the results (output); endpoint and credentials default to "
+        "the AWS environment, which checkpoints and fine-tune runs always use.",
     )
 
     @field_validator("benchmarks")

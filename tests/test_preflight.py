@@ -359,3 +359,22 @@ def test_keys_added_to_vitray_since_a_checkpoint_are_not_reported_as_changes(dig
         "evals.val.resize: None -> aspect",
     ]
     assert config_changes(_with_todays_defaults(recorded), redacted_config(cfg)) == ([], [])
+
+
+def test_the_data_storage_options_are_the_datas_and_the_run_folder_is_checked_as_it_is_written(
+    digits_dataset, seaweed_s3
+):
+    """data.storage_options (another store's endpoint, for the data) were used to probe run.storage,
+    which the run then wrote with the environment's credentials: a run whose run folder was fine was
+    refused, and one whose run folder could not be written passed the probe."""
+    cfg = load_config(
+        TrainingConfig,
+        None,
+        [
+            *BASE,
+            f"data.train={digits_dataset}",
+            f"run.storage={seaweed_s3.url('runs')}",
+            "data.storage_options={endpoint_url: 'http://127.0.0.1:9'}",  # nothing answers there
+        ],
+    )
+    assert check_inputs(cfg).num_classes == 10

@@ -71,10 +71,10 @@ class ResumePlan:
 
 def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
     """Storage, datasets, model and initial weights of `cfg`; returns the training dataset's info."""
-    options = cfg.data.storage_options
+    options = cfg.data.storage_options  # the data's; the run folder is written with the environment's
     if storage.is_remote(cfg.run.storage):  # a local run folder is made where it does not exist yet
         try:
-            storage.check_reachable(cfg.run.storage, storage_options=options)
+            storage.check_reachable(cfg.run.storage)
         except storage.StorageUnreachable as err:
             raise PreflightError(f"run.storage: {err}") from None
     else:
@@ -305,7 +305,7 @@ def _check_init_checkpoint(cfg: TrainingConfig) -> ModelConfig:
     """init.checkpoint is complete; the model it gives at this run's resolution (what the loop builds)."""
     path = cfg.init.checkpoint
     try:
-        storage.check_reachable(path, must_exist=True, storage_options=cfg.data.storage_options)
+        storage.check_reachable(path, must_exist=True)  # read as the run folder is: the environment's credentials
         state = ckpt.resolve_checkpoint(path).state
     except (FileNotFoundError, ckpt.IncompleteCheckpointError, storage.StorageUnreachable) as err:
         raise PreflightError(f"init.checkpoint: {err}") from None
