@@ -175,6 +175,9 @@ def finetune(
     ] = None,
     storage: Annotated[str, typer.Option(help="Run storage (with --benchmark): local folder or s3://.")] = "./runs",
     name: Annotated[str | None, typer.Option(help="Run name (with --benchmark; derived from the settings).")] = None,
+    format_: Annotated[
+        OutputFormat, typer.Option("--format", "-f", help="How the top-1s go to stdout.")
+    ] = OutputFormat.table,
     dry_run: DryRunOpt = False,
     verbose: VerboseOpt = False,
 ):
@@ -250,13 +253,20 @@ def finetune(
         (PreflightError,), failed=(Exception,), doing="fine-tuning", traceback_at=" (the full traceback: --verbose)"
     ):
         result = run_finetune(cfg, show_progress=True, verbose=verbose)
-    console.print(f"run folder: {run_dir(cfg.run.storage, cfg.run.name)}")
+    folder = run_dir(cfg.run.storage, cfg.run.name)
+    scored = [("val" if result.test is not None else "top1", (cfg.data.val_path, cfg.data.val_split), result.top1)]
     if result.test is not None:
-        test_path, test_split = cfg.evals[TEST].dataset(cfg.data)
-        typer.echo(f"val top-1 ({cfg.data.val_path} split {cfg.data.val_split}): {result.top1:.4f}")
-        typer.echo(f"test top-1 ({test_path} split {test_split}): {result.test:.4f}")
-    else:
-        typer.echo(f"top-1 ({cfg.data.val_path} split {cfg.data.val_split}): {result.top1:.4f}")
+        scored.append(("test", cfg.evals[TEST].dataset(cfg.data), result.test))
+    if format_ == OutputFormat.json:
+        import json
+
+        top1s = {what: {"top1": top1, "path": path, "split": split} for what, (path, split), top1 in scored}
+        typer.echo(json.dumps({"run": folder, "step": cfg.train.steps, **top1s}, indent=1))
+        return
+    console.print(f"run folder: {folder}")
+    for what, (path, split), top1 in scored:
+        label = "top-1" if what == "top1" else f"{what} top-1"
+        typer.echo(f"{label} ({path} split {split}): {top1:.4f}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -63,8 +63,9 @@ def _write_grid(path: Path, data_root: Path, output: Path) -> Path:
         "data_root": str(data_root),
         "output": str(output),
         "benchmarks": ["digits", "cifar10"],
-        # 500 shots: more than digits has per class, so those cells fail (and never block the others).
-        "fewshot": {"shots": [1, 5, 500], "seeds": 2},
+        # 143 shots: as many as digits' train split holds in all (1,437 of 10 classes) but more than
+        # some class has, so those cells fail as they draw their sets (and never block the others).
+        "fewshot": {"shots": [1, 5, 143], "seeds": 2},
         # No retries within one invocation (test_faults_pretrain covers them): the failed rows must
         # be written before the kill below, and each invocation writes one row per failed cell.
         "retries": 0,
@@ -209,7 +210,7 @@ def test_rerun_skips_finished_cells_and_completes_the_grid(killed_and_rerun):
 def test_failed_cells_are_retried_and_keep_their_error(killed_and_rerun):
     final, latest = killed_and_rerun["final"], killed_and_rerun["latest"]
     failed = latest[latest["status"] == "failed"]
-    assert len(failed) == 2 and all("500-shot sampling needs at least 500 examples" in e for e in failed["error"])
+    assert len(failed) == 2 and all("143-shot sampling needs at least 143 examples" in e for e in failed["error"])
     for cell_id in failed["cell_id"]:
         assert len(final[final["cell_id"] == cell_id]) == 2  # attempted by both runs
 
