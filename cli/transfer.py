@@ -244,8 +244,8 @@ def finetune(
     if dry_run:
         print_config(cfg)
         return
-    from vitray.cluster.runtime import run_dir
     from vitray.evaluation.evaluators import TEST
+    from vitray.runfolder.files import run_dir
     from vitray.trainers.driver_checks.preflight import PreflightError
 
     # PreflightError: refused before Ray started (exit 2); anything else: the run failed (exit 1)

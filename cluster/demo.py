@@ -19,7 +19,7 @@ from vitray.cluster.checkpoint_inputs import resolve_checkpoints
 from vitray.cluster.evaluate import report_grid, run_grid
 from vitray.cluster.prepare import prepare_dataset_on_ray
 from vitray.cluster.pretrain import AlreadyFinished, latest_complete, pretrain
-from vitray.cluster.runtime import connect, run_dir
+from vitray.cluster.runtime import connect
 from vitray.common.config import load_config
 from vitray.evaluation.checkpoint_inspection import add_to_report
 from vitray.evaluation.config import GridConfig
@@ -27,7 +27,7 @@ from vitray.evaluation.evaluators import VAL_TOP1
 from vitray.evaluation.reference import in_context, pixel_linear_top1
 from vitray.evaluation.report import summarize
 from vitray.evaluation.results import ResultsTable
-from vitray.runfolder.files import RunFiles
+from vitray.runfolder.files import RunFiles, run_dir
 from vitray.trainers.config import TrainingConfig
 
 # The demo keeps one fine-tune learning rate of the digits grid to stay within a few minutes: 0.03,

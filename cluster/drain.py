@@ -30,7 +30,7 @@ from collections.abc import Callable
 import ray
 import torch.distributed as dist
 
-from vitray.trainers.preemption import read_stop
+from vitray.runfolder.files import RunFiles
 
 # A drain without a deadline ("0" in the GCS) still means the node is going: stop as for a
 # pre-emption notice with this much time.
@@ -80,5 +80,5 @@ def drain_watch(world_size: int) -> Callable[[], tuple[str, float] | None]:
 def stopped_for_drain(folder: str) -> str | None:
     """On the driver, after the workers stopped: the reason they gave when they stopped for a node
     drain, else None."""
-    notice = read_stop(folder)
+    notice = RunFiles(folder).read_stop()
     return notice["reason"] if notice and notice.get("kind") == "drain" else None

@@ -39,7 +39,7 @@ from vitray.evaluation.methods.finetune import (
 from vitray.evaluation.results import Cell
 from vitray.evaluation.suite import get_benchmark, require_prepared
 from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
-from vitray.runfolder.files import RunFiles
+from vitray.runfolder.files import RunFiles, run_dir
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.driver_checks.preflight import PreflightError, changes_since
 
@@ -162,7 +162,6 @@ def run_finetune(cfg: TrainingConfig, *, show_progress: bool = False, verbose: b
     weights would then be in no checkpoint that counts.
     """
     from vitray.cluster.pretrain import AlreadyFinished, pretrain
-    from vitray.cluster.runtime import run_dir
 
     files = RunFiles(run_dir(cfg.run.storage, cfg.run.name))
     metrics = files.read_metrics()

@@ -33,7 +33,6 @@ from vitray.cluster.runtime import (
     check_paths_reach_every_node,
     connect,
     node_resources,
-    run_dir,
 )
 from vitray.cluster.stop_signals import StopOnSignal, StoppedBeforeTraining
 from vitray.cluster.torch_trainer import RunWrittenElsewhere, check_workers_fit, fit
@@ -45,14 +44,14 @@ from vitray.runfolder.checkpoint_folders import (
     latest_complete_checkpoint,
     resume_point,
 )
+from vitray.runfolder.files import RunFiles, run_dir
 from vitray.runfolder.lease import RunLease, RunLeaseHeld
 from vitray.runfolder.progress import TrainingProgress
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.driver_checks.preflight import PreflightError, ResumePlan, check_inputs, check_resume
-from vitray.trainers.preemption import clear_stop
 
 # What `pretrain` raises when the run fails for good (each failed rank's traceback in its message).
-__all__ = ["REFUSED", "AlreadyFinished", "Preempted", "TrainingFailedError", "latest_complete", "pretrain", "run_dir"]
+__all__ = ["REFUSED", "AlreadyFinished", "Preempted", "TrainingFailedError", "latest_complete", "pretrain"]
 
 # What `pretrain` raises when it refuses a run before the workers start (the CLI's exit 2): a config or
 # input pre-flight rejects, resources the cluster lacks, local paths the nodes cannot see, a run that
@@ -174,7 +173,7 @@ def _lease_lost(holder) -> None:
 def _announce_resume(cfg: TrainingConfig, folder: str, plan: ResumePlan) -> None:
     """Where the run resumes from (and why not from a newer checkpoint), after any earlier stop
     notice is cleared: a new attempt starts unstopped."""
-    clear_stop(folder)
+    RunFiles(folder).clear_stop()
     print(describe_resume(cfg.run.name, plan.chosen, plan.skipped), file=sys.stderr, flush=True)
     for change in plan.changes:
         print(f"  changed since the checkpoint: {change}", file=sys.stderr, flush=True)
@@ -223,7 +222,7 @@ def _new_worker_group_after_drain(cfg: TrainingConfig, folder: str, attempts: Ru
         file=sys.stderr,
         flush=True,
     )
-    clear_stop(folder)
+    RunFiles(folder).clear_stop()
     resume, _ = resume_point(folder)
     attempts.start(resume)
     return fit(cfg, resume)

@@ -354,8 +354,3 @@ def ray_storage(storage_path: str, outage_s: float | None = None):
 
     fs, path = storage.filesystem(storage_path)
     return path, pyarrow.fs.PyFileSystem(RidingOutHandler(fs, outage_s))
-
-
-def run_dir(storage_root: str, name: str) -> str:
-    root = storage_root if storage.is_remote(storage_root) else os.path.abspath(storage_root)
-    return storage.join(root, name)

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from vitray.trainers.preemption import request_stop
+from vitray.runfolder.files import RunFiles
 
 
 class StoppedBeforeTraining(BaseException):
@@ -126,7 +126,9 @@ class StopOnSignal:
             flush=True,
         )
         # Storage writes do not belong in a signal handler's frame (it may interrupt one).
-        threading.Thread(target=request_stop, args=(self.folder, self.reason, self.grace_s), daemon=True).start()
+        threading.Thread(
+            target=RunFiles(self.folder).request_stop, args=(self.reason, self.grace_s), daemon=True
+        ).start()
         self._timer = threading.Timer(self.grace_s, self._out_of_time, args=(128 + signum,))
         self._timer.daemon = True
         self._timer.start()

@@ -21,10 +21,11 @@ from ray.train.v2.api.exceptions import WorkerGroupError
 
 from vitray import storage
 from vitray.cluster.process_group import NodeBoundTorchConfig
-from vitray.cluster.runtime import check_local_resources, check_ray_alive, ray_storage, run_dir
+from vitray.cluster.runtime import check_local_resources, check_ray_alive, ray_storage
 from vitray.cluster.train_worker import train_worker
 from vitray.common.failures import describe_failure, restart_cannot_fix
 from vitray.runfolder.checkpoint_folders import CheckpointInfo
+from vitray.runfolder.files import run_dir
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.driver_checks.tpu_slices import tpu_slice
 

@@ -6,7 +6,7 @@
   <storage>/<run name>/vitray/markers/         one-shot markers (fault-injection in tests)
   <storage>/<run name>/vitray/lease.json       the driver that holds the run (`vitray.runfolder.lease`)
   <storage>/<run name>/vitray/attempts/        one JSON record per `vitray pretrain` of the run
-  <storage>/<run name>/vitray/stop.json        a pre-emption notice for the workers (`vitray.trainers.preemption`)
+  <storage>/<run name>/vitray/stop.json        a pre-emption notice for the workers (read by `vitray.trainers.preemption`)
 
 The checkpoint_* folders are found and opened by :mod:`vitray.runfolder.checkpoint_folders`.
 """
@@ -22,6 +22,11 @@ from vitray import storage
 
 VITRAY_DIR = "vitray"
 METRICS_FILE = "metrics.jsonl"  # written by rank 0 (`vitray.trainers.metrics`)
+
+
+def run_dir(storage_root: str, name: str) -> str:
+    """The folder of the run `name` under `storage_root` (run.storage): absolute where it is local."""
+    return storage.join(storage.absolute(storage_root), name)
 
 
 class RunFiles:
@@ -45,6 +50,27 @@ class RunFiles:
     @property
     def stop_path(self) -> str:
         return storage.join(self.root, "stop.json")
+
+    # -- the stop notice: the driver's (or a drained node's) request to checkpoint and stop -------
+    def request_stop(self, reason: str, grace_s: float, kind: str = "sigterm") -> None:
+        """Ask the run's workers to checkpoint and stop before `grace_s` is over (the driver, on
+        SIGTERM; rank 0, on a drain notice: `kind` says which). The workers read it at their check
+        steps (`vitray.trainers.preemption.PreemptionWatch`)."""
+        now = time.time()
+        record = {"reason": reason, "kind": kind, "requested": now, "deadline": now + grace_s}
+        storage.write_bytes_atomic(self.stop_path, json.dumps(record).encode())
+
+    def read_stop(self) -> dict[str, Any] | None:
+        """The run's stop notice (reason, kind, requested, deadline), or None when there is none."""
+        try:
+            return json.loads(storage.read_bytes(self.stop_path)) if storage.exists(self.stop_path) else None
+        except (OSError, ValueError):
+            return None
+
+    def clear_stop(self) -> None:
+        """Driver side, before a run starts: an old notice must not stop the new attempt."""
+        if storage.exists(self.stop_path):
+            storage.remove(self.stop_path)
 
     # -- attempts: what each `vitray pretrain` of this run did ----------------------------------
     def write_attempt(self, record: dict[str, Any]) -> None:

@@ -30,39 +30,10 @@ import time
 from dataclasses import dataclass
 
 from vitray import storage
+from vitray.runfolder.files import RunFiles
 from vitray.trainers.collectives import broadcast_int
 
 _NONE, _SAVE_AND_STOP, _STOP = 0, 1, 2
-
-
-def request_stop(run_dir: str, reason: str, grace_s: float, kind: str = "sigterm") -> None:
-    """Ask the run's workers to checkpoint and stop before `grace_s` is over (the driver, on
-    SIGTERM; rank 0, on a drain notice: `kind` says which)."""
-    from vitray.runfolder.files import RunFiles
-
-    now = time.time()
-    record = {"reason": reason, "kind": kind, "requested": now, "deadline": now + grace_s}
-    storage.write_bytes_atomic(RunFiles(run_dir).stop_path, json.dumps(record).encode())
-
-
-def read_stop(run_dir: str) -> dict | None:
-    """The run's stop notice (reason, kind, requested, deadline), or None when there is none."""
-    from vitray.runfolder.files import RunFiles
-
-    path = RunFiles(run_dir).stop_path
-    try:
-        return json.loads(storage.read_bytes(path)) if storage.exists(path) else None
-    except (OSError, ValueError):
-        return None
-
-
-def clear_stop(run_dir: str) -> None:
-    """Driver side, before a run starts: an old notice must not stop the new attempt."""
-    from vitray.runfolder.files import RunFiles
-
-    path = RunFiles(run_dir).stop_path
-    if storage.exists(path):
-        storage.remove(path)
 
 
 @dataclass
@@ -87,8 +58,6 @@ class PreemptionWatch:
     ):
         """`outage_s` (run.storage_outage_s): how long rank 0's read of the stop file waits for
         storage that does not answer (the step waits with it) before the worker fails."""
-        from vitray.runfolder.files import RunFiles
-
         self.run_dir, self.path = run_dir, RunFiles(run_dir).stop_path
         self.rank, self.every, self.device = rank, every, device
         self.drain_notice = drain_notice  # WorkerContext.drain_notice: asked on rank 0 only
@@ -118,7 +87,7 @@ class PreemptionWatch:
             if drain is not None:
                 reason, deadline = drain
                 print(f"vitray: {reason}: checkpointing and stopping", flush=True)
-                request_stop(self.run_dir, reason, deadline - time.time(), kind="drain")
+                RunFiles(self.run_dir).request_stop(reason, deadline - time.time(), kind="drain")
                 notice = {"deadline": deadline}
         if notice is None:
             return _NONE
