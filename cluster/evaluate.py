@@ -375,10 +375,8 @@ def report_grid(
     if not storage.is_remote(grid.report_path):
         return str(write_report(table, grid.report_path).markdown)
     with tempfile.TemporaryDirectory() as local:
-        files = write_report(table, local)
-        for path in [files.markdown, *files.plots.values()]:
-            target = storage.join(grid.report_path, path.name)
-            storage.write_bytes_atomic(target, path.read_bytes(), grid.storage_options)
+        write_report(table, local)
+        storage.publish_folder(local, grid.report_path, grid.storage_options)
     return storage.join(grid.report_path, "report.md")
 
 

@@ -136,8 +136,7 @@ def inspect_checkpoint(
         return inspect_model(model, pixels, out, **kwargs)
     with tempfile.TemporaryDirectory() as local:
         files = inspect_model(model, pixels, local, **kwargs)
-        for path in sorted(Path(local).iterdir()):
-            storage.write_bytes_atomic(storage.join(out, path.name), path.read_bytes())
+        storage.publish_folder(local, out)
     return files
 
 

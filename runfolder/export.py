@@ -9,7 +9,6 @@ see `vitray.runfolder.timm_folder`). An existing output is never replaced unless
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 
 from vitray import storage
@@ -49,19 +48,12 @@ def export(path: str, fmt: str, out: str, *, overwrite: bool = False) -> Checkpo
             from vitray.runfolder.timm_folder import write_timm_folder
 
             os.makedirs(local)
-            names = write_timm_folder(model, local)
-            for name in names:
-                _publish(os.path.join(local, name), storage.join(out, name))
+            write_timm_folder(model, local)
+            storage.publish_folder(local, out)
         else:
             _write_single_file(model, fmt, local)
-            _publish(local, out)
+            storage.publish_file(local, out)
     return CheckpointInfo(state["checkpoint"], int(state["step"]), True, passed_over=state["passed_over"])
-
-
-def _publish(local: str, out: str) -> None:
-    """Copy a finished local file to `out` so that readers never see a part of it."""
-    with open(local, "rb") as src, storage.atomic_write(out) as dst:
-        shutil.copyfileobj(src, dst, 16 * 2**20)
 
 
 def check_output(out: str, fmt: str, *, overwrite: bool) -> None:

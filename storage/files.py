@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
+import shutil
 import tempfile
 from collections.abc import Iterator
 from typing import IO, Any
@@ -174,6 +175,21 @@ def atomic_write(path: str, storage_options: dict[str, Any] | None = None) -> It
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+def publish_file(local_path: str | os.PathLike, path: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Copy a finished local file to `path` (local or s3://), streamed, so that readers never see a
+    part of it (:func:`atomic_write`)."""
+    with open(local_path, "rb") as src, atomic_write(path, storage_options) as dst:
+        shutil.copyfileobj(src, dst, 16 * 2**20)
+
+
+def publish_folder(local_dir: str | os.PathLike, folder: str, storage_options: dict[str, Any] | None = None) -> None:
+    """:func:`publish_file` each file of the local folder `local_dir` (not its sub-folders) into
+    `folder`: a report, figures or a model folder made locally and then put where it goes."""
+    for entry in sorted(os.scandir(local_dir), key=lambda e: e.name):
+        if entry.is_file():
+            publish_file(entry.path, join(folder, entry.name), storage_options)
 
 
 def fsync_folder(path: str | os.PathLike) -> None:
