@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import re
 import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -277,8 +278,12 @@ def newest_per_run(summary: pd.DataFrame) -> pd.DataFrame:
     return kept.drop(columns="_step")
 
 
+_PREPROCESS_WORD = re.compile(r" pp=\S+$")  # the last word of a setting label (`preprocess_label`)
+
+
 def vtab_group_averages(summary: pd.DataFrame) -> pd.DataFrame:
-    """Per (checkpoint, step, label, metric): the mean over VTAB-1k tasks of each group and overall.
+    """Per (checkpoint, step, label, metric): the mean over VTAB-1k tasks of each group and overall
+    (the label without the pre-processing, which is each task's own).
 
     Columns: checkpoint, step, label, metric, group, mean, tasks, total (tasks present / in group).
     A group mean over fewer tasks than the group has is marked by tasks < total.
@@ -290,6 +295,9 @@ def vtab_group_averages(summary: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=columns)
     totals = {g: sum(1 for v in group_of.values() if v == g) for g in VTAB_GROUPS}
     totals["all"] = len(group_of)
+    # Each task trains with its own crop and flip (BiT's VTAB rules): one group's rows differ in their
+    # labels' pre-processing, which must not split the group's average into partial ones.
+    vtab = vtab.assign(label=[_PREPROCESS_WORD.sub("", label) for label in vtab["label"]])
     rows = []
     for key, part in vtab.groupby(["checkpoint", "step", "label", "metric"], dropna=False, sort=False):
         groups = part["benchmark"].map(group_of)

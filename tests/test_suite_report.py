@@ -20,6 +20,7 @@ from vitray.data.layout import DatasetInfo, SplitInfo, write_dataset_info
 from vitray.evaluation.report import print_table, summarize, vtab_group_averages, write_report
 from vitray.evaluation.results import Cell, ResultsTable, make_cell_id
 from vitray.evaluation.suite import (
+    BENCHMARKS,
     MissingDataset,
     benchmarks_in_group,
     find_missing,
@@ -482,6 +483,28 @@ def test_vtab_group_averages_mark_incomplete_groups(grid_table):
     natural = averages[(averages["group"] == "natural") & (averages["step"] == 200)]
     assert set(natural["tasks"]) == {1} and set(natural["total"]) == {7}
     assert set(averages["group"]) == {"natural", "specialized", "structured", "all"}
+
+
+def test_a_vtab_group_averages_every_task_whatever_its_crop_and_flip(tmp_path):
+    """Each VTAB task trains with its own crop and flip (BiT's rules), which are in its setting label:
+    grouped by that label, one checkpoint's 19 tasks made four partial averages and no whole one."""
+    from vitray.evaluation.methods.finetune import FinetuneGrid, finetune_settings
+
+    table = ResultsTable(str(tmp_path / "results"))
+    for name, benchmark in BENCHMARKS.items():
+        if benchmark.vtab_group:
+            for settings in finetune_settings(benchmark, FinetuneGrid()):
+                table.append(
+                    Cell("runs/r/checkpoint_000100", name, "finetune", settings, 0, 100).ok({"accuracy": 0.5}, 1.0)
+                )
+    averages = vtab_group_averages(summarize(table, "accuracy"))
+    assert sorted(zip(averages["group"], averages["tasks"], averages["total"])) == [
+        ("all", 19, 19),
+        ("natural", 7, 7),
+        ("specialized", 4, 4),
+        ("structured", 8, 8),
+    ]
+    assert "pp=" not in averages["label"].iloc[0]
 
 
 # ---------------------------------------------------------------------------------------------
