@@ -15,6 +15,7 @@ import scipy.io
 from PIL import Image
 
 from vitray.data import prepare_dataset, read_labels
+from vitray.data.shards import plan_shards
 from vitray.data.sources import open_source
 
 
@@ -65,6 +66,17 @@ def test_pets_archives_give_trainval_and_test_with_breed_names(tmp_path):
     # Each sample keeps the label of its own image (the shards are in a shuffled order).
     sample_labels = {s.image: s.label for s in source.chunk("train", range(10))}
     assert len(sample_labels) == 10 and set(sample_labels.values()) == {0, 1, 2}
+    # And the shards hold the samples in that planned order, not the archive's (sorted by name here,
+    # as the real one is by breed): a split's held-out tail would be a run of a few classes.
+    chunk = source.chunk("train", [7, 2, 5, 0])
+    assert [s.origin.rsplit(":", 1)[1] for s in chunk] == list(chunk.members)
+    planned = [
+        label
+        for task in plan_shards(source, samples_per_shard=4)
+        if task.split == "train"
+        for label in task.chunk.members.values()
+    ]
+    assert read_labels(str(tmp_path / "out"), "train")[1].tolist() == planned
 
 
 def test_pets_with_an_image_missing_from_the_archive_fails_clearly(tmp_path):

@@ -29,24 +29,36 @@ from .base import Sample, SampleChunk, Source, image_ext
 
 
 class ArchiveChunk(SampleChunk):
-    """The members ``{name: label}`` of the tar archive ``path``, in archive order."""
+    """The members ``{name: label}`` of the tar archive ``path``, in the order of ``members`` (the
+    shard's planned, shuffled order: a sample's key is its planned position)."""
 
     def __init__(self, path: str, members: dict[str, int]) -> None:
         self.path, self.members = path, members
 
     def __iter__(self) -> Iterator[Sample]:
-        seen: set[str] = set()
-        with tarfile.open(self.path, "r|*") as archive:  # streamed: gzip has no random access
+        # The archive is read once, in its own order (streamed: gzip has no random access); a member
+        # met before its turn waits in memory (a shard's worth at most). In archive order -- often
+        # class by class -- a shard's samples, and so the held-out tail of a split (`train[90%:]`),
+        # were runs of a few classes.
+        order, turn = list(self.members), 0
+        waiting: dict[str, Sample] = {}
+        read: set[str] = set()  # a name met twice in the archive: its first copy counts
+        with tarfile.open(self.path, "r|*") as archive:
             for member in archive:
                 label = self.members.get(member.name)
-                if label is None or not member.isfile() or member.name in seen:
+                if label is None or not member.isfile() or member.name in read:
                     continue
+                read.add(member.name)
                 data = archive.extractfile(member).read()
-                seen.add(member.name)
-                yield Sample(data, image_ext(data, member.name), label, origin=f"{self.path}:{member.name}")
-                if len(seen) == len(self.members):
+                waiting[member.name] = Sample(
+                    data, image_ext(data, member.name), label, origin=f"{self.path}:{member.name}"
+                )
+                while turn < len(order) and order[turn] in waiting:
+                    yield waiting.pop(order[turn])
+                    turn += 1
+                if turn == len(order):
                     return
-        missing = sorted(set(self.members) - seen)
+        missing = sorted(set(order) - read)
         raise FileNotFoundError(f"{self.path} lacks {len(missing)} of the images listed, e.g. {missing[:3]}")
 
 
