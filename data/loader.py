@@ -50,6 +50,17 @@ from .transforms import TRAIN_CROP_SCALE, eval_resize, train_augment
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 2  # 2: staggered shuffle windows (a version-1 state resumes with unstaggered ones)
+DEFAULT_SHARD_CACHE_GB = 100.0
+
+
+def _cache_gb(given: float | None) -> float:
+    """The shard cache's bound: the given one (0 included, refused as not positive), else
+    VITRAY_SHARD_CACHE_GB, else 100 GiB."""
+    if given is not None:
+        return float(given)
+    return float(os.environ.get("VITRAY_SHARD_CACHE_GB") or DEFAULT_SHARD_CACHE_GB)
+
+
 PREFETCH = 2  # chunks each worker prepares ahead (DataLoader's prefetch_factor)
 
 
@@ -383,7 +394,7 @@ class ShardLoader:
             num_workers=num_workers,
             storage_options=storage_options,
             shard_cache=shard_cache or os.environ.get("VITRAY_SHARD_CACHE") or None,
-            shard_cache_bytes=int(float(shard_cache_gb or os.environ.get("VITRAY_SHARD_CACHE_GB") or 100) * 2**30),
+            shard_cache_bytes=int(_cache_gb(shard_cache_gb) * 2**30),
             device_decode=device_decode,
             outage_s=outage_s,
         )
@@ -444,6 +455,11 @@ class ShardLoader:
         which sample sits at which position. World size, batch size and workers may differ.
         """
         spec = self._spec
+        if int(state.get("version", 1)) > STATE_VERSION:
+            raise ValueError(
+                f"cannot resume the data stream: its state is of version {state['version']}, written by a newer "
+                f"vitray than this one (which reads up to {STATE_VERSION}); resume with that version"
+            )
         mine = {
             "seed": spec.seed,
             "num_slots": spec.num_slots,

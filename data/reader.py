@@ -17,6 +17,7 @@ is rejected with :class:`UnsafeShardError`, never skipped quietly.
 from __future__ import annotations
 
 import logging
+import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -257,8 +258,10 @@ class ShardCursor:
                 self._end_offset = offset
                 return None
             stored = _octal(header[148:156])
+            # The checksum field counts as 8 spaces; old writers summed the bytes as signed chars.
             unsigned = sum(header[:148]) + 8 * 32 + sum(header[156:])
-            if stored != unsigned and stored != unsigned - 2 * sum(v for v in header[148:156] if v > 127):
+            signed = sum(struct.unpack_from("148b", header)) + 8 * 32 + sum(struct.unpack_from("356b", header, 156))
+            if stored not in (unsigned, signed):
                 raise _Damaged(f"bad tar header checksum at byte {offset}")
             typeflag = header[156:157]
             member_size = _octal(header[124:136])

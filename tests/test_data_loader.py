@@ -364,10 +364,38 @@ def test_shard_cursor_reads_what_tarfile_reads(tmp_path, tar_format, monkeypatch
     cursor.close()
 
 
+def test_a_header_with_a_signed_checksum_is_read_as_tarfile_reads_it(tmp_path):
+    """Old tar writers summed a header's bytes as signed chars: a name with a byte past 127 then has
+    another checksum, which tarfile accepts; the cursor took the shard for damaged and skipped it."""
+    import struct
+
+    from vitray.data.reader import ShardCursor
+
+    info = tarfile.TarInfo("train_0\xe9.cls")
+    info.size = 1
+    header = bytearray(info.tobuf(format=tarfile.USTAR_FORMAT, encoding="latin-1"))
+    signed = 256 + sum(struct.unpack_from("148b8x356b", bytes(header)))
+    header[148:156] = b"%06o\0 " % signed
+    path = tmp_path / "signed.tar"
+    path.write_bytes(bytes(header) + b"3".ljust(512, b"\0") + bytes(1024))
+    assert [m.name for m in tarfile.open(path)] == ["train_0\udce9.cls"]
+    cursor = ShardCursor(str(path))
+    sample = cursor.read(want=True)
+    assert sample is not None and sample.fields == {"cls": b"3"} and not cursor.broken
+    cursor.close()
+
+
 def test_incompatible_state_is_refused(digits_dataset):
     state = loader(digits_dataset).state_dict()
     with pytest.raises(ValueError, match="saved seed=3 but this loader has seed=4"):
         loader(digits_dataset, seed=4).load_state_dict(state)
+    with pytest.raises(ValueError, match="state is of version 3, written by a newer vitray"):
+        loader(digits_dataset).load_state_dict({**state, "version": 3})
+
+
+def test_a_shard_cache_of_zero_gib_is_refused_not_taken_for_the_default(digits_dataset, tmp_path):
+    with pytest.raises(ValueError, match="shard_cache_gb must be positive, got 0"):
+        loader(digits_dataset, shard_cache=str(tmp_path / "cache"), shard_cache_gb=0)
 
 
 # ---------------------------------------------------------------- corrupt data
