@@ -19,6 +19,7 @@ import torch
 
 from .loading import load_native_state_dict
 from .vit import VisionTransformer
+from .whole_file import written_whole
 
 # How one tensor is stored: Dense kernels are (in, out), Conv kernels HWIO, attention kernels
 # split per head; "vector" also absorbs old GroupNorm params stored as (1, 1, 1, C).
@@ -183,9 +184,10 @@ def from_npz_arrays(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, torch.T
 
 
 def save_npz(model: VisionTransformer, path: str | os.PathLike) -> None:
-    """Writes the model's weights to ``path`` in the original vision_transformer .npz layout."""
+    """Writes the model's weights to ``path`` in the original vision_transformer .npz layout (the
+    file appears whole or not at all)."""
     arrays = to_npz_arrays(model)
-    with open(path, "wb") as file:  # a file object keeps np.savez from appending ".npz"
+    with written_whole(path) as tmp, open(tmp, "wb") as file:  # a file object keeps np.savez from appending ".npz"
         np.savez(file, **arrays)
 
 

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from .io_timm import from_timm_state_dict, is_timm_state_dict
 from .loading import load_native_state_dict
 from .vit import VisionTransformer
+from .whole_file import written_whole
 
 
 def save_safetensors(model: VisionTransformer, path: str | os.PathLike) -> None:
@@ -27,7 +28,8 @@ def save_safetensors(model: VisionTransformer, path: str | os.PathLike) -> None:
         "representation_size": str(model.representation_size or ""),
     }
     state = {key: value.detach().contiguous() for key, value in model.state_dict().items()}
-    save_file(state, os.fspath(path), metadata=metadata)
+    with written_whole(path) as tmp:  # the file appears whole or not at all
+        save_file(state, tmp, metadata=metadata)
 
 
 def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:

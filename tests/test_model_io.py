@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import numpy as np
@@ -107,6 +108,28 @@ def test_npz_round_trip_is_bit_exact(tmp_path, kwargs):
     load_npz(restored, tmp_path / "w.npz")
     assert_same_weights(model, restored)
     assert torch.equal(restored.eval()(IMAGES), model(IMAGES))
+
+
+def test_a_weights_file_whose_write_fails_leaves_the_old_one_and_no_part(tmp_path, monkeypatch):
+    """save_npz / save_safetensors write beside the file and rename: a failure part-way (a full disk, an
+    interrupt) leaves what was there, never a truncated file a later load would take for the model."""
+    model = randomized("Ti/16", img_size=64)
+    for save, name in ((save_npz, "w.npz"), (save_safetensors, "w.safetensors")):
+        target = tmp_path / name
+        target.write_bytes(b"the previous weights")
+        real_replace = os.replace
+
+        def full_disk(*args):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(os, "replace", full_disk)
+        with pytest.raises(OSError, match="No space left"):
+            save(model, target)
+        monkeypatch.setattr(os, "replace", real_replace)
+        assert target.read_bytes() == b"the previous weights"
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no part left behind
+        save(model, target)
+        assert target.stat().st_size > 100_000 and (target.stat().st_mode & 0o777) == 0o644
 
 
 def test_npz_loads_into_timm_with_the_same_logits(tmp_path):
