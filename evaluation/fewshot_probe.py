@@ -193,7 +193,9 @@ def probe(
             picks[key] = sample_few_shot(pool.labels, draw.shots, draw.seed, data.num_classes)
         except ValueError as error:
             results[key] = error
-    sets = sampled_features(model, data.train_path, data.train_split, pool, picks, **common) if picks else {}
+    if not picks:
+        return results  # every draw failed: no test features to extract for nothing
+    sets = sampled_features(model, data.train_path, data.train_split, pool, picks, **common)
     test_x, test_y = extract_split_features(model, data.test_path, data.test_split, **common)
     for key, draw in draws.items():
         if key in results:

@@ -643,3 +643,16 @@ def test_the_raw_pixel_reference_is_fitted_on_the_prepared_splits(digits_dataset
     rows = _markdown_rows(section, "| model |")
     assert [r[0] for r in rows] == [f"reference: {reference.name}", "fine-tuned pp=inception_crop(0.5)\\|x", "10-shot"]
     assert rows[0][1] == f"{reference.top1:.4f}" and rows[1][1] == "0.8500"
+
+
+def test_an_unset_fewshot_l2_reg_is_the_benchmarks_protocols():
+    """ "Unset keys take the benchmark's protocol": the grid's l2_reg defaulted to the constant 2^10, so a
+    benchmark's own protocol value was never read."""
+    from dataclasses import replace
+
+    from vitray.evaluation.methods.fewshot import FewShotGrid, fewshot_settings
+
+    own = with_overrides(get_benchmark("digits"), fewshot=replace(get_benchmark("digits").fewshot, l2_reg=8.0))
+    assert {s["l2_reg"] for s in fewshot_settings(own, FewShotGrid(), 16)} == {8.0}
+    assert {s["l2_reg"] for s in fewshot_settings(own, FewShotGrid(l2_reg="select"), 16)} == {"select"}
+    assert {s["l2_reg"] for s in fewshot_settings(get_benchmark("digits"), FewShotGrid(), 16)} == {1024.0}

@@ -27,7 +27,7 @@ class ValEvalConfig(EvalSection):
     """Top-1 of the model being trained on `path` / `split` (by default `data.val` (else `data.train`) /
     `data.val_split`), every rank scoring its share: metric `NAME/top1`."""
 
-    type: Literal["val"] = Field(description="val: top-1 (and loss) of the model on a labelled split.")
+    type: Literal["val"] = Field(description="val: top-1 of the model on a labelled split.")
     batch_size: int = Field(256, gt=0, description="Samples per worker per forward.")
     path: StoragePath | None = Field(
         None, description="Prepared dataset scored (local or s3://); data.val (else data.train) when unset."

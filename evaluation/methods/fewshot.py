@@ -43,8 +43,10 @@ class FewShotGrid(TaskSection):
         None, description="Shots per class; the benchmark's protocol (1, 5, 10, 25) when unset."
     )
     seeds: int | None = Field(None, gt=0, description="Seeds 0..n-1 per shots value; the protocol's (3) when unset.")
-    l2_reg: float | Literal["select"] = Field(
-        DEFAULT_L2_REG, description='Ridge strength, or "select" (cross-validated inside each few-shot set).'
+    l2_reg: float | Literal["select"] | None = Field(
+        None,
+        description='Ridge strength, or "select" (cross-validated inside each few-shot set); the benchmark\'s '
+        f"protocol ({DEFAULT_L2_REG:g}, big_vision's) when unset.",
     )
     img_size: int | None = Field(
         None, gt=0, description="Probe resolution; the checkpoint's model.img_size when unset."
@@ -61,8 +63,8 @@ class FewShotGrid(TaskSection):
 
     @field_validator("l2_reg")
     @classmethod
-    def _positive_l2(cls, l2: float | str) -> float | str:
-        if not isinstance(l2, str) and not l2 > 0:
+    def _positive_l2(cls, l2: float | str | None) -> float | str | None:
+        if l2 is not None and not isinstance(l2, str) and not l2 > 0:
             raise ValueError(f'must be a positive number or "select", got {l2}')
         return l2
 
@@ -87,7 +89,8 @@ class FewShotGroup:
 def fewshot_settings(benchmark: Benchmark, section: FewShotGrid, img_size: int) -> list[dict[str, Any]]:
     """Resolved settings of every few-shot cell of `benchmark` (one per shots value)."""
     shots = section.shots or list(benchmark.fewshot.shots)
-    return [{"shots": int(s), "l2_reg": section.l2_reg, "img_size": int(img_size)} for s in shots]
+    l2_reg = benchmark.fewshot.l2_reg if section.l2_reg is None else section.l2_reg
+    return [{"shots": int(s), "l2_reg": l2_reg, "img_size": int(img_size)} for s in shots]
 
 
 def fewshot_seeds(benchmark: Benchmark, section: FewShotGrid) -> list[int]:
