@@ -171,6 +171,7 @@ def probe(
     storage_options: dict[str, Any] | None = None,
     device: Any = "cpu",
     outage_s: float | None = None,
+    pool: FewShotPool | None = None,
 ) -> dict[Hashable, FewShotScore | Exception]:
     """Every few-shot set of `draws` probed on `model`'s features at `data.img_size`: its score, or
     the error that drawing or solving it raised (e.g. fewer examples than shots: that set alone).
@@ -185,7 +186,8 @@ def probe(
         "device": device,
         "outage_s": outage_s,
     }
-    pool = FewShotPool.read(data.train_path, data.train_split, storage_options, outage_s)
+    if pool is None:  # `pool`: the train split's labels read before (a training run's probe keeps them)
+        pool = FewShotPool.read(data.train_path, data.train_split, storage_options, outage_s)
     results: dict[Hashable, FewShotScore | Exception] = {}
     picks = {}
     for key, draw in draws.items():

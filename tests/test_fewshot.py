@@ -440,3 +440,25 @@ def test_the_fewshot_command_prints_each_shots_mean_over_its_seeds(digits_datase
     assert [(r["benchmark"], r["shots"], r["seeds"]) for r in answer["results"]] == [("digits", 1, 2), ("digits", 5, 2)]
     assert [f"{r['accuracy']:.4f}" for r in answer["results"]] == [[cell.strip() for cell in row][2] for row in rows]
     assert len(answer["problems"]) == 1 and "vitray data prepare cifar10:" in answer["problems"][0]
+
+
+def test_a_runs_fewshot_evaluator_reads_the_train_labels_once(digits_dataset, monkeypatch):
+    """A training run's probe reads the labels of the whole train split (every sample's bytes) to draw
+    its sets: once, at its first evaluation, not again at every one, with the same scores."""
+    from vitray.data.config import DataConfig
+    from vitray.evaluation.evaluators import Forward, Worker, build_evaluator
+    from vitray.evaluation.evaluators.fewshot import FewshotEvalConfig
+    from vitray.evaluation.fewshot_probe import FewShotPool
+
+    reads = []
+    real_read = FewShotPool.read.__func__
+    monkeypatch.setattr(
+        FewShotPool, "read", classmethod(lambda cls, *a, **k: reads.append(a[:2]) or real_read(cls, *a, **k))
+    )
+    config = FewshotEvalConfig(type="fewshot", every=1, datasets={"digits": str(digits_dataset)}, shots=[2, 5])
+    worker = Worker(rank=0, world_size=1, img_size=32, data=DataConfig(train=str(digits_dataset), num_workers=0))
+    evaluator = build_evaluator(config, worker)
+    forward = Forward("cpu", torch.float32, lambda values: values)
+    first, second = (dict(evaluator.run(_CountingPixels(), forward)) for _ in range(2))
+    assert first == second and set(first) == {"digits_2shot", "digits_5shot"}
+    assert reads == [(str(digits_dataset), "train")]

@@ -54,6 +54,9 @@ class Evaluator:
 
     def __init__(self, config: FewshotEvalConfig, worker: Worker):
         self.config, self.worker = config, worker
+        # The train splits' labels, read at the first evaluation (every sample of the split) and
+        # kept for the later ones: the data does not change during a run.
+        self._pools: dict[tuple[str, str], Any] = {}
 
     def uses_worker_processes(self) -> bool:
         return False  # the probe decodes in the evaluating process
@@ -68,6 +71,7 @@ class Evaluator:
             batch_size=cfg.batch_size,
             storage_options=self.worker.data.storage_options,
             outage_s=self.worker.outage_s,
+            pools=self._pools,
         )
 
 
@@ -84,6 +88,7 @@ def fewshot_accuracies(
     num_workers: int = 0,
     storage_options: dict[str, Any] | None = None,
     outage_s: float | None = None,
+    pools: dict[tuple[str, str], Any] | None = None,
 ) -> Iterator[tuple[str, float]]:
     """Few-shot accuracy of a model: ``("NAME_{k}shot", mean over seeds)`` per dataset and shots
     value.
@@ -92,11 +97,12 @@ def fewshot_accuracies(
     ``{"digits": "/data/digits"}``. The model is probed at its own resolution on its own device
     and dtype, and is left in the train/eval mode it was in. Same probe as `vitray fewshot`;
     `l2_reg` is its default ridge strength when unset; `outage_s` (a training run's probe): reads
-    wait this long for a store that stopped answering.
+    wait this long for a store that stopped answering; `pools` (a training run's evaluator): the
+    train splits' labels by (path, split), read once into it and taken from it after.
     """
     # The probe's solver imports scipy: on first use, not when a run's config names this evaluator.
     from vitray.evaluation.fewshot import DEFAULT_L2_REG
-    from vitray.evaluation.fewshot_probe import Draw, ProbeData, probe
+    from vitray.evaluation.fewshot_probe import Draw, FewShotPool, ProbeData, probe
 
     if not datasets:
         raise ValueError('datasets is empty: give {name: prepared dataset folder}, e.g. {"digits": "/data/digits"}')
@@ -110,6 +116,11 @@ def fewshot_accuracies(
             for k in shots
             for seed in range(seeds)
         }
+        pool = None
+        if pools is not None:
+            if (path, train_split) not in pools:
+                pools[path, train_split] = FewShotPool.read(path, train_split, storage_options, outage_s)
+            pool = pools[path, train_split]
         results = probe(
             features_of,
             data,
@@ -119,6 +130,7 @@ def fewshot_accuracies(
             storage_options=storage_options,
             device=param.device,
             outage_s=outage_s,
+            pool=pool,
         )
         for result in results.values():
             if isinstance(result, Exception):
