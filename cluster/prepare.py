@@ -8,7 +8,9 @@ manifest rows are put back in plan order before ``finalize`` writes the manifest
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,20 +48,32 @@ def _write_shard_task(
     return write_shard_checked(task, dest, storage_options, bad_images=bad_images)  # type: ignore[arg-type]
 
 
+class _Stop:
+    """The signal that asked the preparation to stop (SIGINT, SIGTERM), None until one came."""
+
+    signum: int | None = None
+
+
 @contextmanager
-def _ctrl_c_noted() -> Iterator[threading.Event]:
-    """Ctrl-C as a flag the task loop checks between its waits. A KeyboardInterrupt raised inside
-    Ray's own signal check (in `ray.wait`) can be lost there: on a loaded machine the preparation
-    then ran to its end after a Ctrl-C."""
-    pressed = threading.Event()
+def _stop_noted() -> Iterator[_Stop]:
+    """Ctrl-C and SIGTERM as a note the task loop checks between its waits. A KeyboardInterrupt
+    raised inside Ray's own signal check (in `ray.wait`) can be lost there: on a loaded machine the
+    preparation then ran to its end after a Ctrl-C; and Ray's C++ core answers SIGTERM with a stack
+    dump and an abort."""
+    stop = _Stop()
     if threading.current_thread() is not threading.main_thread():  # signal handlers: main thread only
-        yield pressed
+        yield stop
         return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.set())
+
+    def note(signum, frame) -> None:
+        stop.signum = stop.signum or signum
+
+    previous = {signum: signal.signal(signum, note) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield pressed
+        yield stop
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def prepare_dataset_on_ray(
@@ -99,14 +113,22 @@ def prepare_dataset_on_ray(
         disable=not show_progress,
     ) as progress:
         bar = progress.add_task("shards", total=sum(t.num_samples for t in tasks), rate=0.0)
-        with _ctrl_c_noted() as pressed:
+        with _stop_noted() as stop:
             while queue or running:
                 while queue and len(running) < max_in_flight:
                     task = queue.pop()
                     running[_write_shard_task.remote(task, dest, storage_options, bad_images)] = task
                 done, _ = ray.wait(list(running), num_returns=1, timeout=0.5)
-                if pressed.is_set():
+                if stop.signum == signal.SIGINT:
                     raise KeyboardInterrupt
+                if stop.signum == signal.SIGTERM:
+                    print(
+                        f"vitray: SIGTERM (pid {os.getpid()}): stopped preparing {dest}; no shard is left half-written, "
+                        "and the same command prepares it again",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    raise SystemExit(128 + signal.SIGTERM)
                 for ref in done:
                     task = running.pop(ref)
                     results[task.name] = ray.get(ref)

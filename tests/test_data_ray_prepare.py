@@ -58,9 +58,11 @@ def test_ray_prepare_treats_bad_images_like_the_serial_one(local_ray, tmp_path, 
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_a_ray_prepare_is_one_line_exit_130_and_no_dataset(tmp_path):
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_stop_during_a_ray_prepare_is_one_line_and_no_dataset(signame, tmp_path):
     """Ctrl-C (the terminal signals the whole process group) while Ray tasks write shards: exit 130
-    and the one line, every try (it once crashed in Ray's _raylet.so on exit); the destination is
+    and the one line, every try (it once crashed in Ray's _raylet.so on exit); SIGTERM to the command
+    (a scheduler's stop): exit 143 and its line, not Ray's stack dump and abort. The destination is
     never taken for a prepared dataset, and no process of the command outlives it."""
     import os
     import signal
@@ -78,13 +80,21 @@ def test_ctrl_c_during_a_ray_prepare_is_one_line_exit_130_and_no_dataset(tmp_pat
         while len(list(dest.glob("*.tar"))) < 3 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert proc.poll() is None, "the preparation ended before it could be interrupted"
-        os.killpg(proc.pid, signal.SIGINT)
+        if signame == "SIGINT":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, err
-    assert err.strip().splitlines()[-1] == "stopped by user (Ctrl-C): vitray data prepare did not finish"
+    if signame == "SIGINT":
+        assert proc.returncode == 130, err
+        assert err.strip().splitlines()[-1] == "stopped by user (Ctrl-C): vitray data prepare did not finish"
+    else:
+        assert proc.returncode == 143, err
+        assert f"vitray: SIGTERM (pid {proc.pid}): stopped preparing {dest}; no shard is left half-written" in err
+        assert "SIGTERM received" not in err and "Aborted" not in err, err[-3000:]  # Ray's C++ handler
     assert "Traceback" not in err
     assert not (dest / "dataset.json").exists()
     deadline = time.monotonic() + 30  # Ray's own processes (same process group) go with the command
