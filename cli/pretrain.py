@@ -39,8 +39,9 @@ def pretrain(
         print_config(cfg)
         return
     from vitray.cluster import pretrain as training
+    from vitray.runfolder.files import run_dir
 
-    folder = training.run_dir(cfg.run.storage, cfg.run.name)
+    folder = run_dir(cfg.run.storage, cfg.run.name)
     # Refused before the workers started: exit 2. Failed: one line, the root cause and the advice that
     # fits it; the tracebacks are in the run's attempt record and Ray's logs (`--verbose`: the workers').
     failed_at = f"; the full traceback is in the attempt record ({folder}/vitray/attempts) and with --verbose"
