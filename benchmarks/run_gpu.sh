@@ -55,7 +55,7 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND with a time limit, its out
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 wanted attention && step attention 120 "$PY" -c "
 import torch
-from vitray.trainers.attention import attention_kernel
+from vitray.trainers.step.attention import attention_kernel
 for setting in ('auto', 'flash', 'cudnn', 'efficient'):
     try:
         kernel = attention_kernel(setting, tokens=197, heads=12, head_dim=64, dtype=torch.bfloat16, device=torch.device('cuda'))
