@@ -252,7 +252,8 @@ def finetune(
     with handled(
         (PreflightError,), failed=(Exception,), doing="fine-tuning", traceback_at=" (the full traceback: --verbose)"
     ):
-        result = run_finetune(cfg, show_progress=True, verbose=verbose)
+        # JSON mode: stdout is for the JSON alone (the progress lines go to stdout)
+        result = run_finetune(cfg, show_progress=format_ == OutputFormat.table, verbose=verbose)
     folder = run_dir(cfg.run.storage, cfg.run.name)
     scored = [("val" if result.test is not None else "top1", (cfg.data.val_path, cfg.data.val_split), result.top1)]
     if result.test is not None:
