@@ -39,7 +39,11 @@ class FinetuneGrid(MethodSection):
     learning_rates: list[float] | None = Field(None, description="The sweep; the benchmark's protocol when unset.")
     seeds: int = Field(1, gt=0, description="Runs per learning rate (seeds 0..n-1).")
     steps: int | None = Field(None, gt=0, description="Optimizer steps; the protocol's when unset.")
-    batch_size: int | None = Field(None, gt=0, description="Global batch; the protocol's (512) when unset.")
+    batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="Global batch; the benchmark protocol's (512 for the paper's and VTAB tasks) when unset.",
+    )
     warmup_steps: int | None = Field(None, ge=0, description="Linear warm-up steps; the protocol's when unset.")
     resolution: int | None = Field(None, gt=0, description="Fine-tuning resolution (position embeddings resampled).")
     crop: TrainCropKind | None = Field(
