@@ -351,12 +351,26 @@ class RunLease:
             with self._locked():
                 held = read_lease(self.path)
                 if held is not None and held.owner == self.owner:
-                    storage.remove(self.path)
-                elif held is not None and not self.lost and self.on_lost is not None:
+                    held = self._remove_ours()
+                if held is not None and held.owner != self.owner and not self.lost and self.on_lost is not None:
                     self.lost = True  # taken over since the last heartbeat: said now, not never
                     self.on_lost(held)
         except RunLeaseHeld as stuck:  # left to expire after run.lease_timeout_s
             print(f"vitray: the lease was not released: {stuck}", flush=True)
+
+    def _remove_ours(self) -> LeaseRecord | None:
+        """Delete the lease this driver holds; on S3 only the version it wrote (`If-Match`): a take-over
+        landing between the read and the delete keeps its lease. Returns the other driver's record
+        in that case, else None."""
+        if self._object is None or self._etag is None:
+            storage.remove(self.path)  # local: under the file lock, nothing lands in between
+            return None
+        try:
+            self._object.delete(if_match=self._etag)
+        except lease_s3.WriteConflict:
+            current = self._object.get()
+            return _parse(current[0]) if current else None
+        return None
 
     def __enter__(self) -> RunLease:
         self.acquire()

@@ -85,8 +85,14 @@ class ConditionalObject:
         """Write `data` only over the version `etag`; returns the new ETag, or raises WriteConflict."""
         return self._put(data, IfMatch=etag)
 
-    def delete(self) -> None:
-        self._call("delete_object")
+    def delete(self, if_match: str | None = None) -> None:
+        """Delete the object; with `if_match`, only the version of that ETag (else WriteConflict)."""
+        try:
+            self._call("delete_object", **({"IfMatch": if_match} if if_match else {}))
+        except Exception as error:
+            if if_match and _conflict(error):
+                raise WriteConflict(f"{self.path} was written by another driver since") from error
+            raise
 
     def ignored_conditions(self) -> str | None:
         """Writes this (absent) object under conditions that cannot hold; what the store let

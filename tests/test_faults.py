@@ -202,6 +202,28 @@ def test_a_forced_take_over_on_s3_wins_against_a_live_heartbeat(seaweed_s3):
             thief.release()
 
 
+def test_a_release_on_s3_deletes_only_the_lease_it_wrote(seaweed_s3, monkeypatch):
+    """A forced take-over that lands between the holder's read of the lease and its delete (the
+    holder's read still shows its own record): the delete is conditional on the holder's version, so
+    the new driver keeps its lease, and the holder is told it was taken over."""
+    from vitray.runfolder import lease as lease_module
+
+    run_dir = seaweed_s3.url("runs", "raced-release")
+    taken = []
+    holder = RunLease(run_dir, timeout_s=60, on_lost=taken.append)
+    holder.acquire()
+    as_read = read_lease(holder.path)
+    thief = RunLease(run_dir, timeout_s=60, force=True)
+    thief.acquire()
+    monkeypatch.setattr(lease_module, "read_lease", lambda path: as_read)  # read before the take-over
+    holder.release()
+    monkeypatch.undo()
+    assert read_lease(thief.path).owner == thief.owner
+    assert [record.owner for record in taken] == [thief.owner]
+    thief.release()
+    assert read_lease(thief.path) is None
+
+
 def test_a_take_over_waits_for_a_heartbeat_between_its_read_and_its_write(tmp_path):
     """Local storage: the holder's heartbeat reads the lease (its own), then writes it. A driver
     taking over a stale lease in between used to write its own, find it still there after the
