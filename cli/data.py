@@ -59,8 +59,8 @@ def data_prepare(
         return
     if src.left_out:
         console.print(
-            f"leaving out {plural(len(src.left_out), 'file')} that {'is' if len(src.left_out) == 1 else 'are'} not "
-            f"PNG/JPEG images, e.g. {sorted(src.left_out)[0]}"
+            f"leaving out {plural(len(src.left_out), 'file')} (not PNG/JPEG images, or outside the class folders), "
+            f"e.g. {sorted(src.left_out)[0]}"
         )
     from vitray.cluster.prepare import prepare
 

@@ -190,6 +190,38 @@ def test_image_folder_without_split_folders_is_one_train_split(tmp_path):
     assert info.classes == ["a", "b"]
 
 
+def test_image_folder_layouts_that_were_misread(tmp_path):
+    """A class called "train" (CIFAR-100, VOC) took the folder for the split layout and dropped every
+    other class; a symlink back up the tree counted its images many times over; a class folder with no
+    image (an archive's __MACOSX) made a class no example has; images beside the class folders, and a
+    `validation/` split folder, went unmentioned."""
+    rng = np.random.default_rng(2)
+
+    def folder(name: str, classes: tuple[str, ...]) -> Path:
+        for cls in classes:
+            (tmp_path / name / cls).mkdir(parents=True)
+            for i in range(2):
+                (tmp_path / name / cls / f"{i}.png").write_bytes(png_bytes(random_image(rng)))
+        return tmp_path / name
+
+    vehicles = folder("vehicles", ("bicycle", "bus", "car", "train"))
+    (vehicles / "stray.png").write_bytes(png_bytes(random_image(rng)))
+    (vehicles / "bus" / "again").symlink_to(vehicles / "bus" / "..", target_is_directory=True)
+    with pytest.raises(ValueError, match=r"bus/again links to .*vehicles, which holds it: a loop"):
+        open_source(f"imagefolder:{vehicles}")
+    (vehicles / "bus" / "again").unlink()
+    (vehicles / "bus" / "same").symlink_to(vehicles / "car", target_is_directory=True)  # no loop: read as its own
+    source = open_source(f"imagefolder:{vehicles}")
+    assert source.classes == ["bicycle", "bus", "car", "train"] and source.split_sizes() == {"train": 10}
+    assert source.left_out == [str(vehicles / "stray.png")]
+    splits = folder("splits", ("train/a", "train/b", "validation/a", "validation/b"))
+    assert open_source(f"imagefolder:{splits}").split_sizes() == {"train": 4, "validation": 4}
+    (vehicles / "__MACOSX").mkdir()
+    (vehicles / "__MACOSX" / "._0.png").write_bytes(b"resource fork")
+    with pytest.raises(ValueError, match=r"class folder\(s\) \['__MACOSX'\] hold no PNG/JPEG images"):
+        open_source(f"imagefolder:{vehicles}")
+
+
 def test_cifar10_pickles_become_lossless_pngs(tmp_path):
     made = write_cifar10(tmp_path / "cifar-10-batches-py", np.random.default_rng(2))
     info = prepare_dataset(f"cifar10:{tmp_path}", str(tmp_path / "out"), samples_per_shard=4)  # the parent folder

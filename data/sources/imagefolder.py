@@ -1,9 +1,11 @@
-"""``imagefolder:PATH``: one folder per class, optionally under ``train/``, ``val/``, ``test/``.
+"""``imagefolder:PATH``: one folder per class, optionally under ``train/``, ``val/``,
+``validation/``, ``test/``.
 
 Layouts::
 
     PATH/CLASS/IMAGE.jpg                      -> one split, "train"
-    PATH/{train,val,test}/CLASS/IMAGE.jpg     -> the splits that are present
+    PATH/{train,val,validation,test}/CLASS/IMAGE.jpg -> the splits that are present (every folder
+                                                 of PATH a split's: a class may be called "train")
     PATH/IMAGE.jpg, PATH/{train,...}/IMAGE.jpg -> unlabelled (no class folders at all)
 
 Classes are the sorted union of class folder names over all splits (so a class index means the
@@ -27,7 +29,7 @@ from .base import IMAGE_SUFFIXES, UNSUPPORTED_IMAGE_SUFFIXES, Sample, SampleChun
 
 log = logging.getLogger(__name__)
 
-SPLIT_FOLDERS = ("train", "val", "test")
+SPLIT_FOLDERS = ("train", "val", "validation", "test")
 
 
 class ImageFolderChunk(SampleChunk):
@@ -54,7 +56,11 @@ class ImageFolderSource(Source):
         root = Path(location).expanduser().resolve()
         if not root.is_dir():
             raise FileNotFoundError(f"imagefolder source {root} is not a folder")
-        split_roots = {s: root / s for s in SPLIT_FOLDERS if (root / s).is_dir()} or {"train": root}
+        # The split layout only where every folder of PATH is a split's: CIFAR-100 and VOC have a
+        # class called "train", and taking such a folder for a split dropped the other classes.
+        top = _class_folders(root)
+        split_layout = bool(top) and set(top) <= set(SPLIT_FOLDERS)
+        split_roots = {s: root / s for s in SPLIT_FOLDERS if s in top} if split_layout else {"train": root}
         class_dirs = {split: _class_folders(folder) for split, folder in split_roots.items()}
         classes = sorted({name for names in class_dirs.values() for name in names})
         if not classes:
@@ -78,6 +84,16 @@ class ImageFolderSource(Source):
         for split, files in split_files.items():
             if not files:
                 raise ValueError(f"imagefolder split {split!r} at {split_roots[split]} has no PNG/JPEG images")
+        empty = sorted(set(classes) - {classes[label] for files in split_files.values() for _, label, _ in files})
+        if (
+            empty
+        ):  # a class without an example would shift no index but could never be learnt (torchvision refuses it too)
+            raise ValueError(
+                f"imagefolder source {root}: class folder(s) {empty[:5]}{' ...' if len(empty) > 5 else ''} hold no "
+                "PNG/JPEG images (an archive's __MACOSX folder?); remove them or add their images"
+            )
+        for folder in split_roots.values():  # images beside the class folders belong to no class
+            left_out += [str(p) for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(".")]
         source = cls(root, split_files, classes)
         source.left_out = left_out
         return source
@@ -117,7 +133,19 @@ def _image_files(class_dir: Path, recursive: bool = True, left_out: list[str] | 
     """(path, size) of the images under ``class_dir`` (recursively or not), in sorted path order;
     the other files (hidden ones aside) are added to ``left_out``."""
     found = []
+    top = os.path.realpath(class_dir)
+    visited: set[str] = set()  # real paths: a folder linked twice is read once
     for dirpath, dirnames, filenames in os.walk(class_dir, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if dirpath != str(class_dir) and (real == top or top.startswith(real + os.sep)):
+            raise ValueError(
+                f"{dirpath} links to {real}, which holds it: a loop that would read the images above it again "
+                "(and into this class); remove the link"
+            )
+        if real in visited:
+            dirnames[:] = []
+            continue
+        visited.add(real)
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")) if recursive else []
         for name in filenames:
             suffix = os.path.splitext(name)[1].lower()
