@@ -255,6 +255,19 @@ def test_parquet_single_label_with_class_names(tmp_path):
     assert stored == made["train"]
 
 
+def test_parquet_in_hugging_faces_converted_layout_keeps_its_splits(tmp_path):
+    """`CONFIG/SPLIT/0000.parquet` (the Hub's parquet conversion): the split is the folder's name. The
+    file name alone made one split "0000" of train and test together. Several configs are refused."""
+    write_parquet(tmp_path / "flat", np.random.default_rng(6))
+    for file, split in (("train-00000-of-00002", "train"), ("test-00000-of-00001", "test")):
+        (tmp_path / "hub" / "default" / split).mkdir(parents=True)
+        shutil.copy(tmp_path / "flat" / f"{file}.parquet", tmp_path / "hub" / "default" / split / "0000.parquet")
+    assert open_source(f"parquet:{tmp_path / 'hub' / 'default'}").split_sizes() == {"train": 5, "test": 3}
+    shutil.copytree(tmp_path / "hub" / "default", tmp_path / "hub" / "other")
+    with pytest.raises(ValueError, match=r"split 'test' lie in several folders \(default/test, other/test\)"):
+        open_source(f"parquet:{tmp_path / 'hub'}")
+
+
 def test_parquet_multi_label_writes_json_labels(tmp_path):
     made, classes = write_parquet(tmp_path / "pq", np.random.default_rng(5), multi=True)
     info = prepare_dataset(f"parquet:{tmp_path / 'pq'}", str(tmp_path / "out"))

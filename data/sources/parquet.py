@@ -110,8 +110,18 @@ class ParquetSource(Source):
         if not paths:
             raise FileNotFoundError(f"{cls.kind} source {root}: no .parquet files there")
         files: dict[str, list[str]] = defaultdict(list)
+        folders: dict[str, set[Path]] = defaultdict(set)
         for path in paths:
-            files[check_split_name(path.name.split(".")[0].split("-")[0], str(path))].append(str(path))
+            split = check_split_name(_split_of(path), str(path))
+            files[split].append(str(path))
+            folders[split].add(path.parent)
+        for split, where in folders.items():
+            if len(where) > 1:  # Hugging Face's configs: one dataset each, not one split together
+                names = ", ".join(sorted(str(w.relative_to(root)) for w in where))
+                raise ValueError(
+                    f"{cls.kind} source {root}: the files of split {split!r} lie in several folders ({names}), as "
+                    "a Hugging Face dataset's configs do; give the folder of one of them"
+                )
         schema = pq.read_schema(paths[0])
         multi = _check_schema(schema, paths[0], columns)
         for path in paths[1:]:
@@ -145,6 +155,13 @@ class ParquetSource(Source):
             raise ValueError("parquet sources read contiguous ascending index ranges only")
         offsets = [0, *np.cumsum(self.rows[split]).tolist()[:-1]]
         return ParquetChunk(self.files[split], offsets, start, stop, self.columns)
+
+
+def _split_of(path: Path) -> str:
+    """A file's split: its name's first word (`train-00000-of-00002.parquet`), or where that is a
+    number (`0000.parquet`, Hugging Face's converted layout `CONFIG/SPLIT/0000.parquet`) its folder's name."""
+    word = path.name.split(".")[0].split("-")[0]
+    return path.parent.name if word.isdigit() else word
 
 
 def _check_schema(schema: pa.Schema, path: Path, columns: tuple[str, str] = ("image", "label")) -> bool:
