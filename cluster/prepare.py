@@ -131,7 +131,14 @@ def prepare_dataset_on_ray(
                     raise SystemExit(128 + signal.SIGTERM)
                 for ref in done:
                     task = running.pop(ref)
-                    results[task.name] = ray.get(ref)
+                    try:
+                        results[task.name] = ray.get(ref)
+                    except ray.exceptions.RayTaskError as error:
+                        # The task's own error (a bad image, a label out of range), as the serial path
+                        # raises it: one line, not Ray's wrapper with the worker's traceback.
+                        if error.cause is None:
+                            raise
+                        raise error.cause from None
                     progress.update(bar, advance=task.num_samples)
                     elapsed = progress.tasks[bar].elapsed or 0.0
                     progress.update(bar, rate=progress.tasks[bar].completed / elapsed if elapsed else 0.0)

@@ -167,7 +167,8 @@ def _member(name: str, data: bytes) -> tuple[tarfile.TarInfo, IO[bytes]]:
 
 def label_member(task: ShardTask, label: int | tuple[int, ...] | None, key: str) -> tuple[str, bytes] | None:
     """The label field of a sample: ``.cls`` (decimal text), ``.json`` ``{"labels": [...]}``, or
-    None for unlabelled data (the sample is its image alone)."""
+    None for unlabelled data (the sample is its image alone). ``key`` names the sample in errors (its
+    origin in the source where it has one: a file, a table's row)."""
     if task.label_kind == "none":
         if label is not None:
             raise ValueError(f"{key}: unlabelled dataset but the sample has the label {label!r}")
@@ -224,7 +225,7 @@ def write_shard_checked(
                         continue  # this shard will not be published; only count what else is bad
                     if problem is not None:
                         continue
-                    label = label_member(task, sample.label, key)
+                    label = label_member(task, sample.label, sample.origin or key)  # named where the user finds it
                     tar.addfile(*_member(f"{key}.{sample.ext}", sample.image))
                     if label is not None:
                         tar.addfile(*_member(f"{key}.{label[0]}", label[1]))

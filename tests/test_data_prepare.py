@@ -449,6 +449,6 @@ def test_unsupported_images_and_tables_are_rejected(tmp_path):
         ),
         bad_label / "train.parquet",
     )
-    with pytest.raises(ValueError, match="label 7 is outside the classes 0..1"):
-        prepare_dataset(f"parquet:{bad_label}", str(tmp_path / "bad"))
+    with pytest.raises(ValueError, match=r"train.parquet.*row 0.*: label 7 is outside the classes 0..1"):
+        prepare_dataset(f"parquet:{bad_label}", str(tmp_path / "bad"))  # the row named, not a key of no file yet
     assert not (tmp_path / "bad" / "dataset.json").exists()

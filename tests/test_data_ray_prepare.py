@@ -56,6 +56,16 @@ def test_ray_prepare_treats_bad_images_like_the_serial_one(local_ray, tmp_path, 
         assert "skipped 2 bad images" in capsys.readouterr().out
     assert read_manifest(str(tmp_path / "ray"), "train") == read_manifest(str(tmp_path / "serial"), "train")
 
+    # Another error a shard task raises (a WEBP under a .jpg name): the task's own, as the serial path
+    # raises it, not Ray's wrapper with the worker's traceback (which reached the console).
+    (src / "ant" / "fake.jpg").write_bytes(b"RIFF\x24\x00\x00\x00WEBPVP8 ")
+    errors = []
+    for dest, prepare in (("ray2", prepare_dataset_on_ray), ("serial2", prepare_dataset)):
+        with pytest.raises(ValueError) as raised:
+            prepare(f"imagefolder:{src}", str(tmp_path / dest), samples_per_shard=3, bad_images="skip")
+        errors.append(raised.value)
+    assert type(errors[0]) is type(errors[1]) and str(errors[0]) == str(errors[1]) and "ray::" not in str(errors[0])
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
