@@ -434,10 +434,16 @@ def decode_image(data: bytes) -> Image.Image:
         raise CorruptSample(f"undecodable image: {type(error).__name__}: {error}") from None
 
 
+# Pillow's modes of a 16-bit grayscale PNG: its convert("RGB") clips them to 255 instead of scaling.
+_WIDE_GRAY_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
+
+
 def _loaded_rgb(image: Image.Image) -> Image.Image:
     if image.mode == "P" and "transparency" in image.info:
         image = image.convert("RGBA")  # converting straight to RGB warns about the palette alpha
     image.load()  # the full decode, so that truncated data fails here
+    if image.mode in _WIDE_GRAY_MODES:  # 16-bit gray: the high byte of each value, as 8-bit decoders do
+        image = Image.fromarray((np.asarray(image).astype(np.int64).clip(0, 65535) >> 8).astype(np.uint8), "L")
     return image if image.mode == "RGB" else image.convert("RGB")  # RGB already: no copy
 
 

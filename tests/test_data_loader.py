@@ -995,3 +995,18 @@ def test_top1_hits_single_and_multi_label():
     # Multi-hot rows (ImageNet-ReaL): any of the labels counts; a row with none is not scored.
     labels = torch.tensor([[0, 1, 1], [1, 0, 0], [0, 0, 0]])
     assert top1_hits(torch.tensor([2, 1, 0]), labels) == (1, 2)
+
+
+def test_a_16_bit_grayscale_png_keeps_its_tones():
+    """Pillow's convert("RGB") of a 16-bit gray PNG clips every value above 255: the image came out
+    nearly all white (prepare accepts such files). Now the high byte of each value, as 8-bit decoders
+    read it, for the evaluation decode and the training crop alike."""
+    from vitray.data.transforms import TrainCrop, decode_image
+
+    gray = (np.arange(32 * 32).reshape(32, 32) * 64).astype(np.uint16)
+    buffer = io.BytesIO()
+    Image.fromarray(gray).save(buffer, format="PNG")
+    decoded = np.asarray(decode_image(buffer.getvalue()))
+    assert decoded.shape == (32, 32, 3) and (decoded[..., 0] == (gray >> 8)).all()
+    crop = TrainCrop(16, min_crop_area=1.0).from_bytes(buffer.getvalue(), seed=0)
+    assert 100 < float(crop.float().mean()) < 155, float(crop.float().mean())  # a mid-gray ramp, not white
