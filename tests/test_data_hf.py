@@ -83,7 +83,7 @@ def test_hf_columns_and_class_names_come_from_the_card(tmp_path):
     assert coarse.classes == ["fruit", "other"]
 
 
-def test_hf_flags_without_a_card_and_schema_metadata_names(tmp_path):
+def test_hf_flags_without_a_card_and_schema_metadata_names(tmp_path, monkeypatch):
     root = tmp_path / "plain"
     root.mkdir()
     features = {
@@ -101,3 +101,7 @@ def test_hf_flags_without_a_card_and_schema_metadata_names(tmp_path):
         open_source(f"hf:{root}?column=img")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         open_source(f"hf:{tmp_path / 'nowhere'}")
+    # The spec a dataset records names the folder resolved (a relative path from elsewhere is another one).
+    monkeypatch.chdir(root.parent)
+    relative = open_source(f"hf:{root.name}?image=img&label=fine_label")
+    assert relative.spec == f"hf:{root}?image=img&label=fine_label"

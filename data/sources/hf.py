@@ -84,7 +84,10 @@ class HfSource(ParquetSource):
         image = options.get("image") or _pick(features, _is_image, "image", "image", root)
         label = options.get("label") or _pick(features, _is_class_label, "class_label", "label", root)
         card_feature = next((f for f in features if f["name"] == label), None)
-        return cls.from_files(root, (image, label), _card_names(card_feature), f"{cls.kind}:{location}")
+        # The spec recorded with the dataset names the folder resolved, as the other sources do: a relative
+        # path typed elsewhere must not read as another (or the same) source.
+        spec = f"{cls.kind}:{root}" + (f"?{query}" if query else "")
+        return cls.from_files(root, (image, label), _card_names(card_feature), spec)
 
 
 def _pick(features: list[dict[str, Any]], want: Any, what: str, default: str, root: Path) -> str:

@@ -278,7 +278,9 @@ class TfdsSource(Source):
         if classes is None:
             raise ValueError(f"tfds source {build.folder}: feature {label!r} is not a ClassLabel (no class count)")
         image = options.get("image") or build.image_feature()
-        return cls(build, image, label, classes, renames, f"{cls.kind}:{location}")
+        query_text = location.partition("?")[2]
+        spec = f"{cls.kind}:{build.folder}" + (f"?{query_text}" if query_text else "")  # the folder resolved
+        return cls(build, image, label, classes, renames, spec)
 
     def _segments(self, split: str) -> list[Segment]:
         whole = self.build.splits[self.names[split]]
