@@ -268,6 +268,24 @@ def test_parquet_in_hugging_faces_converted_layout_keeps_its_splits(tmp_path):
         open_source(f"parquet:{tmp_path / 'hub'}")
 
 
+def test_an_image_only_table_is_unlabelled_data(tmp_path):
+    """A table of images and no label column: `parquet:` names the way (`unlabelled:`), which reads it
+    (it opened the wrapped source whole, label column required, and refused it)."""
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    rng = np.random.default_rng(7)
+    images = [png_bytes(random_image(rng)) for _ in range(5)]
+    pq.write_table(
+        pa.table({"image": [{"bytes": b, "path": f"{i}.png"} for i, b in enumerate(images)]}), folder / "train.parquet"
+    )
+    with pytest.raises(ValueError, match=rf"found \['image'\] \(a table without labels: unlabelled:parquet:{folder}\)"):
+        open_source(f"parquet:{folder}")
+    info = prepare_dataset(f"unlabelled:parquet:{folder}", str(tmp_path / "out"))
+    assert info.label_kind == "none" and info.num_classes == 0 and info.splits["train"].num_samples == 5
+    samples = shard_samples(tmp_path / "out", "train")
+    assert [v["png"] for _, v in sorted(samples.items())] == images and all(set(v) == {"png"} for v in samples.values())
+
+
 def test_parquet_multi_label_writes_json_labels(tmp_path):
     made, classes = write_parquet(tmp_path / "pq", np.random.default_rng(5), multi=True)
     info = prepare_dataset(f"parquet:{tmp_path / 'pq'}", str(tmp_path / "out"))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,21 +46,21 @@ class ParquetChunk(SampleChunk):
                 yield from _read_rows(path, lo, hi, self.columns)
 
 
-def _read_rows(path: str, lo: int, hi: int, columns: tuple[str, str]) -> Iterator[Sample]:
-    image_col, label_col = columns
+def _read_rows(path: str, lo: int, hi: int, columns: tuple[str, str | None]) -> Iterator[Sample]:
+    image_col, label_col = columns  # label_col None: an unlabelled table
     reader = pq.ParquetFile(path)
     first = 0
     for group in range(reader.num_row_groups):
         rows = reader.metadata.row_group(group).num_rows
         if first < hi and first + rows > lo:
-            table = reader.read_row_group(group, columns=[image_col, label_col])
+            table = reader.read_row_group(group, columns=[c for c in columns if c is not None])
             for row in range(max(lo - first, 0), min(hi - first, rows)):
                 image = table.column(image_col)[row].as_py()
-                label = table.column(label_col)[row].as_py()
+                label = table.column(label_col)[row].as_py() if label_col is not None else None
                 where = f"{path} row {first + row}"
                 if not image or image.get("bytes") is None:
                     raise ValueError(f"{where} has no image bytes (images must be embedded, not referenced by path)")
-                if label is None:
+                if label is None and label_col is not None:
                     raise ValueError(f"{where} has no label")
                 data = image["bytes"]
                 yield Sample(
@@ -70,6 +70,14 @@ def _read_rows(path: str, lo: int, hi: int, columns: tuple[str, str]) -> Iterato
                     origin=where,
                 )
         first += rows
+
+
+class LabelColumnMissing(ValueError):
+    """A table without its label column: `unlabelled:` reads it as it is (`reopen`)."""
+
+    def __init__(self, message: str, reopen: Callable[[], Source]):
+        super().__init__(message)
+        self.reopen = reopen
 
 
 class ParquetSource(Source):
@@ -82,14 +90,14 @@ class ParquetSource(Source):
         classes: list[str],
         multi: bool,
         files: dict[str, list[str]],
-        columns: tuple[str, str] = ("image", "label"),
+        columns: tuple[str, str | None] = ("image", "label"),
         spec: str | None = None,
     ) -> None:
         super().__init__(
             spec or f"{self.kind}:{root}",
             root.stem if root.is_file() else root.name,
             classes,
-            "multi" if multi else "single",
+            "none" if columns[1] is None else "multi" if multi else "single",
         )
         self.files, self.columns = files, columns
         self.rows = {split: [pq.ParquetFile(f).metadata.num_rows for f in paths] for split, paths in files.items()}
@@ -105,7 +113,10 @@ class ParquetSource(Source):
         columns: tuple[str, str] = ("image", "label"),
         card_classes: list[str] | None = None,
         spec: str | None = None,
+        *,
+        labels: bool = True,
     ) -> ParquetSource:
+        """`labels=False` (`unlabelled:`): a table without the label column is read without it."""
         paths = [root] if root.is_file() else sorted(root.rglob("*.parquet"))
         if not paths:
             raise FileNotFoundError(f"{cls.kind} source {root}: no .parquet files there")
@@ -123,6 +134,18 @@ class ParquetSource(Source):
                     "a Hugging Face dataset's configs do; give the folder of one of them"
                 )
         schema = pq.read_schema(paths[0])
+        if columns[1] not in schema.names and columns[0] in schema.names:
+            message = (
+                f"{paths[0]}: expected columns {columns[0]!r} (struct of bytes, path) and {columns[1]!r}; found "
+                f"{schema.names} (a table without labels: unlabelled:{spec or f'{cls.kind}:{root}'})"
+            )
+            if labels:
+                raise LabelColumnMissing(
+                    message, lambda: cls.from_files(root, columns, card_classes, spec, labels=False)
+                )
+            for path in paths:
+                _check_schema(pq.read_schema(path), path, (columns[0], None))
+            return cls(root, [], False, dict(files), (columns[0], None), spec)
         multi = _check_schema(schema, paths[0], columns)
         for path in paths[1:]:
             if _check_schema(pq.read_schema(path), path, columns) != multi:
@@ -164,17 +187,19 @@ def _split_of(path: Path) -> str:
     return path.parent.name if word.isdigit() else word
 
 
-def _check_schema(schema: pa.Schema, path: Path, columns: tuple[str, str] = ("image", "label")) -> bool:
-    """Validate the Hugging Face image layout; True when labels are lists (multi-label)."""
+def _check_schema(schema: pa.Schema, path: Path, columns: tuple[str, str | None] = ("image", "label")) -> bool:
+    """Validate the Hugging Face image layout; True when labels are lists (multi-label). A label
+    column of None: the image column alone (an unlabelled table)."""
     names = schema.names
     image_col, label_col = columns
-    if image_col not in names or label_col not in names:
-        raise ValueError(
-            f"{path}: expected columns {image_col!r} (struct of bytes, path) and {label_col!r}; found {names}"
-        )
+    if image_col not in names or (label_col is not None and label_col not in names):
+        wanted = f"{image_col!r} (struct of bytes, path)" + (f" and {label_col!r}" if label_col is not None else "")
+        raise ValueError(f"{path}: expected columns {wanted}; found {names}")
     image = schema.field(image_col).type
     if not pa.types.is_struct(image) or image.get_field_index("bytes") < 0:
         raise ValueError(f"{path}: column {image_col!r} must be a struct with a 'bytes' field, not {image}")
+    if label_col is None:
+        return False
     label = schema.field(label_col).type
     if pa.types.is_integer(label):
         return False

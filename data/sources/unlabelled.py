@@ -42,7 +42,12 @@ class UnlabelledSource(Source):
 
     @classmethod
     def open_spec(cls, location: str, open_source: Callable[[str], Source]) -> Source:
-        inner = open_source(location)
+        from .parquet import LabelColumnMissing
+
+        try:
+            inner = open_source(location)
+        except LabelColumnMissing as missing:  # a table of images alone: what this source is for
+            inner = missing.reopen()
         return inner if inner.label_kind == "none" else cls(inner)
 
     def split_sizes(self) -> dict[str, int]:
