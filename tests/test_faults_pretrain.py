@@ -156,9 +156,10 @@ def preempted(digits_dataset, reference, small_disk, tmp_path_factory):
     full_disk = None
     if small_disk:
         # Once the re-run trains, another process fills the disk; the re-run's first checkpoint is
-        # five steps later (the interval changes no weights), so the fill is done when it is written.
+        # fifteen steps later (about 4 s; the interval changes no weights), so the fill is done when
+        # it is written (five steps once let a checkpoint through on a loaded machine, session 41).
         # No worker-group restart (cluster.max_failures' default): it would meet the same full disk.
-        fill_args = ["--set", f"checkpoint.every={by_user.step + 6}", "--set", "cluster.max_failures=0"]
+        fill_args = ["--set", f"checkpoint.every={by_user.step + 16}", "--set", "cluster.max_failures=0"]
         with running([*args, *fill_args]) as filled:
             _wait_for(lambda: steps_begun(keys) > by_user.step, filled, "a step after the resume")
             filler = _fill(small_disk)
