@@ -148,9 +148,10 @@ def atomic_write(path: str, storage_options: dict[str, Any] | None = None) -> It
     """A binary file to write ``path`` through; it appears at ``path`` only once the block succeeds.
 
     Locally the data goes to a hidden temporary file beside the target, fsynced and renamed into
-    place at the end (a rename is atomic within one filesystem), the folder fsynced after. For object storage it goes to a local temporary
-    file that is then uploaded (an object only becomes visible once its upload completes) and the
-    stored size is checked against the local one. If the block raises, nothing is published.
+    place at the end (a rename is atomic within one filesystem), the folder fsynced after. For
+    object storage it goes to a local temporary file that is then uploaded (an object only becomes
+    visible once its upload completes) and the stored size is checked against the local one. If the
+    block raises, nothing is published.
     """
     fs, fs_path = filesystem(path, storage_options)
     local = isinstance(fs, LocalFileSystem)
@@ -178,8 +179,12 @@ def atomic_write(path: str, storage_options: dict[str, Any] | None = None) -> It
 
 
 def publish_file(local_path: str | os.PathLike, path: str, storage_options: dict[str, Any] | None = None) -> None:
-    """Copy a finished local file to `path` (local or s3://), streamed, so that readers never see a
-    part of it (:func:`atomic_write`)."""
+    """Copy a finished local file to `path` so that readers never see a part of it: uploaded as it
+    is to object storage (:func:`upload_file`: an object appears once whole), streamed through
+    :func:`atomic_write` locally."""
+    if is_remote(path):
+        upload_file(os.fspath(local_path), path, storage_options)
+        return
     with open(local_path, "rb") as src, atomic_write(path, storage_options) as dst:
         shutil.copyfileobj(src, dst, 16 * 2**20)
 

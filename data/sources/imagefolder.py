@@ -84,10 +84,10 @@ class ImageFolderSource(Source):
         for split, files in split_files.items():
             if not files:
                 raise ValueError(f"imagefolder split {split!r} at {split_roots[split]} has no PNG/JPEG images")
+        # A class without an example would shift no index but could never be learnt (torchvision
+        # refuses it too).
         empty = sorted(set(classes) - {classes[label] for files in split_files.values() for _, label, _ in files})
-        if (
-            empty
-        ):  # a class without an example would shift no index but could never be learnt (torchvision refuses it too)
+        if empty:
             raise ValueError(
                 f"imagefolder source {root}: class folder(s) {empty[:5]}{' ...' if len(empty) > 5 else ''} hold no "
                 "PNG/JPEG images (an archive's __MACOSX folder?); remove them or add their images"

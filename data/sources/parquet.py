@@ -134,22 +134,24 @@ class ParquetSource(Source):
                     "a Hugging Face dataset's configs do; give the folder of one of them"
                 )
         schema = pq.read_schema(paths[0])
-        if columns[1] not in schema.names and columns[0] in schema.names:
-            message = (
-                f"{paths[0]}: expected columns {columns[0]!r} (struct of bytes, path) and {columns[1]!r}; found "
-                f"{schema.names} (a table without labels: unlabelled:{spec or f'{cls.kind}:{root}'})"
-            )
-            if labels:
-                raise LabelColumnMissing(
-                    message, lambda: cls.from_files(root, columns, card_classes, spec, labels=False)
-                )
-            for path in paths:
-                _check_schema(pq.read_schema(path), path, (columns[0], None))
-            return cls(root, [], False, dict(files), (columns[0], None), spec)
-        multi = _check_schema(schema, paths[0], columns)
+        image_only = columns[1] not in schema.names and columns[0] in schema.names
+        wanted: tuple[str, str | None] = (columns[0], None) if image_only and not labels else columns
+        try:
+            multi = _check_schema(schema, paths[0], wanted)
+        except ValueError as error:
+            if image_only:  # `unlabelled:` reads such a table: say so, and let it reopen this one
+
+                def reopen() -> ParquetSource:
+                    return cls.from_files(root, columns, card_classes, spec, labels=False)
+
+                where = spec or f"{cls.kind}:{root}"
+                raise LabelColumnMissing(f"{error} (a table without labels: unlabelled:{where})", reopen) from None
+            raise
         for path in paths[1:]:
-            if _check_schema(pq.read_schema(path), path, columns) != multi:
+            if _check_schema(pq.read_schema(path), path, wanted) != multi:
                 raise ValueError(f"{path}: label type differs from {paths[0]} (single- vs multi-label)")
+        if wanted[1] is None:
+            return cls(root, [], False, dict(files), wanted, spec)
         classes = _class_names(schema, columns[1]) or card_classes or _numbered_classes(paths, multi, columns[1])
         return cls(root, classes, multi, dict(files), columns, spec)
 
