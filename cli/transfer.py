@@ -327,13 +327,15 @@ def evaluate(
     summaries = watched.grids
     if not watched.finished:
         console.print(f"[yellow]stopped watching after {watch_timeout:g} s: the run has not finished[/]")
-    # This grid's cells: a failure of a cell no longer planned is not reported (its success is)
-    files = report_grid(grid, table_console(), show=format_ == OutputFormat.table, cells=watched.cell_ids)
+    # This grid's cells: a failure of a cell no longer planned is not reported (its success is, on
+    # the data as it is now)
+    scope = {"cells": watched.cell_ids, "data": watched.data}
+    files = report_grid(grid, table_console(), show=format_ == OutputFormat.table, **scope)
     if format_ == OutputFormat.json:
         from vitray.cluster.evaluate import reported_results
         from vitray.evaluation.report import summary_json
 
-        typer.echo(summary_json(reported_results(grid, watched.cell_ids)))
+        typer.echo(summary_json(reported_results(grid, **scope)))
     failed, missing = sum(s.failed for s in summaries), sum(s.missing for s in summaries)
     ok, skipped = sum(s.ok for s in summaries), sum(s.skipped for s in summaries)
     console.print(f"cells: {ok} ok, {skipped} already finished, {failed} failed, {missing} missing data")

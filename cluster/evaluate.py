@@ -47,8 +47,8 @@ from vitray.evaluation.config import GridConfig
 from vitray.evaluation.grid import GridPlan, plan_grid
 from vitray.evaluation.methods import METHODS, TASK, CheckpointRef, GridWork, PendingWork, finetune
 from vitray.evaluation.methods.finetune import FinetuneJob
-from vitray.evaluation.results import CellOutcome, ResultsTable, error_text
-from vitray.evaluation.suite import find_missing
+from vitray.evaluation.results import CellOutcome, ResultsTable, error_text, of_current_data
+from vitray.evaluation.suite import data_digest, find_missing
 from vitray.runfolder.checkpoint_folders import find_checkpoints, is_checkpoint
 
 
@@ -64,6 +64,7 @@ class GridSummary:
     waiting: int = 0  # pending work not started: a cell it waits for did not succeed (a sweep's final run)
     cell_ids: set[str] = field(default_factory=set)  # every cell of this grid (pending work's once released)
     checkpoints: list[str] = field(default_factory=list)
+    data: dict[str, str] = field(default_factory=dict)  # benchmark -> digest of its prepared data (if prepared)
 
     def add(self, outcome: CellOutcome) -> None:
         if outcome.ok:
@@ -84,8 +85,9 @@ def run_grid(
     console = console or Console(stderr=True)
     checkpoints = list(checkpoints)
     table = ResultsTable(grid.results_path, storage_options=grid.storage_options)
-    plan = plan_grid(grid, checkpoints)
-    summary = GridSummary(total=len(plan), checkpoints=[c.path for c in checkpoints])
+    data = _data_digests(grid)
+    plan = plan_grid(grid, checkpoints, data)
+    summary = GridSummary(total=len(plan), checkpoints=[c.path for c in checkpoints], data=data)
     summary.cell_ids.update(c.cell_id for c in plan.cells)
     scores = _Scores(table.ok_metrics())
     pending = plan.without(scores.finished)
@@ -145,6 +147,21 @@ def run_grid(
             raise
         pool.shutdown(wait=True)
     return summary
+
+
+def _data_digests(grid: GridConfig) -> dict[str, str]:
+    """Benchmark -> the digest of its prepared data, for the grid's benchmarks that are prepared
+    (a few small reads each; in parallel, for an object store's latency)."""
+    names = [b.name for b in grid.resolved_benchmarks()] if any(grid.section(m).enabled for m in METHODS) else []
+
+    def digest(name: str) -> str | None:
+        try:
+            return data_digest(name, grid.data_root, storage_options=grid.storage_options)
+        except ValueError:  # not a vitray dataset: `_record_unprepared` records why
+            return None
+
+    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="data-digest") as pool:
+        return {name: d for name, d in zip(names, pool.map(digest, names)) if d is not None}
 
 
 def _record_unprepared(plan: GridPlan, grid: GridConfig, table: ResultsTable, summary: GridSummary) -> GridPlan:
@@ -346,32 +363,51 @@ class _progress:
             self.bar.stop()
 
 
-def reported_results(grid: GridConfig, cells: set[str] | None = None) -> pa.Table:
+def reported_results(grid: GridConfig, cells: set[str] | None = None, data: dict[str, str] | None = None) -> pa.Table:
     """The results table as reported: every cell that succeeded (the output folder's results
-    accumulate: other checkpoints, earlier grids), and the failed and missing ones of `cells` (this
-    invocation's grid; all when None) -- a failure of a cell no longer planned is no problem of
-    this grid, and a later one would never clear it."""
-    table = ResultsTable(grid.results_path, storage_options=grid.storage_options).to_table()
+    accumulate: other checkpoints, earlier grids) on the data as it is now (`data`: this grid's
+    benchmarks' digests; a benchmark's results of data prepared again since are left out,
+    :func:`~vitray.evaluation.results.of_current_data`), and the failed and missing ones of `cells`
+    (this invocation's grid; all when None) -- a failure of a cell no longer planned is no problem
+    of this grid, and a later one would never clear it."""
+    return _reported(grid, cells, data)[0]
+
+
+def _reported(grid: GridConfig, cells: set[str] | None, data: dict[str, str] | None) -> tuple[pa.Table, dict[str, int]]:
+    """:func:`reported_results`, and per benchmark the cells of data prepared before left out of it."""
+    everything = ResultsTable(grid.results_path, storage_options=grid.storage_options).to_table()
+    table, left_out = of_current_data(everything, data or {})
     if cells is None:
-        return table
+        return table, left_out
     keep = [
         status == "ok" or cell_id in cells
         for status, cell_id in zip(table["status"].to_pylist(), table["cell_id"].to_pylist())
     ]
-    return table.filter(pa.array(keep, type=pa.bool_()))
+    return table.filter(pa.array(keep, type=pa.bool_())), left_out
 
 
 def report_grid(
-    grid: GridConfig, console: Console | None = None, *, show: bool = True, cells: set[str] | None = None
+    grid: GridConfig,
+    console: Console | None = None,
+    *,
+    show: bool = True,
+    cells: set[str] | None = None,
+    data: dict[str, str] | None = None,
 ) -> str:
     """Writes `<output>/report` (Markdown + PNG plots, uploaded when the output is remote) from the
-    results table (:func:`reported_results` of `cells`), printing the table first when `show`;
-    returns the path of report.md."""
+    results table (:func:`reported_results` of `cells` and `data`), printing the table first when
+    `show`; returns the path of report.md."""
     from vitray.evaluation.report import print_table, write_report
 
-    table = reported_results(grid, cells)
+    table, left_out = _reported(grid, cells, data)
     if show:
-        print_table(table, console=console or Console())
+        console = console or Console()
+        print_table(table, console=console)
+        for benchmark, count in sorted(left_out.items()):
+            console.print(
+                f"{benchmark}: {count} cell(s) evaluated on its data as prepared before are not reported "
+                f"(their rows stay in {grid.results_path})"
+            )
     if not storage.is_remote(grid.report_path):
         return str(write_report(table, grid.report_path).markdown)
     with tempfile.TemporaryDirectory() as local:
@@ -394,6 +430,11 @@ class WatchSummary:
     def cell_ids(self) -> set[str]:
         """Every cell of its grids."""
         return {cell_id for summary in self.grids for cell_id in summary.cell_ids}
+
+    @property
+    def data(self) -> dict[str, str]:
+        """Benchmark -> the digest of its data, as its latest grid found it."""
+        return {name: digest for summary in self.grids for name, digest in summary.data.items()}
 
 
 def watch_run(
@@ -468,7 +509,7 @@ def evaluate_checkpoint(
             console=console,
             show_progress=show_progress,
             verbose=verbose,
-            on_grid=lambda watched: report_grid(grid, show=False, cells=watched.cell_ids),
+            on_grid=lambda watched: report_grid(grid, show=False, cells=watched.cell_ids, data=watched.data),
         )
     refs = resolve_checkpoints(checkpoint, all_checkpoints=all_checkpoints)
     summary = run_grid(grid, refs, console=console, show_progress=show_progress, verbose=verbose)

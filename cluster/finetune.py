@@ -37,7 +37,7 @@ from vitray.evaluation.methods.finetune import (
     is_selection,
 )
 from vitray.evaluation.results import Cell
-from vitray.evaluation.suite import get_benchmark, require_prepared
+from vitray.evaluation.suite import data_digest, get_benchmark, require_prepared
 from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 from vitray.runfolder.files import RunFiles, run_dir
 from vitray.trainers.config import TrainingConfig
@@ -111,7 +111,8 @@ def benchmark_config(
     settings = finetune_settings(bench, options)[0]
     (ref,) = resolve_checkpoints(checkpoint)
     require_prepared(bench, data_root)
-    cell = Cell(ref.path, bench.name, "finetune", settings, seed, ref.step)
+    # The data's digest is in the run's name: data prepared again is a new run, not the finished one.
+    cell = Cell(ref.path, bench.name, "finetune", settings, seed, ref.step, data_digest(bench, data_root) or "")
     recipe = FinetuneRecipe.for_cell(
         bench,
         settings,

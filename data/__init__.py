@@ -49,6 +49,7 @@ _EXPORTS = {
     "ManifestRow": "layout",
     "ResolvedSplit": "layout",
     "SplitInfo": "layout",
+    "dataset_digest": "layout",
     "read_dataset_info": "layout",
     "read_manifest": "layout",
     "read_split": "layout",
@@ -89,7 +90,16 @@ if TYPE_CHECKING:
     from .batch import Batch
     from .config import DataConfig
     from .eval_loader import EvalLoader, load_split, read_labels, top1_hits
-    from .layout import DatasetInfo, ManifestRow, ResolvedSplit, SplitInfo, read_dataset_info, read_manifest, read_split
+    from .layout import (
+        DatasetInfo,
+        ManifestRow,
+        ResolvedSplit,
+        SplitInfo,
+        dataset_digest,
+        read_dataset_info,
+        read_manifest,
+        read_split,
+    )
     from .loader import ShardLoader
     from .model_range import to_model_range
     from .plan import EpochPlan, ShardRange, epoch_plan, rank_slots

@@ -14,6 +14,7 @@ Readers take a split string that may slice a split, ``train[:98%]`` or ``train[8
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import re
@@ -172,6 +173,20 @@ def read_dataset_info(path: str, storage_options: dict[str, Any] | None = None) 
             f"{json_path} has format_version {info.format_version}; this vitray reads version {FORMAT_VERSION}"
         )
     return info
+
+
+def dataset_digest(path: str, storage_options: dict[str, Any] | None = None) -> str:
+    """A short digest of what the prepared dataset at ``path`` holds: its ``dataset.json`` and the
+    sha256 of every shard of every split, in manifest order. Preparing the data again (another
+    source, order or content) changes it; it costs the description and one manifest per split,
+    never a shard. Raises what :func:`read_dataset_info` and :func:`read_manifest_table` raise for
+    data that is not (wholly) prepared."""
+    info = read_dataset_info(path, storage_options)
+    shards = {
+        name: read_manifest_table(path, name, storage_options).column("sha256").to_pylist() for name in info.splits
+    }
+    content = json.dumps({"dataset": info.model_dump(mode="json"), "shards": shards}, sort_keys=True)
+    return hashlib.sha256(content.encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)

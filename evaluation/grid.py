@@ -8,13 +8,13 @@ other cells' scores (VTAB-1k's final fine-tune runs, once the sweep that selects
 rate is scored).
 
 A cell's settings are the *resolved* values (protocol defaults filled in), so its id -- a hash of
-(checkpoint, benchmark, method, settings, seed) -- changes exactly when what it computes changes,
-and a re-run of the same grid finds its finished cells.
+(checkpoint, benchmark, method, settings, seed, and the digest of the benchmark's prepared data) --
+changes exactly when what it computes changes, and a re-run of the same grid finds its finished cells.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from vitray.evaluation.config import GridConfig
@@ -60,9 +60,13 @@ class GridPlan:
         )
 
 
-def plan_grid(grid: GridConfig, checkpoints: Iterable[CheckpointRef]) -> GridPlan:
+def plan_grid(
+    grid: GridConfig, checkpoints: Iterable[CheckpointRef], data: Mapping[str, str] | None = None
+) -> GridPlan:
     """Every cell of `grid` for every checkpoint: each enabled method's work (the methods in the
-    order of `METHODS`), and the pending work."""
+    order of `METHODS`), and the pending work. `data` maps a benchmark's name to the digest of its
+    prepared data (`vitray.evaluation.suite.data_digest`), part of its cells' ids."""
+    data = data or {}
     checkpoints = list(checkpoints)
     work: list[GridWork] = []
     pending: list[PendingWork] = []
@@ -72,7 +76,7 @@ def plan_grid(grid: GridConfig, checkpoints: Iterable[CheckpointRef]) -> GridPla
             continue
         for checkpoint in checkpoints:
             for benchmark in grid.resolved_benchmarks():
-                planned = method.plan(checkpoint, benchmark, section)
+                planned = method.plan(checkpoint, benchmark, section, data.get(benchmark.name, ""))
                 work += planned.work
                 pending += planned.pending
     return GridPlan(tuple(work), tuple(pending))

@@ -1,7 +1,8 @@
 """The evaluation grid's results table, written durably one finished cell at a time.
 
-A *cell* is one unit of the grid: (checkpoint, benchmark, method, settings, seed). Its identity
-hashes to a stable `cell_id`, so a re-run of the same grid can skip finished cells. A finished
+A *cell* is one unit of the grid: (checkpoint, benchmark, method, settings, seed) on the benchmark's
+data as prepared (its digest, `data`). Its identity hashes to a stable `cell_id`, so a re-run of the
+same grid on the same data can skip finished cells, and data prepared again is evaluated again. A finished
 cell becomes one or more rows (one per metric) with its status:
 
 - "ok": the metric values;
@@ -49,6 +50,7 @@ SCHEMA = pa.schema(
         pa.field("method", pa.string(), nullable=False),
         pa.field("settings", pa.string(), nullable=False),
         pa.field("seed", pa.int64(), nullable=False),
+        pa.field("data", pa.string()),  # the digest of the benchmark's prepared data (none: not known)
         pa.field("metric", pa.string()),
         pa.field("value", pa.float64()),
         pa.field("seconds", pa.float64()),
@@ -70,10 +72,14 @@ def canonical_settings(settings: Mapping[str, Any]) -> str:
         raise ValueError(f"settings must be JSON-serialisable numbers/strings/lists: {err}") from None
 
 
-def make_cell_id(checkpoint: str, benchmark: str, method: str, settings: Mapping[str, Any] | str, seed: int) -> str:
-    """Stable 16-hex-digit id of a grid cell (sha256 of its identity, independent of the step)."""
+def make_cell_id(
+    checkpoint: str, benchmark: str, method: str, settings: Mapping[str, Any] | str, seed: int, data: str = ""
+) -> str:
+    """Stable 16-hex-digit id of a grid cell (sha256 of its identity, independent of the step; the
+    data's digest is part of it where it is known)."""
     settings_json = settings if isinstance(settings, str) else canonical_settings(settings)
-    identity = json.dumps([checkpoint, benchmark, method, settings_json, int(seed)], separators=(",", ":"))
+    parts: list[Any] = [checkpoint, benchmark, method, settings_json, int(seed)]
+    identity = json.dumps([*parts, data] if data else parts, separators=(",", ":"))
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
@@ -87,6 +93,7 @@ class Cell:
     settings: Mapping[str, Any] = field(default_factory=dict)
     seed: int = 0
     step: int | None = None
+    data: str = ""  # the digest of the benchmark's prepared data (`vitray.evaluation.suite.data_digest`)
 
     def __post_init__(self) -> None:
         if not _is_method_name(self.method):
@@ -99,7 +106,7 @@ class Cell:
 
     @property
     def cell_id(self) -> str:
-        return make_cell_id(self.checkpoint, self.benchmark, self.method, self.settings_json, self.seed)
+        return make_cell_id(self.checkpoint, self.benchmark, self.method, self.settings_json, self.seed, self.data)
 
     def ok(self, metrics: Mapping[str, float], seconds: float) -> list[dict[str, Any]]:
         """Rows of a finished cell, one per metric (e.g. {"accuracy": 0.91})."""
@@ -125,6 +132,7 @@ class Cell:
             "method": self.method,
             "settings": self.settings_json,
             "seed": int(self.seed),
+            "data": self.data or None,
             "metric": metric,
             "value": value,
             "seconds": float(seconds),
@@ -263,6 +271,29 @@ class ResultsTable:
         for part in parts:
             storage.remove(part, self.storage_options)
         return merged
+
+
+CELL_KEY = ("checkpoint", "benchmark", "method", "settings", "seed")  # a cell but for its data
+
+
+def of_current_data(table: pa.Table, data: Mapping[str, str]) -> tuple[pa.Table, dict[str, int]]:
+    """`table` without the successes of superseded data, and per benchmark the number of cells left
+    out: for a benchmark in `data` (its name -> the digest of its data as prepared now) only the
+    results of that data are kept; for any other, each cell's (:data:`CELL_KEY`) results of the data
+    it was last evaluated on. Rows that are not successes stay: a failure is no result of its data."""
+    frame = table.to_pandas()
+    if frame.empty:
+        return table, {}
+    digest = frame["data"].fillna("")
+    current = frame["benchmark"].map(dict(data))
+    latest = digest.groupby([frame[c] for c in CELL_KEY]).transform(
+        lambda cell: cell.loc[frame.loc[cell.index, "finished_at"].idxmax()]
+    )
+    keep = (frame["status"] != "ok") | current.isna() & (digest == latest) | (digest == current)
+    left_out = frame[~keep].drop_duplicates("cell_id")["benchmark"].value_counts()
+    return table.filter(pa.array(keep.to_numpy(dtype=bool), type=pa.bool_())), {
+        str(k): int(n) for k, n in left_out.items()
+    }
 
 
 def _basename(path: str) -> str:

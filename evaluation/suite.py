@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from vitray import storage
 from vitray.data.config import TrainCropKind
-from vitray.data.layout import DatasetInfo, read_dataset_info
+from vitray.data.layout import DatasetInfo, dataset_digest, read_dataset_info
 from vitray.data.sources.vtab import VTAB_TASKS
 
 VTAB_GROUPS = ("natural", "specialized", "structured")
@@ -443,6 +443,21 @@ def find_missing(
             return MissingDataset(b.name, path, command, reason)
         _check_matches(b, info, path, is_train)
     return None
+
+
+def data_digest(
+    benchmark: Benchmark | str, data_root: str, *, storage_options: dict[str, Any] | None = None
+) -> str | None:
+    """The digest of the prepared data the benchmark's cells read (:func:`vitray.data.dataset_digest`
+    of its folder, and of the train split's where another dataset holds it): part of every cell's
+    id, so results of data prepared again are not taken for the new data's. None when the data is
+    not prepared."""
+    b = _resolve(benchmark)
+    folders = dict.fromkeys([locate(b, data_root), locate_train(b, data_root)])
+    try:
+        return "+".join(dataset_digest(folder, storage_options) for folder in folders)
+    except FileNotFoundError:
+        return None
 
 
 def _check_matches(b: Benchmark, info: DatasetInfo, path: str, is_train: bool) -> None:

@@ -232,6 +232,65 @@ def test_cell_id_is_stable_and_order_independent():
         Cell("c", "digits", "Linear probe", {})
 
 
+def test_data_prepared_again_is_evaluated_again_and_reported_alone(digits_dataset, tmp_path):
+    """The digest of a benchmark's prepared data is part of its cells: a grid's finished cells of the
+    data as it was are not taken for data prepared again (another order, other shards), and the
+    report shows the new data's results, saying how many of the old it leaves out."""
+    import io
+    import shutil
+
+    from vitray.cluster.evaluate import report_grid, reported_results, run_grid
+    from vitray.data import dataset_digest, prepare_dataset
+    from vitray.evaluation.config import GridConfig
+    from vitray.evaluation.grid import plan_grid
+    from vitray.evaluation.methods import CheckpointRef
+    from vitray.evaluation.suite import data_digest
+
+    root = tmp_path / "data"
+    shutil.copytree(digits_dataset, root / "digits")
+    before = data_digest("digits", str(root))
+    assert before == dataset_digest(str(digits_dataset))  # a copy holds the same data
+    grid = GridConfig(
+        data_root=str(root),
+        output=str(tmp_path / "eval"),
+        benchmarks=["digits"],
+        fewshot={"shots": [5], "seeds": 2},
+        finetune={"enabled": False},
+    )
+    ref = CheckpointRef(str(tmp_path / "checkpoint_000010"), 10, {"name": "Ti/16", "img_size": 32})
+    table = ResultsTable(grid.results_path)
+    legacy = Cell(ref.path, "digits", "fewshot", {"shots": 1, "l2_reg": 1024, "img_size": 32}, 0, 10)  # no digest
+    table.append(legacy.ok({"accuracy": 0.25}, 1.0))
+    old = plan_grid(grid, [ref], {"digits": before}).cells
+    for cell in old:
+        table.append(cell.ok({"accuracy": 0.5}, 1.0))
+    summary = run_grid(grid, [ref], show_progress=False)  # all finished: no Ray to start
+    assert (summary.skipped, summary.ok, summary.data) == (2, 0, {"digits": before})
+    assert summary.cell_ids == {c.cell_id for c in old}
+
+    shutil.rmtree(root / "digits")
+    prepare_dataset("builtin:digits", str(root / "digits"), samples_per_shard=300)  # same images, other shards
+    after = data_digest("digits", str(root))
+    assert after not in (before, None) and data_digest("cifar10", str(root)) is None
+    new = plan_grid(grid, [ref], {"digits": after}).cells
+    assert not {c.cell_id for c in new} & summary.cell_ids  # not finished: run again
+    for cell in new:
+        table.append(cell.ok({"accuracy": 0.75}, 1.0))
+    summary = run_grid(grid, [ref], show_progress=False)
+    assert (summary.skipped, summary.data) == (2, {"digits": after})
+
+    reported = reported_results(grid, summary.cell_ids, summary.data)
+    assert reported["value"].to_pylist() == [0.75, 0.75] and set(reported["data"].to_pylist()) == {after}
+    # Where the data as it is now is not known, each cell's latest data (the legacy cell has no other)
+    assert sorted(reported_results(grid)["value"].to_pylist()) == [0.25, 0.75, 0.75]
+    out = io.StringIO()
+    report_grid(grid, Console(file=out, width=200), cells=summary.cell_ids, data=summary.data)
+    assert (
+        f"digits: 3 cell(s) evaluated on its data as prepared before are not reported (their rows stay in {grid.results_path})"
+        in out.getvalue()
+    )
+
+
 def _cell(seed: int, shots: int = 10, benchmark: str = "digits") -> Cell:
     return Cell("runs/r1/checkpoint_000100", benchmark, "fewshot", {"shots": shots}, seed=seed, step=100)
 

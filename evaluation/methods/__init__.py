@@ -10,8 +10,9 @@ Each method's module holds:
 - ``NAME`` (its cells' `method` and its grid section's key), ``TITLE`` (how messages name it);
 - ``Config``: its grid section (a `base.MethodSection`, with ``enabled``; unset settings fall back
   to each benchmark's protocol in :mod:`vitray.evaluation.suite`);
-- ``plan(checkpoint, benchmark, section)``: its cells of one (checkpoint, benchmark) as units of
-  work (`base.GridWork`) and work that waits for other cells' scores (`base.PendingWork`);
+- ``plan(checkpoint, benchmark, section, data)``: its cells of one (checkpoint, benchmark), on the
+  benchmark's data of digest ``data``, as units of work (`base.GridWork`) and work that waits for
+  other cells' scores (`base.PendingWork`);
 - ``RUNS_AS``: ``base.TASK`` -- each unit runs in a Ray task that calls the module's
   ``run(work, section, inputs)`` with the section's ``num_cpus`` / ``num_gpus`` (a `base.TaskSection`)
   -- or ``base.TRAINING_RUN`` (fine-tune: each unit is a Ray Train run the driver starts).

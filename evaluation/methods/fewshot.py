@@ -97,19 +97,22 @@ def fewshot_seeds(benchmark: Benchmark, section: FewShotGrid) -> list[int]:
     return list(range(section.seeds or benchmark.fewshot.seeds))
 
 
-def fewshot_group(checkpoint: CheckpointRef, benchmark: Benchmark, section: FewShotGrid) -> FewShotGroup:
-    """The few-shot cells of one benchmark on one checkpoint (every shots value x seed)."""
+def fewshot_group(
+    checkpoint: CheckpointRef, benchmark: Benchmark, section: FewShotGrid, data: str = ""
+) -> FewShotGroup:
+    """The few-shot cells of one benchmark on one checkpoint (every shots value x seed), on the
+    benchmark's data of digest `data`."""
     img_size = section.img_size or checkpoint.img_size
     cells = tuple(
-        Cell(checkpoint.path, benchmark.name, NAME, settings, seed, checkpoint.step)
+        Cell(checkpoint.path, benchmark.name, NAME, settings, seed, checkpoint.step, data)
         for settings in fewshot_settings(benchmark, section, img_size)
         for seed in fewshot_seeds(benchmark, section)
     )
     return FewShotGroup(checkpoint, benchmark, img_size, cells)
 
 
-def plan(checkpoint: CheckpointRef, benchmark: Benchmark, section: FewShotGrid) -> Planned:
-    return Planned(work=(fewshot_group(checkpoint, benchmark, section),))
+def plan(checkpoint: CheckpointRef, benchmark: Benchmark, section: FewShotGrid, data: str = "") -> Planned:
+    return Planned(work=(fewshot_group(checkpoint, benchmark, section, data),))
 
 
 def run(group: FewShotGroup, section: FewShotGrid, inputs: Inputs) -> list[CellOutcome]:

@@ -145,7 +145,8 @@ class FinalRun:
 
     def job(self, lr: float) -> FinetuneJob:
         settings = final_settings(self.selection[0].settings, lr, self.train_split)
-        cell = Cell(self.checkpoint.path, self.benchmark.name, NAME, settings, self.seed, self.checkpoint.step)
+        data = self.selection[0].data  # the sweep's
+        cell = Cell(self.checkpoint.path, self.benchmark.name, NAME, settings, self.seed, self.checkpoint.step, data)
         return FinetuneJob(self.checkpoint, self.benchmark, cell)
 
 
@@ -226,13 +227,14 @@ def _result_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     return {OVERRIDES: changes} if changes else {}
 
 
-def plan(checkpoint: CheckpointRef, benchmark: Benchmark, section: FinetuneGrid) -> Planned:
+def plan(checkpoint: CheckpointRef, benchmark: Benchmark, section: FinetuneGrid, data: str = "") -> Planned:
     """A run per learning rate and seed and, where the protocol re-trains the selected learning
-    rate (with more than one to select from), a final run per seed pending on its sweep."""
+    rate (with more than one to select from), a final run per seed pending on its sweep; on the
+    benchmark's data of digest `data`."""
     sweep = finetune_settings(benchmark, section)
     seeds = range(section.seeds)
     cells = {
-        (i, seed): Cell(checkpoint.path, benchmark.name, NAME, settings, seed, checkpoint.step)
+        (i, seed): Cell(checkpoint.path, benchmark.name, NAME, settings, seed, checkpoint.step, data)
         for i, settings in enumerate(sweep)
         for seed in seeds
     }
