@@ -19,7 +19,7 @@ import torch
 
 from .loading import load_native_state_dict
 from .vit import VisionTransformer
-from .whole_file import written_whole
+from .whole_file import read_as, written_whole
 
 # How one tensor is stored: Dense kernels are (in, out), Conv kernels HWIO, attention kernels
 # split per head; "vector" also absorbs old GroupNorm params stored as (1, 1, 1, C).
@@ -196,7 +196,7 @@ def load_npz(model: VisionTransformer, path: str | os.PathLike, *, load_head: bo
 
     ``load_head=False`` keeps the model's own head and pre-logits layer.
     """
-    with np.load(path, allow_pickle=False) as file:
+    with read_as(path, "npz"), np.load(path, allow_pickle=False) as file:
         arrays = {key: file[key] for key in file.files}
     state, num_heads = from_npz_arrays(arrays)
     load_native_state_dict(model, state, source=f"npz {os.fspath(path)!r}", load_head=load_head, num_heads=num_heads)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from .io_timm import from_timm_state_dict, is_timm_state_dict
 from .loading import load_native_state_dict
 from .vit import VisionTransformer
-from .whole_file import written_whole
+from .whole_file import read_as, written_whole
 
 
 def save_safetensors(model: VisionTransformer, path: str | os.PathLike) -> None:
@@ -34,13 +34,14 @@ def save_safetensors(model: VisionTransformer, path: str | os.PathLike) -> None:
 
 def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
     """The metadata written by :func:`save_safetensors` (empty for files from elsewhere)."""
-    with safe_open(os.fspath(path), framework="pt") as file:
+    with read_as(path, "safetensors"), safe_open(os.fspath(path), framework="pt") as file:
         return dict(file.metadata() or {})
 
 
 def load_safetensors(model: VisionTransformer, path: str | os.PathLike, *, load_head: bool = True) -> None:
     """Loads a vitray- or timm-named safetensors file into ``model`` (strictly; posemb resampled)."""
-    state = load_file(os.fspath(path), device="cpu")
+    with read_as(path, "safetensors"):
+        state = load_file(os.fspath(path), device="cpu")
     if is_timm_state_dict(state):
         state = from_timm_state_dict(state)
     load_native_state_dict(model, state, source=f"safetensors {os.fspath(path)!r}", load_head=load_head)

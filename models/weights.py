@@ -13,6 +13,7 @@ from .io_safetensors import load_safetensors
 from .io_timm import from_timm_state_dict, is_timm_state_dict
 from .loading import load_native_state_dict
 from .vit import VisionTransformer
+from .whole_file import read_as
 
 WEIGHT_SUFFIXES = (".npz", ".safetensors", ".pt", ".pth", ".bin")
 _WRAPPER_KEYS = ("state_dict", "model")  # common containers around a state dict in .pt files
@@ -45,7 +46,9 @@ def load_weights(model: VisionTransformer, path: str | os.PathLike, *, load_head
     elif suffix == ".safetensors":
         load_safetensors(model, path, load_head=load_head)
     elif suffix in (".pt", ".pth", ".bin"):
-        state = _unwrap_state_dict(torch.load(path, map_location="cpu", weights_only=True), os.fspath(path))
+        with read_as(path, "torch"):
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+        state = _unwrap_state_dict(loaded, os.fspath(path))
         if is_timm_state_dict(state):
             state = from_timm_state_dict(state)
         load_native_state_dict(model, state, source=f"{os.fspath(path)!r}", load_head=load_head)

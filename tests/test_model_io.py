@@ -25,6 +25,7 @@ from vitray.models import (
     to_timm_state_dict,
 )
 from vitray.models.io_safetensors import read_safetensors_metadata
+from vitray.models.whole_file import UnreadableWeights
 
 # These models are tiny: one thread avoids OpenMP contention on a busy 2-core machine.
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -282,14 +283,43 @@ class NotWeights:
 def test_load_weights_refuses_unsafe_pickles_and_unknown_formats(tmp_path):
     model = create_model("Ti/4", num_classes=10, img_size=32)
     torch.save({"model": model.state_dict(), "extra": NotWeights()}, tmp_path / "unsafe.pt")
-    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+    with pytest.raises(UnreadableWeights, match="unsafe.pt is not a torch state dict.*does not unpickle") as refused:
         load_weights(model, tmp_path / "unsafe.pt")
+    assert "weights_only" not in str(refused.value) and isinstance(refused.value.__context__, pickle.UnpicklingError)
     torch.save([1, 2, 3], tmp_path / "list.pt")
     with pytest.raises(ValueError, match="does not hold a state dict"):
         load_weights(model, tmp_path / "list.pt")
     (tmp_path / "w.ckpt").write_bytes(b"")
     with pytest.raises(ValueError, match=r"cannot tell the weight format.*\.npz, \.safetensors, \.pt"):
         load_weights(model, tmp_path / "w.ckpt")
+
+
+def test_a_damaged_or_misnamed_weights_file_is_refused_naming_it(tmp_path):
+    """The readers' own errors name neither the file nor the format (BadZipFile, "header too large"),
+    and NumPy's and torch's advise loading unsafely: one line naming both instead, no such advice."""
+    model = create_model("Ti/4", num_classes=10, img_size=32)
+    save_npz(model, tmp_path / "w.npz")
+    whole = (tmp_path / "w.npz").read_bytes()
+    save_safetensors(model, tmp_path / "w.safetensors")
+    files = {
+        "page.npz": b"<html>Not found</html>",  # a download that was an error page
+        "cut.npz": whole[: len(whole) // 2],
+        "npz.safetensors": whole,
+        "safetensors.pt": (tmp_path / "w.safetensors").read_bytes(),
+    }
+    expected = {
+        "npz": "a NumPy .npz archive of arrays",
+        "safetensors": "a safetensors file",
+        "pt": "a torch state dict",
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(UnreadableWeights) as refused:
+            load_weights(model, tmp_path / name)
+        message = str(refused.value)
+        assert message.startswith(f"{tmp_path / name} is not {expected[name.rsplit('.', 1)[1]]}"), message
+        assert "damaged, cut short, or of another format" in message and "allow_pickle" not in message
+        assert "weights_only" not in message and "\n" not in message
 
 
 # -- mismatches are errors, never partial loads ------------------------------------------------
