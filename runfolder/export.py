@@ -45,13 +45,13 @@ def export(path: str, fmt: str, out: str, *, overwrite: bool = False) -> Checkpo
     with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, os.path.basename(out.rstrip("/")) or "weights")
         if fmt == "timm":
-            from vitray.runfolder.timm_folder import write_timm_folder
+            from vitray.runfolder.timm_folder import eval_resize_of, write_timm_folder
 
             os.makedirs(local)
-            write_timm_folder(model, local)
+            write_timm_folder(model, local, eval_resize_of((state.get("config") or {}).get("evals")))
             storage.publish_folder(local, out)
         else:
-            _write_single_file(model, fmt, local)
+            _write_single_file(model, fmt, local, state)
             storage.publish_file(local, out)
     return CheckpointInfo(state["checkpoint"], int(state["step"]), True, passed_over=state["passed_over"])
 
@@ -84,7 +84,7 @@ def _folder_files(fmt: str) -> tuple[str, ...]:
     return FILES
 
 
-def _write_single_file(model, fmt: str, local: str) -> None:
+def _write_single_file(model, fmt: str, local: str, state: dict) -> None:
     from vitray.models import save_npz, save_safetensors
 
     if fmt == "npz":
@@ -92,15 +92,37 @@ def _write_single_file(model, fmt: str, local: str) -> None:
     elif fmt == "safetensors":
         save_safetensors(model, local)
     else:
-        export_onnx(model, local)
+        from vitray.runfolder.timm_folder import eval_resize_of
+
+        export_onnx(model, local, eval_resize_of((state.get("config") or {}).get("evals")))
 
 
-def export_onnx(model, path: str) -> None:
+def onnx_metadata(model, eval_resize: dict) -> dict[str, str]:
+    """What an ONNX file's reader needs to feed it (its `metadata_props`): the input and how the
+    checkpoint's evaluation made it from an image (`vitray.data.transforms.eval_resize`)."""
+    size = model.img_size
+    if eval_resize["resize"] == "whole":
+        resize = f"the whole image resized to {size}x{size} (bilinear)"
+    else:
+        enlarged = round(size * eval_resize["resize_ratio"])
+        resize = f"shorter side resized to {enlarged} (bilinear), then the central {size}x{size} crop"
+    return {
+        "images": f"float32 (batch, 3, {size}, {size}), RGB scaled to [-1, 1] (pixel / 127.5 - 1); "
+        "not ImageNet's mean and std",
+        "preprocessing": resize,
+        "logits": f"float32 (batch, {model.num_classes}), before softmax or sigmoid",
+        "model": f"vitray {model.name}, {model.head_type} head",
+    }
+
+
+def export_onnx(model, path: str, eval_resize: dict | None = None) -> None:
     """The network as ONNX: input `images` (batch, 3, H, W) float32 in [-1, 1] (vitray's input
-    range), output `logits` (batch, classes); the batch dimension is dynamic."""
+    range), output `logits` (batch, classes); the batch dimension is dynamic. The file's
+    `metadata_props` say so, and how the evaluation resized the images (:func:`onnx_metadata`)."""
     import torch
 
     try:
+        import onnx
         import onnxscript  # noqa: F401 - torch's ONNX exporter builds the graph with it
     except ImportError:
         raise ExportRefused(
@@ -125,3 +147,10 @@ def export_onnx(model, path: str) -> None:
         dynamic_shapes=({0: torch.export.Dim("batch")},),
         verbose=False,
     )
+    from vitray.runfolder.timm_folder import DEFAULT_EVAL_RESIZE
+
+    graph = onnx.load(path)
+    for key, value in onnx_metadata(model, {**DEFAULT_EVAL_RESIZE, **(eval_resize or {})}).items():
+        graph.metadata_props.add(key=key, value=value)
+    graph.doc_string = "vitray export: see metadata_props for the input"
+    onnx.save(graph, path)

@@ -5,13 +5,17 @@
 a plain ViT is timm's `VisionTransformer` under any plain architecture name with its sizes given
 explicitly; a hybrid needs timm's registered architecture with the same ResNet (`HYBRIDS`).
 `pretrained_cfg` says what the inputs are: vitray's range [-1, 1] is mean = std = 0.5 on [0, 1],
-and the eval resize (bilinear, the central crop of 0.875) of `vitray.data.transforms`.
+and the checkpoint's own evaluation resize (`vitray.data.transforms.eval_resize`, bilinear, as its
+`val` evaluator takes it) in timm's terms (`timm_crop`), so that timm's `resolve_data_config` +
+`create_transform` feed the model the pixels vitray evaluated it on.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
+from typing import Any
 
 from vitray.models import to_timm_state_dict
 
@@ -64,8 +68,44 @@ def plain_architecture(name: str, patch_size: int, img_size: int) -> str:
     return next((n for n in wanted if n in TIMM_PLAIN_NAMES), same_family[0])
 
 
-def timm_config(model) -> dict:
-    """config.json for `model` (a vitray VisionTransformer without pre-logits)."""
+# The val evaluator's resize when a run has none: `resize: aspect` at vitray.data.config's
+# EVAL_RESIZE_RATIO, 256 / 224 (runfolder does not import data; tests/test_export.py holds them equal).
+DEFAULT_EVAL_RESIZE: dict[str, Any] = {"resize": "aspect", "resize_ratio": 256 / 224}
+
+
+def eval_resize_of(evals: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The resize of a run's evaluation (its config's `evals`, as recorded in a checkpoint): the
+    evaluator named `val` when it is of type val, else the first of that type, else the default."""
+    evals = evals or {}
+    scored = [ev for ev in evals.values() if isinstance(ev, Mapping) and ev.get("type") == "val"]
+    chosen = evals.get("val") if isinstance(evals.get("val"), Mapping) and evals["val"].get("type") == "val" else None
+    chosen = chosen or (scored[0] if scored else {})
+    return {key: chosen.get(key, default) for key, default in DEFAULT_EVAL_RESIZE.items()}
+
+
+def timm_crop(img_size: int, resize: str, resize_ratio: float) -> dict[str, Any]:
+    """`crop_pct` and `crop_mode` that make timm's eval transform vitray's: `whole` squashes the
+    image to S x S (timm's squash at crop_pct 1); `aspect` resizes the shorter side to
+    R = round(S x ratio) and crops the central S (timm's center mode resizes to floor(S / crop_pct),
+    so crop_pct = S / (R + 0.5) lands on R exactly, where S / ratio could floor one pixel short)."""
+    if resize == "whole":
+        return {"crop_pct": 1.0, "crop_mode": "squash"}
+    if resize != "aspect":
+        raise ValueError(f"evaluation resize {resize!r} has no timm equivalent; expected aspect or whole")
+    enlarged = round(img_size * resize_ratio)
+    return {"crop_pct": img_size / (enlarged + 0.5), "crop_mode": "center"}
+
+
+def timm_config(model, eval_resize: Mapping[str, Any] | None = None) -> dict:
+    """config.json for `model` (a vitray VisionTransformer without pre-logits), evaluated with
+    `eval_resize` (:func:`eval_resize_of`; the default evaluation's when None)."""
+    resize = {**DEFAULT_EVAL_RESIZE, **(eval_resize or {})}
+    if model.pre_logits is not None:  # `vitray export`'s words; models' to_timm_state_dict says it for Python
+        raise ValueError(
+            f"timm's VisionTransformer has no pre-logits layer, and this {model.name} has one "
+            f"(representation_size={model.representation_size}, as the paper's pre-training recipes): export "
+            "--format npz or safetensors, or fine-tune it first (fine-tuning drops the layer) and export that"
+        )
     if model.stem is not None and model.name not in HYBRIDS:
         raise ValueError(
             f"timm has no architecture with the ResNet of {model.name}; hybrids it has: "
@@ -97,8 +137,7 @@ def timm_config(model) -> dict:
             "input_size": [3, model.img_size, model.img_size],
             "fixed_input_size": True,
             "interpolation": "bilinear",
-            "crop_pct": 0.875,
-            "crop_mode": "center",
+            **timm_crop(model.img_size, resize["resize"], float(resize["resize_ratio"])),
             "mean": [0.5, 0.5, 0.5],
             "std": [0.5, 0.5, 0.5],
             "num_classes": model.num_classes,
@@ -110,11 +149,11 @@ def timm_config(model) -> dict:
     }
 
 
-def write_timm_folder(model, folder: str) -> tuple[str, ...]:
-    """Write FILES into the existing local `folder`; returns their names."""
+def write_timm_folder(model, folder: str, eval_resize: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+    """Write FILES into the existing local `folder` (`eval_resize`: :func:`timm_config`'s); returns their names."""
     from safetensors.torch import save_file
 
-    config = timm_config(model)
+    config = timm_config(model, eval_resize)
     state = {key: value.detach().contiguous() for key, value in to_timm_state_dict(model).items()}
     save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(folder, "config.json"), "w") as f:

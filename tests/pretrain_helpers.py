@@ -37,10 +37,11 @@ BASE = [
 ]
 
 
-def make_checkpoint(folder: Path, **model: object):
+def make_checkpoint(folder: Path, *, evals: dict | None = None, **model: object):
     """A complete one-rank checkpoint, as a run writes it, of a model (`ModelConfig` fields over a
     Ti/4 at 16 px, `depth` left to the variant's) with random values in every parameter: no training
-    needed. Returns the model, in eval mode."""
+    needed; its recorded config holds `evals` (the run's evaluators) where given. Returns the model,
+    in eval mode."""
     import torch
     from safetensors.torch import save_file
 
@@ -55,7 +56,8 @@ def make_checkpoint(folder: Path, **model: object):
             parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
     folder.mkdir(parents=True)
     save_file(net.state_dict(), str(folder / rank_files.MODEL_FILE))
-    rank_files.write_state(folder, {"step": 4, "world_size": 1, "num_classes": 10, "model": config.model_dump()})
+    state = {"step": 4, "world_size": 1, "num_classes": 10, "model": config.model_dump()}
+    rank_files.write_state(folder, state if evals is None else {**state, "config": {"evals": evals}})
     rank_files.mark_complete(folder, 0, rank_files.files_under(folder))
     return net.eval()
 

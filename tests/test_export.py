@@ -48,6 +48,45 @@ def test_timm_loads_the_exported_folder_with_the_same_logits(model, tmp_path):
     assert architecture == expected and architecture in timm.list_models()
 
 
+@pytest.mark.parametrize(
+    "evals, img_size, resize",
+    [
+        (None, 32, ("aspect", 256 / 224)),  # no val evaluator: its default (R = 37 where 32 / 0.875 floors to 36)
+        ({"val": {"type": "val", "resize": "whole"}, "fewshot": {"type": "fewshot"}}, 16, ("whole", 256 / 224)),
+        ({"test": {"type": "val", "resize": "aspect", "resize_ratio": 448 / 384}}, 24, ("aspect", 448 / 384)),
+    ],
+)
+def test_timms_transform_of_the_export_is_the_checkpoints_evaluation(evals, img_size, resize, tmp_path):
+    """timm's `resolve_data_config` + `create_transform` on the exported folder give the pixels the
+    checkpoint's val evaluator scored: its resize (whole image or central crop) and its ratio, with
+    vitray's rounding of the enlarged side (a fixed 0.875 crop was off for all but 224 px)."""
+    import timm
+    from PIL import Image
+
+    from vitray.data.config import EVAL_RESIZE_RATIO
+    from vitray.data.transforms import eval_transform
+    from vitray.runfolder.timm_folder import DEFAULT_EVAL_RESIZE
+
+    assert DEFAULT_EVAL_RESIZE == {"resize": "aspect", "resize_ratio": EVAL_RESIZE_RATIO}
+    make_checkpoint(tmp_path / "ckpt", img_size=img_size, evals=evals)
+    export(str(tmp_path / "ckpt"), "timm", str(tmp_path / "timm"))
+    loaded = timm.create_model(f"local-dir:{tmp_path / 'timm'}", pretrained=True)
+    theirs = timm.data.create_transform(**timm.data.resolve_data_config({}, model=loaded))
+    ours = eval_transform(img_size, *resize)
+    rng = np.random.default_rng(0)
+    for height, width in [(37, 23), (23, 37), (64, 64), (101, 55), (img_size, img_size + 5)]:
+        image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+        expected = ours(image).float() / 127.5 - 1  # vitray's model range
+        torch.testing.assert_close(theirs(image), expected, atol=1e-5, rtol=0)
+
+
+def test_a_model_with_a_pre_logits_layer_is_refused_in_the_commands_words(tmp_path):
+    make_checkpoint(tmp_path / "ckpt", representation_size=8)
+    with pytest.raises(ValueError, match=r"has one \(representation_size=8.*export --format npz or safetensors"):
+        export(str(tmp_path / "ckpt"), "timm", str(tmp_path / "timm"))
+    assert not (tmp_path / "timm").exists()
+
+
 def test_the_timm_architecture_name_is_the_models_family_patch_and_resolution():
     from vitray.runfolder.timm_folder import plain_architecture
 
@@ -67,6 +106,10 @@ def test_onnx_export_gives_the_pytorch_logits_in_onnxruntime(checkpoint, tmp_pat
     export(folder, "onnx", str(out))
     graph = onnx.load(str(out))
     assert max(op.version for op in graph.opset_import if op.domain in ("", "ai.onnx")) >= 17
+    # What its reader needs to feed it, in the file (the checkpoint has no val evaluator: the default's)
+    props = {p.key: p.value for p in graph.metadata_props}
+    assert props["images"].startswith("float32 (batch, 3, 16, 16), RGB scaled to [-1, 1] (pixel / 127.5 - 1)")
+    assert props["preprocessing"] == "shorter side resized to 18 (bilinear), then the central 16x16 crop"
     session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     for batch in (IMAGES, IMAGES[:1]):  # the batch dimension is dynamic
         (logits,) = session.run(["logits"], {"images": batch.numpy()})
