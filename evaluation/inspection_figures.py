@@ -278,16 +278,21 @@ def plot_posemb_similarity(similarity: np.ndarray, path: Path, *, title: str) ->
 
 def plot_attention_distance(mean_distance: np.ndarray, path: Path, *, img_size: int, title: str) -> Path:
     """One dot per head at each layer (network depth on x), as in Fig. 7 right."""
+    import matplotlib
+
     layers, heads = mean_distance.shape
     fig = _figure(6.5, 4.5)
     ax = fig.add_subplot()
     depth = np.arange(1, layers + 1)
+    # A colour of its own for each head: the default cycle has 10, and L/16 and H/14 have 16 heads.
+    colours = matplotlib.colormaps["tab20" if heads <= 20 else "viridis"](np.linspace(0, 1, heads))
     for head in range(heads):
-        ax.scatter(depth, mean_distance[:, head], s=14, label=f"head {head + 1}")
+        ax.scatter(depth, mean_distance[:, head], s=14, color=colours[head], label=f"head {head + 1}")
     ax.set_xlabel("network depth (layer)")
     ax.set_ylabel("mean attention distance (pixels)")
     ax.set_xlim(0.5, layers + 0.5)
-    ax.set_ylim(0, img_size * math.sqrt(2) / 2)
+    # Half the diagonal holds nearly every head; one that looks at far corners is not cut off.
+    ax.set_ylim(0, max(img_size * math.sqrt(2) / 2, float(np.nanmax(mean_distance)) * 1.05))
     ax.set_xticks(depth[:: max(1, layers // 12)])
     if heads <= 16:
         ax.legend(fontsize="x-small", ncols=2 if heads > 8 else 1, loc="lower right")
