@@ -47,7 +47,8 @@ class Architecture:
         return core == other_core and not heads_differ
 
     def describe(self) -> str:
-        name = self.variant_name or "an unregistered variant"
+        named = find_variant_name(self.width, None, self.mlp_dim, self.patch_size, self.resnet_stages)
+        name = self.variant_name or (f"{named} at depth {self.depth}" if named else "an unregistered variant")
         details = f"width {self.width}, depth {self.depth}, mlp {self.mlp_dim}, patch {self.patch_size}"
         if self.num_heads is not None:
             details += f", {self.num_heads} heads"
@@ -98,9 +99,24 @@ def architecture_of_state_dict(state_dict: Mapping[str, torch.Tensor], num_heads
 def _check_same_model(model: VisionTransformer, found: Architecture, source: str) -> None:
     expected = architecture_of_model(model)
     if not found.same_variant(expected):
+        fields = ("width", "depth", "mlp_dim", "patch_size", "resnet_stages", "num_heads")
+        differ = [
+            f"{field} {getattr(found, field)} vs {getattr(expected, field)}"
+            for field in fields
+            if None not in (getattr(found, field), getattr(expected, field))
+            and getattr(found, field) != getattr(expected, field)
+        ]
+        if differ == [f"depth {found.depth} vs {expected.depth}"]:
+            fix = f"create the model with depth={found.depth}"
+        else:
+            named = find_variant_name(found.width, None, found.mlp_dim, found.patch_size, found.resnet_stages)
+            fix = f"create the model as {named}" + (
+                f" with depth={found.depth}" if named and not found.variant_name else ""
+            )
+            fix = fix if named else "create the model with the checkpoint's architecture"
         raise ValueError(
-            f"{source} holds weights of {found.describe()}, but the model is {expected.describe()}; "
-            f"create the model with the checkpoint's variant"
+            f"{source} holds weights of {found.describe()}, but the model is {expected.describe()}: "
+            f"{', '.join(differ)} (checkpoint vs model); {fix}"
         )
     if found.has_class_token != expected.has_class_token:
         found_head = "token" if found.has_class_token else "gap"
@@ -146,7 +162,15 @@ def load_native_state_dict(
     if not load_head:
         weights = {k: v for k, v in weights.items() if not k.startswith(HEAD_PREFIXES)}
         expected = {k: v for k, v in expected.items() if not k.startswith(HEAD_PREFIXES)}
-    if weights["pos_embed"].shape[1] != expected["pos_embed"].shape[1]:
+    tokens = weights["pos_embed"].shape[1]
+    if tokens != expected["pos_embed"].shape[1]:
+        grid = tokens - model.num_prefix_tokens
+        if grid < 1 or round(grid**0.5) ** 2 != grid:
+            raise ValueError(
+                f"{source} has a position embedding of {tokens} tokens, which is not "
+                f"{model.num_prefix_tokens} class token(s) and a square grid of patches: weights of a model with "
+                "other prefix tokens (timm's register tokens, no_embed_class=True) do not load into vitray's ViT"
+            )
         weights["pos_embed"] = resample_posemb(
             weights["pos_embed"], model.grid_size, num_prefix_tokens=model.num_prefix_tokens
         )

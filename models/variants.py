@@ -89,17 +89,17 @@ def get_variant(name: str) -> Variant:
 
 
 def find_variant_name(
-    width: int, depth: int, mlp_dim: int, patch_size: int, resnet_stages: tuple[int, ...] | None
+    width: int, depth: int | None, mlp_dim: int, patch_size: int, resnet_stages: tuple[int, ...] | None
 ) -> str | None:
-    """The registered name with this architecture (heads aside), or None."""
+    """The registered name with this architecture (heads aside; any depth when `depth` is None: a
+    variant built with another `depth`), or None."""
     for variant in VARIANTS.values():
         size = variant.size
-        if (size.width, size.depth, size.mlp_dim, variant.patch_size, variant.resnet_stages) == (
+        if (size.width, size.mlp_dim, variant.patch_size, variant.resnet_stages) == (
             width,
-            depth,
             mlp_dim,
             patch_size,
             resnet_stages,
-        ):
+        ) and depth in (None, size.depth):
             return variant.name
     return None

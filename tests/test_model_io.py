@@ -340,6 +340,26 @@ def test_other_variant_is_named_in_the_error(tmp_path):
         load_npz(target, path)
 
 
+def test_a_mismatch_names_what_differs_and_the_fix(tmp_path):
+    _, path = saved_npz(tmp_path, "S/16", img_size=32, depth=2)
+    with pytest.raises(
+        ValueError,
+        match=r"of S/16 at depth 2 .*: depth 2 vs 12 \(checkpoint vs model\); create the model with depth=2$",
+    ):
+        load_npz(create_model("S/16", num_classes=10, img_size=32), path)
+    with pytest.raises(
+        ValueError,
+        match=r": depth 2 vs 12, patch_size 16 vs 32 \(checkpoint vs model\); create the model as S/16 with depth=2$",
+    ):
+        load_npz(create_model("S/32", num_classes=10, img_size=32), path)
+
+
+def test_timm_weights_with_register_tokens_are_refused_saying_why():
+    timm_model = timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=10, reg_tokens=4)
+    with pytest.raises(ValueError, match=r"position embedding of 9 tokens.*register tokens"):
+        load_timm_state_dict(create_model("Ti/16", num_classes=10, img_size=32), timm_model.state_dict())
+
+
 def test_other_head_type_is_an_error(tmp_path):
     _, path = saved_npz(tmp_path, head="gap")
     with pytest.raises(ValueError, match="trained with head='gap'.*model uses head='token'"):
