@@ -145,9 +145,12 @@ def load_model(
     ema: bool = True,
     state: dict[str, Any] | None = None,
     settings: dict[str, Any] | None = None,
+    weights: bool = True,
 ):
     """The trained model stored in a complete checkpoint folder (built from its own config), and
-    the checkpoint's trainer state, with the weights file read under ``"weights_file"``. `state`:
+    the checkpoint's trainer state, with the weights file read under ``"weights_file"``
+    (``weights=False``: the model as built, its weights not read -- their shapes only matter, as
+    where other weights replace them at once). `state`:
     the trainer state of a checkpoint this use already verified (`CheckpointInfo.state`): it is
     not verified again. `settings`: how the model is to train (`vitray.models.config.TRAINING_SETTINGS`:
     dropout, activation checkpointing), in place of the checkpoint's.
@@ -167,6 +170,8 @@ def load_model(
     model = create_model_from_config(
         ModelConfig.model_validate({**state["model"], **(settings or {})}), int(state["num_classes"])
     )
+    if not weights:
+        return model, {**state, "weights_file": None}
     name = EMA_FILE if ema and fs.isfile(f"{folder}/{EMA_FILE}") else MODEL_FILE
     if name == MODEL_FILE and not fs.isfile(f"{folder}/{MODEL_FILE}"):
         model.load_state_dict(model_weights(folder, fs, state), strict=True)
@@ -372,12 +377,12 @@ def resolve_checkpoint(path: str) -> CheckpointInfo:
     return latest
 
 
-def load_checkpoint(path: str, *, ema: bool = True, settings: dict[str, Any] | None = None):
+def load_checkpoint(path: str, *, ema: bool = True, settings: dict[str, Any] | None = None, weights: bool = True):
     """The model of a checkpoint (or of a run's latest complete one) and its trainer state, with
     the checkpoint folder it came from under ``"checkpoint"`` (and, for a run folder, its newer
     checkpoints that do not count under ``"passed_over"``); its EMA weights when it has them and
-    ``ema`` is true, trained as `settings` say (see :func:`load_model`)."""
+    ``ema`` is true, trained as `settings` say (see :func:`load_model`; ``weights=False``: not read)."""
     checkpoint = resolve_checkpoint(path)
     fs, fs_path = storage.filesystem(checkpoint.path)
-    model, state = load_model(fs_path, fs, ema=ema, state=checkpoint.state, settings=settings)
+    model, state = load_model(fs_path, fs, ema=ema, state=checkpoint.state, settings=settings, weights=weights)
     return model, {**state, "checkpoint": checkpoint.path, "passed_over": checkpoint.passed_over}

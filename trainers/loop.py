@@ -115,7 +115,7 @@ class TrainingLoop:
         """The model on its engine, the EMA, the loader and the checkpointer, with every component's
         state loaded from `restore` (a local copy of a checkpoint and its trainer state), if any."""
         torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank
-        model = self._initial_model()
+        model = self._initial_model(resuming=restore is not None)
         self.backend: TrainBackend = create_backend(self.cfg, model, self.world, restore)
         self.ema = Ema(self.backend, self.cfg.optim.ema_decay) if self.cfg.optim.ema_decay else None
         self.attention, self.attention_kernel = self._attention()
@@ -325,15 +325,16 @@ class TrainingLoop:
             )
         return attention_context(self.cfg.train.attention, device), kernel
 
-    def _initial_model(self) -> torch.nn.Module:
+    def _initial_model(self, *, resuming: bool) -> torch.nn.Module:
         """Scratch, or `init.checkpoint`'s weights at this run's resolution with a fresh head,
-        trained with this run's dropout and activation checkpointing (when resuming, the run's own
-        checkpoint then replaces these weights)."""
+        trained with this run's dropout and activation checkpointing. When `resuming`, the run's
+        own checkpoint replaces every weight: `init.checkpoint`'s architecture is built, its
+        weights not read (a download per rank on object storage, at every resume)."""
         init = self.cfg.init
         if init.checkpoint is None:
             return create_model_from_config(self.cfg.model, self.info.num_classes)
         settings = self.cfg.model.model_dump(include=set(TRAINING_SETTINGS))
-        model, _ = ckpt.load_checkpoint(init.checkpoint, settings=settings)
+        model, _ = ckpt.load_checkpoint(init.checkpoint, settings=settings, weights=not resuming)
         if init.reset_head or model.num_classes != self.info.num_classes:
             model.reset_head(self.info.num_classes)
         model.set_img_size(self.cfg.model.img_size)
