@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 from typing import Annotated
 
 import typer
@@ -33,12 +34,23 @@ def submit(
             "who can list jobs reads: never a credential (the cluster's nodes have their own).",
         ),
     ] = None,
-    no_follow: Annotated[bool, typer.Option("--no-follow", help="Print the job id and return.")] = False,
+    no_follow: Annotated[
+        bool, typer.Option("--no-follow", help="Print the job id (alone on stdout) and return.")
+    ] = False,
 ):
     """Submit `vitray ARGS...` as a Ray job: vitray submit --address http://HOST:8265 -- pretrain -c run.yaml"""
     args = list(ctx.args)
     if not args:
         fail("nothing to submit: give the vitray command after --, e.g. -- pretrain -c configs/demo.yaml")
+    # Refused here, not met on the cluster: `ray job submit -- vitray ...`'s habit, a misspelt command.
+    if args[0] == "vitray":
+        fail(f"the command after -- is without `vitray`: vitray submit ... -- {shlex.join(args[1:])}")
+    commands = sorted(
+        [info.name or info.callback.__name__ for info in app.registered_commands]
+        + [info.name for info in app.registered_groups]
+    )
+    if args[0] not in commands:
+        fail(f"{args[0]!r} is not a vitray command; the commands are: {', '.join(commands)}")
     if working_dir is not None and not os.path.isdir(working_dir):
         fail(f"--working-dir {working_dir}: no such folder (the folder uploaded as the job's working dir)")
     env_vars = {}

@@ -43,8 +43,10 @@ class NotEnoughResources(ValueError):
 
 
 def enable_token_auth_if_available() -> None:
-    """Use the cluster token when there is one; must run before `ray` is first imported."""
-    if "RAY_AUTH_MODE" not in os.environ and (os.environ.get("RAY_AUTH_TOKEN") or AUTH_TOKEN_FILE.is_file()):
+    """Use the cluster token when there is one (where Ray looks for it: RAY_AUTH_TOKEN, the file
+    RAY_AUTH_TOKEN_PATH names, ~/.ray/auth_token); must run before `ray` is first imported."""
+    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or AUTH_TOKEN_FILE)
+    if "RAY_AUTH_MODE" not in os.environ and (os.environ.get("RAY_AUTH_TOKEN") or token_file.is_file()):
         os.environ["RAY_AUTH_MODE"] = "token"
 
 

@@ -1,32 +1,53 @@
 """`vitray submit`: run a vitray command as a Ray job through the Jobs API, and follow its logs.
 
-Ctrl-C stops following; the job keeps running (`ray job stop ID` stops it).
+Ctrl-C stops following; the job keeps running (`ray job stop ID` stops it: a SIGTERM to the driver,
+which checkpoints and stops within `run.preemption_grace_s`, given that long by `runtime_env`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import shlex
 import sys
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 from vitray.cluster.runtime import RayUnavailable, enable_token_auth_if_available
 from vitray.common import exit_codes, redact
 
-# What never belongs in a job's uploaded working dir.
+# What never belongs in a job's uploaded working dir (gitignore patterns; a leading / anchors one to
+# the folder's top, so that `configs/runs/x.yaml` goes along): tools' folders, run outputs, data and
+# weights -- and the secrets a project folder often holds, since the package is stored on the cluster.
 WORKING_DIR_EXCLUDES = [
     ".git",
     ".venv",
     "**/__pycache__",
     "*.egg-info",
     ".pytest_cache",
-    "runs",
-    "demo-output",
+    ".gpu-kit",
+    "/runs",
+    "/demo-output",
+    "wandb",
+    "mlruns",
     "*.tar",
     "*.npz",
     "*.safetensors",
+    "*.pt",
+    "*.pth",
+    ".env",
+    ".env.*",
+    ".aws",
+    ".ssh",
+    ".netrc",
+    "id_rsa*",
+    "id_ed25519*",
+    "*.pem",
+    "*.key",
+    "*credentials*",
 ]
 
 # Forwarded to the job when set on the submitting machine: where the storage is, never who may
@@ -43,14 +64,35 @@ FORWARDED_ENV = (
 NOT_FORWARDED_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
 
-def runtime_env(working_dir: str | None, env: dict[str, str]) -> dict[str, Any]:
+# `ray job stop` sends the driver SIGTERM and SIGKILLs it RAY_JOB_STOP_WAIT_TIME_S later (Ray's
+# default: 3 s), long before its workers can checkpoint: the job waits the run's grace period and
+# this much more (the driver records the attempt and releases the run's lease after the workers stop).
+STOP_MARGIN_S = 60.0
+STOP_WAIT_VARIABLE = "RAY_JOB_STOP_WAIT_TIME_S"
+
+
+def runtime_env(working_dir: str | None, env: dict[str, str], args: list[str] = ()) -> dict[str, Any]:
     env_vars = {name: os.environ[name] for name in FORWARDED_ENV if name in os.environ}
+    env_vars[STOP_WAIT_VARIABLE] = str(math.ceil(grace_s(args) + STOP_MARGIN_S))
     env_vars.update(env)
     runtime: dict[str, Any] = {"env_vars": env_vars}
     if working_dir:
         runtime["working_dir"] = working_dir
         runtime["excludes"] = WORKING_DIR_EXCLUDES
     return runtime
+
+
+def grace_s(args: list[str]) -> float:
+    """The submitted command's `run.preemption_grace_s`: its last `--set` of it, else the default
+    (a config file's own value is not read here: pass `--env RAY_JOB_STOP_WAIT_TIME_S=S` for a longer one)."""
+    from vitray.trainers.config import RunConfig
+
+    key = "run.preemption_grace_s="
+    given = [arg.removeprefix("--set=").removeprefix(key) for arg in args if arg.removeprefix("--set=").startswith(key)]
+    try:
+        return float(given[-1]) if given else float(RunConfig.model_fields["preemption_grace_s"].default)
+    except ValueError:  # not a number: the command itself refuses it (its --dry-run here, or on the cluster)
+        return float(RunConfig.model_fields["preemption_grace_s"].default)
 
 
 class NotSubmitted(ValueError):
@@ -69,30 +111,62 @@ def submit(address: str, args: list[str], *, working_dir: str | None, env: dict[
     for line in env_notices(env):
         print(line, file=sys.stderr)
     enable_token_auth_if_available()
+    address = _with_scheme(address)
     try:
         client = JobSubmissionClient(address)
-    except ConnectionError as error:
+    except Exception as error:  # ConnectionError; a GCS address that never answers: Ray's RpcError
         raise RayUnavailable(
             f"no Ray Jobs API answers at {address}: give --address (or RAY_ADDRESS) as the head node's dashboard "
             "address, http://HOST:8265, and check that the cluster is up (`ray status` on its head node)"
         ) from error
     entrypoint = "vitray " + shlex.join(args)
-    job_id = _submit_when_ready(client, entrypoint, runtime_env(working_dir, env))
+    job_id = _submit_when_ready(client, entrypoint, runtime_env(working_dir, env, args))
     print(f"submitted job {job_id}: {entrypoint}", file=sys.stderr)
+    stop = f"`{_ray_job_command('stop', job_id, address)}` stops it"
     if not follow:
+        print(job_id)  # stdout: JOB=$(vitray submit --no-follow ...)
         return job_id
     try:
         asyncio.run(_tail(client, job_id))
     except KeyboardInterrupt:
-        print(f"\ndetached; job {job_id} keeps running (`ray job stop {job_id}` stops it)", file=sys.stderr)
+        print(f"\ndetached; job {job_id} keeps running ({stop})", file=sys.stderr)
         return job_id
+    except Exception as error:  # the head went away under the log stream (a closed WebSocket)
+        raise RayUnavailable(
+            f"lost the log stream of job {job_id} ({type(error).__name__}: {error}); the head node may be gone. "
+            f"`{_ray_job_command('status', job_id, address)}` says how the job ended; submitting the same command "
+            "again resumes its run"
+        ) from error
     info = client.get_job_info(job_id)
     print(f"job {job_id}: {describe_end(info.status.value, info.driver_exit_code)}", file=sys.stderr)
     if info.status != JobStatus.SUCCEEDED:
         # The driver's own exit code when it has one (75: pre-empted, 130: stopped by user), so that
-        # whatever runs `vitray submit` can tell a pre-emption from a failure.
-        raise SystemExit(info.driver_exit_code or 1)
+        # whatever runs `vitray submit` can tell a pre-emption from a failure; a job stopped with
+        # `ray job stop` has none (Ray records STOPPED): it was stopped by a user.
+        stopped = info.status == JobStatus.STOPPED and info.driver_exit_code is None
+        raise SystemExit(exit_codes.STOPPED_BY_USER if stopped else info.driver_exit_code or 1)
     return job_id
+
+
+def _ray_job_command(verb: str, job_id: str, address: str) -> str:
+    """The `ray job` command line that reaches this job as vitray did (token auth where vitray turned it on)."""
+    auth = "RAY_AUTH_MODE=token " if os.environ.get("RAY_AUTH_MODE") == "token" else ""
+    return f"{auth}ray job {verb} --address {address} {job_id}"
+
+
+def _with_scheme(address: str) -> str:
+    """`HOST:PORT` of a dashboard (the Jobs API) as `http://HOST:PORT`: without a scheme Ray takes it for
+    a GCS address and waits ~40 s for a GCS that is not there. Anything else (a GCS address, `auto`,
+    `ray://`, `http(s)://`) as given."""
+    if "://" in address or ":" not in address:
+        return address
+    try:
+        urllib.request.urlopen(f"http://{address}/api/version", timeout=3)
+    except urllib.error.HTTPError:  # an HTTP server answered (401 without the token): the dashboard
+        pass
+    except (OSError, ValueError):
+        return address
+    return f"http://{address}"
 
 
 def refuse_credentials(args: list[str]) -> None:
@@ -142,6 +216,8 @@ def describe_end(status: str, driver_exit_code: int | None) -> str:
     """How a followed job ended: Ray's status, or what the driver's exit code says."""
     if status == "FAILED" and driver_exit_code in _STOPPED:
         return _STOPPED[driver_exit_code]
+    if status == "STOPPED" and driver_exit_code is None:
+        return "STOPPED (ray job stop: its run checkpoints at its next check step within its grace; submit it again to resume)"
     return status if driver_exit_code in (None, 0) else f"{status} (exit code {driver_exit_code})"
 
 

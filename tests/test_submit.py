@@ -15,8 +15,11 @@ from pathlib import Path
 
 import pytest
 from ports import free_port
+from pretrain_helpers import BASE, steps_begun
 
 from vitray.data import read_dataset_info
+from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
+from vitray.runfolder.files import RunFiles
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -164,13 +167,118 @@ def test_submit_runs_a_vitray_command_as_a_ray_job(ray_head, tmp_path):
     assert info.splits["train"].num_samples + info.splits["test"].num_samples == 1797
 
 
+def test_ray_job_stop_checkpoints_the_run_and_the_submit_says_so(ray_head, digits_dataset, tmp_path):
+    """`ray job stop` is a SIGTERM to the driver, which Ray follows with a SIGKILL 3 s later unless the
+    job's runtime env says otherwise: the job vitray submits waits the run's grace, so the run
+    checkpoints at its next check step, records a stopped attempt and releases its lease; the followed
+    submit says it stopped and exits 130."""
+    keys = tmp_path / "keys"
+    sets = [
+        *BASE,
+        "cluster.num_workers=1",
+        f"data.train={digits_dataset}",
+        f"run.storage={tmp_path}",
+        "run.name=stopped",
+        "train.steps=2000",
+        "checkpoint.every=1000",
+        "debug.step_delay_s=0.2",
+        "debug.checkpoint_record_delay_s=6",  # a checkpoint that takes longer than Ray's 3 s
+        f"debug.record_sample_keys={keys}",
+    ]
+    command = [str(BIN / "vitray"), "submit", "--address", ray_head, "--", "pretrain"]
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with open(out, "w") as stdout, open(err, "w") as stderr:  # files: a pipe nobody reads could fill up
+        follow = subprocess.Popen(
+            [*command, *[a for s in sets for a in ("--set", s)]], stdout=stdout, stderr=stderr, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while steps_begun(keys) < 3:
+            assert follow.poll() is None and time.monotonic() < deadline, err.read_text()[-4000:]
+            time.sleep(1)
+        stopped_at = steps_begun(keys)
+        job_id = _job_id(err.read_text())
+        env = {**os.environ, "RAY_AUTH_MODE": "token"}
+        stop = subprocess.run(
+            [str(BIN / "ray"), "job", "stop", "--address", ray_head, job_id], capture_output=True, text=True, env=env
+        )
+        assert stop.returncode == 0, stop.stderr[-3000:]
+        follow.wait(timeout=240)
+    finally:
+        if follow.poll() is None:
+            os.killpg(follow.pid, signal.SIGKILL)
+    stderr = err.read_text()
+    said = " ".join(stderr.split())
+    assert follow.returncode == 130, said[-3000:]
+    assert f"job {job_id}: STOPPED (ray job stop" in said
+    run_dir = str(tmp_path / "stopped")
+    (attempt,) = RunFiles(run_dir).read_attempts()
+    assert attempt["status"] == "stopped" and "SIGTERM" in attempt["error"], attempt
+    checkpoint = latest_complete_checkpoint(run_dir)
+    assert checkpoint is not None and stopped_at <= checkpoint.step < 1000  # the stop's own checkpoint
+    assert not Path(RunFiles(run_dir).lease_path).exists()  # released: the same command resumes at once
+    assert _job_record(ray_head, job_id)["runtime_env"]["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"] == "90"
+
+
+def test_submit_refuses_what_would_fail_on_the_cluster_before_connecting():
+    """A leading `vitray` (the habit of `ray job submit -- vitray ...`) and a misspelt command are
+    refused here, in one line, before any connection (nothing listens at the address)."""
+    from typer.testing import CliRunner
+
+    from vitray.cli.main import app
+
+    for args, said in [
+        (["vitray", "runs", "x"], "the command after -- is without `vitray`: vitray submit ... -- runs x"),
+        (["pretrian", "-c", "x.yaml"], "'pretrian' is not a vitray command; the commands are: data, demo,"),
+    ]:
+        result = CliRunner().invoke(app, ["submit", "--address", "http://127.0.0.1:9", "--", *args])
+        assert result.exit_code == 2 and said in " ".join(result.output.split()), result.output
+
+
+def test_a_dashboard_address_without_a_scheme_is_taken_as_one():
+    """Without `http://` Ray takes HOST:PORT for a GCS address and waits ~40 s for one; a dashboard
+    (any HTTP server, 401 without the token) answering there is reached as http://HOST:PORT."""
+    import http.server
+    import threading
+
+    from vitray.cluster.submit import _with_scheme
+
+    class Unauthorized(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Unauthorized)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        assert _with_scheme(f"127.0.0.1:{port}") == f"http://127.0.0.1:{port}"
+    finally:
+        server.shutdown()
+    closed = free_port()
+    assert _with_scheme(f"127.0.0.1:{closed}") == f"127.0.0.1:{closed}"  # a GCS address, perhaps: as given
+    for given in ("auto", "ray://127.0.0.1:10001", "http://127.0.0.1:8265"):
+        assert _with_scheme(given) == given
+
+
 def test_runtime_env_forwards_settings_never_credentials(monkeypatch):
     from vitray.cluster.submit import env_notices, runtime_env
 
     for name, value in {**SHELL_CREDENTIALS, "AWS_REGION": "eu-west-1", "AWS_ENDPOINT_URL": "http://s3.local"}.items():
         monkeypatch.setenv(name, value)
     env_vars = runtime_env(None, {})["env_vars"]
-    assert env_vars == {"AWS_REGION": "eu-west-1", "AWS_ENDPOINT_URL": "http://s3.local"}
+    # ... and how long `ray job stop` waits for the driver: the run's grace (30 s unless --set) and a minute
+    assert env_vars == {
+        "AWS_REGION": "eu-west-1",
+        "AWS_ENDPOINT_URL": "http://s3.local",
+        "RAY_JOB_STOP_WAIT_TIME_S": "90",
+    }
+    given = ["pretrain", "--set", "run.preemption_grace_s=300"]
+    assert runtime_env(None, {}, given)["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"] == "360"
+    assert runtime_env(None, {"RAY_JOB_STOP_WAIT_TIME_S": "5"}, given)["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"] == "5"
     (note,) = env_notices({})
     assert "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN from this shell are not forwarded" in note
     # Given explicitly, a variable goes along, with a warning; a credential named by --env is not "skipped".
