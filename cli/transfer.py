@@ -107,12 +107,22 @@ def fewshot(
 def _fewshot_json(summary) -> str:
     import json
 
-    columns = ("benchmark", "shots", "accuracy", "std", "seeds")
+    results = [
+        {
+            "benchmark": bench,
+            "shots": k,
+            "accuracy": shots.mean,
+            "std": shots.std,
+            "seeds": shots.seeds,
+            "l2_reg": list(shots.l2),  # per seed: l2_reg=select's choices
+        }
+        for bench, k, shots in summary.rows
+    ]
     return json.dumps(
         {
             "checkpoint": summary.checkpoint.path,
             "step": summary.checkpoint.step,
-            "results": [dict(zip(columns, row, strict=True)) for row in summary.rows],
+            "results": results,
             "problems": summary.problems,
         },
         indent=1,
@@ -135,10 +145,13 @@ def _print_fewshot_table(summary) -> None:
         ("accuracy", "right"),
         ("± std", "right"),
         ("seeds", "right"),
+        ("l2_reg", "right"),
     ]:
         table.add_column(name, justify=justify)
-    for bench, k, mean, std, n in summary.rows:
-        table.add_row(bench, str(k), f"{mean:.4f}", f"{std:.4f}", str(n))
+    for bench, k, shots in summary.rows:
+        # One value when every seed had it (a fixed l2_reg); l2_reg=select's choice of each seed
+        l2 = f"{shots.l2[0]:g}" if len(set(shots.l2)) == 1 else " ".join(f"{v:g}" for v in shots.l2)
+        table.add_row(bench, str(k), f"{shots.mean:.4f}", f"{shots.std:.4f}", str(shots.seeds), l2)
     out.print(table)
 
 

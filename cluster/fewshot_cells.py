@@ -16,10 +16,11 @@ from vitray.evaluation.suite import MissingDataset, require_prepared
 
 @dataclass
 class FewshotSummary:
-    """`vitray fewshot`'s answer: per benchmark and shots value (mean, std, seeds), and what failed."""
+    """`vitray fewshot`'s answer: per benchmark and shots value its summary (mean, std, seeds, the
+    ridge strengths), and what failed."""
 
     checkpoint: CheckpointRef
-    rows: list[tuple[str, int, float, float, int]] = field(default_factory=list)
+    rows: list[tuple[str, int, fewshot.ShotsSummary]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
 
@@ -42,8 +43,8 @@ def fewshot_checkpoint(checkpoint: str, grid: GridConfig) -> FewshotSummary:
     check_work([group for _, group in groups], grid)
     for bench, group in groups:
         outcomes = fewshot.run(group, section, grid.inputs)
-        for k, (mean, std, n) in fewshot.summarize_scores(outcomes).items():
-            summary.rows.append((bench.name, k, mean, std, n))
+        for k, shots in fewshot.summarize_scores(outcomes).items():
+            summary.rows.append((bench.name, k, shots))
         summary.problems += [
             f"{bench.name} {o.cell.settings['shots']}-shot seed {o.cell.seed}: {describe_failure(o.error).one_line()}"
             for o in outcomes

@@ -429,8 +429,8 @@ def test_the_fewshot_command_prints_each_shots_mean_over_its_seeds(digits_datase
     assert f"few-shot linear probe: {checkpoint} (step " in result.output
     rows = [line.split("│")[1:-1] for line in result.output.splitlines() if line.startswith("│ digits")]
     assert [[cell.strip() for cell in row][:2] for row in rows] == [["digits", "1"], ["digits", "5"]]
-    for _, _, accuracy, std, seeds in ([cell.strip() for cell in row] for row in rows):
-        assert 0.0 <= float(accuracy) <= 1.0 and float(std) >= 0.0 and seeds == "2"
+    for _, _, accuracy, std, seeds, l2 in ([cell.strip() for cell in row] for row in rows):
+        assert 0.0 <= float(accuracy) <= 1.0 and float(std) >= 0.0 and seeds == "2" and l2 == "1024"
 
     # For scripts: the same numbers as JSON on stdout; a missing benchmark is said, and exits 1.
     result = CliRunner().invoke(app, [*args, "-b", "cifar10", "--shots", "1,5", "--seeds", "2", "--format", "json"])
@@ -440,6 +440,12 @@ def test_the_fewshot_command_prints_each_shots_mean_over_its_seeds(digits_datase
     assert [(r["benchmark"], r["shots"], r["seeds"]) for r in answer["results"]] == [("digits", 1, 2), ("digits", 5, 2)]
     assert [f"{r['accuracy']:.4f}" for r in answer["results"]] == [[cell.strip() for cell in row][2] for row in rows]
     assert len(answer["problems"]) == 1 and "vitray data prepare cifar10:" in answer["problems"][0]
+
+    # l2_reg=select: the strength chosen for each seed is printed (and a result row of the grid's)
+    result = CliRunner().invoke(app, [*args, "--shots", "5", "--seeds", "2", "--l2", "select", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.stdout)["results"]
+    assert len(row["l2_reg"]) == 2 and set(row["l2_reg"]) <= set(L2_GRID), row
 
 
 def test_a_runs_fewshot_evaluator_reads_the_train_labels_once(digits_dataset, monkeypatch):

@@ -33,6 +33,8 @@ from vitray.evaluation.suite import Benchmark, locate, locate_train
 NAME = "fewshot"
 TITLE = "few-shot"
 RUNS_AS = TASK
+# The ridge strength `l2_reg: select` chose for a cell: a metric of its own beside its accuracy.
+L2_METRIC = "l2_reg"
 
 
 class FewShotGrid(TaskSection):
@@ -180,14 +182,33 @@ def run_on_model(
         if isinstance(result, Exception):
             outcomes.append(CellOutcome(cell, error=f"{type(result).__name__}: {result}", seconds=share))
         else:
-            outcomes.append(CellOutcome(cell, {METRIC: result.accuracy}, seconds=share))
+            metrics = {METRIC: result.accuracy}
+            if cell.settings["l2_reg"] == "select":  # the strength chosen: a result of its own
+                metrics[L2_METRIC] = result.l2_reg
+            outcomes.append(CellOutcome(cell, metrics, seconds=share))
     return outcomes
 
 
-def summarize_scores(outcomes: Iterable[CellOutcome]) -> dict[int, tuple[float, float, int]]:
-    """Few-shot outcomes per shots value: (mean, population std, number of seeds) of the ok ones."""
-    by_shots: dict[int, list[float]] = {}
+@dataclass(frozen=True)
+class ShotsSummary:
+    """The ok outcomes of one shots value: their accuracy's mean and population std, the number of
+    seeds, and the ridge strength of each seed (`l2_reg: select`'s choices, or the one fixed value)."""
+
+    mean: float
+    std: float
+    seeds: int
+    l2: tuple[float, ...]
+
+
+def summarize_scores(outcomes: Iterable[CellOutcome]) -> dict[int, ShotsSummary]:
+    """Few-shot outcomes per shots value (:class:`ShotsSummary`), of the ok ones."""
+    by_shots: dict[int, list[CellOutcome]] = {}
     for outcome in outcomes:
         if outcome.ok:
-            by_shots.setdefault(int(outcome.cell.settings["shots"]), []).append(outcome.metrics[METRIC])
-    return {k: (float(np.mean(v)), float(np.std(v)), len(v)) for k, v in sorted(by_shots.items())}
+            by_shots.setdefault(int(outcome.cell.settings["shots"]), []).append(outcome)
+    summaries = {}
+    for k, done in sorted(by_shots.items()):
+        accuracy = [o.metrics[METRIC] for o in done]
+        l2 = [float(o.metrics.get(L2_METRIC, o.cell.settings["l2_reg"])) for o in done]
+        summaries[k] = ShotsSummary(float(np.mean(accuracy)), float(np.std(accuracy)), len(done), tuple(l2))
+    return summaries
