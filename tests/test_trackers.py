@@ -18,14 +18,19 @@ from vitray.trainers.trackers import MlflowSettings, Trackers, WandbSettings
 
 @pytest.fixture(autouse=True)
 def _offline(monkeypatch):
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 wants a database; a file store suits a test
+    # As a user's shell has it: MLflow 3 refuses a folder store unless told, and vitray tells it.
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
 
 
 def _mlflow_runs(uri: str):
+    import os
+
     from mlflow.tracking import MlflowClient
 
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # reading it back here (the fixture restores the variable)
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("vitray")
     return client, client.search_runs([experiment.experiment_id])
@@ -74,6 +79,50 @@ def test_a_resumed_run_goes_on_in_the_same_tracker_runs(tmp_path):
     assert [(h.step, h.value) for h in client.get_metric_history(runs[0].info.run_id, "loss")] == [(1, 1.0), (2, 0.5)]
     logs = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len({log.name for log in logs}) == 1, "both attempts write the one W&B run id"
+
+
+def test_log_mlflow_defaults_to_a_folder_store_where_the_command_runs(tmp_path, monkeypatch):
+    """`log.mlflow: {}` without MLFLOW_TRACKING_URI: the folder `mlruns` where the config is read
+    (MLflow 3's own default, a SQLite file, needs SQLAlchemy, which mlflow-skinny has not), used
+    although MLflow 3 refuses folder stores unless MLFLOW_ALLOW_FILE_STORE is set."""
+    from vitray.trainers.trackers import mlflow_store_problem
+
+    monkeypatch.chdir(tmp_path)
+    settings = MlflowSettings.model_validate({})
+    assert settings.tracking_uri == str(tmp_path / "mlruns")
+    assert mlflow_store_problem(settings) is None
+    trackers = Trackers(settings, None, run_name="r", run_dir=str(tmp_path / "r"), config={"seed": 0})
+    trackers.log(1, {"loss": 0.5})
+    trackers.close()
+    client, (run,) = _mlflow_runs(settings.tracking_uri)
+    assert run.info.status == "FINISHED" and client.get_metric_history(run.info.run_id, "loss")[0].value == 0.5
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "elsewhere")
+    assert MlflowSettings.model_validate({}).tracking_uri == str(tmp_path / "elsewhere")
+
+
+def test_an_mlflow_store_that_cannot_be_opened_is_refused_before_ray(digits_dataset, tmp_path):
+    """A SQLite store without SQLAlchemy, a server that does not answer: refused by the pre-flight in
+    one line, in seconds (MLflow's own retries wait minutes), not met by rank 0 after Ray started."""
+    import time
+
+    from vitray.common.config import load_config
+    from vitray.trainers.config import TrainingConfig
+    from vitray.trainers.driver_checks.preflight import PreflightError, check_inputs
+
+    for uri, said in [
+        ("sqlite:///mlflow.db", "a sqlite:/// store needs SQLAlchemy and Alembic: pip install mlflow"),
+        ("http://127.0.0.1:9", "the MLflow store cannot be opened: API request to http://127.0.0.1:9"),
+    ]:
+        cfg = load_config(
+            TrainingConfig,
+            None,
+            [f"data.train={digits_dataset}", f"run.storage={tmp_path}", f"log.mlflow={{tracking_uri: '{uri}'}}"],
+        )
+        started = time.monotonic()
+        with pytest.raises(PreflightError, match="log.mlflow.tracking_uri=") as refused:
+            check_inputs(cfg)
+        assert said in str(refused.value) and "\n" not in str(refused.value)
+        assert time.monotonic() - started < 30
 
 
 def test_the_progress_bar_reads_only_the_new_lines_of_the_metrics_file(tmp_path):

@@ -19,13 +19,13 @@ import time
 import urllib.parse
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from vitray.common.config import flatten_config
 from vitray.data.config import StoragePath
 from vitray.storage import absolute
 
-__all__ = ["MlflowSettings", "Trackers", "WandbSettings", "missing_tracker_packages"]
+__all__ = ["MlflowSettings", "Trackers", "WandbSettings", "missing_tracker_packages", "mlflow_store_problem"]
 
 _PARAMS_PER_CALL = 100  # MLflow's limit for one log_batch
 _PARAM_VALUE_CHARS = 6000  # MLflow's limit for one param value
@@ -48,15 +48,69 @@ def tracking_uri_here(uri: str | None) -> str | None:
     return absolute(uri)
 
 
+# The store of `log.mlflow: {}` without MLFLOW_TRACKING_URI: a folder. MLflow 3's own default, a
+# SQLite file, needs SQLAlchemy and Alembic, which `mlflow-skinny` (the `trackers` extra) lacks.
+DEFAULT_MLFLOW_STORE = "mlruns"
+
+
 class MlflowSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tracking_uri: Annotated[str | None, AfterValidator(tracking_uri_here)] = Field(
         None,
-        description="MLflow tracking URI; MLFLOW_TRACKING_URI when unset. A relative local store (mlruns, "
-        "sqlite:///mlflow.db) is read against the working directory where the config is read.",
+        description="MLflow tracking URI; MLFLOW_TRACKING_URI when unset, else the folder mlruns. A relative local "
+        "store (mlruns, sqlite:///mlflow.db) is read against the working directory where the config is read; a "
+        "folder store is used as MLflow 3 allows it (MLFLOW_ALLOW_FILE_STORE), a sqlite:/// one needs SQLAlchemy "
+        "(the full mlflow package).",
     )
     experiment: str = Field("vitray", description="Experiment name (created when missing).")
+
+    @model_validator(mode="after")
+    def _store_where_the_config_is_read(self) -> MlflowSettings:
+        """The store resolved where the config is read (the driver): rank 0 runs elsewhere."""
+        if self.tracking_uri is None:
+            self.tracking_uri = tracking_uri_here(os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_MLFLOW_STORE)
+        return self
+
+
+def _is_folder_store(uri: str) -> bool:
+    return uri.startswith("file:") or not re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", uri)
+
+
+def _mlflow_client(settings: MlflowSettings):
+    """A client of the run's store; a folder store allowed as asked for (MLflow 3 refuses one unless
+    MLFLOW_ALLOW_FILE_STORE is set: the store is in "maintenance mode", and works)."""
+    from mlflow.tracking import MlflowClient
+
+    uri = settings.tracking_uri or DEFAULT_MLFLOW_STORE
+    if _is_folder_store(uri):
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    return MlflowClient(tracking_uri=uri)
+
+
+def mlflow_store_problem(settings: MlflowSettings | None) -> str | None:
+    """Why the run's MLflow store cannot be used from here (one line), or None: a store the tracker
+    would fail to open in rank 0, after Ray and the workers started."""
+    if settings is None:
+        return None
+    # One quick try: MLflow's own retries wait about 4 minutes on a server that does not answer.
+    quick = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+    quick = {name: value for name, value in quick.items() if name not in os.environ}  # the user's own win
+    os.environ.update(quick)
+    try:
+        _mlflow_client(settings).search_experiments(max_results=1)
+    except Exception as error:
+        said = (str(error).strip().splitlines() or [type(error).__name__])[0].split(". ")[0]
+        hint = ""
+        if (settings.tracking_uri or "").startswith("sqlite:") or "sqlalchemy" in said.lower():
+            hint = (
+                " (a sqlite:/// store needs SQLAlchemy and Alembic: pip install mlflow, or use a folder such as mlruns)"
+            )
+        return f"log.mlflow.tracking_uri={settings.tracking_uri}: the MLflow store cannot be opened: {said}{hint}"
+    finally:
+        for name in quick:
+            os.environ.pop(name, None)
+    return None
 
 
 class WandbSettings(BaseModel):
@@ -127,9 +181,8 @@ class Trackers:
 class _Mlflow:
     def __init__(self, settings: MlflowSettings, run_name: str, run_dir: str, config: dict[str, Any]):
         from mlflow.entities import Param
-        from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient(tracking_uri=settings.tracking_uri)
+        self.client = _mlflow_client(settings)
         experiment = self.client.get_experiment_by_name(settings.experiment)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(settings.experiment)
         found = self.client.search_runs(

@@ -34,7 +34,7 @@ from vitray.models import TRAINING_SETTINGS, ModelConfig, create_model_from_conf
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.step.float8 import float8_layer_names, local_gpu_fp8_problem, no_float8_layer, torchao_missing
-from vitray.trainers.trackers import missing_tracker_packages, wandb_login_missing
+from vitray.trainers.trackers import missing_tracker_packages, mlflow_store_problem, wandb_login_missing
 
 __all__ = ["PreflightError", "ResumePlan", "check_inputs", "check_model", "check_resume", "config_changes"]
 
@@ -97,7 +97,11 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
         raise PreflightError(
             f"{' and '.join(missing)} not installed: pip install 'vitray[trackers]', or unset the setting"
         )
-    # On the local Ray the workers share this environment; a cluster's nodes may hold their own key.
+    # On the local Ray the workers share this environment and its stores; a cluster's nodes may hold
+    # their own key, and reach stores this machine does not.
+    problem = None if cfg.cluster.address else mlflow_store_problem(cfg.log.mlflow)
+    if problem:
+        raise PreflightError(problem)
     if not cfg.cluster.address and wandb_login_missing(cfg.log.wandb):
         raise PreflightError(
             "log.wandb: no W&B API key here: set WANDB_API_KEY (or run `wandb login`), or set log.wandb.mode=offline"
