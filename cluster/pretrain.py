@@ -38,6 +38,7 @@ from vitray.cluster.stop_signals import StopOnSignal, StoppedBeforeTraining
 from vitray.cluster.torch_trainer import RunWrittenElsewhere, check_workers_fit, fit
 from vitray.cluster.train_worker import prune
 from vitray.evaluation.evaluators import VAL_TOP1
+from vitray.evaluation.methods.finetune import OPERATIONAL_SECTIONS
 from vitray.runfolder.checkpoint_folders import (
     CheckpointInfo,
     describe_resume,
@@ -100,6 +101,7 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
         try:  # a stop while the run starts is taken between these steps (`stop.check`)
             plan = check_resume(cfg, folder, info)
             if plan.finished:
+                _refuse_other_settings(cfg, plan)
                 raise AlreadyFinished(plan.chosen)
             _announce_resume(cfg, folder, plan)
             stop.check()
@@ -168,6 +170,23 @@ def _lease_lost(holder) -> None:
         file=sys.stderr,
         flush=True,
     )
+
+
+def _refuse_other_settings(cfg: TrainingConfig, plan: ResumePlan) -> None:
+    """A finished run is this command's only when it computed what this config would: a sweep that
+    reuses a run name (other lr, other data flags) must not take the old run for its result. How a
+    run goes (`OPERATIONAL_SECTIONS`, debug) and its length may differ."""
+    computed = [
+        change
+        for change in plan.changes
+        if change.split(".")[0] not in (*OPERATIONAL_SECTIONS, "debug") and not change.startswith("train.steps:")
+    ]
+    if computed:
+        raise PreflightError(
+            f"run {cfg.run.name} is finished (step {plan.chosen.step}, {plan.chosen.path}) with other settings than "
+            f"this command's: {'; '.join(computed)}. Give another run.name to train them, or raise train.steps to "
+            f"go on from step {plan.chosen.step} with them"
+        )
 
 
 def _announce_resume(cfg: TrainingConfig, folder: str, plan: ResumePlan) -> None:

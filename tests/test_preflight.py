@@ -144,6 +144,12 @@ def test_a_finished_run_exits_at_once_saying_so(pretrained, digits_dataset, tmp_
     assert result.exit_code == 0, result.output
     assert "pre is finished: its latest checkpoint is at step 8 of train.steps=8" in " ".join(result.output.split())
     assert "raise train.steps" in result.output
+    # The same name with settings that compute something else (a sweep's next point) is not this
+    # command's result: refused naming them. How the run goes (logging, checkpoints) may differ.
+    line = refused(*_sets(digits_dataset, storage, *PRETRAINED, "optim.lr=0.005", "data.flip=true"))
+    assert "run pre is finished (step 8, " in line and "with other settings than this command's: " in line, line
+    assert "data.flip: False -> True; optim.lr: 0.001 -> 0.005. Give another run.name to train them" in line, line
+    assert pretrain(*_sets(digits_dataset, storage, *PRETRAINED, "log.every=1", "checkpoint.keep=3")).exit_code == 0
 
 
 def test_what_may_change_on_resume_is_allowed_and_said(pretrained, digits_dataset):
