@@ -147,9 +147,17 @@ class TrainingProgress:
             self._print_lines(records)
             return
         last = records[-1]
-        status = f"loss {last.get('loss', float('nan')):.4f}  {last.get('images_per_s', 0):.1f} img/s"
-        if self.headline is not None and self.headline in last:
-            status += f"  {self.label} {last[self.headline]:.3f}"
+        # The latest of each: a record of an evaluation or a checkpoint alone has no loss, and the
+        # next log step has no evaluation (the bar showed "loss nan  0.0 img/s", then lost the top-1).
+        trained = next((r for r in reversed(records) if "loss" in r), None)
+        status = "starting..." if trained is None else f"loss {trained['loss']:.4f}"
+        if trained is not None and "images_per_s" in trained:
+            status += f"  {trained['images_per_s']:.1f} img/s"
+        if trained is not None and "lr" in trained:
+            status += f"  lr {trained['lr']:.2e}"
+        scored = next((r for r in reversed(records) if self.headline in r), None) if self.headline else None
+        if scored is not None:
+            status += f"  {self.label} {scored[self.headline]:.3f}"
         skipped, _ = skipped_data(records)
         if skipped:
             status += f"  {skipped} corrupt sample{'s' if skipped != 1 else ''} skipped"
@@ -166,7 +174,7 @@ class TrainingProgress:
 
 def progress_line(record: dict[str, Any], records: list[dict[str, Any]], total_steps: int) -> str:
     """One log line of a metrics record: "step 200/300  loss 1.0435  58.5 img/s  data wait 1%
-    eta 0:01:42  val/top1 0.783"; the ETA from the pace between the first of `records` (this
+    lr 1.00e-03  eta 0:01:42  val/top1 0.783"; the ETA from the pace between the first of `records` (this
     attempt's) and this one."""
     step = int(record.get("step", 0))
     parts = [f"step {step}/{total_steps}"]
@@ -176,6 +184,8 @@ def progress_line(record: dict[str, Any], records: list[dict[str, Any]], total_s
         parts.append(f"{record['images_per_s']:.1f} img/s")
     if "data_wait_fraction" in record:
         parts.append(f"data wait {record['data_wait_fraction']:.0%}")
+    if "lr" in record:
+        parts.append(f"lr {record['lr']:.2e}")
     first = records[0]
     if "time" in record and "time" in first and step > first.get("step", 0) and step < total_steps:
         per_step = (record["time"] - first["time"]) / (step - first["step"])

@@ -150,7 +150,7 @@ def test_without_a_terminal_each_record_is_a_log_line(tmp_path, capsys):
     run_dir = str(tmp_path / "run")
     metrics = Path(RunFiles(run_dir).metrics_path)
     metrics.parent.mkdir(parents=True)
-    record = {"loss": 2.0, "images_per_s": 50.0, "data_wait_fraction": 0.012}
+    record = {"loss": 2.0, "images_per_s": 50.0, "data_wait_fraction": 0.012, "lr": 0.0003}
     with metrics.open("w") as f:
         f.write(json.dumps({"step": 10, "time": 1000.0, **record}) + "\n")
         f.write(
@@ -162,13 +162,41 @@ def test_without_a_terminal_each_record_is_a_log_line(tmp_path, capsys):
         pass
     lines = capsys.readouterr().out.splitlines()
     assert lines == [
-        "step 10/100  loss 2.0000  50.0 img/s  data wait 1%",
-        "step 20/100  loss 2.0000  50.0 img/s  data wait 1%  eta 0:01:20  fewshot/digits_10shot 0.250  val/top1 0.500",
+        "step 10/100  loss 2.0000  50.0 img/s  data wait 1%  lr 3.00e-04",
+        "step 20/100  loss 2.0000  50.0 img/s  data wait 1%  lr 3.00e-04  eta 0:01:20  fewshot/digits_10shot 0.250  val/top1 0.500",
     ]
     with metrics.open("a") as f:  # only what is new is printed on the next look
         f.write(json.dumps({"step": 30, "time": 1020.0, **record}) + "\n")
     progress._refresh()  # the next poll
-    assert capsys.readouterr().out.splitlines() == ["step 30/100  loss 2.0000  50.0 img/s  data wait 1%  eta 0:01:10"]
+    assert capsys.readouterr().out.splitlines() == [
+        "step 30/100  loss 2.0000  50.0 img/s  data wait 1%  lr 3.00e-04  eta 0:01:10"
+    ]
+
+
+def test_the_bar_keeps_the_latest_loss_and_top1_across_records_without_them(tmp_path):
+    """On a terminal the bar shows the newest record's numbers: a record of an evaluation or a
+    checkpoint alone (`evals.*.every` off `log.every`) made it "loss nan  0.0 img/s", and the next
+    log step dropped the top-1."""
+    from vitray.runfolder.progress import TrainingProgress
+
+    run_dir = str(tmp_path / "run")
+    metrics = Path(RunFiles(run_dir).metrics_path)
+    metrics.parent.mkdir(parents=True)
+    lines = [
+        {"step": 10, "time": 1.0, "loss": 2.5, "images_per_s": 40.0, "lr": 0.001},
+        {"step": 15, "time": 2.0, "val/top1": 0.25},  # an evaluation step that logged nothing else
+    ]
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    progress = TrainingProgress(run_dir, total_steps=30, headline="val/top1", label="val top-1", poll_seconds=60)
+    progress.lines = False  # as on a terminal
+    progress._refresh()
+    status = progress._progress.tasks[0].fields["status"]
+    assert status == "loss 2.5000  40.0 img/s  lr 1.00e-03  val top-1 0.250", status
+    with metrics.open("a") as f:
+        f.write(json.dumps({"step": 20, "time": 3.0, "loss": 2.0, "images_per_s": 50.0, "lr": 0.0005}) + "\n")
+    progress._refresh()
+    status = progress._progress.tasks[0].fields["status"]
+    assert status == "loss 2.0000  50.0 img/s  lr 5.00e-04  val top-1 0.250", status
 
 
 def test_a_resumed_attempt_shows_its_own_lines_and_eta_not_the_previous_attempts(tmp_path, capsys):
