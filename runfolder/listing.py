@@ -90,7 +90,7 @@ def run_summary(run_dir: str) -> RunSummary | None:
     if complete and target is not None and complete[-1].step >= target:
         status = "finished"
     elif complete:
-        status = f"resumable from step {complete[-1].step}"
+        status = f"resumable from step {complete[-1].step}" + (f" of {target}" if target is not None else "")
     else:
         status = "no complete checkpoint yet"
     incomplete = [
@@ -105,6 +105,9 @@ def run_summary(run_dir: str) -> RunSummary | None:
     attempts = _attempts(files, lease)
     if lease is not None and lease.fresh():
         status = f"running ({lease.describe()}, heartbeat {lease.age():.0f} s ago); " + status
+    elif attempts and attempts[-1]["status"] in ("failed", "lost", "stopped") and not status.startswith("finished"):
+        # How its last attempt ended, first: "resumable from step 20" alone read like a run going on.
+        status = f"{attempts[-1]['status']}; " + status.replace("no complete checkpoint yet", "no complete checkpoint")
     name = run_dir.rstrip("/").rsplit("/", 1)[-1]
     return RunSummary(
         name,

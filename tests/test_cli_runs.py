@@ -86,6 +86,7 @@ def test_json_format(tmp_path):
     assert result.exit_code == 0, result.output
     (run,) = json.loads(result.stdout)
     assert run["name"] == "r1" and run["num_checkpoints"] == 0
+    assert run["status"] == "failed; no complete checkpoint"  # how its last attempt ended, first
     (attempt,) = run["attempts"]
     assert attempt["cause"] == "ValueError: img_size 30 is not a multiple of the patch size 16"
     assert attempt["error"] == WORKER_TRACEBACK  # the whole record stays available
@@ -108,7 +109,7 @@ def test_runs_show_why_a_checkpoint_does_not_count(tmp_path):
     a_run_with_incomplete_checkpoints(tmp_path)
     result = invoke("runs", str(tmp_path))
     assert result.exit_code == 0, result.output
-    assert "resumable from step 6 (2 incomplete checkpoint(s) ignored)" in result.stdout
+    assert "resumable from step 6 of 100 (2 incomplete checkpoint(s) ignored)" in result.stdout
     assert "ignored checkpoint_2026-01-01_00-01-00.000001: rank 1 never finished writing it" in result.stdout
     assert "ignored checkpoint_2026-01-01_00-02-00.000001: model.safetensors is missing or truncated" in result.stdout
     (run,) = json.loads(invoke("runs", str(tmp_path), "--format", "json").stdout)
