@@ -101,9 +101,10 @@ class Failure:
         return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
 
     def advice(self) -> str:
+        resumes = "it resumes from the run's latest complete checkpoint, or starts over where it has none"
         if self.transient:
-            return "re-run the same command to resume from the latest complete checkpoint"
-        return "fix the cause, then re-run the same command to resume from the latest complete checkpoint"
+            return f"re-run the same command: {resumes}"
+        return f"fix the cause, then re-run the same command: {resumes}"
 
 
 def describe_failure(error: BaseException | str) -> Failure:

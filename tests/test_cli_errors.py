@@ -58,9 +58,9 @@ def test_a_failure_is_its_root_cause_and_advice_and_exit_1():
     assert result.exit_code == exit_codes.FAILED
     lines = result.output.strip().splitlines()
     assert lines[0] == "error: frobbing failed: ConnectionResetError: peer went away"
-    assert (
-        lines[1]
-        == "  re-run the same command to resume from the latest complete checkpoint (the full traceback: --verbose)"
+    assert lines[1] == (
+        "  re-run the same command: it resumes from the run's latest complete checkpoint, or starts over where it "
+        "has none (the full traceback: --verbose)"
     )
     assert "Traceback" not in result.output
 

@@ -402,8 +402,8 @@ class TrainingLoop:
         (bad,) = _all_reduce([bad], average=[False], device=self.backend.device)
         if bad:
             raise FloatingPointError(
-                f"the weights are not finite at step {self.step}: not writing a checkpoint of them (the latest "
-                "complete checkpoint is finite); see train.nonfinite"
+                f"the weights are not finite at step {self.step}: not writing a checkpoint of them (every "
+                "checkpoint the run wrote is finite); see train.nonfinite"
             )
 
     def _forward(self) -> Forward:
