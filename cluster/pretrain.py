@@ -130,7 +130,7 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
             attempt_started=time.time(),
         )
         with progress if show_progress else contextlib.nullcontext():
-            result = fit(cfg, plan.chosen)
+            result = fit(cfg, plan.chosen, _worker_failures_to(attempts, cfg))
             while stop.reason is None and (drained := stopped_for_drain(folder)) is not None:
                 result = _new_worker_group_after_drain(cfg, folder, attempts, drained, result)
         prune(folder, cfg.checkpoint.keep)  # every upload is done now: the last one counts too
@@ -244,7 +244,11 @@ def _new_worker_group_after_drain(cfg: TrainingConfig, folder: str, attempts: Ru
     RunFiles(folder).clear_stop()
     resume, _ = resume_point(folder)
     attempts.start(resume)
-    return fit(cfg, resume)
+    return fit(cfg, resume, _worker_failures_to(attempts, cfg))
+
+
+def _worker_failures_to(attempts: RunAttempts, cfg: TrainingConfig):
+    return lambda count, causes: attempts.worker_group_failed(count, causes, cfg.cluster.max_failures)
 
 
 def latest_complete(folder: str) -> CheckpointInfo | None:

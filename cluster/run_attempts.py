@@ -31,8 +31,21 @@ class RunAttempts:
         self.folder, self.owner = folder, owner
         self.files = RunFiles(folder)
         self._open: dict | None = None
+        self.worker_group_failures: list[str] = []  # each failure's causes, one line; Ray Train restarted after each
+
+    def worker_group_failed(self, count: int, causes: list[str], max_failures: int) -> None:
+        """Said on the console as it happens and kept for the attempt's record: Ray Train restarts a
+        failed worker group from the latest checkpoint in silence (its own lines say only that a worker died)."""
+        self.worker_group_failures.append("; ".join(causes))
+        print(
+            f"vitray: the worker group failed ({'; '.join(causes)}); failure {count}: Ray Train starts a new one "
+            f"from the latest complete checkpoint while cluster.max_failures={max_failures} allows",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def start(self, resume: CheckpointInfo | None, skipped: Iterable[CheckpointInfo] = ()) -> None:
+        self.worker_group_failures = []
         self._open = self.files.new_attempt(
             self.owner,
             resumed_from_step=resume.step if resume else None,
@@ -47,8 +60,9 @@ class RunAttempts:
         if self._open is None:
             return
         record, self._open = self._open, None
+        failures = {"worker_group_failures": self.worker_group_failures} if self.worker_group_failures else {}
         try:
-            self.files.end_attempt(record, status, reason, **self._last_step())
+            self.files.end_attempt(record, status, reason, **self._last_step(), **failures)
         except Exception as error:
             print(
                 f"vitray: could not record the end of this attempt ({status}) in {self.folder}/vitray/attempts "

@@ -10,10 +10,16 @@ a restart cannot fix (`RestartCannotFix`): then the run fails at once.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import tempfile
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME  # see _forget_ray_snapshot
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy  # see _Trainer
@@ -89,9 +95,50 @@ class _Trainer(TorchTrainer):
 assert callable(getattr(TorchTrainer, "_initialize_and_run_controller", None)), "Ray Train's controller start moved"
 
 
-def build_trainer(cfg: TrainingConfig, resume: CheckpointInfo | None = None) -> TorchTrainer:
+class _WorkerGroupFailures(UserCallback):
+    """Each failure of the worker group (a worker that raised, died or lost its node), as a JSON line
+    in a local file the driver follows (`fit`): Ray Train restarts the group in silence otherwise.
+    It runs on Ray Train's controller, which Ray pins to the driver's node: the file is the driver's."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+        causes = [
+            f"rank {rank}: {describe_failure(error).one_line(limit=300)}"
+            for rank, error in sorted(worker_exceptions.items())
+        ]
+        with open(self.path, "a") as notes:
+            notes.write(json.dumps({"time": time.time(), "causes": causes}) + "\n")
+
+
+class _FailureNotes:
+    """The driver's side of `_WorkerGroupFailures`: the file, and what is new in it."""
+
+    def __init__(self):
+        fd, self.path = tempfile.mkstemp(prefix="vitray-worker-failures-", suffix=".jsonl")
+        os.close(fd)
+        self._read = 0
+
+    def new(self) -> list[list[str]]:
+        """The causes of each failure noted since the last call."""
+        with open(self.path) as notes:
+            notes.seek(self._read)
+            text = notes.read()
+        whole = text[: text.rfind("\n") + 1]  # a line being written waits for the next call
+        self._read += len(whole.encode())
+        return [json.loads(line)["causes"] for line in whole.splitlines() if line.strip()]
+
+    def close(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def build_trainer(
+    cfg: TrainingConfig, resume: CheckpointInfo | None = None, failure_notes: str | None = None
+) -> TorchTrainer:
     """The run's TorchTrainer; its workers resume from `resume` (the driver's choice, announced with
-    its step), or start from scratch."""
+    its step), or start from scratch. Each worker group failure is noted in `failure_notes` (a local file)."""
     storage_path, storage_fs = ray_storage(cfg.run.storage, cfg.run.storage_outage_s)
     scaling = scaling_config(cfg)
     return _Trainer(
@@ -110,12 +157,19 @@ def build_trainer(cfg: TrainingConfig, resume: CheckpointInfo | None = None) -> 
             storage_filesystem=storage_fs,
             failure_config=FailureConfig(max_failures=cfg.cluster.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=None),  # vitray prunes (checkpoint.keep)
+            callbacks=[_WorkerGroupFailures(failure_notes)] if failure_notes else [],
         ),
     )
 
 
-def fit(cfg: TrainingConfig, resume: CheckpointInfo | None):
+def fit(
+    cfg: TrainingConfig,
+    resume: CheckpointInfo | None,
+    on_worker_failure: Callable[[int, list[str]], None] | None = None,
+):
     """Train (a new worker group, resuming from `resume`) until the workers end; Ray Train's Result.
+    `on_worker_failure(n, causes)` hears of the n-th failure of the worker group (Ray Train then
+    starts a new one from the latest checkpoint, up to `cluster.max_failures` times) as it happens.
 
     `trainer.fit()` runs on a thread of its own. On the main thread Ray Train installs a SIGINT
     handler that aborts the workers without a checkpoint; here the driver's own handler
@@ -123,8 +177,17 @@ def fit(cfg: TrainingConfig, resume: CheckpointInfo | None):
     raylet going away raises RayLost (`runtime.check_ray_alive`), so that the driver's attempt
     record and lease are closed before Ray ends the process."""
     _forget_ray_snapshot(run_dir(cfg.run.storage, cfg.run.name))
-    trainer = build_trainer(cfg, resume)
+    notes = _FailureNotes()
+    trainer = build_trainer(cfg, resume, notes.path)
     outcome: dict[str, Any] = {}
+    failures = 0
+
+    def tell() -> None:
+        nonlocal failures
+        for causes in notes.new():
+            failures += 1
+            if on_worker_failure is not None:
+                on_worker_failure(failures, causes)
 
     def run() -> None:
         try:
@@ -134,9 +197,14 @@ def fit(cfg: TrainingConfig, resume: CheckpointInfo | None):
 
     thread = threading.Thread(target=run, name="vitray-fit", daemon=True)
     thread.start()
-    while thread.is_alive():
-        thread.join(0.2)  # short waits: the main thread runs signal handlers in between
-        check_ray_alive(f"the run {cfg.run.name}")  # Ray would end this process in silence
+    try:
+        while thread.is_alive():
+            thread.join(0.2)  # short waits: the main thread runs signal handlers in between
+            check_ray_alive(f"the run {cfg.run.name}")  # Ray would end this process in silence
+            tell()
+        tell()
+    finally:
+        notes.close()
     if "error" in outcome:
         error = outcome["error"]
         if describe_failure(error).kind == "CheckpointManagerInitializationError":

@@ -41,6 +41,9 @@ class RunSummary:
         for a in self.attempts:
             counts[a["status"]] = counts.get(a["status"], 0) + 1
         text = f"{len(self.attempts)}: " + ", ".join(f"{n} {status}" for status, n in counts.items())
+        restarts = sum(len(a.get("worker_group_failures") or ()) for a in self.attempts)
+        if restarts:  # Ray Train started a new worker group after each, within an attempt
+            text += f", {restarts} worker group failure{'s' if restarts != 1 else ''}"
         failures = [a for a in self.attempts if a["status"] in ("failed", "lost")]
         if failures:
             text += f" (last failure: {failure_cause(failures[-1].get('error'))})"

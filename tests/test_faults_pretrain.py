@@ -263,7 +263,16 @@ def test_sigterm_to_a_worker_restarts_the_group_and_the_run_finishes_identically
     assert len(workers) == 2, [p.name() for p in workers]
     assert not workers[-1].is_running()
     # one a start (the full-disk run's too, where there is one) and the last re-run's restart
-    assert preempted["groups"] == len(RunFiles(preempted["run_dir"]).read_attempts()) + 1
+    attempts = RunFiles(preempted["run_dir"]).read_attempts()
+    assert preempted["groups"] == len(attempts) + 1
+    # The restart is said as it happens (Ray's own line says only that a worker died) and recorded
+    said = _flat(stderr)
+    assert "vitray: the worker group failed (rank " in said, said[-4000:]
+    assert (
+        "failure 1: Ray Train starts a new one from the latest complete checkpoint while cluster.max_failures=1" in said
+    )
+    (failure,) = attempts[-1]["worker_group_failures"]
+    assert failure.startswith("rank "), failure
     assert_same_weights(final_weights(preempted["run_dir"]), reference["weights"])
     assert preempted["keys"] == reference["keys"]
 
