@@ -106,6 +106,8 @@ def run_summary(run_dir: str) -> RunSummary | None:
         status += f"; {skipped_data_line(skipped_samples, skipped_shards)}"
     lease = read_lease(files.lease_path)
     attempts = _attempts(files, lease)
+    if not (complete or incomplete or metrics or attempts or (lease is not None and lease.fresh())):
+        return None  # a start refused before its first attempt (its lease's lock file alone): no run
     if lease is not None and lease.fresh():
         status = f"running ({lease.describe()}, heartbeat {lease.age():.0f} s ago); " + status
     elif attempts and attempts[-1]["status"] in ("failed", "lost", "stopped") and not status.startswith("finished"):

@@ -105,6 +105,16 @@ def a_run_with_incomplete_checkpoints(storage: Path) -> None:
             (folder / "model.safetensors").write_bytes(b"x" * 50)
 
 
+def test_a_start_refused_before_its_first_attempt_is_no_run(tmp_path):
+    """A start refused after taking its lease (too few CPUs for its workers: exit 2) leaves the lease's
+    lock file alone in a new run folder: no run to list (it was listed as "no complete checkpoint yet")."""
+    a_run_with_incomplete_checkpoints(tmp_path)
+    (tmp_path / "refused" / "vitray").mkdir(parents=True)
+    (tmp_path / "refused" / "vitray" / "lease.json.lock").write_text("")
+    (run,) = json.loads(invoke("runs", str(tmp_path), "--format", "json").stdout)
+    assert run["name"] == "r1"
+
+
 def test_runs_show_why_a_checkpoint_does_not_count(tmp_path):
     a_run_with_incomplete_checkpoints(tmp_path)
     result = invoke("runs", str(tmp_path))
