@@ -248,7 +248,7 @@ def _new_worker_group_after_drain(cfg: TrainingConfig, folder: str, attempts: Ru
 
 
 def _worker_failures_to(attempts: RunAttempts, cfg: TrainingConfig):
-    return lambda count, causes: attempts.worker_group_failed(count, causes, cfg.cluster.max_failures)
+    return lambda count, causes, final: attempts.worker_group_failed(count, causes, cfg.cluster.max_failures, final)
 
 
 def latest_complete(folder: str) -> CheckpointInfo | None:

@@ -33,16 +33,19 @@ class RunAttempts:
         self._open: dict | None = None
         self.worker_group_failures: list[str] = []  # each failure's causes, one line; Ray Train restarted after each
 
-    def worker_group_failed(self, count: int, causes: list[str], max_failures: int) -> None:
+    def worker_group_failed(self, count: int, causes: list[str], max_failures: int, final: bool = False) -> None:
         """Said on the console as it happens and kept for the attempt's record: Ray Train restarts a
-        failed worker group from the latest checkpoint in silence (its own lines say only that a worker died)."""
+        failed worker group from the latest checkpoint in silence (its own lines say only that a
+        worker died). `final`: the failure policy ends the run (a restart would meet it again)."""
         self.worker_group_failures.append("; ".join(causes))
-        print(
-            f"vitray: the worker group failed ({'; '.join(causes)}); failure {count}: Ray Train starts a new one "
-            f"from the latest complete checkpoint while cluster.max_failures={max_failures} allows",
-            file=sys.stderr,
-            flush=True,
-        )
+        if final:
+            then = "no restart: a new worker group would meet it again"
+        elif 0 <= max_failures < count:
+            then = f"no restart left (cluster.max_failures={max_failures})"
+        else:
+            of = "" if max_failures < 0 else f" of {max_failures}"
+            then = f"restart {count}{of}: Ray Train starts a new worker group from the latest complete checkpoint"
+        print(f"vitray: the worker group failed ({'; '.join(causes)}); {then}", file=sys.stderr, flush=True)
 
     def start(self, resume: CheckpointInfo | None, skipped: Iterable[CheckpointInfo] = ()) -> None:
         self.worker_group_failures = []

@@ -104,12 +104,11 @@ class _WorkerGroupFailures(UserCallback):
         self.path = path
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
-        causes = [
-            f"rank {rank}: {describe_failure(error).one_line(limit=300)}"
-            for rank, error in sorted(worker_exceptions.items())
-        ]
+        errors = sorted(worker_exceptions.items())
+        causes = [f"rank {rank}: {describe_failure(error).one_line(limit=300)}" for rank, error in errors]
+        final = any(restart_cannot_fix(error) for _, error in errors)  # the failure policy ends the run
         with open(self.path, "a") as notes:
-            notes.write(json.dumps({"time": time.time(), "causes": causes}) + "\n")
+            notes.write(json.dumps({"time": time.time(), "causes": causes, "final": final}) + "\n")
 
 
 class _FailureNotes:
@@ -120,14 +119,15 @@ class _FailureNotes:
         os.close(fd)
         self._read = 0
 
-    def new(self) -> list[list[str]]:
-        """The causes of each failure noted since the last call."""
+    def new(self) -> list[dict[str, Any]]:
+        """Each failure noted since the last call: its `causes` (a line a rank) and whether it is
+        `final` (a restart would meet it again)."""
         with open(self.path) as notes:
             notes.seek(self._read)
             text = notes.read()
         whole = text[: text.rfind("\n") + 1]  # a line being written waits for the next call
         self._read += len(whole.encode())
-        return [json.loads(line)["causes"] for line in whole.splitlines() if line.strip()]
+        return [json.loads(line) for line in whole.splitlines() if line.strip()]
 
     def close(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -165,11 +165,12 @@ def build_trainer(
 def fit(
     cfg: TrainingConfig,
     resume: CheckpointInfo | None,
-    on_worker_failure: Callable[[int, list[str]], None] | None = None,
+    on_worker_failure: Callable[[int, list[str], bool], None] | None = None,
 ):
     """Train (a new worker group, resuming from `resume`) until the workers end; Ray Train's Result.
-    `on_worker_failure(n, causes)` hears of the n-th failure of the worker group (Ray Train then
-    starts a new one from the latest checkpoint, up to `cluster.max_failures` times) as it happens.
+    `on_worker_failure(n, causes, final)` hears of the n-th failure of the worker group as it
+    happens (Ray Train then starts a new one from the latest checkpoint, up to `cluster.max_failures`
+    times, unless it is `final`: a restart would meet it again).
 
     `trainer.fit()` runs on a thread of its own. On the main thread Ray Train installs a SIGINT
     handler that aborts the workers without a checkpoint; here the driver's own handler
@@ -184,10 +185,10 @@ def fit(
 
     def tell() -> None:
         nonlocal failures
-        for causes in notes.new():
+        for note in notes.new():
             failures += 1
             if on_worker_failure is not None:
-                on_worker_failure(failures, causes)
+                on_worker_failure(failures, note["causes"], note["final"])
 
     def run() -> None:
         try:

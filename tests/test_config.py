@@ -264,7 +264,8 @@ def test_mlflow_stores_on_local_disk_are_read_against_the_drivers_working_direct
     }
     for given, sent in given_and_sent.items():
         assert MlflowSettings(tracking_uri=given).tracking_uri == sent, given
-    assert MlflowSettings().tracking_uri is None
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert MlflowSettings().tracking_uri == f"{here}/mlruns"  # unset: the folder mlruns here
 
 
 def test_a_cpu_run_gets_one_cpu_per_worker_without_ray():

@@ -375,6 +375,11 @@ def test_tpu_slice_becomes_ray_trains_tpu_scaling_config():
         "cluster.tpu_topology=4x4": "expected 3 dimensions",
         "train.backend=deepspeed": "needs train.backend=xla",
         "precision.dtype=fp16": "bf16",
+        # Refused with the config, not ignored (compile, attention) or met by the workers (the rest)
+        "model.grad_checkpointing=true": "model.grad_checkpointing is not supported with train.backend=xla",
+        "train.compile=true": "XLA compiles the whole step itself",
+        "train.attention=flash": "names a CUDA attention kernel; XLA compiles its own",
+        "cluster.resources_per_worker={TPU: 4}": "TPU chips are reserved by cluster.tpu",
     }
     for override, message in wrong.items():
         with pytest.raises(ConfigError, match=message):
@@ -383,3 +388,11 @@ def test_tpu_slice_becomes_ray_trains_tpu_scaling_config():
                 None,
                 ["data.train=/data", "train.backend=xla", "cluster.tpu=v4-32", "train.batch_size=128", override],
             )
+    # Several workers are a slice's hosts: without cluster.tpu each would train a copy of its own
+    # (and `ray up`'s TPU hosts take cluster.tpu too: a TPU resource alone fails in Ray Train)
+    for sets, message in [
+        (["cluster.num_workers=2"], "several workers are the hosts of one TPU slice, which cluster.tpu names"),
+        (["cluster.num_workers=1", "cluster.resources_per_worker={TPU: 4}"], "TPU chips are reserved by cluster.tpu"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(TrainingConfig, None, ["data.train=/data", "train.backend=xla", *sets])

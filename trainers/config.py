@@ -317,6 +317,11 @@ class ClusterConfig(_Section):
 
     @model_validator(mode="after")
     def _tpu_slice(self) -> ClusterConfig:
+        if "TPU" in self.resources_per_worker:  # Ray Train refuses it once Ray is up: said here
+            raise ValueError(
+                "cluster.resources_per_worker: TPU chips are reserved by cluster.tpu (the slice, e.g. v6e-16: one "
+                "worker per TPU host with its chips), not as a resource; set cluster.tpu and drop TPU here"
+            )
         if self.tpu is None:
             if self.tpu_topology is not None:
                 raise ValueError("cluster.tpu_topology needs cluster.tpu (the slice, e.g. v4-32)")
@@ -439,6 +444,10 @@ class TrainingConfig(_Section):
 
     @model_validator(mode="after")
     def _engine_rules(self) -> TrainingConfig:
+        cluster = self.cluster
+        if self.engine.tpu and cluster.tpu is None and "num_workers" not in cluster.model_fields_set:
+            # Several workers of a TPU engine are a slice's hosts (cluster.tpu); without a slice, one
+            self.cluster = cluster.model_copy(update={"num_workers": 1})
         self.engine.check_config(self)
         return self
 

@@ -117,9 +117,13 @@ class XlaBackend:
         self._micro = 0
         self._norm: torch.Tensor | None = None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitray-xla-ckpt")
-        # DCP coordinates hosts while the loop trains: a group of its own keeps its collectives
-        # apart from the loop's metric all-reduces.
-        self._group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
+        # DCP coordinates hosts on the checkpoint thread while the loop trains: a group of its own
+        # keeps its collectives apart from the loop's metric all-reduces -- and from the loop's own
+        # gathers of whole tensors (`to_host`: the checkpoint's consolidated weights, the EMA's),
+        # which on the same group as a save in flight paired up with DCP's and hung every host.
+        distributed = dist.is_available() and dist.is_initialized()
+        self._group = dist.new_group(backend="gloo") if distributed else None
+        self._gather_group = dist.new_group(backend="gloo") if distributed else None
 
     def _create_optimizer_state(self) -> None:
         """Create the optimizer state now, in the parameters' sharding, with the values the first
@@ -216,9 +220,10 @@ class XlaBackend:
         _materialise()
         local = _sharded_cpu_state_dict(dict(tensors))
         pieces = {key: _pieces(value) for key, value in local.items()}
-        if self._group is not None and dist.get_world_size(self._group) > 1:
-            gathered = [None] * dist.get_world_size(self._group) if dist.get_rank(self._group) == 0 else None
-            dist.gather_object(pieces, gathered, dst=0, group=self._group)
+        group = self._gather_group
+        if group is not None and dist.get_world_size(group) > 1:
+            gathered = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+            dist.gather_object(pieces, gathered, dst=0, group=group)
             if gathered is None:
                 return {}
             pieces = {key: [p for host in gathered for p in host[key]] for key in pieces}

@@ -8,9 +8,31 @@ from vitray.trainers.engines.seam import Engine
 
 
 def _check_config(cfg: Any) -> None:
+    """What the xla backend cannot do, refused with the config (before Ray) instead of ignored or met
+    by the workers."""
     if cfg.precision.dtype in ("fp16", "fp8"):
         raise ValueError(
             f"precision.dtype={cfg.precision.dtype} is for GPUs; train.backend=xla trains in bf16 (TPUs) or fp32"
+        )
+    if cfg.model.grad_checkpointing:
+        raise ValueError(
+            "model.grad_checkpointing is not supported with train.backend=xla (torch's activation checkpointing "
+            "fails on XLA tensors): train without it, or with train.backend=deepspeed"
+        )
+    if cfg.train.compile:
+        raise ValueError(
+            "train.compile is torch.compile for DeepSpeed; XLA compiles the whole step itself: leave it unset"
+        )
+    if cfg.train.attention != "auto":
+        raise ValueError(
+            f"train.attention={cfg.train.attention} names a CUDA attention kernel; XLA compiles its own: leave it at auto"
+        )
+    if cfg.cluster.num_workers > 1 and cfg.cluster.tpu is None:
+        # Each worker would train a copy of its own: the mesh is the slice's devices, which only
+        # cluster.tpu reserves together (on the CPU, each process's emulated devices are a mesh apart).
+        raise ValueError(
+            f"cluster.num_workers={cfg.cluster.num_workers} with train.backend=xla: several workers are the hosts "
+            "of one TPU slice, which cluster.tpu names (e.g. v6e-16: 4 workers); without it, one worker (the default)"
         )
 
 
