@@ -107,7 +107,7 @@ def test_ray_trains_advice_to_delete_a_run_written_by_two_drivers_is_not_passed_
         def fit(self):
             raise CheckpointManagerInitializationError("You are running in a corrupted run directory ... delete it")
 
-    monkeypatch.setattr(torch_trainer, "build_trainer", lambda cfg, resume: Trainer())
+    monkeypatch.setattr(torch_trainer, "build_trainer", lambda cfg, resume, notes: Trainer())
     monkeypatch.setattr(torch_trainer, "check_ray_alive", lambda what: None)
     cfg = load_config(TrainingConfig, None, [f"data.train={tmp_path}", f"run.storage={tmp_path}", "run.name=r"])
     with pytest.raises(torch_trainer.RunWrittenElsewhere, match="another driver is writing the run r") as raised:
