@@ -107,7 +107,9 @@ class _WorkerGroupFailures(UserCallback):
         errors = sorted(worker_exceptions.items())
         causes = [f"rank {rank}: {describe_failure(error).one_line(limit=300)}" for rank, error in errors]
         final = any(restart_cannot_fix(error) for _, error in errors)  # the failure policy ends the run
-        with open(self.path, "a") as notes:
+        # A note that cannot be written (a driver elsewhere, through ray://) is no reason to fail the
+        # controller, whose failure handling runs next.
+        with contextlib.suppress(OSError), open(self.path, "a") as notes:
             notes.write(json.dumps({"time": time.time(), "causes": causes, "final": final}) + "\n")
 
 
@@ -122,12 +124,12 @@ class _FailureNotes:
     def new(self) -> list[dict[str, Any]]:
         """Each failure noted since the last call: its `causes` (a line a rank) and whether it is
         `final` (a restart would meet it again)."""
-        with open(self.path) as notes:
+        with open(self.path, "rb") as notes:
             notes.seek(self._read)
-            text = notes.read()
-        whole = text[: text.rfind("\n") + 1]  # a line being written waits for the next call
-        self._read += len(whole.encode())
-        return [json.loads(line) for line in whole.splitlines() if line.strip()]
+            data = notes.read()
+        whole = data[: data.rfind(b"\n") + 1]  # a line being written waits for the next call
+        self._read += len(whole)
+        return [json.loads(line) for line in whole.decode().splitlines() if line.strip()]
 
     def close(self) -> None:
         with contextlib.suppress(FileNotFoundError):

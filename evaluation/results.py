@@ -286,10 +286,15 @@ def of_current_data(table: pa.Table, data: Mapping[str, str]) -> tuple[pa.Table,
         return table, {}
     digest = frame["data"].fillna("")
     current = frame["benchmark"].map(dict(data))
-    latest = digest.groupby([frame[c] for c in CELL_KEY]).transform(
-        lambda cell: cell.loc[frame.loc[cell.index, "finished_at"].idxmax()]
+    ok = frame["status"] == "ok"
+    # Each cell's latest success says which data it was last evaluated on (a failure since says nothing)
+    latest = (
+        digest[ok]
+        .groupby([frame.loc[ok, c] for c in CELL_KEY])
+        .transform(lambda cell: cell.loc[frame.loc[cell.index, "finished_at"].idxmax()])
+        .reindex(frame.index)
     )
-    keep = (frame["status"] != "ok") | current.isna() & (digest == latest) | (digest == current)
+    keep = ~ok | current.isna() & (digest == latest) | (digest == current)
     left_out = frame[~keep].drop_duplicates("cell_id")["benchmark"].value_counts()
     return table.filter(pa.array(keep.to_numpy(dtype=bool), type=pa.bool_())), {
         str(k): int(n) for k, n in left_out.items()
