@@ -152,7 +152,7 @@ def check_resume(cfg: TrainingConfig, run_dir: str, info: DatasetInfo) -> Resume
         if train.get("objective") == "auto":
             train["objective"] = "sigmoid" if info.label_kind == "multi" else "softmax"
     fixed, changed = config_changes(recorded, new)
-    if cfg.train.backend == "xla":  # ZeRO stages are DeepSpeed's: an xla checkpoint loads whatever it says
+    if not cfg.engine.zero_stages:  # a checkpoint of an engine without ZeRO stages loads whatever it says
         changed += [f.replace(" (", ": ", 1).removesuffix(")") for f in fixed if f.startswith("train.zero_stage ")]
         fixed = [f for f in fixed if not f.startswith("train.zero_stage ")]
     where = f"run {cfg.run.name} (checkpoint at step {chosen.step}, {chosen.path})"

@@ -171,6 +171,7 @@ class Engine:
     gpu_decode: bool = False  # its batches may be decoded on the GPU (data.decode=gpu)
     skips_nonfinite: bool = False  # may drop an optimizer step whose gradients are not finite
     own_attention: bool = False  # compiles its own attention: train.attention does not apply
+    zero_stages: bool = False  # train.zero_stage applies (and a checkpoint keeps to its stage)
     # Its tensors are lazy graphs: every new operation on them compiles one more graph, so the loop
     # reads values one by one and scans no weights of its own accord.
     lazy_tensors: bool = False

@@ -51,6 +51,7 @@ ENGINE = Engine(
     hardware="GPUs and CPUs",
     gpu_decode=True,
     skips_nonfinite=True,  # its overflow check drops the step
+    zero_stages=True,
     process_group=_process_group,
     restore_files=_restore_files,
     prepare_resume=_convert_once_for_new_world_size,
