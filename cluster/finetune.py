@@ -29,11 +29,11 @@ from vitray.evaluation.evaluators.val import ValEvalConfig
 from vitray.evaluation.finetune_recipe import FinetuneRecipe, finetune_run_name
 from vitray.evaluation.methods import METRIC
 from vitray.evaluation.methods.finetune import (
-    OPERATIONAL_SECTIONS,
     VAL_METRIC,
     FinetuneGrid,
     FinetuneJob,
     finetune_settings,
+    is_operational,
     is_selection,
 )
 from vitray.evaluation.results import Cell
@@ -202,10 +202,10 @@ class FinishedWithOtherSettings(PreflightError):
 
 def _refuse_other_settings(cfg: TrainingConfig, run_dir: str, state: dict[str, Any]) -> None:
     """Refuse to report a finished run's top-1 for a config that would compute another one (a
-    --set, a recipe's value changed since): only how a run goes (`OPERATIONAL_SECTIONS`) may differ."""
+    --set, a recipe's value changed since): only how a run goes (`is_operational`) may differ."""
     if not state.get("config"):
         return  # nothing recorded to compare with (every run's checkpoint records it)
-    changes = [c for c in changes_since(cfg, state) if c.split(".")[0] not in OPERATIONAL_SECTIONS]
+    changes = [c for c in changes_since(cfg, state) if not is_operational(c)]
     if changes:
         raise FinishedWithOtherSettings(
             f"fine-tune run {run_dir} finished with other settings ({'; '.join(changes)}): its top-1 is not "

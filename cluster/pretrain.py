@@ -38,7 +38,7 @@ from vitray.cluster.stop_signals import StopOnSignal, StoppedBeforeTraining
 from vitray.cluster.torch_trainer import RunWrittenElsewhere, check_workers_fit, fit
 from vitray.cluster.train_worker import prune
 from vitray.evaluation.evaluators import VAL_TOP1
-from vitray.evaluation.methods.finetune import OPERATIONAL_SECTIONS
+from vitray.evaluation.methods.finetune import is_operational
 from vitray.runfolder.checkpoint_folders import (
     CheckpointInfo,
     describe_resume,
@@ -175,12 +175,8 @@ def _lease_lost(holder) -> None:
 def _refuse_other_settings(cfg: TrainingConfig, plan: ResumePlan) -> None:
     """A finished run is this command's only when it computed what this config would: a sweep that
     reuses a run name (other lr, other data flags) must not take the old run for its result. How a
-    run goes (`OPERATIONAL_SECTIONS`, debug) and its length may differ."""
-    computed = [
-        change
-        for change in plan.changes
-        if change.split(".")[0] not in (*OPERATIONAL_SECTIONS, "debug") and not change.startswith("train.steps:")
-    ]
+    run goes (`is_operational`, debug) and its length may differ."""
+    computed = [c for c in plan.changes if not (is_operational(c) or c.startswith(("debug.", "train.steps:")))]
     if computed:
         raise PreflightError(
             f"run {cfg.run.name} is finished (step {plan.chosen.step}, {plan.chosen.path}) with other settings than "

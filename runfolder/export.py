@@ -13,6 +13,7 @@ import tempfile
 
 from vitray import storage
 from vitray.runfolder.checkpoint_folders import CheckpointInfo, load_checkpoint
+from vitray.runfolder.timm_folder import enlarged_side, eval_resize_of
 
 FORMATS = ("npz", "safetensors", "timm", "onnx")
 FOLDER_FORMATS = ("timm",)
@@ -42,16 +43,18 @@ def export(path: str, fmt: str, out: str, *, overwrite: bool = False) -> Checkpo
     storage.check_remote_reachable(path, must_exist=True)  # a wrong key, endpoint or bucket: one line
     model, state = load_checkpoint(path)
     model.eval()
+    # How the checkpoint's evaluation resized images: what a timm or ONNX reader feeds the model
+    eval_resize = eval_resize_of((state.get("config") or {}).get("evals"))
     with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, os.path.basename(out.rstrip("/")) or "weights")
         if fmt == "timm":
-            from vitray.runfolder.timm_folder import eval_resize_of, write_timm_folder
+            from vitray.runfolder.timm_folder import write_timm_folder
 
             os.makedirs(local)
-            write_timm_folder(model, local, eval_resize_of((state.get("config") or {}).get("evals")))
+            write_timm_folder(model, local, eval_resize)
             storage.publish_folder(local, out)
         else:
-            _write_single_file(model, fmt, local, state)
+            _write_single_file(model, fmt, local, eval_resize)
             storage.publish_file(local, out)
     return CheckpointInfo(state["checkpoint"], int(state["step"]), True, passed_over=state["passed_over"])
 
@@ -84,7 +87,7 @@ def _folder_files(fmt: str) -> tuple[str, ...]:
     return FILES
 
 
-def _write_single_file(model, fmt: str, local: str, state: dict) -> None:
+def _write_single_file(model, fmt: str, local: str, eval_resize: dict) -> None:
     from vitray.models import save_npz, save_safetensors
 
     if fmt == "npz":
@@ -92,9 +95,7 @@ def _write_single_file(model, fmt: str, local: str, state: dict) -> None:
     elif fmt == "safetensors":
         save_safetensors(model, local)
     else:
-        from vitray.runfolder.timm_folder import eval_resize_of
-
-        export_onnx(model, local, eval_resize_of((state.get("config") or {}).get("evals")))
+        export_onnx(model, local, eval_resize)
 
 
 def onnx_metadata(model, eval_resize: dict) -> dict[str, str]:
@@ -104,7 +105,7 @@ def onnx_metadata(model, eval_resize: dict) -> dict[str, str]:
     if eval_resize["resize"] == "whole":
         resize = f"the whole image resized to {size}x{size} (bilinear)"
     else:
-        enlarged = round(size * eval_resize["resize_ratio"])
+        enlarged = enlarged_side(size, eval_resize["resize_ratio"])
         resize = f"shorter side resized to {enlarged} (bilinear), then the central {size}x{size} crop"
     return {
         "images": f"float32 (batch, 3, {size}, {size}), RGB scaled to [-1, 1] (pixel / 127.5 - 1); "
@@ -115,7 +116,7 @@ def onnx_metadata(model, eval_resize: dict) -> dict[str, str]:
     }
 
 
-def export_onnx(model, path: str, eval_resize: dict | None = None) -> None:
+def export_onnx(model, path: str, eval_resize: dict) -> None:
     """The network as ONNX: input `images` (batch, 3, H, W) float32 in [-1, 1] (vitray's input
     range), output `logits` (batch, classes); the batch dimension is dynamic. The file's
     `metadata_props` say so, and how the evaluation resized the images (:func:`onnx_metadata`)."""
@@ -147,10 +148,8 @@ def export_onnx(model, path: str, eval_resize: dict | None = None) -> None:
         dynamic_shapes=({0: torch.export.Dim("batch")},),
         verbose=False,
     )
-    from vitray.runfolder.timm_folder import DEFAULT_EVAL_RESIZE
-
     graph = onnx.load(path)
-    for key, value in onnx_metadata(model, {**DEFAULT_EVAL_RESIZE, **(eval_resize or {})}).items():
+    for key, value in onnx_metadata(model, eval_resize).items():
         graph.metadata_props.add(key=key, value=value)
     graph.doc_string = "vitray export: see metadata_props for the input"
     onnx.save(graph, path)

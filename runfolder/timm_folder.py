@@ -83,6 +83,12 @@ def eval_resize_of(evals: Mapping[str, Any] | None) -> dict[str, Any]:
     return {key: chosen.get(key, default) for key, default in DEFAULT_EVAL_RESIZE.items()}
 
 
+def enlarged_side(img_size: int, resize_ratio: float) -> int:
+    """The side `resize: aspect` resizes the shorter side to before its central crop, rounded as
+    `vitray.data.transforms.eval_resize` rounds it (timm floors)."""
+    return round(img_size * resize_ratio)
+
+
 def timm_crop(img_size: int, resize: str, resize_ratio: float) -> dict[str, Any]:
     """`crop_pct` and `crop_mode` that make timm's eval transform vitray's: `whole` squashes the
     image to S x S (timm's squash at crop_pct 1); `aspect` resizes the shorter side to
@@ -92,14 +98,12 @@ def timm_crop(img_size: int, resize: str, resize_ratio: float) -> dict[str, Any]
         return {"crop_pct": 1.0, "crop_mode": "squash"}
     if resize != "aspect":
         raise ValueError(f"evaluation resize {resize!r} has no timm equivalent; expected aspect or whole")
-    enlarged = round(img_size * resize_ratio)
-    return {"crop_pct": img_size / (enlarged + 0.5), "crop_mode": "center"}
+    return {"crop_pct": img_size / (enlarged_side(img_size, resize_ratio) + 0.5), "crop_mode": "center"}
 
 
-def timm_config(model, eval_resize: Mapping[str, Any] | None = None) -> dict:
+def timm_config(model, eval_resize: Mapping[str, Any]) -> dict:
     """config.json for `model` (a vitray VisionTransformer without pre-logits), evaluated with
-    `eval_resize` (:func:`eval_resize_of`; the default evaluation's when None)."""
-    resize = {**DEFAULT_EVAL_RESIZE, **(eval_resize or {})}
+    `eval_resize` (:func:`eval_resize_of`)."""
     if model.pre_logits is not None:  # `vitray export`'s words; models' to_timm_state_dict says it for Python
         raise ValueError(
             f"timm's VisionTransformer has no pre-logits layer, and this {model.name} has one "
@@ -137,7 +141,7 @@ def timm_config(model, eval_resize: Mapping[str, Any] | None = None) -> dict:
             "input_size": [3, model.img_size, model.img_size],
             "fixed_input_size": True,
             "interpolation": "bilinear",
-            **timm_crop(model.img_size, resize["resize"], float(resize["resize_ratio"])),
+            **timm_crop(model.img_size, eval_resize["resize"], float(eval_resize["resize_ratio"])),
             "mean": [0.5, 0.5, 0.5],
             "std": [0.5, 0.5, 0.5],
             "num_classes": model.num_classes,
@@ -149,7 +153,7 @@ def timm_config(model, eval_resize: Mapping[str, Any] | None = None) -> dict:
     }
 
 
-def write_timm_folder(model, folder: str, eval_resize: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+def write_timm_folder(model, folder: str, eval_resize: Mapping[str, Any]) -> tuple[str, ...]:
     """Write FILES into the existing local `folder` (`eval_resize`: :func:`timm_config`'s); returns their names."""
     from safetensors.torch import save_file
 

@@ -29,6 +29,7 @@ __all__ = ["MlflowSettings", "Trackers", "WandbSettings", "missing_tracker_packa
 
 _PARAMS_PER_CALL = 100  # MLflow's limit for one log_batch
 _PARAM_VALUE_CHARS = 6000  # MLflow's limit for one param value
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")  # a URI's: a server, a database, a file:// URL
 
 
 def tracking_uri_here(uri: str | None) -> str | None:
@@ -43,7 +44,7 @@ def tracking_uri_here(uri: str | None) -> str | None:
         return "sqlite:///" + absolute(uri.removeprefix("sqlite:///"))
     if uri.startswith("file:") and not uri.startswith("file://"):
         return "file:" + absolute(uri.removeprefix("file:"))
-    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", uri):  # a scheme: a server, a database or file:// URL
+    if _SCHEME.match(uri):
         return uri
     return absolute(uri)
 
@@ -74,7 +75,7 @@ class MlflowSettings(BaseModel):
 
 
 def _is_folder_store(uri: str) -> bool:
-    return uri.startswith("file:") or not re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", uri)
+    return uri.startswith("file:") or not _SCHEME.match(uri)
 
 
 def _mlflow_client(settings: MlflowSettings):

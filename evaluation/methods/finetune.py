@@ -220,10 +220,16 @@ def finetune_settings(benchmark: Benchmark, section: FinetuneGrid) -> list[dict[
 OPERATIONAL_SECTIONS = ("run", "checkpoint", "log", "cluster")
 
 
+def is_operational(key: str) -> bool:
+    """Whether a dotted config key -- or a change the pre-flight lists, "key: old -> new" -- is of
+    :data:`OPERATIONAL_SECTIONS`: how a run goes, not what it computes."""
+    return key.split(".")[0] in OPERATIONAL_SECTIONS
+
+
 def _result_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     """The grid's overrides that change what its fine-tune runs compute, as a cell's setting (so part of
     its id: other values are other cells, run again); none: no setting (the ids stay as they were)."""
-    changes = {k: v for k, v in sorted(overrides.items()) if k.split(".")[0] not in OPERATIONAL_SECTIONS}
+    changes = {k: v for k, v in sorted(overrides.items()) if not is_operational(k)}
     return {OVERRIDES: changes} if changes else {}
 
 

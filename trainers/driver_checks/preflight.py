@@ -151,10 +151,9 @@ def check_resume(cfg: TrainingConfig, run_dir: str, info: DatasetInfo) -> Resume
         train = config.get("train", {})
         if train.get("objective") == "auto":
             train["objective"] = "sigmoid" if info.label_kind == "multi" else "softmax"
-    fixed, changed = config_changes(recorded, new)
-    if not cfg.engine.zero_stages:  # a checkpoint of an engine without ZeRO stages loads whatever it says
-        changed += [f.replace(" (", ": ", 1).removesuffix(")") for f in fixed if f.startswith("train.zero_stage ")]
-        fixed = [f for f in fixed if not f.startswith("train.zero_stage ")]
+    # A checkpoint of an engine without ZeRO stages loads whatever train.zero_stage says
+    fixed_keys = FIXED_ON_RESUME if cfg.engine.zero_stages else tuple(set(FIXED_ON_RESUME) - {"train.zero_stage"})
+    fixed, changed = config_changes(recorded, new, fixed_keys)
     where = f"run {cfg.run.name} (checkpoint at step {chosen.step}, {chosen.path})"
     if fixed:
         raise PreflightError(
@@ -219,15 +218,17 @@ def changes_since(cfg: TrainingConfig, state: dict[str, Any]) -> list[str]:
     return fixed + changed
 
 
-def config_changes(recorded: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """(keys of FIXED_ON_RESUME that differ, "key: old -> new" for every other difference)."""
+def config_changes(
+    recorded: dict[str, Any], new: dict[str, Any], fixed_keys: tuple[str, ...] = FIXED_ON_RESUME
+) -> tuple[list[str], list[str]]:
+    """(the `fixed_keys` that differ, "key (old -> new)"; "key: old -> new" for every other difference)."""
     old_flat, new_flat = flatten_config(recorded), flatten_config(new)
     fixed, changed = [], []
     for key in sorted(old_flat.keys() | new_flat.keys()):
         old, value = old_flat.get(key), new_flat.get(key)
         if old == value or key.startswith(_UNREPORTED):
             continue
-        if key in FIXED_ON_RESUME:
+        if key in fixed_keys:
             fixed.append(f"{key} ({old} -> {value})")
         else:
             changed.append(f"{key}: {old} -> {value}")
