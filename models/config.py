@@ -44,7 +44,8 @@ class ModelConfig(BaseModel):
         description="With grad_checkpointing, what each block keeps for the backward pass (big_vision's "
         "names): nothing_saveable recomputes the whole block (least memory); dots_saveable keeps the "
         "outputs of its matrix products and attention (~10 values per token and unit of width a block) "
-        "and recomputes only LayerNorm, GELU and the additions (almost no recompute).",
+        "and recomputes only LayerNorm, GELU and the additions (almost no recompute; not with "
+        "train.backend=xla).",
     )
     head_bias_init: float = Field(
         0.0,

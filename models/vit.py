@@ -31,6 +31,7 @@ corruption arguments; ``reset_head`` drops them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import get_args
 
 import torch
@@ -44,6 +45,8 @@ from .masked_patch import MaskedPatchPrediction
 from .posemb import resample_posemb
 from .resnet import ResNetStem
 from .variants import get_variant
+
+BlockCheckpoint = Callable[[nn.Module, torch.Tensor, bool], torch.Tensor]
 
 LAYERNORM_EPS = 1e-6
 
@@ -205,6 +208,10 @@ class VisionTransformer(nn.Module):
         self.num_prefix_tokens = 1 if config.head == "token" else 0
         self.grad_checkpointing = config.grad_checkpointing
         self.remat_policy = config.remat_policy
+        # How a checkpointed block is recomputed: torch's checkpoint unless a backend whose
+        # tensors it cannot checkpoint (XLA's lazy tensors) gives its own, (block, x,
+        # first_token_only) -> block's output, keeping nothing of the block for the backward pass.
+        self.block_checkpoint: BlockCheckpoint | None = None
         self._set_resolution_attributes(config.img_size)
 
         if variant.resnet_stages is None:
@@ -297,6 +304,8 @@ class VisionTransformer(nn.Module):
             # Non-reentrant checkpointing recomputes the block in backward instead of keeping
             # its activations (all of them, or all but the products' outputs: `remat_policy`),
             # and restores the RNG state so dropout masks match.
+            if self.block_checkpoint is not None:
+                return self.block_checkpoint(block, x, first_token_only)
             # Two calls, not one with a chosen context_fn: torch.compile traces context_fn only
             # when it is a selective-checkpoint one (torch's default one passed explicitly fails).
             if self.remat_policy == "dots_saveable":

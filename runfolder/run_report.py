@@ -52,12 +52,20 @@ def run_report(run_dir: str, *, total_steps: int, wall_s: float) -> list[str]:
     return lines
 
 
+# Named like an evaluator's numbers, but an engine's own figures about the step (the xla backend's
+# graph compilations): kept in the metrics, not shown as results.
+ENGINE_NAMESPACES = ("xla/",)
+
+
 def evaluations(record: dict[str, Any]) -> list[tuple[str, float]]:
     """The evaluators' numbers in a metrics record (named `evaluator/metric`)."""
     return sorted(
         (key, float(value))
         for key, value in record.items()
-        if "/" in key and isinstance(value, (int, float)) and not isinstance(value, bool)
+        if "/" in key
+        and not key.startswith(ENGINE_NAMESPACES)
+        and isinstance(value, (int, float))
+        and not isinstance(value, bool)
     )
 
 

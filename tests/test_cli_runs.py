@@ -8,6 +8,7 @@ import json
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from vitray.cli.main import app
@@ -242,3 +243,19 @@ def test_a_damaged_completion_record_is_named_not_the_trainer_state(tmp_path):
     flat = " ".join(result.stdout.split())
     assert f"ignored {newest.name}: rank 0's completion record complete-rank-0000.json is unreadable" in flat
     assert "trainer_state.json" not in flat
+
+
+def test_an_engines_own_figures_are_not_shown_as_evaluation_results(tmp_path):
+    from vitray.common.config import ConfigError, load_config
+    from vitray.runfolder.progress import progress_line
+    from vitray.trainers.config import TrainingConfig
+
+    record = {"step": 4, "loss": 2.5, "val/top1": 0.25, "xla/compilations": 2, "xla/devices": 4}
+    metrics = Path(RunFiles(str(tmp_path / "r")).metrics_path)
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text(json.dumps(record) + "\n")
+    assert "evaluations at step 4: val/top1 0.2500" in run_report(str(tmp_path / "r"), total_steps=8, wall_s=1)
+    line = progress_line(record, [record], 8)
+    assert "val/top1 0.250" in line and "xla/" not in line
+    with pytest.raises(ConfigError, match="evaluator name 'xla' is taken by the engine's own metrics"):
+        load_config(TrainingConfig, None, ["data.train=/data", "evals={xla: {type: val, every: 10}}"])

@@ -136,6 +136,44 @@ def test_parameters_and_optimizer_state_are_sharded_over_the_devices(digits_data
     assert_same_weights(backend.full_state_dict(), initial)
 
 
+def test_grad_checkpointing_recomputes_each_block_in_the_backward_pass_with_the_same_step():
+    """model.grad_checkpointing on XLA: torch-xla's checkpoint (torch's fails on XLA tensors), whose
+    recomputation sits behind optimization barriers in the step's graph; with dropout and bf16
+    autocast, the step is the one without it, to the bit."""
+    import torch
+    import torch_xla
+
+    from vitray.common.config import load_config
+    from vitray.models import create_model
+    from vitray.trainers.config import TrainingConfig
+    from vitray.trainers.engines.xla.backend import XlaBackend
+
+    steps = {}
+    for remat in (False, True):
+        sets = [f"model.grad_checkpointing={remat}", "model.dropout=0.1", "precision.dtype=bf16"]
+        cfg = load_config(
+            TrainingConfig, None, ["data.train=/data", "model.img_size=16", "train.batch_size=32", *XLA, *sets]
+        )
+        torch.manual_seed(0)
+        model = create_model("Ti/4", num_classes=10, img_size=16, dropout=0.1, grad_checkpointing=remat)
+        torch.nn.init.normal_(model.head.weight, std=0.1)  # a zero head would stop every block's gradient
+        initial = {name: value.clone() for name, value in model.state_dict().items()}
+        backend = XlaBackend(cfg, model, world_size=1, restore=None)
+        backend.begin_step(7)
+        images = torch.randn(32, 3, 16, 16, generator=torch.Generator().manual_seed(1)).to(backend.device)
+        labels = (torch.arange(32) % 10).to(backend.device)
+        loss = torch.nn.functional.cross_entropy(backend(images), labels)
+        backend.backward_step(loss)
+        graph = torch_xla._XLAC._get_xla_tensors_hlo(list(backend.module.parameters()))
+        backend.end_step()
+        steps[remat] = (graph.count("opt-barrier"), loss.item(), backend.full_state_dict())
+    (plain_barriers, plain_loss, plain), (remat_barriers, remat_loss, recomputed) = steps[False], steps[True]
+    assert remat_barriers >= plain_barriers + model.depth, (plain_barriers, remat_barriers)
+    assert remat_loss == plain_loss
+    assert_same_weights(recomputed, plain)
+    assert not torch.equal(plain["blocks.0.mlp.fc1.weight"].cpu(), initial["blocks.0.mlp.fc1.weight"])  # it trained
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_checkpoints_files_are_checksummed_as_written_not_read_back(where, digits_dataset, tmp_path, request):
     """Each DCP file's size and CRC-32C in the completion record are those of the file in storage
@@ -376,7 +414,7 @@ def test_tpu_slice_becomes_ray_trains_tpu_scaling_config():
         "train.backend=deepspeed": "needs train.backend=xla",
         "precision.dtype=fp16": "bf16",
         # Refused with the config, not ignored (compile, attention) or met by the workers (the rest)
-        "model.grad_checkpointing=true": "model.grad_checkpointing is not supported with train.backend=xla",
+        "train.micro_batch_size=2": "does not split over the 4 chips of a v4-32 host: give a multiple of 4",
         "train.compile=true": "XLA compiles the whole step itself",
         "train.attention=flash": "names a CUDA attention kernel; XLA compiles its own",
         "cluster.resources_per_worker={TPU: 4}": "TPU chips are reserved by cluster.tpu",
@@ -388,6 +426,18 @@ def test_tpu_slice_becomes_ray_trains_tpu_scaling_config():
                 None,
                 ["data.train=/data", "train.backend=xla", "cluster.tpu=v4-32", "train.batch_size=128", override],
             )
+    # torch-xla's checkpoint recomputes whole blocks: no selective policy
+    with pytest.raises(ConfigError, match="XLA tensors: train.backend=xla recomputes whole blocks"):
+        load_config(
+            TrainingConfig,
+            None,
+            [
+                "data.train=/data",
+                "train.backend=xla",
+                "model.grad_checkpointing=true",
+                "model.remat_policy=dots_saveable",
+            ],
+        )
     # Several workers are a slice's hosts: without cluster.tpu each would train a copy of its own
     # (and `ray up`'s TPU hosts take cluster.tpu too: a TPU resource alone fails in Ray Train)
     for sets, message in [

@@ -19,6 +19,7 @@ from vitray.data.plan import default_num_slots
 from vitray.evaluation.evaluators import EVAL_NAME, EvalConfig
 from vitray.models.config import ModelConfig
 from vitray.models.variants import get_variant
+from vitray.runfolder.run_report import ENGINE_NAMESPACES
 from vitray.storage import absolute
 from vitray.storage.retries import OUTAGE_S
 from vitray.trainers.driver_checks.tpu_slices import tpu_slice
@@ -435,6 +436,8 @@ class TrainingConfig(_Section):
                     f"evaluator name {name!r} must start with a letter or digit and contain only letters, digits, "
                     "'_', '.', '-' (it prefixes the evaluator's metric names)"
                 )
+            if f"{name}/".startswith(ENGINE_NAMESPACES):
+                raise ValueError(f"evaluator name {name!r} is taken by the engine's own metrics: give it another name")
         return evals
 
     @property

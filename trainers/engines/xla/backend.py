@@ -22,6 +22,7 @@ read. A checkpoint of one backend is not resumed by the other: weights move betw
 
 from __future__ import annotations
 
+import functools
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -109,6 +110,8 @@ class XlaBackend:
         self.accum = cfg.grad_accumulation
         self._clip = cfg.optim.grad_clip
 
+        if cfg.model.grad_checkpointing:
+            model.block_checkpoint = _recompute_block
         self.wrapped = SpmdFullyShardedDataParallel(model, mesh=self.mesh)
         self.module = self.wrapped.module
         self.optimizer = build_optimizer(self.module, cfg.optim)
@@ -291,6 +294,16 @@ class XlaBackend:
         self.optimizer.load_state_dict(target["optimizer"])
         self.schedule.load_state_dict(target["schedule"])
         torch_xla.sync()
+
+
+def _recompute_block(block: nn.Module, x: torch.Tensor, first_token_only: bool) -> torch.Tensor:
+    """A ViT block that keeps nothing for the backward pass but its input: torch-xla's checkpoint,
+    whose recomputation an optimization barrier keeps XLA from merging back into the forward's
+    (torch's own checkpoint cannot run on XLA tensors). It restores the step's RNG state, so
+    dropout draws the same masks again."""
+    from torch_xla.utils.checkpoint import checkpoint
+
+    return checkpoint(functools.partial(block, first_token_only=first_token_only), x)
 
 
 def _written_entries(files: dict[str, tuple[int, int]]) -> list:

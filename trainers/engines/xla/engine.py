@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vitray.trainers.driver_checks.tpu_slices import tpu_slice
 from vitray.trainers.engines.seam import Engine
 
 
@@ -14,10 +15,10 @@ def _check_config(cfg: Any) -> None:
         raise ValueError(
             f"precision.dtype={cfg.precision.dtype} is for GPUs; train.backend=xla trains in bf16 (TPUs) or fp32"
         )
-    if cfg.model.grad_checkpointing:
+    if cfg.model.grad_checkpointing and cfg.model.remat_policy != "nothing_saveable":
         raise ValueError(
-            "model.grad_checkpointing is not supported with train.backend=xla (torch's activation checkpointing "
-            "fails on XLA tensors): train without it, or with train.backend=deepspeed"
+            f"model.remat_policy={cfg.model.remat_policy} needs torch's selective checkpointing, which fails on XLA "
+            "tensors: train.backend=xla recomputes whole blocks (remat_policy=nothing_saveable)"
         )
     if cfg.train.compile:
         raise ValueError(
@@ -34,6 +35,13 @@ def _check_config(cfg: Any) -> None:
             f"cluster.num_workers={cfg.cluster.num_workers} with train.backend=xla: several workers are the hosts "
             "of one TPU slice, which cluster.tpu names (e.g. v6e-16: 4 workers); without it, one worker (the default)"
         )
+    if cfg.cluster.tpu is not None:
+        chips = tpu_slice(cfg.cluster.tpu, cfg.cluster.tpu_topology).chips_per_host
+        if cfg.train.micro_batch_size % chips:
+            raise ValueError(
+                f"train.micro_batch_size={cfg.train.micro_batch_size} does not split over the {chips} chips of a "
+                f"{cfg.cluster.tpu} host: give a multiple of {chips} (each host's batch is split evenly over its chips)"
+            )
 
 
 def _process_group(use_gpu: bool) -> str:
