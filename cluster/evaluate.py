@@ -80,8 +80,11 @@ def run_grid(
     console: Console | None = None,
     show_progress: bool = True,
     verbose: bool = False,
+    watched: WatchSummary | None = None,
 ) -> GridSummary:
-    """Evaluates every cell of `grid` x `checkpoints` not finished yet; appends rows as cells finish."""
+    """Evaluates every cell of `grid` x `checkpoints` not finished yet; appends rows as cells finish.
+    The summary, counted as cells finish, joins `watched` as soon as the grid is planned: a caller
+    stopped part-way (Ctrl-C) still knows what its grid was and what finished."""
     console = console or Console(stderr=True)
     checkpoints = list(checkpoints)
     table = ResultsTable(grid.results_path, storage_options=grid.storage_options)
@@ -89,6 +92,8 @@ def run_grid(
     plan = plan_grid(grid, checkpoints, data)
     summary = GridSummary(total=len(plan), checkpoints=[c.path for c in checkpoints], data=data)
     summary.cell_ids.update(c.cell_id for c in plan.cells)
+    if watched is not None:
+        watched.grids.append(summary)
     scores = _Scores(table.ok_metrics())
     pending = plan.without(scores.finished)
     summary.skipped = len(plan.cells) - len(pending.cells)
@@ -447,6 +452,7 @@ def watch_run(
     show_progress: bool = True,
     verbose: bool = False,
     on_grid: Callable[[WatchSummary], None] | None = None,
+    watched: WatchSummary | None = None,
 ) -> WatchSummary:
     """Evaluates each new complete checkpoint of a run as it appears, until the run's final
     checkpoint (step == its train.steps) is evaluated or `timeout_seconds` pass. `on_grid` is
@@ -458,7 +464,7 @@ def watch_run(
     if not storage.exists(run_path):
         console.print(f"waiting for {run_path} to appear (the run has not written anything yet)")
     done: set[str] = set()
-    watched = WatchSummary()
+    watched = watched if watched is not None else WatchSummary()
     deadline = time.monotonic() + timeout_seconds
     while True:
         new = [c for c in find_checkpoints(run_path) if c.complete and c.path not in done]
@@ -471,8 +477,7 @@ def watch_run(
             done.add(info.path)
         if refs:
             console.print(f"evaluating {len(refs)} new checkpoint(s): steps {', '.join(str(r.step) for r in refs)}")
-            summary = run_grid(grid, refs, console=console, show_progress=show_progress, verbose=verbose)
-            watched.grids.append(summary)
+            run_grid(grid, refs, console=console, show_progress=show_progress, verbose=verbose, watched=watched)
             if on_grid is not None:
                 on_grid(watched)
             if any(r.target_steps is not None and r.step is not None and r.step >= r.target_steps for r in refs):
@@ -500,20 +505,30 @@ def evaluate_checkpoint(
     checkpoint of a run still training, the report brought up to date after each. ``finished`` is
     True unless a watch stopped at its time-out before the run's last step."""
     check_grid_storage(checkpoint, grid, watch=watch)
-    if watch:
-        return watch_run(
-            checkpoint,
-            grid,
-            poll_seconds=poll_seconds,
-            timeout_seconds=timeout_seconds,
-            console=console,
-            show_progress=show_progress,
-            verbose=verbose,
-            on_grid=lambda watched: report_grid(grid, show=False, cells=watched.cell_ids, data=watched.data),
-        )
-    refs = resolve_checkpoints(checkpoint, all_checkpoints=all_checkpoints)
-    summary = run_grid(grid, refs, console=console, show_progress=show_progress, verbose=verbose)
-    return WatchSummary(grids=[summary], finished=True)
+    watched = WatchSummary()
+    try:
+        if watch:
+            return watch_run(
+                checkpoint,
+                grid,
+                poll_seconds=poll_seconds,
+                timeout_seconds=timeout_seconds,
+                console=console,
+                show_progress=show_progress,
+                verbose=verbose,
+                on_grid=lambda watched: report_grid(grid, show=False, cells=watched.cell_ids, data=watched.data),
+                watched=watched,
+            )
+        refs = resolve_checkpoints(checkpoint, all_checkpoints=all_checkpoints)
+        run_grid(grid, refs, console=console, show_progress=show_progress, verbose=verbose, watched=watched)
+    except KeyboardInterrupt:
+        # What finished before the stop is in the results; the report shows it too.
+        if any(summary.ok for summary in watched.grids):
+            report = report_grid(grid, show=False, cells=watched.cell_ids, data=watched.data)
+            (console or Console(stderr=True)).print(f"report:  {report} (the cells finished before the stop)")
+        raise
+    watched.finished = True
+    return watched
 
 
 __all__ = ["GridSummary", "WatchSummary", "evaluate_checkpoint", "report_grid", "run_grid", "watch_run"]

@@ -284,6 +284,35 @@ def test_a_grid_with_nothing_left_to_do_does_not_start_ray(killed_and_rerun):
     assert time.monotonic() - started < 60
 
 
+def test_ctrl_c_leaves_the_report_of_the_cells_finished_before_it(pretrained, data_root, tmp_path):
+    output = tmp_path / "eval"
+    config = _write_grid(tmp_path / "grid.yaml", data_root, output)
+    table = ResultsTable(str(output / "results"))
+
+    def a_fewshot_cell_finished() -> bool:
+        rows = table.to_table()
+        return "ok" in rows["status"].to_pylist()
+
+    proc = subprocess.Popen(
+        [*CLI, "evaluate", pretrained, "-c", str(config), "--set", "fewshot.shots=[1]", "--set", "fewshot.seeds=1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    # The terminal's Ctrl-C reaches the driver (Ray's processes block SIGINT); the fine-tune sweep
+    # is still training then (12 steps held a second each).
+    _kill_when(proc, a_fewshot_cell_finished, kill=lambda: proc.send_signal(signal.SIGINT))
+    said = " ".join(proc.stderr.read().split())
+    assert proc.returncode == 130, said[-3000:]
+    assert "stopped by user (Ctrl-C)" in said and f"report: {output / 'report' / 'report.md'}" in said, said[-3000:]
+    assert "finetune" not in set(table.to_pandas()["method"][table.to_pandas()["status"] == "ok"])
+    text = (output / "report" / "report.md").read_text()
+    (row,) = summarize(table.to_pandas()).itertuples()
+    label = row.label.replace("|", "\\|")  # a pre-processing "a|b" is escaped in a Markdown cell
+    assert f"| {label} | {row.metric} | {row.mean:.4f} |" in text
+
+
 def test_pretraining_fewshot_hook_matches_the_grid(killed_and_rerun, pretrained, digits_dataset):
     model, _ = load_checkpoint(pretrained)
     model.train()
