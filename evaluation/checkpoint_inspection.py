@@ -84,10 +84,14 @@ def validation_images(state: dict[str, Any], img_size: int, count: int):
         ) from None
     classes = loader.info.classes
     captions = [
-        f"{key} · {classes[int(label)] if labels_are_single(batch) else 'multi-label'}"
+        key if not classes else f"{key} · {_class_name(batch, classes, label)}"
         for key, label in zip(batch.keys, batch.labels)
     ]
     return batch.images, captions
+
+
+def _class_name(batch, classes: list[str], label) -> str:
+    return classes[int(label)] if labels_are_single(batch) else "multi-label"
 
 
 def labels_are_single(batch) -> bool:

@@ -403,6 +403,21 @@ class VisionTransformer(nn.Module):
         self.num_classes = num_classes
         self.head = self._zero_linear(self.width, num_classes)
 
+    def start_masked_patch(self, outputs: int, num_classes: int, *, keep_predictor: bool = False) -> None:
+        """Prepares masked patch pre-training from these weights: the parts of a model built for it
+        with ``masked_patch_outputs=outputs`` -- a fresh ``[mask]`` embedding and predictor (with
+        ``keep_predictor``, its own where it has one of that size: a continued run), no pre-logits
+        layer, and the zero head of ``num_classes`` (none for 0) that the objective never trains."""
+        _check_positive_int("outputs", outputs)
+        held = self.masked_patch
+        keep = keep_predictor and held is not None and held.outputs == outputs
+        self.masked_patch = held if keep else MaskedPatchPrediction(self.width, outputs)
+        self.pre_logits = None
+        self.representation_size = None
+        self.num_features = self.width
+        self.num_classes = num_classes
+        self.head = self._zero_linear(self.width, num_classes) if num_classes else nn.Identity()
+
     def set_img_size(self, img_size: int) -> None:
         """Changes the input resolution in place, resampling the position embedding.
 

@@ -220,16 +220,29 @@ def test_config_gives_the_model_its_predictor_only_for_masked_patch_prediction()
         ("train.mixup_alpha=0.2", "acts on labels"),
         ("model.name=R50+B/16", "needs a plain ViT"),
         ("train.masked_patch.target=rgb", "mean_color"),
+        # a pre-logits layer the objective never trains; a predictor larger than the encoder (a typo'd
+        # colour depth: 8 bits are 16.7M classes); 4x4 cells of 14-pixel patches
+        ("model.representation_size=768", "pre-logits layer that train.objective=masked_patch never trains"),
+        ("train.masked_patch.color_bits=8", r"16,777,216 outputs per patch: a predictor of 12,901.7M parameters"),
+        ("model.name=B/14", "B/14's 14-pixel patches do not split so"),
     ]:
         with pytest.raises(ConfigError, match=message):
-            load_config(TrainingConfig, None, [*base, "train.objective=masked_patch", bad])
+            target = ["train.masked_patch.target=downsized_4x4"] if "14" in bad else []
+            load_config(TrainingConfig, None, [*base, "train.objective=masked_patch", *target, bad])
+    with pytest.raises(ConfigError, match=r"remove it \(--set 'evals=\{\}' drops a config file's evaluators"):
+        load_config(TrainingConfig, None, [*base, "train.objective=masked_patch", "evals.val={type: val, every: 10}"])
 
 
-def test_supervised_objectives_refuse_unlabelled_data():
+def test_supervised_objectives_refuse_unlabelled_data_before_ray(unlabelled_digits, tmp_path):
+    from vitray.trainers.driver_checks.preflight import PreflightError, check_inputs
+
     for objective in ("auto", "softmax", "sigmoid"):
-        cfg = load_config(TrainingConfig, None, ["data.train=/data", f"train.objective={objective}"])
+        sets = [f"data.train={unlabelled_digits}", f"run.storage={tmp_path}", f"train.objective={objective}"]
+        cfg = load_config(TrainingConfig, None, sets)
         with pytest.raises(ValueError, match="needs labelled data.*train.objective=masked_patch"):
             build_objective(cfg.train, "none", 0)
+        with pytest.raises(PreflightError, match="data.train: train.objective=.* needs labelled data"):
+            check_inputs(cfg)
     cfg = load_config(TrainingConfig, None, ["data.train=/data", "train.objective=masked_patch"])
     assert isinstance(build_objective(cfg.train, "none", 0), MaskedPatchObjective)
 
@@ -373,6 +386,60 @@ def test_masked_patch_checkpoint_transfers_to_fewshot_and_finetuning(
     assert tuned.num_classes == 10 and tuned.masked_patch is None
     assert tuned_state["model"]["masked_patch_outputs"] is None
     assert not any(key.startswith("masked_patch.") for key in tuned.state_dict())
+
+
+def test_masked_patch_prediction_starts_from_a_classifiers_weights_or_goes_on_from_its_own(
+    mpp_checkpoint, unlabelled_digits, digits_dataset, process_group, tmp_path
+):
+    from pretrain_helpers import make_checkpoint
+
+    from vitray.trainers.driver_checks.preflight import check_inputs
+
+    def pretrain(data: str, init: str, name: str, *extra: str):
+        sets = [
+            f"data.train={data}",
+            f"init.checkpoint={init}",
+            "train.objective=masked_patch",
+            "model.img_size=16",
+            "train.steps=2",
+            "train.batch_size=16",
+            "train.micro_batch_size=16",
+            "schedule.warmup_steps=1",
+            "checkpoint.every=2",
+            "cluster.num_workers=1",
+            "data.num_workers=0",
+            f"run.storage={tmp_path}",
+            *extra,
+        ]
+        check_inputs(load_config(TrainingConfig, None, sets))  # the pre-flight builds what the loop will
+        (saved,), _ = _run_loop(sets, tmp_path / name)
+        return ckpt.load_model(saved)
+
+    # A supervised checkpoint with a pre-logits layer and a 10-class head, on unlabelled data: the
+    # classifier goes, the predictor is new (zero), the encoder is the checkpoint's.
+    classifier = make_checkpoint(tmp_path / "classifier", depth=2, representation_size=32)
+    model, state = pretrain(unlabelled_digits, str(tmp_path / "classifier"), "from-classifier")
+    assert (state["num_classes"], model.num_classes, model.pre_logits, model.masked_patch_outputs) == (0, 0, None, 512)
+    assert torch.allclose(model.cls_token, classifier.cls_token, atol=0.01)
+
+    # An MPP checkpoint goes on with its own predictor (init.reset_head=false) or a fresh one (the
+    # default), on labelled data too (its zero head of 10 classes, as a run from scratch has it).
+    folder, _ = mpp_checkpoint
+    trained = ckpt.load_model(folder)[0].masked_patch.predictor.weight
+    for reset, kept in ((False, True), (True, False)):
+        model, state = pretrain(digits_dataset, folder, f"go-on-{reset}", f"init.reset_head={reset}")
+        assert state["num_classes"] == 10 and state["model"]["masked_patch_outputs"] == 512
+        # 2 steps of Adam move a zero predictor by about 2 x lr; the trained one is 20 steps away from zero
+        assert (model.masked_patch.predictor.weight.norm() > trained.norm() / 2) == kept
+
+
+def test_inspect_captions_the_validation_images_of_unlabelled_data_by_their_keys(unlabelled_digits):
+    from vitray.evaluation.checkpoint_inspection import validation_images
+
+    state = {"config": {"data": {"train": unlabelled_digits, "val_split": "train"}}}
+    images, captions = validation_images(state, 16, 4)
+    assert images.shape == (4, 3, 16, 16) and len(captions) == 4
+    assert all(caption.startswith("train_") and "·" not in caption for caption in captions), captions
 
 
 def _run_xla_loop(overrides: list[str], run_dir: str) -> tuple[list[str], list[dict]]:

@@ -18,14 +18,14 @@ from vitray.data.config import DataConfig, StoragePath
 from vitray.data.plan import default_num_slots
 from vitray.evaluation.evaluators import EVAL_NAME, EvalConfig
 from vitray.models.config import ModelConfig
-from vitray.models.variants import get_variant
+from vitray.models.variants import Variant, get_variant
 from vitray.runfolder.run_report import ENGINE_NAMESPACES
 from vitray.storage import absolute
 from vitray.storage.retries import OUTAGE_S
 from vitray.trainers.driver_checks.tpu_slices import tpu_slice
 from vitray.trainers.engines.registry import ENGINES
 from vitray.trainers.engines.seam import Engine
-from vitray.trainers.step.masked_patch import MaskedPatchTarget, target_outputs
+from vitray.trainers.step.masked_patch import DOWNSIZED_GRID, MaskedPatchTarget, target_outputs
 from vitray.trainers.trackers import MlflowSettings, WandbSettings
 
 # Run and evaluator names become folder names and metric prefixes: the same safe alphabet.
@@ -100,7 +100,11 @@ class InitConfig(_Section):
     checkpoint: StoragePath | None = Field(
         None, description="A vitray checkpoint folder, or a run folder (its latest complete checkpoint)."
     )
-    reset_head: bool = Field(True, description="Replace the head with a zero-initialised one (fine-tuning).")
+    reset_head: bool = Field(
+        True,
+        description="Replace the head with a zero-initialised one (fine-tuning); with train.objective=masked_patch, "
+        "start a fresh predictor (false keeps the checkpoint's own, of the same size).",
+    )
 
 
 class MaskedPatchConfig(_Section):
@@ -401,6 +405,20 @@ MOVED_KEYS: dict[str, str] = {
 }
 
 
+def _check_predictor_size(outputs: int, variant: Variant, masked: MaskedPatchConfig) -> None:
+    """A masked patch predictor larger than the variant's encoder is a mistyped colour depth (8 bits:
+    16.7M colour classes, 3.2e9 parameters on Ti), which would only run out of memory on the workers."""
+    size = variant.size
+    predictor = outputs * (size.width + 1)
+    encoder = size.depth * (4 * size.width**2 + 2 * size.width * size.mlp_dim)
+    if predictor > encoder:
+        raise ValueError(
+            f"train.masked_patch.color_bits={masked.color_bits} gives {masked.target} {outputs:,} outputs per patch: "
+            f"a predictor of {predictor / 1e6:,.1f}M parameters, larger than a {variant.name} encoder "
+            f"({encoder / 1e6:,.1f}M); lower color_bits (the paper's is 3)"
+        )
+
+
 class TrainingConfig(_Section):
     """One training run -- pre-training from scratch or fine-tuning from `init.checkpoint`."""
 
@@ -461,7 +479,8 @@ class TrainingConfig(_Section):
                 if ev.type == "val":
                     raise ValueError(
                         f"evals.{name} (type val) scores a classifier, but train.objective=masked_patch trains none: "
-                        "remove it (a type fewshot evaluator probes the features)"
+                        "remove it (--set 'evals={}' drops a config file's evaluators; a type fewshot evaluator "
+                        "probes the features)"
                     )
         return self
 
@@ -615,8 +634,20 @@ class TrainingConfig(_Section):
                     f"train.objective=masked_patch needs a plain ViT; model.name={self.model.name} is a hybrid whose "
                     "ResNet sees the pixels of the corrupted patches"
                 )
+            if self.model.representation_size is not None:
+                raise ValueError(
+                    f"model.representation_size={self.model.representation_size} adds a pre-logits layer that "
+                    "train.objective=masked_patch never trains (the features would pass through it at random): leave it out"
+                )
             masked = self.train.masked_patch
+            if masked.target == "downsized_4x4" and variant.patch_size % DOWNSIZED_GRID:
+                raise ValueError(
+                    f"train.masked_patch.target=downsized_4x4 cuts each patch into 4x4 cells; {variant.name}'s "
+                    f"{variant.patch_size}-pixel patches do not split so: use a model with patches of a multiple of 4 "
+                    "pixels, or another target"
+                )
             outputs = target_outputs(masked.target, masked.color_bits, variant.patch_size)
+            _check_predictor_size(outputs, variant, masked)
         if self.model.masked_patch_outputs != outputs:
             self.model = self.model.model_copy(update={"masked_patch_outputs": outputs})
         return self

@@ -335,7 +335,10 @@ class TrainingLoop:
             return create_model_from_config(self.cfg.model, self.info.num_classes)
         settings = self.cfg.model.model_dump(include=set(TRAINING_SETTINGS))
         model, _ = ckpt.load_checkpoint(init.checkpoint, settings=settings, weights=not resuming)
-        if init.reset_head or model.num_classes != self.info.num_classes:
+        outputs = self.cfg.model.masked_patch_outputs
+        if outputs is not None:  # masked patch prediction from these weights: no classifier to adapt
+            model.start_masked_patch(outputs, self.info.num_classes, keep_predictor=not init.reset_head)
+        elif init.reset_head or model.num_classes != self.info.num_classes:
             model.reset_head(self.info.num_classes)
         model.set_img_size(self.cfg.model.img_size)
         return model

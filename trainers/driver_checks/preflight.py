@@ -34,6 +34,7 @@ from vitray.models import TRAINING_SETTINGS, ModelConfig, create_model_from_conf
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.step.float8 import float8_layer_names, local_gpu_fp8_problem, no_float8_layer, torchao_missing
+from vitray.trainers.step.objectives import resolve_objective
 from vitray.trainers.trackers import missing_tracker_packages, mlflow_store_problem, wandb_login_missing
 
 __all__ = ["PreflightError", "ResumePlan", "check_inputs", "check_model", "check_resume", "config_changes"]
@@ -80,6 +81,10 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
     else:
         _check_writable_folder("run.storage", cfg.run.storage)
     info = _check_dataset("data.train", cfg.data.train, cfg.data.train_split, options)
+    try:
+        resolve_objective(cfg.train.objective, info.label_kind)  # what the workers would refuse
+    except ValueError as err:
+        raise PreflightError(f"data.train: {err}") from None
     checked = set()  # (path, split) of the val evaluators: data.val's unless a section names its own
     for name, ev in cfg.evals.items():
         scored = ev.dataset(cfg.data) if ev.type == "val" else None
@@ -332,6 +337,9 @@ def _check_init_checkpoint(cfg: TrainingConfig) -> ModelConfig:
                 f"init.checkpoint {path} holds a {held}, but model.{key}={ours}: fine-tuning keeps the "
                 f"checkpoint's architecture; set model.{key}={value} or leave it out"
             )
+    if cfg.model.masked_patch_outputs is not None:  # the loop gives it masked patch prediction's parts
+        update = {"masked_patch_outputs": cfg.model.masked_patch_outputs, "representation_size": None}
+        theirs = theirs.model_copy(update=update)
     return theirs
 
 
