@@ -416,6 +416,7 @@ def test_tpu_slice_becomes_ray_trains_tpu_scaling_config():
         # Refused with the config, not ignored (compile, attention) or met by the workers (the rest)
         "train.micro_batch_size=2": "does not split over the 4 chips of a v4-32 host: give a multiple of 4",
         "train.compile=true": "XLA compiles the whole step itself",
+        "train.check_grad_overflow=true": "DeepSpeed's check before each step; train.backend=xla does not skip",
         "train.attention=flash": "names a CUDA attention kernel; XLA compiles its own",
         "cluster.resources_per_worker={TPU: 4}": "TPU chips are reserved by cluster.tpu",
     }

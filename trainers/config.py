@@ -617,6 +617,11 @@ class TrainingConfig(_Section):
                 f"train.nonfinite=skip needs train.backend={able} (an engine that drops a step whose gradients are not "
                 f"finite); with train.backend={self.train.backend} use train.nonfinite=stop"
             )
+        if self.train.check_grad_overflow and not self.engine.skips_nonfinite:
+            raise ValueError(
+                f"train.check_grad_overflow is DeepSpeed's check before each step; train.backend={self.train.backend} "
+                "does not skip steps: leave it unset (train.nonfinite=stop stops a run whose loss is not finite)"
+            )
         return self
 
     @model_validator(mode="after")
