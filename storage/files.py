@@ -160,7 +160,7 @@ def atomic_write(path: str, storage_options: dict[str, Any] | None = None) -> It
         os.makedirs(parent, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(fs_path)}.", suffix=".tmp", dir=parent)
     else:
-        fd, tmp = tempfile.mkstemp(prefix="vitray-upload-")
+        fd, tmp = _upload_staging_file()
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
@@ -176,6 +176,44 @@ def atomic_write(path: str, storage_options: dict[str, Any] | None = None) -> It
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+UPLOAD_STAGING_PREFIX = "vitray-upload-"
+_orphans_removed = False
+
+
+def _upload_staging_file() -> tuple[int, str]:
+    """A local file to stage an upload in (a whole shard or checkpoint file), named by this process's
+    id. Those of processes that no longer run -- killed before they could remove theirs -- are
+    removed at this process's first upload: nothing else would empty them from the temp folder."""
+    global _orphans_removed
+    folder = tempfile.gettempdir()
+    if not _orphans_removed:
+        _orphans_removed = True
+        _remove_orphaned_staging_files(folder)
+    return tempfile.mkstemp(prefix=f"{UPLOAD_STAGING_PREFIX}{os.getpid()}-", dir=folder)
+
+
+def _remove_orphaned_staging_files(folder: str) -> None:
+    uid = os.getuid()
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for entry in entries:
+            pid = entry.name[len(UPLOAD_STAGING_PREFIX) :].split("-", 1)[0]
+            if not entry.name.startswith(UPLOAD_STAGING_PREFIX) or not pid.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                if entry.is_file(follow_symlinks=False) and entry.stat().st_uid == uid and not _running(int(pid)):
+                    os.unlink(entry.path)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
 
 
 def publish_file(local_path: str | os.PathLike, path: str, storage_options: dict[str, Any] | None = None) -> None:

@@ -169,9 +169,16 @@ def _client_error(error: Any, url: str, bucket: str, endpoint: str) -> StorageUn
     details = error.response.get("Error", {})
     code = str(details.get("Code", ""))
     status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    if code in _NO_BUCKET or (code == "404" and status == 404):
+    if code in _NO_BUCKET:
         return StorageUnreachable(
             f"no such bucket {bucket!r} at {endpoint} (for {url}): create it or fix the URL", cause="no-bucket", url=url
+        )
+    if code == "404" and status == 404:  # S3's answer to a HEAD (no body) -- and any web server's
+        return StorageUnreachable(
+            f"no such bucket {bucket!r} at {endpoint} (for {url}): create it or fix the URL, or the endpoint "
+            "(AWS_ENDPOINT_URL) if it is not an S3 API",
+            cause="no-bucket",
+            url=url,
         )
     if code in _BAD_CREDENTIALS:
         return StorageUnreachable(

@@ -103,3 +103,21 @@ def test_a_busy_store_is_asked_again_before_it_is_said_to_be_busy(seaweed_s3, mo
         check_reachable(seaweed_s3.url("runs"))
     finally:
         busy.stop()
+
+
+def test_an_endpoint_that_is_not_an_s3_api_is_named_as_a_possible_cause(seaweed_s3, monkeypatch, tmp_path) -> None:
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))  # 404 for all
+    handler.log_message = lambda *args: None
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        web = f"http://127.0.0.1:{server.server_address[1]}"
+        monkeypatch.setenv("AWS_ENDPOINT_URL", web)
+        try:
+            error = _refusal(seaweed_s3.url("runs"))
+        finally:
+            server.shutdown()
+    assert web in str(error) and "AWS_ENDPOINT_URL) if it is not an S3 API" in str(error), str(error)

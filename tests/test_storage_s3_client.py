@@ -48,3 +48,34 @@ def test_requests_carry_s3fs_extra_arguments_and_errors_come_as_s3fs_raises_them
     with pytest.raises(OSError) as refused:
         s3_client.call(fs, client, "complete_multipart_upload", Bucket=bucket, Key="meta.bin", UploadId="no-such")
     assert not storage.is_transient(refused.value)  # an answer, not an outage: not ridden out
+
+
+def test_an_upload_killed_midway_leaves_a_staging_file_the_next_process_removes(seaweed_s3, tmp_path):
+    """A shard or checkpoint file bound for S3 is staged in the temp folder; kill -9 leaves it there
+    (hundreds of MB each), and the next process that uploads removes it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    write = (
+        "import sys, time; from vitray import storage\n"
+        "with storage.atomic_write(sys.argv[1]) as f:\n"
+        "    f.write(b'x' * 2**20); f.flush(); print('staged', flush=True)\n"
+        "    time.sleep(60 if sys.argv[2] == 'hold' else 0)\n"
+    )
+    held = subprocess.Popen(
+        [sys.executable, "-c", write, seaweed_s3.url("held.bin"), "hold"], env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert held.stdout.readline().strip() == "staged"
+    os.kill(held.pid, signal.SIGKILL)
+    held.wait()
+    (orphan,) = [p for p in tmp_path.iterdir() if p.name.startswith(f"vitray-upload-{held.pid}-")]
+    assert orphan.stat().st_size == 2**20
+    mine = tmp_path / f"vitray-upload-{os.getpid()}-running"  # a running process's: kept
+    mine.write_bytes(b"")
+    done = subprocess.run([sys.executable, "-c", write, seaweed_s3.url("next.bin"), "go"], env=env, timeout=120)
+    assert done.returncode == 0
+    assert storage.read_bytes(seaweed_s3.url("next.bin")) == b"x" * 2**20
+    assert sorted(p.name for p in tmp_path.iterdir()) == [mine.name]
