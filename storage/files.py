@@ -198,8 +198,9 @@ def _remove_orphaned_staging_files(folder: str) -> None:
     uid = os.getuid()
     with contextlib.suppress(OSError), os.scandir(folder) as entries:
         for entry in entries:
-            pid = entry.name[len(UPLOAD_STAGING_PREFIX) :].split("-", 1)[0]
-            if not entry.name.startswith(UPLOAD_STAGING_PREFIX) or not pid.isdigit():
+            name = entry.name
+            pid = name[len(UPLOAD_STAGING_PREFIX) :].split("-", 1)[0] if name.startswith(UPLOAD_STAGING_PREFIX) else ""
+            if not pid.isdigit():  # not ours, or an older vitray's (no process id to go by)
                 continue
             with contextlib.suppress(OSError):
                 if entry.is_file(follow_symlinks=False) and entry.stat().st_uid == uid and not _running(int(pid)):
