@@ -6,6 +6,7 @@ import datetime
 import json
 import math
 import threading
+import time
 from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -78,6 +79,10 @@ class TrainingProgress:
 
     # How far a worker's clock may run behind the driver's before its first lines go unshown.
     CLOCK_SKEW_S = 5.0
+    # Lines mode: after this long without a new record a line says so (the workers starting, the first
+    # steps compiling, or a run that hangs), then after twice as long, and so on up to QUIET_MAX_S.
+    QUIET_S = 120.0
+    QUIET_MAX_S = 3600.0
 
     def __init__(
         self,
@@ -117,6 +122,8 @@ class TrainingProgress:
         self._thread = threading.Thread(target=self._follow, daemon=True)
         self.lines = not self._progress.console.is_terminal
         self._printed = resumed_from  # the last step printed as a line
+        self._quiet_since = time.monotonic()  # lines mode: when the last line was printed
+        self._quiet_s = self.QUIET_S  # and how long a quiet time now is
 
     def __enter__(self) -> TrainingProgress:
         if not self.lines:
@@ -141,10 +148,10 @@ class TrainingProgress:
         except Exception:
             return
         records = [r for r in records if r.get("step", 0) > self.resumed_from and r.get("time", math.inf) >= self.since]
-        if not records:
-            return
         if self.lines:
             self._print_lines(records)
+            return
+        if not records:
             return
         last = records[-1]
         # The latest of each: a record of an evaluation or a checkpoint alone has no loss, and the
@@ -166,10 +173,21 @@ class TrainingProgress:
     def _print_lines(self, records: list[dict[str, Any]]) -> None:
         for record in records:
             if record.get("step", 0) > self._printed:
-                self._progress.console.print(
-                    progress_line(record, records, self.total), markup=False, highlight=False, soft_wrap=True
-                )
+                self._say(progress_line(record, records, self.total))
                 self._printed = record.get("step", 0)
+                self._quiet_s = self.QUIET_S
+        quiet = time.monotonic() - self._quiet_since
+        if quiet >= self._quiet_s:  # where a bar would still move its clock, a log shows nothing
+            waited = datetime.timedelta(seconds=round(quiet))
+            if records:
+                self._say(f"no new metrics for {waited} since step {self._printed}")
+            else:
+                self._say(f"no metrics yet after {waited} (the workers are starting, their first steps compiling)")
+            self._quiet_s = min(2 * self._quiet_s, self.QUIET_MAX_S)
+
+    def _say(self, line: str) -> None:
+        self._progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        self._quiet_since = time.monotonic()
 
 
 def progress_line(record: dict[str, Any], records: list[dict[str, Any]], total_steps: int) -> str:

@@ -223,3 +223,31 @@ def test_a_resumed_attempt_shows_its_own_lines_and_eta_not_the_previous_attempts
         "step 30/100  loss 2.0000  50.0 img/s",
         "step 40/100  loss 2.0000  50.0 img/s  eta 0:01:00",  # 1 s a step since step 30, not since step 10
     ]
+
+
+def test_a_log_says_when_no_new_metrics_come(tmp_path, capsys, monkeypatch):
+    """Where a bar would move its clock, a log shows nothing: a line says how long it has been
+    without metrics, then after twice as long, and again once new ones have come."""
+    import time
+
+    from vitray.runfolder.progress import TrainingProgress
+
+    monkeypatch.setattr(TrainingProgress, "QUIET_S", 0.3)
+    run_dir = str(tmp_path / "run")
+    metrics = Path(RunFiles(run_dir).metrics_path)
+    metrics.parent.mkdir(parents=True)
+    progress = TrainingProgress(run_dir, total_steps=100, poll_seconds=60)
+    progress._refresh()
+    assert capsys.readouterr().out == ""
+    time.sleep(0.35)
+    progress._refresh()
+    assert capsys.readouterr().out.startswith("no metrics yet after 0:00:00 (the workers are starting")
+    time.sleep(0.35)
+    progress._refresh()  # the next quiet time is twice as long
+    assert capsys.readouterr().out == ""
+    metrics.write_text(json.dumps({"step": 10, "time": time.time(), "loss": 2.0}) + "\n")
+    progress._refresh()
+    assert capsys.readouterr().out.splitlines() == ["step 10/100  loss 2.0000"]
+    time.sleep(0.35)
+    progress._refresh()
+    assert capsys.readouterr().out.splitlines() == ["no new metrics for 0:00:00 since step 10"]
