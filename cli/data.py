@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from vitray.cli.app import console, data_app, fail, handled
+from vitray.common import exit_codes
 
 
 def plural(count: int, noun: str, many: str = "") -> str:
@@ -37,14 +39,18 @@ def data_prepare(
 ):
     """Write webdataset shards, per-split manifests and dataset.json from SOURCE into DEST."""
     from vitray import storage
-    from vitray.data import check_destination, open_source
+    from vitray.data import check_destination, open_source, refuse_known_bad
+    from vitray.data.sources import source_folder
 
+    _refuse_dest_inside_source(source, dest, source_folder(source))
     # Everything the input decides is checked here, before Ray starts: the source, the
     # destination's storage and what the destination already holds.
     with handled((ValueError, FileNotFoundError)):
         src = open_source(source)
         storage.check_remote_reachable(dest)
         existing = check_destination(dest, overwrite=overwrite)
+        if existing is None:  # zero-byte images, known from the listing: not after a pass over everything
+            refuse_known_bad(src, "skip" if skip_bad else "refuse")
     if existing is not None and existing.source != src.spec:  # not the dataset asked for: never taken for it
         fail(
             f"{dest} holds a dataset prepared from {existing.source}, not from {src.spec}: choose another DEST, "
@@ -57,6 +63,8 @@ def data_prepare(
             soft_wrap=True,
         )
         return
+    for note in src.notes:
+        console.print(note, soft_wrap=True)
     if src.left_out:
         console.print(
             f"leaving out {plural(len(src.left_out), 'file')} (not PNG/JPEG images, or outside the class folders), "
@@ -65,20 +73,41 @@ def data_prepare(
     from vitray.cluster.prepare import prepare
 
     with handled((ValueError,)):  # bad images, or a destination that changed meanwhile
-        info = prepare(
-            src,
-            dest,
-            address=address,
-            serial=serial,
-            samples_per_shard=samples_per_shard,
-            overwrite=overwrite,
-            bad_images="skip" if skip_bad else "refuse",
-        )
+        try:
+            info = prepare(
+                src,
+                dest,
+                address=address,
+                serial=serial,
+                samples_per_shard=samples_per_shard,
+                overwrite=overwrite,
+                bad_images="skip" if skip_bad else "refuse",
+            )
+        except KeyboardInterrupt:  # the one line, saying that a re-run does not resume
+            typer.echo(
+                "stopped by user (Ctrl-C): vitray data prepare did not finish; "
+                f"the same command prepares {dest} again, from the start",
+                err=True,
+            )
+            raise typer.Exit(exit_codes.STOPPED_BY_USER) from None
     console.print(
         f"{dest}: {info.name}, {plural(info.num_classes, 'class', 'classes')} ({info.label_kind}-label); "
         + _splits_text(info),
         soft_wrap=True,
     )
+
+
+def _refuse_dest_inside_source(source: str, dest: str, folder: Path | None) -> None:
+    """A DEST inside the source's folder: the next listing would read the shards (or, for Parquet,
+    the manifests) as the source's own files. Refused before anything is listed."""
+    if folder is None or "://" in dest:
+        return
+    target = Path(dest).expanduser().resolve()
+    if target == folder or folder in target.parents:
+        fail(
+            f"{dest} is inside the source folder {folder}: a later listing of {source} would read the prepared "
+            "files as its own; choose a DEST outside it"
+        )
 
 
 def _splits_text(info) -> str:

@@ -28,10 +28,12 @@ from vitray.data import (
     ShardTask,
     Source,
     begin_prepare,
+    check_destination,
     finalize,
-    open_source,
+    opened,
     plan_shards,
     prepare_dataset,
+    refuse_known_bad,
     settle_bad_images,
     write_shard_checked,
 )
@@ -41,7 +43,11 @@ from vitray.data import (
 IN_FLIGHT_PER_CPU = 2
 
 
-@ray.remote(num_cpus=1, max_retries=3, retry_exceptions=[OSError])
+# Ray retries a task whose worker died (a node lost, the OOM killer), never one that raised: storage
+# errors are already retried inside the task (storage/retries.py), so a Ray retry on top multiplied
+# the uploads (5 x 4 per shard, minutes before an outage failed) and printed Ray's traceback of each
+# attempt; a source image deleted meanwhile (FileNotFoundError) fails the same on every attempt.
+@ray.remote(num_cpus=1, max_retries=3, retry_exceptions=False)
 def _write_shard_task(
     task: ShardTask, dest: str, storage_options: dict[str, Any] | None, bad_images: str
 ) -> ShardResult:
@@ -92,7 +98,9 @@ def prepare_dataset_on_ray(
     (`runtime.connect`). Shards go straight from the tasks to ``dest``, so on a multi-node cluster ``dest``
     must be shared storage (``s3://...``) and the source readable from every node.
     """
-    src = open_source(source) if isinstance(source, str) else source
+    src = opened(source)
+    if src.known_bad and check_destination(dest, overwrite=overwrite, storage_options=storage_options) is None:
+        refuse_known_bad(src, bad_images)  # type: ignore[arg-type]
     existing = begin_prepare(dest, overwrite=overwrite, storage_options=storage_options, splits=src.split_sizes())
     if existing is not None:
         print(f"{dest} is already prepared from {existing.source}; nothing to do (use overwrite to redo it)")
@@ -124,7 +132,7 @@ def prepare_dataset_on_ray(
                 if stop.signum == signal.SIGTERM:
                     print(
                         f"vitray: SIGTERM (pid {os.getpid()}): stopped preparing {dest}; no shard is left half-written, "
-                        "and the same command prepares it again",
+                        "and the same command prepares it again, from the start",
                         file=sys.stderr,
                         flush=True,
                     )

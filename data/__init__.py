@@ -63,6 +63,8 @@ _EXPORTS = {
     "check_destination": "prepare",
     "finalize": "prepare",
     "prepare_dataset": "prepare",
+    "opened": "prepare",
+    "refuse_known_bad": "prepare",
     "settle_bad_images": "prepare",
     "DEFAULT_MAX_SHARD_BYTES": "shards",
     "DEFAULT_SAMPLES_PER_SHARD": "shards",
@@ -108,7 +110,9 @@ if TYPE_CHECKING:
         begin_prepare,
         check_destination,
         finalize,
+        opened,
         prepare_dataset,
+        refuse_known_bad,
         settle_bad_images,
     )
     from .shards import (

@@ -3,6 +3,8 @@
 The steps are public so that an executor can run the shard writing elsewhere (``vitray.cluster``
 runs them as Ray tasks)::
 
+    source = opened(spec)                            # its notes (a split left out) printed
+    refuse_known_bad(source, "refuse")               # zero-byte files, known from the listing
     existing = begin_prepare(dest, overwrite=...)    # None unless already prepared
     tasks = plan_shards(source, samples_per_shard=...)
     results = [write_shard_checked(t, dest) for t in tasks]   # any executor, any order
@@ -58,6 +60,7 @@ def _our_files(splits: Iterable[str]) -> re.Pattern[str]:
     return re.compile(rf"^(\.?({names})(-\d{{6}}\.tar|\.manifest\.parquet)|\.dataset\.json)(\.[^/]*\.tmp)?$")
 
 
+SHARD_NAME = re.compile(r"^[^.][^/]*-\d{6}\.tar$")
 # Written before the first shard, removed after dataset.json: "a vitray preparation began here".
 PREPARING_MARKER = ".vitray-preparing"
 # How many of a foreign folder's names a refusal lists.
@@ -118,6 +121,13 @@ def begin_prepare(
     existing = check_destination(dest, overwrite=overwrite, storage_options=storage_options)
     if existing is not None:
         return existing
+    names = storage.list_names(dest, storage_options)
+    if PREPARING_MARKER in names:  # no resume: said, so that a re-run after a stop is not a surprise
+        left = sum(1 for name in names if SHARD_NAME.match(name))
+        print(
+            f"{dest} holds an unfinished preparation ({left} shard{'s' if left != 1 else ''} written): "
+            "starting over (a stopped preparation is not resumed)"
+        )
     splits = set(splits)
     # (a dataset.json vitray did not write does not say: its splits are not vitray's to clear)
     with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
@@ -130,6 +140,25 @@ def begin_prepare(
         if ours.match(name):
             storage.remove(storage.join(dest, name), storage_options)
     return None
+
+
+def opened(source: str | Source) -> Source:
+    """``source`` opened (a spec) and what opening decided said (:attr:`Source.notes`), or the
+    :class:`Source` given as it is (whoever opened it said it)."""
+    if not isinstance(source, str):
+        return source
+    src = open_source(source)
+    for note in src.notes:
+        print(note)
+    return src
+
+
+def refuse_known_bad(source: Source, bad_images: BadImages) -> None:
+    """Raise :class:`BadImagesError` for the images known to be bad from the listing alone (zero-byte
+    files), before any shard is written, unless they are to be skipped or kept: a whole pass over
+    the dataset would otherwise come first."""
+    if source.known_bad and bad_images == "refuse":
+        raise BadImagesError(source.known_bad)
 
 
 def settle_bad_images(results: Iterable[ShardResult], bad_images: BadImages) -> list[ManifestRow]:
@@ -202,7 +231,9 @@ def prepare_dataset(
     (:class:`BadImagesError`, listing them), left out (``bad_images="skip"``) or stored as they
     are (``"keep"``: the readers skip them).
     """
-    src = open_source(source) if isinstance(source, str) else source
+    src = opened(source)
+    if src.known_bad and check_destination(dest, overwrite=overwrite, storage_options=storage_options) is None:
+        refuse_known_bad(src, bad_images)  # (a dataset already prepared is said so first)
     splits = src.split_sizes()
     existing = begin_prepare(dest, overwrite=overwrite, storage_options=storage_options, splits=splits)
     if existing is not None:

@@ -115,14 +115,23 @@ def test_an_unfinished_preparation_and_a_prepared_dataset_are_vitrays_own(tmp_pa
 def test_bad_images_are_refused_with_their_names(tmp_path):
     src = image_folder(tmp_path / "src")
     bad = with_bad_images(src)
+    # The zero-byte file is known from the listing: refused at once, before Ray and any shard.
+    message = refused(f"imagefolder:{src}", str(tmp_path / "dest"))
+    assert "1 image cannot be read" in message and "--skip-bad" in message
+    assert str(bad[0]) in message and "empty file" in message
+    assert not (tmp_path / "dest").exists()
+    # An undecodable one is found as its shard is written: every one named, in one line.
+    (src / "bee" / "notes2.jpg").write_bytes(b"\xff\xd8\xff not a JPEG after all")
+    bad[0].unlink()
     message = refused(f"imagefolder:{src}", str(tmp_path / "dest"), "--serial")
     assert "2 images cannot be read" in message and "--skip-bad" in message
-    assert str(bad[0]) in message and "empty file" in message
     assert str(bad[1]) in message and "not an image" in message
     assert not (tmp_path / "dest" / "dataset.json").exists()
     with pytest.raises(BadImagesError) as caught:
         prepare_dataset(f"imagefolder:{src}", str(tmp_path / "lib"), samples_per_shard=2)
-    assert sorted(entry.split(":")[0] for entry in caught.value.bad) == sorted(map(str, bad))
+    assert sorted(entry.split(":")[0] for entry in caught.value.bad) == sorted(
+        [str(bad[1]), str(src / "bee" / "notes2.jpg")]
+    )
 
 
 def test_bad_images_are_skipped_with_skip_bad(tmp_path):

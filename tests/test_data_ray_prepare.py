@@ -100,10 +100,16 @@ def test_a_stop_during_a_ray_prepare_is_one_line_and_no_dataset(signame, tmp_pat
             os.killpg(proc.pid, signal.SIGKILL)
     if signame == "SIGINT":
         assert proc.returncode == 130, err
-        assert err.strip().splitlines()[-1] == "stopped by user (Ctrl-C): vitray data prepare did not finish"
+        assert err.strip().splitlines()[-1] == (
+            f"stopped by user (Ctrl-C): vitray data prepare did not finish; the same command prepares {dest} again, "
+            "from the start"  # no resume: said
+        )
     else:
         assert proc.returncode == 143, err
-        assert f"vitray: SIGTERM (pid {proc.pid}): stopped preparing {dest}; no shard is left half-written" in err
+        assert (
+            f"vitray: SIGTERM (pid {proc.pid}): stopped preparing {dest}; no shard is left half-written, and the same "
+            "command prepares it again, from the start"
+        ) in err
         assert "SIGTERM received" not in err and "Aborted" not in err, err[-3000:]  # Ray's C++ handler
     assert "Traceback" not in err
     assert not (dest / "dataset.json").exists()

@@ -13,9 +13,11 @@ imported when a source is opened, so that reading shards never imports them.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from .base import Sample, SampleChunk, Source, image_ext
 
-__all__ = ["Sample", "SampleChunk", "Source", "image_ext", "open_source", "source_kinds"]
+__all__ = ["Sample", "SampleChunk", "Source", "image_ext", "open_source", "source_folder", "source_kinds"]
 
 
 def source_kinds() -> dict[str, type[Source]]:
@@ -57,3 +59,17 @@ def open_source(spec: str) -> Source:
             "vtab:dtd:~/tensorflow_datasets/dtd/3.0.1, builtin:digits, unlabelled:builtin:digits)"
         )
     return kinds[kind].open_spec(location, open_source)
+
+
+def source_folder(spec: str) -> Path | None:
+    """The local folder (or file) that ``spec`` reads, resolved, without opening or listing it; None
+    for a built-in dataset or a spec that does not parse (opening it says why)."""
+    kind, sep, location = str(spec).partition(":")
+    while kind == "unlabelled" and sep:
+        kind, sep, location = location.partition(":")
+    if not sep or kind == "builtin" or not location:
+        return None
+    if kind == "vtab":
+        location = location.partition(":")[2]
+    path = location.partition("?")[0]
+    return Path(path).expanduser().resolve() if path else None

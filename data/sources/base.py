@@ -60,6 +60,12 @@ class Source(abc.ABC):
         # Files found in the source that are not samples (an image folder's notes, CSVs, ...): left
         # out of the shards, and said so (`vitray data prepare` prints their count).
         self.left_out: list[str] = []
+        # What opening decided that the user should hear before any shard is written (a split left
+        # out, and why): one line each, printed by `vitray data prepare`.
+        self.notes: list[str] = []
+        # Images known to be bad from the listing alone (a zero-byte file), as "ORIGIN: why": refused
+        # (or, with --skip-bad, left out) before any shard is written.
+        self.known_bad: list[str] = []
 
     @classmethod
     @abc.abstractmethod

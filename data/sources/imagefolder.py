@@ -14,6 +14,10 @@ no class folders, only images, is an unlabelled dataset (``label_kind`` "none", 
 self-supervised pre-training); its images are those directly in the (split) folder. Hidden files and
 files that are not images are ignored; GIF/BMP/TIFF/WEBP images are an error (shards hold the
 original PNG/JPEG bytes).
+
+A split folder (a split's name, holding folders and no image) beside other folders is refused: read as
+classes, the split's images would be labelled "train" or "val". A class called "train" that holds
+its images itself (CIFAR-100, VOC) is a class.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ class ImageFolderSource(Source):
         # class called "train", and taking such a folder for a split dropped the other classes.
         top = _class_folders(root)
         split_layout = bool(top) and set(top) <= set(SPLIT_FOLDERS)
+        if not split_layout:
+            _refuse_splits_beside_other_folders(root, top)
         split_roots = {s: root / s for s in SPLIT_FOLDERS if s in top} if split_layout else {"train": root}
         class_dirs = {split: _class_folders(folder) for split, folder in split_roots.items()}
         classes = sorted({name for names in class_dirs.values() for name in names})
@@ -96,6 +102,7 @@ class ImageFolderSource(Source):
             left_out += [str(p) for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(".")]
         source = cls(root, split_files, classes)
         source.left_out = left_out
+        source.known_bad = _empty_files(split_files)
         return source
 
     @classmethod
@@ -112,6 +119,7 @@ class ImageFolderSource(Source):
             split_files[split] = files
         source = cls(root, split_files, [])
         source.left_out = left_out
+        source.known_bad = _empty_files(split_files)
         return source
 
     def split_sizes(self) -> dict[str, int]:
@@ -123,6 +131,32 @@ class ImageFolderSource(Source):
     def chunk(self, split: str, indices: Sequence[int]) -> ImageFolderChunk:
         files = self.split_files[split]
         return ImageFolderChunk([(files[i][0], files[i][1]) for i in indices])
+
+
+def _empty_files(split_files: dict[str, list[tuple[str, int | None, int]]]) -> list[str]:
+    """Zero-byte images, known from the listing: said before any shard is written, not after a pass."""
+    return [f"{path}: empty file (0 bytes)" for files in split_files.values() for path, _, size in files if size == 0]
+
+
+def _refuse_splits_beside_other_folders(root: Path, top: list[str]) -> None:
+    """Split folders (a split's name, holding folders and no image) beside other folders: read as classes, the
+    splits' images would train under the labels "train" and "val". A class that happens to be
+    called "train" holds its images itself (CIFAR-100, VOC) and is left alone."""
+    splits = [name for name in top if name in SPLIT_FOLDERS and _holds_folders_not_images(root / name)]
+    if splits:
+        others = [name for name in top if name not in splits]
+        shown = ", ".join(others[:5]) + (f", ... ({len(others)} folders)" if len(others) > 5 else "")
+        raise ValueError(
+            f"imagefolder source {root} mixes split folders [{', '.join(splits)}] (holding class folders) with "
+            f"other folders [{shown}]: move those out of {root}, or give one split as the source "
+            f"(imagefolder:{root / splits[0]})"
+        )
+
+
+def _holds_folders_not_images(folder: Path) -> bool:
+    entries = [e for e in os.scandir(folder) if not e.name.startswith(".")]
+    images = [e for e in entries if os.path.splitext(e.name)[1].lower() in IMAGE_SUFFIXES and not e.is_dir()]
+    return not images and any(e.is_dir() for e in entries)
 
 
 def _class_folders(folder: Path) -> list[str]:
@@ -159,6 +193,13 @@ def _image_files(class_dir: Path, recursive: bool = True, left_out: list[str] | 
                     left_out.append(os.path.join(dirpath, name))
                 continue
             path = os.path.join(dirpath, name)
-            found.append((path, os.stat(path).st_size))
+            try:
+                found.append((path, os.stat(path).st_size))
+            except FileNotFoundError:
+                if not os.path.islink(path):
+                    raise
+                raise ValueError(
+                    f"{path} is a link to a missing file ({os.readlink(path)}): remove the link, or restore its target"
+                ) from None
     found.sort()
     return found

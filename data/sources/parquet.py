@@ -8,7 +8,8 @@ from the ``huggingface`` schema metadata (a ``ClassLabel`` feature) when present
 ``"0" .. "K-1"`` with K one more than the largest label.
 
 Rows are read sequentially, in file-name order then row order; the table's order is kept (tables
-published on the Hugging Face hub are usually already shuffled).
+published on the Hugging Face hub are usually already shuffled). A split sorted by label is said
+(:attr:`Source.notes`): its shards would hold a few classes each, and ``train[98%:]`` the last ones.
 """
 
 from __future__ import annotations
@@ -30,17 +31,21 @@ from .base import Sample, SampleChunk, Source, image_ext
 
 
 class ParquetChunk(SampleChunk):
-    """Rows ``[start, stop)`` of the concatenation of ``files``."""
+    """Rows ``[start, stop)`` of a split, from the files that hold them: ``(path, its first row in the
+    split, its number of rows)``, known when the source was opened (no file's metadata is read again
+    to find where a shard's rows are)."""
 
     def __init__(
-        self, files: list[str], offsets: list[int], start: int, stop: int, columns: tuple[str, str] = ("image", "label")
+        self,
+        files: list[tuple[str, int, int]],
+        start: int,
+        stop: int,
+        columns: tuple[str, str | None] = ("image", "label"),
     ) -> None:
-        self.files, self.offsets, self.start, self.stop, self.columns = files, offsets, start, stop, columns
+        self.files, self.start, self.stop, self.columns = files, start, stop, columns
 
     def __iter__(self) -> Iterator[Sample]:
-        for file_no, path in enumerate(self.files):
-            file_start = self.offsets[file_no]
-            file_rows = pq.ParquetFile(path).metadata.num_rows
+        for path, file_start, file_rows in self.files:
             lo, hi = max(self.start - file_start, 0), min(self.stop - file_start, file_rows)
             if lo < hi:
                 yield from _read_rows(path, lo, hi, self.columns)
@@ -80,6 +85,11 @@ class LabelColumnMissing(ValueError):
         self.reopen = reopen
 
 
+class LabelsOutOfRange(LabelColumnMissing):
+    """A split with labels outside the classes: refused, but `unlabelled:` reads the table as it is
+    (`reopen`), since it drops the labels."""
+
+
 class ParquetSource(Source):
     kind = "parquet"
     random_access = False
@@ -100,6 +110,8 @@ class ParquetSource(Source):
             "none" if columns[1] is None else "multi" if multi else "single",
         )
         self.files, self.columns = files, columns
+        # Set when splits were left out for their labels: opens the same tables with every split, for `unlabelled:`.
+        self.reopen_unlabelled: Callable[[], ParquetSource] | None = None
         self.rows = {split: [pq.ParquetFile(f).metadata.num_rows for f in paths] for split, paths in files.items()}
 
     @classmethod
@@ -116,7 +128,12 @@ class ParquetSource(Source):
         *,
         labels: bool = True,
     ) -> ParquetSource:
-        """`labels=False` (`unlabelled:`): a table without the label column is read without it."""
+        """`labels=False` (`unlabelled:`, which drops the labels): a table without the label column is
+        read without it, and the labels are not checked against the classes.
+
+        A split whose labels are all -1 (a Hugging Face test split published without its labels,
+        as imagenet-1k's) is left out and said so in :attr:`notes`; any other label outside the
+        classes refuses the source, naming the split (:class:`LabelsOutOfRange`)."""
         paths = [root] if root.is_file() else sorted(root.rglob("*.parquet"))
         if not paths:
             raise FileNotFoundError(f"{cls.kind} source {root}: no .parquet files there")
@@ -153,7 +170,40 @@ class ParquetSource(Source):
         if wanted[1] is None:
             return cls(root, [], False, dict(files), wanted, spec)
         classes = _class_names(schema, columns[1]) or card_classes or _numbered_classes(paths, multi, columns[1])
-        return cls(root, classes, multi, dict(files), columns, spec)
+        if not labels:
+            return cls(root, classes, multi, dict(files), columns, spec)
+        where = spec or f"{cls.kind}:{root}"
+        ranges = {split: _group_ranges(split_paths, columns[1]) for split, split_paths in files.items()}
+        try:
+            unlabelled = _unlabelled_splits(files, ranges, columns[1], multi, len(classes), where)
+        except ValueError as error:
+
+            def reopen_labelled() -> ParquetSource:
+                return cls.from_files(root, columns, card_classes, spec, labels=False)
+
+            raise LabelsOutOfRange(str(error), reopen_labelled) from None
+        if len(unlabelled) == len(files):
+            raise LabelsOutOfRange(
+                f"{where}: every label of the splits {sorted(files)} is -1 (no labels published): to pre-train "
+                f"on the images without labels, prepare unlabelled:{where}",
+                lambda: cls.from_files(root, columns, card_classes, spec, labels=False),
+            )
+        source = cls(root, classes, multi, {s: p for s, p in files.items() if s not in unlabelled}, columns, spec)
+        for split, count in unlabelled.items():
+            source.notes.append(
+                f"leaving out split {split!r} ({count} rows): every label is -1, an unlabelled test split as Hugging "
+                f"Face publishes them (unlabelled:{where} keeps it, without any labels)"
+            )
+        for split in [] if multi else sorted(source.files):
+            if _sorted_by_label(source.files[split], columns[1], ranges[split]):
+                source.notes.append(
+                    f"warning: split {split!r} of {where} is sorted by label: each shard will hold a few classes, "
+                    f"and a held-out slice such as {split}[98%:] only the last ones; shuffle the table before "
+                    "preparing it"
+                )
+        if unlabelled:  # `unlabelled:` keeps every split
+            source.reopen_unlabelled = lambda: cls.from_files(root, columns, card_classes, spec, labels=False)
+        return source
 
     def split_sizes(self) -> dict[str, int]:
         return {split: sum(rows) for split, rows in self.rows.items()}
@@ -178,8 +228,12 @@ class ParquetSource(Source):
         start, stop = int(indices[0]), int(indices[-1]) + 1
         if stop - start != len(indices) or any(int(b) - int(a) != 1 for a, b in itertools.pairwise(indices)):
             raise ValueError("parquet sources read contiguous ascending index ranges only")
-        offsets = [0, *np.cumsum(self.rows[split]).tolist()[:-1]]
-        return ParquetChunk(self.files[split], offsets, start, stop, self.columns)
+        files, first = [], 0
+        for path, rows in zip(self.files[split], self.rows[split], strict=True):
+            if first < stop and first + rows > start:  # only the files that hold some of the rows
+                files.append((path, first, rows))
+            first += rows
+        return ParquetChunk(files, start, stop, self.columns)
 
 
 def _split_of(path: Path) -> str:
@@ -219,6 +273,86 @@ def _class_names(schema: pa.Schema, label_col: str = "label") -> list[str] | Non
         feature = feature.get("feature", {})
     names = feature.get("names") if feature.get("_type") == "ClassLabel" else None
     return [str(n) for n in names] if names else None
+
+
+def _unlabelled_splits(
+    files: dict[str, list[str]],
+    ranges: dict[str, list[tuple[int, int]] | None],
+    label_col: str,
+    multi: bool,
+    num_classes: int,
+    where: str,
+) -> dict[str, int]:
+    """The splits whose every label is -1, with their row counts; raises ValueError for a split with
+    other labels outside ``0 .. num_classes - 1``, naming it. The column statistics answer for most
+    tables without reading a row; a split whose statistics are missing or out of range is read (its
+    label column only)."""
+    unlabelled = {}
+    for split, paths in files.items():
+        groups = ranges[split]
+        if groups is not None and all(lo >= 0 and hi < num_classes for lo, hi in groups):
+            continue
+        labels = pa.chunked_array(
+            [pq.read_table(path, columns=[label_col]).column(label_col).combine_chunks() for path in paths]
+        )
+        rows = len(labels)
+        values = pc.list_flatten(labels) if multi else labels
+        outside = pc.or_(pc.less(values, 0), pc.greater_equal(values, num_classes))
+        if multi:  # rows that hold a label outside
+            parents = pc.filter(pc.list_parent_indices(labels), outside)
+            bad_rows = len(pc.unique(parents))
+        else:
+            bad_rows = pc.sum(outside).as_py() or 0
+        if not bad_rows:
+            continue
+        if not multi and bad_rows == rows and pc.all(pc.equal(labels, -1)).as_py():
+            unlabelled[split] = rows
+            continue
+        first = pc.filter(values, outside)[0].as_py()
+        raise ValueError(
+            f"{where}: split {split!r} has {bad_rows} of {rows} rows with labels outside the classes "
+            f"0..{num_classes - 1} (e.g. {first}): fix the labels, or move the split's files "
+            f"({Path(paths[0]).name} ...) out of the source"
+        )
+    return unlabelled
+
+
+def _group_ranges(paths: list[str], label_col: str) -> list[tuple[int, int]] | None:
+    """(min, max) of the label column (a list's elements, for multi-label) in each non-empty row group
+    of ``paths``, in order, from the files' statistics; None where a row group has none."""
+    ranges = []
+    for path in paths:
+        meta = pq.ParquetFile(path).metadata
+        for group in range(meta.num_row_groups):
+            rg = meta.row_group(group)
+            if rg.num_rows == 0:
+                continue
+            column = next(
+                (
+                    rg.column(c)
+                    for c in range(rg.num_columns)
+                    if rg.column(c).path_in_schema == label_col
+                    or rg.column(c).path_in_schema.startswith(f"{label_col}.list.")
+                ),
+                None,
+            )
+            stats = column.statistics if column is not None else None
+            if stats is None or not stats.has_min_max or stats.null_count:
+                return None
+            ranges.append((int(stats.min), int(stats.max)))
+    return ranges
+
+
+def _sorted_by_label(paths: list[str], label_col: str, ranges: list[tuple[int, int]] | None) -> bool:
+    """Whether a single-label split's rows come in label order (two labels or more, never decreasing):
+    from the row groups' statistics where there are several, else from the label column itself."""
+    if ranges is not None and len(ranges) > 1:
+        in_order = all(ranges[i][1] <= ranges[i + 1][0] for i in range(len(ranges) - 1))
+        return in_order and ranges[0][0] < ranges[-1][1]
+    labels = np.concatenate(
+        [pq.read_table(path, columns=[label_col]).column(label_col).to_numpy(zero_copy_only=False) for path in paths]
+    )
+    return len(labels) > 1 and labels[0] < labels[-1] and bool(np.all(np.diff(labels) >= 0))
 
 
 def _numbered_classes(paths: list[Path], multi: bool, label_col: str = "label") -> list[str]:

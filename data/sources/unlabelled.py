@@ -35,6 +35,7 @@ class UnlabelledSource(Source):
         super().__init__(f"{self.kind}:{inner.spec}", inner.name, [], "none")
         self.inner = inner
         self.random_access = inner.random_access  # the wrapped source's sample order
+        self.notes, self.known_bad = inner.notes, inner.known_bad
 
     @classmethod
     def open(cls, location: str) -> Source:
@@ -42,12 +43,14 @@ class UnlabelledSource(Source):
 
     @classmethod
     def open_spec(cls, location: str, open_source: Callable[[str], Source]) -> Source:
-        from .parquet import LabelColumnMissing
+        from .parquet import LabelColumnMissing, ParquetSource
 
         try:
             inner = open_source(location)
-        except LabelColumnMissing as missing:  # a table of images alone: what this source is for
+        except LabelColumnMissing as missing:  # a table of images alone (or labels unusable): what this is for
             inner = missing.reopen()
+        if isinstance(inner, ParquetSource) and inner.reopen_unlabelled is not None:  # its splits without labels too
+            inner = inner.reopen_unlabelled()
         return inner if inner.label_kind == "none" else cls(inner)
 
     def split_sizes(self) -> dict[str, int]:
