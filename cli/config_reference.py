@@ -76,7 +76,8 @@ HEADER = f"""# Configuration reference
 `vitray pretrain`, `finetune`, `evaluate` and `fewshot` take `--config/-c FILE.yaml` and any number of
 `--set dotted.key=value` overrides (the value is read as YAML: `--set 'benchmarks=[cifar10]'`; a
 mapping is merged into the section it names, `--set 'train={{steps: 500, batch_size: 512}}'`, and `{{}}`
-empties it); `vitray demo` takes `--set` for its pre-training and `--grid-set` for its grid. `--dry-run`
+empties it; `null` removes one of the file's evaluators, `--set evals.val=null`, or puts a section
+back to its defaults); `vitray demo` takes `--set` for its pre-training and `--grid-set` for its grid. `--dry-run`
 prints the resolved config (`pretrain`, `finetune`, `evaluate`). An unknown key or a bad value is
 refused before Ray starts, naming the key, the value and what is allowed. Paths are local folders or URLs (`s3://bucket/prefix`); a relative local path is read against
 the working directory of the command.

@@ -168,8 +168,12 @@ def _merge(node: dict[str, Any], key: str, value: Any) -> None:
     """`node[key] = value`, except that a mapping given for a section merges into it key by key (a
     `--set 'train={steps: 5}'` that dropped the file's other train settings would change the run
     behind the user's back); an empty mapping empties it, and one of another `type` (an evaluator
-    of another kind) replaces it."""
+    of another kind) replaces it. `null` for a mapping removes it: one of the file's evaluators
+    (`--set evals.val=null`), or a section back to its defaults."""
     current = node.get(key)
+    if value is None and isinstance(current, dict):
+        del node[key]
+        return
     merges = isinstance(value, dict) and value and isinstance(current, dict)
     if not merges or value.get("type", current.get("type")) != current.get("type"):
         node[key] = value

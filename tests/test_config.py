@@ -56,6 +56,9 @@ def test_a_mapping_set_on_a_section_merges_into_it(tmp_path):
     assert (cfg.train.steps, cfg.train.batch_size, cfg.train.micro_batch_size) == (5, 64, 16)
     assert (cfg.evals["v"].every, cfg.evals["v"].split) == (3, "test")
     assert load_config(TrainingConfig, path, ["evals={}"]).evals == {}
+    assert list(load_config(TrainingConfig, path, ["evals.v=null"]).evals) == ["w"]  # one of them
+    defaults = load_config(TrainingConfig, None, ["data.train=d"]).train
+    assert load_config(TrainingConfig, path, ["train=null"]).train == defaults
     fewshot = "evals.w={type: fewshot, every: 5, datasets: {digits: d}}"
     assert load_config(TrainingConfig, path, [fewshot]).evals["w"].type == "fewshot"
 

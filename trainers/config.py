@@ -479,8 +479,7 @@ class TrainingConfig(_Section):
                 if ev.type == "val":
                     raise ValueError(
                         f"evals.{name} (type val) scores a classifier, but train.objective=masked_patch trains none: "
-                        "remove it (--set 'evals={}' drops a config file's evaluators; a type fewshot evaluator "
-                        "probes the features)"
+                        f"remove it (--set evals.{name}=null; a type fewshot evaluator probes the features)"
                     )
         return self
 
