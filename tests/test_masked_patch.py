@@ -352,6 +352,19 @@ def test_masked_patch_pretraining_loss_falls(mpp_checkpoint):
     assert state["model"]["masked_patch_outputs"] == 512
 
 
+# Two steps from `init.checkpoint` in one process, checkpointed at the end.
+TWO_STEPS = (
+    "model.img_size=16",
+    "train.steps=2",
+    "train.batch_size=16",
+    "train.micro_batch_size=16",
+    "schedule.warmup_steps=1",
+    "checkpoint.every=2",
+    "cluster.num_workers=1",
+    "data.num_workers=0",
+)
+
+
 def test_masked_patch_checkpoint_transfers_to_fewshot_and_finetuning(
     mpp_checkpoint, digits_dataset, process_group, tmp_path
 ):
@@ -369,15 +382,8 @@ def test_masked_patch_checkpoint_transfers_to_fewshot_and_finetuning(
         [
             f"data.train={digits_dataset}",
             f"init.checkpoint={folder}",
-            "model.img_size=16",
             "optim.name=sgd",
-            "train.steps=2",
-            "train.batch_size=16",
-            "train.micro_batch_size=16",
-            "schedule.warmup_steps=1",
-            "checkpoint.every=2",
-            "cluster.num_workers=1",
-            "data.num_workers=0",
+            *TWO_STEPS,
             f"run.storage={tmp_path}",
         ],
         tmp_path / "finetune",
@@ -400,14 +406,7 @@ def test_masked_patch_prediction_starts_from_a_classifiers_weights_or_goes_on_fr
             f"data.train={data}",
             f"init.checkpoint={init}",
             "train.objective=masked_patch",
-            "model.img_size=16",
-            "train.steps=2",
-            "train.batch_size=16",
-            "train.micro_batch_size=16",
-            "schedule.warmup_steps=1",
-            "checkpoint.every=2",
-            "cluster.num_workers=1",
-            "data.num_workers=0",
+            *TWO_STEPS,
             f"run.storage={tmp_path}",
             *extra,
         ]
