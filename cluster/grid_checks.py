@@ -70,7 +70,7 @@ def check_grid_storage(checkpoint: str, grid: GridConfig, *, writes: bool = True
     storage.check_remote_reachable(checkpoint, must_exist=not watch)  # read with the environment's credentials
     storage.check_remote_reachable(grid.data_root, storage_options=options)
     if writes:
-        storage.check_remote_reachable(grid.output, storage_options=options)
+        storage.check_remote_reachable(grid.output, writable=True, storage_options=options)
         for marker, what in (("dataset.json", "a prepared dataset"), ("vitray", "a training run's folder")):
             if storage.exists(storage.join(grid.output, marker), options):
                 raise ValueError(

@@ -117,7 +117,7 @@ def inspect_checkpoint(
     s3://) into ``out`` (local or s3://); returns :class:`InspectionFiles` (local paths; for a
     remote ``out`` those of the temporary copy, already uploaded)."""
     storage.check_remote_reachable(checkpoint, must_exist=True)  # a wrong key, endpoint or bucket: one line
-    storage.check_remote_reachable(out)
+    storage.check_remote_reachable(out, writable=True)
     model, state = load_checkpoint(checkpoint)
     if images:
         pixels, captions = load_image_files(images, model.img_size)

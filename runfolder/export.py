@@ -64,7 +64,7 @@ def check_output(out: str, fmt: str, *, overwrite: bool) -> None:
     file is written, or a file where a folder is, always; a store that cannot be reached (credentials,
     endpoint, bucket) too, before the checkpoint is read."""
     try:
-        storage.check_remote_reachable(out)
+        storage.check_remote_reachable(out, writable=True)
     except storage.StorageUnreachable as err:
         raise ExportRefused(f"--out {out}: {err}") from None
     fs, fs_path = storage.filesystem(out)

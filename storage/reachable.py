@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from typing import Any
 
 import fsspec
@@ -40,7 +41,7 @@ BUSY_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
 
 class StorageUnreachable(ValueError):
     """A storage path that cannot be used as it stands. ``cause`` is one of ``no-credentials``,
-    ``bad-credentials``, ``no-bucket``, ``access-denied``, ``unreachable``, ``missing``; the
+    ``bad-credentials``, ``no-bucket``, ``access-denied``, ``read-only``, ``unreachable``, ``missing``; the
     message is one line naming the path, the cause and the fix. A ValueError, so the command
     line's handlers of bad input report it like any other bad argument (exit 2, no traceback)."""
 
@@ -49,26 +50,31 @@ class StorageUnreachable(ValueError):
         self.cause, self.url = cause, url
 
 
-def check_reachable(url: str, *, must_exist: bool = False, storage_options: dict[str, Any] | None = None) -> None:
+def check_reachable(
+    url: str, *, must_exist: bool = False, writable: bool = False, storage_options: dict[str, Any] | None = None
+) -> None:
     """Raise :class:`StorageUnreachable` unless ``url`` can be used: for ``s3://`` the credentials
     at hand, the bucket and read access are checked with one listing of at most one key; with
-    ``must_exist`` something must be stored at ``url``. For a local path its parent folder must
-    exist (or the path itself, with ``must_exist``). Other protocols are not probed."""
+    ``must_exist`` something must be stored at ``url``; with ``writable`` an empty object is written
+    under it and removed again (credentials that may read but not write, or not delete, pass a
+    listing and failed at the first write: a run's lease, a preparation's first shard). For a local
+    path its parent folder must exist (or the path itself, with ``must_exist``). Other protocols are
+    not probed."""
     url = str(url)
     protocol, rest = fsspec.core.split_protocol(url)
     if protocol in (None, "file", "local"):
         _check_local(rest if protocol else url, must_exist=must_exist)
     elif protocol in ("s3", "s3a"):
-        _check_s3(url, rest, must_exist=must_exist, options=dict(storage_options or {}))
+        _check_s3(url, rest, must_exist=must_exist, writable=writable, options=dict(storage_options or {}))
 
 
 def check_remote_reachable(
-    url: str, *, must_exist: bool = False, storage_options: dict[str, Any] | None = None
+    url: str, *, must_exist: bool = False, writable: bool = False, storage_options: dict[str, Any] | None = None
 ) -> None:
     """:func:`check_reachable` for a remote ``url`` (a wrong key, endpoint or bucket: one line, before
     any work); a local path is left to where it is opened, which says what is wrong with it."""
     if fsspec.core.split_protocol(str(url))[0] not in (None, "file", "local"):
-        check_reachable(url, must_exist=must_exist, storage_options=storage_options)
+        check_reachable(url, must_exist=must_exist, writable=writable, storage_options=storage_options)
 
 
 def _check_local(path: str, *, must_exist: bool) -> None:
@@ -87,7 +93,7 @@ def _check_local(path: str, *, must_exist: bool) -> None:
         )
 
 
-def _check_s3(url: str, rest: str, *, must_exist: bool, options: dict[str, Any]) -> None:
+def _check_s3(url: str, rest: str, *, must_exist: bool, writable: bool, options: dict[str, Any]) -> None:
     import botocore.exceptions as bex
 
     bucket, _, key = rest.partition("/")
@@ -98,6 +104,8 @@ def _check_s3(url: str, rest: str, *, must_exist: bool, options: dict[str, Any])
     endpoint = client.meta.endpoint_url
     try:
         found = _while_busy(lambda: _stored_under(client, bucket, key, must_exist=must_exist))
+        if writable:
+            _write_and_remove(client, bucket, key, url)
     except (bex.NoCredentialsError, bex.PartialCredentialsError, bex.CredentialRetrievalError) as error:
         raise StorageUnreachable(
             f"no credentials for {url} ({type(error).__name__}): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
@@ -125,6 +133,31 @@ def _check_s3(url: str, rest: str, *, must_exist: bool, options: dict[str, Any])
         raise StorageUnreachable(
             f"nothing is stored at {url}: check the prefix (bucket {bucket} exists)", cause="missing", url=url
         )
+
+
+def _write_and_remove(client: Any, bucket: str, key: str, url: str) -> None:
+    """An empty object written under ``key`` and removed: what writing there needs, asked before the work."""
+    import botocore.exceptions as bex
+
+    probe = f"{key}/.vitray-write-check-{uuid.uuid4().hex}" if key else f".vitray-write-check-{uuid.uuid4().hex}"
+    for action, call in (
+        ("PutObject", lambda: client.put_object(Bucket=bucket, Key=probe, Body=b"")),
+        ("DeleteObject", lambda: client.delete_object(Bucket=bucket, Key=probe)),
+    ):
+        try:
+            _while_busy(call)
+        except bex.ClientError as error:
+            code = str(error.response.get("Error", {}).get("Code", ""))
+            status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code not in _DENIED and status != 403:
+                raise
+            left = f" (an empty s3://{bucket}/{probe} is left there)" if action == "DeleteObject" else ""
+            raise StorageUnreachable(
+                f"the credentials at hand may read {url} but not write there ({code or status} on {action}){left}: "
+                "use credentials allowed s3:PutObject and s3:DeleteObject under it",
+                cause="read-only",
+                url=url,
+            ) from None
 
 
 def _stored_under(client: Any, bucket: str, key: str, *, must_exist: bool) -> bool:

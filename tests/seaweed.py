@@ -54,6 +54,9 @@ class SeaweedS3:
         self.ip = host.address if host else "127.0.0.1"
         self.access_key = "vitray" + secrets.token_hex(6)
         self.secret_key = secrets.token_urlsafe(24)
+        # Credentials that may read and list but not write: what a mistaken role or key gives.
+        self.read_only_key = "vitrayro" + secrets.token_hex(6)
+        self.read_only_secret = secrets.token_urlsafe(24)
         self.process: subprocess.Popen | None = None
         self.endpoint_url = ""
 
@@ -80,7 +83,12 @@ class SeaweedS3:
                             "name": "vitray-tests",
                             "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
                             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-                        }
+                        },
+                        {
+                            "name": "vitray-tests-read-only",
+                            "credentials": [{"accessKey": self.read_only_key, "secretKey": self.read_only_secret}],
+                            "actions": ["Read", "List"],
+                        },
                     ]
                 }
             )

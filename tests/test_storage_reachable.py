@@ -121,3 +121,18 @@ def test_an_endpoint_that_is_not_an_s3_api_is_named_as_a_possible_cause(seaweed_
         finally:
             server.shutdown()
     assert web in str(error) and "AWS_ENDPOINT_URL) if it is not an S3 API" in str(error), str(error)
+
+
+def test_credentials_that_may_read_but_not_write_are_refused_where_writing_is_asked(
+    seaweed_s3, seaweed_store, monkeypatch
+) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweed_store.read_only_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweed_store.read_only_secret)
+    check_reachable(seaweed_s3.url("runs"))  # reading and listing: allowed
+    error = _refusal(seaweed_s3.url("runs"), writable=True)
+    assert error.cause == "read-only"
+    assert f"may read {seaweed_s3.url('runs')} but not write there" in str(error) and "s3:PutObject" in str(error)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweed_store.access_key)  # these write, and the check leaves nothing
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweed_store.secret_key)
+    check_reachable(seaweed_s3.url("runs"), writable=True)
+    assert "Contents" not in seaweed_store.client().list_objects_v2(Bucket=seaweed_s3.bucket)

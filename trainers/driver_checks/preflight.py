@@ -75,7 +75,7 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
     options = cfg.data.storage_options  # the data's; the run folder is written with the environment's
     if storage.is_remote(cfg.run.storage):  # a local run folder is made where it does not exist yet
         try:
-            storage.check_reachable(cfg.run.storage)
+            storage.check_reachable(cfg.run.storage, writable=True)
         except storage.StorageUnreachable as err:
             raise PreflightError(f"run.storage: {err}") from None
     else:
