@@ -12,12 +12,11 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import ray
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from vitray.cluster.runtime import connect
 from vitray.data import (
@@ -29,6 +28,7 @@ from vitray.data import (
     Source,
     begin_prepare,
     check_destination,
+    check_unchanged,
     finalize,
     opened,
     plan_shards,
@@ -37,6 +37,8 @@ from vitray.data import (
     settle_bad_images,
     write_shard_checked,
 )
+from vitray.data.prepare import MapFn
+from vitray.data.shard_progress import ShardProgress
 
 # Tasks in flight per CPU of the cluster: enough to keep every CPU busy while results come back,
 # few enough that a huge dataset does not put millions of task arguments in the object store.
@@ -103,6 +105,8 @@ def prepare_dataset_on_ray(
         refuse_known_bad(src, bad_images)  # type: ignore[arg-type]
     existing = begin_prepare(dest, overwrite=overwrite, storage_options=storage_options, splits=src.split_sizes())
     if existing is not None:
+        if existing.source == src.spec:
+            check_unchanged(existing, src, dest, storage_options)
         print(f"{dest} is already prepared from {existing.source}; nothing to do (use overwrite to redo it)")
         return existing
     tasks = plan_shards(src, samples_per_shard=samples_per_shard, max_shard_bytes=max_shard_bytes)
@@ -111,53 +115,65 @@ def prepare_dataset_on_ray(
     results: dict[str, ShardResult] = {}
     queue = list(reversed(tasks))
     running: dict[ray.ObjectRef, ShardTask] = {}
-    with Progress(
-        TextColumn(f"[bold]preparing {src.name}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("images  {task.fields[rate]:>7.0f} images/s"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        disable=not show_progress,
-    ) as progress:
-        bar = progress.add_task("shards", total=sum(t.num_samples for t in tasks), rate=0.0)
-        with _stop_noted() as stop:
-            while queue or running:
-                while queue and len(running) < max_in_flight:
-                    task = queue.pop()
-                    running[_write_shard_task.remote(task, dest, storage_options, bad_images)] = task
-                done, _ = ray.wait(list(running), num_returns=1, timeout=0.5)
-                if stop.signum == signal.SIGINT:
-                    raise KeyboardInterrupt
-                if stop.signum == signal.SIGTERM:
-                    print(
-                        f"vitray: SIGTERM (pid {os.getpid()}): stopped preparing {dest}; no shard is left half-written, "
-                        "and the same command prepares it again, from the start",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    raise SystemExit(128 + signal.SIGTERM)
-                for ref in done:
-                    task = running.pop(ref)
-                    try:
-                        results[task.name] = ray.get(ref)
-                    except ray.exceptions.RayTaskError as error:
-                        # The task's own error (a bad image, a label out of range), as the serial path
-                        # raises it: one line, not Ray's wrapper with the worker's traceback.
-                        if error.cause is None:
-                            raise
-                        raise error.cause from None
-                    progress.update(bar, advance=task.num_samples)
-                    elapsed = progress.tasks[bar].elapsed or 0.0
-                    progress.update(bar, rate=progress.tasks[bar].completed / elapsed if elapsed else 0.0)
+    total = sum(t.num_samples for t in tasks)
+    with ShardProgress(f"preparing {src.name}", total, show=show_progress) as bar, _stop_noted() as stop:
+        while queue or running:
+            while queue and len(running) < max_in_flight:
+                task = queue.pop()
+                running[_write_shard_task.remote(task, dest, storage_options, bad_images)] = task
+            done, _ = ray.wait(list(running), num_returns=1, timeout=0.5)
+            if stop.signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            if stop.signum == signal.SIGTERM:
+                print(
+                    f"vitray: SIGTERM (pid {os.getpid()}): stopped preparing {dest}; no shard is left half-written, "
+                    "and the same command prepares it again, from the start",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                raise SystemExit(128 + signal.SIGTERM)
+            for ref in done:
+                task = running.pop(ref)
+                try:
+                    results[task.name] = ray.get(ref)
+                except ray.exceptions.RayTaskError as error:
+                    # The task's own error (a bad image, a label out of range), as the serial path
+                    # raises it: one line, not Ray's wrapper with the worker's traceback.
+                    if error.cause is None:
+                        raise
+                    raise error.cause from None
+                bar.advance(task.num_samples)
     return finalize(src, tasks, settle_bad_images(results.values(), bad_images), dest, storage_options)  # type: ignore[arg-type]
 
 
-def prepare(source: Source, dest: str, *, address: str | None = None, serial: bool = False, **options) -> DatasetInfo:
+def prepare(
+    source: Source,
+    dest: str,
+    *,
+    address: str | None = None,
+    serial: bool = False,
+    show_progress: bool = True,
+    **options,
+) -> DatasetInfo:
     """What `vitray data prepare` runs once its input is checked: the shards written in this process
     (``serial``) or by one Ray task per shard on the cluster at ``address`` (an embedded local Ray when
-    None). ``options`` are :func:`prepare_dataset_on_ray`'s."""
+    None), with the same progress bar. ``options`` are :func:`prepare_dataset_on_ray`'s."""
     if serial:
-        return prepare_dataset(source, dest, **options)
+        return prepare_dataset(source, dest, map_fn=_map_shown(f"preparing {source.name}", show_progress), **options)
     connect(address)
-    return prepare_dataset_on_ray(source, dest, **options)
+    return prepare_dataset_on_ray(source, dest, show_progress=show_progress, **options)
+
+
+def _map_shown(title: str, show: bool) -> MapFn:
+    """``map`` that advances the Ray path's progress bar after each shard: the serial path said
+    nothing until its end (hours for ImageNet)."""
+
+    def map_fn(write: Callable[[ShardTask], ShardResult], tasks: Iterable[ShardTask]) -> Iterator[ShardResult]:
+        tasks = list(tasks)
+        with ShardProgress(title, sum(t.num_samples for t in tasks), show=show) as bar:
+            for task in tasks:
+                result = write(task)
+                bar.advance(task.num_samples)
+                yield result
+
+    return map_fn

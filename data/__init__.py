@@ -18,7 +18,8 @@ The rooms of this package:
 
 - write side (``vitray data prepare``): :mod:`.sources` (one sub-package: the registry, the shared
   types in :mod:`.sources.base`, one module per source format), :mod:`.prepare`, :mod:`.shards`,
-  :mod:`.image_check`;
+  :mod:`.image_check`, :mod:`.shard_progress` (the bar, or plain lines in a log);
+- checking a prepared dataset against its manifests (``vitray data verify``): :mod:`.verify`;
 - what both sides agree on: :mod:`.layout` (``dataset.json``, shard names, manifests),
   :mod:`.splits`, :mod:`.config`;
 - read side (training and evaluation workers): :mod:`.plan` (the epoch plan), :mod:`.slots`,
@@ -59,8 +60,10 @@ _EXPORTS = {
     "epoch_plan": "plan",
     "rank_slots": "plan",
     "DestinationNotEmpty": "prepare",
+    "SourceChanged": "prepare",
     "begin_prepare": "prepare",
     "check_destination": "prepare",
+    "check_unchanged": "prepare",
     "finalize": "prepare",
     "prepare_dataset": "prepare",
     "opened": "prepare",
@@ -84,6 +87,8 @@ _EXPORTS = {
     "eval_transform": "transforms",
     "train_transform": "transforms",
     "to_model_range": "model_range",
+    "Verified": "verify",
+    "verify_dataset": "verify",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -107,8 +112,10 @@ if TYPE_CHECKING:
     from .plan import EpochPlan, ShardRange, epoch_plan, rank_slots
     from .prepare import (
         DestinationNotEmpty,
+        SourceChanged,
         begin_prepare,
         check_destination,
+        check_unchanged,
         finalize,
         opened,
         prepare_dataset,
@@ -128,6 +135,7 @@ if TYPE_CHECKING:
     from .sources import Source, open_source
     from .splits import SPLIT_SYNTAX, SplitSpec, parse_split, slice_bounds, split_extents
     from .transforms import eval_transform, train_transform
+    from .verify import Verified, verify_dataset
 
 
 def __getattr__(name: str) -> Any:

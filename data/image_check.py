@@ -10,9 +10,14 @@ the readers, which skip and count such samples.
 from __future__ import annotations
 
 import io
+import re
 import warnings
 
 from PIL import Image
+
+# How an image over Pillow's decompression-bomb limit is described (BadImagesError tells it from
+# the damaged ones by this: its fix is another).
+TOO_LARGE = "too large"
 
 
 def image_problem(data: bytes) -> str | None:
@@ -28,6 +33,21 @@ def image_problem(data: bytes) -> str | None:
                 image.verify()
     except Image.UnidentifiedImageError:
         return "not an image (unidentifiable bytes)"
+    except Image.DecompressionBombError as error:
+        # A valid image, but vitray's readers open every image with Pillow (the training crop's
+        # reduced JPEG decode, the evaluation decode, the CPU fallback of GPU decoding), which refuses
+        # it the same way: it would be skipped as corrupt at every epoch. Lifting the limit here
+        # would not make it readable there (nor cheap: 400 megapixels are 1.2 GB of RGB per decode).
+        return too_large(error)
     except Exception as error:
         return f"undecodable ({type(error).__name__}: {' '.join(str(error).split())[:120]})"
     return None
+
+
+def too_large(error: Image.DecompressionBombError) -> str:
+    """ "too large: 400 megapixels, over Pillow's limit of 179 megapixels" (Pillow refuses to open an
+    image of more than twice ``Image.MAX_IMAGE_PIXELS``; it says the size only in its message)."""
+    limit = 2 * (Image.MAX_IMAGE_PIXELS or 0)
+    found = re.search(r"\((\d+) pixels\)", str(error))
+    size = f"{int(found.group(1)) / 1e6:,.0f} megapixels, " if found else ""
+    return f"{TOO_LARGE}: {size}over Pillow's limit of {limit / 1e6:,.0f} megapixels"

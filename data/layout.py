@@ -4,7 +4,8 @@ A prepared dataset is a folder (local or ``s3://``)::
 
     dataset.json                  written last: its presence means the dataset is complete
     train-000000.tar ...          webdataset shards, keys like ``train_00000123``
-    train.manifest.parquet        one row per shard: name, num_samples, bytes, sha256
+    train.manifest.parquet        one row per shard: name, num_samples, bytes, sha256 (and, in its
+                                  schema metadata, the samples the source listed)
     test-000000.tar ...
     test.manifest.parquet
 
@@ -104,8 +105,23 @@ def check_split_name(name: str, where: str) -> str:
     return name
 
 
-def write_manifest(path: str, rows: list[ManifestRow], storage_options: dict[str, Any] | None = None) -> None:
-    table = pa.Table.from_pylist([vars(r) for r in rows], schema=MANIFEST_SCHEMA)
+# The manifest's schema metadata: how many samples the source listed for the split when it was
+# prepared (more than the manifest's rows hold when bad images were left out), so that a re-run can
+# tell a source that changed since from one whose bad images were skipped. Readers ignore it.
+SOURCE_SAMPLES_KEY = b"vitray.source_samples"
+
+
+def write_manifest(
+    path: str,
+    rows: list[ManifestRow],
+    storage_options: dict[str, Any] | None = None,
+    *,
+    source_samples: int | None = None,
+) -> None:
+    schema = MANIFEST_SCHEMA
+    if source_samples is not None:
+        schema = schema.with_metadata({SOURCE_SAMPLES_KEY: str(source_samples).encode()})
+    table = pa.Table.from_pylist([vars(r) for r in rows], schema=schema)
     buffer = io.BytesIO()
     pq.write_table(table, buffer)
     storage.write_bytes_atomic(path, buffer.getvalue(), storage_options)
@@ -115,6 +131,13 @@ def read_manifest(dataset: str, split: str, storage_options: dict[str, Any] | No
     """The shards of ``split`` in their canonical order."""
     table = read_manifest_table(dataset, split, storage_options)
     return [ManifestRow(**row) for row in table.to_pylist()]
+
+
+def source_samples(table: pa.Table) -> int | None:
+    """What a manifest table says the source listed for its split (:data:`SOURCE_SAMPLES_KEY`); None
+    for a manifest written before vitray recorded it."""
+    value = (table.schema.metadata or {}).get(SOURCE_SAMPLES_KEY)
+    return int(value) if value is not None and value.isdigit() else None
 
 
 def read_manifest_table(dataset: str, split: str, storage_options: dict[str, Any] | None = None) -> pa.Table:

@@ -35,6 +35,8 @@ from .layout import (
     SplitInfo,
     manifest_name,
     read_dataset_info,
+    read_manifest_table,
+    source_samples,
     write_dataset_info,
     write_manifest,
 )
@@ -71,6 +73,10 @@ MapFn = Callable[[Callable[[ShardTask], ShardResult], Iterable[ShardTask]], Iter
 
 class DestinationNotEmpty(ValueError):
     """The destination holds files that vitray did not write (and is not a vitray dataset)."""
+
+
+class SourceChanged(ValueError):
+    """The source lists other samples than when the dataset at the destination was prepared from it."""
 
 
 def check_destination(
@@ -142,6 +148,38 @@ def begin_prepare(
     return None
 
 
+def check_unchanged(
+    existing: DatasetInfo, source: Source, dest: str, storage_options: dict[str, Any] | None = None
+) -> None:
+    """Raise :class:`SourceChanged` when ``source`` (as listed now) holds another number of samples in
+    any split than when ``existing``, the dataset at ``dest``, was prepared from it: images added or
+    removed since, which a re-run would otherwise report as "already prepared", with the old counts.
+    "Then" is what the source listed (each manifest records it: more than the shards hold when bad
+    images were skipped), or for a dataset prepared before manifests recorded it, the samples of
+    ``dataset.json``. Costs one manifest read per split."""
+    then = {}
+    for split, info in existing.splits.items():
+        try:
+            listed = source_samples(read_manifest_table(dest, split, storage_options))
+        except FileNotFoundError:
+            listed = None
+        then[split] = info.num_samples if listed is None else listed
+    now = source.split_sizes()
+    changed = [split for split in sorted(set(then) | set(now)) if then.get(split) != now.get(split)]
+    if changed:
+        counts = "; ".join(
+            f"{split}: {_count(then.get(split))} then, {_count(now.get(split))} now" for split in changed
+        )
+        raise SourceChanged(
+            f"{source.spec} changed since {dest} was prepared from it (samples {counts}): pass --overwrite to "
+            "prepare it again, or choose another DEST"
+        )
+
+
+def _count(samples: int | None) -> str:
+    return "none" if samples is None else f"{samples:,}"
+
+
 def opened(source: str | Source) -> Source:
     """``source`` opened (a spec) and what opening decided said (:attr:`Source.notes`), or the
     :class:`Source` given as it is (whoever opened it said it)."""
@@ -189,9 +227,12 @@ def finalize(
     if missing:
         raise RuntimeError(f"cannot finalize {dest}: shards {missing[:5]} were not written")
     splits = {}
-    for split in source.split_sizes():
+    sizes = source.split_sizes()
+    for split in sizes:
         split_rows = [by_name[t.name] for t in sorted(tasks, key=lambda t: t.index) if t.split == split]
-        write_manifest(storage.join(dest, manifest_name(split)), split_rows, storage_options)
+        write_manifest(
+            storage.join(dest, manifest_name(split)), split_rows, storage_options, source_samples=sizes[split]
+        )
         splits[split] = SplitInfo(num_samples=sum(r.num_samples for r in split_rows), num_shards=len(split_rows))
     info = DatasetInfo(
         name=source.name,
@@ -237,6 +278,8 @@ def prepare_dataset(
     splits = src.split_sizes()
     existing = begin_prepare(dest, overwrite=overwrite, storage_options=storage_options, splits=splits)
     if existing is not None:
+        if existing.source == src.spec:
+            check_unchanged(existing, src, dest, storage_options)
         print(f"{dest} is already prepared from {existing.source}; nothing to do (use overwrite to redo it)")
         return existing
     tasks = plan_shards(src, samples_per_shard=samples_per_shard, max_shard_bytes=max_shard_bytes)

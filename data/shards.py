@@ -21,7 +21,7 @@ import numpy as np
 
 from vitray import storage
 
-from .image_check import image_problem
+from .image_check import TOO_LARGE, image_problem
 from .layout import LabelKind, ManifestRow, check_split_name, key_width, sample_key, shard_name
 from .sources.base import SampleChunk, Source
 
@@ -54,11 +54,18 @@ class BadImagesError(ValueError):
         self.bad = bad
         more = f"; {len(bad) - shown} more" if len(bad) > shown else ""
         n = len(bad)
+        # An image over Pillow's pixel limit is not damaged: its fix is to resize it.
+        too_large = sum(f": {TOO_LARGE}: " in entry for entry in bad)
+        if not too_large:
+            why, fix = " (zero-byte or undecodable)", "fix or remove them, or pass --skip-bad to leave them out"
+        elif too_large == n:
+            them = "them" if n != 1 else "it"
+            why, fix = "", f"resize {them} below the limit, or pass --skip-bad to leave {them} out"
+        else:
+            why = " (zero-byte, undecodable or too large)"
+            fix = "fix or remove them (resize the ones too large), or pass --skip-bad to leave them out"
         super().__init__(
-            f"{n} image{'s' if n != 1 else ''} cannot be read (zero-byte or undecodable): "
-            + "; ".join(bad[:shown])
-            + more
-            + ": fix or remove them, or pass --skip-bad to leave them out"
+            f"{n} image{'s' if n != 1 else ''} cannot be read{why}: " + "; ".join(bad[:shown]) + more + f": {fix}"
         )
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -262,8 +264,11 @@ def test_a_rerun_says_it_starts_over_and_so_does_ctrl_c(tmp_path, capsys, monkey
     result = prepare(f"imagefolder:{src}", str(tmp_path / "other"))
     assert result.exit_code == 130
     assert result.output.strip().splitlines() == [
+        f"listing imagefolder:{src} ...",  # what it is doing before each silent phase (the listing, Ray's start)
+        f"imagefolder:{src}: 6 images in 2 classes (train: 6)",
+        "starting a local Ray instance ...",
         "stopped by user (Ctrl-C): vitray data prepare did not finish; the same command prepares "
-        f"{tmp_path / 'other'} again, from the start"
+        f"{tmp_path / 'other'} again, from the start",
     ]
     assert not ray.is_initialized()
 
@@ -299,3 +304,128 @@ def test_a_table_sorted_by_label_is_warned_of(tmp_path, row_group_size):
         "held-out slice such as train[98%:] only the last ones; shuffle the table before preparing it"
     )
     assert warning in result.output and "split 'validation'" not in result.output
+
+
+# ------------------------------------------------------------------ images too large for Pillow
+
+
+def solid_png(width: int, height: int) -> bytes:
+    """A valid black 1-bit PNG of ``width x height``, made row by row: 400 megapixels in ~40 KB."""
+    chunk = lambda kind, data: (  # noqa: E731
+        struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    )
+    packer = zlib.compressobj(9)
+    row = bytes(1 + (width + 7) // 8)  # filter byte 0, then the row's bits
+    pixels = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
+    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
+
+
+def test_an_image_over_pillows_limit_is_said_too_large_with_its_fix(tmp_path):
+    """A valid 20000 x 20000 image was "undecodable (DecompressionBombError: ...)", as if damaged. The
+    readers cannot read it either (they open every image with Pillow): refused, with its own cause
+    and fix, or left out with --skip-bad."""
+    from vitray.data.image_check import image_problem
+    from vitray.data.transforms import CorruptSample, decode_image
+
+    huge = solid_png(20_000, 20_000)
+    assert image_problem(huge) == "too large: 400 megapixels, over Pillow's limit of 179 megapixels"
+    with pytest.raises(CorruptSample, match="DecompressionBombError"):  # so the check must not let it in
+        decode_image(huge)
+    assert image_problem(solid_png(10_000, 10_000)) is None  # over Pillow's warning, under its limit: readable
+
+    src = image_folder(tmp_path / "src")
+    (src / "ant" / "huge.png").write_bytes(huge)
+    result = prepare(f"imagefolder:{src}", str(tmp_path / "dest"), "--serial")
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1] == (
+        f"error: 1 image cannot be read: {src}/ant/huge.png: too large: 400 megapixels, over Pillow's limit of "
+        "179 megapixels: resize it below the limit, or pass --skip-bad to leave it out"
+    )
+    (src / "bee" / "notes.jpg").write_text("text, not a JPEG")
+    result = prepare(f"imagefolder:{src}", str(tmp_path / "dest"), "--serial")
+    error = next(line for line in result.output.splitlines() if line.startswith("error: "))
+    assert error.startswith("error: 2 images cannot be read (zero-byte, undecodable or too large): ")
+    assert error.endswith(": fix or remove them (resize the ones too large), or pass --skip-bad to leave them out")
+    result = prepare(f"imagefolder:{src}", str(tmp_path / "dest"), "--serial", "--skip-bad")
+    assert result.exit_code == 0, result.output
+    assert f"{src}/ant/huge.png: too large: 400 megapixels" in result.output
+    assert read_dataset_info(str(tmp_path / "dest")).splits["train"].num_samples == 6
+
+
+# ------------------------------------------------------------------ a source changed since
+
+
+def test_a_source_changed_since_it_was_prepared_is_refused_not_taken_as_prepared(tmp_path):
+    """Images added after a preparation: the same command said "already prepared ... nothing to do"
+    with the old counts, since only the spec was compared."""
+    src = image_folder(tmp_path / "src")
+    dest = tmp_path / "dest"
+    assert prepare(f"imagefolder:{src}", str(dest), "--serial").exit_code == 0
+    assert "nothing to do" in prepare(f"imagefolder:{src}", str(dest)).output  # unchanged: as before
+
+    (src / "ant" / "new.jpg").write_bytes(jpeg(7))
+    assert refused(f"imagefolder:{src}", str(dest)) == (
+        f"error: imagefolder:{src} changed since {dest} was prepared from it (samples train: 6 then, 7 now): pass "
+        "--overwrite to prepare it again, or choose another DEST"
+    )
+    with pytest.raises(ValueError, match="changed since"):  # the Python API says so too
+        prepare_dataset(f"imagefolder:{src}", str(dest))
+    (src / "ant" / "new.jpg").unlink()
+    (src / "bee" / "0.jpg").unlink()
+    assert "(samples train: 6 then, 5 now)" in refused(f"imagefolder:{src}", str(dest))
+    assert prepare(f"imagefolder:{src}", str(dest), "--serial", "--overwrite").exit_code == 0
+    assert read_dataset_info(str(dest)).splits["train"].num_samples == 5
+
+
+def test_bad_images_left_out_are_not_taken_for_a_changed_source(tmp_path):
+    """With --skip-bad the shards hold fewer samples than the source lists: the manifests record
+    what was listed, so the same command is still "already prepared"."""
+    src = image_folder(tmp_path / "src")
+    (src / "bee" / "notes.jpg").write_text("text, not a JPEG")
+    dest = tmp_path / "dest"
+    assert prepare(f"imagefolder:{src}", str(dest), "--serial", "--skip-bad").exit_code == 0
+    assert read_dataset_info(str(dest)).splits["train"].num_samples == 6
+    again = prepare(f"imagefolder:{src}", str(dest), "--skip-bad")
+    assert again.exit_code == 0 and "nothing to do" in again.output, again.output
+    (src / "bee" / "more.jpg").write_bytes(jpeg(8))
+    assert "(samples train: 7 then, 8 now)" in refused(f"imagefolder:{src}", str(dest), "--skip-bad")
+
+
+# ------------------------------------------------------------------ what it is doing
+
+
+def test_the_serial_path_shows_progress_as_plain_lines_in_a_log(tmp_path, monkeypatch):
+    """--serial printed nothing until its end (hours for ImageNet); and without a terminal the Ray
+    path's bar came out once, cut at 80 columns ("25000/25… images")."""
+    from vitray.data.shard_progress import ShardProgress
+
+    src = image_folder(tmp_path / "src")
+    result = prepare(f"imagefolder:{src}", str(tmp_path / "dest"), "--serial", "--samples-per-shard", "2")
+    assert result.exit_code == 0, result.output
+    lines = result.output.strip().splitlines()
+    assert lines[:2] == [f"listing imagefolder:{src} ...", f"imagefolder:{src}: 6 images in 2 classes (train: 6)"]
+    shown = [line for line in lines if line.startswith("preparing src: ")]
+    assert len(shown) == 1 and shown[0].startswith("preparing src: 6/6 images (100%)  ")  # the pass's end
+    assert "…" not in result.output
+
+    monkeypatch.setattr(ShardProgress, "line_every_s", 0.0)  # a line after each shard: as a long pass does
+    result = prepare(f"imagefolder:{src}", str(tmp_path / "dest2"), "--serial", "--samples-per-shard", "2")
+    shown = [line.split("  ")[0] for line in result.output.splitlines() if line.startswith("preparing src: ")]
+    assert shown == [f"preparing src: {n}/6 images ({n / 6:.0%})" for n in (2, 4, 6)]
+
+
+def test_the_progress_is_a_bar_on_a_terminal():
+    from rich.console import Console
+
+    from vitray.data.shard_progress import ShardProgress
+
+    out = io.StringIO()
+    with ShardProgress("preparing x", 10, console=Console(file=out, force_terminal=True, width=100)) as bar:
+        assert not bar.lines
+        bar.advance(10)
+    assert "preparing x" in out.getvalue() and "10/10" in out.getvalue() and "━" in out.getvalue()
+    quiet = io.StringIO()
+    with ShardProgress("preparing x", 10, show=False, console=Console(file=quiet)) as bar:
+        bar.advance(10)
+    assert quiet.getvalue() == ""

@@ -29,7 +29,8 @@ def test_ray_prepare_equals_serial_prepare(local_ray, digits_dataset, tmp_path, 
     assert {p.name: p.read_bytes() for p in dest.iterdir()} == {
         p.name: p.read_bytes() for p in digits_dataset.iterdir()
     }
-    assert "1797/1797" in capsys.readouterr().out  # the progress bar counted every image
+    # The progress counted every image: on stderr, as a plain line where there is no terminal.
+    assert "preparing digits: 1,797/1,797 images (100%)" in capsys.readouterr().err
 
     prepare_dataset_on_ray("builtin:digits", str(dest))
     assert "already prepared" in capsys.readouterr().out
