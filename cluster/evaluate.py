@@ -336,10 +336,15 @@ def _finetune_slots(grid: GridConfig) -> int:
 
 
 class _progress:
-    """A rich progress bar over the pending cells; `advance(outcome, summary)` moves it."""
+    """A rich progress bar over the pending cells; `advance(outcome, summary)` moves it. Where the
+    console is not a terminal (a log, `ray job logs`) a bar is never redrawn: each finished cell is a
+    line there instead (`cell 3/40 ok: digits fewshot shots=5 seed 1: accuracy 0.7500`)."""
 
     def __init__(self, console: Console, total: int, enabled: bool):
         self.enabled = enabled
+        self.console = console
+        self.lines = not console.is_terminal
+        self.total, self.done = total, 0
         self.bar = Progress(
             TextColumn("[bold]evaluate"),
             BarColumn(),
@@ -351,21 +356,39 @@ class _progress:
         self.task = self.bar.add_task("cells", total=total, status="starting...")
 
     def __enter__(self) -> _progress:
-        if self.enabled:
+        if self.enabled and not self.lines:
             self.bar.start()
         return self
 
     def advance(self, outcome: CellOutcome, summary: GridSummary) -> None:
+        self.done += 1
         status = f"ok {summary.ok}  failed {summary.failed}  last: {outcome.cell.benchmark} {outcome.cell.method}"
         self.bar.update(self.task, advance=1, status=status)
+        if self.enabled and self.lines:
+            self.console.print(
+                _cell_line(outcome, self.done, self.total), markup=False, highlight=False, soft_wrap=True
+            )
 
     def skip(self, count: int) -> None:
         """Counts final runs that needed no run (finished earlier, or their sweep failed)."""
+        self.done += count
         self.bar.update(self.task, advance=count)
 
     def __exit__(self, *exc) -> None:
-        if self.enabled:
+        if self.enabled and not self.lines:
             self.bar.stop()
+
+
+def _cell_line(outcome: CellOutcome, done: int, total: int) -> str:
+    from vitray.evaluation.report import setting_label  # (pandas: only where lines are printed)
+
+    cell = outcome.cell
+    what = f"{cell.benchmark} {setting_label(cell.method, dict(cell.settings))} seed {cell.seed}"
+    if outcome.ok:
+        result = ", ".join(f"{name} {value:.4f}" for name, value in sorted((outcome.metrics or {}).items()))
+    else:
+        result = (outcome.error or "").splitlines()[0][:200]
+    return f"cell {done}/{total} {'ok' if outcome.ok else 'failed'}: {what}: {result}"
 
 
 def reported_results(grid: GridConfig, cells: set[str] | None = None, data: dict[str, str] | None = None) -> pa.Table:

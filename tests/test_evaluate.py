@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -306,6 +307,8 @@ def test_ctrl_c_leaves_the_report_of_the_cells_finished_before_it(pretrained, da
     said = " ".join(proc.stderr.read().split())
     assert proc.returncode == 130, said[-3000:]
     assert "stopped by user (Ctrl-C)" in said and f"report: {output / 'report' / 'report.md'}" in said, said[-3000:]
+    # Its stderr is a pipe, not a terminal: each finished cell is a line (a bar is never redrawn there)
+    assert re.search(r"cell 1/\d+ ok: digits 1-shot img_size=\d+ .* seed 0: accuracy 0\.\d{4}", said), said[-3000:]
     assert "finetune" not in set(table.to_pandas()["method"][table.to_pandas()["status"] == "ok"])
     text = (output / "report" / "report.md").read_text()
     (row,) = summarize(table.to_pandas()).itertuples()
