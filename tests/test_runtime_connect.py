@@ -72,8 +72,11 @@ def test_the_cli_says_it_in_one_line(tmp_path):
     ]
     out = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "1000"})
     assert out.returncode == 2, out.stderr
+    # What it did before (the listing, "connecting to Ray at ...") and then the error, in one line
     lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert lines == [lines[0]] and lines[0].startswith(f"error: no Ray cluster answers at {address}"), out.stderr
+    assert lines[-2:] == [f"connecting to Ray at {address} ...", lines[-1]], out.stderr
+    assert lines[-1].startswith(f"error: no Ray cluster answers at {address}"), out.stderr
+    assert "Traceback" not in out.stderr and sum(line.startswith("error:") for line in lines) == 1, out.stderr
 
 
 def test_a_run_on_a_cluster_that_does_not_answer_writes_nothing(digits_dataset, tmp_path):
