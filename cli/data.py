@@ -13,8 +13,8 @@ from vitray.common.redact import redact_text
 
 
 def plural(count: int, noun: str, many: str = "") -> str:
-    """ "1 shard", "2 shards"; "1 class", "10 classes" (``many`` when not noun + "s")."""
-    return f"{count} {noun if count == 1 else many or noun + 's'}"
+    """ "1 shard", "2 shards"; "1 class", "10 classes", "1,437 samples" (``many`` when not noun + "s")."""
+    return f"{count:,} {noun if count == 1 else many or noun + 's'}"
 
 
 @data_app.command("prepare")

@@ -261,7 +261,7 @@ def test_grid_runs_on_a_prepared_vtab_task(pretrained, tmp_path):
     )
     assert prepared.returncode == 0, prepared.stderr[-3000:]
     said = prepared.stdout + prepared.stderr  # the CLI's console writes to stderr
-    assert "train: 1000 samples" in said and "test: 94 samples" in said
+    assert "train: 1,000 samples" in said and "test: 94 samples" in said
     grid = {
         "data_root": str(data_root),
         "output": str(tmp_path / "eval"),
