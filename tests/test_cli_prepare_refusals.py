@@ -86,18 +86,25 @@ def test_a_folder_of_someone_elses_files_is_refused_and_kept(tmp_path):
     assert (dest / "foo.manifest.parquet").read_bytes() == b"another tool's manifest"
 
 
+def stopped_after(shards: int, message: str = "simulated crash"):
+    """A `map_fn` for `prepare_dataset` that writes `shards` shards and then raises KeyboardInterrupt
+    (`message`): a preparation stopped part-way."""
+
+    def map_fn(write, tasks):
+        for i, task in enumerate(tasks):
+            if i == shards:
+                raise KeyboardInterrupt(message)
+            yield write(task)
+
+    return map_fn
+
+
 def test_an_unfinished_preparation_and_a_prepared_dataset_are_vitrays_own(tmp_path):
     src = image_folder(tmp_path / "src")
     dest = tmp_path / "dest"
 
-    def crash_after_one(fn, tasks):
-        for i, task in enumerate(tasks):
-            if i == 1:
-                raise KeyboardInterrupt("simulated crash")
-            yield fn(task)
-
     with pytest.raises(KeyboardInterrupt):
-        prepare_dataset(f"imagefolder:{src}", str(dest), samples_per_shard=2, map_fn=crash_after_one)
+        prepare_dataset(f"imagefolder:{src}", str(dest), samples_per_shard=2, map_fn=stopped_after(1))
     prepare_dataset(f"imagefolder:{src}", str(dest), samples_per_shard=2)  # its own leftovers: no refusal
     assert sorted(p.name for p in dest.iterdir())[0] == "dataset.json"  # the marker is gone once finished
     # Already prepared: said at once, without starting Ray, with the layout it has (a different

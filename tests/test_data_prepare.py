@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 from PIL import Image
+from test_cli_prepare_refusals import stopped_after
 
 from vitray.data import ShardLoader, open_source, plan_shards, prepare_dataset, read_dataset_info, read_manifest
 
@@ -371,14 +372,8 @@ def test_interrupted_prepare_is_not_taken_as_finished_and_a_rerun_completes(tmp_
     make_image_folder(tmp_path / "src", np.random.default_rng(9))
     dest = tmp_path / "out"
 
-    def crash_after_two(fn, tasks):
-        for i, task in enumerate(tasks):
-            if i == 2:
-                raise KeyboardInterrupt("simulated crash")
-            yield fn(task)
-
     with pytest.raises(KeyboardInterrupt, match="simulated crash"):
-        prepare_dataset(src, str(dest), samples_per_shard=5, map_fn=crash_after_two)
+        prepare_dataset(src, str(dest), samples_per_shard=5, map_fn=stopped_after(2))
     # No temp files; the marker says that these shards are vitray's, to be replaced by a re-run.
     assert sorted(p.name for p in dest.iterdir()) == [".vitray-preparing", "train-000000.tar", "train-000001.tar"]
     (dest / ".train-000002.tar.abc.tmp").write_bytes(b"half a shard")  # as a killed process leaves it

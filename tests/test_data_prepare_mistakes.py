@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 from PIL import Image
-from test_cli_prepare_refusals import image_folder, prepare, refused
+from test_cli_prepare_refusals import image_folder, prepare, refused, stopped_after
 
 from vitray.data import BadImagesError, open_source, prepare_dataset, read_dataset_info
 
@@ -240,14 +240,8 @@ def test_a_rerun_says_it_starts_over_and_so_does_ctrl_c(tmp_path, capsys, monkey
     src = image_folder(tmp_path / "src")
     dest = tmp_path / "dest"
 
-    def crash_after_two(fn, tasks):
-        for i, task in enumerate(tasks):
-            if i == 2:
-                raise KeyboardInterrupt("simulated Ctrl-C")
-            yield fn(task)
-
     with pytest.raises(KeyboardInterrupt):
-        prepare_dataset(f"imagefolder:{src}", str(dest), samples_per_shard=2, map_fn=crash_after_two)
+        prepare_dataset(f"imagefolder:{src}", str(dest), samples_per_shard=2, map_fn=stopped_after(2))
     capsys.readouterr()
     prepare_dataset(f"imagefolder:{src}", str(dest), samples_per_shard=2)
     assert (
