@@ -42,13 +42,13 @@ def data_prepare(
     """Write webdataset shards, per-split manifests and dataset.json from SOURCE into DEST."""
     from vitray import storage
     from vitray.data import check_destination, check_unchanged, open_source, refuse_known_bad
-    from vitray.data.sources import source_folder
+    from vitray.data.sources import source_folder, source_kind
 
     _refuse_dest_inside_source(source, dest, source_folder(source))
     # Everything the input decides is checked here, before Ray starts: the source, the
     # destination's storage and what the destination already holds.
     with handled((ValueError, FileNotFoundError)):
-        if _lists_a_folder(source):  # a million files: a minute on a local disk, more on NFS
+        if source_kind(source)[0] == "imagefolder":  # its listing: a minute for a million files, more on NFS
             say(f"listing {source} ...")
         src = open_source(source)
         storage.check_remote_reachable(dest, writable=True)
@@ -143,14 +143,6 @@ def say(line: str) -> None:
     """A line of what the command is doing, as written (a path's [brackets] are not rich markup), a
     URL's password masked."""
     console.print(redact_text(line), markup=False, highlight=False, soft_wrap=True)
-
-
-def _lists_a_folder(source: str) -> bool:
-    """Whether opening ``source`` walks an image folder (the listing that takes long)."""
-    kind, _, rest = source.partition(":")
-    while kind == "unlabelled":
-        kind, _, rest = rest.partition(":")
-    return kind == "imagefolder"
 
 
 def _listed_text(src) -> str:

@@ -17,7 +17,16 @@ from pathlib import Path
 
 from .base import Sample, SampleChunk, Source, image_ext
 
-__all__ = ["Sample", "SampleChunk", "Source", "image_ext", "open_source", "source_folder", "source_kinds"]
+__all__ = [
+    "Sample",
+    "SampleChunk",
+    "Source",
+    "image_ext",
+    "open_source",
+    "source_folder",
+    "source_kind",
+    "source_kinds",
+]
 
 
 def source_kinds() -> dict[str, type[Source]]:
@@ -61,13 +70,20 @@ def open_source(spec: str) -> Source:
     return kinds[kind].open_spec(location, open_source)
 
 
+def source_kind(spec: str) -> tuple[str, str]:
+    """(kind, location) of the source that ``spec`` reads, under any ``unlabelled:`` wrappers;
+    location "" for a spec without one."""
+    kind, _, location = str(spec).partition(":")
+    while kind == "unlabelled" and location:
+        kind, _, location = location.partition(":")
+    return kind, location
+
+
 def source_folder(spec: str) -> Path | None:
     """The local folder (or file) that ``spec`` reads, resolved, without opening or listing it; None
     for a built-in dataset or a spec that does not parse (opening it says why)."""
-    kind, sep, location = str(spec).partition(":")
-    while kind == "unlabelled" and sep:
-        kind, sep, location = location.partition(":")
-    if not sep or kind == "builtin" or not location:
+    kind, location = source_kind(spec)
+    if kind == "builtin" or not location:
         return None
     if kind == "vtab":
         location = location.partition(":")[2]

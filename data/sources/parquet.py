@@ -14,6 +14,7 @@ published on the Hugging Face hub are usually already shuffled). A split sorted 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from collections import defaultdict
@@ -173,20 +174,22 @@ class ParquetSource(Source):
         if not labels:
             return cls(root, classes, multi, dict(files), columns, spec)
         where = spec or f"{cls.kind}:{root}"
+
+        def without_labels() -> ParquetSource:  # what `unlabelled:` reads: every split, labels not checked
+            return cls.from_files(root, columns, card_classes, spec, labels=False)
+
         ranges = {split: _group_ranges(split_paths, columns[1]) for split, split_paths in files.items()}
+        # A split's label column, read at most once: for the range check and the order check alike
+        labels_of = functools.cache(lambda split: _label_column(files[split], columns[1]))
         try:
-            unlabelled = _unlabelled_splits(files, ranges, columns[1], multi, len(classes), where)
+            unlabelled = _unlabelled_splits(files, ranges, labels_of, multi, len(classes))
         except ValueError as error:
-
-            def reopen_labelled() -> ParquetSource:
-                return cls.from_files(root, columns, card_classes, spec, labels=False)
-
-            raise LabelsOutOfRange(str(error), reopen_labelled) from None
+            raise LabelsOutOfRange(f"{where}: {error}", without_labels) from None
         if len(unlabelled) == len(files):
             raise LabelsOutOfRange(
                 f"{where}: every label of the splits {sorted(files)} is -1 (no labels published): to pre-train "
                 f"on the images without labels, prepare unlabelled:{where}",
-                lambda: cls.from_files(root, columns, card_classes, spec, labels=False),
+                without_labels,
             )
         source = cls(root, classes, multi, {s: p for s, p in files.items() if s not in unlabelled}, columns, spec)
         for split, count in unlabelled.items():
@@ -195,14 +198,14 @@ class ParquetSource(Source):
                 f"Face publishes them (unlabelled:{where} keeps it, without any labels)"
             )
         for split in [] if multi else sorted(source.files):
-            if _sorted_by_label(source.files[split], columns[1], ranges[split]):
+            if _sorted_by_label(ranges[split], lambda split=split: labels_of(split)):
                 source.notes.append(
                     f"warning: split {split!r} of {where} is sorted by label: each shard will hold a few classes, "
                     f"and a held-out slice such as {split}[98%:] only the last ones; shuffle the table before "
                     "preparing it"
                 )
         if unlabelled:  # `unlabelled:` keeps every split
-            source.reopen_unlabelled = lambda: cls.from_files(root, columns, card_classes, spec, labels=False)
+            source.reopen_unlabelled = without_labels
         return source
 
     def split_sizes(self) -> dict[str, int]:
@@ -278,10 +281,9 @@ def _class_names(schema: pa.Schema, label_col: str = "label") -> list[str] | Non
 def _unlabelled_splits(
     files: dict[str, list[str]],
     ranges: dict[str, list[tuple[int, int]] | None],
-    label_col: str,
+    labels_of: Callable[[str], pa.ChunkedArray],
     multi: bool,
     num_classes: int,
-    where: str,
 ) -> dict[str, int]:
     """The splits whose every label is -1, with their row counts; raises ValueError for a split with
     other labels outside ``0 .. num_classes - 1``, naming it. The column statistics answer for most
@@ -292,9 +294,7 @@ def _unlabelled_splits(
         groups = ranges[split]
         if groups is not None and all(lo >= 0 and hi < num_classes for lo, hi in groups):
             continue
-        labels = pa.chunked_array(
-            [pq.read_table(path, columns=[label_col]).column(label_col).combine_chunks() for path in paths]
-        )
+        labels = labels_of(split)
         rows = len(labels)
         values = pc.list_flatten(labels) if multi else labels
         outside = pc.or_(pc.less(values, 0), pc.greater_equal(values, num_classes))
@@ -310,7 +310,7 @@ def _unlabelled_splits(
             continue
         first = pc.filter(values, outside)[0].as_py()
         raise ValueError(
-            f"{where}: split {split!r} has {bad_rows} of {rows} rows with labels outside the classes "
+            f"split {split!r} has {bad_rows} of {rows} rows with labels outside the classes "
             f"0..{num_classes - 1} (e.g. {first}): fix the labels, or move the split's files "
             f"({Path(paths[0]).name} ...) out of the source"
         )
@@ -343,15 +343,20 @@ def _group_ranges(paths: list[str], label_col: str) -> list[tuple[int, int]] | N
     return ranges
 
 
-def _sorted_by_label(paths: list[str], label_col: str, ranges: list[tuple[int, int]] | None) -> bool:
+def _label_column(paths: list[str], label_col: str) -> pa.ChunkedArray:
+    """A split's labels, its files' label column alone."""
+    return pa.chunked_array(
+        [pq.read_table(path, columns=[label_col]).column(label_col).combine_chunks() for path in paths]
+    )
+
+
+def _sorted_by_label(ranges: list[tuple[int, int]] | None, labels_of: Callable[[], pa.ChunkedArray]) -> bool:
     """Whether a single-label split's rows come in label order (two labels or more, never decreasing):
     from the row groups' statistics where there are several, else from the label column itself."""
     if ranges is not None and len(ranges) > 1:
         in_order = all(ranges[i][1] <= ranges[i + 1][0] for i in range(len(ranges) - 1))
         return in_order and ranges[0][0] < ranges[-1][1]
-    labels = np.concatenate(
-        [pq.read_table(path, columns=[label_col]).column(label_col).to_numpy(zero_copy_only=False) for path in paths]
-    )
+    labels = labels_of().to_numpy(zero_copy_only=False)
     return len(labels) > 1 and labels[0] < labels[-1] and bool(np.all(np.diff(labels) >= 0))
 
 
