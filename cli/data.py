@@ -92,10 +92,10 @@ def data_prepare(
                 overwrite=overwrite,
                 bad_images="skip" if skip_bad else "refuse",
             )
-        except KeyboardInterrupt:  # the one line, saying that a re-run does not resume
+        except KeyboardInterrupt:  # the one line, saying what a re-run does
             typer.echo(
                 "stopped by user (Ctrl-C): vitray data prepare did not finish; "
-                f"the same command prepares {dest} again, from the start",
+                f"the same command goes on preparing {dest} from the shards written",
                 err=True,
             )
             raise typer.Exit(exit_codes.STOPPED_BY_USER) from None

@@ -26,16 +26,9 @@ from vitray.data import (
     ShardResult,
     ShardTask,
     Source,
-    begin_prepare,
-    check_destination,
-    check_unchanged,
-    finalize,
     opened,
-    plan_shards,
     prepare_dataset,
-    refuse_known_bad,
-    settle_bad_images,
-    write_shard_checked,
+    start_preparation,
 )
 from vitray.data.prepare import MapFn
 from vitray.data.shard_progress import ShardProgress
@@ -50,10 +43,8 @@ IN_FLIGHT_PER_CPU = 2
 # the uploads (5 x 4 per shard, minutes before an outage failed) and printed Ray's traceback of each
 # attempt; a source image deleted meanwhile (FileNotFoundError) fails the same on every attempt.
 @ray.remote(num_cpus=1, max_retries=3, retry_exceptions=False)
-def _write_shard_task(
-    task: ShardTask, dest: str, storage_options: dict[str, Any] | None, bad_images: str
-) -> ShardResult:
-    return write_shard_checked(task, dest, storage_options, bad_images=bad_images)  # type: ignore[arg-type]
+def _write_shard_task(write: Callable[[ShardTask], ShardResult], task: ShardTask) -> ShardResult:
+    return write(task)
 
 
 class _Stop:
@@ -100,34 +91,36 @@ def prepare_dataset_on_ray(
     (`runtime.connect`). Shards go straight from the tasks to ``dest``, so on a multi-node cluster ``dest``
     must be shared storage (``s3://...``) and the source readable from every node.
     """
-    src = opened(source)
-    if src.known_bad and check_destination(dest, overwrite=overwrite, storage_options=storage_options) is None:
-        refuse_known_bad(src, bad_images)  # type: ignore[arg-type]
-    existing = begin_prepare(dest, overwrite=overwrite, storage_options=storage_options, splits=src.split_sizes())
-    if existing is not None:
-        if existing.source == src.spec:
-            check_unchanged(existing, src, dest, storage_options)
-        print(f"{dest} is already prepared from {existing.source}; nothing to do (use overwrite to redo it)")
-        return existing
-    tasks = plan_shards(src, samples_per_shard=samples_per_shard, max_shard_bytes=max_shard_bytes)
+    started = start_preparation(
+        opened(source),
+        dest,
+        samples_per_shard=samples_per_shard,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+        bad_images=bad_images,  # type: ignore[arg-type]
+        storage_options=storage_options,
+    )
+    if isinstance(started, DatasetInfo):
+        return started
+    write = ray.put(started.writer())
     max_in_flight = max(2, IN_FLIGHT_PER_CPU * int(ray.cluster_resources().get("CPU", 1)))
 
     results: dict[str, ShardResult] = {}
-    queue = list(reversed(tasks))
+    queue = list(reversed(started.remaining))
     running: dict[ray.ObjectRef, ShardTask] = {}
-    total = sum(t.num_samples for t in tasks)
-    with ShardProgress(f"preparing {src.name}", total, show=show_progress) as bar, _stop_noted() as stop:
+    total = sum(t.num_samples for t in started.remaining)
+    with ShardProgress(f"preparing {started.source.name}", total, show=show_progress) as bar, _stop_noted() as stop:
         while queue or running:
             while queue and len(running) < max_in_flight:
                 task = queue.pop()
-                running[_write_shard_task.remote(task, dest, storage_options, bad_images)] = task
+                running[_write_shard_task.remote(write, task)] = task
             done, _ = ray.wait(list(running), num_returns=1, timeout=0.5)
             if stop.signum == signal.SIGINT:
                 raise KeyboardInterrupt
             if stop.signum == signal.SIGTERM:
                 print(
                     f"vitray: SIGTERM (pid {os.getpid()}): stopped preparing {dest}; no shard is left half-written, "
-                    "and the same command prepares it again, from the start",
+                    "and the same command goes on from the shards written",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -143,7 +136,7 @@ def prepare_dataset_on_ray(
                         raise
                     raise error.cause from None
                 bar.advance(task.num_samples)
-    return finalize(src, tasks, settle_bad_images(results.values(), bad_images), dest, storage_options)  # type: ignore[arg-type]
+    return started.finish(results.values())
 
 
 def prepare(

@@ -61,6 +61,7 @@ _EXPORTS = {
     "rank_slots": "plan",
     "DestinationNotEmpty": "prepare",
     "SourceChanged": "prepare",
+    "Preparation": "prepare",
     "begin_prepare": "prepare",
     "check_destination": "prepare",
     "check_unchanged": "prepare",
@@ -69,6 +70,8 @@ _EXPORTS = {
     "opened": "prepare",
     "refuse_known_bad": "prepare",
     "settle_bad_images": "prepare",
+    "start_preparation": "prepare",
+    "write_shard_recorded": "prepare_resume",
     "DEFAULT_MAX_SHARD_BYTES": "shards",
     "DEFAULT_SAMPLES_PER_SHARD": "shards",
     "BadImagesError": "shards",
@@ -112,6 +115,7 @@ if TYPE_CHECKING:
     from .plan import EpochPlan, ShardRange, epoch_plan, rank_slots
     from .prepare import (
         DestinationNotEmpty,
+        Preparation,
         SourceChanged,
         begin_prepare,
         check_destination,
@@ -121,7 +125,9 @@ if TYPE_CHECKING:
         prepare_dataset,
         refuse_known_bad,
         settle_bad_images,
+        start_preparation,
     )
+    from .prepare_resume import write_shard_recorded
     from .shards import (
         DEFAULT_MAX_SHARD_BYTES,
         DEFAULT_SAMPLES_PER_SHARD,

@@ -4,18 +4,17 @@ The steps are public so that an executor can run the shard writing elsewhere (``
 runs them as Ray tasks)::
 
     source = opened(spec)                            # its notes (a split left out) printed
-    refuse_known_bad(source, "refuse")               # zero-byte files, known from the listing
-    existing = begin_prepare(dest, overwrite=...)    # None unless already prepared
-    tasks = plan_shards(source, samples_per_shard=...)
-    results = [write_shard_checked(t, dest) for t in tasks]   # any executor, any order
-    rows = settle_bad_images(results, "refuse")       # one error naming every bad image
-    info = finalize(source, tasks, rows, dest)        # manifests, then dataset.json last
+    started = start_preparation(source, dest, ...)   # a DatasetInfo when DEST is prepared already
+    write = functools.partial(write_shard_recorded, dest=dest, plan=started.plan, ...)
+    results = [write(t) for t in started.remaining]  # any executor, any order
+    info = started.finish(results)                   # bad images settled, manifests, dataset.json
 
 ``dataset.json`` is the commit marker: it is written only after every shard and manifest, so a
 crashed or running preparation is never taken for a finished one. A hidden ``.vitray-preparing``
 file marks a folder whose preparation began but did not finish: its shards are vitray's to
-replace. Any other non-empty folder holds someone else's files and is refused unless
-``overwrite`` (:func:`check_destination`), so that nothing vitray did not write is replaced.
+replace, or, when the same command runs again, to keep (:mod:`.prepare_resume`). Any other non-empty
+folder holds someone else's files and is refused unless ``overwrite`` (:func:`check_destination`),
+so that nothing vitray did not write is replaced.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import contextlib
 import functools
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from vitray import storage
@@ -40,6 +40,7 @@ from .layout import (
     write_dataset_info,
     write_manifest,
 )
+from .prepare_resume import finished_shards, plan_fingerprint, remove_records, write_shard_recorded
 from .shards import (
     DEFAULT_MAX_SHARD_BYTES,
     DEFAULT_SAMPLES_PER_SHARD,
@@ -48,7 +49,6 @@ from .shards import (
     ShardResult,
     ShardTask,
     plan_shards,
-    write_shard_checked,
 )
 from .sources import Source, open_source
 
@@ -59,7 +59,8 @@ def _our_files(splits: Iterable[str]) -> re.Pattern[str]:
     `shard-000001.tar` of another tool is not taken for a shard of split "shard" unless that split
     is being prepared."""
     names = "|".join(re.escape(split) for split in sorted(set(splits))) or "(?!)"
-    return re.compile(rf"^(\.?({names})(-\d{{6}}\.tar|\.manifest\.parquet)|\.dataset\.json)(\.[^/]*\.tmp)?$")
+    shard = r"-\d{6}\.tar(\.done)?"  # a shard, or a shard's record (prepare_resume)
+    return re.compile(rf"^(\.?({names})({shard}|\.manifest\.parquet)|\.dataset\.json)(\.[^/]*\.tmp)?$")
 
 
 SHARD_NAME = re.compile(r"^[^.][^/]*-\d{6}\.tar$")
@@ -108,44 +109,62 @@ def check_destination(
 
 def begin_prepare(
     dest: str,
+    tasks: Sequence[ShardTask],
+    plan: str,
     *,
     overwrite: bool = False,
     storage_options: dict[str, Any] | None = None,
-    splits: Iterable[str] = (),
-) -> DatasetInfo | None:
-    """Check ``dest`` before writing (see :func:`check_destination`): returns the existing dataset
-    if it is already prepared (and ``overwrite`` is false), else marks the folder as being
-    prepared, clears what an earlier run left and returns None.
+) -> dict[str, ShardResult]:
+    """Mark ``dest`` as being prepared by the plan ``tasks`` (whose fingerprint is ``plan``) and
+    return, by name, the shards that an earlier, stopped run of the same plan finished there: they
+    are kept, and only the others are to be written. Call it once :func:`check_destination` has
+    passed (and found no dataset, or ``overwrite``).
 
-    What is cleared: the shards and manifests of ``splits`` (those about to be written) and of the
-    splits of the vitray dataset there before, wherever a higher-numbered shard of an earlier, larger
-    preparation would linger. Every other file is left alone, whatever its name.
-
-    With ``overwrite``, ``dataset.json`` is deleted first so that the folder stops counting as
-    prepared before any of its shards change.
+    Any other unfinished preparation (another plan) or dataset there (``overwrite``) is cleared: the
+    shards, records and manifests of the splits of ``tasks`` and of the vitray dataset there before,
+    wherever a higher-numbered shard of an earlier, larger preparation would linger. Every other file
+    is left alone, whatever its name. With ``overwrite``, ``dataset.json`` is deleted first so that
+    the folder stops counting as prepared before any of its shards change.
     """
-    existing = check_destination(dest, overwrite=overwrite, storage_options=storage_options)
-    if existing is not None:
-        return existing
     names = storage.list_names(dest, storage_options)
-    if PREPARING_MARKER in names:  # no resume: said, so that a re-run after a stop is not a surprise
+    marker = storage.join(dest, PREPARING_MARKER)
+    splits = {task.split for task in tasks}
+    if PREPARING_MARKER in names and DATASET_JSON not in names and _marker_plan(marker, storage_options) == plan:
+        done = finished_shards(dest, tasks, plan, storage_options)
+        left = [name for name in names if _our_files(splits).match(name) and name.endswith(".tmp")]
+        storage.remove_all([storage.join(dest, name) for name in left], storage_options)
+        samples = sum(result.row.num_samples for result in done.values() if result.row is not None)
+        print(
+            f"{dest}: going on with the preparation stopped earlier: {len(done):,} of {len(tasks):,} "
+            f"shard{'s' if len(tasks) != 1 else ''} ({samples:,} images) already written"
+        )
+        return done
+    if PREPARING_MARKER in names:
         left = sum(1 for name in names if SHARD_NAME.match(name))
         print(
-            f"{dest} holds an unfinished preparation ({left} shard{'s' if left != 1 else ''} written): "
-            "starting over (a stopped preparation is not resumed)"
+            f"{dest} holds an unfinished preparation ({left:,} shard{'s' if left != 1 else ''} written) with other "
+            "options or of the source as it was then: starting over"
         )
-    splits = set(splits)
     # (a dataset.json vitray did not write does not say: its splits are not vitray's to clear)
     with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
         splits |= set(read_dataset_info(dest, storage_options).splits)
-    storage.write_bytes_atomic(storage.join(dest, PREPARING_MARKER), b"", storage_options)
+    storage.write_bytes_atomic(marker, plan.encode(), storage_options)
     if storage.exists(storage.join(dest, DATASET_JSON), storage_options):
         storage.remove(storage.join(dest, DATASET_JSON), storage_options)
     ours = _our_files(splits)
-    for name in storage.list_names(dest, storage_options):
-        if ours.match(name):
-            storage.remove(storage.join(dest, name), storage_options)
-    return None
+    storage.remove_all(
+        [storage.join(dest, name) for name in storage.list_names(dest, storage_options) if ours.match(name)],
+        storage_options,
+    )
+    return {}
+
+
+def _marker_plan(marker: str, storage_options: dict[str, Any] | None) -> str:
+    """The fingerprint of the plan a marker was written for ("" for one of an older vitray, empty)."""
+    try:
+        return storage.read_bytes(marker, storage_options).decode(errors="replace").strip()
+    except FileNotFoundError:
+        return ""
 
 
 def check_unchanged(
@@ -246,8 +265,71 @@ def finalize(
     if empty:
         raise ValueError(f"{dest}: no readable image left in the splits {empty}; nothing to train or evaluate on")
     write_dataset_info(dest, info, storage_options)
+    remove_records(dest, tasks, storage_options)  # (left by a kill here: hidden, and cleared by --overwrite)
     storage.remove(storage.join(dest, PREPARING_MARKER), storage_options)
     return info
+
+
+@dataclass(frozen=True)
+class Preparation:
+    """A preparation under way (:func:`start_preparation`): its plan, and what is left to write."""
+
+    source: Source
+    dest: str
+    tasks: list[ShardTask]
+    plan: str  # the plan's fingerprint (prepare_resume.plan_fingerprint)
+    done: dict[str, ShardResult]  # shards an earlier, stopped run of the same plan wrote, by name
+    bad_images: BadImages
+    storage_options: dict[str, Any] | None
+
+    @property
+    def remaining(self) -> list[ShardTask]:
+        return [task for task in self.tasks if task.name not in self.done]
+
+    def writer(self) -> Callable[[ShardTask], ShardResult]:
+        """Writes one shard and its record; a partial of a module-level function, so that process
+        pools can run it too."""
+        return functools.partial(
+            write_shard_recorded,
+            dest=self.dest,
+            storage_options=self.storage_options,
+            bad_images=self.bad_images,
+            plan=self.plan,
+        )
+
+    def finish(self, results: Iterable[ShardResult]) -> DatasetInfo:
+        """Bad images settled (:func:`settle_bad_images`) over the shards kept and ``results``, the
+        shards of :attr:`remaining` written; then the manifests and, last, ``dataset.json``."""
+        rows = settle_bad_images([*self.done.values(), *results], self.bad_images)
+        return finalize(self.source, self.tasks, rows, self.dest, self.storage_options)
+
+
+def start_preparation(
+    source: Source,
+    dest: str,
+    *,
+    samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+    bad_images: BadImages = "refuse",
+    storage_options: dict[str, Any] | None = None,
+) -> DatasetInfo | Preparation:
+    """The dataset at ``dest`` when it is prepared already (and not to be overwritten; said so), else
+    the preparation begun: planned, ``dest`` marked, and what a stopped run of the same plan wrote
+    kept (:func:`begin_prepare`). Refuses (before any shard) a ``dest`` that is not ours
+    (:class:`DestinationNotEmpty`), a source changed since ``dest`` was prepared from it
+    (:class:`SourceChanged`), and images known to be bad from the listing (:func:`refuse_known_bad`)."""
+    existing = check_destination(dest, overwrite=overwrite, storage_options=storage_options)
+    if existing is not None:
+        if existing.source == source.spec:
+            check_unchanged(existing, source, dest, storage_options)
+        print(f"{dest} is already prepared from {existing.source}; nothing to do (use overwrite to redo it)")
+        return existing
+    refuse_known_bad(source, bad_images)
+    tasks = plan_shards(source, samples_per_shard=samples_per_shard, max_shard_bytes=max_shard_bytes)
+    plan = plan_fingerprint(source, tasks, bad_images)
+    done = begin_prepare(dest, tasks, plan, overwrite=overwrite, storage_options=storage_options)
+    return Preparation(source, dest, tasks, plan, done, bad_images, storage_options)
 
 
 def prepare_dataset(
@@ -272,22 +354,20 @@ def prepare_dataset(
     (:class:`BadImagesError`, listing them), left out (``bad_images="skip"``) or stored as they
     are (``"keep"``: the readers skip them).
     """
-    src = opened(source)
-    if src.known_bad and check_destination(dest, overwrite=overwrite, storage_options=storage_options) is None:
-        refuse_known_bad(src, bad_images)  # (a dataset already prepared is said so first)
-    splits = src.split_sizes()
-    existing = begin_prepare(dest, overwrite=overwrite, storage_options=storage_options, splits=splits)
-    if existing is not None:
-        if existing.source == src.spec:
-            check_unchanged(existing, src, dest, storage_options)
-        print(f"{dest} is already prepared from {existing.source}; nothing to do (use overwrite to redo it)")
-        return existing
-    tasks = plan_shards(src, samples_per_shard=samples_per_shard, max_shard_bytes=max_shard_bytes)
-    # A partial of a module-level function pickles, so process pools can run it too.
-    write = functools.partial(write_shard_checked, dest=dest, storage_options=storage_options, bad_images=bad_images)
+    started = start_preparation(
+        opened(source),
+        dest,
+        samples_per_shard=samples_per_shard,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+        bad_images=bad_images,
+        storage_options=storage_options,
+    )
+    if isinstance(started, DatasetInfo):
+        return started
     results = []
-    for result in map_fn(write, tasks):
+    for result in map_fn(started.writer(), started.remaining):
         results.append(result)
         if progress is not None and result.row is not None:
             progress(result.row)
-    return finalize(src, tasks, settle_bad_images(results, bad_images), dest, storage_options)
+    return started.finish(results)

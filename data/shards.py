@@ -85,6 +85,9 @@ class ShardTask:
     num_classes: int
     label_kind: LabelKind
     chunk: SampleChunk
+    # The samples' sizes as listed, summed: a resumed preparation tells a source whose images were
+    # replaced since by it (see prepare_resume.plan_fingerprint).
+    planned_bytes: int = 0
 
     @property
     def name(self) -> str:
@@ -127,6 +130,7 @@ def plan_shards(
                     num_classes=len(source.classes),
                     label_kind=source.label_kind,
                     chunk=source.chunk(split, order[start:stop].tolist()),
+                    planned_bytes=int(sizes[start:stop].sum()),
                 )
             )
     return tasks

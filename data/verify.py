@@ -10,7 +10,6 @@ shard of the split is there that the manifest does not list. Nothing is changed.
 from __future__ import annotations
 
 import hashlib
-import posixpath
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -73,7 +72,7 @@ def verify_dataset(
         if split not in info.splits:
             raise ValueError(f"{dest} has no split {split!r}; it has {', '.join(sorted(info.splits))}")
     checked = list(dict.fromkeys(splits)) or list(info.splits)
-    sizes = _file_sizes(dest, storage_options)
+    sizes = storage.file_sizes(dest, storage_options)
     problems: dict[str, list[ShardProblem]] = {split: [] for split in checked}
     listed: dict[str, list[ManifestRow]] = {}
     for split in checked:
@@ -140,21 +139,6 @@ def verify_dataset(
             pool.shutdown(wait=True, cancel_futures=True)
     found = [problem for split in problems for problem in sorted(problems[split], key=lambda p: p.name)]
     return Verified(dest, {split: len(listed.get(split, [])) for split in checked}, read, found)
-
-
-def _file_sizes(dest: str, storage_options: dict[str, Any] | None) -> dict[str, int]:
-    """Name -> size of the files directly in ``dest``, from one listing."""
-    fs, fs_path = storage.filesystem(dest, storage_options)
-    fs.invalidate_cache(fs_path)  # s3fs keeps listings: a process that listed before would not see a change
-    try:
-        entries = fs.ls(fs_path, detail=True)
-    except FileNotFoundError:
-        return {}
-    return {
-        posixpath.basename(str(entry["name"]).rstrip("/")): int(entry.get("size") or 0)
-        for entry in entries
-        if entry.get("type") == "file"
-    }
 
 
 def _sha256(path: str, storage_options: dict[str, Any] | None) -> str:

@@ -374,8 +374,14 @@ def test_interrupted_prepare_is_not_taken_as_finished_and_a_rerun_completes(tmp_
 
     with pytest.raises(KeyboardInterrupt, match="simulated crash"):
         prepare_dataset(src, str(dest), samples_per_shard=5, map_fn=stopped_after(2))
-    # No temp files; the marker says that these shards are vitray's, to be replaced by a re-run.
-    assert sorted(p.name for p in dest.iterdir()) == [".vitray-preparing", "train-000000.tar", "train-000001.tar"]
+    # No temp files; the marker says that these shards are vitray's (their records, that they are whole).
+    assert sorted(p.name for p in dest.iterdir()) == [
+        ".train-000000.tar.done",
+        ".train-000001.tar.done",
+        ".vitray-preparing",
+        "train-000000.tar",
+        "train-000001.tar",
+    ]
     (dest / ".train-000002.tar.abc.tmp").write_bytes(b"half a shard")  # as a killed process leaves it
     with pytest.raises(FileNotFoundError, match="not prepared or still being written"):
         read_dataset_info(str(dest))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import ray
 
@@ -102,14 +104,14 @@ def test_a_stop_during_a_ray_prepare_is_one_line_and_no_dataset(signame, tmp_pat
     if signame == "SIGINT":
         assert proc.returncode == 130, err
         assert err.strip().splitlines()[-1] == (
-            f"stopped by user (Ctrl-C): vitray data prepare did not finish; the same command prepares {dest} again, "
-            "from the start"  # no resume: said
+            "stopped by user (Ctrl-C): vitray data prepare did not finish; the same command goes on preparing "
+            f"{dest} from the shards written"
         )
     else:
         assert proc.returncode == 143, err
         assert (
             f"vitray: SIGTERM (pid {proc.pid}): stopped preparing {dest}; no shard is left half-written, and the same "
-            "command prepares it again, from the start"
+            "command goes on from the shards written"
         ) in err
         assert "SIGTERM received" not in err and "Aborted" not in err, err[-3000:]  # Ray's C++ handler
     assert "Traceback" not in err
@@ -124,3 +126,35 @@ def test_a_stop_during_a_ray_prepare_is_one_line_and_no_dataset(signame, tmp_pat
     else:
         os.killpg(proc.pid, signal.SIGKILL)
         raise AssertionError("processes of the interrupted command were still running 30 s after it exited")
+    if signame == "SIGTERM":  # the same command goes on from what the Ray tasks wrote before the stop
+        from vitray.data import verify_dataset
+
+        again = subprocess.run([*command, "--samples-per-shard", "1", "--serial"], capture_output=True, text=True)
+        assert again.returncode == 0, again.stderr
+        kept = re.search(r"going on with the preparation stopped earlier: (\d+) of 1,797 shards", again.stdout)
+        assert kept and int(kept.group(1)) >= 3, again.stdout
+        assert verify_dataset(str(dest)).whole
+
+
+@pytest.mark.slow
+def test_ray_prepare_goes_on_from_a_stopped_preparation(local_ray, digits_dataset, tmp_path, capsys):
+    """The Ray path keeps the shards a stopped run wrote (the same files: not rewritten) and writes
+    only the others, to the dataset one run writes."""
+    from test_cli_prepare_refusals import stopped_after
+
+    from vitray.data import prepare_dataset
+
+    dest = tmp_path / "digits"
+    with pytest.raises(KeyboardInterrupt):
+        prepare_dataset("builtin:digits", str(dest), samples_per_shard=100, map_fn=stopped_after(5))
+    kept = {p.name: p.stat().st_ino for p in dest.glob("*.tar")}
+    assert len(kept) == 5
+    capsys.readouterr()
+    prepare_dataset_on_ray("builtin:digits", str(dest), samples_per_shard=100)
+    captured = capsys.readouterr()
+    assert "5 of 19 shards (500 images) already written" in captured.out
+    assert "preparing digits: 1,297/1,297 images (100%)" in captured.err  # what was left to write
+    assert {name: (dest / name).stat().st_ino for name in kept} == kept
+    assert {p.name: p.read_bytes() for p in dest.iterdir()} == {
+        p.name: p.read_bytes() for p in digits_dataset.iterdir()
+    }
