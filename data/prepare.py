@@ -350,7 +350,8 @@ def prepare_dataset(
     ``progress`` is called with each finished shard's manifest row. Returns the dataset description.
     A ``dest`` that is already prepared is left as it is (and its description returned) unless
     ``overwrite`` is true; a non-empty folder that is not a vitray dataset is refused unless
-    ``overwrite`` (:class:`DestinationNotEmpty`). Zero-byte and undecodable images are refused
+    ``overwrite`` (:class:`DestinationNotEmpty`). A ``dest`` where a run of the same plan was stopped
+    keeps the shards that run finished (:mod:`.prepare_resume`). Zero-byte and undecodable images are refused
     (:class:`BadImagesError`, listing them), left out (``bad_images="skip"``) or stored as they
     are (``"keep"``: the readers skip them).
     """
