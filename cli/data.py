@@ -48,11 +48,12 @@ def data_prepare(
     # Everything the input decides is checked here, before Ray starts: the source, the
     # destination's storage and what the destination already holds.
     with handled((ValueError, FileNotFoundError)):
+        # The destination first: its refusals need no listing of the source, which can take long.
+        storage.check_remote_reachable(dest, writable=True)
+        existing = check_destination(dest, overwrite=overwrite)
         if source_kind(source)[0] == "imagefolder":  # its listing: a minute for a million files, more on NFS
             say(f"listing {source} ...")
         src = open_source(source)
-        storage.check_remote_reachable(dest, writable=True)
-        existing = check_destination(dest, overwrite=overwrite)
         if existing is None:  # zero-byte images, known from the listing: not after a pass over everything
             refuse_known_bad(src, "skip" if skip_bad else "refuse")
         elif existing.source == src.spec:  # the same spec, but images added or removed since

@@ -72,6 +72,8 @@ def test_a_folder_of_someone_elses_files_is_refused_and_kept(tmp_path):
     (dest / "foo.manifest.parquet").write_bytes(b"another tool's manifest")
     # Without --serial: the refusal comes before Ray would start.
     message = refused(f"imagefolder:{src}", str(dest))
+    # Refused before the source's listing (a minute for a million files): nothing but the one line.
+    assert prepare(f"imagefolder:{src}", str(dest)).output.strip() == message
     assert "is not empty and is not a vitray dataset" in message
     assert "train-000000.tar" in message and "notes.txt" in message and "--overwrite" in message
     assert (dest / "train-000000.tar").read_bytes() == b"the user's own shard"
