@@ -269,6 +269,29 @@ def test_an_initial_checkpoint_of_another_architecture_is_refused(pretrained, di
     line = refused(*sets)
     assert f"init.checkpoint {pretrained} holds a Ti/4 of 2 blocks, but model.depth=3" in line, line
     assert "set model.depth=2 or leave it out" in line
+    # The head and the pre-logits layer are the checkpoint's too: they were ignored and recorded as set.
+    sets = _sets(digits_dataset, tmp_path / "runs", f"init.checkpoint={pretrained}", "model.head=gap", name="ft")
+    line = refused(*sets)
+    assert f"init.checkpoint {pretrained} holds a model with a token head, but model.head=gap" in line, line
+    assert "set model.head=token or leave it out" in line
+    sets = _sets(
+        digits_dataset, tmp_path / "runs", f"init.checkpoint={pretrained}", "model.representation_size=64", name="ft"
+    )
+    line = refused(*sets)
+    assert (
+        "model.representation_size=64 with init.checkpoint: a fine-tune's fresh head (init.reset_head=true) drops"
+        in (line)
+    )
+    sets = _sets(
+        digits_dataset,
+        tmp_path / "runs",
+        f"init.checkpoint={pretrained}",
+        "init.reset_head=false",
+        "model.representation_size=64",
+        name="ft",
+    )
+    line = refused(*sets)
+    assert f"init.checkpoint {pretrained} holds no pre-logits layer, but model.representation_size=64" in line, line
     # The same name, or none, trains on (resolution and head are the run's own).
     cfg = load_config(
         TrainingConfig,

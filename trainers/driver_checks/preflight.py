@@ -325,11 +325,15 @@ def _check_init_checkpoint(cfg: TrainingConfig) -> ModelConfig:
     # (and with this run's dropout and activation checkpointing: how it trains is the run's own)
     settings = cfg.model.model_dump(include=set(TRAINING_SETTINGS))
     theirs = ModelConfig.model_validate({**state["model"], **settings, "img_size": cfg.model.img_size})
-    # The weights decide the architecture; a model.name or model.depth that says otherwise would be
-    # recorded as the run's while it trains the checkpoint's (resolution and head may differ: they
+    # The weights decide the architecture; a model.name, depth or head that says otherwise would be
+    # recorded as the run's while it trains the checkpoint's (only the resolution and the classifier
     # are adapted). A depth of None is the variant's own and so is no claim: a fine-tune recipe
     # copies the checkpoint's model section, None included.
-    given = (("name", theirs.name, theirs.name), ("depth", theirs.blocks, f"{theirs.name} of {theirs.blocks} blocks"))
+    given = (
+        ("name", theirs.name, theirs.name),
+        ("depth", theirs.blocks, f"{theirs.name} of {theirs.blocks} blocks"),
+        ("head", theirs.head, f"model with a {theirs.head} head"),
+    )
     for key, value, held in given:
         ours = getattr(cfg.model, key)
         if key in cfg.model.model_fields_set and ours is not None and ours != value:
@@ -337,10 +341,32 @@ def _check_init_checkpoint(cfg: TrainingConfig) -> ModelConfig:
                 f"init.checkpoint {path} holds a {held}, but model.{key}={ours}: fine-tuning keeps the "
                 f"checkpoint's architecture; set model.{key}={value} or leave it out"
             )
+    _check_representation_size(cfg, path, theirs.representation_size)
     if cfg.model.masked_patch_outputs is not None:  # the loop gives it masked patch prediction's parts
         update = {"masked_patch_outputs": cfg.model.masked_patch_outputs, "representation_size": None}
         theirs = theirs.model_copy(update=update)
     return theirs
+
+
+def _check_representation_size(cfg: TrainingConfig, path: str, held: int | None) -> None:
+    """A model.representation_size given with init.checkpoint is what the run trains, or refused: a
+    fresh head drops the checkpoint's pre-logits layer (the paper fine-tunes without one), and no
+    run adds one to a checkpoint's weights."""
+    asked = cfg.model.representation_size
+    if asked is None or cfg.model.masked_patch_outputs is not None:  # (masked patch: refused by the config)
+        return
+    if cfg.init.reset_head:
+        raise PreflightError(
+            f"model.representation_size={asked} with init.checkpoint: a fine-tune's fresh head "
+            "(init.reset_head=true) drops the checkpoint's pre-logits layer, and none is added to its weights; "
+            "leave model.representation_size out"
+        )
+    if asked != held:
+        holds = f"a pre-logits layer of {held}" if held else "no pre-logits layer"
+        raise PreflightError(
+            f"init.checkpoint {path} holds {holds}, but model.representation_size={asked}: fine-tuning keeps the "
+            "checkpoint's architecture; leave model.representation_size out"
+        )
 
 
 def check_model(model: ModelConfig, num_classes: int = 1) -> nn.Module:
