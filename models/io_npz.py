@@ -145,7 +145,8 @@ def from_npz_arrays(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, torch.T
         if match := _RESNET_UNIT.match(key):
             stage, unit = int(match.group(1)), int(match.group(2))
             units[stage] = max(units.get(stage, 0), unit)
-    resnet_stages = tuple(units[s] for s in sorted(units)) if units else None
+    # conv_root without units is the stem-only R+ViT-Ti/16: read as such, refused by the loader.
+    resnet_stages = tuple(units[s] for s in sorted(units)) if units else (() if "conv_root/kernel" in arrays else None)
     rows = _layout(
         max(blocks) + 1, resnet_stages, "cls" in arrays, "pre_logits/kernel" in arrays, "head/kernel" in arrays
     )

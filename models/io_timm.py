@@ -39,6 +39,10 @@ _FROM_TIMM: tuple[tuple[str, str], ...] = (
     (r"patch_embed\.proj\.(weight|bias)", r"patch_embed.\1"),
     (r"patch_embed\.backbone\.stem\.conv\.weight", r"stem.conv_root.weight"),
     (r"patch_embed\.backbone\.stem\.norm\.(weight|bias)", r"stem.gn_root.\1"),
+    # The stem-only R+ViT-Ti/16 (vit_tiny_r_s16_p8) names its root without "stem.": read it as
+    # vitray's root so that loading refuses that model by name.
+    (r"patch_embed\.backbone\.conv\.weight", r"stem.conv_root.weight"),
+    (r"patch_embed\.backbone\.norm\.(weight|bias)", r"stem.gn_root.\1"),
     (
         r"patch_embed\.backbone\.stages\.(\d+)\.blocks\.(\d+)\.downsample\.conv\.weight",
         r"stem.stages.\1.\2.conv_proj.weight",

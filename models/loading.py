@@ -21,6 +21,8 @@ from .vit import VisionTransformer
 # The pre-training heads: the classifier, the pre-logits layer and masked patch prediction's parts.
 HEAD_PREFIXES = ("head.", "pre_logits.", "masked_patch.")
 _BLOCK_KEY = re.compile(r"blocks\.(\d+)\.")
+# A hybrid's ResNet root; alone (no stages), it is the stem-only R+ViT-Ti/16, which is refused.
+STEM_ROOT_KEYS = {"stem.conv_root.weight", "stem.gn_root.weight", "stem.gn_root.bias"}
 _STEM_UNIT_KEY = re.compile(r"stem\.stages\.(\d+)\.(\d+)\.conv1\.weight")
 
 
@@ -96,15 +98,31 @@ def architecture_of_state_dict(state_dict: Mapping[str, torch.Tensor], num_heads
     )
 
 
+def _refuse_stem_only_hybrid(state_dict: Mapping[str, torch.Tensor], source: str) -> None:
+    """The authors' R+ViT-Ti/16 (timm's vit_tiny_r_s16_p8) puts only the ResNet's root (stem) in
+    front of 8x8 patches of its 64 channels; vitray's hybrids have ResNet stages, so say that rather
+    than a patch-size mismatch whose advice (another patch size) cannot load it either."""
+    if {key for key in state_dict if key.startswith("stem.")} == STEM_ROOT_KEYS:
+        raise ValueError(
+            f"{source} holds a stem-only hybrid (R+Ti/16: a ResNet root without stages), which is not supported: "
+            "vitray's hybrids have R26 or R50 stages (R50+B/16, R26+S/32, ...)"
+        )
+
+
+def _shown(value: object) -> str:
+    return "none" if value is None else str(value)
+
+
 def _check_same_model(model: VisionTransformer, found: Architecture, source: str) -> None:
     expected = architecture_of_model(model)
     if not found.same_variant(expected):
         fields = ("width", "depth", "mlp_dim", "patch_size", "resnet_stages", "num_heads")
+        # num_heads None is unknown (a format without it); resnet_stages None is no ResNet.
         differ = [
-            f"{field} {getattr(found, field)} vs {getattr(expected, field)}"
+            f"{field} {_shown(getattr(found, field))} vs {_shown(getattr(expected, field))}"
             for field in fields
-            if None not in (getattr(found, field), getattr(expected, field))
-            and getattr(found, field) != getattr(expected, field)
+            if getattr(found, field) != getattr(expected, field)
+            and (field != "num_heads" or None not in (found.num_heads, expected.num_heads))
         ]
         if differ == [f"depth {found.depth} vs {expected.depth}"]:
             fix = f"create the model with depth={found.depth}"
@@ -156,6 +174,7 @@ def load_native_state_dict(
     model's own (the usual start of fine-tuning). A position embedding for another grid is
     resampled to the model's resolution. ``source`` names the checkpoint in error messages.
     """
+    _refuse_stem_only_hybrid(state_dict, source)
     _check_same_model(model, architecture_of_state_dict(state_dict, num_heads), source)
     weights = dict(state_dict)
     expected = model.state_dict()

@@ -81,11 +81,21 @@ def model_names() -> list[str]:
 
 
 def get_variant(name: str) -> Variant:
-    """The :class:`Variant` called ``name``; ValueError listing the valid names otherwise."""
+    """The :class:`Variant` called ``name``; ValueError naming the valid names otherwise (for a
+    hybrid whose patch is not its ResNet's stride, the two that are)."""
     try:
         return VARIANTS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown model name {name!r}; valid names are: {', '.join(VARIANTS)}") from None
+        pass
+    resnet, _, rest = str(name).partition("+")
+    strides = [stride for (r, stride) in HYBRID_STAGES if r == resnet]
+    size = rest.partition("/")[0]
+    if strides and size in TRANSFORMER_SIZES:  # a known hybrid with a patch its ResNet does not make
+        raise ValueError(
+            f"unknown model name {name!r}: hybrids take {' or '.join(f'/{s}' for s in strides)} (the ResNet's "
+            f"stride): {' or '.join(f'{resnet}+{size}/{s}' for s in strides)}"
+        )
+    raise ValueError(f"unknown model name {name!r}; valid names are: {', '.join(VARIANTS)}")
 
 
 def find_variant_name(

@@ -3,7 +3,7 @@
 
 `config.json` names a registered timm architecture and the `model_args` that make it this model:
 a plain ViT is timm's `VisionTransformer` under any plain architecture name with its sizes given
-explicitly; a hybrid needs timm's registered architecture with the same ResNet (`HYBRIDS`).
+explicitly; a hybrid needs a registered timm hybrid with the same ResNet layout (`TIMM_RESNETS`).
 `pretrained_cfg` says what the inputs are: vitray's range [-1, 1] is mean = std = 0.5 on [0, 1],
 and the checkpoint's own evaluation resize (`vitray.data.transforms.eval_resize`, bilinear, as its
 `val` evaluator takes it) in timm's terms (`timm_crop`), so that timm's `resolve_data_config` +
@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vitray.models import to_timm_state_dict
+from vitray.models.variants import HYBRID_STAGES, VARIANTS
 
 FILES = ("config.json", "model.safetensors")
 # Plain ViTs: timm builds the same VisionTransformer for any of its plain names once the sizes
@@ -47,12 +48,32 @@ TIMM_PLAIN_NAMES = (
     "vit_huge_patch14_224",
     "vit_giant_patch14_224",
 )
-# vitray hybrid -> timm architecture with the same ResNet stages (the rest is given explicitly).
-HYBRIDS = {
-    "R26+S/32": "vit_small_r26_s32_224",
-    "R26+B/32": "vit_base_r26_s32_224",
-    "R50+B/16": "vit_base_r50_s16_224",
-    "R50+L/32": "vit_large_r50_s32_224",
+# timm's registered hybrids by their ResNetV2 `layers` (vitray's `resnet_stages`; 3 stages are
+# stride 16, 4 stride 32), then by Transformer size (another size takes the first). The name only
+# selects the backbone: `model_args` sets the Transformer's width, depth, heads and MLP, so every
+# vitray hybrid with one of these ResNets is a timm model (R50+S/16: vit_base_r50_s16_224 at width 384).
+TIMM_RESNETS: dict[tuple[int, ...], dict[str, str]] = {
+    (3, 4, 9): {"B": "vit_base_r50_s16_224"},
+    (2, 2, 2, 2): {"S": "vit_small_r26_s32_224", "B": "vit_base_r26_s32_224"},
+    (3, 4, 6, 3): {"L": "vit_large_r50_s32_224"},
+}
+
+
+def hybrid_architecture(name: str, resnet_stages: tuple[int, ...]) -> str | None:
+    """The registered timm hybrid with the ResNet `resnet_stages` (the one of the model's own size
+    where timm has it, "R26+B/32" -> vit_base_r26_s32_224), or None where timm has no such ResNet."""
+    by_size = TIMM_RESNETS.get(tuple(resnet_stages))
+    if by_size is None:
+        return None
+    size = name.split("+", 1)[1].split("/", 1)[0]
+    return by_size.get(size) or next(iter(by_size.values()))
+
+
+# Every vitray hybrid timm can build -> the architecture config.json names.
+HYBRIDS: dict[str, str] = {
+    name: architecture
+    for name, variant in VARIANTS.items()
+    if variant.is_hybrid and (architecture := hybrid_architecture(name, variant.resnet_stages)) is not None
 }
 
 
@@ -110,10 +131,16 @@ def timm_config(model, eval_resize: Mapping[str, Any]) -> dict:
             f"(representation_size={model.representation_size}, as the paper's pre-training recipes): export "
             "--format npz or safetensors, or fine-tune it first (fine-tuning drops the layer) and export that"
         )
-    if model.stem is not None and model.name not in HYBRIDS:
+    stages = model.variant.resnet_stages
+    hybrid = hybrid_architecture(model.name, stages) if stages is not None else None
+    if stages is not None and hybrid is None:
+        timm_has = [
+            f"{resnet}/{stride}" for (resnet, stride), layout in HYBRID_STAGES.items() if layout in TIMM_RESNETS
+        ]
         raise ValueError(
-            f"timm has no architecture with the ResNet of {model.name}; hybrids it has: "
-            f"{', '.join(HYBRIDS)}. Export npz or safetensors instead"
+            f"timm has no ResNet backbone with the stages {stages} of {model.name} (vitray's own layout for "
+            f"{model.name.split('+', 1)[0]} at stride {model.patch_size}); timm's hybrids have the ResNets "
+            f"{', '.join(timm_has)}. Export npz or safetensors instead"
         )
     gap = model.head_type == "gap"
     model_args = {
@@ -130,7 +157,7 @@ def timm_config(model, eval_resize: Mapping[str, Any]) -> dict:
         model_args["patch_size"] = model.patch_size
     first_conv = "patch_embed.proj" if model.stem is None else "patch_embed.backbone.stem.conv"
     return {
-        "architecture": HYBRIDS.get(model.name) or plain_architecture(model.name, model.patch_size, model.img_size),
+        "architecture": hybrid or plain_architecture(model.name, model.patch_size, model.img_size),
         "num_classes": model.num_classes,
         "num_features": model.width,
         "global_pool": model_args["global_pool"],

@@ -87,6 +87,50 @@ def test_a_model_with_a_pre_logits_layer_is_refused_in_the_commands_words(tmp_pa
     assert not (tmp_path / "timm").exists()
 
 
+@pytest.mark.parametrize(
+    "name, img_size, architecture",
+    [
+        ("R50+S/16", 32, "vit_base_r50_s16_224"),
+        ("R50+Ti/16", 32, "vit_base_r50_s16_224"),
+        ("R26+Ti/32", 64, "vit_small_r26_s32_224"),
+        ("R26+B/32", 32, "vit_base_r26_s32_224"),
+        ("R50+S/32", 64, "vit_large_r50_s32_224"),
+    ],
+)
+def test_every_hybrid_whose_resnet_timm_has_exports_with_the_same_logits(name, img_size, architecture, tmp_path):
+    """timm's hybrid name only picks the ResNet (its `layers`); `model_args` sets the Transformer, so a
+    hybrid of any size with R50/16, R26/32 or R50/32 loads in timm."""
+    import timm
+
+    from vitray.models import create_model
+    from vitray.runfolder.timm_folder import DEFAULT_EVAL_RESIZE, write_timm_folder
+
+    net = create_model(name, num_classes=10, img_size=img_size, depth=1)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in net.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    write_timm_folder(net.eval(), str(tmp_path), DEFAULT_EVAL_RESIZE)
+    assert json.loads((tmp_path / "config.json").read_text())["architecture"] == architecture
+    loaded = timm.create_model(f"local-dir:{tmp_path}", pretrained=True).eval()
+    assert loaded.embed_dim == net.width and len(loaded.blocks) == 1
+    images = torch.randn(2, 3, img_size, img_size, generator=generator)
+    logits = net(images)
+    assert logits.std() > 0.05
+    # timm's StdConv and GroupNorm epsilons differ from the authors' (docs/models.md)
+    torch.testing.assert_close(loaded(images), logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_hybrid_whose_resnet_timm_lacks_is_refused_naming_the_layout():
+    from vitray.models import create_model
+    from vitray.runfolder.timm_folder import DEFAULT_EVAL_RESIZE, timm_config
+
+    with pytest.raises(
+        ValueError, match=r"stages \(2, 2, 4\) of R26\+Ti/16 .*ResNets R26/32, R50/16, R50/32\. Export npz"
+    ):
+        timm_config(create_model("R26+Ti/16", num_classes=10, img_size=32, depth=1), DEFAULT_EVAL_RESIZE)
+
+
 def test_the_timm_architecture_name_is_the_models_family_patch_and_resolution():
     from vitray.runfolder.timm_folder import plain_architecture
 

@@ -354,6 +354,45 @@ def test_a_mismatch_names_what_differs_and_the_fix(tmp_path):
         load_npz(create_model("S/32", num_classes=10, img_size=32), path)
 
 
+def test_a_hybrid_into_a_plain_vit_names_the_resnet_as_the_difference(tmp_path):
+    _, path = saved_npz(tmp_path, "R50+Ti/16", img_size=32, depth=1)
+    with pytest.raises(
+        ValueError,
+        match=r": resnet_stages \(3, 4, 9\) vs none \(checkpoint vs model\); create the model as R50\+Ti/16 with depth=1$",
+    ):
+        load_npz(create_model("Ti/16", num_classes=10, img_size=32, depth=1), path)
+    plain = tmp_path / "plain.npz"
+    save_npz(create_model("Ti/16", num_classes=10, img_size=32, depth=1), plain)
+    with pytest.raises(
+        ValueError, match=r": resnet_stages none vs \(3, 4, 9\) \(checkpoint vs model\); create the model as Ti/16"
+    ):
+        load_npz(create_model("R50+Ti/16", num_classes=10, img_size=32, depth=1), plain)
+
+
+STEM_ONLY = r"holds a stem-only hybrid \(R\+Ti/16: a ResNet root without stages\), which is not supported"
+
+
+@pytest.mark.parametrize("target", ["Ti/16", "Ti/8"])
+def test_timms_stem_only_hybrid_is_refused_as_such(target):
+    # timm's R+ViT-Ti/16: the ResNet's root, then 8x8 patches of its 64 channels
+    stem_only = timm.create_model("vit_tiny_r_s16_p8_224", pretrained=False, num_classes=10, img_size=64, depth=1)
+    with pytest.raises(ValueError, match=f"^timm state dict {STEM_ONLY}"):
+        load_timm_state_dict(create_model(target, num_classes=10, img_size=64, depth=1), stem_only.state_dict())
+
+
+def test_the_authors_stem_only_hybrid_npz_is_refused_as_such(tmp_path):
+    # The authors' layout of R+ViT-Ti/16 (get_r_ti16_config: num_layers=()): conv_root and gn_root, no blockS/unitU
+    _, path = saved_npz(tmp_path, "Ti/8", img_size=64, depth=1)
+    with np.load(path) as file:
+        arrays = {key: file[key] for key in file.files}
+    arrays["embedding/kernel"] = np.zeros((8, 8, 64, 192), np.float32)
+    arrays["conv_root/kernel"] = np.zeros((7, 7, 3, 64), np.float32)
+    arrays["gn_root/scale"], arrays["gn_root/bias"] = np.ones(64, np.float32), np.zeros(64, np.float32)
+    np.savez(tmp_path / "r_ti16.npz", **arrays)
+    with pytest.raises(ValueError, match=STEM_ONLY):
+        load_npz(create_model("Ti/8", num_classes=10, img_size=64, depth=1), tmp_path / "r_ti16.npz")
+
+
 def test_timm_weights_with_register_tokens_are_refused_saying_why():
     timm_model = timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=10, reg_tokens=4)
     with pytest.raises(ValueError, match=r"position embedding of 9 tokens.*register tokens"):

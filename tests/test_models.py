@@ -66,6 +66,19 @@ def test_unknown_name_lists_valid_names():
 
 
 @pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("R50+B/8", "hybrids take /16 or /32 (the ResNet's stride): R50+B/16 or R50+B/32"),
+        ("R26+Ti/14", "hybrids take /16 or /32 (the ResNet's stride): R26+Ti/16 or R26+Ti/32"),
+    ],
+)
+def test_a_hybrid_with_a_patch_its_resnet_does_not_make_names_the_strides(name, expected):
+    with pytest.raises(ValueError) as error:
+        create_model(name, num_classes=10)
+    assert str(error.value) == f"unknown model name {name!r}: {expected}"
+
+
+@pytest.mark.parametrize(
     ("name", "width", "depth", "mlp_dim", "heads"),
     [
         ("Ti/16", 192, 12, 768, 3),
