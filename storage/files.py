@@ -91,9 +91,20 @@ def holds_files(folder: str, storage_options: dict[str, Any] | None = None) -> b
     existing folder (``exists``, ``isdir``, and ``find`` naming the folder itself)."""
     fs, fs_path = filesystem(folder, storage_options)
     try:
-        return any(info.get("type") == "file" for info in fs.find(fs_path, detail=True).values())
+        return any(
+            info.get("type") == "file" and not _folder_entry(info, fs_path)
+            for info in fs.find(fs_path, detail=True).values()
+        )
     except FileNotFoundError:
         return False
+
+
+def _folder_entry(info: dict[str, Any], fs_path: str) -> bool:
+    """An object store's entry for a folder rather than a file in it: a zero-byte key ending in "/"
+    (the AWS console's "Create folder" makes one; SeaweedFS leaves one for a prefix whose last object
+    was deleted), listed by s3fs as a file named like the folder."""
+    name = str(info.get("name", ""))
+    return name.endswith("/") or name.rstrip("/") == fs_path.rstrip("/")
 
 
 def open_file(
@@ -316,7 +327,7 @@ def file_sizes(folder: str, storage_options: dict[str, Any] | None = None) -> di
     return {
         posixpath.basename(str(entry["name"]).rstrip("/")): int(entry.get("size") or 0)
         for entry in entries
-        if entry.get("type") == "file"
+        if entry.get("type") == "file" and not _folder_entry(entry, fs_path)
     }
 
 
@@ -324,7 +335,7 @@ def list_names(folder: str, storage_options: dict[str, Any] | None = None) -> li
     """Base names of the files directly inside ``folder`` (empty when it does not exist)."""
     fs, fs_path = filesystem(folder, storage_options)
     try:
-        entries = fs.ls(fs_path, detail=False)
+        entries = fs.ls(fs_path, detail=True)
     except FileNotFoundError:
         return []
-    return sorted(posixpath.basename(str(e).rstrip("/")) for e in entries)
+    return sorted(posixpath.basename(str(e["name"]).rstrip("/")) for e in entries if not _folder_entry(e, fs_path))

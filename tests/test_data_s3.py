@@ -134,3 +134,20 @@ def test_s3_slowdown_and_server_errors_are_retried():
     for code in ("NoSuchKey", "AccessDenied", "EntityTooSmall", "InvalidArgument", "400", "NotImplemented"):
         error = translate_boto_error(ClientError({"Error": {"Code": code, "Message": "no"}}, "GetObject"))
         assert not storage.is_transient(error), code
+
+
+def test_the_command_line_prepares_into_a_new_prefix(seaweed_s3, monkeypatch):
+    """`vitray data prepare SRC s3://...` as docs/deploy.md shows it: its write probe (an object put
+    and removed) leaves SeaweedFS a folder entry for the prefix, which was listed as a file named
+    like the folder and refused as someone else's ("is not empty and is not a vitray dataset")."""
+    from typer.testing import CliRunner
+
+    from vitray.cli.main import app
+
+    monkeypatch.setenv("COLUMNS", "1000")
+    dest = seaweed_s3.url("data", "digits")
+    result = CliRunner().invoke(app, ["data", "prepare", "builtin:digits", dest, "--serial"])
+    assert result.exit_code == 0, result.output
+    assert read_dataset_info(dest).splits["train"].num_samples == 1437
+    assert storage.list_names(dest) == sorted(storage.list_names(dest))  # (a listing, no error)
+    assert "dataset.json" in storage.list_names(dest) and "digits" not in storage.list_names(dest)
