@@ -19,10 +19,12 @@ from typing import Any
 import ray
 
 from vitray.cluster.runtime import connect
+from vitray.cluster.stop_signals import ray_init_keeps_sigterm
 from vitray.data import (
     DEFAULT_MAX_SHARD_BYTES,
     DEFAULT_SAMPLES_PER_SHARD,
     DatasetInfo,
+    Preparation,
     ShardResult,
     ShardTask,
     Source,
@@ -51,6 +53,20 @@ class _Stop:
     """The signal that asked the preparation to stop (SIGINT, SIGTERM), None until one came."""
 
     signum: int | None = None
+
+    def check(self, dest: str) -> None:
+        """Stop now if a signal came: KeyboardInterrupt after Ctrl-C (the command's line and exit
+        130), exit 143 and its line after SIGTERM."""
+        if self.signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.signum == signal.SIGTERM:
+            print(
+                f"vitray: SIGTERM (pid {os.getpid()}): stopped preparing {dest}; no shard is left half-written, "
+                "and the same command goes on from the shards written",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(128 + signal.SIGTERM)
 
 
 @contextmanager
@@ -91,40 +107,37 @@ def prepare_dataset_on_ray(
     (`runtime.connect`). Shards go straight from the tasks to ``dest``, so on a multi-node cluster ``dest``
     must be shared storage (``s3://...``) and the source readable from every node.
     """
-    started = start_preparation(
-        opened(source),
-        dest,
-        samples_per_shard=samples_per_shard,
-        max_shard_bytes=max_shard_bytes,
-        overwrite=overwrite,
-        bad_images=bad_images,  # type: ignore[arg-type]
-        storage_options=storage_options,
-    )
-    if isinstance(started, DatasetInfo):
-        return started
+    with _stop_noted() as stop:  # (over the planning too: a stop is the same wherever it comes)
+        started = start_preparation(
+            opened(source),
+            dest,
+            samples_per_shard=samples_per_shard,
+            max_shard_bytes=max_shard_bytes,
+            overwrite=overwrite,
+            bad_images=bad_images,  # type: ignore[arg-type]
+            storage_options=storage_options,
+        )
+        if isinstance(started, DatasetInfo):
+            return started
+        stop.check(dest)
+        return _write_on_ray(started, stop, show_progress)
+
+
+def _write_on_ray(started: Preparation, stop: _Stop, show_progress: bool) -> DatasetInfo:
+    """The shards left to write, one Ray task each (a few in flight per CPU), then the manifests."""
     write = ray.put(started.writer())
     max_in_flight = max(2, IN_FLIGHT_PER_CPU * int(ray.cluster_resources().get("CPU", 1)))
-
     results: dict[str, ShardResult] = {}
     queue = list(reversed(started.remaining))
     running: dict[ray.ObjectRef, ShardTask] = {}
     total = sum(t.num_samples for t in started.remaining)
-    with ShardProgress(f"preparing {started.source.name}", total, show=show_progress) as bar, _stop_noted() as stop:
+    with ShardProgress(f"preparing {started.source.name}", total, show=show_progress) as bar:
         while queue or running:
             while queue and len(running) < max_in_flight:
                 task = queue.pop()
                 running[_write_shard_task.remote(write, task)] = task
             done, _ = ray.wait(list(running), num_returns=1, timeout=0.5)
-            if stop.signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            if stop.signum == signal.SIGTERM:
-                print(
-                    f"vitray: SIGTERM (pid {os.getpid()}): stopped preparing {dest}; no shard is left half-written, "
-                    "and the same command goes on from the shards written",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                raise SystemExit(128 + signal.SIGTERM)
+            stop.check(started.dest)
             for ref in done:
                 task = running.pop(ref)
                 try:
@@ -153,7 +166,12 @@ def prepare(
     None), with the same progress bar. ``options`` are :func:`prepare_dataset_on_ray`'s."""
     if serial:
         return prepare_dataset(source, dest, map_fn=_map_shown(f"preparing {source.name}", show_progress), **options)
-    connect(address)
+    # A stop while Ray starts (seconds) waits for its start, then stops as one in the task loop does:
+    # Ray's own SIGTERM handler exited 15 mid-start, its agents left running, and said nothing.
+    with _stop_noted() as stop:
+        with ray_init_keeps_sigterm():
+            connect(address)
+        stop.check(dest)
     return prepare_dataset_on_ray(source, dest, show_progress=show_progress, **options)
 
 

@@ -60,24 +60,9 @@ class StopOnSignal:
                 previous = signal.signal(signum, self._on_signal)
                 self._previous.setdefault(signum, previous)
 
-    @contextlib.contextmanager
-    def over_ray_init(self) -> Iterator[None]:
-        """Keeps this handler while Ray starts: ray.init sets a SIGTERM handler that raises
-        SystemExit(15) wherever the main thread is (a lock taken and not yet released stays taken:
-        the logging module's, seen deadlocking the run). Private on purpose: Ray has no option to
-        keep a process's own handler; without the function (a Ray that renamed it), Ray's handler
-        is set and its exit is taken for a stop (`early_stop`)."""
-        import ray._private.utils as ray_utils
-
-        original = getattr(ray_utils, "set_sigterm_handler", None)
-        if original is None:
-            yield
-            return
-        ray_utils.set_sigterm_handler = lambda handler: None
-        try:
-            yield
-        finally:
-            ray_utils.set_sigterm_handler = original
+    def over_ray_init(self) -> contextlib.AbstractContextManager[None]:
+        """Keeps this handler while Ray starts (:func:`ray_init_keeps_sigterm`)."""
+        return ray_init_keeps_sigterm()
 
     def check(self) -> None:
         """Raises StoppedBeforeTraining if a signal came before the workers started."""
@@ -146,3 +131,24 @@ class StopOnSignal:
             records.start()
             records.join(self.BEFORE_EXIT_S)  # a store that does not answer does not keep the driver
         os._exit(code)
+
+
+@contextlib.contextmanager
+def ray_init_keeps_sigterm() -> Iterator[None]:
+    """Keeps the process's SIGTERM handler while Ray starts: ray.init sets one that raises
+    SystemExit(15) wherever the main thread is (a lock taken and not yet released stays taken: the
+    logging module's, seen deadlocking a run; Ray's agents started so far are left running).
+    Private on purpose: Ray has no option to keep a process's own handler; without the function (a
+    Ray that renamed it), Ray's handler is set and its exit is taken for a stop
+    (`StopOnSignal.early_stop`)."""
+    import ray._private.utils as ray_utils
+
+    original = getattr(ray_utils, "set_sigterm_handler", None)
+    if original is None:
+        yield
+        return
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = original

@@ -158,3 +158,52 @@ def test_ray_prepare_goes_on_from_a_stopped_preparation(local_ray, digits_datase
     assert {p.name: p.read_bytes() for p in dest.iterdir()} == {
         p.name: p.read_bytes() for p in digits_dataset.iterdir()
     }
+
+
+@pytest.mark.slow
+def test_sigterm_while_ray_starts_is_the_stops_line_and_leaves_no_process(tmp_path):
+    """SIGTERM while the embedded Ray starts (a scheduler's stop in the first seconds): Ray's own
+    handler exited 15 mid-start, said nothing and left its agents running. Now the start finishes,
+    and the command stops as it does in the task loop: exit 143 and its line, nothing left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    dest = tmp_path / "digits"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vitray.cli", "data", "prepare", "builtin:digits", str(dest)],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        lines = []
+        for line in proc.stderr:  # up to Ray's start, the command's own lines
+            lines.append(line)
+            if line.startswith("starting a local Ray instance"):
+                break
+        time.sleep(1.0)  # inside ray.init (several seconds on this machine)
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, "".join(lines) + err
+    assert (
+        f"vitray: SIGTERM (pid {proc.pid}): stopped preparing {dest}; no shard is left half-written, and the same "
+        "command goes on from the shards written"
+    ) in err
+    assert "Traceback" not in err
+    assert not list(dest.glob("*.tar"))
+    deadline = time.monotonic() + 30  # Ray's processes (the command's process group) go with it
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.5)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("processes of the stopped command were still running 30 s after it exited")
