@@ -36,8 +36,9 @@ def demo(
     if is_local_file(out):
         fail(f"--out {out} is a file: give a folder for the demo's data, runs and report")
     from vitray.cluster.demo import run_demo
+    from vitray.trainers.driver_checks.preflight import PreflightError
 
-    with handled():  # a bad --set: one line, exit 2
+    with handled((PreflightError,)):  # a bad --set: one line, exit 2
         result = run_demo(
             out,
             overrides=set_ or [],

@@ -24,11 +24,9 @@ def check_work(work: list[GridWork], grid: GridConfig) -> None:
     patch size does not divide, a wrong override, a split the data does not have or a few-shot count
     more than it holds is refused (PreflightError, ConfigError) before any cell starts, instead of
     failing every cell on its workers."""
-    from vitray.models import ModelConfig
-    from vitray.trainers.driver_checks.preflight import PreflightError, check_model
+    from vitray.trainers.driver_checks.preflight import PreflightError
 
     splits = _SplitCheck(grid.storage_options)
-    checked: set[tuple[str, int]] = set()
     for unit in work:
         if isinstance(unit, FinetuneJob):
             cfg = finetune_config(unit, grid)
@@ -48,6 +46,18 @@ def check_work(work: list[GridWork], grid: GridConfig) -> None:
                 )
             train = locate_train(benchmark, grid.data_root)
             splits.check(f"{benchmark.name}'s train split", train, benchmark.train_split, shots=shots)
+    check_models(work)
+
+
+def check_models(work: list[GridWork]) -> None:
+    """Every unit's model builds at its resolution (on the meta device), once per checkpoint and
+    resolution: PreflightError naming the cells otherwise. Needs no data: `vitray demo` asks it of
+    the grid before it pre-trains the checkpoint (with the model the run will have)."""
+    from vitray.models import ModelConfig
+    from vitray.trainers.driver_checks.preflight import PreflightError, check_model
+
+    checked: set[tuple[str, int]] = set()
+    for unit in work:
         checkpoint, img_size = unit.checkpoint, unit.img_size
         if (checkpoint.path, img_size) in checked or not checkpoint.model:
             continue

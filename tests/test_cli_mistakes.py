@@ -66,6 +66,19 @@ def test_a_file_where_a_folder_belongs_is_refused_and_left_as_it_was(command, ex
     assert a_file.read_text() == FILE_TEXT
 
 
+@pytest.mark.parametrize("model", ["Ti/16", "R26+Ti/16"])
+def test_the_demo_refuses_a_model_its_grid_cannot_fine_tune_before_it_pretrains(model, tmp_path, monkeypatch):
+    """The grid's fine-tune size (24 px) was checked after the data was prepared and the model
+    pre-trained (minutes), and then failed the demo with exit 1."""
+    monkeypatch.setenv("COLUMNS", "1000")
+    line = refused("demo", "--out", str(tmp_path / "demo"), "--set", f"model.name={model}")
+    assert line.startswith(
+        f"error: fine-tune cells of {tmp_path / 'demo' / 'runs' / 'demo'} at 24 px: model: img_size 24"
+    ), line
+    assert line.endswith("(the grid's fine-tune size: --grid-set finetune.resolution=N)"), line
+    assert not (tmp_path / "demo").exists()
+
+
 def test_submit_refuses_a_working_dir_that_does_not_exist(tmp_path):
     line = refused(
         "submit", "--address", "http://127.0.0.1:1", "--working-dir", str(tmp_path / "nowhere"), "--", "runs"
