@@ -252,6 +252,23 @@ def test_benchmark_form_builds_the_protocol_recipe(pretrained, digits_dataset, t
     assert f"vitray data prepare cifar10:/path/to/cifar-10-binary.tar.gz {root}/cifar10" in missing.stderr
 
 
+def test_a_fine_tune_configs_dry_run_checks_and_shows_the_checkpoints_model(pretrained, tmp_path):
+    """--dry-run printed the config's model section (ModelConfig's default name, Ti/4, for any
+    checkpoint) and passed sizes and heads the run then refused."""
+    config = str(Path(__file__).resolve().parent.parent / "configs" / "finetune_digits.yaml")
+    shown = _finetune_cli(pretrained, "-c", config, "--set", "model.img_size=24", "--dry-run")
+    assert shown.returncode == 0, shown.stderr
+    model = yaml.safe_load(shown.stdout)["model"]
+    assert (model["name"], model["depth"], model["img_size"]) == ("Ti/4", 2, 24)  # the checkpoint's 2 blocks
+    for setting, expected in [
+        ("model.img_size=30", "model: img_size 30 is not divisible by the patch size 4 of Ti/4"),
+        ("model.head=gap", "holds a model with a token head, but model.head=gap"),
+    ]:
+        refused = _finetune_cli(pretrained, "-c", config, "--set", setting, "--dry-run")
+        assert refused.returncode == 2, refused.stdout
+        assert expected in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+
+
 def _grid_plan(tmp_path, benchmarks, **finetune):
     grid = GridConfig(
         data_root=str(tmp_path),

@@ -37,7 +37,15 @@ from vitray.trainers.step.float8 import float8_layer_names, local_gpu_fp8_proble
 from vitray.trainers.step.objectives import resolve_objective
 from vitray.trainers.trackers import missing_tracker_packages, mlflow_store_problem, wandb_login_missing
 
-__all__ = ["PreflightError", "ResumePlan", "check_inputs", "check_model", "check_resume", "config_changes"]
+__all__ = [
+    "PreflightError",
+    "ResumePlan",
+    "check_inputs",
+    "check_model",
+    "check_resume",
+    "config_changes",
+    "model_to_train",
+]
 
 # Config keys whose change makes a checkpoint unloadable into the new run: the weights' shapes,
 # what the head predicts, and the layout of the optimizer state that DeepSpeed / XLA restore.
@@ -367,6 +375,16 @@ def _check_representation_size(cfg: TrainingConfig, path: str, held: int | None)
             f"init.checkpoint {path} holds {holds}, but model.representation_size={asked}: fine-tuning keeps the "
             "checkpoint's architecture; leave model.representation_size out"
         )
+
+
+def model_to_train(cfg: TrainingConfig) -> ModelConfig:
+    """The model a run trains, refused (PreflightError) where it cannot be: ``cfg.model``, or with
+    ``init.checkpoint`` the checkpoint's architecture at this run's resolution (a model.name, depth,
+    head or pre-logits size set against it refused); built on the meta device. What `vitray finetune
+    --dry-run` checks and prints, without the data."""
+    model = _check_init_checkpoint(cfg) if cfg.init.checkpoint else cfg.model
+    check_model(model)
+    return model
 
 
 def check_model(model: ModelConfig, num_classes: int = 1) -> nn.Module:
