@@ -15,6 +15,7 @@ from typing import Any
 from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 from vitray.runfolder.files import RunFiles
 from vitray.runfolder.listing import skipped_data, skipped_data_line
+from vitray.runfolder.timm_folder import HYBRIDS
 
 
 def run_report(run_dir: str, *, total_steps: int, wall_s: float) -> list[str]:
@@ -47,9 +48,22 @@ def run_report(run_dir: str, *, total_steps: int, wall_s: float) -> list[str]:
     lines.append(f"TensorBoard: tensorboard --logdir {shlex.quote(files.root + '/tensorboard')}")
     if checkpoint is not None:
         quoted = shlex.quote(run_dir)
-        lines.append(f"export:      vitray export {quoted} --format timm --out {shlex.quote(_leaf(run_dir))}-timm")
+        lines.append(f"export:      {_export_command(run_dir, (checkpoint.state or {}).get('model') or {})}")
         lines.append(f"evaluate:    vitray evaluate {quoted} -c GRID.yaml --data-root PREPARED_DATA")
     return lines
+
+
+def _export_command(run_dir: str, model: dict[str, Any]) -> str:
+    """The export to suggest: to timm, where timm can build the model (`timm_folder.timm_config`
+    refuses a pre-logits layer and a ResNet timm lacks), else safetensors, saying why."""
+    name, leaf = str(model.get("name", "")), shlex.quote(_leaf(run_dir))
+    if model.get("representation_size"):
+        why = "timm's ViT has no pre-logits layer; fine-tuning drops it"
+    elif "+" in name and name not in HYBRIDS:
+        why = f"timm has no hybrid with the ResNet of {name}"
+    else:
+        return f"vitray export {shlex.quote(run_dir)} --format timm --out {leaf}-timm"
+    return f"vitray export {shlex.quote(run_dir)} --format safetensors --out {leaf}.safetensors ({why})"
 
 
 # Named like an evaluator's numbers, but an engine's own figures about the step (the xla backend's

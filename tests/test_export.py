@@ -216,3 +216,26 @@ def test_without_out_the_output_is_named_for_its_format(checkpoint, tmp_path):
         assert f"wrote {name} ({fmt})" in " ".join((done.stdout + done.stderr).split())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model-timm", "model.safetensors"]
     assert (tmp_path / "model-timm" / "config.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("model", "suggested"),
+    [
+        ({"name": "Ti/4"}, "--format timm --out pre-timm"),
+        ({"name": "R50+B/16"}, "--format timm --out pre-timm"),
+        (
+            {"name": "B/16", "representation_size": 768},
+            "--format safetensors --out pre.safetensors (timm's ViT has no pre-logits layer; fine-tuning drops it)",
+        ),
+        (
+            {"name": "R26+Ti/16"},
+            "--format safetensors --out pre.safetensors (timm has no hybrid with the ResNet of R26+Ti/16)",
+        ),
+    ],
+)
+def test_the_end_of_a_run_suggests_an_export_that_works(model, suggested, tmp_path):
+    """It suggested --format timm for every run, which `vitray export` refuses for a pre-logits layer
+    (the paper's pre-training recipes) and for a ResNet timm lacks."""
+    from vitray.runfolder.run_report import _export_command
+
+    assert _export_command(str(tmp_path / "pre"), model).startswith(f"vitray export {tmp_path / 'pre'} {suggested}")
