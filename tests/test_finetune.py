@@ -94,7 +94,7 @@ def test_recipe_is_the_papers_finetuning_recipe(pretrained, tmp_path):
         digits.learning_rates[0],
         30,
         digits.batch_size,
-        digits.warmup_steps,
+        round(digits.warmup_steps * 30 / digits.steps),  # the protocol's share of warm-up, in fewer steps
     )
     # At the end, the top-1 on the held-out slice and, a second evaluator of the same type, on the test
     # split; whole images, as digits trains on them (resize: BiT's rule, whose evaluation squashes too).
@@ -267,6 +267,20 @@ def test_a_fine_tune_configs_dry_run_checks_and_shows_the_checkpoints_model(pret
         refused = _finetune_cli(pretrained, "-c", config, "--set", setting, "--dry-run")
         assert refused.returncode == 2, refused.stdout
         assert expected in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+
+
+@pytest.mark.parametrize(
+    ("section", "warmup"),
+    [({}, 20), ({"steps": 20}, 2), ({"steps": 400}, 20), ({"steps": 20, "warmup_steps": 5}, 5), ({"steps": 7}, 1)],
+)
+def test_fewer_steps_than_the_protocols_keep_its_share_of_warm_up(section, warmup):
+    """`--steps 20` on digits kept its 20 warm-up steps: the learning rate rose over the whole run and
+    never decayed."""
+    from vitray.evaluation.methods.finetune import FinetuneGrid, finetune_settings
+
+    assert get_benchmark("digits").finetune.steps == 200 and get_benchmark("digits").finetune.warmup_steps == 20
+    (first, *_) = finetune_settings(get_benchmark("digits"), FinetuneGrid.model_validate(section))
+    assert first["warmup_steps"] == warmup
 
 
 def _grid_plan(tmp_path, benchmarks, **finetune):

@@ -199,7 +199,12 @@ def finetune_settings(benchmark: Benchmark, section: FinetuneGrid) -> list[dict[
     """
     protocol = benchmark.finetune
     steps = section.steps or protocol.steps
-    warmup = protocol.warmup_steps if section.warmup_steps is None else section.warmup_steps
+    if section.warmup_steps is not None:
+        warmup = section.warmup_steps
+    elif steps < protocol.steps:  # a shorter run keeps the protocol's share of warm-up (20 of 20: no decay)
+        warmup = round(protocol.warmup_steps * steps / protocol.steps)
+    else:
+        warmup = protocol.warmup_steps
     base = {
         "steps": int(steps),
         "batch_size": int(section.batch_size or protocol.batch_size),
