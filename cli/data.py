@@ -100,11 +100,12 @@ def data_prepare(
                 err=True,
             )
             raise typer.Exit(exit_codes.STOPPED_BY_USER) from None
-    console.print(
-        f"{dest}: {info.name}, {plural(info.num_classes, 'class', 'classes')} ({info.label_kind}-label); "
-        + _splits_text(info),
-        soft_wrap=True,
+    labels = (
+        "unlabelled"
+        if info.label_kind == "none"
+        else f"{plural(info.num_classes, 'class', 'classes')} ({info.label_kind}-label)"
     )
+    console.print(f"{dest}: {info.name}, {labels}; " + _splits_text(info), soft_wrap=True)
 
 
 @data_app.command("verify")

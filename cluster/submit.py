@@ -38,8 +38,7 @@ WORKING_DIR_EXCLUDES = [
     "*.safetensors",
     "*.pt",
     "*.pth",
-    ".env",
-    ".env.*",
+    ".env*",
     ".aws",
     ".ssh",
     ".netrc",
@@ -53,7 +52,7 @@ WORKING_DIR_EXCLUDES = [
 # Forwarded to the job when set on the submitting machine: where the storage is, never who may
 # read it. A job's runtime_env is stored with the job and shown to anyone who can list jobs
 # (`ray job list`, the Jobs API, the dashboard), so credentials never go there; the cluster's nodes
-# get their own (an instance profile, IRSA, or a Kubernetes Secret: deploy/, README "Credentials").
+# get their own (an instance profile, IRSA, or a Kubernetes Secret: deploy/, docs/deploy.md "Credentials").
 FORWARDED_ENV = (
     "AWS_DEFAULT_REGION",
     "AWS_REGION",
@@ -229,7 +228,7 @@ def env_notices(env: dict[str, str]) -> list[str]:
         notices.append(
             f"vitray: warning: --env {', '.join(sorted(env))} is stored in the Ray job's runtime_env, which anyone "
             "who can list jobs can read (ray job list, the dashboard); give credentials to the cluster's nodes "
-            "instead (README: Credentials)"
+            "instead (docs/deploy.md, Credentials)"
         )
     skipped = [name for name in NOT_FORWARDED_SECRETS if name in os.environ and name not in env]
     if skipped:

@@ -193,3 +193,8 @@ def test_files_that_are_not_images_are_counted_as_left_out(tmp_path):
     assert read_dataset_info(str(tmp_path / "dest")).splits["train"].num_samples == 6
     clean = prepare(f"imagefolder:{image_folder(tmp_path / 'clean')}", str(tmp_path / "dest2"), "--serial")
     assert clean.exit_code == 0 and "leaving out" not in clean.output
+    assert f"{tmp_path / 'dest2'}: clean, 2 classes (single-label); train: 6 samples" in " ".join(clean.output.split())
+    # Without its labels: the summary says so (not "0 classes (none-label)").
+    unlabelled = prepare(f"unlabelled:imagefolder:{tmp_path / 'clean'}", str(tmp_path / "dest3"), "--serial")
+    assert unlabelled.exit_code == 0, unlabelled.output
+    assert f"{tmp_path / 'dest3'}: clean, unlabelled; train: 6 samples" in " ".join(unlabelled.output.split())

@@ -287,6 +287,29 @@ def test_runtime_env_forwards_settings_never_credentials(monkeypatch):
     warning, note = env_notices(explicit)
     assert warning.startswith("vitray: warning: --env AWS_ACCESS_KEY_ID is stored in the Ray job's runtime_env")
     assert note.startswith("vitray: AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN from this shell")
+    assert "(docs/deploy.md, Credentials)" in warning
+
+
+def test_the_uploaded_working_dir_leaves_out_outputs_and_secrets(tmp_path):
+    """What `--working-dir` uploads, packed by Ray's own code with vitray's excludes: the configs go
+    along; run outputs, weights and the files that usually hold secrets (`.env*`: `.envrc` too) do not."""
+    import zipfile
+
+    from ray._private.runtime_env.packaging import create_package
+
+    from vitray.cluster.submit import runtime_env
+
+    kept = ["configs/run.yaml", "configs/runs/x.yaml", "grid.yaml", "environment.yaml"]
+    left_out = [".env", ".env.local", ".envrc", ".aws/credentials", "runs/demo/metrics.jsonl", "w.safetensors"]
+    for name in kept + left_out:
+        (tmp_path / "project" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "project" / name).write_text("x")
+    package = tmp_path / "package.zip"
+    excludes = runtime_env(str(tmp_path / "project"), {})["excludes"]
+    create_package(str(tmp_path / "project"), package, include_gitignore=True, excludes=excludes)
+    with zipfile.ZipFile(package) as packed:
+        uploaded = {name for name in packed.namelist() if not name.endswith("/")}
+    assert uploaded == set(kept)
 
 
 def test_failed_job_fails_the_submit(ray_head, tmp_path):
