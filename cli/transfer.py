@@ -254,11 +254,11 @@ def finetune(
         if cfg.init.checkpoint is None:
             fail("fine-tuning starts from a checkpoint: give CHECKPOINT or --set init.checkpoint=PATH")
         cfg = reporting_top1(cfg)  # the top-1 this command reports, at the end
-    if dry_run:  # the config, with the model it trains: the checkpoint's, at the run's size
+    if dry_run:  # the config, with the model it trains: the checkpoint's at the run's size, where it is here
         from vitray.trainers.driver_checks.preflight import PreflightError, model_to_train
 
-        with handled((PreflightError,)):
-            model = model_to_train(cfg)
+        with handled((PreflightError,)):  # (touches no data: a checkpoint that is not here is not refused)
+            model = model_to_train(cfg, elsewhere_ok=True)
         print_config(cfg.model_copy(update={"model": model}))
         return
     from vitray.evaluation.evaluators import TEST

@@ -70,6 +70,24 @@ def test_ray_prepare_treats_bad_images_like_the_serial_one(local_ray, tmp_path, 
     assert type(errors[0]) is type(errors[1]) and str(errors[0]) == str(errors[1]) and "ray::" not in str(errors[0])
 
 
+def assert_gone_with(pgid: int, wait_s: float = 30.0) -> None:
+    """Every process of the stopped command's process group (Ray's own, started by it) is gone
+    within `wait_s`; those left are killed (by the group's id) and the test fails."""
+    import os
+    import signal
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    os.killpg(pgid, signal.SIGKILL)
+    raise AssertionError(f"processes of the stopped command were still running {wait_s:.0f} s after it exited")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
 def test_a_stop_during_a_ray_prepare_is_one_line_and_no_dataset(signame, tmp_path):
@@ -116,16 +134,7 @@ def test_a_stop_during_a_ray_prepare_is_one_line_and_no_dataset(signame, tmp_pat
         assert "SIGTERM received" not in err and "Aborted" not in err, err[-3000:]  # Ray's C++ handler
     assert "Traceback" not in err
     assert not (dest / "dataset.json").exists()
-    deadline = time.monotonic() + 30  # Ray's own processes (same process group) go with the command
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.5)
-    else:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError("processes of the interrupted command were still running 30 s after it exited")
+    assert_gone_with(proc.pid)
     if signame == "SIGTERM":  # the same command goes on from what the Ray tasks wrote before the stop
         from vitray.data import verify_dataset
 
@@ -197,13 +206,4 @@ def test_sigterm_while_ray_starts_is_the_stops_line_and_leaves_no_process(tmp_pa
     ) in err
     assert "Traceback" not in err
     assert not list(dest.glob("*.tar"))
-    deadline = time.monotonic() + 30  # Ray's processes (the command's process group) go with it
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.5)
-    else:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError("processes of the stopped command were still running 30 s after it exited")
+    assert_gone_with(proc.pid)

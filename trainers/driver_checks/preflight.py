@@ -328,7 +328,9 @@ def _check_init_checkpoint(cfg: TrainingConfig) -> ModelConfig:
     try:
         storage.check_reachable(path, must_exist=True)  # read as the run folder is: the environment's credentials
         state = ckpt.resolve_checkpoint(path).state
-    except (FileNotFoundError, ckpt.IncompleteCheckpointError, storage.StorageUnreachable) as err:
+    except (FileNotFoundError, storage.StorageUnreachable) as err:
+        raise CheckpointNotHere(f"init.checkpoint: {err}") from None
+    except ckpt.IncompleteCheckpointError as err:
         raise PreflightError(f"init.checkpoint: {err}") from None
     # (and with this run's dropout and activation checkpointing: how it trains is the run's own)
     settings = cfg.model.model_dump(include=set(TRAINING_SETTINGS))
@@ -377,12 +379,24 @@ def _check_representation_size(cfg: TrainingConfig, path: str, held: int | None)
         )
 
 
-def model_to_train(cfg: TrainingConfig) -> ModelConfig:
+class CheckpointNotHere(PreflightError):
+    """init.checkpoint cannot be read from here: not there, or its store not reachable."""
+
+
+def model_to_train(cfg: TrainingConfig, *, elsewhere_ok: bool = False) -> ModelConfig:
     """The model a run trains, refused (PreflightError) where it cannot be: ``cfg.model``, or with
     ``init.checkpoint`` the checkpoint's architecture at this run's resolution (a model.name, depth,
     head or pre-logits size set against it refused); built on the meta device. What `vitray finetune
-    --dry-run` checks and prints, without the data."""
-    model = _check_init_checkpoint(cfg) if cfg.init.checkpoint else cfg.model
+    --dry-run` checks and prints, without the data. With ``elsewhere_ok`` a checkpoint that cannot be
+    read from here (a cluster's path or store, as `vitray submit`'s dry-run meets it) leaves the
+    config's model to check."""
+    model = cfg.model
+    if cfg.init.checkpoint:
+        try:
+            model = _check_init_checkpoint(cfg)
+        except CheckpointNotHere:
+            if not elsewhere_ok:
+                raise
     check_model(model)
     return model
 
