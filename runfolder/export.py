@@ -12,7 +12,7 @@ import os
 import tempfile
 
 from vitray import storage
-from vitray.runfolder.checkpoint_folders import CheckpointInfo, load_checkpoint
+from vitray.runfolder.checkpoint_folders import CheckpointInfo, load_checkpoint, resolve_checkpoint
 from vitray.runfolder.timm_folder import enlarged_side, eval_resize_of
 
 FORMATS = ("npz", "safetensors", "timm", "onnx")
@@ -39,8 +39,11 @@ def export(path: str, fmt: str, out: str, *, overwrite: bool = False) -> Checkpo
     over and why)."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is not supported; expected one of: {', '.join(FORMATS)}")
-    check_output(out, fmt, overwrite=overwrite)  # before the checkpoint is read: fail fast
+    # Both ends checked before the weights are read (fail fast): the checkpoint first (its records
+    # alone), so that a mistyped one is named, not an older output in the way.
     storage.check_remote_reachable(path, must_exist=True)  # a wrong key, endpoint or bucket: one line
+    resolve_checkpoint(path)
+    check_output(out, fmt, overwrite=overwrite)
     model, state = load_checkpoint(path)
     model.eval()
     # How the checkpoint's evaluation resized images: what a timm or ONNX reader feeds the model

@@ -183,6 +183,12 @@ def test_export_of_a_path_that_does_not_exist_says_so(tmp_path, monkeypatch):
     message = one_error_line(invoke("export", str(missing), "--out", str(tmp_path / "m.npz")))
     assert f"{missing} does not exist: give a checkpoint folder or a run folder" in message
     assert "neither" not in message
+    # The default output (model.npz here) left by an earlier export: the missing checkpoint is named,
+    # not the output in the way.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.npz").write_bytes(b"an earlier export")
+    message = one_error_line(invoke("export", str(missing)))
+    assert f"{missing} does not exist: give a checkpoint folder or a run folder" in message, message
 
 
 def test_help_without_a_terminal_keeps_every_option_name_whole():
