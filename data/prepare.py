@@ -5,7 +5,7 @@ runs them as Ray tasks)::
 
     source = opened(spec)                            # its notes (a split left out) printed
     started = start_preparation(source, dest, ...)   # a DatasetInfo when DEST is prepared already
-    write = functools.partial(write_shard_recorded, dest=dest, plan=started.plan, ...)
+    write = started.writer()                         # a shard and its record; it pickles
     results = [write(t) for t in started.remaining]  # any executor, any order
     info = started.finish(results)                   # bad images settled, manifests, dataset.json
 
