@@ -34,7 +34,7 @@ from vitray.cluster.runtime import (
     connect,
     node_resources,
 )
-from vitray.cluster.stop_signals import StopOnSignal, StoppedBeforeTraining
+from vitray.cluster.stop_signals import StopOnSignal, StoppedBeforeTraining, ray_init_keeps_sigterm
 from vitray.cluster.torch_trainer import RunWrittenElsewhere, check_workers_fit, fit
 from vitray.cluster.train_worker import prune
 from vitray.evaluation.evaluators import VAL_TOP1
@@ -105,7 +105,7 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
                 raise AlreadyFinished(plan.chosen)
             _announce_resume(cfg, folder, plan)
             stop.check()
-            with stop.over_ray_init():
+            with ray_init_keeps_sigterm():
                 cfg = _on_the_cluster(cfg, verbose=verbose)
             stop.take_signals()  # back from Ray's C++ core, which set its own SIGTERM handler
             stop.check()

@@ -60,10 +60,6 @@ class StopOnSignal:
                 previous = signal.signal(signum, self._on_signal)
                 self._previous.setdefault(signum, previous)
 
-    def over_ray_init(self) -> contextlib.AbstractContextManager[None]:
-        """Keeps this handler while Ray starts (:func:`ray_init_keeps_sigterm`)."""
-        return ray_init_keeps_sigterm()
-
     def check(self) -> None:
         """Raises StoppedBeforeTraining if a signal came before the workers started."""
         if self.reason is not None and not self._workers_started:

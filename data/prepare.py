@@ -126,12 +126,14 @@ def begin_prepare(
     is left alone, whatever its name. With ``overwrite``, ``dataset.json`` is deleted first so that
     the folder stops counting as prepared before any of its shards change.
     """
-    names = storage.list_names(dest, storage_options)
+    sizes = storage.file_sizes(dest, storage_options)  # (the files: what a marker, a shard, a record is)
+    names = sorted(sizes)
     marker = storage.join(dest, PREPARING_MARKER)
     splits = {task.split for task in tasks}
     if PREPARING_MARKER in names and DATASET_JSON not in names and _marker_plan(marker, storage_options) == plan:
-        done = finished_shards(dest, tasks, plan, storage_options)
-        left = [name for name in names if _our_files(splits).match(name) and name.endswith(".tmp")]
+        done = finished_shards(dest, tasks, plan, sizes, storage_options)
+        ours = _our_files(splits)
+        left = [name for name in names if ours.match(name) and name.endswith(".tmp")]
         storage.remove_all([storage.join(dest, name) for name in left], storage_options)
         samples = sum(result.row.num_samples for result in done.values() if result.row is not None)
         print(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vitray import storage
@@ -80,12 +80,15 @@ def write_shard_recorded(
 
 
 def finished_shards(
-    dest: str, tasks: Sequence[ShardTask], plan: str, storage_options: dict[str, Any] | None = None
+    dest: str,
+    tasks: Sequence[ShardTask],
+    plan: str,
+    sizes: Mapping[str, int],
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, ShardResult]:
     """The shards of ``tasks`` that an earlier run of the plan ``plan`` wrote whole into ``dest``, by
-    name: those with a record of that plan and of the size the shard has now (one listing, and the
-    records read concurrently)."""
-    sizes = storage.file_sizes(dest, storage_options)
+    name: those with a record of that plan and of the size the shard has now (``sizes``: the files of
+    ``dest`` and theirs, `storage.file_sizes`); the records are read concurrently."""
     wanted = [task.name for task in tasks if task.name in sizes and record_name(task.name) in sizes]
     records = storage.read_all([storage.join(dest, record_name(name)) for name in wanted], storage_options)
     done = {}

@@ -70,6 +70,10 @@ class PreflightError(ValueError):
     """A run that cannot start as configured (one line: the cause and the fix)."""
 
 
+class CheckpointNotHere(PreflightError):
+    """init.checkpoint cannot be read from here: not there, or its store not reachable."""
+
+
 @dataclass
 class ResumePlan:
     chosen: ckpt.CheckpointInfo | None  # None: from scratch
@@ -377,10 +381,6 @@ def _check_representation_size(cfg: TrainingConfig, path: str, held: int | None)
             f"init.checkpoint {path} holds {holds}, but model.representation_size={asked}: fine-tuning keeps the "
             "checkpoint's architecture; leave model.representation_size out"
         )
-
-
-class CheckpointNotHere(PreflightError):
-    """init.checkpoint cannot be read from here: not there, or its store not reachable."""
 
 
 def model_to_train(cfg: TrainingConfig, *, elsewhere_ok: bool = False) -> ModelConfig:
