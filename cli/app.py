@@ -41,14 +41,38 @@ log = logging.getLogger("vitray.cli")
 if typer.rich_utils.MAX_WIDTH is None and not sys.stdout.isatty():
     typer.rich_utils.MAX_WIDTH = HELP_WIDTH_WITHOUT_TERMINAL
 
+
+def _plainly_named(params: list) -> list:
+    """Parameters named in help and usage lines as the docs name them (`SOURCE DEST`, not Typer's
+    `{source} {dest}`), with no value type beside a flag: Typer's `<bool>` beside `--overwrite`
+    (and `--help`) read as if the flag took a value (`--overwrite true`)."""
+    for param in params:  # (Typer's own click, vendored: not `click`'s classes)
+        if isinstance(param, typer.core.TyperArgument) and param.metavar is None:
+            param.metavar = param.name.upper()
+        elif isinstance(param, typer.core.TyperOption) and param.is_flag and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class _PlainCommand(typer.core.TyperCommand):
+    def get_params(self, ctx):
+        return _plainly_named(super().get_params(ctx))
+
+
+class _PlainGroup(typer.core.TyperGroup):
+    def get_params(self, ctx):
+        return _plainly_named(super().get_params(ctx))
+
+
 app = typer.Typer(
     name="vitray",
+    cls=_PlainGroup,
     help="Pre-train Vision Transformers on Ray and transfer them to the ViT paper's benchmarks.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-data_app = typer.Typer(help="Prepare datasets as webdataset shards.", no_args_is_help=True)
+data_app = typer.Typer(cls=_PlainGroup, help="Prepare datasets as webdataset shards.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 
 
@@ -56,11 +80,13 @@ def reflow_help(typer_app: typer.Typer) -> None:
     """Each command's help with every paragraph on one line, for the terminal to wrap. Typer's rich
     help keeps a docstring's line breaks in the command list and in every paragraph after the first,
     so `vitray --help` showed lines broken where the source was; a paragraph starting with \\b
-    keeps its lines (click's convention)."""
+    keeps its lines (click's convention). Each command names its parameters as `_plainly_named` says."""
     for command in typer_app.registered_commands:
         text = inspect.cleandoc(command.help or (command.callback.__doc__ if command.callback else None) or "")
         paragraphs = text.split("\n\n")
         command.help = "\n\n".join(p if p.startswith("\b") else " ".join(p.split("\n")) for p in paragraphs)
+        if command.cls in (None, typer.core.TyperCommand):  # (Typer's own, unless a command chose another)
+            command.cls = _PlainCommand
 
 
 # Progress and messages (never wrapped: paths and commands stay copyable); result tables go to stdout.

@@ -200,6 +200,23 @@ def test_help_without_a_terminal_keeps_every_option_name_whole():
     assert "--samples-per-shard" in CliRunner().invoke(whole_app, ["data", "prepare", "--help"]).output
 
 
+def test_help_names_arguments_as_the_docs_do_and_shows_no_value_beside_a_flag():
+    """`vitray data prepare SOURCE DEST` as the docs and the summary line write it (Typer wrote
+    `{source} {dest}`), and a flag with nothing in the type column (Typer's `<bool>` beside
+    `--overwrite` and `--help` read as if they took a value); options with values keep their type."""
+    from vitray.cli.main import app as whole_app
+
+    shown = CliRunner().invoke(whole_app, ["data", "prepare", "--help"], env={"COLUMNS": "200"}).output
+    assert "{SOURCE} {DEST}" in shown and "{source}" not in shown, shown
+    assert "<bool>" not in shown and "<int range>" in shown, shown
+    flag = next(line for line in shown.splitlines() if "--skip-bad" in line)
+    assert flag.split("--skip-bad", 1)[1].split()[0] == "Leave", flag  # its help comes next, no type between
+    for command in ([], ["data"], ["pretrain"], ["finetune"], ["evaluate"], ["export"], ["runs"], ["inspect"]):
+        assert "<bool>" not in CliRunner().invoke(whole_app, [*command, "--help"]).output, command
+    missing = CliRunner().invoke(whole_app, ["data", "prepare"])
+    assert missing.exit_code == 2 and "Missing argument 'SOURCE'" in missing.output, missing.output
+
+
 def test_help_breaks_lines_where_the_terminal_ends_not_where_the_source_did():
     """A docstring's paragraphs are wrapped to the width of the help (100 columns without a
     terminal), in the command list and on each command's page, not broken where its source lines end."""
