@@ -22,8 +22,8 @@ def data_prepare(
     source: Annotated[
         str,
         typer.Argument(
-            help="imagefolder:PATH | cifar10:PATH | cifar100:PATH | parquet:PATH | hf:PATH[?image=COL&label=COL] | "
-            "tfds:DATA_DIR/NAME/VERSION | vtab:TASK:DATA_DIR/NAME/VERSION | pets:DIR | flowers102:DIR | builtin:digits | "
+            help="imagefolder:PATH | cifar10:PATH | cifar100:PATH | parquet:PATH | "
+            "hf:PATH[?image=COL&label=COL&split=FROM:TO] | tfds:DATA_DIR/NAME/VERSION[?split=FROM:TO] | vtab:TASK:DATA_DIR/NAME/VERSION | pets:DIR | flowers102:DIR | builtin:digits | "
             "unlabelled:SOURCE (any of these, its labels dropped)"
         ),
     ],

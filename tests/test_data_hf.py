@@ -105,3 +105,28 @@ def test_hf_flags_without_a_card_and_schema_metadata_names(tmp_path, monkeypatch
     monkeypatch.chdir(root.parent)
     relative = open_source(f"hf:{root.name}?image=img&label=fine_label")
     assert relative.spec == f"hf:{root}?image=img&label=fine_label"
+
+
+def test_hf_split_option_renames_a_split_as_the_benchmarks_read_it(tmp_path):
+    """ImageNet on the hub names its validation files `validation-*.parquet`; the benchmark reads
+    `val`: `?split=validation:val` renames it (as `tfds:` does), and a mistyped or clashing rename is
+    refused naming the splits there are."""
+    root = _hub_copy(tmp_path / "hub")
+    (root / "data" / "test-00000-of-00001.parquet").rename(root / "data" / "validation-00000-of-00001.parquet")
+    source = open_source(f"hf:{root}?label=fine_label&split=validation:val")
+    assert source.split_sizes() == {"train": 11, "val": 4}
+    info = prepare_dataset(source, str(tmp_path / "out"), samples_per_shard=4)
+    assert sorted(info.splits) == ["train", "val"]
+    assert read_labels(str(tmp_path / "out"), "val")[1].tolist() == [i % 3 for i in range(100, 104)]
+    assert open_source(f"hf:{root}?label=fine_label&split=validation:val,train:pretrain").split_sizes() == {
+        "pretrain": 11,
+        "val": 4,
+    }
+    with pytest.raises(
+        ValueError, match=r"split='valid:val' is not SPLIT:NAME with SPLIT one of \['train', 'validation'\]"
+    ):
+        open_source(f"hf:{root}?label=fine_label&split=valid:val")
+    with pytest.raises(ValueError, match=r"split='validation:train': the source already has a split 'train'"):
+        open_source(f"hf:{root}?label=fine_label&split=validation:train")
+    with pytest.raises(ValueError, match="split name 'v-al'.*letters, digits and _ only"):
+        open_source(f"hf:{root}?label=fine_label&split=validation:v-al")

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..layout import LabelKind
+from ..layout import LabelKind, check_split_name
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 JPEG_SIGNATURE = b"\xff\xd8\xff"
@@ -110,3 +110,20 @@ def image_ext(data: bytes, name: str = "") -> str:
             raise ValueError(f"{name or 'image'} is {fmt}; only PNG and JPEG images are supported")
     suffix = "." + name.rsplit(".", 1)[-1].lower() if "." in name else ""
     return IMAGE_SUFFIXES.get(suffix, "jpg")
+
+
+def split_renames(values: list[str], splits: Sequence[str], kind: str, native: str) -> dict[str, str]:
+    """A source's ``split=FROM:TO[,FROM:TO]`` options as {its split name: the name vitray writes}:
+    ``split=validation:val`` makes ImageNet's validation set the benchmark's ``val``. ``native`` is
+    what the source calls its own names in the error (``TFDS_NAME``, ``FILE_SPLIT``)."""
+    renames: dict[str, str] = {}
+    for rename in (r for value in values for r in value.split(",")):
+        old, sep, new = rename.partition(":")
+        if not sep or old not in splits:
+            raise ValueError(
+                f"{kind} source option split={rename!r} is not {native}:NAME with {native} one of {sorted(splits)}"
+            )
+        if new in splits and new not in {old, *renames}:
+            raise ValueError(f"{kind} source option split={rename!r}: the source already has a split {new!r}")
+        renames[old] = check_split_name(new, f"split={rename}")
+    return renames

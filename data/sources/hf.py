@@ -9,6 +9,9 @@ reads them. Unlike ``parquet:``, the columns need not be called ``image`` and ``
   ``dataset_info.features``): the one ``image`` feature and the one ``class_label`` feature
   (a card with several, such as CIFAR-100's ``fine_label`` and ``coarse_label``, needs ``label=``).
 
+The splits are named by the files (``validation-00000-of-00014.parquet`` is split ``validation``);
+``hf:PATH?split=validation:val`` renames one (ImageNet's validation set as the benchmark's ``val``).
+
 Class names come from the Parquet schema's ``huggingface`` metadata, else from the card's
 ``class_label.names``, else they are numbered.
 """
@@ -73,10 +76,13 @@ class HfSource(ParquetSource):
     @classmethod
     def open(cls, location: str) -> HfSource:
         path, _, query = location.partition("?")
-        options = {k: v[-1] for k, v in parse_qs(query).items()}
-        unknown = sorted(set(options) - {"image", "label"})
+        values = parse_qs(query)
+        options = {k: v[-1] for k, v in values.items()}
+        unknown = sorted(set(options) - {"image", "label", "split"})
         if unknown:
-            raise ValueError(f"hf source options {unknown} are not known; allowed: image=COLUMN, label=COLUMN")
+            raise ValueError(
+                f"hf source options {unknown} are not known; allowed: image=COLUMN, label=COLUMN, split=SPLIT:NAME"
+            )
         root = Path(path).expanduser().resolve()
         if not root.exists():
             raise FileNotFoundError(f"hf source {root} does not exist")
@@ -87,7 +93,9 @@ class HfSource(ParquetSource):
         # The spec recorded with the dataset names the folder resolved, as the other sources do: a relative
         # path typed elsewhere must not read as another (or the same) source.
         spec = f"{cls.kind}:{root}" + (f"?{query}" if query else "")
-        return cls.from_files(root, (image, label), _card_names(card_feature), spec)
+        return cls.from_files(
+            root, (image, label), _card_names(card_feature), spec, split_options=values.get("split", [])
+        )
 
 
 def _pick(features: list[dict[str, Any]], want: Any, what: str, default: str, root: Path) -> str:

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..layout import check_split_name
-from .base import Sample, SampleChunk, Source, image_ext
+from .base import Sample, SampleChunk, Source, image_ext, split_renames
 
 
 class ParquetChunk(SampleChunk):
@@ -128,9 +128,11 @@ class ParquetSource(Source):
         spec: str | None = None,
         *,
         labels: bool = True,
+        split_options: Sequence[str] = (),
     ) -> ParquetSource:
         """`labels=False` (`unlabelled:`, which drops the labels): a table without the label column is
-        read without it, and the labels are not checked against the classes.
+        read without it, and the labels are not checked against the classes. `split_options` are
+        ``FROM:TO`` renames of the splits the file names give (:func:`.base.split_renames`).
 
         A split whose labels are all -1 (a Hugging Face test split published without its labels,
         as imagenet-1k's) is left out and said so in :attr:`notes`; any other label outside the
@@ -144,6 +146,9 @@ class ParquetSource(Source):
             split = check_split_name(_split_of(path), str(path))
             files[split].append(str(path))
             folders[split].add(path.parent)
+        renames = split_renames(list(split_options), list(files), cls.kind, "SPLIT")
+        files = defaultdict(list, {renames.get(split, split): paths for split, paths in files.items()})
+        folders = {renames.get(split, split): where for split, where in folders.items()}
         for split, where in folders.items():
             if len(where) > 1:  # Hugging Face's configs: one dataset each, not one split together
                 names = ", ".join(sorted(str(w.relative_to(root)) for w in where))
@@ -160,7 +165,7 @@ class ParquetSource(Source):
             if image_only:  # `unlabelled:` reads such a table: say so, and let it reopen this one
 
                 def reopen() -> ParquetSource:
-                    return cls.from_files(root, columns, card_classes, spec, labels=False)
+                    return cls.from_files(root, columns, card_classes, spec, labels=False, split_options=split_options)
 
                 where = spec or f"{cls.kind}:{root}"
                 raise LabelColumnMissing(f"{error} (a table without labels: unlabelled:{where})", reopen) from None
@@ -176,7 +181,7 @@ class ParquetSource(Source):
         where = spec or f"{cls.kind}:{root}"
 
         def without_labels() -> ParquetSource:  # what `unlabelled:` reads: every split, labels not checked
-            return cls.from_files(root, columns, card_classes, spec, labels=False)
+            return cls.from_files(root, columns, card_classes, spec, labels=False, split_options=split_options)
 
         ranges = {split: _group_ranges(split_paths, columns[1]) for split, split_paths in files.items()}
         # A split's label column, read at most once: for the range check and the order check alike

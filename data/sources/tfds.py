@@ -34,7 +34,7 @@ from urllib.parse import parse_qs
 import numpy as np
 
 from ..layout import check_split_name
-from .base import Sample, SampleChunk, Source, image_ext
+from .base import Sample, SampleChunk, Source, image_ext, split_renames
 from .tfrecord import CorruptRecord, iter_records, parse_example
 
 Example = dict[str, list[Any]]
@@ -261,16 +261,7 @@ class TfdsSource(Source):
                 f"tfds source options {unknown} are not known; allowed: image=KEY, label=KEY, split=TFDS_NAME:NAME"
             )
         build = TfdsBuild.open(Path(match["path"]).expanduser().resolve())
-        renames = {}
-        for rename in (r for value in query.get("split", []) for r in value.split(",")):
-            old, sep, new = rename.partition(":")
-            if not sep or old not in build.splits:
-                raise ValueError(
-                    f"tfds source option split={rename!r} is not TFDS_NAME:NAME with TFDS_NAME one of {sorted(build.splits)}"
-                )
-            if new in build.splits and new not in {old, *renames}:
-                raise ValueError(f"tfds source option split={rename!r}: the build already has a split {new!r}")
-            renames[old] = check_split_name(new, f"split={rename}")
+        renames = split_renames(query.get("split", []), list(build.splits), cls.kind, "TFDS_NAME")
         label = options.get("label", "label")
         if build.features and label not in build.features:
             raise ValueError(f"tfds source {build.folder} has no feature {label!r}; features: {sorted(build.features)}")
