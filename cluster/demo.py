@@ -9,7 +9,6 @@ embedded local Ray with 2 workers and DeepSpeed (held-out top-1 and a 10-shot pr
 from __future__ import annotations
 
 import os
-from importlib import resources
 from pathlib import Path
 
 from rich.console import Console
@@ -21,7 +20,7 @@ from vitray.cluster.grid_checks import check_models
 from vitray.cluster.prepare import prepare_dataset_on_ray
 from vitray.cluster.pretrain import AlreadyFinished, latest_complete, pretrain
 from vitray.cluster.runtime import connect
-from vitray.common.config import load_config
+from vitray.common.config import load_config, packaged_config
 from vitray.evaluation.checkpoint_inspection import add_to_report
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.evaluators import VAL_TOP1
@@ -38,10 +37,6 @@ from vitray.trainers.driver_checks.preflight import PreflightError
 # the better of the two from the demo's run (0.81 test top-1 against 0.78 for 0.01, 100 steps at 24 px).
 DEMO_GRID = ["finetune.learning_rates=[0.03]"]
 DIGITS_SIZE = 8  # scikit-learn's digits are 8x8 pixels
-
-
-def config_path(name: str) -> Path:
-    return Path(str(resources.files("vitray.configs").joinpath(name)))
 
 
 def run_demo(
@@ -64,7 +59,7 @@ def run_demo(
     data = out / "data" / "digits"
     cfg = load_config(
         TrainingConfig,
-        config_path("demo.yaml"),
+        packaged_config("demo.yaml"),
         [
             f"data.train={data}",
             f"run.storage={out / 'runs'}",
@@ -74,7 +69,7 @@ def run_demo(
     )
     grid = load_config(
         GridConfig,
-        config_path("grid_digits.yaml"),
+        packaged_config("grid_digits.yaml"),
         [f"data_root={out / 'data'}", f"output={out / 'eval'}", *DEMO_GRID, *(grid_overrides or [])],
     )
     # The grid's models at their sizes, with the model the run will train: a size its patch or

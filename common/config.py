@@ -13,6 +13,7 @@ import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
+from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,8 +38,25 @@ def no_config(schema: type[BaseModel]) -> str:
 
 def load_config(schema: type[M], path: str | Path | None = None, overrides: Sequence[str] = ()) -> M:
     """A YAML file (or nothing: the defaults) + `key=value` overrides, validated as `schema`."""
-    raw = _read_yaml(Path(path)) if path is not None else {}
+    path = config_file(path) if path is not None else None
+    raw = _read_yaml(path) if path is not None else {}
     return validate_config(schema, raw, overrides, source=str(path) if path else None)
+
+
+def packaged_config(name: str) -> Path:
+    """One of the recipes installed with vitray (`configs/` in a checkout): `paper/fewshot.yaml`."""
+    return Path(str(resources.files("vitray.configs").joinpath(name)))
+
+
+def config_file(path: str | Path) -> Path:
+    """`path`; or, where it names one of vitray's own recipes as the docs write them
+    (`configs/paper/pretrain_b16_i21k.yaml`) and no such file is here, that recipe as installed with
+    vitray: outside a checkout (vitray installed from a wheel) the docs' commands work as written."""
+    path = Path(path)
+    if path.exists() or path.is_absolute() or path.parts[:1] != ("configs",) or len(path.parts) < 2:
+        return path
+    packaged = packaged_config("/".join(path.parts[1:]))
+    return packaged if packaged.is_file() else path
 
 
 def validate_config(
@@ -120,9 +138,18 @@ def _refuse_moved_keys(schema: type[BaseModel], data: Mapping[str, Any], blame: 
 _MISSING = object()
 
 
+def _recipes_beside(path: Path) -> str:
+    """For a missing `configs/...` file: the recipes vitray has in that folder (a mistyped name)."""
+    if path.is_absolute() or path.parts[:1] != ("configs",):
+        return ""
+    folder = packaged_config("/".join(path.parts[1:-1]))
+    names = sorted(p.name for p in folder.glob("*.yaml")) if folder.is_dir() else []
+    return f"; vitray's recipes in {path.parent}/: {', '.join(names)}" if names else ""
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.exists():
-        raise ConfigError(f"config file {path} does not exist")
+        raise ConfigError(f"config file {path} does not exist{_recipes_beside(path)}")
     if not path.is_file():
         raise ConfigError(f"config file {path} is not a file: pass -c FILE.yaml")
     try:

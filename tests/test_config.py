@@ -520,3 +520,23 @@ def test_a_rank_0_evaluator_runs_on_the_other_ranks_only_when_the_forward_is_a_c
     assert ev("rank 1", alone, rank=1) == {} and ran_on == []  # rank 1 goes on training
     assert ev("rank 1", collective, rank=1) == {} and ran_on == ["rank 1"]  # it joins rank 0's forward calls
     assert ev("rank 0", collective, rank=0) == {"probe/acc": 1.0}  # rank 0 alone reports
+
+
+def test_the_docs_recipe_paths_work_outside_a_checkout(tmp_path, monkeypatch):
+    """`-c configs/paper/pretrain_b16_i21k.yaml` as the docs write it, from a folder with no
+    `configs/` (vitray installed from a wheel): the recipe installed with vitray. A file of that name
+    here wins; a mistyped recipe is refused naming the recipes of its folder."""
+    monkeypatch.chdir(tmp_path)
+    packaged = load_config(TrainingConfig, "configs/paper/pretrain_b16_i21k.yaml")
+    assert packaged == load_config(TrainingConfig, REPO / "configs" / "paper" / "pretrain_b16_i21k.yaml")
+    assert load_config(GridConfig, "configs/grid_digits.yaml").benchmarks
+    (tmp_path / "configs" / "paper").mkdir(parents=True)
+    (tmp_path / "configs" / "paper" / "pretrain_b16_i21k.yaml").write_text("seed: 7\ndata: {train: /d}\n")
+    assert load_config(TrainingConfig, "configs/paper/pretrain_b16_i21k.yaml").seed == 7
+    with pytest.raises(ConfigError) as refused:
+        load_config(TrainingConfig, "configs/paper/pretrain_b16_i21.yaml")
+    assert str(refused.value).startswith("config file configs/paper/pretrain_b16_i21.yaml does not exist; ")
+    assert "vitray's recipes in configs/paper/: fewshot.yaml, " in str(refused.value)
+    assert "pretrain_b16_i21k.yaml" in str(refused.value)
+    with pytest.raises(ConfigError, match=r"^config file elsewhere/run.yaml does not exist$"):
+        load_config(TrainingConfig, "elsewhere/run.yaml")
