@@ -112,8 +112,9 @@ def _parse(data: bytes) -> LeaseRecord | None:
 
 class RunLease:
     """Holds `<run_dir>/vitray/lease.json` from `acquire()` to `release()`, refreshing it every
-    `timeout_s / 4` on a background thread. `on_lost` is called (once, from that thread) when
-    another driver took the lease over."""
+    `timeout_s / 4` on a background thread. `on_lost` is called (from that thread) when another
+    driver took the lease over; this driver takes it back once that one has released it or stopped
+    beating."""
 
     # On S3, taking over a lease (stale, gone or --force) replaces the very version judged; a write
     # that the holder's heartbeat beat to it is judged again on the new version, this many times.
@@ -301,20 +302,30 @@ class RunLease:
                 held = storage.ride_out(
                     beat, what=f"the lease heartbeat ({self.path})", within_s=self.outage_s, stop=self._stop
                 )
-                if held is not None:
+                # A driver whose lease was taken (`--force`) goes on beating: once the driver that took
+                # it ends, or stops beating, this one holds the run again. (It stopped beating for
+                # good: a later plain start of the run, finding no lease, trained beside it.)
+                if held is not None and not self.lost:
                     self.lost = True
                     if self.on_lost is not None:
                         self.on_lost(held)
-                    return
+                elif held is None and self.lost and not self._stop.is_set():
+                    self.lost = False
+                    print(
+                        f"vitray: the driver that took over the lease of run {self.run_dir} has ended or stopped "
+                        "beating: this driver holds the run again",
+                        flush=True,
+                    )
             except Exception as error:
                 if not self._stop.is_set():
                     print(f"vitray: lease heartbeat failed ({error}); retrying", flush=True)
 
     def _beat(self) -> LeaseRecord | None:
-        """Refresh the lease; returns the other driver's record when it was taken over."""
+        """Refresh the lease; returns the other driver's record while another holds it (fresh); a
+        lease gone or gone stale is written back."""
         with self._locked():
             held = read_lease(self.path)
-            if held is not None and held.owner != self.owner:
+            if held is not None and held.owner != self.owner and held.fresh():
                 return held
             if self._stop.is_set():
                 return None  # released meanwhile: the lease is not written back
@@ -335,12 +346,18 @@ class RunLease:
         # all (a retried PUT whose first attempt had landed).
         current = self._object.get()
         held = _parse(current[0]) if current else None
-        if held is not None and held.owner != self.owner:
+        if held is not None and held.owner != self.owner and held.fresh():
             return held
-        if current is None and not self._stop.is_set():
-            self._etag = self._object.create(self._data())
-        else:
-            self._etag = current[1]
+        try:
+            if current is None and not self._stop.is_set():
+                self._etag = self._object.create(self._data())
+            elif held is not None and held.owner != self.owner and not self._stop.is_set():
+                self._etag = self._object.replace(self._data(), current[1])  # that driver stopped beating
+            else:
+                self._etag = current[1]
+        except lease_s3.WriteConflict:  # another driver wrote it meanwhile: judged again at the next beat
+            now_held = read_lease(self.path)
+            return now_held if now_held is not None and now_held.owner != self.owner else None
         return None
 
     def release(self) -> None:

@@ -147,9 +147,38 @@ def test_the_heartbeat_keeps_the_lease_fresh_and_notices_a_take_over(where, tmp_
     thief = RunLease(run_dir, timeout_s=60, force=True)
     thief.acquire()
     assert lost.wait(5) and lease.lost
-    lease.release()  # does not remove the new holder's lease
-    assert read_lease(lease.path).owner == thief.owner
+    time.sleep(0.5)
+    assert read_lease(lease.path).owner == thief.owner  # the displaced driver leaves a fresh lease alone
+    # The driver that took the run ends: the displaced one, still running, holds the run again (it
+    # stopped beating for good, and a later plain start of the run trained beside it).
     thief.release()
+    assert _eventually(lambda: _owner(lease.path) == lease.owner and not lease.lost)
+    with pytest.raises(RunLeaseHeld):
+        RunLease(run_dir, timeout_s=0.8).acquire()
+    # One that takes it and stops beating (killed on another host): taken back once its lease is stale.
+    lost.clear()
+    silent = RunLease(run_dir, timeout_s=0.8, force=True)
+    silent.acquire()
+    silent._stop.set()
+    silent._thread.join()
+    assert lost.wait(5) and lease.lost
+    assert _eventually(lambda: _owner(lease.path) == lease.owner and not lease.lost)
+    lease.release()
+    assert read_lease(lease.path) is None
+
+
+def _owner(path: str) -> str | None:
+    held = read_lease(path)
+    return held.owner if held is not None else None
+
+
+def _eventually(condition, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def test_a_heartbeat_waiting_for_the_store_does_not_write_the_lease_back_after_its_release(tmp_path, monkeypatch):
