@@ -47,10 +47,14 @@ def data_prepare(
     _refuse_dest_inside_source(source, dest, source_folder(source))
     # Everything the input decides is checked here, before Ray starts: the source, the
     # destination's storage and what the destination already holds.
-    with handled((ValueError, FileNotFoundError)):
+    from vitray.cluster.prepare import PreparationLease, prepare
+    from vitray.runfolder.lease import RunLeaseHeld
+
+    with handled((ValueError, FileNotFoundError, RunLeaseHeld)):
         # The destination first: its refusals need no listing of the source, which can take long.
         storage.check_remote_reachable(dest, writable=True)
         existing = check_destination(dest, overwrite=overwrite)
+        PreparationLease(dest).refuse_if_held()  # another preparation writing there now
         if source_kind(source)[0] == "imagefolder":  # its listing: a minute for a million files, more on NFS
             say(f"listing {source} ...")
         src = open_source(source)
@@ -80,9 +84,7 @@ def data_prepare(
         )
     if not serial:  # Ray's start takes seconds, with nothing on the console
         say("starting a local Ray instance ..." if address is None else f"connecting to Ray at {address} ...")
-    from vitray.cluster.prepare import prepare
-
-    with handled((ValueError,)):  # bad images, or a destination that changed meanwhile
+    with handled((ValueError, RunLeaseHeld)):  # bad images, a destination that changed or was taken meanwhile
         try:
             info = prepare(
                 src,

@@ -32,8 +32,10 @@ from vitray.data import (
     prepare_dataset,
     start_preparation,
 )
-from vitray.data.prepare import MapFn
+from vitray.data.prepare import PREPARING_LEASE, MapFn
 from vitray.data.shard_progress import ShardProgress
+from vitray.runfolder.lease import LeaseRecord, RunLease
+from vitray.storage import join
 
 # Tasks in flight per CPU of the cluster: enough to keep every CPU busy while results come back,
 # few enough that a huge dataset does not put millions of task arguments in the object store.
@@ -152,6 +154,36 @@ def _write_on_ray(started: Preparation, stop: _Stop, show_progress: bool) -> Dat
     return started.finish(results.values())
 
 
+class PreparationLease(RunLease):
+    """The one command preparing `dest`: a second `vitray data prepare` into the same folder, while
+    this one runs, is refused. (It took the running one for a stopped one: it removed the shards
+    being written, and with other options both ended "whole" over a mix of their shards.) The run
+    lease's guarantees (`vitray.runfolder.lease`): a file lock on local storage, conditional
+    writes on S3, and a lease whose heartbeat stops (a kill -9 elsewhere) expires."""
+
+    TIMEOUT_S = 120.0
+
+    def __init__(self, dest: str):
+        super().__init__(dest, timeout_s=self.TIMEOUT_S, path=join(dest, PREPARING_LEASE), on_lost=self._taken)
+        self.what = f"the preparation of {dest}"
+
+    def held_message(self, held: LeaseRecord, age: float) -> str:
+        return (
+            f"{self.run_dir} is being prepared by {held.describe()} (its lease {self.path}, last heartbeat "
+            f"{age:.0f} s ago): two preparations must not write one dataset. Wait for that one to end, or stop it "
+            f"and re-run (the same command goes on from the shards it wrote); if it is gone, its lease expires "
+            f"{self.timeout_s:g} s after its last heartbeat"
+        )
+
+    def _taken(self, holder: LeaseRecord) -> None:
+        print(
+            f"vitray: WARNING: {holder.describe()} took over the preparation of {self.run_dir} (this command's "
+            "heartbeat had stopped): stop one of them",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def prepare(
     source: Source,
     dest: str,
@@ -164,15 +196,18 @@ def prepare(
     """What `vitray data prepare` runs once its input is checked: the shards written in this process
     (``serial``) or by one Ray task per shard on the cluster at ``address`` (an embedded local Ray when
     None), with the same progress bar. ``options`` are :func:`prepare_dataset_on_ray`'s."""
-    if serial:
-        return prepare_dataset(source, dest, map_fn=_map_shown(f"preparing {source.name}", show_progress), **options)
-    # A stop while Ray starts (seconds) waits for its start, then stops as one in the task loop does:
-    # Ray's own SIGTERM handler exited 15 mid-start, its agents left running, and said nothing.
-    with _stop_noted() as stop:
-        with ray_init_keeps_sigterm():
-            connect(address)
-        stop.check(dest)
-    return prepare_dataset_on_ray(source, dest, show_progress=show_progress, **options)
+    with PreparationLease(dest):
+        if serial:
+            return prepare_dataset(
+                source, dest, map_fn=_map_shown(f"preparing {source.name}", show_progress), **options
+            )
+        # A stop while Ray starts (seconds) waits for its start, then stops as one in the task loop does:
+        # Ray's own SIGTERM handler exited 15 mid-start, its agents left running, and said nothing.
+        with _stop_noted() as stop:
+            with ray_init_keeps_sigterm():
+                connect(address)
+            stop.check(dest)
+        return prepare_dataset_on_ray(source, dest, show_progress=show_progress, **options)
 
 
 def _map_shown(title: str, show: bool) -> MapFn:

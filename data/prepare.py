@@ -66,6 +66,9 @@ def _our_files(splits: Iterable[str]) -> re.Pattern[str]:
 SHARD_NAME = re.compile(r"^[^.][^/]*-\d{6}\.tar$")
 # Written before the first shard, removed after dataset.json: "a vitray preparation began here".
 PREPARING_MARKER = ".vitray-preparing"
+# The lease of the command preparing the folder now (and, locally, its lock file beside it): a
+# second preparation is refused while it is held (`vitray.cluster.prepare`).
+PREPARING_LEASE = ".vitray-preparing.lease.json"
 # How many of a foreign folder's names a refusal lists.
 NAMES_SHOWN = 5
 
@@ -90,7 +93,7 @@ def check_destination(
     one listing and at most one small read."""
     if storage.is_local_file(dest):
         raise DestinationNotEmpty(f"{dest} is a file, not a folder: give a new or empty folder for the dataset")
-    names = storage.list_names(dest, storage_options)
+    names = [name for name in storage.list_names(dest, storage_options) if not name.startswith(PREPARING_LEASE)]
     if DATASET_JSON in names:
         try:
             existing = read_dataset_info(dest, storage_options)

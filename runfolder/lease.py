@@ -133,15 +133,18 @@ class RunLease:
         on_lost: Callable[[LeaseRecord], None] | None = None,
         without_conditional_writes: bool = False,
         outage_s: float = storage.retries.OUTAGE_S,
+        path: str | None = None,
     ):
         """`without_conditional_writes` (run.lease_without_conditional_writes): an S3 store that
         ignores conditional writes is used with the read-back after `settle_s` instead of refused.
         `outage_s` (run.storage_outage_s): how long a heartbeat waits for storage that does not
-        answer (`storage.ride_out`: one console line when the outage starts, one when it ends)."""
+        answer (`storage.ride_out`: one console line when the outage starts, one when it ends).
+        `path`: the lease's file, if not the run folder's (a subclass holding something else)."""
         from vitray.runfolder.files import RunFiles
 
-        self.path = RunFiles(run_dir).lease_path
+        self.path = path or RunFiles(run_dir).lease_path
         self.run_dir = run_dir
+        self.what = f"run {run_dir}"  # what the lease holds, in its messages
         self.timeout_s, self.force = timeout_s, force
         self.settle_s = settle_s if settle_s is not None else 2.0  # other object stores: the read-back's wait
         self.on_lost = on_lost
@@ -192,7 +195,7 @@ class RunLease:
             return True
         if not self.without_conditional_writes:
             raise UnsafeLeaseStore(
-                f"run {self.run_dir}: the S3 store ignores conditional writes ({ignored} were not refused), so the "
+                f"{self.what}: the S3 store ignores conditional writes ({ignored} were not refused), so the "
                 "run lease cannot keep a second driver of this run from writing its checkpoints too; use a store "
                 f"that honours them (AWS S3, MinIO, SeaweedFS) or accept the risk with {UnsafeLeaseStore.SETTING}=true"
             )
@@ -219,7 +222,7 @@ class RunLease:
                 yield
         except filelock.Timeout:
             raise RunLeaseHeld(
-                f"run {self.run_dir}: {self.lock_path} has been locked for over {self.LOCK_WAIT_S:g} s by another "
+                f"{self.what}: {self.lock_path} has been locked for over {self.LOCK_WAIT_S:g} s by another "
                 "driver that is reading or writing the lease (a process stopped in the middle, or a hung file "
                 "system). Stop that process or wait for it; if no driver of this run exists on any host, the "
                 "file system's lock is stale: delete the lock file"
@@ -260,7 +263,7 @@ class RunLease:
     def _raise_raced(self, now_held: LeaseRecord | None) -> None:
         other = f"{now_held.describe()}" if now_held else "another driver (it has since released it)"
         raise RunLeaseHeld(
-            f"run {self.run_dir} was taken by {other} while this driver was taking it: two runs started at "
+            f"{self.what} was taken by {other} while this driver was taking it: two runs started at "
             f"once; this one stops so that only one writes the run's checkpoints"
         )
 
@@ -280,7 +283,18 @@ class RunLease:
                 f"--force: taking over the lease of {held.describe()} although its heartbeat is only "
                 f"{age:.0f} s old; make sure that run is stopped"
             )
-        raise RunLeaseHeld(
+        raise RunLeaseHeld(self.held_message(held, age))
+
+    def refuse_if_held(self) -> None:
+        """Refuses now (RunLeaseHeld) while another driver holds the lease with a fresh heartbeat;
+        takes nothing: a check before slow work that `acquire` would refuse after it."""
+        held = read_lease(self.path)
+        if held is not None and held.owner != self.owner and held.fresh() and not self.force:
+            raise RunLeaseHeld(self.held_message(held, held.age()))
+
+    def held_message(self, held: LeaseRecord, age: float) -> str:
+        """The refusal of a start while `held` holds the lease, its heartbeat `age` s old."""
+        return (
             f"run {self.run_dir} is already running: {held.describe()} holds {self.path}, last heartbeat "
             f"{age:.0f} s ago. Two runs must not write one run's checkpoints. Wait for it to end or stop it; if it "
             f"is gone, the lease expires {self.timeout_s:g} s after its last heartbeat (run.lease_timeout_s), or "
@@ -312,7 +326,7 @@ class RunLease:
                 elif held is None and self.lost and not self._stop.is_set():
                     self.lost = False
                     print(
-                        f"vitray: the driver that took over the lease of run {self.run_dir} has ended or stopped "
+                        f"vitray: the driver that took over the lease of {self.what} has ended or stopped "
                         "beating: this driver holds the run again",
                         flush=True,
                     )

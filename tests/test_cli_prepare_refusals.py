@@ -198,3 +198,38 @@ def test_files_that_are_not_images_are_counted_as_left_out(tmp_path):
     unlabelled = prepare(f"unlabelled:imagefolder:{tmp_path / 'clean'}", str(tmp_path / "dest3"), "--serial")
     assert unlabelled.exit_code == 0, unlabelled.output
     assert f"{tmp_path / 'dest3'}: clean, unlabelled; train: 6 samples" in " ".join(unlabelled.output.split())
+
+
+def test_a_second_preparation_into_a_dest_being_prepared_is_refused_before_the_source_is_listed(tmp_path):
+    """Two `vitray data prepare` into one DEST at once: the second took the first for a stopped one
+    and removed the shards it was writing (the first then failed), or, with other options, both ended
+    "whole" over a mix of their shards. The command preparing DEST holds a lease there; a second is
+    refused while it is held, with --overwrite too, naming the holder; once released DEST is free,
+    and the finished dataset is taken for one (the lease's lock file beside it does not count)."""
+    from vitray.cluster.prepare import PreparationLease
+
+    source, dest = image_folder(tmp_path / "images"), tmp_path / "dest"
+    holder = PreparationLease(str(dest))
+    holder.acquire()
+    try:
+        for extra in ([], ["--overwrite"]):
+            line = refused(f"imagefolder:{source}", str(dest), "--serial", *extra)
+            assert line.startswith(f"error: {dest} is being prepared by {holder.owner} (host "), line
+            assert "two preparations must not write one dataset" in line
+        assert sorted(p.name for p in dest.iterdir()) == [
+            ".vitray-preparing.lease.json",
+            ".vitray-preparing.lease.json.lock",
+        ]
+        # Taken meanwhile (after the early check): refused as it starts, before any file is written.
+        from vitray.cluster.prepare import prepare as prepare_here
+        from vitray.data import open_source
+        from vitray.runfolder.lease import RunLeaseHeld
+
+        with pytest.raises(RunLeaseHeld, match="is being prepared by"):
+            prepare_here(open_source(f"imagefolder:{source}"), str(dest), serial=True, show_progress=False)
+    finally:
+        holder.release()
+    assert prepare(f"imagefolder:{source}", str(dest), "--serial").exit_code == 0
+    assert ".vitray-preparing.lease.json" not in {p.name for p in dest.iterdir()}
+    again = prepare(f"imagefolder:{source}", str(dest), "--serial")
+    assert again.exit_code == 0 and "is already prepared" in again.output, again.output
