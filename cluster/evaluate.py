@@ -50,6 +50,7 @@ from vitray.evaluation.methods.finetune import FinetuneJob
 from vitray.evaluation.results import CellOutcome, ResultsTable, error_text, of_current_data
 from vitray.evaluation.suite import data_digest, find_missing
 from vitray.runfolder.checkpoint_folders import find_checkpoints, is_checkpoint
+from vitray.runfolder.pins import CheckpointPins
 
 
 @dataclass
@@ -107,7 +108,10 @@ def run_grid(
     check_work([*pending.work, *ready], grid)  # in seconds, before Ray starts
     connect(grid.cluster.address, verbose=verbose)
     retries = _Retries(grid.retries)
-    with _progress(console, len(pending.cells) + len(ready) + len(waiting.work), show_progress) as bar:
+    with (
+        CheckpointPins(c.path for c in checkpoints),  # not pruned by a live run while its cells read them
+        _progress(console, len(pending.cells) + len(ready) + len(waiting.work), show_progress) as bar,
+    ):
         futures: dict[Future, GridWork] = {}
         pool = ThreadPoolExecutor(max_workers=_finetune_slots(grid), thread_name_prefix="finetune")
         runners = _runners(grid, pool, verbose)

@@ -12,6 +12,7 @@ from vitray.common.failures import describe_failure
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.methods import CheckpointRef, fewshot
 from vitray.evaluation.suite import MissingDataset, require_prepared
+from vitray.runfolder.pins import CheckpointPins
 
 
 @dataclass
@@ -41,13 +42,15 @@ def fewshot_checkpoint(checkpoint: str, grid: GridConfig) -> FewshotSummary:
             summary.problems.append(str(err))
     # A resolution the patch size does not divide: refused once (PreflightError), not by every cell.
     check_work([group for _, group in groups], grid)
-    for bench, group in groups:
-        outcomes = fewshot.run(group, section, grid.inputs)
-        for k, shots in fewshot.summarize_scores(outcomes).items():
-            summary.rows.append((bench.name, k, shots))
-        summary.problems += [
-            f"{bench.name} {o.cell.settings['shots']}-shot seed {o.cell.seed}: {describe_failure(o.error).one_line()}"
-            for o in outcomes
-            if not o.ok
-        ]
+    with CheckpointPins([ref.path]):  # not pruned by a live run while the probes read it
+        for bench, group in groups:
+            outcomes = fewshot.run(group, section, grid.inputs)
+            for k, shots in fewshot.summarize_scores(outcomes).items():
+                summary.rows.append((bench.name, k, shots))
+            summary.problems += [
+                f"{bench.name} {o.cell.settings['shots']}-shot seed {o.cell.seed}: "
+                f"{describe_failure(o.error).one_line()}"
+                for o in outcomes
+                if not o.ok
+            ]
     return summary

@@ -47,6 +47,7 @@ from vitray.runfolder.checkpoint_folders import (
 )
 from vitray.runfolder.files import RunFiles, run_dir
 from vitray.runfolder.lease import RunLease, RunLeaseHeld
+from vitray.runfolder.pins import CheckpointPins
 from vitray.runfolder.progress import TrainingProgress
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.driver_checks.preflight import PreflightError, ResumePlan, check_inputs, check_resume
@@ -90,6 +91,8 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
     folder = run_dir(cfg.run.storage, cfg.run.name)
     with (
         _held_lease(folder, cfg, force) as lease,
+        # A fine-tune's init.checkpoint in a run still training: not pruned by it while this run starts
+        CheckpointPins([cfg.init.checkpoint] if cfg.init.checkpoint else []),
         RunAttempts(folder, lease.owner) as attempts,
         # Past the grace period the driver exits at once: its attempt and lease are settled first.
         StopOnSignal(

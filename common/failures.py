@@ -69,6 +69,7 @@ _TRANSIENT = {
 _REPEATS = {
     "ValueError",
     "PreflightError",
+    "CheckpointNotHere",  # (a PreflightError: an init.checkpoint that is not there)
     "FinishedWithOtherSettings",
     "ConfigError",
     "ValidationError",

@@ -38,6 +38,7 @@ import fsspec
 
 from vitray import storage
 from vitray.runfolder import derived_weights
+from vitray.runfolder.pins import pinned_checkpoints
 
 STATE_FILE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
@@ -324,7 +325,8 @@ def prune_checkpoints(run_dir: str, keep: int) -> list[str]:
 
     Rank 0 and the driver both prune, each with its own s3fs listing cache: the run is listed
     afresh, and a checkpoint that the other deleted (before or while this one looks) is gone, as
-    wanted, not an error."""
+    wanted, not an error. A checkpoint that a reader pins (`vitray evaluate` of the live run,
+    :mod:`vitray.runfolder.pins`) is left for a later prune."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
     _forget_listings(run_dir)
@@ -334,6 +336,9 @@ def prune_checkpoints(run_dir: str, keep: int) -> list[str]:
         return []
     oldest_kept = _folder_name(complete[-keep].path)
     doomed = [c.path for c in found if _folder_name(c.path) < oldest_kept]
+    if doomed:  # a checkpoint that a reader of the run pins goes at a later prune, once it is let go
+        pinned = pinned_checkpoints(run_dir)
+        doomed = [path for path in doomed if _folder_name(path) not in pinned]
     for path in doomed:
         fs, fs_path = storage.filesystem(path)
         with contextlib.suppress(FileNotFoundError):  # another prune (rank 0's, the driver's) got there first

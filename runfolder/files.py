@@ -7,6 +7,7 @@
   <storage>/<run name>/vitray/lease.json       the driver that holds the run (`vitray.runfolder.lease`)
   <storage>/<run name>/vitray/attempts/        one JSON record per `vitray pretrain` of the run
   <storage>/<run name>/vitray/stop.json        a pre-emption notice for the workers (read by `vitray.trainers.preemption`)
+  <storage>/<run name>/vitray/pins/            readers' holds on checkpoints they read (`vitray.runfolder.pins`)
 
 The checkpoint_* folders are found and opened by :mod:`vitray.runfolder.checkpoint_folders`.
 """

@@ -651,3 +651,52 @@ def test_an_atomic_write_is_on_disk_before_its_name_and_its_name_after(tmp_path,
     assert first[0] == "fsync" and first[1].startswith(str(tmp_path / ".dataset.json."))  # the temporary file
     assert renamed == ("replace", str(target)) and folder == ("fsync", str(tmp_path))
     assert target.read_bytes() == b"{}"
+
+
+def test_a_pin_holds_while_its_reader_lives_and_beats(tmp_path, monkeypatch, capsys):
+    """A reader's pin keeps its checkpoint from the run's prune; a pin whose heartbeat stopped (a
+    reader killed elsewhere) or whose process is gone from this host holds nothing; a reader that
+    cannot write its pin (read-only credentials) says so once and reads on."""
+    import json as json_module
+
+    from vitray.runfolder import checkpoint_folders as ckpt
+    from vitray.runfolder import pins
+    from vitray.trainers.checkpoint.rank_files import files_under, mark_complete, write_state
+
+    run_dir = tmp_path / "run"
+    names = []
+    for minute, step in enumerate((4, 8, 12)):
+        folder = run_dir / f"checkpoint_2026-01-01_00-{minute:02d}-00.000001"
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 100)
+        write_state(folder, {"step": step, "world_size": 1})
+        mark_complete(folder, 0, files_under(folder))
+        names.append(folder.name)
+    (run_dir / "vitray").mkdir()
+    with pins.CheckpointPins([str(run_dir / names[0]), str(tmp_path / "elsewhere" / "checkpoint_x")], timeout_s=0.8):
+        time.sleep(0.5)  # past a heartbeat: still held
+        assert ckpt.prune_checkpoints(str(run_dir), keep=1) == [str(run_dir / names[1])]
+        assert not (tmp_path / "elsewhere").exists()  # a checkpoint outside a run folder is not pinned
+    assert ckpt.prune_checkpoints(str(run_dir), keep=1) == [str(run_dir / names[0])]
+
+    def written_pin(**changes) -> None:
+        record = pins.CheckpointPins([str(run_dir / names[2])]).reader
+        fields = {**record.__dict__, **changes, "checkpoints": [names[2]]}
+        folder = run_dir / "vitray" / "pins"
+        folder.mkdir(exist_ok=True)
+        (folder / f"{record.owner}.json").write_text(json_module.dumps(fields))
+
+    written_pin(heartbeat=time.time() - 300)  # stopped beating
+    written_pin(pid=2**22 + 17, pid_started=1.0)  # gone from this host
+    assert pins.pinned_checkpoints(str(run_dir)) == set()
+    written_pin()
+    assert pins.pinned_checkpoints(str(run_dir)) == {names[2]}
+
+    def read_only(*args, **kwargs):
+        raise PermissionError("Access Denied")
+
+    monkeypatch.setattr(pins.storage, "write_bytes_atomic", read_only)
+    with pins.CheckpointPins([str(run_dir / names[2])], timeout_s=0.4):
+        time.sleep(0.3)
+    said = capsys.readouterr().err
+    assert said.count("could not pin the checkpoints read from") == 1 and "checkpoint.keep may delete" in said

@@ -468,3 +468,40 @@ def test_a_runs_fewshot_evaluator_reads_the_train_labels_once(digits_dataset, mo
     first, second = (dict(evaluator.run(_CountingPixels(), forward)) for _ in range(2))
     assert first == second and set(first) == {"digits_2shot", "digits_5shot"}
     assert reads == [(str(digits_dataset), "train")]
+
+
+def test_a_live_runs_checkpoint_being_read_is_not_pruned_by_the_run(digits_dataset, tmp_path, monkeypatch):
+    """`vitray fewshot RUN` while the run trains: the run writes a newer checkpoint and prunes with
+    checkpoint.keep=1 while the probes read the one resolved. That one was deleted under the reader
+    ("does not exist: give a checkpoint folder or a run folder"); the reader pins it now, and the
+    run's prune leaves it to a later prune, once the reader has let go."""
+    from pretrain_helpers import make_checkpoint
+    from typer.testing import CliRunner
+
+    from vitray.cli.main import app
+    from vitray.evaluation.methods import fewshot as fewshot_method
+    from vitray.runfolder import checkpoint_folders as ckpt
+    from vitray.runfolder.pins import pinned_checkpoints
+
+    run = tmp_path / "runs" / "live"
+    make_checkpoint(run / "checkpoint_2026-01-01_00-00-00.000001")
+    (run / "vitray").mkdir()  # a run folder, as a run leaves it
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "digits").symlink_to(digits_dataset)
+    read = fewshot_method.run
+    pruned: list[list[str]] = []
+
+    def the_run_goes_on_meanwhile(*args, **kwargs):
+        if not pruned:
+            make_checkpoint(run / "checkpoint_2026-01-01_00-05-00.000001")
+            assert pinned_checkpoints(str(run)) == {"checkpoint_2026-01-01_00-00-00.000001"}
+            pruned.append(ckpt.prune_checkpoints(str(run), keep=1))
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(fewshot_method, "run", the_run_goes_on_meanwhile)
+    args = ["fewshot", str(run), "-b", "digits", "--data-root", str(tmp_path / "data"), "--shots", "1", "--seeds", "1"]
+    result = CliRunner().invoke(app, [*args, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert pruned == [[]] and json.loads(result.stdout)["results"][0]["accuracy"] >= 0.0
+    assert pinned_checkpoints(str(run)) == set() and not list((run / "vitray" / "pins").iterdir())
+    assert ckpt.prune_checkpoints(str(run), keep=1) == [str(run / "checkpoint_2026-01-01_00-00-00.000001")]

@@ -113,3 +113,19 @@ def test_a_deleted_run_listed_as_an_empty_prefix_is_not_a_run(seaweed_s3, tmp_pa
     assert "deleted" in storage.list_names(storage_root)  # the store still lists it (the case here)
 
     assert [run.name for run in list_runs(storage_root)] == ["kept"]
+
+
+def test_a_pinned_checkpoint_survives_the_prune_of_another_process_on_s3(seaweed_s3, tmp_path):
+    """A reader's pin written to S3 (`vitray evaluate` of a live run) is seen by the run's prune,
+    which lists the run afresh: the pinned checkpoint is left, and goes at the prune after the
+    reader let go."""
+    from vitray.runfolder.pins import CheckpointPins
+
+    run_dir = seaweed_s3.url("runs", "pinned")
+    paths = _upload_checkpoints(tmp_path, run_dir, [4, 8, 12])
+    storage.write_bytes_atomic(storage.join(run_dir, "vitray", "metrics.jsonl"), b"")
+    ckpt.find_checkpoints(run_dir)  # this process's listings cached before the pin
+    with CheckpointPins([paths[0]]):
+        assert ckpt.prune_checkpoints(run_dir, keep=1) == paths[1:2]
+    assert ckpt.prune_checkpoints(run_dir, keep=1) == paths[:1]
+    assert _steps(run_dir) == [12]
