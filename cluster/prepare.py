@@ -197,10 +197,10 @@ def prepare(
     (``serial``) or by one Ray task per shard on the cluster at ``address`` (an embedded local Ray when
     None), with the same progress bar. ``options`` are :func:`prepare_dataset_on_ray`'s."""
     with PreparationLease(dest):
-        if serial:
-            return prepare_dataset(
-                source, dest, map_fn=_map_shown(f"preparing {source.name}", show_progress), **options
-            )
+        if serial:  # a stop (Ctrl-C, SIGTERM) is taken between shards, as the Ray path takes it
+            with _stop_noted() as stop:
+                shown = _map_shown(f"preparing {source.name}", show_progress, lambda: stop.check(dest))
+                return prepare_dataset(source, dest, map_fn=shown, **options)
         # A stop while Ray starts (seconds) waits for its start, then stops as one in the task loop does:
         # Ray's own SIGTERM handler exited 15 mid-start, its agents left running, and said nothing.
         with _stop_noted() as stop:
@@ -210,14 +210,15 @@ def prepare(
         return prepare_dataset_on_ray(source, dest, show_progress=show_progress, **options)
 
 
-def _map_shown(title: str, show: bool) -> MapFn:
-    """``map`` that advances the Ray path's progress bar after each shard: the serial path said
-    nothing until its end (hours for ImageNet)."""
+def _map_shown(title: str, show: bool, between: Callable[[], None]) -> MapFn:
+    """``map`` that advances the Ray path's progress bar after each shard (the serial path said
+    nothing until its end: hours for ImageNet), calling ``between`` before each."""
 
     def map_fn(write: Callable[[ShardTask], ShardResult], tasks: Iterable[ShardTask]) -> Iterator[ShardResult]:
         tasks = list(tasks)
         with ShardProgress(title, sum(t.num_samples for t in tasks), show=show) as bar:
             for task in tasks:
+                between()
                 result = write(task)
                 bar.advance(task.num_samples)
                 yield result

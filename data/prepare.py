@@ -146,9 +146,13 @@ def begin_prepare(
         return done
     if PREPARING_MARKER in names:
         left = sum(1 for name in names if SHARD_NAME.match(name))
+        why = (
+            "by an older vitray (its shards carry no records)"
+            if not _marker_plan(marker, storage_options)
+            else "with other options or of the source as it was then"
+        )
         print(
-            f"{dest} holds an unfinished preparation ({left:,} shard{'s' if left != 1 else ''} written) with other "
-            "options or of the source as it was then: starting over"
+            f"{dest} holds an unfinished preparation ({left:,} shard{'s' if left != 1 else ''} written) {why}: starting over"
         )
     # (a dataset.json vitray did not write does not say: its splits are not vitray's to clear)
     with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):

@@ -60,6 +60,42 @@ class IncompleteCheckpointError(RuntimeError):
         self.reason = reason or folder
 
 
+# The layout of the checkpoint folders this vitray writes (recorded in each trainer state, with the
+# version of vitray that wrote it). One of a later layout, from a newer vitray, is refused by name
+# rather than read wrongly; a state without the key is of layout 1.
+CHECKPOINT_FORMAT = 1
+
+
+def vitray_version() -> str:
+    """The installed vitray's version ("unknown" from a checkout never installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vitray")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def writer_record() -> dict[str, Any]:
+    """What a checkpoint's trainer state says of what wrote it."""
+    return {"checkpoint_format": CHECKPOINT_FORMAT, "vitray_version": vitray_version()}
+
+
+class NewerCheckpointFormat(IncompleteCheckpointError):
+    """A checkpoint of a layout this vitray does not know (a newer vitray wrote it)."""
+
+
+def refuse_newer_format(folder: str, state: dict[str, Any]) -> None:
+    """Raises NewerCheckpointFormat for a trainer state of a later checkpoint layout than this vitray's."""
+    written = state.get("checkpoint_format", 1)
+    if isinstance(written, int) and written > CHECKPOINT_FORMAT:
+        raise NewerCheckpointFormat(
+            folder,
+            f"vitray {state.get('vitray_version', '?')} wrote it in checkpoint format {written}, and this vitray "
+            f"({vitray_version()}) reads format {CHECKPOINT_FORMAT}: upgrade vitray to read it",
+        )
+
+
 def completion_record(rank: int) -> str:
     """The name of rank `rank`'s completion record in a checkpoint folder."""
     return _COMPLETE.format(rank=rank)
@@ -368,9 +404,11 @@ def resolve_checkpoint(path: str) -> CheckpointInfo:
     if is_checkpoint(path):
         fs, fs_path = storage.filesystem(path)
         state = verify_complete(fs_path, fs)
+        refuse_newer_format(path, state)
         return CheckpointInfo(path, int(state["step"]), True, state=state)
     latest, passed_over = resume_point(path)
     if latest is not None:
+        refuse_newer_format(latest.path, latest.state or {})
         latest.passed_over = passed_over
     if latest is None and not storage.exists(path):
         raise FileNotFoundError(f"{path} does not exist: give a checkpoint folder or a run folder")

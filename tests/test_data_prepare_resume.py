@@ -71,7 +71,7 @@ def replace_an_image(src: Path) -> None:
 
 @pytest.mark.parametrize(
     "change",
-    ["samples_per_shard", "skip_bad", "an image replaced", "an image added"],
+    ["samples_per_shard", "skip_bad", "an image replaced", "an image added", "an older vitray"],
 )
 def test_another_plan_starts_over(tmp_path, capsys, change):
     src = image_folder(tmp_path / "src")
@@ -85,15 +85,23 @@ def test_another_plan_starts_over(tmp_path, capsys, change):
         options["bad_images"] = "skip"
     elif change == "an image replaced":
         replace_an_image(src)
+    elif change == "an older vitray":  # its marker held no plan, and its shards no records
+        (dest / ".vitray-preparing").write_text("")
+        for record in dest.glob(".*.tar.done"):
+            record.unlink()
     else:
         (src / "bee" / "9.jpg").write_bytes((src / "bee" / "0.jpg").read_bytes())
     capsys.readouterr()
 
     written: list[str] = []
     prepare_dataset(spec, str(dest), map_fn=writes_counted(written), **options)
+    why = (
+        "by an older vitray (its shards carry no records)"
+        if change == "an older vitray"
+        else "with other options or of the source as it was then"
+    )
     assert capsys.readouterr().out.splitlines() == [
-        f"{dest} holds an unfinished preparation (2 shards written) with other options or of the source as it was "
-        "then: starting over"
+        f"{dest} holds an unfinished preparation (2 shards written) {why}: starting over"
     ]
     fresh = tmp_path / "fresh"
     prepare_dataset(spec, str(fresh), **options)

@@ -89,12 +89,13 @@ def assert_gone_with(pgid: int, wait_s: float = 30.0) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
-def test_a_stop_during_a_ray_prepare_is_one_line_and_no_dataset(signame, tmp_path):
+@pytest.mark.parametrize("signame, serial", [("SIGINT", False), ("SIGTERM", False), ("SIGTERM", True)])
+def test_a_stop_during_a_ray_prepare_is_one_line_and_no_dataset(signame, serial, tmp_path):
     """Ctrl-C (the terminal signals the whole process group) while Ray tasks write shards: exit 130
     and the one line, every try (it once crashed in Ray's _raylet.so on exit); SIGTERM to the command
-    (a scheduler's stop): exit 143 and its line, not Ray's stack dump and abort. The destination is
-    never taken for a prepared dataset, and no process of the command outlives it."""
+    (a scheduler's stop): exit 143 and its line, not Ray's stack dump and abort (with `--serial` too:
+    it exited 143 saying nothing). The destination is never taken for a prepared dataset, and no
+    process of the command outlives it."""
     import os
     import signal
     import subprocess
@@ -104,7 +105,10 @@ def test_a_stop_during_a_ray_prepare_is_one_line_and_no_dataset(signame, tmp_pat
     dest = tmp_path / "digits"
     command = [sys.executable, "-m", "vitray.cli", "data", "prepare", "builtin:digits", str(dest)]
     proc = subprocess.Popen(
-        [*command, "--samples-per-shard", "1"], stderr=subprocess.PIPE, text=True, start_new_session=True
+        [*command, "--samples-per-shard", "1", *(["--serial"] if serial else [])],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 120

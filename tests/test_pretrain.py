@@ -20,13 +20,17 @@ from pretrain_helpers import (
 )
 
 from vitray.runfolder.checkpoint_folders import (
+    CHECKPOINT_FORMAT,
     IncompleteCheckpointError,
     find_checkpoints,
     latest_complete_checkpoint,
+    resolve_checkpoint,
     verify_complete,
+    vitray_version,
 )
 from vitray.runfolder.files import RunFiles
 from vitray.runfolder.lease import read_lease
+from vitray.trainers.checkpoint.rank_files import write_state
 from vitray.trainers.keys import collect_keys
 
 pytestmark = pytest.mark.slow
@@ -69,6 +73,38 @@ def test_checkpoints_are_complete_and_kept(reference):
     assert [c.step for c in checkpoints] == [STEPS - EVERY, STEPS]  # checkpoint.keep=2
     state = verify_complete(checkpoints[-1].path)
     assert state["step"] == STEPS and state["world_size"] == 2
+    # What wrote it: the checkpoint layout and vitray's version (a later vitray can tell, and refuse).
+    assert state["checkpoint_format"] == CHECKPOINT_FORMAT and state["vitray_version"] == vitray_version() != ""
+
+
+def test_a_checkpoint_of_a_newer_layout_is_refused_by_name_not_read(digits_dataset, reference, tmp_path):
+    """A run resumed, or a checkpoint read, by an older vitray than wrote it: refused in one line
+    naming both versions and the fix, before Ray starts; never a resume that misreads it or goes back
+    to an older checkpoint."""
+    import json
+    import shutil
+    import subprocess
+
+    run_dir = tmp_path / "runs" / "ref"
+    shutil.copytree(reference["run_dir"], run_dir)
+    newest = Path(find_checkpoints(str(run_dir))[-1].path)
+    state = json.loads((newest / "trainer_state.json").read_text())
+    newer = write_state(newest, {**state, "checkpoint_format": 2, "vitray_version": "9.0"})
+    for record in newest.glob("complete-rank-*.json"):  # a whole checkpoint of that layout: its records agree
+        listing = json.loads(record.read_text())
+        if newer.name in listing:
+            record.write_text(
+                json.dumps({**listing, newer.name: {"size": newer.size, "crc32c": f"{newer.crc32c:08x}"}})
+            )
+    assert verify_complete(newest)["checkpoint_format"] == 2
+    args = pretrain_args(str(digits_dataset), str(tmp_path / "runs"), "ref", f"train.steps={STEPS + 2}")
+    refused = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    lines = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr
+    assert "run ref cannot resume here" in lines[0] and "vitray 9.0 wrote it in checkpoint format 2" in lines[0]
+    assert "upgrade vitray" in lines[0] and "Traceback" not in refused.stderr
+    with pytest.raises(IncompleteCheckpointError, match="checkpoint format 2.*upgrade vitray"):
+        resolve_checkpoint(str(run_dir))
 
 
 def test_ray_gone_under_a_run_is_said_and_the_rerun_resumes_exactly(digits_dataset, reference, tmp_path):

@@ -162,6 +162,7 @@ class TrainingLoop:
                 "model": self._architecture(),
                 "attention_kernel": self.attention_kernel,
                 "config": redacted_config(self.cfg),  # credentials masked
+                **ckpt.writer_record(),  # the checkpoint layout and the vitray that wrote it
             },
         )
         self.step = self.checkpointer.restore(*restore) if restore is not None else 0

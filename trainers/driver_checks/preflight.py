@@ -162,6 +162,10 @@ def check_resume(cfg: TrainingConfig, run_dir: str, info: DatasetInfo) -> Resume
     if chosen is None:
         return ResumePlan(None, skipped)
     state = chosen.state  # what resume_point read when it verified the checkpoint
+    try:
+        ckpt.refuse_newer_format(chosen.path, state)
+    except ckpt.NewerCheckpointFormat as newer:
+        raise PreflightError(f"run {cfg.run.name} cannot resume here: {newer}") from None
     recorded = _with_todays_defaults(state.get("config") or {})
     new = redacted_config(cfg)
     for config in (recorded, new):  # "auto" and what it resolves to on this dataset are the same objective
