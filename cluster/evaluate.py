@@ -405,7 +405,9 @@ def reported_results(grid: GridConfig, cells: set[str] | None = None, data: dict
     return _reported(grid, cells, data)[0]
 
 
-def _reported(grid: GridConfig, cells: set[str] | None, data: dict[str, str] | None) -> tuple[pa.Table, dict[str, int]]:
+def _reported(
+    grid: GridConfig, cells: set[str] | None, data: dict[str, str] | None
+) -> tuple[pa.Table, dict[str, tuple[int, int]]]:
     """:func:`reported_results`, and per benchmark the cells of data prepared before left out of it."""
     everything = ResultsTable(grid.results_path, storage_options=grid.storage_options).to_table()
     table, left_out = of_current_data(everything, data or {})
@@ -435,11 +437,15 @@ def report_grid(
     if show:
         console = console or Console()
         print_table(table, console=console)
-        for benchmark, count in sorted(left_out.items()):
-            console.print(
-                f"{benchmark}: {count} cell(s) evaluated on its data as prepared before are not reported "
-                f"(their rows stay in {grid.results_path})"
-            )
+        for benchmark, (before, older) in sorted(left_out.items()):
+            for count, which in (
+                (before, "evaluated on its data as prepared before"),
+                (older, "evaluated by an earlier vitray, which did not record the data they ran on,"),
+            ):
+                if count:
+                    console.print(
+                        f"{benchmark}: {count} cell(s) {which} are not reported (their rows stay in {grid.results_path})"
+                    )
     if not storage.is_remote(grid.report_path):
         return str(write_report(table, grid.report_path).markdown)
     with tempfile.TemporaryDirectory() as local:

@@ -15,12 +15,15 @@
 from __future__ import annotations
 
 import contextlib
+import re
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
+from vitray import storage
 from vitray.cluster.checkpoint_inputs import resolve_checkpoints
 from vitray.common.config import validate_config
 from vitray.evaluation.config import GridConfig
@@ -171,6 +174,8 @@ def run_finetune(cfg: TrainingConfig, *, show_progress: bool = False, verbose: b
     top1 = final_top1(metrics, cfg.train.steps, VAL_TOP1) if finished else None
     if top1 is not None:
         _refuse_other_settings(cfg, files.run_dir, latest.state or {})
+    if top1 is None and latest is None:
+        _say_earlier_runs_of_the_cell(cfg)
     if top1 is None:
         with contextlib.suppress(AlreadyFinished):  # trained to the end; its top-1 is checked just below
             pretrain(cfg, show_progress=show_progress, verbose=verbose)  # raises TrainingFailedError on failure
@@ -194,6 +199,37 @@ def run_finetune(cfg: TrainingConfig, *, show_progress: bool = False, verbose: b
             f"folder {files.run_dir} to re-run the cell"
         )
     return FinetuneResult(top1, test)
+
+
+# A grid's (and `vitray finetune`'s) run name: BENCHMARK-lrLR-seedSEED-CELL_ID (`finetune_run_name`).
+_CELL_RUN = re.compile(r"(?P<cell>.+-lr[^-/]+-seed\d+)-[0-9a-f]{16}")
+
+
+def _say_earlier_runs_of_the_cell(cfg: TrainingConfig) -> None:
+    """A fine-tune starting anew beside a run of the same benchmark, learning rate and seed under
+    another id (other settings, other data, or the id an older vitray gave: a re-run after an upgrade
+    trained again without a word): one line each naming it and how its settings differ."""
+    named = _CELL_RUN.fullmatch(cfg.run.name)
+    if named is None:
+        return
+    with contextlib.suppress(OSError):
+        for name in storage.list_names(cfg.run.storage):  # (folders too)
+            other = _CELL_RUN.fullmatch(name)
+            if other is None or name == cfg.run.name or other["cell"] != named["cell"]:
+                continue
+            earlier = latest_complete_checkpoint(run_dir(cfg.run.storage, name))
+            if earlier is None:
+                continue
+            changes = [c for c in changes_since(cfg, earlier.state or {}) if not is_operational(c)]
+            differs = "; ".join(changes[:3]) + ("; ..." if len(changes) > 3 else "") if changes else "its data"
+            version = (earlier.state or {}).get("vitray_version")
+            writer = f"vitray {version}" if version else "an earlier vitray"
+            print(
+                f"note: {name} beside this fine-tune is the same benchmark, learning rate and seed (step "
+                f"{earlier.step}, written by {writer}); it differs in {differs}, so {cfg.run.name} trains anew",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 class FinishedWithOtherSettings(PreflightError):

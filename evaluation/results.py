@@ -276,9 +276,10 @@ class ResultsTable:
 CELL_KEY = ("checkpoint", "benchmark", "method", "settings", "seed")  # a cell but for its data
 
 
-def of_current_data(table: pa.Table, data: Mapping[str, str]) -> tuple[pa.Table, dict[str, int]]:
+def of_current_data(table: pa.Table, data: Mapping[str, str]) -> tuple[pa.Table, dict[str, tuple[int, int]]]:
     """`table` without the successes of superseded data, and per benchmark the number of cells left
-    out: for a benchmark in `data` (its name -> the digest of its data as prepared now) only the
+    out: (those of data prepared before, those an earlier vitray evaluated without recording their
+    data). For a benchmark in `data` (its name -> the digest of its data as prepared now) only the
     results of that data are kept; for any other, each cell's (:data:`CELL_KEY`) results of the data
     it was last evaluated on. Rows that are not successes stay: a failure is no result of its data."""
     frame = table.to_pandas()
@@ -295,9 +296,11 @@ def of_current_data(table: pa.Table, data: Mapping[str, str]) -> tuple[pa.Table,
         .reindex(frame.index)
     )
     keep = ~ok | current.isna() & (digest == latest) | (digest == current)
-    left_out = frame[~keep].drop_duplicates("cell_id")["benchmark"].value_counts()
+    dropped = frame[~keep].drop_duplicates("cell_id")
+    unrecorded = dropped["data"].fillna("") == ""
+    before, older = dropped[~unrecorded]["benchmark"].value_counts(), dropped[unrecorded]["benchmark"].value_counts()
     return table.filter(pa.array(keep.to_numpy(dtype=bool), type=pa.bool_())), {
-        str(k): int(n) for k, n in left_out.items()
+        str(k): (int(before.get(k, 0)), int(older.get(k, 0))) for k in sorted({*before.index, *older.index})
     }
 
 

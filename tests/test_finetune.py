@@ -516,6 +516,34 @@ def test_a_run_that_logged_its_top1_but_never_completed_its_last_checkpoint_is_r
     assert started == [cfg.run.name], "a finished run is not started again"
 
 
+def test_a_fine_tune_starting_anew_beside_an_earlier_run_of_its_cell_names_it(tmp_path, monkeypatch, capsys):
+    """The same benchmark, learning rate and seed under another id (other settings, or the id an
+    older vitray gave the cell): a re-run after an upgrade trained again without a word. It says which
+    run is beside it, what wrote it, and how its settings differ; nothing is said when none is there."""
+    import shutil
+
+    import vitray.cluster.pretrain
+    from vitray.common.redact import redacted_config
+
+    grid, plan = _grid_plan(tmp_path, ["vtab/dtd"], learning_rates=[0.003, 0.01])
+    final = plan.pending[0].job(0.01)
+    cfg = finetune_config(final, grid)
+    monkeypatch.setattr(vitray.cluster.pretrain, "pretrain", lambda cfg, **kwargs: None)
+    with pytest.raises(RuntimeError, match="ended without"):  # (pretrain does nothing here)
+        run_finetune(cfg)
+    assert "note:" not in capsys.readouterr().err
+    older = cfg.model_copy(update={"schedule": cfg.schedule.model_copy(update={"warmup_steps": 12})})
+    _, files = _finished_run(tmp_path, grid, final, config=redacted_config(older), **{VAL_TOP1: 0.75})
+    earlier = files.run_dir[: -len("0123456789abcdef")] + "02fdcea0f9d5c388"  # the id an older vitray gave it
+    shutil.move(files.run_dir, earlier)
+    with pytest.raises(RuntimeError, match="ended without"):
+        run_finetune(cfg)
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert line.startswith(f"note: {Path(earlier).name} beside this fine-tune is the same benchmark, learning rate")
+    assert f"schedule.warmup_steps: 12 -> {cfg.schedule.warmup_steps}" in line and cfg.run.name in line
+    assert "written by an earlier vitray" in line  # its trainer state does not say which
+
+
 # ---------------------------------------------------------------------------------------------
 # A real fine-tune on Ray
 # ---------------------------------------------------------------------------------------------

@@ -284,10 +284,16 @@ def test_data_prepared_again_is_evaluated_again_and_reported_alone(digits_datase
     # Where the data as it is now is not known, each cell's latest data (the legacy cell has no other)
     assert sorted(reported_results(grid)["value"].to_pylist()) == [0.25, 0.75, 0.75]
     out = io.StringIO()
-    report_grid(grid, Console(file=out, width=200), cells=summary.cell_ids, data=summary.data)
+    report_grid(grid, Console(file=out, width=400), cells=summary.cell_ids, data=summary.data)
+    said = out.getvalue()
     assert (
-        f"digits: 3 cell(s) evaluated on its data as prepared before are not reported (their rows stay in {grid.results_path})"
-        in out.getvalue()
+        f"digits: 2 cell(s) evaluated on its data as prepared before are not reported (their rows stay in {grid.results_path})"
+        in said
+    )
+    # The legacy cell's data is not known at all: not "prepared before", which it may not have been
+    assert (
+        "digits: 1 cell(s) evaluated by an earlier vitray, which did not record the data they ran on, are not "
+        f"reported (their rows stay in {grid.results_path})" in said
     )
 
 
