@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from vitray import storage
 from vitray.cluster.checkpoint_inputs import resolve_checkpoints
+from vitray.cluster.run_attempts import stopped_while_waiting
 from vitray.common.config import validate_config
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.evaluators import TEST, TEST_TOP1, VAL, VAL_TOP1
@@ -43,6 +44,7 @@ from vitray.evaluation.results import Cell
 from vitray.evaluation.suite import data_digest, get_benchmark, require_prepared
 from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 from vitray.runfolder.files import RunFiles, run_dir
+from vitray.runfolder.lease import RunLeaseHeld, UnsafeLeaseStore
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.driver_checks.preflight import PreflightError, changes_since
 
@@ -260,11 +262,36 @@ def final_top1(metrics: Iterable[Mapping[str, Any]], steps: int, metric: str = V
     return found
 
 
-def finetune_cell_metrics(job: FinetuneJob, grid: GridConfig, *, verbose: bool = False) -> dict[str, float]:
+# How often a grid's cell whose fine-tune run another driver trains looks whether it has ended.
+HELD_POLL_S = 30.0
+
+
+def finetune_cell_metrics(
+    job: FinetuneJob, grid: GridConfig, *, verbose: bool = False, poll_s: float = HELD_POLL_S
+) -> dict[str, float]:
     """Runs (or resumes) one fine-tune cell: ``{"val_accuracy": ..., "accuracy": test top-1}`` for a
     selection cell, ``{"accuracy": test top-1}`` for a final run; both read off the run's metrics at
-    its last step."""
-    result = run_finetune(finetune_config(job, grid), verbose=verbose)
+    its last step. A cell whose run another driver trains now (another grid into the same output)
+    waits for it and reads its result: it was tried three times within seconds and reported failed."""
+    cfg = finetune_config(job, grid)
+    waiting = False
+    while True:
+        try:
+            result = run_finetune(cfg, verbose=verbose)
+            break
+        except RunLeaseHeld as held:
+            if isinstance(held, UnsafeLeaseStore):
+                raise
+            if not waiting:
+                print(
+                    f"{cfg.run.name}: another driver trains this fine-tune now ({str(held).split('. ')[0]}); "
+                    "waiting for it to end, to read its result",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                waiting = True
+            if stopped_while_waiting(poll_s):
+                raise
     if not is_selection(job.cell.settings):
         return {METRIC: result.top1}
     # The recipe gives a selection cell's run a test evaluator unless it validates on the test split itself.

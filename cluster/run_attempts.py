@@ -23,6 +23,11 @@ def stopping_by_user() -> None:
     _STOPPED_BY_USER.set()
 
 
+def stopped_while_waiting(seconds: float) -> bool:
+    """Waits `seconds` in a thread of a grid; True at once when the user stops the process meanwhile."""
+    return _STOPPED_BY_USER.wait(seconds)
+
+
 class RunAttempts:
     """Used as a context manager around the driver's work: an attempt still open when an error
     leaves it ends failed (its traceback text recorded), or stopped after a second Ctrl-C."""

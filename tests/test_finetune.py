@@ -445,7 +445,7 @@ def _finished_run(tmp_path, grid, job, complete: bool = True, config: dict | Non
 
     cfg = finetune_config(job, grid)
     files = RunFiles(str(Path(cfg.run.storage) / cfg.run.name))
-    Path(files.metrics_path).parent.mkdir(parents=True)
+    Path(files.metrics_path).parent.mkdir(parents=True, exist_ok=True)
     Path(files.metrics_path).write_text(json.dumps({"step": cfg.train.steps, "loss": 0.1, **top1s}) + "\n")
     checkpoint = Path(files.run_dir) / "checkpoint_2026-12-01_00-00-00.000000"
     checkpoint.mkdir()
@@ -542,6 +542,53 @@ def test_a_fine_tune_starting_anew_beside_an_earlier_run_of_its_cell_names_it(tm
     assert line.startswith(f"note: {Path(earlier).name} beside this fine-tune is the same benchmark, learning rate")
     assert f"schedule.warmup_steps: 12 -> {cfg.schedule.warmup_steps}" in line and cfg.run.name in line
     assert "written by an earlier vitray" in line  # its trainer state does not say which
+
+
+def test_a_cell_whose_run_another_grid_trains_waits_for_it_and_reads_its_result(tmp_path, monkeypatch, capsys):
+    """Two grids into one output: the second's cell met the first's run lease, was tried three times
+    within seconds and reported failed (exit 1) while the other finished it. It waits for the run to
+    end and reads its top-1; a Ctrl-C of the grid ends the wait at once."""
+    import threading
+    import time
+
+    import vitray.cluster.pretrain
+    from vitray.cluster import run_attempts
+    from vitray.runfolder.lease import RunLease, RunLeaseHeld
+
+    grid, plan = _grid_plan(tmp_path, ["vtab/dtd"], learning_rates=[0.003, 0.01])
+    final = plan.pending[0].job(0.01)
+    cfg = finetune_config(final, grid)
+    folder = str(Path(cfg.run.storage) / cfg.run.name)
+
+    def pretrain(cfg, **kwargs):  # what the real one does first: take the run's lease
+        RunLease(folder, timeout_s=60).acquire()
+
+    monkeypatch.setattr(vitray.cluster.pretrain, "pretrain", pretrain)
+    other_grid = RunLease(folder, timeout_s=60)
+    other_grid.acquire()
+    got: list = []
+    cell = threading.Thread(target=lambda: got.append(finetune_cell_metrics(final, grid, poll_s=0.1)))
+    cell.start()
+    time.sleep(1.0)
+    assert cell.is_alive() and not got
+    _finished_run(tmp_path, grid, final, **{VAL_TOP1: 0.75})  # what the other grid's run leaves
+    other_grid.release()
+    cell.join(timeout=10)
+    assert got == [{"accuracy": 0.75}]
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "another driver trains" in line]
+    assert line.startswith(
+        f"{cfg.run.name}: another driver trains this fine-tune now (run {folder} is already running: "
+    )
+    # A Ctrl-C of the grid while a cell waits: the wait ends at once, as the cell's error.
+    monkeypatch.setattr(run_attempts, "_STOPPED_BY_USER", threading.Event())
+    run_attempts.stopping_by_user()
+    monkeypatch.setattr(
+        "vitray.cluster.finetune.run_finetune", lambda cfg, **kw: (_ for _ in ()).throw(RunLeaseHeld("held"))
+    )
+    started = time.monotonic()
+    with pytest.raises(RunLeaseHeld):
+        finetune_cell_metrics(final, grid, poll_s=60)
+    assert time.monotonic() - started < 5
 
 
 # ---------------------------------------------------------------------------------------------
