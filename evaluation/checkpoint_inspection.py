@@ -118,7 +118,7 @@ def inspect_checkpoint(
     remote ``out`` those of the temporary copy, already uploaded)."""
     storage.check_remote_reachable(checkpoint, must_exist=True)  # a wrong key, endpoint or bucket: one line
     storage.check_remote_reachable(out, writable=True)
-    model, state = load_checkpoint(checkpoint)
+    model, state = load_checkpoint(checkpoint, pin=True)
     if images:
         pixels, captions = load_image_files(images, model.img_size)
         source = f"{len(images)} given image(s)"

@@ -38,7 +38,7 @@ import fsspec
 
 from vitray import storage
 from vitray.runfolder import derived_weights
-from vitray.runfolder.pins import pinned_checkpoints
+from vitray.runfolder.pins import CheckpointPins, pinned_checkpoints
 
 STATE_FILE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
@@ -420,12 +420,17 @@ def resolve_checkpoint(path: str) -> CheckpointInfo:
     return latest
 
 
-def load_checkpoint(path: str, *, ema: bool = True, settings: dict[str, Any] | None = None, weights: bool = True):
+def load_checkpoint(
+    path: str, *, ema: bool = True, settings: dict[str, Any] | None = None, weights: bool = True, pin: bool = False
+):
     """The model of a checkpoint (or of a run's latest complete one) and its trainer state, with
     the checkpoint folder it came from under ``"checkpoint"`` (and, for a run folder, its newer
     checkpoints that do not count under ``"passed_over"``); its EMA weights when it has them and
-    ``ema`` is true, trained as `settings` say (see :func:`load_model`; ``weights=False``: not read)."""
+    ``ema`` is true, trained as `settings` say (see :func:`load_model`; ``weights=False``: not read).
+    ``pin``: the checkpoint is pinned while it is read (a command of its own, as `vitray export`:
+    a live run's prune would delete it under the read)."""
     checkpoint = resolve_checkpoint(path)
     fs, fs_path = storage.filesystem(checkpoint.path)
-    model, state = load_model(fs_path, fs, ema=ema, state=checkpoint.state, settings=settings, weights=weights)
+    with CheckpointPins([checkpoint.path] if pin else []):
+        model, state = load_model(fs_path, fs, ema=ema, state=checkpoint.state, settings=settings, weights=weights)
     return model, {**state, "checkpoint": checkpoint.path, "passed_over": checkpoint.passed_over}

@@ -44,7 +44,7 @@ def export(path: str, fmt: str, out: str, *, overwrite: bool = False) -> Checkpo
     storage.check_remote_reachable(path, must_exist=True)  # a wrong key, endpoint or bucket: one line
     resolve_checkpoint(path)
     check_output(out, fmt, overwrite=overwrite)
-    model, state = load_checkpoint(path)
+    model, state = load_checkpoint(path, pin=True)
     model.eval()
     # How the checkpoint's evaluation resized images: what a timm or ONNX reader feeds the model
     eval_resize = eval_resize_of((state.get("config") or {}).get("evals"))

@@ -239,3 +239,27 @@ def test_the_end_of_a_run_suggests_an_export_that_works(model, suggested, tmp_pa
     from vitray.runfolder.run_report import _export_command
 
     assert _export_command(str(tmp_path / "pre"), model).startswith(f"vitray export {tmp_path / 'pre'} {suggested}")
+
+
+def test_exporting_a_live_runs_checkpoint_pins_it_while_it_is_read(tmp_path, monkeypatch):
+    """`vitray export RUN` while the run trains: a prune of the run (checkpoint.keep=1, after a newer
+    checkpoint) while the export reads the resolved one left half a folder ("cannot be derived from
+    its deepspeed shards"): the export pins it while it reads, and the prune leaves it for later."""
+    from vitray.runfolder import checkpoint_folders as ckpt
+
+    run = tmp_path / "runs" / "live"
+    first = run / "checkpoint_2026-01-01_00-00-00.000001"
+    make_checkpoint(first)
+    (run / "vitray").mkdir()
+    read = ckpt.load_model
+    pruned: list[list[str]] = []
+
+    def the_run_goes_on_meanwhile(*args, **kwargs):
+        make_checkpoint(run / "checkpoint_2026-01-01_00-05-00.000001")
+        pruned.append(ckpt.prune_checkpoints(str(run), keep=1))
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "load_model", the_run_goes_on_meanwhile)
+    export(str(run), "safetensors", str(tmp_path / "model.safetensors"))
+    assert pruned == [[]] and (tmp_path / "model.safetensors").stat().st_size > 1000
+    assert ckpt.prune_checkpoints(str(run), keep=1) == [str(first)]
