@@ -4,6 +4,7 @@ exact resume after a pre-emption, re-sharding onto 1 worker. (A worker killed mi
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -138,7 +139,10 @@ def test_ray_gone_under_a_run_is_said_and_the_rerun_resumes_exactly(digits_datas
     assert collect_keys(keys) == reference["keys"]
     # Written once: the ranks wrote straight into the run folder; nothing was staged on the node.
     # (A resume's restore folder leaves only its lock file there.)
-    assert not staging.exists() or [p.name for p in staging.rglob("*") if p.is_file()] in ([], ["vitray-restore.lock"])
+    assert not staging.exists() or [p.name for p in staging.rglob("*") if p.is_file()] in (
+        [],
+        [f"vitray-restore-{os.getuid()}.lock"],
+    )
 
 
 def test_resume_on_one_worker_from_two_worker_checkpoint(digits_dataset, reference, tmp_path):

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -329,3 +331,11 @@ def test_ranks_of_one_node_share_the_files_they_all_read(seaweed_s3, tmp_path):
         ]
         assert node.is_dir()  # the first rank is still using it
     assert not node.exists()
+    # Another user of the node (a shared host: its /tmp is sticky) gets a folder and a lock of its own.
+    me, other_user = os.getuid(), os.getuid() + 1
+    with mock.patch("os.getuid", return_value=other_user), node_restore_dir(remote, str(tmp_path / "node")) as other:
+        assert other != node and other.name.startswith(f"vitray-restore-{other_user}-")
+    assert sorted(p.name for p in (tmp_path / "node").iterdir()) == [
+        f"vitray-restore-{me}.lock",
+        f"vitray-restore-{other_user}.lock",
+    ]

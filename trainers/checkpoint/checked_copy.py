@@ -256,8 +256,11 @@ def node_restore_dir(path: str, root: str | None = None) -> Iterator[Path]:
 
     base = Path(root or tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
-    folder = base / f"vitray-restore-{hashlib.sha1(path.encode()).hexdigest()[:16]}"
-    guard = base / "vitray-restore.lock"  # one lock file for all checkpoints: nothing left behind per resume
+    # Per user: on a node shared by several users the system's temporary folder is sticky, and a lock
+    # file or folder another user made could not be opened for writing (PermissionError).
+    user = os.getuid()
+    folder = base / f"vitray-restore-{user}-{hashlib.sha1(path.encode()).hexdigest()[:16]}"
+    guard = base / f"vitray-restore-{user}.lock"  # one lock file for all checkpoints: nothing left per resume
     me = folder / ".users" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     with open(guard, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
