@@ -73,6 +73,22 @@ class LeaseRecord:
     heartbeat: float
     timeout_s: float = 120.0  # the holder's run.lease_timeout_s: older heartbeats mean it is gone
 
+    @classmethod
+    def of_this_process(cls, timeout_s: float) -> LeaseRecord:
+        """A new holder's record: this process, its heartbeat now."""
+        import psutil
+
+        now = time.time()
+        return cls(
+            uuid.uuid4().hex[:12],
+            socket.gethostname(),
+            os.getpid(),
+            psutil.Process().create_time(),
+            now,
+            now,
+            timeout_s,
+        )
+
     def fresh(self) -> bool:
         return self.age() <= self.timeout_s and not self.gone_from_this_host()
 
@@ -155,18 +171,7 @@ class RunLease:
         # Local storage: the lock every read-judge-write holds.
         self.lock_path = None if storage.is_remote(self.path) else f"{storage.filesystem(self.path)[1]}.lock"
         self._etag: str | None = None
-        import psutil
-
-        now = time.time()
-        self.record = LeaseRecord(
-            uuid.uuid4().hex[:12],
-            socket.gethostname(),
-            os.getpid(),
-            psutil.Process().create_time(),
-            now,
-            now,
-            timeout_s,
-        )
+        self.record = LeaseRecord.of_this_process(timeout_s)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost = False

@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import socket
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterable
 from dataclasses import asdict, fields
 
@@ -69,23 +66,12 @@ class CheckpointPins:
     `__exit__`, refreshing the pins every `timeout_s`/4 on a background thread."""
 
     def __init__(self, checkpoints: Iterable[str], *, timeout_s: float = TIMEOUT_S):
-        import psutil
-
         self.by_run: dict[str, list[str]] = {}
         for checkpoint in checkpoints:
             found = _run_of(checkpoint)
             if found is not None:
                 self.by_run.setdefault(found[0], []).append(found[1])
-        now = time.time()
-        self.reader = LeaseRecord(
-            uuid.uuid4().hex[:12],
-            socket.gethostname(),
-            os.getpid(),
-            psutil.Process().create_time(),
-            now,
-            now,
-            timeout_s,
-        )
+        self.reader = LeaseRecord.of_this_process(timeout_s)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._unpinned: set[str] = set()  # run folders this reader could not write its pin to

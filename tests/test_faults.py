@@ -458,23 +458,30 @@ def test_resume_point_names_the_newer_checkpoints_it_skips_and_why(tmp_path):
     assert ckpt.describe_resume("r", None, []) == "starting r from scratch (no complete checkpoint)"
 
 
-def test_resume_point_knowing_a_checkpoint_reads_only_the_newer_ones(tmp_path, monkeypatch):
-    """The workers' rank 0 after a restart inside the run asks resume_point again, knowing the
-    checkpoint the driver chose and verified: only what was written since is read."""
-    import shutil
-
-    from vitray.runfolder import checkpoint_folders as ckpt
+def _complete_checkpoints(run_dir: Path, steps: tuple[int, ...]) -> list[Path]:
+    """Complete one-rank checkpoint folders of `run_dir` at `steps`, a minute apart, oldest first."""
     from vitray.trainers.checkpoint.rank_files import files_under, mark_complete, write_state
 
-    run_dir = tmp_path / "run"
     folders = []
-    for minute, step in enumerate((6, 12, 18)):
+    for minute, step in enumerate(steps):
         folder = run_dir / f"checkpoint_2026-01-01_00-{minute:02d}-00.000001"
         folder.mkdir(parents=True)
         (folder / "model.safetensors").write_bytes(b"x" * 100)
         write_state(folder, {"step": step, "world_size": 1})
         mark_complete(folder, 0, files_under(folder))
         folders.append(folder)
+    return folders
+
+
+def test_resume_point_knowing_a_checkpoint_reads_only_the_newer_ones(tmp_path, monkeypatch):
+    """The workers' rank 0 after a restart inside the run asks resume_point again, knowing the
+    checkpoint the driver chose and verified: only what was written since is read."""
+    import shutil
+
+    from vitray.runfolder import checkpoint_folders as ckpt
+
+    run_dir = tmp_path / "run"
+    folders = _complete_checkpoints(run_dir, (6, 12, 18))
     (folders[2] / "model.safetensors").write_bytes(b"x")  # the newest cut short
     checked = []
     check = ckpt.check_checkpoint
@@ -494,17 +501,9 @@ def test_pruning_keeps_the_newest_complete_checkpoints_and_anything_newer(tmp_pa
     """checkpoint.keep counts complete checkpoints only: uploads that failed (silently, as Ray's
     pyarrow upload can) never push the last complete checkpoint out."""
     from vitray.runfolder import checkpoint_folders as ckpt
-    from vitray.trainers.checkpoint.rank_files import files_under, mark_complete, write_state
 
     run_dir = tmp_path / "run"
-    names = []
-    for minute, step in enumerate((4, 8, 12, 16, 20, 24)):
-        folder = run_dir / f"checkpoint_2026-01-01_00-{minute:02d}-00.000001"
-        folder.mkdir(parents=True)
-        (folder / "model.safetensors").write_bytes(b"x" * 100)
-        write_state(folder, {"step": step, "world_size": 1})
-        mark_complete(folder, 0, files_under(folder))
-        names.append(folder.name)
+    names = [folder.name for folder in _complete_checkpoints(run_dir, (4, 8, 12, 16, 20, 24))]
     for name in names[3:]:  # the newest three uploads lost a file each
         (run_dir / name / "model.safetensors").write_bytes(b"x" * 10)
     assert ckpt.prune_checkpoints(str(run_dir), keep=2) == [str(run_dir / names[0])]
@@ -661,17 +660,9 @@ def test_a_pin_holds_while_its_reader_lives_and_beats(tmp_path, monkeypatch, cap
 
     from vitray.runfolder import checkpoint_folders as ckpt
     from vitray.runfolder import pins
-    from vitray.trainers.checkpoint.rank_files import files_under, mark_complete, write_state
 
     run_dir = tmp_path / "run"
-    names = []
-    for minute, step in enumerate((4, 8, 12)):
-        folder = run_dir / f"checkpoint_2026-01-01_00-{minute:02d}-00.000001"
-        folder.mkdir(parents=True)
-        (folder / "model.safetensors").write_bytes(b"x" * 100)
-        write_state(folder, {"step": step, "world_size": 1})
-        mark_complete(folder, 0, files_under(folder))
-        names.append(folder.name)
+    names = [folder.name for folder in _complete_checkpoints(run_dir, (4, 8, 12))]
     (run_dir / "vitray").mkdir()
     with pins.CheckpointPins([str(run_dir / names[0]), str(tmp_path / "elsewhere" / "checkpoint_x")], timeout_s=0.8):
         time.sleep(0.5)  # past a heartbeat: still held
