@@ -164,7 +164,15 @@ class PreparationLease(RunLease):
     TIMEOUT_S = 120.0
 
     def __init__(self, dest: str):
-        super().__init__(dest, timeout_s=self.TIMEOUT_S, path=join(dest, PREPARING_LEASE), on_lost=self._taken)
+        # (A store that ignores conditional writes is not refused here, as a run's is unless a setting
+        # accepts it: the lease falls back to the read-back after a settle time.)
+        super().__init__(
+            dest,
+            timeout_s=self.TIMEOUT_S,
+            path=join(dest, PREPARING_LEASE),
+            on_lost=self._taken,
+            without_conditional_writes=True,
+        )
         self.what = f"the preparation of {dest}"
 
     def held_message(self, held: LeaseRecord, age: float) -> str:

@@ -68,7 +68,10 @@ class CheckpointPins:
     def __init__(self, checkpoints: Iterable[str], *, timeout_s: float = TIMEOUT_S):
         self.by_run: dict[str, list[str]] = {}
         for checkpoint in checkpoints:
-            found = _run_of(checkpoint)
+            try:
+                found = _run_of(checkpoint)
+            except Exception:  # (a store this command cannot look into: the read itself will say so)
+                found = None
             if found is not None:
                 self.by_run.setdefault(found[0], []).append(found[1])
         self.reader = LeaseRecord.of_this_process(timeout_s)
@@ -87,7 +90,7 @@ class CheckpointPins:
             try:
                 record = {**asdict(self.reader), "checkpoints": sorted(set(names))}
                 storage.write_bytes_atomic(self._path(run_dir), json.dumps(record, indent=1).encode())
-            except OSError as error:  # read-only credentials, a full disk: read on, unpinned
+            except Exception as error:  # read-only credentials, a full disk: read on, unpinned (a pin is a courtesy)
                 self._unpinned.add(run_dir)
                 print(
                     f"vitray: could not pin the checkpoints read from {run_dir} ({type(error).__name__}: {error}): "
