@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -57,11 +57,7 @@ def pretrain(
             )
             return
         except training.Preempted as stopped:
-            what = "stopped by user" if stopped.by_user else f"stopped on a pre-emption notice ({stopped})"
-            console.print(
-                f"{what}; latest complete checkpoint: {_latest_text(training, folder)}; re-run the same command to resume"
-            )
-            raise typer.Exit(exit_codes.STOPPED_BY_USER if stopped.by_user else exit_codes.PREEMPTED) from None
+            exit_stopped(stopped, folder)
         except KeyboardInterrupt:
             console.print(
                 f"stopped by user at once; latest complete checkpoint: {_latest_text(training, folder)} (one the "
@@ -73,6 +69,18 @@ def pretrain(
     console.print(f"run folder:  {folder}", soft_wrap=True)
     for line in run_report(folder, total_steps=cfg.train.steps, wall_s=time.monotonic() - started):
         console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+
+def exit_stopped(stopped, folder: str) -> NoReturn:
+    """A run stopped by a SIGTERM (exit 75) or Ctrl-C (130) once its workers checkpointed: one line,
+    with where a re-run resumes."""
+    from vitray.cluster import pretrain as training
+
+    what = "stopped by user" if stopped.by_user else f"stopped on a pre-emption notice ({stopped})"
+    console.print(
+        f"{what}; latest complete checkpoint: {_latest_text(training, folder)}; re-run the same command to resume"
+    )
+    raise typer.Exit(exit_codes.STOPPED_BY_USER if stopped.by_user else exit_codes.PREEMPTED) from None
 
 
 def _latest_text(training, folder: str) -> str:

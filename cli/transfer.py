@@ -261,17 +261,22 @@ def finetune(
             model = model_to_train(cfg, elsewhere_ok=True)
         print_config(cfg.model_copy(update={"model": model}))
         return
+    from vitray.cli.pretrain import exit_stopped
+    from vitray.cluster import pretrain as training
     from vitray.evaluation.evaluators import TEST
     from vitray.runfolder.files import run_dir
-    from vitray.trainers.driver_checks.preflight import PreflightError
 
-    # PreflightError: refused before Ray started (exit 2); anything else: the run failed (exit 1)
-    with handled(
-        (PreflightError,), failed=(Exception,), doing="fine-tuning", traceback_at=" (the full traceback: --verbose)"
-    ):
-        # JSON mode: stdout is for the JSON alone (the progress lines go to stdout)
-        result = run_finetune(cfg, show_progress=format_ == OutputFormat.table, verbose=verbose)
     folder = run_dir(cfg.run.storage, cfg.run.name)
+    # Refused before Ray started (a bad input, a run another driver holds): exit 2; stopped by SIGTERM
+    # or Ctrl-C: 75 or 130, as `vitray pretrain` (it was "fine-tuning failed", exit 1); else failed: 1
+    with handled(
+        training.REFUSED, failed=(Exception,), doing="fine-tuning", traceback_at=" (the full traceback: --verbose)"
+    ):
+        try:
+            # JSON mode: stdout is for the JSON alone (the progress lines go to stdout)
+            result = run_finetune(cfg, show_progress=format_ == OutputFormat.table, verbose=verbose)
+        except training.Preempted as stopped:
+            exit_stopped(stopped, folder)
     scored = [("val" if result.test is not None else "top1", (cfg.data.val_path, cfg.data.val_split), result.top1)]
     if result.test is not None:
         scored.append(("test", cfg.evals[TEST].dataset(cfg.data), result.test))

@@ -591,6 +591,42 @@ def test_a_cell_whose_run_another_grid_trains_waits_for_it_and_reads_its_result(
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.parametrize(
+    "raised, code, said",
+    [
+        ("sigterm", 75, "stopped on a pre-emption notice (SIGTERM to the driver); latest complete checkpoint: "),
+        ("ctrl-c", 130, "stopped by user; latest complete checkpoint: "),
+        ("lease", 2, "error: run RUN is already running: another driver holds it"),
+    ],
+)
+def test_a_stopped_or_refused_fine_tune_exits_as_pretrain_does(raised, code, said, tmp_path, monkeypatch):
+    """`vitray finetune` stopped by SIGTERM once its workers checkpointed said "fine-tuning failed:
+    Preempted", exit 1, and a run another driver holds was a failure too: exit 75 (130 for Ctrl-C)
+    with where a re-run resumes, and a refusal (exit 2), as `vitray pretrain`."""
+    from typer.testing import CliRunner
+
+    import vitray.cluster.finetune
+    from vitray.cli.main import app
+    from vitray.cluster.pretrain import Preempted
+    from vitray.runfolder.lease import RunLeaseHeld
+
+    def run(cfg, **kwargs):
+        if raised == "lease":
+            raise RunLeaseHeld("run RUN is already running: another driver holds it")
+        raise Preempted(None, "SIGTERM to the driver", by_user=raised == "ctrl-c")
+
+    monkeypatch.setattr(vitray.cluster.finetune, "run_finetune", run)
+    args = [
+        "finetune",
+        str(tmp_path / "ckpt"),
+        "-c",
+        str(Path(__file__).parents[1] / "configs" / "finetune_digits.yaml"),
+    ]
+    result = CliRunner().invoke(app, [*args, "--set", f"run.storage={tmp_path / 'runs'}"], env={"COLUMNS": "300"})
+    assert result.exit_code == code, result.output
+    assert said in result.output and "Traceback" not in result.output and "failed" not in result.output
+
+
 # ---------------------------------------------------------------------------------------------
 # A real fine-tune on Ray
 # ---------------------------------------------------------------------------------------------
