@@ -214,7 +214,7 @@ def _say_earlier_runs_of_the_cell(cfg: TrainingConfig) -> None:
     named = _CELL_RUN.fullmatch(cfg.run.name)
     if named is None:
         return
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(Exception):  # (a note: nothing it meets stops the fine-tune)
         for name in storage.list_names(cfg.run.storage):  # (folders too)
             other = _CELL_RUN.fullmatch(name)
             if other is None or name == cfg.run.name or other["cell"] != named["cell"]:
