@@ -90,16 +90,18 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
     check_cluster_answers(cfg.cluster.address)  # a cluster that is not there: no lease, no attempt
     folder = run_dir(cfg.run.storage, cfg.run.name)
     with (
-        _held_lease(folder, cfg, force) as lease,
-        # A fine-tune's init.checkpoint in a run still training: not pruned by it while this run starts
-        CheckpointPins([cfg.init.checkpoint] if cfg.init.checkpoint else []),
-        RunAttempts(folder, lease.owner) as attempts,
-        # Past the grace period the driver exits at once: its attempt and lease are settled first.
+        # Signals are taken before the lease is: a SIGTERM just after the lease was written killed the
+        # driver at once (exit -15), the lease and an open attempt left behind. Past the grace period
+        # the driver exits at once, its attempt and lease settled first (both held by then).
         StopOnSignal(
             folder,
             cfg.run.preemption_grace_s,
             before_exit=lambda why: (attempts.end("stopped", why), lease.release()),
         ) as stop,
+        _held_lease(folder, cfg, force) as lease,
+        # A fine-tune's init.checkpoint in a run still training: not pruned by it while this run starts
+        CheckpointPins([cfg.init.checkpoint] if cfg.init.checkpoint else []),
+        RunAttempts(folder, lease.owner) as attempts,
     ):
         try:  # a stop while the run starts is taken between these steps (`stop.check`)
             plan = check_resume(cfg, folder, info)

@@ -27,7 +27,7 @@ class StoppedBeforeTraining(BaseException):
 
 
 class StopOnSignal:
-    """From the moment the run's lease is held, SIGTERM (a pre-emption) and Ctrl-C (SIGINT) stop the
+    """From just before the run's lease is taken, SIGTERM (a pre-emption) and Ctrl-C (SIGINT) stop the
     run. Before the workers start there is nothing to checkpoint: the signal is noted and the driver
     stops at its next `check` (never by an exception raised from the handler, wherever the main
     thread is: a lock it held then would stay held). Once `workers_started`, a signal writes a stop

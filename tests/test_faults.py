@@ -691,3 +691,39 @@ def test_a_pin_holds_while_its_reader_lives_and_beats(tmp_path, monkeypatch, cap
         time.sleep(0.3)
     said = capsys.readouterr().err
     assert said.count("could not pin the checkpoints read from") == 1 and "checkpoint.keep may delete" in said
+
+
+def test_a_drivers_signals_are_taken_before_its_lease(tmp_path, monkeypatch):
+    """SIGTERM in the moment after the lease was written and before the driver took its signals
+    killed it at once (exit -15: `test_sigterm_while_the_run_starts_stops_it_at_once_recorded_and_released`
+    under load), the lease and an open attempt left behind: the signals are vitray's before the
+    lease is taken, and are given back after it is released."""
+    import signal as signals
+
+    from vitray.cluster import pretrain as training
+    from vitray.cluster.stop_signals import StopOnSignal
+    from vitray.common.config import load_config
+    from vitray.runfolder.lease import RunLease
+    from vitray.trainers.config import TrainingConfig
+
+    seen = []
+    acquire = RunLease.acquire
+
+    def taking(self):
+        seen.append(signals.getsignal(signals.SIGTERM))
+        return acquire(self)
+
+    def started(cfg, verbose=False):  # the lease is held now: stop before Ray starts
+        raise training.RunLeaseHeld("refused here, after the lease")
+
+    monkeypatch.setattr(RunLease, "acquire", taking)
+    monkeypatch.setattr(training, "check_inputs", lambda cfg: None)
+    monkeypatch.setattr(training, "check_resume", lambda cfg, folder, info: started(cfg))
+    cfg = load_config(TrainingConfig, None, [f"data.train={tmp_path}", f"run.storage={tmp_path}", "run.name=r"])
+    before = signals.getsignal(signals.SIGTERM)
+    with pytest.raises(training.RunLeaseHeld, match="after the lease"):
+        training.pretrain(cfg, show_progress=False)
+    (handler,) = seen
+    assert getattr(handler, "__func__", None) is StopOnSignal._on_signal, handler
+    assert signals.getsignal(signals.SIGTERM) is before
+    assert read_lease(RunFiles(str(tmp_path / "r")).lease_path) is None
