@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import contextlib
-import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from vitray.common.config import validate_config
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.evaluators import TEST, TEST_TOP1, VAL, VAL_TOP1
 from vitray.evaluation.evaluators.val import ValEvalConfig
-from vitray.evaluation.finetune_recipe import FinetuneRecipe, finetune_run_name
+from vitray.evaluation.finetune_recipe import FinetuneRecipe, finetune_run_name, run_name_cell
 from vitray.evaluation.methods import METRIC
 from vitray.evaluation.methods.finetune import (
     VAL_METRIC,
@@ -203,21 +202,16 @@ def run_finetune(cfg: TrainingConfig, *, show_progress: bool = False, verbose: b
     return FinetuneResult(top1, test)
 
 
-# A grid's (and `vitray finetune`'s) run name: BENCHMARK-lrLR-seedSEED-CELL_ID (`finetune_run_name`).
-_CELL_RUN = re.compile(r"(?P<cell>.+-lr[^-/]+-seed\d+)-[0-9a-f]{16}")
-
-
 def _say_earlier_runs_of_the_cell(cfg: TrainingConfig) -> None:
     """A fine-tune starting anew beside a run of the same benchmark, learning rate and seed under
     another id (other settings, other data, or the id an older vitray gave: a re-run after an upgrade
     trained again without a word): one line each naming it and how its settings differ."""
-    named = _CELL_RUN.fullmatch(cfg.run.name)
-    if named is None:
+    cell = run_name_cell(cfg.run.name)
+    if cell is None:
         return
     with contextlib.suppress(Exception):  # (a note: nothing it meets stops the fine-tune)
         for name in storage.list_names(cfg.run.storage):  # (folders too)
-            other = _CELL_RUN.fullmatch(name)
-            if other is None or name == cfg.run.name or other["cell"] != named["cell"]:
+            if name == cfg.run.name or run_name_cell(name) != cell:
                 continue
             earlier = latest_complete_checkpoint(run_dir(cfg.run.storage, name))
             if earlier is None:
@@ -283,9 +277,9 @@ def finetune_cell_metrics(
             if isinstance(held, UnsafeLeaseStore):
                 raise
             if not waiting:
+                holder = held.holder.describe() if held.holder is not None else "another driver"
                 print(
-                    f"{cfg.run.name}: another driver trains this fine-tune now ({str(held).split('. ')[0]}); "
-                    "waiting for it to end, to read its result",
+                    f"{cfg.run.name}: {holder} trains this fine-tune now; waiting for it to end, to read its result",
                     file=sys.stderr,
                     flush=True,
                 )

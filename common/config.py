@@ -48,14 +48,22 @@ def packaged_config(name: str) -> Path:
     return Path(str(resources.files("vitray.configs").joinpath(name)))
 
 
+def _as_recipe(path: Path) -> str | None:
+    """The recipe a relative `configs/...` path names (`paper/fewshot.yaml`; `configs` itself: ""), else None."""
+    if path.is_absolute() or path.parts[:1] != ("configs",):
+        return None
+    return "/".join(path.parts[1:])
+
+
 def config_file(path: str | Path) -> Path:
     """`path`; or, where it names one of vitray's own recipes as the docs write them
     (`configs/paper/pretrain_b16_i21k.yaml`) and no such file is here, that recipe as installed with
     vitray: outside a checkout (vitray installed from a wheel) the docs' commands work as written."""
     path = Path(path)
-    if path.exists() or path.is_absolute() or path.parts[:1] != ("configs",) or len(path.parts) < 2:
+    recipe = None if path.exists() else _as_recipe(path)
+    if recipe is None:
         return path
-    packaged = packaged_config("/".join(path.parts[1:]))
+    packaged = packaged_config(recipe)
     return packaged if packaged.is_file() else path
 
 
@@ -140,9 +148,10 @@ _MISSING = object()
 
 def _recipes_beside(path: Path) -> str:
     """For a missing `configs/...` file: the recipes vitray has in that folder (a mistyped name)."""
-    if path.is_absolute() or path.parts[:1] != ("configs",):
+    recipe = _as_recipe(path)
+    if recipe is None:
         return ""
-    folder = packaged_config("/".join(path.parts[1:-1]))
+    folder = packaged_config(str(Path(recipe).parent))
     names = sorted(p.name for p in folder.glob("*.yaml")) if folder.is_dir() else []
     return f"; vitray's recipes in {path.parent}/: {', '.join(names)}" if names else ""
 

@@ -133,7 +133,8 @@ def begin_prepare(
     names = sorted(sizes)
     marker = storage.join(dest, PREPARING_MARKER)
     splits = {task.split for task in tasks}
-    if PREPARING_MARKER in names and DATASET_JSON not in names and _marker_plan(marker, storage_options) == plan:
+    recorded = _marker_plan(marker, storage_options) if PREPARING_MARKER in names else None
+    if recorded == plan and DATASET_JSON not in names:
         done = finished_shards(dest, tasks, plan, sizes, storage_options)
         ours = _our_files(splits)
         left = [name for name in names if ours.match(name) and name.endswith(".tmp")]
@@ -144,12 +145,12 @@ def begin_prepare(
             f"shard{'s' if len(tasks) != 1 else ''} ({samples:,} images) already written"
         )
         return done
-    if PREPARING_MARKER in names:
+    if recorded is not None:
         left = sum(1 for name in names if SHARD_NAME.match(name))
         why = (
-            "by an older vitray (its shards carry no records)"
-            if not _marker_plan(marker, storage_options)
-            else "with other options or of the source as it was then"
+            "with other options or of the source as it was then"
+            if recorded
+            else "by an older vitray (its shards carry no records)"
         )
         print(
             f"{dest} holds an unfinished preparation ({left:,} shard{'s' if left != 1 else ''} written) {why}: starting over"

@@ -218,3 +218,14 @@ def finetune_run_name(cell: Cell) -> str:
     """A run name that is unique per cell and stable across re-runs (so a re-run resumes it)."""
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", cell.benchmark).strip("-")
     return f"{slug}-lr{cell.settings['lr']:g}-seed{cell.seed}-{cell.cell_id}"
+
+
+# finetune_run_name's form: the benchmark, learning rate and seed, then the cell id (16 hex digits).
+_RUN_NAME = re.compile(r"(?P<cell>.+-lr[^-/]+-seed\d+)-[0-9a-f]{16}")
+
+
+def run_name_cell(name: str) -> str | None:
+    """``BENCHMARK-lrLR-seedSEED`` of a run that :func:`finetune_run_name` named, else None: the
+    part that runs of the same benchmark, learning rate and seed share whatever their cell id."""
+    named = _RUN_NAME.fullmatch(name)
+    return named["cell"] if named else None

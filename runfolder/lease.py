@@ -53,7 +53,11 @@ LEASE_FILE = "lease.json"
 
 
 class RunLeaseHeld(RuntimeError):
-    """Another driver holds the run (fresh heartbeat)."""
+    """Another driver holds the run (fresh heartbeat); `holder` is its record, where one was read."""
+
+    def __init__(self, message: str, holder: LeaseRecord | None = None):
+        super().__init__(message)
+        self.holder = holder
 
 
 class UnsafeLeaseStore(RunLeaseHeld):
@@ -288,14 +292,14 @@ class RunLease:
                 f"--force: taking over the lease of {held.describe()} although its heartbeat is only "
                 f"{age:.0f} s old; make sure that run is stopped"
             )
-        raise RunLeaseHeld(self.held_message(held, age))
+        raise RunLeaseHeld(self.held_message(held, age), held)
 
     def refuse_if_held(self) -> None:
         """Refuses now (RunLeaseHeld) while another driver holds the lease with a fresh heartbeat;
         takes nothing: a check before slow work that `acquire` would refuse after it."""
         held = read_lease(self.path)
         if held is not None and held.owner != self.owner and held.fresh() and not self.force:
-            raise RunLeaseHeld(self.held_message(held, held.age()))
+            raise RunLeaseHeld(self.held_message(held, held.age()), held)
 
     def held_message(self, held: LeaseRecord, age: float) -> str:
         """The refusal of a start while `held` holds the lease, its heartbeat `age` s old."""

@@ -575,9 +575,10 @@ def test_a_cell_whose_run_another_grid_trains_waits_for_it_and_reads_its_result(
     other_grid.release()
     cell.join(timeout=10)
     assert got == [{"accuracy": 0.75}]
-    (line,) = [line for line in capsys.readouterr().err.splitlines() if "another driver trains" in line]
-    assert line.startswith(
-        f"{cfg.run.name}: another driver trains this fine-tune now (run {folder} is already running: "
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "trains this fine-tune now" in line]
+    assert line == (
+        f"{cfg.run.name}: {other_grid.record.describe()} trains this fine-tune now; waiting for it to end, to read "
+        "its result"
     )
     # A Ctrl-C of the grid while a cell waits: the wait ends at once, as the cell's error.
     monkeypatch.setattr(run_attempts, "_STOPPED_BY_USER", threading.Event())

@@ -115,7 +115,7 @@ def image_ext(data: bytes, name: str = "") -> str:
 def split_renames(values: list[str], splits: Sequence[str], kind: str, native: str) -> dict[str, str]:
     """A source's ``split=FROM:TO[,FROM:TO]`` options as {its split name: the name vitray writes}:
     ``split=validation:val`` makes ImageNet's validation set the benchmark's ``val``. ``native`` is
-    what the source calls its own names in the error (``TFDS_NAME``, ``FILE_SPLIT``)."""
+    what the source calls its own names in the error (``TFDS_NAME``, ``SPLIT``)."""
     renames: dict[str, str] = {}
     for rename in (r for value in values for r in value.split(",")):
         old, sep, new = rename.partition(":")
