@@ -59,6 +59,12 @@ except ImportError:  # pragma: no cover - built wherever libjpeg's headers are i
     _jpeg_region = None
 # Whether training crops of JPEGs are decoded by region (set False to compare the two paths).
 REGION_DECODE = _jpeg_region is not None
+# What a run says where the region decoder is missing: a slower loader, and how to mend it.
+WHOLE_DECODE_NOTE = (
+    "JPEGs are decoded whole before each crop (about 1.2x the loader's CPU time per sample): vitray's "
+    "region decoder was not built with this install; install libjpeg's headers (apt install libjpeg-dev) "
+    "and reinstall vitray"
+)
 
 EVAL_CROP_FRACTION = 1 / EVAL_RESIZE_RATIO  # 0.875: the central crop of the resized image
 TRAIN_CROP_SCALE = (0.05, 1.0)

@@ -108,3 +108,24 @@ def test_train_crops_are_the_same_by_region_or_whole_and_cut_short_jpegs_fail_ei
     for seed in range(10):
         with pytest.raises(CorruptSample, match="undecodable image"):
             train_crop.from_bytes(cut, seed)
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_a_run_says_when_its_loader_decodes_jpegs_whole(built, monkeypatch, capsys):
+    """Without the extension (no libjpeg headers at install) the loader is slower: rank 0 says so,
+    with the fix, once the loader's decode is resolved; the other ranks and a built install say nothing."""
+    from types import SimpleNamespace
+
+    from vitray.trainers.loop import TrainingLoop
+
+    monkeypatch.setattr(transforms, "REGION_DECODE", built)
+    for rank in (0, 1):
+        worker = SimpleNamespace(
+            cfg=SimpleNamespace(data=SimpleNamespace(decode="auto")),
+            backend=SimpleNamespace(device=torch.device("cpu")),
+        )
+        worker.rank = rank
+        assert TrainingLoop._decodes_on_device(worker) is False
+    said = capsys.readouterr().out
+    assert said == ("" if built else f"vitray: {transforms.WHOLE_DECODE_NOTE}\n")
+    assert built or "apt install libjpeg-dev" in said

@@ -26,7 +26,7 @@ import torch
 
 from vitray import storage
 from vitray.common.redact import redacted_config
-from vitray.data import ShardLoader, read_dataset_info
+from vitray.data import ShardLoader, read_dataset_info, transforms
 from vitray.data.batch import UnreadableData
 from vitray.data.eval_loader import start_worker_server
 from vitray.evaluation.evaluators import Forward
@@ -141,7 +141,7 @@ class TrainingLoop:
                 resize_ratio=self.cfg.data.resize_ratio,
                 flip=self.cfg.data.flip,
                 float_images=False,  # uint8 crosses to the device; the objective converts it there
-                device_decode=decodes_on_device(self.cfg.data.decode, self.backend.device),
+                device_decode=self._decodes_on_device(),
             )
         )
         self.checkpointer = Checkpointer(
@@ -325,6 +325,14 @@ class TrainingLoop:
                 flush=True,
             )
         return attention_context(self.cfg.train.attention, device), kernel
+
+    def _decodes_on_device(self) -> bool:
+        """`data.decode` resolved on this worker's device; rank 0 says when the loader decodes whole
+        JPEGs because this install lacks the region decoder (built only where libjpeg's headers were)."""
+        on_device = decodes_on_device(self.cfg.data.decode, self.backend.device)
+        if self.rank == 0 and not on_device and not transforms.REGION_DECODE:
+            print(f"vitray: {transforms.WHOLE_DECODE_NOTE}", flush=True)
+        return on_device
 
     def _initial_model(self, *, resuming: bool) -> torch.nn.Module:
         """Scratch, or `init.checkpoint`'s weights at this run's resolution with a fresh head,
