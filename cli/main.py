@@ -6,7 +6,6 @@ import os
 import sys
 import tempfile
 import traceback
-from pathlib import Path
 
 import typer
 from rich.markup import escape
@@ -68,13 +67,15 @@ def main() -> None:
 def _unforeseen(err: Exception) -> int:
     """An error no command turned into its own message: `error: COMMAND failed: CAUSE`, and the whole
     traceback in a file named on that line (for a bug report), not on the console."""
-    path = Path(tempfile.gettempdir()) / f"vitray-error-{os.getpid()}.txt"
-    where = f"the traceback: {path}"
     try:
         # Credentials (a --set of a secret, a URL's password, the shell's secret values) are masked:
-        # the file is for a bug report.
+        # the file is for a bug report. Made anew, readable by its user alone (the shared /tmp), never
+        # through a link another user left at a name this process could have been known to take.
+        handle, name = tempfile.mkstemp(prefix=f"vitray-error-{os.getpid()}-", suffix=".txt")
         command = " ".join(redact.redact_args(sys.argv))
-        path.write_text(f"{command}\n\n{redact.redact_text(''.join(traceback.format_exception(err)))}")
+        with os.fdopen(handle, "w") as file:
+            file.write(f"{command}\n\n{redact.redact_text(''.join(traceback.format_exception(err)))}")
+        where = f"the traceback: {name}"
     except OSError:
         where = "no traceback file could be written"
     cause = " ".join(redact.redact_text(describe_failure(err).one_line()).split())

@@ -500,7 +500,7 @@ def watch_run(
     watched = watched if watched is not None else WatchSummary()
     deadline = time.monotonic() + timeout_seconds
     while True:
-        new = [c for c in find_checkpoints(run_path) if c.complete and c.path not in done]
+        new = [c for c in find_checkpoints(run_path, leaving_out=done) if c.complete]
         refs = []
         for info in new:
             try:

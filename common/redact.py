@@ -9,7 +9,8 @@ need them as they are; what is *written* (``--dry-run``, the resolved config in 
   secret-looking key (``key``, ``secret``, ``token``, ``password``, ``credential``, ...; at any
   depth, e.g. ``storage_options.client_kwargs.aws_secret_access_key``) replaced by ``***``, and
   every string passed through :func:`redact_text`;
-- :func:`redact_args`: a command line, its `--set` values under secret-looking keys masked too;
+- :func:`redact_args`: a command line, its `--set` (`--grid-set`) values under secret-looking keys
+  masked too;
 - :func:`redact_text`: free text with ``scheme://user:password@host`` passwords and the values of
   secret-looking environment variables (``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
   ``RAY_AUTH_TOKEN``, ...) masked;
@@ -43,6 +44,8 @@ CREDENTIAL_SECTIONS = frozenset({"storage_options", "env", "env_vars"})
 # everywhere would hide more than it protects.
 MIN_SECRET_LENGTH = 8
 
+# The options that set a config value, KEY=VALUE: `--set`, and `vitray demo`'s `--grid-set`.
+_SETTING_OPTION = re.compile(r"--(?:[a-z]+-)*set")
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
 _URL_PASSWORD = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/@:\s]*):(?P<password>[^/@\s]+)@")
 
@@ -83,6 +86,15 @@ def redact(value: Any, secrets: list[str] | None = None) -> Any:
     return value
 
 
+def unmasked(value: Any) -> Any:
+    """A copy of a recorded (redacted) JSON-like `value` without the entries :func:`redact` masked:
+    options read back from a checkpoint's config, so that what masked a credential is never sent as
+    one (the environment's, or a store's role, stand in for it)."""
+    if isinstance(value, Mapping):
+        return {key: unmasked(item) for key, item in value.items() if item != MASK}
+    return value
+
+
 def redact_at(path: Sequence[str], value: Any) -> Any:
     """`value` found at `path` (its keys from the top), for error messages that quote one value of a
     config: masked whole when a key on the way names a secret or a section that holds credentials
@@ -92,7 +104,8 @@ def redact_at(path: Sequence[str], value: Any) -> Any:
 
 
 def redact_args(args: Sequence[str], secrets: list[str] | None = None) -> list[str]:
-    """A command line with its credentials masked: a `--set KEY=VALUE` whose key names a secret
+    """A command line with its credentials masked: a `--set KEY=VALUE` (or `--grid-set`, any
+    `--...-set` option) whose key names a secret
     (`data.storage_options.secret`) or whose value is a mapping holding one becomes `KEY=***`; every
     argument goes through :func:`redact_text` (URL passwords, the environment's secret values)."""
     import yaml
@@ -101,9 +114,10 @@ def redact_args(args: Sequence[str], secrets: list[str] | None = None) -> list[s
     masked = []
     for index, arg in enumerate(args):
         prefix, setting = "", None
-        if arg.startswith("--set="):
-            prefix, setting = "--set=", arg.removeprefix("--set=")
-        elif index > 0 and args[index - 1] == "--set":
+        option, equals, value = arg.partition("=")
+        if equals and _SETTING_OPTION.fullmatch(option):
+            prefix, setting = f"{option}=", value
+        elif index > 0 and _SETTING_OPTION.fullmatch(args[index - 1]):
             setting = arg
         key, sep, value = (setting or "").partition("=")
         hidden = bool(sep and value) and any(is_secret_name(part) for part in key.split("."))

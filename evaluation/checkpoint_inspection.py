@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from vitray import storage
+from vitray.common.redact import unmasked
 from vitray.data import EvalLoader, eval_transform
 from vitray.data.transforms import CorruptSample, decode_image
 from vitray.evaluation.inspection_figures import InspectionFiles, inspect_model
@@ -73,7 +74,8 @@ def validation_images(state: dict[str, Any], img_size: int, count: int):
             batch_size=count,
             img_size=img_size,
             num_workers=0,
-            storage_options=data.get("storage_options"),
+            # recorded with their credentials masked: the environment's stand in for them
+            storage_options=unmasked(data.get("storage_options")),
             float_images=False,
         )
         batch = next(iter(loader))

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,8 @@ EMA_FILE = "ema.safetensors"
 # Written into a checkpoint that was found corrupt as a resume read it (a file without the CRC-32C
 # its record lists): from then on it does not count, and the next resume takes the one before it.
 CORRUPT_FILE = "vitray-corrupt.json"
+# Checkpoint folders a listing checks at once (each a few small reads).
+CHECKS_AT_ONCE = 16
 COMPLETION_PREFIX = "complete-rank-"
 _COMPLETE = COMPLETION_PREFIX + "{rank:04d}.json"
 
@@ -288,18 +292,24 @@ def checkpoint_state(path: str) -> dict[str, Any]:
 
 
 def checkpoint_folders(run_dir: str) -> list[str]:
-    """The paths of the run's checkpoint folders, complete or not, oldest first: Ray Train names
-    them checkpoint_<date-time>, which sorts in time order. One listing; nothing is verified."""
+    """The paths of the run's checkpoint folders, complete or not, oldest first: their names sort
+    in the run's order (`checkpoint_s<step>_<UTC time>`; an earlier vitray's `checkpoint_<date-time>`
+    before them, `trainers.checkpoint.rank_files.checkpoint_name`). One listing; nothing is verified."""
     fs, root = storage.filesystem(run_dir)
     protocol_root = str(run_dir).rstrip("/")
     names = sorted(n for n in storage.list_names(run_dir) if n.startswith("checkpoint_") and fs.isdir(f"{root}/{n}"))
     return [storage.join(protocol_root, name) for name in names]
 
 
-def find_checkpoints(run_dir: str) -> list[CheckpointInfo]:
+def find_checkpoints(run_dir: str, *, leaving_out: Collection[str] = ()) -> list[CheckpointInfo]:
     """The run's checkpoint folders, each checked once (:func:`check_checkpoint`), complete or not:
-    oldest step first, the incomplete ones (no readable step) last."""
-    found = [c for c in map(check_checkpoint, checkpoint_folders(run_dir)) if c is not None]
+    oldest step first, the incomplete ones (no readable step) last. The folders are checked
+    concurrently (a few requests each, a round trip apart on an object store: a run keeping
+    hundreds of checkpoints took minutes one by one); `leaving_out`: paths not to check (a
+    watcher's checkpoints already seen)."""
+    folders = [path for path in checkpoint_folders(run_dir) if path not in leaving_out]
+    with ThreadPoolExecutor(min(CHECKS_AT_ONCE, len(folders) or 1), thread_name_prefix="vitray-check") as pool:
+        found = [c for c in pool.map(check_checkpoint, folders) if c is not None]
     return sorted(found, key=lambda c: (c.step is None, c.step or 0, c.path))
 
 
@@ -351,7 +361,7 @@ def describe_resume(run_name: str, chosen: CheckpointInfo | None, skipped: list[
 
 def prune_checkpoints(run_dir: str, keep: int) -> list[str]:
     """Delete the run's checkpoint folders older than its `keep` newest complete ones; returns
-    their paths.
+    the paths it deleted.
 
     Only what a complete checkpoint has superseded goes: the `keep` newest complete ones stay, and
     so does everything newer than the oldest of them, complete or not (an upload still under
@@ -366,20 +376,34 @@ def prune_checkpoints(run_dir: str, keep: int) -> list[str]:
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
     _forget_listings(run_dir)
-    found = find_checkpoints(run_dir)
-    complete = [c for c in found if c.complete]
-    if len(complete) <= keep:
+    folders = checkpoint_folders(run_dir)
+    if len(folders) <= keep:  # (a run keeping every checkpoint: one listing, nothing read)
         return []
-    oldest_kept = _folder_name(complete[-keep].path)
-    doomed = [c.path for c in found if _folder_name(c.path) < oldest_kept]
+    # Newest first, and only until the `keep`-th complete one: the older folders go unread, so a
+    # prune costs the same however many checkpoints the run keeps (it runs after every save).
+    complete = 0
+    for index in range(len(folders) - 1, 0, -1):
+        checked = check_checkpoint(folders[index])
+        complete += checked is not None and checked.complete
+        if complete == keep:
+            break
+    else:
+        return []
+    doomed = folders[:index]
     if doomed:  # a checkpoint that a reader of the run pins goes at a later prune, once it is let go
         pinned = pinned_checkpoints(run_dir)
         doomed = [path for path in doomed if _folder_name(path) not in pinned]
+    deleted = []
     for path in doomed:
+        # Gone already: another prune (rank 0's, the driver's) got there first; an object store may
+        # go on listing a deleted folder as a prefix with nothing under it.
+        if not storage.holds_files(path):
+            continue
         fs, fs_path = storage.filesystem(path)
-        with contextlib.suppress(FileNotFoundError):  # another prune (rank 0's, the driver's) got there first
+        with contextlib.suppress(FileNotFoundError):  # deleted meanwhile, as wanted
             fs.rm(fs_path, recursive=True)
-    return doomed
+        deleted.append(path)
+    return deleted
 
 
 def _forget_listings(run_dir: str) -> None:

@@ -23,6 +23,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from . import s3_client
+from .reachable import refuse_credentials_in_url
 from .retries import with_retries
 
 # Streamed shard reads fetch this much per request: large enough that skipping small tar members
@@ -63,7 +64,8 @@ S3_RETRIES = {"mode": "standard", "total_max_attempts": 5}
 def filesystem(path: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem for ``path`` and the path as that filesystem names it."""
     options = dict(storage_options or {})
-    protocol, _ = fsspec.core.split_protocol(str(path))
+    protocol, rest = fsspec.core.split_protocol(str(path))
+    refuse_credentials_in_url(protocol, rest)
     if protocol in ("s3", "s3a") and not ({"AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS"} & os.environ.keys()):
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("retries", dict(S3_RETRIES))

@@ -16,7 +16,7 @@ from typing import Any
 
 import fsspec
 
-__all__ = ["StorageUnreachable", "check_reachable", "check_remote_reachable"]
+__all__ = ["StorageUnreachable", "check_reachable", "check_remote_reachable", "refuse_credentials_in_url"]
 
 # One probe, not the usual retry loop: a refused or silent endpoint is reported in seconds.
 CONNECT_TIMEOUT_S = 3
@@ -41,13 +41,31 @@ BUSY_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
 
 class StorageUnreachable(ValueError):
     """A storage path that cannot be used as it stands. ``cause`` is one of ``no-credentials``,
-    ``bad-credentials``, ``no-bucket``, ``access-denied``, ``read-only``, ``unreachable``, ``missing``; the
+    ``bad-credentials``, ``credentials-in-url``, ``no-bucket``, ``access-denied``, ``read-only``,
+    ``unreachable``, ``missing``; the
     message is one line naming the path, the cause and the fix. A ValueError, so the command
     line's handlers of bad input report it like any other bad argument (exit 2, no traceback)."""
 
     def __init__(self, message: str, *, cause: str, url: str) -> None:
         super().__init__(message)
         self.cause, self.url = cause, url
+
+
+def refuse_credentials_in_url(protocol: str | None, rest: str) -> None:
+    """``s3://KEY:SECRET@bucket/...`` (`rest`: the URL after its protocol): s3fs would take
+    ``KEY:SECRET@bucket`` for the bucket's name (and the store's error quotes it, the secret
+    included), and a path is printed and recorded where a credential must not be: refused, naming
+    the path with its credentials masked."""
+    if protocol not in ("s3", "s3a") or "@" not in rest.split("/", 1)[0]:
+        return
+    masked = f"{protocol}://***@{rest.split('@', 1)[1]}"
+    raise StorageUnreachable(
+        f"{masked}: vitray takes no credentials in an {protocol}:// URL (paths are printed and recorded): give "
+        "them in the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) or in storage_options, "
+        f"and the path as {protocol}://BUCKET/PREFIX",
+        cause="credentials-in-url",
+        url=masked,
+    )
 
 
 def check_reachable(
@@ -62,6 +80,7 @@ def check_reachable(
     not probed."""
     url = str(url)
     protocol, rest = fsspec.core.split_protocol(url)
+    refuse_credentials_in_url(protocol, rest)
     if protocol in (None, "file", "local"):
         _check_local(rest if protocol else url, must_exist=must_exist)
     elif protocol in ("s3", "s3a"):

@@ -169,7 +169,7 @@ def test_an_error_no_command_foresaw_is_one_line_and_its_traceback_is_in_a_file(
         "'s3://me:***@store/x') (the traceback: "
     ), line
     (saved,) = tmp_path.glob("vitray-error-*.txt")
-    assert line.endswith(f"{saved})")
+    assert line.endswith(f"{saved})") and saved.stat().st_mode & 0o077 == 0  # its user's alone
     text = saved.read_text()
     assert text.startswith("vitray pretrain --set train.steps=4 --set=data.storage_options.secret=***\n"), text
     assert "in a_bug" in text and "Traceback" in text and "hunter2" not in text

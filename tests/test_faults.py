@@ -458,13 +458,14 @@ def test_resume_point_names_the_newer_checkpoints_it_skips_and_why(tmp_path):
     assert ckpt.describe_resume("r", None, []) == "starting r from scratch (no complete checkpoint)"
 
 
-def _complete_checkpoints(run_dir: Path, steps: tuple[int, ...]) -> list[Path]:
-    """Complete one-rank checkpoint folders of `run_dir` at `steps`, a minute apart, oldest first."""
+def _complete_checkpoints(run_dir: Path, steps: tuple[int, ...], names: list[str] | None = None) -> list[Path]:
+    """Complete one-rank checkpoint folders of `run_dir` at `steps`, oldest first: named as an
+    earlier vitray named them (its clock's date-time, a minute apart), or `names`."""
     from vitray.trainers.checkpoint.rank_files import files_under, mark_complete, write_state
 
     folders = []
     for minute, step in enumerate(steps):
-        folder = run_dir / f"checkpoint_2026-01-01_00-{minute:02d}-00.000001"
+        folder = run_dir / (names[minute] if names else f"checkpoint_2026-01-01_00-{minute:02d}-00.000001")
         folder.mkdir(parents=True)
         (folder / "model.safetensors").write_bytes(b"x" * 100)
         write_state(folder, {"step": step, "world_size": 1})
@@ -515,6 +516,51 @@ def test_pruning_keeps_the_newest_complete_checkpoints_and_anything_newer(tmp_pa
     assert ckpt.latest_complete_checkpoint(str(run_dir)).step == 12
     with pytest.raises(ValueError, match="keep must be at least 1"):
         ckpt.prune_checkpoints(str(run_dir), keep=0)
+
+
+def test_checkpoints_go_in_step_order_whatever_rank_0s_clock_says(tmp_path):
+    """Rank 0 moved to a node whose clock is 15 minutes behind (or in another time zone, or in a
+    daylight-saving hour run twice) names the step-3000 checkpoint: the run resumes from it, and a
+    prune deletes the oldest, not it. (Named by the clock alone, the resume took step 2000 and the
+    prune deleted step 3000.) A run an earlier vitray began, its names its clock's, goes on in order."""
+    from datetime import UTC, datetime
+
+    from vitray.runfolder import checkpoint_folders as ckpt
+    from vitray.trainers.checkpoint.rank_files import checkpoint_name
+
+    clock = [datetime(2026, 3, 1, hour, minute, tzinfo=UTC) for hour, minute in ((10, 0), (10, 10), (9, 57))]
+    steps = (1000, 2000, 3000)
+    names = [checkpoint_name(step, now) for step, now in zip(steps, clock, strict=True)]
+    assert names[0] == "checkpoint_s000000001000_2026-03-01_10-00-00.000000"
+    for run_dir, run_names in ((tmp_path / "skewed", names), (tmp_path / "upgraded", [None, None, names[2]])):
+        earlier = [f"checkpoint_2026-03-01_11-0{minute}-00.000001" for minute in range(3)]  # a clock ahead
+        folders = _complete_checkpoints(run_dir, steps, [n or e for n, e in zip(run_names, earlier, strict=True)])
+        assert ckpt.resume_point(str(run_dir))[0].step == 3000
+        assert ckpt.prune_checkpoints(str(run_dir), keep=2) == [str(folders[0])]
+        assert [c.step for c in ckpt.find_checkpoints(str(run_dir))] == [2000, 3000]
+    with pytest.raises(ValueError, match="within 0..999999999999"):
+        checkpoint_name(10**12)
+
+
+def test_a_prune_reads_only_the_checkpoints_it_keeps(tmp_path, monkeypatch):
+    """Rank 0 prunes after every save: it reads the newest folders until `keep` complete ones and
+    nothing older, and nothing at all where the run keeps every checkpoint so far (it read every
+    folder, so a run keeping N checkpoints read N(N+1)/2 of them over its saves)."""
+    from vitray.runfolder import checkpoint_folders as ckpt
+
+    run_dir = tmp_path / "run"
+    folders = _complete_checkpoints(run_dir, tuple(range(10, 130, 10)))
+    (folders[-1] / "model.safetensors").write_bytes(b"x")  # the newest cut short (an upload under way)
+    checked = []
+    check = ckpt.check_checkpoint
+    monkeypatch.setattr(ckpt, "check_checkpoint", lambda path: checked.append(Path(path).name) or check(path))
+    assert ckpt.prune_checkpoints(str(run_dir), keep=len(folders)) == [] and checked == []
+    assert ckpt.prune_checkpoints(str(run_dir), keep=2) == [str(folder) for folder in folders[:-3]]
+    assert checked == [folder.name for folder in folders[-1:-4:-1]]
+    seen = {str(folder) for folder in folders[-3:-1]}  # a watcher's checkpoints evaluated already
+    checked.clear()
+    assert [c.step for c in ckpt.find_checkpoints(str(run_dir), leaving_out=seen)] == [None]
+    assert checked == [folders[-1].name]
 
 
 def test_runs_lists_attempts_and_marks_a_vanished_one_lost(tmp_path):

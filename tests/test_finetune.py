@@ -283,6 +283,26 @@ def test_fewer_steps_than_the_protocols_keep_its_share_of_warm_up(section, warmu
     assert first["warmup_steps"] == warmup
 
 
+def test_a_stores_options_in_the_overrides_are_no_part_of_a_cells_settings_or_id(tmp_path):
+    """`finetune.overrides: {data.storage_options: {key: ..., secret: ...}}` went into every fine-tune
+    cell's settings: the credentials stood in the results table, report.md and the console's table,
+    and a rotated secret made new cell ids (every fine-tune trained again). Where the data is read from
+    is how a run goes, not what it computes; what it computes stays a setting."""
+    ids, settings = [], []
+    for secret in ("CFGsecretVALUE1", "CFGsecretVALUE2"):
+        overrides = {
+            "data.storage_options": {"key": "AKIDaudit", "secret": secret, "endpoint_url": "http://store"},
+            "data.storage_options.client_kwargs.region_name": "eu",
+            "precision.dtype": "bf16",
+        }
+        _, plan = _grid_plan(tmp_path, ["cifar10"], overrides=overrides)
+        ids.append(sorted(job.cell.cell_id for job in plan.work))
+        settings.append(plan.work[0].cell.settings_json)
+    assert ids[0] == ids[1]
+    assert '"precision.dtype":"bf16"' in settings[0].replace(" ", "") and "storage_options" not in settings[0]
+    assert "AKIDaudit" not in settings[0] and "CFGsecret" not in settings[0]
+
+
 def _grid_plan(tmp_path, benchmarks, **finetune):
     grid = GridConfig(
         data_root=str(tmp_path),

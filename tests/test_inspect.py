@@ -351,6 +351,22 @@ def test_validation_data_that_cannot_be_found_asks_for_images(tmp_path):
         validation_images({"config": {}}, 16, 4)
 
 
+def test_validation_data_on_a_store_the_run_reached_with_its_own_options_is_read(seaweed_s3):
+    """A run whose `data.storage_options` held a key records them masked; `vitray inspect RUN` sent the
+    mask as the key (403, a traceback). The masked entries are left out: the environment's
+    credentials stand in, the other options (the endpoint) are kept."""
+    from vitray.common.redact import redact
+    from vitray.data import prepare_dataset
+
+    dest = seaweed_s3.url("datasets", "digits")
+    prepare_dataset("builtin:digits", dest, samples_per_shard=1000)
+    recorded = redact({**seaweed_s3.storage_options, "endpoint_url": seaweed_s3.endpoint_url})
+    assert recorded["secret"] == "***" and recorded["endpoint_url"] == seaweed_s3.endpoint_url
+    data = {"val": dest, "val_split": "test", "storage_options": recorded}
+    images, captions = validation_images({"config": {"data": data}}, 16, 4)
+    assert tuple(images.shape) == (4, 3, 16, 16) and len(captions) == 4
+
+
 @pytest.mark.slow
 def test_demo_report_gets_the_inspection_figures(pretrained, tmp_path):
     from vitray.evaluation.checkpoint_inspection import REPORT_FOLDER, add_to_report

@@ -62,19 +62,19 @@ def test_the_driver_prune_after_rank_0_deleted_checkpoints_keeps_checkpoint_keep
     assert ckpt.latest_complete_checkpoint(run_dir).path == newer[0]
 
 
-def test_a_checkpoint_deleted_while_the_prune_reads_it_counts_as_deleted(seaweed_s3, tmp_path, monkeypatch):
-    """Two prunes at once: the other one deletes a checkpoint while this one checks it (its
-    trainer state was there a moment ago). It is gone, which is what this prune wanted too."""
+def test_a_checkpoint_deleted_while_the_prune_runs_counts_as_deleted(seaweed_s3, tmp_path, monkeypatch):
+    """Two prunes at once: the other one deletes an old checkpoint while this one checks the newest.
+    It is gone, which is what this prune wanted too: no error, and not said deleted by this one."""
     run_dir = seaweed_s3.url("runs", "r")
     paths = _upload_checkpoints(tmp_path, run_dir, [4, 8, 12])
-    read_state = ckpt.read_state
+    check = ckpt.check_checkpoint
 
-    def deleted_meanwhile(folder, fs=None):
-        if Path(str(folder)).name == Path(paths[0]).name:
+    def deleted_meanwhile(folder):
+        if Path(str(folder)).name == Path(paths[2]).name:
             _delete_elsewhere(paths[0])
-        return read_state(folder, fs)
+        return check(folder)
 
-    monkeypatch.setattr(ckpt, "read_state", deleted_meanwhile)
+    monkeypatch.setattr(ckpt, "check_checkpoint", deleted_meanwhile)
     assert ckpt.prune_checkpoints(run_dir, keep=1) == paths[1:2]  # the one it deleted itself
     assert _steps(run_dir) == [12]
 

@@ -136,3 +136,25 @@ def test_credentials_that_may_read_but_not_write_are_refused_where_writing_is_as
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweed_store.secret_key)
     check_reachable(seaweed_s3.url("runs"), writable=True)
     assert "Contents" not in seaweed_store.client().list_objects_v2(Bucket=seaweed_s3.bucket)
+
+
+def test_credentials_in_an_s3_url_are_refused_and_never_said(tmp_path: Path) -> None:
+    """`s3://KEY:SECRET@bucket/...`: s3fs took `KEY:SECRET@bucket` for a bucket's name and the store's
+    error quoted it, secret and all, on the console and in the traceback file. Refused (the probe,
+    and any other opening of the path), the credentials masked, and through the command line in one line."""
+    from typer.testing import CliRunner
+
+    from vitray import storage
+    from vitray.cli.main import app
+
+    url = "s3://AKIDaudit:SECRETvalue9@vit/runs"
+    refused = _refusal(url)
+    assert refused.cause == "credentials-in-url" and refused.url == "s3://***@vit/runs"
+    with pytest.raises(StorageUnreachable, match=r"^s3://\*\*\*@vit/runs/x: vitray takes no credentials"):
+        storage.filesystem(f"{url}/x")
+    assert storage.filesystem("s3://vit/runs/user@example")[1] == "vit/runs/user@example"  # an @ in a key is a name
+    for command in (["runs", url], ["data", "verify", url]):
+        result = CliRunner().invoke(app, command)
+        said = result.stdout + (result.stderr or "")
+        assert result.exit_code == 2 and "SECRETvalue9" not in said and "AKIDaudit" not in said, said
+        assert said.startswith("error: s3://***@vit/runs: vitray takes no credentials in an s3:// URL"), said

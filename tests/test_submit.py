@@ -361,6 +361,8 @@ def test_a_command_line_that_carries_a_credential_is_not_submitted(monkeypatch):
         (["evaluate", "ckpt", "--set", 'storage_options={"key": "AKIA", "secret": "s"}'], "storage_options=***"),
         (["data", "prepare", "hf:https://me:hunter2@hub.example/x", "out"], "hf:https://me:***@hub.example/x"),
         (["pretrain", "--set", "data.train=s3://b/wJalrXUtnFEMI/K7MDENG"], "data.train=s3://b/***"),
+        (["demo", "--grid-set", "storage_options={key: AKIDx, secret: sssss}"], "storage_options=***"),
+        (["demo", "--grid-set=finetune.overrides.data.storage_options.key=AKIDx"], "storage_options.key=***"),
     ]:
         with pytest.raises(NotSubmitted, match="would be stored in the Ray job's entrypoint") as refused:
             refuse_credentials(args)

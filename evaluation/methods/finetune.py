@@ -227,8 +227,11 @@ OPERATIONAL_SECTIONS = ("run", "checkpoint", "log", "cluster")
 
 def is_operational(key: str) -> bool:
     """Whether a dotted config key -- or a change the pre-flight lists, "key: old -> new" -- is of
-    :data:`OPERATIONAL_SECTIONS`: how a run goes, not what it computes."""
-    return key.split(".")[0] in OPERATIONAL_SECTIONS
+    :data:`OPERATIONAL_SECTIONS`, or a store's options (`data.storage_options`: where the data is
+    read from, and with which credentials): how a run goes, not what it computes. (A fine-tune cell's
+    settings, which the results table, the report and the cell's id hold, leave these out.)"""
+    parts = key.split(":", 1)[0].strip().split(".")
+    return parts[0] in OPERATIONAL_SECTIONS or "storage_options" in parts
 
 
 def _result_overrides(overrides: dict[str, Any]) -> dict[str, Any]:

@@ -116,8 +116,8 @@ class Checkpointer:
         straight into its folder in the run folder; `metrics` go to the run with the folder when it
         is handed over."""
         t0 = time.perf_counter()
-        # One name for all ranks (rank 0's clock): Ray Train's form, which sorts in time order.
-        name = broadcast_json(ckpt.checkpoint_name() if self.rank == 0 else None, self.backend.device)
+        # One name for all ranks (rank 0's clock), which sorts in the run's order.
+        name = broadcast_json(ckpt.checkpoint_name(step) if self.rank == 0 else None, self.backend.device)
         folder = storage.join(self.run_dir, name)
         try:
             shards = self.backend.save(folder)

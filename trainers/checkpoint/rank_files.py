@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
@@ -41,12 +42,24 @@ __all__ = [
 ]
 
 
-def checkpoint_name() -> str:
-    """A new checkpoint folder's name, as Ray Train names them (checkpoint_<date-time>, which sorts
-    in time order: `checkpoint_folders` relies on it). Rank 0 picks it and tells the others."""
-    from datetime import datetime
+# Digits of the step in a checkpoint's name: a trillion steps.
+STEP_DIGITS = 12
 
-    return f"checkpoint_{datetime.today().strftime('%Y-%m-%d_%H-%M-%S.%f')}"
+
+def checkpoint_name(step: int, now: datetime | None = None) -> str:
+    """A new checkpoint folder's name: its step, zero-padded, then rank 0's clock in UTC
+    (``checkpoint_s000000005000_2026-12-06_02-30-21.123456``; `now`: that clock's reading, a UTC
+    datetime). Rank 0 picks it and tells the others.
+
+    The names sort in the run's order (`checkpoint_folders` relies on it): by step, and a step
+    trained again (after a fall back from a damaged checkpoint) after its earlier try. A clock
+    alone did not: rank 0 on a node in another time zone, a daylight-saving hour run twice or a
+    clock behind named a newer checkpoint as older, so a resume took the older one and a prune
+    deleted the newer. The ``s`` sorts after the digits of the date-time names of earlier vitrays
+    (``checkpoint_2026-...``, Ray Train's form), so a run an earlier vitray began goes on in order."""
+    if step < 0 or step >= 10**STEP_DIGITS:
+        raise ValueError(f"a checkpoint's step must be within 0..{10**STEP_DIGITS - 1}, got {step}")
+    return f"checkpoint_s{step:0{STEP_DIGITS}d}_{(now or datetime.now(UTC)).strftime('%Y-%m-%d_%H-%M-%S.%f')}"
 
 
 def write_file(folder: str, name: str, write: Callable[[IO[bytes]], None]) -> Written:
