@@ -52,6 +52,9 @@ from vitray.evaluation.suite import data_digest, find_missing
 from vitray.runfolder.checkpoint_folders import find_checkpoints, is_checkpoint
 from vitray.runfolder.pins import CheckpointPins
 
+# A grid's end merges the results table's parts into one where there are this many (`_compact`).
+COMPACT_AT_PARTS = 64
+
 
 @dataclass
 class GridSummary:
@@ -103,6 +106,7 @@ def run_grid(
     ready = waiting.release()  # what waited for cells an earlier invocation finished
     waiting.take_closed()  # not part of the progress bar's total
     if not pending.cells and not ready and not waiting.work:
+        _compact(table, console)
         return summary
 
     check_work([*pending.work, *ready], grid)  # in seconds, before Ray starts
@@ -155,7 +159,19 @@ def run_grid(
             ray.shutdown()
             raise
         pool.shutdown(wait=True)
+    _compact(table, console)
     return summary
+
+
+def _compact(table: ResultsTable, console: Console) -> None:
+    """The results table in one part once a grid has appended many (one a finished cell): every
+    later read -- the next grid's, the report's, a watcher's after each checkpoint -- lists and
+    reads one object, not thousands. Its results are all recorded already: a store that fails
+    here costs the merge, not the grid."""
+    try:
+        table.compact(at_least=COMPACT_AT_PARTS)
+    except OSError as error:
+        console.print(f"the results table was left in parts (merging them failed: {error})")
 
 
 def _data_digests(grid: GridConfig) -> dict[str, str]:

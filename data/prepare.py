@@ -59,11 +59,11 @@ def _our_files(splits: Iterable[str]) -> re.Pattern[str]:
     `shard-000001.tar` of another tool is not taken for a shard of split "shard" unless that split
     is being prepared."""
     names = "|".join(re.escape(split) for split in sorted(set(splits))) or "(?!)"
-    shard = r"-\d{6}\.tar(\.done)?"  # a shard, or a shard's record (prepare_resume)
+    shard = r"-\d{6,}\.tar(\.done)?"  # a shard, or a shard's record (prepare_resume)
     return re.compile(rf"^(\.?({names})({shard}|\.manifest\.parquet)|\.dataset\.json)(\.[^/]*\.tmp)?$")
 
 
-SHARD_NAME = re.compile(r"^[^.][^/]*-\d{6}\.tar$")
+SHARD_NAME = re.compile(r"^[^.][^/]*-\d{6,}\.tar$")
 # Written before the first shard, removed after dataset.json: "a vitray preparation began here".
 PREPARING_MARKER = ".vitray-preparing"
 # The lease of the command preparing the folder now (and, locally, its lock file beside it): a

@@ -25,7 +25,7 @@ from .shard_progress import ShardProgress
 # disks or S3 connections busy; few enough that a huge dataset does not open thousands of streams.
 HASH_THREADS = 8
 HASH_BLOCK = 8 * 1024 * 1024
-SHARD = re.compile(r"^(?P<split>[A-Za-z0-9_]+)-\d{6}\.tar$")
+SHARD = re.compile(r"^(?P<split>[A-Za-z0-9_]+)-\d{6,}\.tar$")
 SHA_SHOWN = 12  # hex digits of a sha256 a problem line shows
 
 

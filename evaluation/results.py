@@ -218,10 +218,13 @@ class ResultsTable:
         raise AssertionError("unreachable")
 
     def _read_parts(self, parts: list[str]) -> pa.Table:
-        tables = []
-        for part in parts:
-            data = storage.read_bytes(part, self.storage_options)
-            tables.append(pq.read_table(io.BytesIO(data), schema=SCHEMA))
+        # Fetched concurrently: a grid appends a part per finished cell, and one request after the
+        # other took 9 s for 2,000 parts on a local S3 store (minutes on a remote one).
+        found = storage.read_all(parts, self.storage_options)
+        gone = [part for part in parts if part not in found]
+        if gone:
+            raise FileNotFoundError(f"{gone[0]} was listed and is gone")
+        tables = [pq.read_table(io.BytesIO(found[part]), schema=SCHEMA) for part in parts]
         return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
 
     def to_table(self, *, latest: bool = True) -> pa.Table:
@@ -257,14 +260,15 @@ class ResultsTable:
         """Ids of cells that succeeded; failed and missing cells are not finished (they are retried)."""
         return set(self.ok_metrics())
 
-    def compact(self) -> str | None:
-        """Merges all part files into one (fewer objects to list on S3 for large grids).
+    def compact(self, at_least: int = 2) -> str | None:
+        """Merges all part files into one (fewer objects to list and read on S3 for large grids),
+        where there are `at_least` parts; returns the merged part.
 
         Safe while others append: the merged part is committed before the old ones are deleted,
         and rows seen twice in between are dropped by :meth:`to_table`.
         """
         parts = self.part_files()
-        if len(parts) < 2:
+        if len(parts) < max(at_least, 2):
             return None
         merged = self.append(self._read_parts(parts).to_pylist())
         # The merged part is committed: deleting the originals now never loses a row.

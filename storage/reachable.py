@@ -147,7 +147,7 @@ def _check_s3(url: str, rest: str, *, must_exist: bool, writable: bool, options:
             url=url,
         ) from None
     except bex.ClientError as error:
-        raise _client_error(error, url, bucket, endpoint) from None
+        raise _client_error(error, url, bucket, endpoint, given_credentials=_given_credentials(options)) from None
     if must_exist and not found:
         raise StorageUnreachable(
             f"nothing is stored at {url}: check the prefix (bucket {bucket} exists)", cause="missing", url=url
@@ -217,7 +217,18 @@ def _object_exists(client: Any, bucket: str, key: str) -> bool:
     return True
 
 
-def _client_error(error: Any, url: str, bucket: str, endpoint: str) -> StorageUnreachable:
+def _given_credentials(options: dict[str, Any]) -> bool:
+    """Whether `options` (storage_options) carry credentials of their own, which the client uses
+    before the environment's: a rejection is theirs."""
+    kwargs = options.get("client_kwargs") or {}
+    return any(options.get(name) for name in ("key", "secret", "token", "profile")) or any(
+        kwargs.get(name) for name in ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
+    )
+
+
+def _client_error(
+    error: Any, url: str, bucket: str, endpoint: str, *, given_credentials: bool = False
+) -> StorageUnreachable:
     details = error.response.get("Error", {})
     code = str(details.get("Code", ""))
     status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
@@ -233,9 +244,14 @@ def _client_error(error: Any, url: str, bucket: str, endpoint: str) -> StorageUn
             url=url,
         )
     if code in _BAD_CREDENTIALS:
+        whose = (
+            "the key / secret / token (or profile) of the storage_options given for it: they are used, not the "
+            "environment's"
+            if given_credentials
+            else "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN (or AWS_PROFILE)"
+        )
         return StorageUnreachable(
-            f"the S3 credentials were rejected for {url} ({code}): check AWS_ACCESS_KEY_ID / "
-            "AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN (or AWS_PROFILE)",
+            f"the S3 credentials were rejected for {url} ({code}): check {whose}",
             cause="bad-credentials",
             url=url,
         )

@@ -402,6 +402,7 @@ def test_prepared_dest_is_kept_unless_overwrite(tmp_path, capsys):
     info = prepare_dataset(src, str(dest), samples_per_shard=2)
     assert "already prepared" in capsys.readouterr().out
     assert info.splits["train"].num_shards == 3 and all_files(dest) == before
+    (dest / "train-1000000.tar").write_bytes(b"a shard of a larger preparation: names grow past six digits")
     info = prepare_dataset(src, str(dest), samples_per_shard=12, overwrite=True)
     assert info.splits["train"].num_shards == 1
     assert sorted(p.name for p in dest.iterdir()) == [

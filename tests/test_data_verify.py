@@ -49,6 +49,7 @@ def test_a_whole_dataset_passes_and_every_damage_is_named(tmp_path):
     flipped.write_bytes(bytes(data))
     (dest / "train-000003.tar").unlink()
     shutil.copy(dest / "train-000000.tar", dest / "train-000008.tar")  # left over from a larger preparation
+    shutil.copy(dest / "train-000000.tar", dest / "train-1000000.tar")  # shard names grow past six digits
     shutil.copy(dest / "test-000000.tar", dest / "val-000000.tar")  # a split dataset.json does not have
     (dest / "notes.txt").write_text("not a shard: not a problem")
 
@@ -62,12 +63,13 @@ def test_a_whole_dataset_passes_and_every_damage_is_named(tmp_path):
         problems[1],
         "train-000003.tar: missing (listed in train.manifest.parquet)",
         "train-000008.tar: not in train.manifest.parquet (a shard it does not list)",
+        "train-1000000.tar: not in train.manifest.parquet (a shard it does not list)",
         "val-000000.tar: not in any manifest (dataset.json has no split 'val')",
     ]
     assert problems[1].startswith("train-000002.tar: content differs: sha256 ")
     assert problems[1].endswith("...") and ", the manifest says " in problems[1]
     assert problems[-1] == (
-        f"{dest}: 5 problems (test: 2 shards, train: 8 shards listed): copy the shards named again from where the "
+        f"{dest}: 6 problems (test: 2 shards, train: 8 shards listed): copy the shards named again from where the "
         "dataset was prepared, or prepare it again (vitray data prepare ... --overwrite)"
     )
 

@@ -443,10 +443,11 @@ def test_the_report_holds_every_success_and_only_this_grids_failures(tmp_path):
     assert reported_results(grid).num_rows == 3  # all of it, where no grid is named
 
 
-def test_missing_data_and_report_on_s3(seaweed_s3):
+def test_missing_data_and_report_on_s3(seaweed_s3, monkeypatch):
     from rich.console import Console
 
     from vitray import storage
+    from vitray.cluster import evaluate
     from vitray.cluster.evaluate import report_grid, run_grid
     from vitray.evaluation.results import Cell
 
@@ -472,6 +473,14 @@ def test_missing_data_and_report_on_s3(seaweed_s3):
     assert "| pets | 100 | 3 cells: few-shot 5 shots; finetune lr 0.01 | 0, 1 | missing |" in text
     assert storage.exists(seaweed_s3.url("eval", "report", "accuracy_per_benchmark.png"))
     assert run_grid(grid, [ref], show_progress=False).missing == 3  # missing cells are retried, never skipped
+    # A grid's end merges the parts (a part a finished cell) once there are many: 2 here.
+    before = table.to_table(latest=False).to_pylist()
+    assert len(table.part_files()) > 2
+    monkeypatch.setattr(evaluate, "COMPACT_AT_PARTS", 2)
+    assert run_grid(grid, [ref], show_progress=False).missing == 3
+    after = table.to_table(latest=False).to_pylist()
+    assert len(table.part_files()) == 1
+    assert all(row in after for row in before) and len(after) == len(before) + 3
 
 
 # ---------------------------------------------------------------------------------------------

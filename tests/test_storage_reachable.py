@@ -158,3 +158,15 @@ def test_credentials_in_an_s3_url_are_refused_and_never_said(tmp_path: Path) -> 
         said = result.stdout + (result.stderr or "")
         assert result.exit_code == 2 and "SECRETvalue9" not in said and "AKIDaudit" not in said, said
         assert said.startswith("error: s3://***@vit/runs: vitray takes no credentials in an s3:// URL"), said
+
+
+def test_rejected_credentials_are_named_where_they_were_given(seaweed_s3, monkeypatch) -> None:
+    """A wrong secret in `storage_options`, the environment's keys good: the refusal named the
+    environment's variables, which were not used (the options' credentials come first)."""
+    given = {**seaweed_s3.storage_options, "secret": "not-the-secret"}
+    error = _refusal(seaweed_s3.url("runs"), storage_options=given)
+    assert error.cause == "bad-credentials" and "storage_options given for it" in str(error)
+    assert "AWS_SECRET_ACCESS_KEY" not in str(error)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    error = _refusal(seaweed_s3.url("runs"))
+    assert error.cause == "bad-credentials" and "AWS_SECRET_ACCESS_KEY" in str(error)
