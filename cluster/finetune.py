@@ -45,7 +45,7 @@ from vitray.runfolder.checkpoint_folders import latest_complete_checkpoint
 from vitray.runfolder.files import RunFiles, run_dir
 from vitray.runfolder.lease import RunLeaseHeld, UnsafeLeaseStore
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.driver_checks.preflight import PreflightError, changes_since
+from vitray.trainers.driver_checks.preflight import PreflightError, changes_since, init_changes
 
 # ---------------------------------------------------------------------------------------------
 # The run's config
@@ -237,7 +237,7 @@ def _refuse_other_settings(cfg: TrainingConfig, run_dir: str, state: dict[str, A
     --set, a recipe's value changed since): only how a run goes (`is_operational`) may differ."""
     if not state.get("config"):
         return  # nothing recorded to compare with (every run's checkpoint records it)
-    changes = [c for c in changes_since(cfg, state) if not is_operational(c)]
+    changes = init_changes(cfg, state) + [c for c in changes_since(cfg, state) if not is_operational(c)]
     if changes:
         raise FinishedWithOtherSettings(
             f"fine-tune run {run_dir} finished with other settings ({'; '.join(changes)}): its top-1 is not "

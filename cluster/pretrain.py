@@ -50,7 +50,13 @@ from vitray.runfolder.lease import RunLease, RunLeaseHeld
 from vitray.runfolder.pins import CheckpointPins
 from vitray.runfolder.progress import TrainingProgress
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.driver_checks.preflight import PreflightError, ResumePlan, check_inputs, check_resume
+from vitray.trainers.driver_checks.preflight import (
+    PreflightError,
+    ResumePlan,
+    check_inputs,
+    check_resume,
+    init_changes,
+)
 
 # What `pretrain` raises when the run fails for good (each failed rank's traceback in its message).
 __all__ = ["REFUSED", "AlreadyFinished", "Preempted", "TrainingFailedError", "latest_complete", "pretrain"]
@@ -181,7 +187,9 @@ def _refuse_other_settings(cfg: TrainingConfig, plan: ResumePlan) -> None:
     """A finished run is this command's only when it computed what this config would: a sweep that
     reuses a run name (other lr, other data flags) must not take the old run for its result. How a
     run goes (`is_operational`, debug) and its length may differ."""
-    computed = [c for c in plan.changes if not (is_operational(c) or c.startswith(("debug.", "train.steps:")))]
+    computed = init_changes(cfg, plan.chosen.state or {}) + [
+        c for c in plan.changes if not (is_operational(c) or c.startswith(("debug.", "train.steps:")))
+    ]
     if computed:
         raise PreflightError(
             f"run {cfg.run.name} is finished (step {plan.chosen.step}, {plan.chosen.path}) with other settings than "

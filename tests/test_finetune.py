@@ -511,6 +511,12 @@ def test_a_finished_run_of_other_settings_is_not_reported_for_these(tmp_path):
         run_finetune(smoothed)
     rarer = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"every": 7})})
     assert run_finetune(rarer).top1 == 0.75
+    # Another pre-trained model under the same run name (`vitray finetune OTHER --name NAME`, the
+    # recipe's fixed run.name with --set init.checkpoint=...): its top-1 is not the finished run's.
+    other = str(tmp_path / "other-run")
+    moved = cfg.model_copy(update={"init": cfg.init.model_copy(update={"checkpoint": other})})
+    with pytest.raises(FinishedWithOtherSettings, match=rf"\(init.checkpoint: {re.escape(cfg.init.checkpoint)} -> "):
+        run_finetune(moved)
 
 
 def test_a_run_that_logged_its_top1_but_never_completed_its_last_checkpoint_is_resumed(tmp_path, monkeypatch):

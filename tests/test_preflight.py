@@ -81,6 +81,11 @@ def _damaged_copy(digits_dataset: Path, folder: Path, keep_bytes: int | None) ->
         ("data.train=SHARD", ["data.train=", "train-000000.tar is a file", "holding dataset.json", "e.g. "]),
         ("data.train=LOST", ["data.train=", "1 of the 15 shards the manifest lists are missing (train-000005.tar)"]),
         ("data.train_split=validation", ["has no split 'validation'", "['test', 'train']"]),
+        # fewer samples than one batch of 32: every worker's loader refused it, Ray started
+        (
+            "data.train_split=train[:1%]",
+            ["split train[:1%] has 14 samples, fewer than one batch (train.batch_size=32)"],
+        ),
     ],
 )
 def test_pretrain_refuses_bad_input_before_ray(case, expected, digits_dataset, tmp_path):
@@ -407,3 +412,54 @@ def test_the_data_storage_options_are_the_datas_and_the_run_folder_is_checked_as
         ],
     )
     assert check_inputs(cfg).num_classes == 10
+
+
+def _relabelled_copy(digits_dataset: Path, folder: Path, classes: list[str]) -> Path:
+    """The digits dataset whose dataset.json names other classes: what pre-flight reads of a dataset."""
+    import json
+
+    shutil.copytree(digits_dataset, folder)
+    info = json.loads((folder / "dataset.json").read_text())
+    (folder / "dataset.json").write_text(json.dumps({**info, "classes": classes, "num_classes": len(classes)}))
+    return folder
+
+
+def test_a_validation_set_of_other_labels_is_refused_and_one_of_other_names_said(digits_dataset, tmp_path, capsys):
+    """data.val (or an evaluator's path) of another number of classes gave `val/top1 0.000` without a
+    word, after Ray started; the same number under other names is said (one dataset prepared from
+    two sources names its classes two ways), not refused."""
+    three = _relabelled_copy(digits_dataset, tmp_path / "three", ["cat", "dog", "eel"])
+    line = refused(*_sets(digits_dataset, tmp_path / "runs", f"data.val={three}", "evals.val={type: val, every: 4}"))
+    assert line.startswith(f"error: data.val={three} has 3 classes (single-label), data.train={digits_dataset} 10 ")
+    assert "its top-1 would score other labels" in line, line
+    named = _relabelled_copy(digits_dataset, tmp_path / "named", [f"digit {i}" for i in range(10)])
+    sets = [*BASE, f"data.train={digits_dataset}", f"data.val={named}", "evals.val={type: val, every: 4}"]
+    check_inputs(load_config(TrainingConfig, None, sets))
+    assert f"note: data.val={named} names its classes otherwise than data.train (class 0: 'digit 0' against '0')" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_kept_head_of_another_number_of_classes_is_refused(pretrained, digits_dataset, tmp_path):
+    """init.reset_head=false on data of other classes: the loop gave the run a fresh head without a word."""
+    three = _relabelled_copy(digits_dataset, tmp_path / "three", ["cat", "dog", "eel"])
+    sets = _sets(three, tmp_path / "runs", f"init.checkpoint={pretrained}", "init.reset_head=false", name="ft")
+    line = refused(*sets)
+    assert (
+        f"init.reset_head=false keeps the head of init.checkpoint {pretrained}, of 10 classes, but data.train=" in line
+    )
+    assert "has 3: set init.reset_head=true for a fresh head" in line, line
+
+
+def test_a_resume_on_workers_that_cannot_share_its_data_slots_is_refused_before_ray(
+    pretrained, digits_dataset, tmp_path
+):
+    """A run resumed on a number of workers its recorded data.num_slots does not divide: Ray started,
+    the checkpoint was converted for the new world size, then every worker failed, advising a
+    num_slots the resume refuses."""
+    storage = tmp_path / "storage"
+    shutil.copytree(Path(pretrained).parent, storage)
+    more = [*PRETRAINED[1:], "train.steps=12", "cluster.num_workers=3", "train.batch_size=48", "data.num_slots=null"]
+    line = refused(*_sets(digits_dataset, storage, *more))
+    assert "reads its data in 8 slots (data.num_slots, as recorded), which cluster.num_workers=3 cannot share" in line
+    assert "resume it on a number of workers among [1, 2, 4, 8]" in line, line

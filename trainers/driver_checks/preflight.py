@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import sys
 import tarfile
 import tempfile
 from dataclasses import dataclass, field
@@ -92,7 +93,12 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
             raise PreflightError(f"run.storage: {err}") from None
     else:
         _check_writable_folder("run.storage", cfg.run.storage)
-    info = _check_dataset("data.train", cfg.data.train, cfg.data.train_split, options)
+    info, samples = _check_dataset("data.train", cfg.data.train, cfg.data.train_split, options)
+    if samples is not None and samples < cfg.train.batch_size:  # what every worker's loader would refuse
+        raise PreflightError(
+            f"data.train={cfg.data.train} split {cfg.data.train_split} has {samples:,} samples, fewer than one "
+            f"batch (train.batch_size={cfg.train.batch_size}): use a smaller train.batch_size, or a larger split"
+        )
     try:
         resolve_objective(cfg.train.objective, info.label_kind)  # what the workers would refuse
     except ValueError as err:
@@ -103,11 +109,11 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
         if scored is None or scored in checked:
             continue
         key = "data.val" if scored == (cfg.data.val_path, cfg.data.val_split) else f"evals.{name}"
-        _check_dataset(key, *scored, options)
+        _check_same_labels(key, scored[0], _check_dataset(key, *scored, options)[0], cfg.data.train, info)
         checked.add(scored)
     for name, ev in cfg.evals.items():
         for dataset_name, path in getattr(ev, "datasets", {}).items():
-            probed = _check_dataset(f"evals.{name}.datasets.{dataset_name}", path, None, options)
+            probed, _ = _check_dataset(f"evals.{name}.datasets.{dataset_name}", path, None, options)
             _check_enough_shots(f"evals.{name}", dataset_name, probed, max(ev.shots))
     missing = missing_tracker_packages(cfg.log.mlflow, cfg.log.wandb)
     if missing:
@@ -123,7 +129,7 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
         raise PreflightError(
             "log.wandb: no W&B API key here: set WANDB_API_KEY (or run `wandb login`), or set log.wandb.mode=offline"
         )
-    model = _check_init_checkpoint(cfg) if cfg.init.checkpoint else cfg.model
+    model = _check_init_checkpoint(cfg, info.num_classes) if cfg.init.checkpoint else cfg.model
     if cfg.precision.dtype == "fp8":
         _check_fp8_can_run(cfg)
     shapes = check_model(model, info.num_classes)
@@ -132,6 +138,30 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
     ):
         raise PreflightError(no_float8_layer(cfg.precision.fp8_layers))
     return info
+
+
+def _check_same_labels(key: str, path: str, scored: DatasetInfo, train_path: str, train: DatasetInfo) -> None:
+    """A validation set scores the run's classifier: its labels must be data.train's. Another
+    number of classes (or single- against multi-label) gave a top-1 of other labels (0.000, or a
+    number that looked right); the same number under other names is said, not refused (one
+    dataset prepared from two sources names its classes two ways)."""
+    if "none" in (scored.label_kind, train.label_kind):
+        return  # unlabelled: nothing is scored against labels
+    if (scored.num_classes, scored.label_kind) != (train.num_classes, train.label_kind):
+        raise PreflightError(
+            f"{key}={path} has {scored.num_classes} classes ({scored.label_kind}-label), data.train={train_path} "
+            f"{train.num_classes} ({train.label_kind}-label): its top-1 would score other labels. Give a validation "
+            "set of the training set's classes (data.val, or the same dataset's split: data.val_split)"
+        )
+    differing = [i for i, (a, b) in enumerate(zip(scored.classes, train.classes, strict=False)) if a != b]
+    if differing:
+        differ = differing[0]
+        print(
+            f"vitray: note: {key}={path} names its classes otherwise than data.train (class {differ}: "
+            f"{scored.classes[differ]!r} against {train.classes[differ]!r}); its top-1 counts them as the same",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _check_enough_shots(key: str, dataset_name: str, info: DatasetInfo, shots: int) -> None:
@@ -212,6 +242,14 @@ def _check_data_stream(cfg: TrainingConfig, where: str, stream: dict[str, Any]) 
             f"{where} cannot resume with a changed {', '.join(changed)}: they decide the order of its data "
             "stream, whose position the checkpoint holds. Keep them as recorded, or start a new run (another run.name)"
         )
+    slots = cfg.data.num_slots or stream.get("num_slots")
+    if slots and slots % cfg.cluster.num_workers:  # what every worker would refuse, Ray started
+        divisors = [d for d in range(1, slots + 1) if slots % d == 0]
+        raise PreflightError(
+            f"{where} reads its data in {slots} slots (data.num_slots, as recorded), which "
+            f"cluster.num_workers={cfg.cluster.num_workers} cannot share: resume it on a number of workers among "
+            f"{divisors}, or start a new run (another run.name)"
+        )
     if "num_samples" in stream:
         samples = read_split(cfg.data.train, cfg.data.train_split, cfg.data.storage_options).num_samples
         if samples != stream["num_samples"]:
@@ -237,6 +275,20 @@ def changes_since(cfg: TrainingConfig, state: dict[str, Any]) -> list[str]:
     or "key (old -> new)"), keys added to vitray since at their defaults."""
     fixed, changed = config_changes(_with_todays_defaults(state.get("config") or {}), redacted_config(cfg))
     return fixed + changed
+
+
+def init_changes(cfg: TrainingConfig, state: dict[str, Any]) -> list[str]:
+    """How `cfg`'s starting weights (`init.*`) differ from those the run whose checkpoint `state`
+    recorded started from ("key: old -> new"). Not a change to report while a run resumes -- its
+    own checkpoint replaces them -- but a finished run started from other weights is not this
+    config's result."""
+    recorded = (state.get("config") or {}).get("init") or {}
+    given = redacted_config(cfg)["init"]
+    return [
+        f"init.{key}: {recorded[key]} -> {value}"
+        for key, value in sorted(given.items())
+        if key in recorded and recorded[key] != value
+    ]
 
 
 def config_changes(
@@ -274,7 +326,11 @@ def _check_writable_folder(key: str, path: str) -> None:
         ) from None
 
 
-def _check_dataset(key: str, path: str, split: str | None, options: dict[str, Any] | None) -> DatasetInfo:
+def _check_dataset(
+    key: str, path: str, split: str | None, options: dict[str, Any] | None
+) -> tuple[DatasetInfo, int | None]:
+    """The dataset at `path`, reachable and whole enough to start on: its info and the number of
+    samples of `split` (None: no split asked)."""
     try:
         storage.check_reachable(path, must_exist=True, storage_options=options)
     except storage.StorageUnreachable as err:
@@ -286,7 +342,7 @@ def _check_dataset(key: str, path: str, split: str | None, options: dict[str, An
         )
     try:
         if split is None:
-            return read_dataset_info(path, options)
+            return read_dataset_info(path, options), None
         resolved = read_split(path, split, options)
     except KeyError as err:  # the split is not there; the message lists the ones there are
         raise PreflightError(f"{key}={path}: {err.args[0]}; pick one of them") from None
@@ -295,7 +351,7 @@ def _check_dataset(key: str, path: str, split: str | None, options: dict[str, An
     if len(resolved.shard_urls):
         _check_shards_listed(key, path, [str(url) for url in resolved.shard_urls], options)
         _check_first_shard(key, resolved.shard_urls[0], options)
-    return resolved.info
+    return resolved.info, resolved.num_samples
 
 
 def _check_shards_listed(key: str, path: str, urls: list[str], options: dict[str, Any] | None) -> None:
@@ -330,8 +386,9 @@ def _check_first_shard(key: str, url: str, options: dict[str, Any] | None) -> No
         ) from None
 
 
-def _check_init_checkpoint(cfg: TrainingConfig) -> ModelConfig:
-    """init.checkpoint is complete; the model it gives at this run's resolution (what the loop builds)."""
+def _check_init_checkpoint(cfg: TrainingConfig, num_classes: int | None = None) -> ModelConfig:
+    """init.checkpoint is complete; the model it gives at this run's resolution (what the loop builds).
+    `num_classes`: the training data's, which a head kept (init.reset_head=false) must have."""
     path = cfg.init.checkpoint
     try:
         storage.check_reachable(path, must_exist=True)  # read as the run folder is: the environment's credentials
@@ -360,6 +417,15 @@ def _check_init_checkpoint(cfg: TrainingConfig) -> ModelConfig:
                 f"checkpoint's architecture; set model.{key}={value} or leave it out"
             )
     _check_representation_size(cfg, path, theirs.representation_size)
+    held = state.get("num_classes")
+    kept = not cfg.init.reset_head and cfg.model.masked_patch_outputs is None
+    if kept and num_classes is not None and held is not None and int(held) != num_classes:
+        # (the loop gave such a run a fresh head without a word)
+        raise PreflightError(
+            f"init.reset_head=false keeps the head of init.checkpoint {path}, of {held} classes, but data.train="
+            f"{cfg.data.train} has {num_classes}: set init.reset_head=true for a fresh head, or train on data of "
+            f"its {held} classes"
+        )
     if cfg.model.masked_patch_outputs is not None:  # the loop gives it masked patch prediction's parts
         update = {"masked_patch_outputs": cfg.model.masked_patch_outputs, "representation_size": None}
         theirs = theirs.model_copy(update=update)
