@@ -130,7 +130,21 @@ def _main(
     """Pre-train Vision Transformers on Ray and transfer them to the ViT paper's benchmarks."""
 
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.")]
+def _one_config(given: list[Path] | None) -> list[Path] | None:
+    """-c given twice took the last file alone, without a word: one config file per command (a
+    list of at most one, which `load` reads)."""
+    if given and len(given) > 1:
+        raise typer.BadParameter(
+            f"given {len(given)} times ({', '.join(map(str, given))}): a command reads one config file; "
+            "put what the others change in --set KEY=VALUE, or in a copy of the file"
+        )
+    return given
+
+
+# (a list, so that a second -c is seen and refused)
+ConfigOpt = Annotated[
+    list[Path] | None, typer.Option("--config", "-c", help="YAML config file.", metavar="FILE", callback=_one_config)
+]
 SetOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -223,8 +237,11 @@ def command_line() -> str:
     return " ".join(words)
 
 
-def load(schema: type[M], config: Path | None, overrides: list[str] | None) -> M:
-    """`load_config`, failing with the config's problems (and the options that set those keys)."""
+def load(schema: type[M], config: list[Path] | Path | None, overrides: list[str] | None) -> M:
+    """`load_config`, failing with the config's problems (and the options that set those keys);
+    `config`: -c's file (`ConfigOpt`: a list of at most one)."""
+    if isinstance(config, list):
+        config = config[0] if config else None
     try:
         return load_config(schema, config, overrides or [])
     except ConfigError as err:

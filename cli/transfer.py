@@ -33,7 +33,7 @@ from vitray.cli.app import (
 from vitray.data.config import TRAIN_CROPS
 
 
-def _grid(config: Path | None, overrides: list[str]):
+def _grid(config: list[Path] | None, overrides: list[str]):
     from vitray.evaluation.config import GridConfig
 
     return load(GridConfig, config, overrides)
@@ -247,6 +247,9 @@ def finetune(
                 "or with --set (e.g. --set optim.lr=0.01 --set train.steps=500)"
             )
         if checkpoint is not None:
+            set_too = [o for o in overrides if o.partition("=")[0].strip() == "init.checkpoint"]
+            if set_too:  # (the --set took the argument's place without a word)
+                fail(f"give the checkpoint once: CHECKPOINT ({checkpoint}) or --set {set_too[-1]}, not both")
             overrides.insert(0, f"init.checkpoint={checkpoint}")
         from vitray.trainers.config import TrainingConfig
 

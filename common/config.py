@@ -156,15 +156,39 @@ def _recipes_beside(path: Path) -> str:
     return f"; vitray's recipes in {path.parent}/: {', '.join(names)}" if names else ""
 
 
+class _KeyGivenTwice(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeysLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping: YAML's rule, which PyYAML
+    does not enforce (the later value wins), so a second `optim:` section reset the first's values
+    to their defaults without a word."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise _KeyGivenTwice(
+                    f"{key!r} is given twice (lines {seen[key].start_mark.line + 1} and "
+                    f"{key_node.start_mark.line + 1}): YAML keeps only the second, whole; merge them into one"
+                )
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist{_recipes_beside(path)}")
     if not path.is_file():
         raise ConfigError(f"config file {path} is not a file: pass -c FILE.yaml")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeysLoader)  # (a safe loader)
     except UnicodeDecodeError:
         raise ConfigError(f"config file {path} is not text (not UTF-8): pass -c FILE.yaml") from None
+    except _KeyGivenTwice as err:
+        raise ConfigError(f"config file {path}: {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
     if data is None:

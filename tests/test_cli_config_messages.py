@@ -97,3 +97,33 @@ def test_a_warmup_longer_than_the_run_is_refused():
         app, ["pretrain", "-c", DEMO, "--set", "train.steps=20", "--set", "schedule.warmup_steps=20", "--dry-run"]
     )
     assert ok.exit_code == 0, ok.output
+
+
+def test_a_final_learning_rate_above_the_peak_is_refused():
+    """`schedule.min_lr` above `optim.lr` (a misplaced exponent): the "decay" raised the learning rate
+    tenfold over the run, without a word."""
+    lines = refused("pretrain", "-c", DEMO, "--set", "optim.lr=0.001", "--set", "schedule.min_lr=0.01", "--dry-run")
+    assert "schedule.min_lr=0.01 is above optim.lr=0.001: the decay after the warm-up would raise" in lines[1]
+    assert "set schedule.min_lr at most optim.lr" in lines[1]
+
+
+def test_config_input_that_would_be_dropped_is_refused(tmp_path):
+    """A key given twice in a file (a second `optim:` section reset the first's lr to its default), -c
+    given twice (the last file alone was read) and a fine-tune's CHECKPOINT beside --set
+    init.checkpoint (the --set won): each took one of the two without a word."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("optim:\n  lr: 0.05\ntrain:\n  steps: 4\noptim:\n  weight_decay: 0.3\n")
+    (line,) = refused("pretrain", "-c", str(twice), "--dry-run")
+    assert line == (
+        f"error: config file {twice}: 'optim' is given twice (lines 1 and 5): YAML keeps only the second, whole; "
+        "merge them into one"
+    )
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("train:\n  steps: 4\n  batch_size: 8\n  steps: 8\n")
+    assert "'steps' is given twice (lines 2 and 4)" in refused("pretrain", "-c", str(nested), "--dry-run")[0]
+    result = CliRunner().invoke(app, ["pretrain", "-c", DEMO, "-c", str(nested), "--dry-run"])
+    said = " ".join(result.output.replace("│", " ").split())
+    assert result.exit_code == 2 and f"given 2 times ({DEMO}, {nested}): a command reads one config file" in said
+    finetune = str(REPO / "configs" / "finetune_digits.yaml")
+    (line,) = refused("finetune", "/runs/a", "-c", finetune, "--set", "init.checkpoint=/runs/b", "--dry-run")
+    assert line == "error: give the checkpoint once: CHECKPOINT (/runs/a) or --set init.checkpoint=/runs/b, not both"

@@ -609,6 +609,16 @@ class TrainingConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _decay_goes_down(self) -> TrainingConfig:
+        lr, min_lr = self.optim.lr, self.schedule.min_lr
+        if min_lr > lr:
+            raise ValueError(
+                f"schedule.min_lr={min_lr:g} is above optim.lr={lr:g}: the decay after the warm-up would raise the "
+                "learning rate to it; set schedule.min_lr at most optim.lr (0, the default, decays to zero)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _nonfinite_policy(self) -> TrainingConfig:
         if self.train.nonfinite == "skip" and not self.engine.skips_nonfinite:
             able = "|".join(name for name, engine in ENGINES.items() if engine.skips_nonfinite)
