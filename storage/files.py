@@ -23,7 +23,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from . import s3_client
-from .reachable import refuse_credentials_in_url
+from .reachable import check_path_form
 from .retries import with_retries
 
 # Streamed shard reads fetch this much per request: large enough that skipping small tar members
@@ -36,6 +36,7 @@ def absolute(path: str) -> str:
     expanded); a URL (``s3://...``, ``file://...``) as given. A config's paths are resolved where
     the config is read: Ray's workers run in working directories of their own, where a relative
     path names another folder (or none)."""
+    check_path_form(path)  # (`s3:/bucket` is no local path to make absolute, nor `gs://` one vitray reads)
     if fsspec.core.split_protocol(str(path))[0] is not None:
         return path
     return os.path.abspath(os.path.expanduser(path))
@@ -64,8 +65,8 @@ S3_RETRIES = {"mode": "standard", "total_max_attempts": 5}
 def filesystem(path: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem for ``path`` and the path as that filesystem names it."""
     options = dict(storage_options or {})
-    protocol, rest = fsspec.core.split_protocol(str(path))
-    refuse_credentials_in_url(protocol, rest)
+    check_path_form(path)
+    protocol, _ = fsspec.core.split_protocol(str(path))
     if protocol in ("s3", "s3a") and not ({"AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS"} & os.environ.keys()):
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("retries", dict(S3_RETRIES))

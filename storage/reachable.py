@@ -10,13 +10,14 @@ cause and the fix. Callers find it as ``storage.check_reachable`` (:mod:`vitray.
 from __future__ import annotations
 
 import os
+import re
 import time
 import uuid
 from typing import Any
 
 import fsspec
 
-__all__ = ["StorageUnreachable", "check_reachable", "check_remote_reachable", "refuse_credentials_in_url"]
+__all__ = ["StorageUnreachable", "check_path_form", "check_reachable", "check_remote_reachable"]
 
 # One probe, not the usual retry loop: a refused or silent endpoint is reported in seconds.
 CONNECT_TIMEOUT_S = 3
@@ -41,14 +42,63 @@ BUSY_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
 
 class StorageUnreachable(ValueError):
     """A storage path that cannot be used as it stands. ``cause`` is one of ``no-credentials``,
-    ``bad-credentials``, ``credentials-in-url``, ``no-bucket``, ``access-denied``, ``read-only``,
-    ``unreachable``, ``missing``; the
+    ``bad-credentials``, ``credentials-in-url``, ``unsupported`` (not a local path nor an s3:// URL),
+    ``no-bucket``, ``access-denied``, ``read-only``, ``unreachable``, ``missing``; the
     message is one line naming the path, the cause and the fix. A ValueError, so the command
     line's handlers of bad input report it like any other bad argument (exit 2, no traceback)."""
 
     def __init__(self, message: str, *, cause: str, url: str) -> None:
         super().__init__(message)
         self.cause, self.url = cause, url
+
+
+# A URL's scheme; the schemes a person may have meant by a mistyped one (`s3:/bucket`, `S3://`).
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):(/*)")
+_S3_SCHEMES = ("s3", "s3a")
+_LOCAL_SCHEMES = ("file", "local")
+# https://BUCKET.s3.REGION.amazonaws.com/KEY, https://s3.REGION.amazonaws.com/BUCKET/KEY
+_S3_WEB_URL = re.compile(r"https?://(?:(?P<bucket>[^/.]+)\.)?s3[.-][^/]*amazonaws\.com/(?P<rest>.*)")
+
+
+def check_path_form(path: str) -> None:
+    """A local path or an ``s3://`` URL, or :class:`StorageUnreachable` (a ValueError) saying what
+    was meant: ``s3:/bucket`` (one slash) named a local folder ``s3:`` in the working directory, and
+    data or checkpoints meant for the store stayed on this machine; ``S3://``, ``gs://`` or an
+    ``https://`` URL failed later, inside the filesystem library, as a crash (no gcsfs, protocol not
+    known, a DNS error after minutes of retries). Credentials in an ``s3://`` URL are refused too."""
+    text = str(path)
+    found = _SCHEME.match(text)
+    if found is None:
+        return
+    scheme, slashes, rest = found[1], found[2], text[found.end() :]
+    if slashes != "//":  # `s3:/bucket`, `s3:bucket`: a local name unless a store was meant
+        if scheme.lower() in (*_S3_SCHEMES, "gs", "gcs", "http", "https"):
+            raise StorageUnreachable(
+                f"{text}: a URL's scheme is followed by '://'; as written it names a local folder {scheme}: here. "
+                f"Write s3://{rest.lstrip('/')} for the store",
+                cause="unsupported",
+                url=text,
+            )
+        return
+    if scheme in _S3_SCHEMES:
+        refuse_credentials_in_url(scheme, rest)
+        return
+    if scheme in _LOCAL_SCHEMES:
+        return
+    from vitray.common.redact import redact_text
+
+    shown = redact_text(text)
+    web = _S3_WEB_URL.match(text)
+    if scheme.lower() in _S3_SCHEMES:
+        meant = f"write {scheme.lower()}:// in lower case: {scheme.lower()}://{rest}"
+    elif web is not None:
+        meant = f"an S3 bucket's web address: write it s3://{web['bucket'] + '/' if web['bucket'] else ''}{web['rest']}"
+    else:
+        meant = (
+            "vitray reads and writes local paths and s3:// URLs (AWS S3, or an S3-compatible store such as "
+            "MinIO, Ceph, SeaweedFS or Google Cloud Storage's S3 API, its endpoint in AWS_ENDPOINT_URL)"
+        )
+    raise StorageUnreachable(f"{shown}: {meant}", cause="unsupported", url=shown)
 
 
 def refuse_credentials_in_url(protocol: str | None, rest: str) -> None:
@@ -79,8 +129,8 @@ def check_reachable(
     path its parent folder must exist (or the path itself, with ``must_exist``). Other protocols are
     not probed."""
     url = str(url)
+    check_path_form(url)
     protocol, rest = fsspec.core.split_protocol(url)
-    refuse_credentials_in_url(protocol, rest)
     if protocol in (None, "file", "local"):
         _check_local(rest if protocol else url, must_exist=must_exist)
     elif protocol in ("s3", "s3a"):

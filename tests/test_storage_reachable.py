@@ -6,6 +6,7 @@ closed port, a prefix with nothing under it; and local paths. Each case must ans
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from pathlib import Path
@@ -170,3 +171,33 @@ def test_rejected_credentials_are_named_where_they_were_given(seaweed_s3, monkey
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     error = _refusal(seaweed_s3.url("runs"))
     assert error.cause == "bad-credentials" and "AWS_SECRET_ACCESS_KEY" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("path", "said"),
+    [
+        ("s3:/bucket/x", "s3:/bucket/x: a URL's scheme is followed by '://'; as written it names a local folder s3: "),
+        ("s3:bucket/x", "Write s3://bucket/x for the store"),
+        ("S3://bkt/runs", "S3://bkt/runs: write s3:// in lower case: s3://bkt/runs"),
+        ("gs://bkt/x", "gs://bkt/x: vitray reads and writes local paths and s3:// URLs"),
+        ("https://bkt.s3.eu-west-1.amazonaws.com/runs", "an S3 bucket's web address: write it s3://bkt/runs"),
+        ("https://me:hunter22@store/x", "https://me:***@store/x: vitray reads and writes local paths"),
+    ],
+)
+def test_a_path_that_is_no_local_path_nor_an_s3_url_is_refused_saying_what_was_meant(path, said, tmp_path) -> None:
+    """`s3:/bucket` (one slash) named a local folder `s3:`: data and checkpoints meant for the store
+    stayed on this machine, exit 0; `S3://`, `gs://`, `https://` failed inside fsspec as crashes."""
+    from vitray import storage
+    from vitray.common.config import ConfigError, load_config
+    from vitray.trainers.config import TrainingConfig
+
+    for check in (storage.absolute, storage.filesystem, check_reachable):
+        with pytest.raises(StorageUnreachable) as refused:
+            check(path)
+        assert (
+            said in str(refused.value) and refused.value.cause == "unsupported" and "hunter22" not in str(refused.value)
+        )
+    with pytest.raises(ConfigError, match=re.escape(said)):  # a config's path, before anything runs
+        load_config(TrainingConfig, None, [f"data.train={tmp_path}", f"run.storage={path}"])
+    for fine in ("s3://bucket/x", f"file://{tmp_path}", str(tmp_path / "a:b"), "relative/folder"):
+        storage.absolute(fine)
