@@ -26,6 +26,9 @@ def inspect(
     rollout_images: Annotated[int, typer.Option(help="Images shown with their attention rollout.", min=1)] = 8,
     components: Annotated[int, typer.Option(help="Principal components of the embedding filters.", min=1)] = 28,
     batch_size: Annotated[int, typer.Option(help="Images per forward pass.", min=1)] = 32,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace the figures of another checkpoint in --out.")
+    ] = False,
 ):
     """Paper figures of a checkpoint: embedding-filter PCA, position-embedding similarity, mean attention
     distance per head and layer, attention rollout maps. Writes PNGs and the numbers behind them (JSON/Parquet)."""
@@ -43,6 +46,7 @@ def inspect(
             rollout_images=rollout_images,
             num_components=components,
             batch_size=batch_size,
+            overwrite=overwrite,
         )
     for name, reason in files.skipped.items():
         console.print(f"[yellow]skipped {name}:[/] {escape(reason)}")

@@ -93,6 +93,7 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
     once the workers have checkpointed and stopped.
     """
     info = check_inputs(cfg)  # seconds, before anything is written or started
+    _say_warmup_default(cfg)
     check_cluster_answers(cfg.cluster.address)  # a cluster that is not there: no lease, no attempt
     folder = run_dir(cfg.run.storage, cfg.run.name)
     with (
@@ -172,6 +173,20 @@ def _held_lease(folder: str, cfg: TrainingConfig, force: bool) -> Iterator[RunLe
         lease.release()
 
 
+def _say_warmup_default(cfg: TrainingConfig) -> None:
+    """A run shorter than the default warm-up (the paper's 10,000 steps) that never named its own
+    warms up for the whole run and never decays: allowed (the schedule clips it), but said."""
+    warmup, steps = cfg.schedule.warmup_steps, cfg.train.steps
+    if "warmup_steps" not in cfg.schedule.model_fields_set and warmup >= steps:
+        print(
+            f"vitray: note: schedule.warmup_steps is unset, and its default ({warmup:,} steps, the paper's) spans the "
+            f"whole run (train.steps={steps:,}): the learning rate rises until the last step and never decays; "
+            "set schedule.warmup_steps to decay after it",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def _lease_lost(holder) -> None:
     # Only `--force` (or a heartbeat stalled past the timeout) gets here; this driver is not stopped
     # (a stop notice in the run folder would stop the new holder's workers too), but it says so.
@@ -202,7 +217,9 @@ def _announce_resume(cfg: TrainingConfig, folder: str, plan: ResumePlan) -> None
     """Where the run resumes from (and why not from a newer checkpoint), after any earlier stop
     notice is cleared: a new attempt starts unstopped."""
     RunFiles(folder).clear_stop()
-    print(describe_resume(cfg.run.name, plan.chosen, plan.skipped), file=sys.stderr, flush=True)
+    print(
+        describe_resume(cfg.run.name, plan.chosen, plan.skipped, init=cfg.init.checkpoint), file=sys.stderr, flush=True
+    )
     for change in plan.changes:
         print(f"  changed since the checkpoint: {change}", file=sys.stderr, flush=True)
 

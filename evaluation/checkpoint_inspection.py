@@ -11,6 +11,7 @@ Nothing here needs Ray.
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -114,13 +115,17 @@ def inspect_checkpoint(
     rollout_images: int = 8,
     num_components: int = 28,
     batch_size: int = 32,
+    overwrite: bool = False,
 ) -> InspectionFiles:
     """Writes the inspection figures of ``checkpoint`` (a checkpoint or run folder, local or
     s3://) into ``out`` (local or s3://); returns :class:`InspectionFiles` (local paths; for a
-    remote ``out`` those of the temporary copy, already uploaded)."""
+    remote ``out`` those of the temporary copy, already uploaded). The figures of another
+    checkpoint in ``out`` are replaced only with ``overwrite``."""
     storage.check_remote_reachable(checkpoint, must_exist=True)  # a wrong key, endpoint or bucket: one line
     storage.check_remote_reachable(out, writable=True)
     model, state = load_checkpoint(checkpoint, pin=True)
+    if not overwrite:
+        _refuse_another_checkpoints_figures(out, state["checkpoint"])
     if images:
         pixels, captions = load_image_files(images, model.img_size)
         source = f"{len(images)} given image(s)"
@@ -146,10 +151,24 @@ def inspect_checkpoint(
     return files
 
 
+def _refuse_another_checkpoints_figures(out: str, checkpoint: str) -> None:
+    """``out`` holding the figures of another checkpoint (its inspection.json says which): they were
+    replaced without a word, where `vitray export` refuses to replace a file."""
+    try:
+        held = json.loads(storage.read_bytes(storage.join(out, "inspection.json"))).get("checkpoint")
+    except (FileNotFoundError, NotADirectoryError, ValueError, AttributeError):
+        return
+    if held and held != checkpoint:
+        raise InspectionInputError(
+            f"--out {out} holds the figures of another checkpoint ({held}): give another --out, or pass "
+            "--overwrite to replace them"
+        )
+
+
 def add_to_report(checkpoint: str, report: Path) -> InspectionFiles:
     """Writes the inspection figures of `checkpoint` (on its own validation images) next to the
     report and appends them to `report` (report.md) as a section; returns the InspectionFiles."""
-    files = inspect_checkpoint(checkpoint, str(report.parent / REPORT_FOLDER))
+    files = inspect_checkpoint(checkpoint, str(report.parent / REPORT_FOLDER), overwrite=True)  # the report's own
     with report.open("a") as markdown:
         markdown.write("\n" + files.markdown(link_prefix=f"{REPORT_FOLDER}/"))
     return files

@@ -348,9 +348,14 @@ def latest_complete_checkpoint(run_dir: str) -> CheckpointInfo | None:
     return resume_point(run_dir)[0]
 
 
-def describe_resume(run_name: str, chosen: CheckpointInfo | None, skipped: list[CheckpointInfo]) -> str:
-    """The line a (re-)started run prints: where it resumes and, on a fall back, why."""
-    if chosen is None:
+def describe_resume(
+    run_name: str, chosen: CheckpointInfo | None, skipped: list[CheckpointInfo], *, init: str | None = None
+) -> str:
+    """The line a (re-)started run prints: where it resumes and, on a fall back, why; a new run
+    with `init` (its init.checkpoint, a fine-tune's) starts from those weights, not from scratch."""
+    if chosen is None and init is not None:
+        line = f"starting {run_name} from the weights of init.checkpoint {init} (no complete checkpoint of its own)"
+    elif chosen is None:
         line = f"starting {run_name} from scratch (no complete checkpoint)"
     else:
         line = f"resuming {run_name} from step {chosen.step} ({chosen.path})"

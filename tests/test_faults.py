@@ -456,6 +456,10 @@ def test_resume_point_names_the_newer_checkpoints_it_skips_and_why(tmp_path):
     assert line.startswith(f"resuming r from step 6 ({chosen.path})")
     assert f"skipped newer checkpoint {newest.parent}: " in line and "model.safetensors is missing or truncated" in line
     assert ckpt.describe_resume("r", None, []) == "starting r from scratch (no complete checkpoint)"
+    # A fine-tune starts from its init.checkpoint's weights: "from scratch" read as though they were not loaded.
+    assert ckpt.describe_resume("ft", None, [], init="/runs/pre") == (
+        "starting ft from the weights of init.checkpoint /runs/pre (no complete checkpoint of its own)"
+    )
 
 
 def _complete_checkpoints(run_dir: Path, steps: tuple[int, ...], names: list[str] | None = None) -> list[Path]:

@@ -298,6 +298,7 @@ def test_cli_inspects_a_checkpoint_on_its_own_validation_images(pretrained, tmp_
     table = pq.read_table(out / "position_embedding_similarity.parquet")
     assert table.num_rows == 4**4
     json.loads(table.schema.metadata[b"vitray"])  # the metadata is readable JSON
+
     rows = table.to_pandas()
     same = rows[(rows.query_row == rows.key_row) & (rows.query_col == rows.key_col)]
     np.testing.assert_allclose(same.cosine_similarity, 1.0, rtol=1e-6)
@@ -315,6 +316,19 @@ def test_cli_inspects_a_checkpoint_on_its_own_validation_images(pretrained, tmp_
     assert all(" · " in image["caption"] for image in rollout["images"])  # sample key · class
     maps = np.array([image["rollout"] for image in rollout["images"]])
     assert maps.shape == (8, 4, 4) and maps.min() >= 0 and maps.sum(axis=(1, 2)).max() <= 1 + 1e-9
+
+    # Another checkpoint's figures into the same --out replaced these without a word: refused, unless
+    # --overwrite; the same checkpoint again rewrites its own.
+    from vitray.runfolder.checkpoint_folders import find_checkpoints
+
+    earlier = next(c.path for c in find_checkpoints(pretrained) if c.step == 4)
+    again = ["inspect", "--out", str(out), "--num-images", "8", "--rollout-images", "2"]
+    result = CliRunner().invoke(app, [*again[:1], earlier, *again[1:]])
+    assert result.exit_code == 2 and "holds the figures of another checkpoint" in result.output, result.output
+    assert json.loads((out / "inspection.json").read_text())["step"] == 8
+    assert CliRunner().invoke(app, [*again[:1], pretrained, *again[1:]]).exit_code == 0
+    result = CliRunner().invoke(app, [*again[:1], earlier, *again[1:], "--overwrite"])
+    assert result.exit_code == 0 and json.loads((out / "inspection.json").read_text())["step"] == 4, result.output
 
 
 @pytest.mark.slow

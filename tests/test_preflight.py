@@ -463,3 +463,22 @@ def test_a_resume_on_workers_that_cannot_share_its_data_slots_is_refused_before_
     line = refused(*_sets(digits_dataset, storage, *more))
     assert "reads its data in 8 slots (data.num_slots, as recorded), which cluster.num_workers=3 cannot share" in line
     assert "resume it on a number of workers among [1, 2, 4, 8]" in line, line
+
+
+def test_a_run_shorter_than_the_default_warm_up_is_told_it_never_decays(digits_dataset, capsys):
+    """A 5,000-step run that never named schedule.warmup_steps warmed up for the whole run (the
+    default, 10,000, clipped to it) and trained its last steps at the peak, without a word."""
+    from vitray.cluster.pretrain import _say_warmup_default
+
+    base = [b for b in BASE if not b.startswith("schedule.warmup_steps")] + [f"data.train={digits_dataset}"]
+    for extra, said in (
+        (["train.steps=5000"], True),
+        (["train.steps=5000", "schedule.warmup_steps=500"], False),
+        (["train.steps=20000"], False),
+    ):
+        _say_warmup_default(load_config(TrainingConfig, None, [*base, *extra]))
+        err = capsys.readouterr().err
+        assert ("note: schedule.warmup_steps is unset, and its default (10,000 steps" in err) is said, (extra, err)
+    assert "spans the whole run (train.steps=5,000): the learning rate rises until the last step" in (
+        _say_warmup_default(load_config(TrainingConfig, None, [*base, "train.steps=5000"])) or capsys.readouterr().err
+    )
