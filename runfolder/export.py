@@ -3,7 +3,8 @@
 Formats: `npz` (the original ViT layout), `safetensors` (vitray's names and metadata), `onnx` (the
 whole network, opset 18, a dynamic batch dimension) -- single files -- and `timm`, the folder that
 `timm.create_model("local-dir:PATH", pretrained=True)` loads (`config.json` + `model.safetensors`,
-see `vitray.runfolder.timm_folder`). An existing output is never replaced unless `overwrite` is set.
+see `vitray.runfolder.timm_folder`; its config.json is written last, so a folder an export stopped
+part-way is no folder timm loads). An existing output is never replaced unless `overwrite` is set.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def export(path: str, fmt: str, out: str, *, overwrite: bool = False) -> Checkpo
 
             os.makedirs(local)
             write_timm_folder(model, local, eval_resize)
-            storage.publish_folder(local, out)
+            _publish_timm_folder(local, out)
         else:
             _write_single_file(model, fmt, local, eval_resize)
             storage.publish_file(local, out)
@@ -82,6 +83,18 @@ def check_output(out: str, fmt: str, *, overwrite: bool) -> None:
         raise ExportRefused(f"--out {out} is a folder; --format {fmt} writes one file: give a file path inside it")
     if fs.exists(fs_path) and not overwrite:
         raise ExportRefused(f"--out {out} already exists; pass --overwrite to replace it")
+
+
+def _publish_timm_folder(local: str, out: str) -> None:
+    """The timm folder's files put in `out`, `config.json` (what makes it a folder timm loads) last
+    and an earlier one's first removed: a stop part-way through leaves a folder without config.json,
+    which timm refuses, never a new config.json beside the weights of the model exported before."""
+    from vitray.runfolder.timm_folder import FILES
+
+    marker = "config.json"
+    storage.remove(storage.join(out, marker))
+    for name in [*(name for name in FILES if name != marker), marker]:
+        storage.publish_file(os.path.join(local, name), storage.join(out, name))
 
 
 def _folder_files(fmt: str) -> tuple[str, ...]:

@@ -182,6 +182,33 @@ def test_an_existing_output_is_refused_unless_overwrite(checkpoint, tmp_path):
     assert json.loads((timm_dir / "config.json").read_text()) == json.loads(config)
 
 
+def test_a_timm_export_stopped_part_way_leaves_no_folder_timm_would_load(checkpoint, tmp_path, monkeypatch):
+    """`--overwrite` of a timm folder stopped while the weights were copied (a Ctrl-C in a multi-GB copy)
+    left the new config.json beside the weights exported before: a folder that looked whole and loaded
+    the other model. config.json goes first and comes back last."""
+    import vitray.storage
+    import vitray.storage.files
+
+    folder, _ = checkpoint
+    timm_dir = tmp_path / "timm"
+    export(folder, "timm", str(timm_dir))
+    published = vitray.storage.files.publish_file
+
+    def stopped_at_the_weights(local, path, *args, **kwargs):
+        if str(path).endswith("model.safetensors"):
+            raise KeyboardInterrupt
+        return published(local, path, *args, **kwargs)
+
+    for module in (vitray.storage, vitray.storage.files):
+        monkeypatch.setattr(module, "publish_file", stopped_at_the_weights)
+    with pytest.raises(KeyboardInterrupt):
+        export(folder, "timm", str(timm_dir), overwrite=True)
+    assert not (timm_dir / "config.json").exists()
+    monkeypatch.undo()
+    export(folder, "timm", str(timm_dir), overwrite=True)
+    assert sorted(p.name for p in timm_dir.iterdir()) == ["config.json", "model.safetensors"]
+
+
 def test_cli_refuses_an_existing_output_in_one_line(checkpoint, tmp_path):
     folder, _ = checkpoint
     target = tmp_path / "m.npz"
