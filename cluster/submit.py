@@ -114,10 +114,7 @@ def submit(address: str, args: list[str], *, working_dir: str | None, env: dict[
     try:
         client = JobSubmissionClient(address)
     except Exception as error:  # ConnectionError; a GCS address that never answers: Ray's RpcError
-        raise RayUnavailable(
-            f"no Ray Jobs API answers at {address}: give --address (or RAY_ADDRESS) as the head node's dashboard "
-            "address, http://HOST:8265, and check that the cluster is up (`ray status` on its head node)"
-        ) from error
+        raise RayUnavailable(_no_jobs_api(address)) from error
     entrypoint = "vitray " + shlex.join(args)
     job_id = _submit_when_ready(client, entrypoint, runtime_env(working_dir, env, args))
     print(f"submitted job {job_id}: {entrypoint}", file=sys.stderr)
@@ -163,9 +160,22 @@ def _with_scheme(address: str) -> str:
         urllib.request.urlopen(f"http://{address}/api/version", timeout=3)
     except urllib.error.HTTPError:  # an HTTP server answered (401 without the token): the dashboard
         pass
-    except (OSError, ValueError):
+    except urllib.error.URLError as error:
+        if isinstance(error.reason, (ConnectionRefusedError, TimeoutError)):
+            # Nothing listens there (or nothing answers): neither a dashboard nor a GCS, and Ray would
+            # wait ~40 s for one, printing its own C++ warnings, before the same refusal.
+            raise RayUnavailable(_no_jobs_api(address)) from None
+        return address
+    except (OSError, ValueError):  # something answered, not over HTTP: a GCS address, as given
         return address
     return f"http://{address}"
+
+
+def _no_jobs_api(address: str) -> str:
+    return (
+        f"no Ray Jobs API answers at {address}: give --address (or RAY_ADDRESS) as the head node's dashboard "
+        "address, http://HOST:8265, and check that the cluster is up (`ray status` on its head node)"
+    )
 
 
 def refuse_credentials(args: list[str]) -> None:

@@ -413,3 +413,14 @@ def test_an_address_where_no_jobs_api_answers_is_one_line():
     assert out.returncode == 2, out.stderr[-3000:]
     assert out.stderr.startswith("error: no Ray Jobs API answers at http://127.0.0.1:9:"), out.stderr[-3000:]
     assert "Traceback" not in out.stderr
+    # Without a scheme, nothing listening: Ray took it for a GCS address and waited ~40 s for it,
+    # printing its C++ warnings, before the same line.
+    started = time.monotonic()
+    out = subprocess.run(
+        [str(BIN / "vitray"), "submit", "--address", "127.0.0.1:9", "--", "data", "prepare", "builtin:x", "out"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and out.stderr.startswith("error: no Ray Jobs API answers at 127.0.0.1:9:"), out.stderr
+    assert time.monotonic() - started < 20 and "rpc_client" not in out.stderr
