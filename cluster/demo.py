@@ -21,6 +21,7 @@ from vitray.cluster.prepare import prepare_dataset_on_ray
 from vitray.cluster.pretrain import AlreadyFinished, latest_complete, pretrain
 from vitray.cluster.runtime import connect
 from vitray.common.config import load_config, packaged_config
+from vitray.data.layout import read_dataset_info
 from vitray.evaluation.checkpoint_inspection import add_to_report
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.evaluators import VAL_TOP1
@@ -31,12 +32,24 @@ from vitray.evaluation.report import summarize
 from vitray.evaluation.results import ResultsTable
 from vitray.runfolder.files import RunFiles, run_dir
 from vitray.trainers.config import TrainingConfig
-from vitray.trainers.driver_checks.preflight import PreflightError
+from vitray.trainers.driver_checks.preflight import PreflightError, check_resume
 
 # The demo keeps one fine-tune learning rate of the digits grid to stay within a few minutes: 0.03,
 # the better of the two from the demo's run (0.81 test top-1 against 0.78 for 0.01, 100 steps at 24 px).
 DEMO_GRID = ["finetune.learning_rates=[0.03]"]
 DIGITS_SIZE = 8  # scikit-learn's digits are 8x8 pixels
+
+
+def _check_the_earlier_run(cfg: TrainingConfig, data: str) -> None:
+    """A demo run earlier into the same output that this one cannot go on with (another model, say)
+    is refused now, not after Ray started and the data step ran (what `pretrain` would say then)."""
+    folder = run_dir(cfg.run.storage, cfg.run.name)
+    if not storage.exists(storage.join(data, "dataset.json")) or latest_complete(folder) is None:
+        return
+    try:
+        check_resume(cfg, folder, read_dataset_info(data))
+    except PreflightError as err:
+        raise PreflightError(f"{err}; for the demo: give another --out, or the earlier run's settings") from None
 
 
 def run_demo(
@@ -79,6 +92,7 @@ def run_demo(
         check_models(list(plan_grid(grid, [planned]).work))
     except PreflightError as err:
         raise PreflightError(f"{err} (the grid's fine-tune size: --grid-set finetune.resolution=N)") from None
+    _check_the_earlier_run(cfg, str(data))
     console.rule("[bold]1/4 prepare: builtin:digits -> webdataset shards")
     connect(cfg.cluster.address, num_cpus=os.cpu_count(), verbose=verbose)
     prepare_dataset_on_ray("builtin:digits", str(data), samples_per_shard=200)

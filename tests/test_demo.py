@@ -49,3 +49,16 @@ def test_the_demo_pretrains_evaluates_every_cell_and_reports(tmp_path):
     assert any(line.startswith("report/plots: ") and line.endswith("report.md") for line in lines)
     assert (out / "eval" / "report" / "report.md").read_text().count("fine") > 0
     assert any((out / "eval" / "report" / "inspection").glob("*.png"))
+
+    # The demo again into the same output with another model: refused before Ray starts and before
+    # the data step (it started Ray, said the data was prepared, then pretrain refused, 22 s in).
+    import subprocess
+    import time
+
+    started = time.monotonic()
+    command = vitray_cmd("demo", "--out", str(out), *SHORT, "--set", "model.depth=2")
+    again = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "cannot resume with a changed model.depth (None -> 2)" in again.stderr, again.stderr[-3000:]
+    assert "for the demo: give another --out" in again.stderr and "1/4 prepare" not in again.stdout + again.stderr
+    assert time.monotonic() - started < 60
