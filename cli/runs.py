@@ -57,7 +57,26 @@ def runs(
         )
     table_console().print(table)
     if not found:
-        console.print(f"no runs under {storage}")
+        console.print(f"no runs under {storage}{_what_it_is_instead(storage)}")
+
+
+def _what_it_is_instead(storage: str) -> str:
+    """A folder given for STORAGE that is something else vitray writes (a dataset, a run, a
+    checkpoint): said, with the STORAGE to give."""
+    from vitray import storage as stores
+    from vitray.runfolder.checkpoint_folders import STATE_FILE
+
+    parent = storage.rstrip("/").rsplit("/", 1)[0] or "/"
+    try:
+        if stores.exists(stores.join(storage, "dataset.json")):
+            return ": it is a prepared dataset (dataset.json); give the folder of the runs (run.storage)"
+        if stores.exists(stores.join(storage, STATE_FILE)):
+            return f": it is a checkpoint folder; its run's storage is {parent.rsplit('/', 1)[0] or '/'}"
+        if any(name.startswith("checkpoint_") for name in stores.list_names(storage)):
+            return f": it is a run folder; its storage is {parent}"
+    except (OSError, ValueError):
+        pass
+    return ""
 
 
 @app.command()

@@ -174,6 +174,11 @@ def write_dataset_info(dataset: str, info: DatasetInfo, storage_options: dict[st
     storage.write_bytes_atomic(storage.join(dataset, DATASET_JSON), text.encode(), storage_options)
 
 
+# Written before the first shard, removed after dataset.json: "a vitray preparation began here"
+# (`vitray.data.prepare`).
+PREPARING_MARKER = ".vitray-preparing"
+
+
 def read_dataset_info(path: str, storage_options: dict[str, Any] | None = None) -> DatasetInfo:
     """Read ``dataset.json`` of the prepared dataset at ``path`` (local folder or URL).
 
@@ -184,6 +189,11 @@ def read_dataset_info(path: str, storage_options: dict[str, Any] | None = None) 
     try:
         data = storage.read_bytes(json_path, storage_options)
     except FileNotFoundError:
+        if storage.exists(storage.join(path, PREPARING_MARKER), storage_options):
+            raise FileNotFoundError(
+                f"no {DATASET_JSON} at {path}: a preparation began there and has not finished (it stopped, or is "
+                "still writing); run the same `vitray data prepare` command again to go on from its shards"
+            ) from None
         raise FileNotFoundError(
             f"no {DATASET_JSON} at {path}: not prepared or still being written; run `vitray data prepare SOURCE {path}`"
         ) from None

@@ -30,6 +30,7 @@ from vitray import storage
 
 from .layout import (
     DATASET_JSON,
+    PREPARING_MARKER,
     DatasetInfo,
     ManifestRow,
     SplitInfo,
@@ -64,8 +65,6 @@ def _our_files(splits: Iterable[str]) -> re.Pattern[str]:
 
 
 SHARD_NAME = re.compile(r"^[^.][^/]*-\d{6,}\.tar$")
-# Written before the first shard, removed after dataset.json: "a vitray preparation began here".
-PREPARING_MARKER = ".vitray-preparing"
 # The lease of the command preparing the folder now (and, locally, its lock file beside it): a
 # second preparation is refused while it is held (`vitray.cluster.prepare`).
 PREPARING_LEASE = ".vitray-preparing.lease.json"

@@ -282,3 +282,15 @@ def test_an_engines_own_figures_are_not_shown_as_evaluation_results(tmp_path):
     assert "val/top1 0.250" in line and "xla/" not in line
     with pytest.raises(ConfigError, match="evaluator name 'xla' is taken by the engine's own metrics"):
         load_config(TrainingConfig, None, ["data.train=/data", "evals={xla: {type: val, every: 10}}"])
+
+
+def test_runs_of_a_dataset_or_a_checkpoint_folder_says_what_it_is(digits_dataset, tmp_path):
+    """`vitray runs` of a prepared dataset or of a checkpoint folder said "no runs under X" alone."""
+    result = CliRunner().invoke(app, ["runs", str(digits_dataset)])
+    assert f"no runs under {digits_dataset}: it is a prepared dataset (dataset.json)" in result.output, result.output
+    checkpoint = tmp_path / "store" / "r1" / "checkpoint_s000000000004_2026-01-01_00-00-00.000001"
+    checkpoint.mkdir(parents=True)
+    write_state(checkpoint, {"step": 4, "world_size": 1})
+    result = CliRunner().invoke(app, ["runs", str(checkpoint)])
+    said = " ".join(result.output.split())
+    assert f"it is a checkpoint folder; its run's storage is {tmp_path / 'store'}" in said, result.output

@@ -383,9 +383,9 @@ def test_interrupted_prepare_is_not_taken_as_finished_and_a_rerun_completes(tmp_
         "train-000001.tar",
     ]
     (dest / ".train-000002.tar.abc.tmp").write_bytes(b"half a shard")  # as a killed process leaves it
-    with pytest.raises(FileNotFoundError, match="not prepared or still being written"):
+    with pytest.raises(FileNotFoundError, match="a preparation began there and has not finished"):
         read_dataset_info(str(dest))
-    with pytest.raises(FileNotFoundError, match="not prepared or still being written"):
+    with pytest.raises(FileNotFoundError, match="a preparation began there and has not finished"):
         ShardLoader(str(dest), "train", rank=0, world_size=1, batch_size=8, img_size=8, train=True, seed=0)
 
     prepare_dataset(src, str(dest), samples_per_shard=5)
