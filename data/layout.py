@@ -230,6 +230,7 @@ class ResolvedSplit:
     split: str  # as given, e.g. "train[:98%]"
     shard_urls: Sequence[str]  # every shard of the named split, in manifest order
     extent_table: ExtentTable  # the samples to read (shard index into shard_urls)
+    shard_bytes: Sequence[int] = ()  # each shard's size as the manifest records it (shard_urls' order)
 
     @property
     def extents(self) -> tuple[ShardRange, ...]:
@@ -253,4 +254,5 @@ def read_split(path: str, split: str, storage_options: dict[str, Any] | None = N
     info.split(spec.name)
     table = read_manifest_table(path, spec.name, storage_options)
     extents = split_table(spec, table.column("num_samples").to_numpy())
-    return ResolvedSplit(info, split, ShardUrls(path, table.column("name").combine_chunks()), extents)
+    names, sizes = table.column("name").combine_chunks(), table.column("bytes").to_numpy()
+    return ResolvedSplit(info, split, ShardUrls(path, names), extents, sizes)

@@ -60,12 +60,13 @@ def refused(*args: str) -> str:
 
 
 def _damaged_copy(digits_dataset: Path, folder: Path, keep_bytes: int | None) -> Path:
-    """The digits dataset with every train shard replaced by random bytes (`keep_bytes` None) or
-    cut after its first `keep_bytes` bytes (a valid first tar header, then nothing readable)."""
+    """The digits dataset with every train shard replaced by as many meaningless bytes (`keep_bytes`
+    None: damage of the right size) or cut after its first `keep_bytes` bytes (a valid first tar
+    header, then nothing readable)."""
     shutil.copytree(digits_dataset, folder)
     for shard in folder.glob("train-*.tar"):
         data = shard.read_bytes()
-        shard.write_bytes(bytes(len(data) % 251 for _ in range(4096)) if keep_bytes is None else data[:keep_bytes])
+        shard.write_bytes(bytes(i % 251 for i in range(len(data))) if keep_bytes is None else data[:keep_bytes])
     return folder
 
 
@@ -80,6 +81,8 @@ def _damaged_copy(digits_dataset: Path, folder: Path, keep_bytes: int | None) ->
         ("data.train=DAMAGED", ["data.train:", "train-000000.tar is not a tar archive", "prepare the dataset again"]),
         ("data.train=SHARD", ["data.train=", "train-000000.tar is a file", "holding dataset.json", "e.g. "]),
         ("data.train=LOST", ["data.train=", "1 of the 15 shards the manifest lists are missing (train-000005.tar)"]),
+        # a copy cut short (onto a full disk): trained on to the end, exit 0, its samples skipped
+        ("data.train=CUT", ["1 of the 15 shards are not of the size the manifest lists (train-000005.tar: ", "verify"]),
         ("data.train_split=validation", ["has no split 'validation'", "['test', 'train']"]),
         # fewer samples than one batch of 32: every worker's loader refused it, Ray started
         (
@@ -104,6 +107,11 @@ def test_pretrain_refuses_bad_input_before_ray(case, expected, digits_dataset, t
         shutil.copytree(digits_dataset, tmp_path / "lost")
         (tmp_path / "lost" / "train-000005.tar").unlink()
     folders["LOST"] = tmp_path / "lost"
+    if case == "data.train=CUT":
+        shutil.copytree(digits_dataset, tmp_path / "cut")
+        shard = tmp_path / "cut" / "train-000005.tar"
+        shard.write_bytes(shard.read_bytes()[:4096])
+    folders["CUT"] = tmp_path / "cut"
     key, value = case.split("=")
     folders["SHARD"] = digits_dataset / "train-000000.tar"  # a shard of the dataset, not its folder
     value = str(folders.get(value, value))

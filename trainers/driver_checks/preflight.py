@@ -22,6 +22,7 @@ import posixpath
 import sys
 import tarfile
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -349,21 +350,36 @@ def _check_dataset(
     except (FileNotFoundError, ValueError) as err:
         raise PreflightError(f"{key}={path}: {err}") from None
     if len(resolved.shard_urls):
-        _check_shards_listed(key, path, [str(url) for url in resolved.shard_urls], options)
+        _check_shards_listed(key, path, [str(url) for url in resolved.shard_urls], resolved.shard_bytes, options)
         _check_first_shard(key, resolved.shard_urls[0], options)
     return resolved.info, resolved.num_samples
 
 
-def _check_shards_listed(key: str, path: str, urls: list[str], options: dict[str, Any] | None) -> None:
-    """Every shard the manifest lists for the split is in the storage (one listing of the folder):
-    a missing one would fail every worker after Ray started, and a restart cannot bring it back."""
-    present = set(storage.list_names(path, options))
-    missing = [url for url in urls if posixpath.basename(url) not in present]
+def _check_shards_listed(
+    key: str, path: str, urls: list[str], sizes: Sequence[int], options: dict[str, Any] | None
+) -> None:
+    """Every shard the manifest lists for the split is in the storage, of the size it lists (one
+    listing of the folder): a missing one would fail every worker after Ray started, and a restart
+    cannot bring it back; one cut short (a copy onto a full disk) was trained on to the end, exit 0,
+    its samples skipped."""
+    present = storage.file_sizes(path, options)
+    names = [posixpath.basename(url) for url in urls]
+    missing = [name for name in names if name not in present]
     if missing:
         raise PreflightError(
             f"{key}={path}: {len(missing)} of the {len(urls)} shards the manifest lists are missing "
-            f"({posixpath.basename(missing[0])}{', ...' if len(missing) > 1 else ''}); prepare the dataset again "
+            f"({missing[0]}{', ...' if len(missing) > 1 else ''}); prepare the dataset again "
             "(`vitray data prepare ... --overwrite`)"
+        )
+    other = [
+        (name, present[name], int(size)) for name, size in zip(names, sizes, strict=False) if present[name] != size
+    ]
+    if other:
+        name, held, listed = other[0]
+        raise PreflightError(
+            f"{key}={path}: {len(other)} of the {len(urls)} shards are not of the size the manifest lists ({name}: "
+            f"{held:,} bytes, listed {listed:,}{'; ...' if len(other) > 1 else ''}): a copy cut short? `vitray data "
+            "verify` names each; copy them again, or prepare the dataset again (`vitray data prepare ... --overwrite`)"
         )
 
 
