@@ -82,6 +82,7 @@ _REPEATS = {
     "AssertionError",
     "FileNotFoundError",
     "RestartCannotFix",
+    "CheckpointDiskFull",  # (the run folder's disk is full: it stays full until someone frees it)
 }
 
 
@@ -159,7 +160,9 @@ def _last_exception_line(text: str) -> Failure | None:
                 found = _exception_at(lines, index, _RAISED_LINE)
                 if found is not None:
                     return found
-                break
+                # Not an exception's line: Ray's "... (Output truncated ...) ..." and the fragment of a
+                # line it cut (`ointDiskFull(`), before the raised line
+                continue
     for index in range(len(lines) - 1, -1, -1):
         found = _exception_at(lines, index, _EXCEPTION_LINE)
         if found is not None:

@@ -271,6 +271,21 @@ def test_the_cause_is_the_exception_raised_last_whatever_its_class_is_called():
     assert "checkpoint of step 20" in cause.one_line() and len(cause.one_line(limit=40)) == 40
 
 
+def test_the_cause_is_found_past_rays_truncation_of_a_workers_traceback():
+    """Ray Train cuts a long worker traceback ("... (Output truncated ...) ...", then the fragment of a
+    line it cut): `vitray runs` and a grid's failed cells showed Ray's wrapper line and the traceback's
+    first frames, not the CheckpointDiskFull; and a grid tried a full disk three times."""
+    text = (
+        "Training failed due to worker errors:\n[Rank 0 Error Snippet]:\nTraceback (most recent call last):\n"
+        '  File "/x/concurrent/futures/_base.py", line 456, in result\n    return self.__get_result()\n'
+        "... (Output truncated. See individual worker logs for full details) ...\nointDiskFull(\n"
+        "vitray.trainers.checkpoint.checkpointer.CheckpointDiskFull: [Errno 28] rank 0 could not write the checkpoint"
+    )
+    cause = describe_failure(text)
+    assert cause.one_line() == "CheckpointDiskFull: [Errno 28] rank 0 could not write the checkpoint"
+    assert cause.repeats and not cause.transient
+
+
 def test_an_initial_checkpoint_of_another_architecture_is_refused(pretrained, digits_dataset, tmp_path):
     sets = _sets(digits_dataset, tmp_path / "runs", f"init.checkpoint={pretrained}", "model.name=S/4", name="ft")
     line = refused(*sets)
