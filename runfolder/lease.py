@@ -35,6 +35,7 @@ What is guaranteed, plainly:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -179,6 +180,7 @@ class RunLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost = False
+        self._said_disk_full = False
 
     @property
     def owner(self) -> str:
@@ -340,8 +342,20 @@ class RunLease:
                         flush=True,
                     )
             except Exception as error:
-                if not self._stop.is_set():
-                    print(f"vitray: lease heartbeat failed ({error}); retrying", flush=True)
+                if self._stop.is_set():
+                    continue
+                if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+                    if not self._said_disk_full:  # once, until a beat gets through again
+                        self._said_disk_full = True
+                        print(
+                            f"vitray: no space left on the disk of {self.path} ({error}): free space there now, or "
+                            f"what {self.what} writes there next (a checkpoint, a shard) fails",
+                            flush=True,
+                        )
+                    continue
+                print(f"vitray: lease heartbeat failed ({error}); retrying", flush=True)
+            else:
+                self._said_disk_full = False
 
     def _beat(self) -> LeaseRecord | None:
         """Refresh the lease; returns the other driver's record while another holds it (fresh); a

@@ -52,7 +52,9 @@ def _network_errors() -> tuple[type[BaseException], ...]:
 # OSErrors that the same call meets again: s3fs's translation of an S3 store's answer to a request
 # that is wrong in itself (400: an invalid argument, a part smaller than the store's least, a
 # malformed request; 501: what the store does not implement), and a read-only file system.
-_PERMANENT_ERRNOS = {errno.EINVAL, errno.ENOSYS, errno.EROFS, errno.ENAMETOOLONG}
+# (A full disk too: it stays full until someone frees space, and riding it out as a store's outage
+# said "storage reachable again" of a disk still full.)
+_PERMANENT_ERRNOS = {errno.EINVAL, errno.ENOSYS, errno.EROFS, errno.ENAMETOOLONG, errno.ENOSPC, errno.EDQUOT}
 
 
 def is_transient(error: BaseException) -> bool:

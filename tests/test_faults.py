@@ -649,6 +649,33 @@ def full_disk(tmp_path):
         yield mount
 
 
+def test_a_run_folder_whose_disk_fills_is_said_at_once_not_ridden_out_as_an_outage(tmp_path, capsys):
+    """The run folder's disk filled between checkpoints: the driver said "storage unreachable ...
+    retrying for up to 300 s", then "storage reachable again" of a disk still full, and the run
+    trained on to fail at its next checkpoint. A full disk is no outage: the heartbeat says it once,
+    naming the folder, and again only after a beat got through."""
+    from vitray.storage.retries import is_transient
+
+    assert not is_transient(OSError(errno.ENOSPC, "No space left on device"))
+    assert not is_transient(OSError(errno.EDQUOT, "Disk quota exceeded"))
+    with mounted_tmpfs(tmp_path / "disk", "1m") as disk:
+        lease = RunLease(str(disk / "run"), timeout_s=0.4)
+        lease.acquire()
+        try:
+            with open(disk / "filler", "wb", buffering=0) as f, pytest.raises(OSError):
+                while True:
+                    f.write(b"\0" * 4096)
+            time.sleep(1.0)  # several beats into the full disk
+            said = capsys.readouterr().out
+            assert said.count("vitray: no space left on the disk of") == 1, said
+            assert str(disk / "run") in said and "storage unreachable" not in said, said
+            (disk / "filler").unlink()
+            time.sleep(0.5)
+            assert "no space left" not in capsys.readouterr().out
+        finally:
+            lease.release()
+
+
 def test_a_full_disk_raises_what_to_free_and_leaves_no_partial_files(full_disk):
     import torch
     from test_checkpointer import FakeBackend, FakeLoader
