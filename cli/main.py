@@ -15,7 +15,7 @@ from vitray.cli import data, demo, inspection, pretrain, runs, submit, transfer 
 from vitray.cli.app import app, command_line, console, data_app, handled, reflow_help, say_stopped_by_user
 from vitray.cluster.runtime import enable_token_auth_if_available
 from vitray.common import exit_codes, redact
-from vitray.common.failures import describe_failure
+from vitray.common.failures import describe_failure, environment_problem
 
 reflow_help(app)
 reflow_help(data_app)
@@ -66,7 +66,12 @@ def main() -> None:
 
 def _unforeseen(err: Exception) -> int:
     """An error no command turned into its own message: `error: COMMAND failed: CAUSE`, and the whole
-    traceback in a file named on that line (for a bug report), not on the console."""
+    traceback in a file named on that line (for a bug report), not on the console. A full disk, a
+    read-only file system or a permission refused is no bug: one line naming the place and the fix."""
+    refused = environment_problem(err)
+    if refused is not None:
+        console.print(f"[bold red]error:[/] {escape(command_line())} failed: {escape(refused)}", highlight=False)
+        return exit_codes.FAILED
     try:
         # Credentials (a --set of a secret, a URL's password, the shell's secret values) are masked:
         # the file is for a bug report. Made anew, readable by its user alone (the shared /tmp), never

@@ -10,6 +10,8 @@ record written by an older vitray is shortened the same way.
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 from dataclasses import dataclass
 
@@ -129,6 +131,53 @@ def describe_failure(error: BaseException | str) -> Failure:
         return _unwrapped(Failure(type(error).__name__, _one_line(str(error)), type(error).__name__ in _TRANSIENT))
     found = _last_exception_line(error)
     return found if found is not None else Failure("Error", _one_line(error), False)
+
+
+# What the machine refused, rather than anything the command got wrong: said as such, the folder
+# named (the catch-all's line was "OSError: [Errno 28] No space left on device" and a traceback file).
+_NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_NOT_ALLOWED_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+def environment_problem(error: BaseException) -> str | None:
+    """One line for a full disk, a read-only file system or a permission refused, found in `error`
+    or what it was raised from: the place it names (its folder's free space for a full disk) and
+    what to do; None for anything else."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in _NO_SPACE_ERRNOS | _NOT_ALLOWED_ERRNOS:
+            return _said_of(error)
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _said_of(error: OSError) -> str:
+    import shutil
+
+    path = error.filename if isinstance(error.filename, str) else None
+    if error.errno in _NO_SPACE_ERRNOS:
+        if path is None:
+            return (
+                f"no space left on a disk it writes to ({error.strerror}): free space where its output, run folder "
+                "or temporary folder (TMPDIR) lies, then re-run the same command (it goes on where it can)"
+            )
+        folder = os.path.dirname(path) or "."
+        try:
+            free = f", {shutil.disk_usage(folder).free / 2**20:,.0f} MiB free"
+        except OSError:
+            free = ""
+        return (
+            f"no space left on the disk of {folder} ({error.strerror}{free}): free space there, or give another "
+            "place, then re-run the same command (it goes on where it can)"
+        )
+    where = path or "a path it uses"
+    if error.errno == errno.EROFS:
+        return f"{where} is on a read-only file system: give a place it may write"
+    return (
+        f"{where}: permission denied ({error.strerror}): give a place your user may read and write, or "
+        "change its permissions"
+    )
 
 
 def restart_cannot_fix(error: BaseException | str) -> bool:

@@ -201,3 +201,41 @@ def test_s3_mistakes_of_the_checkpoint_commands_are_one_line_each(seaweed_s3, tm
         line = refused(*command)
         assert "the S3 credentials were rejected" in line and "AWS_SECRET_ACCESS_KEY" in line, (command, line)
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_a_full_disk_or_a_refused_permission_is_said_as_such_in_one_line(tmp_path, monkeypatch, capsys):
+    """`vitray data prepare` into a disk that fills (and export, inspect, verify alike) ended with the
+    catch-all "failed: OSError: [Errno 28] No space left on device" and a traceback file, naming no
+    folder: the place, its free space and the fix, and no traceback file for what is no bug."""
+    import errno
+
+    from disk_helpers import mounted_tmpfs
+
+    from vitray.common.failures import environment_problem
+
+    monkeypatch.setattr(cli_main, "enable_token_auth_if_available", lambda: None)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a traceback file would go
+    with mounted_tmpfs(tmp_path / "disk", "256k") as disk:
+        dest = disk / "digits"
+        monkeypatch.setattr(sys, "argv", ["vitray", "data", "prepare", "builtin:digits", str(dest), "--serial"])
+        with pytest.raises(SystemExit) as stopped:
+            cli_main.main()
+        assert stopped.value.code == exit_codes.FAILED
+        (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        # (the write's error names no file here: the places it may be are said)
+        assert line.startswith("error: vitray data prepare failed: no space left on a disk it writes to"), line
+        assert "free space where its output, run folder or temporary folder (TMPDIR) lies" in line, line
+    assert not list(tmp_path.glob("vitray-error-*.txt"))
+    denied = PermissionError(errno.EACCES, "Permission denied", "/data/other/dataset.json")
+    assert environment_problem(RuntimeError("wrapped")) is None
+    try:
+        raise RuntimeError("reading it failed") from denied
+    except RuntimeError as wrapped:
+        assert environment_problem(wrapped) == (
+            "/data/other/dataset.json: permission denied (Permission denied): give a place your user may read and "
+            "write, or change its permissions"
+        )
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "model.npz"))
+    assert environment_problem(full).startswith(f"no space left on the disk of {tmp_path / 'out'} (No space left on")
+    read_only = OSError(errno.EROFS, "Read-only file system", "/mnt/ro/run/vitray/lease.json.lock")
+    assert environment_problem(read_only).endswith("is on a read-only file system: give a place it may write")
