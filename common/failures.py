@@ -106,14 +106,38 @@ class Failure:
 
     def advice(self) -> str:
         resumes = "it resumes from the run's latest complete checkpoint, or starts over where it has none"
+        if self.kind in _DIED_WITHOUT_A_WORD:
+            return (
+                f"re-run the same command: {resumes}. A worker that dies again at the same point is most likely out "
+                "of memory: lower train.micro_batch_size (accumulation keeps train.batch_size), or give it more memory"
+            )
         if self.transient:
             return f"re-run the same command: {resumes}"
         return f"fix the cause, then re-run the same command: {resumes}"
 
 
+# Ray's word for a worker process that ended without an exception of its own: killed (the kernel's
+# or a cgroup's OOM killer, most often; a SIGKILL from outside), its account ~1,500 characters long.
+_DIED_WITHOUT_A_WORD = {"WorkerHealthCheckFailedError", "ActorDiedError", "RayActorError", "WorkerCrashedError"}
+_RAYS_ACCOUNT_CHARS = 160
+
+
 def describe_failure(error: BaseException | str) -> Failure:
     """The root cause of `error` (an exception, possibly Ray Train's TrainingFailedError wrapping
-    the workers' tracebacks, or the text of one)."""
+    the workers' tracebacks, or the text of one); a worker killed without an exception of its own
+    is said so, Ray's long account of it cut."""
+    failure = _described(error)
+    if failure.kind in _DIED_WITHOUT_A_WORD and len(failure.message) > _RAYS_ACCOUNT_CHARS:
+        failure = Failure(
+            failure.kind,
+            "a worker process was killed without an error of its own (out of memory, or stopped from outside); "
+            f"Ray's account: {failure.message[:_RAYS_ACCOUNT_CHARS]}...",
+            failure.transient,
+        )
+    return failure
+
+
+def _described(error: BaseException | str) -> Failure:
     if isinstance(error, BaseException):
         ranks = list(dict(getattr(error, "worker_failures", None) or {}).values())
         # A rank that met what a restart cannot fix says more than the others' collateral errors.

@@ -505,3 +505,13 @@ def test_a_run_shorter_than_the_default_warm_up_is_told_it_never_decays(digits_d
     assert "spans the whole run (train.steps=5,000): the learning rate rises until the last step" in (
         _say_warmup_default(load_config(TrainingConfig, None, [*base, "train.steps=5000"])) or capsys.readouterr().err
     )
+
+
+def test_a_worker_killed_without_an_error_is_said_so_with_the_memory_advice():
+    """A worker the OOM killer took: ~1,500 characters of Ray's account, and advice that re-running helps
+    (it fails the same way): cut, said, with what to lower."""
+    account = "A worker health check failed. Worker info: Worker( actor=Actor(RayTrainWorker, a1)" + " x" * 800
+    cause = describe_failure(f"ray.train.WorkerHealthCheckFailedError: {account}")
+    assert cause.kind == "WorkerHealthCheckFailedError" and len(cause.one_line()) < 400
+    assert "a worker process was killed without an error of its own (out of memory, or stopped" in cause.message
+    assert "lower train.micro_batch_size (accumulation keeps train.batch_size)" in cause.advice()
