@@ -82,8 +82,9 @@ class RunConfig(_Section):
         description="How long the storage calls a run makes while it trains (the stop-file check, the lease "
         "heartbeat, the metrics and checkpoint uploads, opening data shards, the evaluators' reads) wait for a store that does not answer (connection "
         "refused, timeouts, 503 SlowDown), counted from the first failed try, before the run fails (or spends a "
-        "worker-group restart, cluster.max_failures); the console says once when an outage starts "
-        "and once when it ends. No worker-group restart is spent on an outage shorter than this.",
+        "worker-group restart, cluster.max_failures); the driver's console says once when an outage of its own "
+        "calls starts and once when it ends (the workers' say so in their logs, and with --verbose). No "
+        "worker-group restart is spent on an outage shorter than this.",
     )
 
     @field_validator("name")
