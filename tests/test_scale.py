@@ -339,3 +339,18 @@ def test_ranks_of_one_node_share_the_files_they_all_read(seaweed_s3, tmp_path):
         f"vitray-restore-{me}.lock",
         f"vitray-restore-{other_user}.lock",
     ]
+    # Ranks that are gone (the group torn down when one failed on a full staging disk) left their
+    # markers and .part files: the folder, a whole staged checkpoint, stayed for good. The next
+    # resume forgets them, and removes the folder when it is done.
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    with node_restore_dir(remote, str(tmp_path / "node")) as node:
+        (node / ".users" / f"{dead.pid}-deadbeef").touch()
+        (node / "deepspeed").mkdir(parents=True)
+        (node / "deepspeed" / f"mp_rank_00_model_states.pt.part-{dead.pid}").write_bytes(b"half")
+    assert node.exists()  # (the dead rank's marker was added behind the lock's back: kept until the next use)
+    with node_restore_dir(remote, str(tmp_path / "node")) as again:
+        assert not list(again.rglob("*.part-*")) and len(list((again / ".users").iterdir())) == 1
+    assert not node.exists()

@@ -244,6 +244,23 @@ def _listed_files(fs, root: str, path: str, ranks: set[int]) -> dict[str, Any]:
     return listed
 
 
+def _forget_the_dead(folder: Path) -> None:
+    """The marks of ranks of this node that are gone (a worker group torn down when one rank failed,
+    a staging disk that filled): their `.users` markers, which kept the folder -- a whole staged
+    checkpoint -- for ever, and their `.part-PID` files."""
+    import psutil
+
+    def gone(pid: str) -> bool:
+        return pid.isdigit() and not psutil.pid_exists(int(pid))
+
+    for marker in (folder / ".users").glob("*-*"):
+        if gone(marker.name.split("-", 1)[0]):
+            marker.unlink(missing_ok=True)
+    for part in folder.rglob("*.part-*"):
+        if gone(part.name.rsplit(".part-", 1)[1]):
+            part.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def node_restore_dir(path: str, root: str | None = None) -> Iterator[Path]:
     """The folder the ranks of this node share for their copies of checkpoint `path` (under the
@@ -265,6 +282,7 @@ def node_restore_dir(path: str, root: str | None = None) -> Iterator[Path]:
     with open(guard, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         me.parent.mkdir(parents=True, exist_ok=True)
+        _forget_the_dead(folder)
         me.touch()
     try:
         yield folder
