@@ -49,7 +49,12 @@ def export(path: str, fmt: str, out: str, *, overwrite: bool = False) -> Checkpo
     model.eval()
     # How the checkpoint's evaluation resized images: what a timm or ONNX reader feeds the model
     eval_resize = eval_resize_of((state.get("config") or {}).get("evals"))
-    with tempfile.TemporaryDirectory() as tmp:
+    # Made beside a local --out (on its disk, which the user chose for the weights): the system's
+    # temporary folder may be a small one, and a full one failed naming neither it nor TMPDIR.
+    beside = None if storage.is_remote(out) else os.path.dirname(os.path.abspath(out.rstrip("/")))
+    if beside is not None:
+        os.makedirs(beside, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".vitray-export-", dir=beside) as tmp:
         local = os.path.join(tmp, os.path.basename(out.rstrip("/")) or "weights")
         if fmt == "timm":
             from vitray.runfolder.timm_folder import write_timm_folder

@@ -290,3 +290,15 @@ def test_exporting_a_live_runs_checkpoint_pins_it_while_it_is_read(tmp_path, mon
     export(str(run), "safetensors", str(tmp_path / "model.safetensors"))
     assert pruned == [[]] and (tmp_path / "model.safetensors").stat().st_size > 1000
     assert ckpt.prune_checkpoints(str(run), keep=1) == [str(first)]
+
+
+def test_a_local_export_is_made_beside_its_out_not_in_the_temporary_folder(checkpoint, tmp_path, monkeypatch):
+    """A full system temporary folder (TMPDIR) failed an export to a disk with room, naming neither."""
+    import tempfile
+
+    folder, _ = checkpoint
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-tmp"))  # unusable: nothing may go there
+    for fmt, out in (("safetensors", tmp_path / "out" / "model.safetensors"), ("timm", tmp_path / "out" / "timm")):
+        export(folder, fmt, str(out))
+        assert out.exists()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors", "timm"]  # nothing left
