@@ -197,6 +197,8 @@ def read_dataset_info(path: str, storage_options: dict[str, Any] | None = None) 
         raise FileNotFoundError(
             f"no {DATASET_JSON} at {path}: not prepared or still being written; run `vitray data prepare SOURCE {path}`"
         ) from None
+    if not data.strip():
+        raise ValueError(f"{json_path} is empty (a copy cut short?): copy it again from where the dataset was prepared")
     try:
         info = DatasetInfo.model_validate_json(data)
     except ValueError as error:

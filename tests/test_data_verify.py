@@ -89,7 +89,7 @@ def test_a_missing_manifest_is_a_problem_of_the_dataset(tmp_path):
     assert "test-000000.tar" not in result.output
 
 
-@pytest.mark.parametrize("what", ["empty", "missing", "file", "split", "stopped"])
+@pytest.mark.parametrize("what", ["empty", "missing", "file", "split", "stopped", "cut"])
 def test_a_dest_that_is_not_a_prepared_dataset_is_refused_in_one_line(tmp_path, what):
     dest = tmp_path / "dest"
     args = [str(dest)]
@@ -103,6 +103,9 @@ def test_a_dest_that_is_not_a_prepared_dataset_is_refused_in_one_line(tmp_path, 
     elif what == "stopped":  # a preparation that stopped part-way: its marker, no dataset.json
         dest.mkdir()
         (dest / ".vitray-preparing").write_text("{}")
+    elif what == "cut":  # a copy onto a full disk: dataset.json of 0 bytes (a pydantic dump was said)
+        digits(dest)
+        (dest / "dataset.json").write_bytes(b"")
     result = verify(*args)
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
@@ -112,6 +115,7 @@ def test_a_dest_that_is_not_a_prepared_dataset_is_refused_in_one_line(tmp_path, 
         "missing": f"{dest} does not exist",
         "file": f"{dest} is a file, not a prepared dataset",
         "split": f"{dest} has no split 'validation'; it has test, train",
+        "cut": f"{dest / 'dataset.json'} is empty (a copy cut short?): copy it again from where the dataset was prepared",
         "stopped": f"no dataset.json at {dest}: a preparation began there and has not finished (it stopped, or is "
         "still writing); run the same `vitray data prepare` command again to go on from its shards",
     }[what]
