@@ -63,9 +63,10 @@ _S3_WEB_URL = re.compile(r"https?://(?:(?P<bucket>[^/.]+)\.)?s3[.-][^/]*amazonaw
 def check_path_form(path: str) -> None:
     """A local path or an ``s3://`` URL, or :class:`StorageUnreachable` (a ValueError) saying what
     was meant: ``s3:/bucket`` (one slash) named a local folder ``s3:`` in the working directory, and
-    data or checkpoints meant for the store stayed on this machine; ``S3://``, ``gs://`` or an
-    ``https://`` URL failed later, inside the filesystem library, as a crash (no gcsfs, protocol not
-    known, a DNS error after minutes of retries). Credentials in an ``s3://`` URL are refused too."""
+    data or checkpoints meant for the store stayed on this machine; ``S3://``, ``gs://`` (no gcsfs
+    here) or an S3 bucket's ``https://`` address failed later, inside the filesystem library, as a
+    crash (protocol not known, a DNS error after minutes of retries). Another filesystem fsspec has
+    here is left to it. Credentials in an ``s3://`` URL are refused too."""
     text = str(path)
     found = _SCHEME.match(text)
     if found is None:
@@ -93,12 +94,23 @@ def check_path_form(path: str) -> None:
         meant = f"write {scheme.lower()}:// in lower case: {scheme.lower()}://{rest}"
     elif web is not None:
         meant = f"an S3 bucket's web address: write it s3://{web['bucket'] + '/' if web['bucket'] else ''}{web['rest']}"
+    elif _filesystem_here(scheme):  # another filesystem fsspec has here (one a deployment registered)
+        return
     else:
         meant = (
             "vitray reads and writes local paths and s3:// URLs (AWS S3, or an S3-compatible store such as "
-            "MinIO, Ceph, SeaweedFS or Google Cloud Storage's S3 API, its endpoint in AWS_ENDPOINT_URL)"
+            f"MinIO, Ceph, SeaweedFS or Google Cloud Storage's S3 API, its endpoint in AWS_ENDPOINT_URL); "
+            f"no filesystem for {scheme}:// is installed here"
         )
     raise StorageUnreachable(f"{shown}: {meant}", cause="unsupported", url=shown)
+
+
+def _filesystem_here(scheme: str) -> bool:
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except (ImportError, ValueError):
+        return False
+    return True
 
 
 def refuse_credentials_in_url(protocol: str | None, rest: str) -> None:

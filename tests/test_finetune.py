@@ -445,6 +445,7 @@ def test_preflight_checks_every_split_a_val_evaluator_scores(digits_dataset, tmp
         "model.img_size=16",
         f"run.storage={tmp_path}",
         "evals.val={type: val, every: 1}",
+        "train.batch_size=64",  # (the paper's 4096 is more than the digits hold)
     ]
     assert check_inputs(load_config(TrainingConfig, None, [*base, "evals.test={type: val, every: 1, split: train}"]))
     with pytest.raises(PreflightError, match=r"evals\.test: .*nowhere does not exist"):

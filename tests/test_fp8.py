@@ -145,6 +145,7 @@ def test_fp8_is_refused_where_it_cannot_run(digits_dataset, tmp_path, monkeypatc
             f"run.storage={tmp_path}",
             "precision.dtype=fp8",
             "cluster.gpus_per_worker=1",
+            "train.batch_size=64",  # (the paper's 4096 is more than the digits hold)
         ],
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -112,7 +112,9 @@ def test_stop_fails_the_run_and_leaves_the_latest_checkpoint_finite(digits_datas
 
 def _damage(dataset, dest):
     """A copy of `dataset` with the image of every shard's 5th sample overwritten with garbage (same
-    length: the tar stays whole) and the 4th shard cut short in the middle of a member."""
+    length: the tar stays whole) and the 4th shard cut short in the middle of a member: its tail
+    zeroed, so that it keeps the size the manifest lists (pre-flight refuses a shard of another size)
+    and its reader meets the end of the archive there."""
     shutil.copytree(dataset, dest)
     rows = read_manifest(str(dest), "train")
     for row in rows:
@@ -125,7 +127,8 @@ def _damage(dataset, dest):
             f.write(b"not an image" + bytes(max(0, member.size - 12)))
     cut = dest / rows[3].name
     data = cut.read_bytes()
-    cut.write_bytes(data[: len(data) // 2 + 100])
+    kept = len(data) // 2 + 100
+    cut.write_bytes(data[:kept] + bytes(len(data) - kept))
     return dest
 
 

@@ -181,7 +181,7 @@ def test_rejected_credentials_are_named_where_they_were_given(seaweed_s3, monkey
         ("S3://bkt/runs", "S3://bkt/runs: write s3:// in lower case: s3://bkt/runs"),
         ("gs://bkt/x", "gs://bkt/x: vitray reads and writes local paths and s3:// URLs"),
         ("https://bkt.s3.eu-west-1.amazonaws.com/runs", "an S3 bucket's web address: write it s3://bkt/runs"),
-        ("https://me:hunter22@store/x", "https://me:***@store/x: vitray reads and writes local paths"),
+        ("abfs://me:hunter22@store/x", "abfs://me:***@store/x: vitray reads and writes local paths"),
     ],
 )
 def test_a_path_that_is_no_local_path_nor_an_s3_url_is_refused_saying_what_was_meant(path, said, tmp_path) -> None:

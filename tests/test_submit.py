@@ -258,8 +258,11 @@ def test_a_dashboard_address_without_a_scheme_is_taken_as_one():
         assert _with_scheme(f"127.0.0.1:{port}") == f"http://127.0.0.1:{port}"
     finally:
         server.shutdown()
-    closed = free_port()
-    assert _with_scheme(f"127.0.0.1:{closed}") == f"127.0.0.1:{closed}"  # a GCS address, perhaps: as given
+    closed = free_port()  # nothing listens: neither a dashboard nor a GCS (Ray waited ~40 s for one)
+    from vitray.cluster.runtime import RayUnavailable
+
+    with pytest.raises(RayUnavailable, match=f"no Ray Jobs API answers at 127.0.0.1:{closed}"):
+        _with_scheme(f"127.0.0.1:{closed}")
     for given in ("auto", "ray://127.0.0.1:10001", "http://127.0.0.1:8265"):
         assert _with_scheme(given) == given
 

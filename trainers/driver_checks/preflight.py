@@ -95,11 +95,6 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
     else:
         _check_writable_folder("run.storage", cfg.run.storage)
     info, samples = _check_dataset("data.train", cfg.data.train, cfg.data.train_split, options)
-    if samples is not None and samples < cfg.train.batch_size:  # what every worker's loader would refuse
-        raise PreflightError(
-            f"data.train={cfg.data.train} split {cfg.data.train_split} has {samples:,} samples, fewer than one "
-            f"batch (train.batch_size={cfg.train.batch_size}): use a smaller train.batch_size, or a larger split"
-        )
     try:
         resolve_objective(cfg.train.objective, info.label_kind)  # what the workers would refuse
     except ValueError as err:
@@ -138,6 +133,11 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
         shapes, cfg.precision.fp8_scaling, cfg.precision.fp8_layers
     ):
         raise PreflightError(no_float8_layer(cfg.precision.fp8_layers))
+    if samples is not None and samples < cfg.train.batch_size:  # what every worker's loader would refuse
+        raise PreflightError(
+            f"data.train={cfg.data.train} split {cfg.data.train_split} has {samples:,} samples, fewer than one "
+            f"batch (train.batch_size={cfg.train.batch_size}): use a smaller train.batch_size, or a larger split"
+        )
     return info
 
 
