@@ -43,11 +43,12 @@ DIGITS_SIZE = 8  # scikit-learn's digits are 8x8 pixels
 def _check_the_earlier_run(cfg: TrainingConfig, data: str) -> None:
     """A demo run earlier into the same output that this one cannot go on with (another model, say)
     is refused now, not after Ray started and the data step ran (what `pretrain` would say then)."""
-    folder = run_dir(cfg.run.storage, cfg.run.name)
-    if not storage.exists(storage.join(data, "dataset.json")) or latest_complete(folder) is None:
-        return
     try:
-        check_resume(cfg, folder, read_dataset_info(data))
+        info = read_dataset_info(data)
+    except FileNotFoundError:  # no data yet: no run on it either
+        return
+    try:  # (without a checkpoint in the run folder: nothing to go on with, and one listing)
+        check_resume(cfg, run_dir(cfg.run.storage, cfg.run.name), info)
     except PreflightError as err:
         raise PreflightError(f"{err}; for the demo: give another --out, or the earlier run's settings") from None
 

@@ -159,7 +159,9 @@ def _described(error: BaseException | str) -> Failure:
 
 # What the machine refused, rather than anything the command got wrong: said as such, the folder
 # named (the catch-all's line was "OSError: [Errno 28] No space left on device" and a traceback file).
-_NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+# A full disk (or quota): it stays full until someone frees space (the storage retries, the lease's
+# heartbeat and the line below all tell it by these).
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _NOT_ALLOWED_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
@@ -170,7 +172,7 @@ def environment_problem(error: BaseException) -> str | None:
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in _NO_SPACE_ERRNOS | _NOT_ALLOWED_ERRNOS:
+        if isinstance(error, OSError) and error.errno in NO_SPACE_ERRNOS | _NOT_ALLOWED_ERRNOS:
             return _said_of(error)
         error = error.__cause__ or error.__context__
     return None
@@ -180,7 +182,7 @@ def _said_of(error: OSError) -> str:
     import shutil
 
     path = error.filename if isinstance(error.filename, str) else None
-    if error.errno in _NO_SPACE_ERRNOS:
+    if error.errno in NO_SPACE_ERRNOS:
         if path is None:
             return (
                 f"no space left on a disk it writes to ({error.strerror}): free space where its output, run folder "

@@ -35,7 +35,6 @@ What is guaranteed, plainly:
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import socket
@@ -48,6 +47,7 @@ from dataclasses import asdict, dataclass
 import filelock
 
 from vitray import storage
+from vitray.common.failures import NO_SPACE_ERRNOS
 from vitray.runfolder import lease_s3
 
 LEASE_FILE = "lease.json"
@@ -344,7 +344,7 @@ class RunLease:
             except Exception as error:
                 if self._stop.is_set():
                     continue
-                if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+                if getattr(error, "errno", None) in NO_SPACE_ERRNOS:
                     if not self._said_disk_full:  # once, until a beat gets through again
                         self._said_disk_full = True
                         print(

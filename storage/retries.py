@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from vitray.common.failures import NO_SPACE_ERRNOS
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -54,7 +56,7 @@ def _network_errors() -> tuple[type[BaseException], ...]:
 # malformed request; 501: what the store does not implement), and a read-only file system.
 # (A full disk too: it stays full until someone frees space, and riding it out as a store's outage
 # said "storage reachable again" of a disk still full.)
-_PERMANENT_ERRNOS = {errno.EINVAL, errno.ENOSYS, errno.EROFS, errno.ENAMETOOLONG, errno.ENOSPC, errno.EDQUOT}
+_PERMANENT_ERRNOS = {errno.EINVAL, errno.ENOSYS, errno.EROFS, errno.ENAMETOOLONG, *NO_SPACE_ERRNOS}
 
 
 def is_transient(error: BaseException) -> bool:
