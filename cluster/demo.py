@@ -85,6 +85,7 @@ def run_demo(
         GridConfig,
         packaged_config("grid_digits.yaml"),
         [f"data_root={out / 'data'}", f"output={out / 'eval'}", *DEMO_GRID, *(grid_overrides or [])],
+        flag="--grid-set",
     )
     # The grid's models at their sizes, with the model the run will train: a size its patch or
     # ResNet does not divide (--set model.name=Ti/16: 24 px) is refused now, not after pre-training.

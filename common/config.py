@@ -36,11 +36,14 @@ def no_config(schema: type[BaseModel]) -> str:
     return f"no config given: pass -c FILE.yaml (see configs/, e.g. {example})"
 
 
-def load_config(schema: type[M], path: str | Path | None = None, overrides: Sequence[str] = ()) -> M:
-    """A YAML file (or nothing: the defaults) + `key=value` overrides, validated as `schema`."""
+def load_config(
+    schema: type[M], path: str | Path | None = None, overrides: Sequence[str] = (), *, flag: str = "--set"
+) -> M:
+    """A YAML file (or nothing: the defaults) + `key=value` overrides, validated as `schema`.
+    ``flag`` is the option the overrides came from, as errors name them (the demo's `--grid-set`)."""
     path = config_file(path) if path is not None else None
     raw = _read_yaml(path) if path is not None else {}
-    return validate_config(schema, raw, overrides, source=str(path) if path else None)
+    return validate_config(schema, raw, overrides, source=str(path) if path else None, flag=flag)
 
 
 def packaged_config(name: str) -> Path:
@@ -68,7 +71,12 @@ def config_file(path: str | Path) -> Path:
 
 
 def validate_config(
-    schema: type[M], raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[str] = (), *, source: str | None
+    schema: type[M],
+    raw: Mapping[str, Any],
+    overrides: Mapping[str, Any] | Sequence[str] = (),
+    *,
+    source: str | None,
+    flag: str = "--set",
 ) -> M:
     """A config as a dict + dotted overrides (a mapping, or `key=value` strings as from `--set`).
     ``source`` names where ``raw`` came from (a file; None: no file at all)."""
@@ -78,10 +86,10 @@ def validate_config(
         items = list(overrides.items())
         origins = {key: f"override {key}={redact_at(key.split('.'), value)!r}" for key, value in items}
     else:
-        items = [_parse_override(text) for text in overrides]
-        origins = {key: f"--set {_shown_override(key, value, text)}" for (key, value), text in zip(items, overrides)}
+        items = [_parse_override(text, flag) for text in overrides]
+        origins = {key: f"{flag} {_shown_override(key, value, text)}" for (key, value), text in zip(items, overrides)}
     for key, value in items:
-        _set_dotted(data, key, value)
+        _set_dotted(data, key, value, flag)
     blame = _Blame(source, origins)
     _refuse_moved_keys(schema, data, blame)
     try:
@@ -198,11 +206,12 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _parse_override(override: str) -> tuple[str, Any]:
+def _parse_override(override: str, flag: str = "--set") -> tuple[str, Any]:
     key, sep, text = override.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise ConfigError(f"--set {override!r}: expected dotted.key=value, e.g. --set train.steps=100")
+        example = "finetune.steps=50" if flag == "--grid-set" else "train.steps=100"
+        raise ConfigError(f"{flag} {override!r}: expected dotted.key=value, e.g. {flag} {example}")
     # YAML typing: 100 -> int, 1e-3 -> float, true -> bool, null -> None, [1, 2] -> list.
     try:
         value = yaml.safe_load(text) if text.strip() else ""
@@ -211,7 +220,7 @@ def _parse_override(override: str) -> tuple[str, Any]:
     return key, value
 
 
-def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
+def _set_dotted(raw: dict[str, Any], dotted: str, value: Any, flag: str = "--set") -> None:
     parts = dotted.split(".")
     node = raw
     for i, part in enumerate(parts[:-1]):
@@ -219,7 +228,7 @@ def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
         if not isinstance(child, dict):
             prefix = ".".join(parts[: i + 1])
             shown = redact_at(parts[: i + 1], child)
-            raise ConfigError(f"--set {dotted}: {prefix} is a value ({shown!r}), not a section")
+            raise ConfigError(f"{flag} {dotted}: {prefix} is a value ({shown!r}), not a section")
         node = child
     _merge(node, parts[-1], value)
 
@@ -266,7 +275,9 @@ def _describe(err: ValidationError, schema: type[BaseModel], blame: _Blame, data
             # no dump of the section it checked (the whole config for a rule across sections).
             message = message.removeprefix("Value error, ")
             if key and not isinstance(problem.get("input"), Mapping):  # one value's own check
-                message = f"{key}: {message} (got {redact_at(loc, problem.get('input'))!r})"
+                # The value given, unless the validator's sentence quotes it already.
+                given = "" if "got " in message else f" (got {redact_at(loc, problem.get('input'))!r})"
+                message = f"{key}: {message}{given}"
             lines.append(f"  {message}")
             blamed.append(blame.of(key, message))
             continue

@@ -127,3 +127,17 @@ def test_config_input_that_would_be_dropped_is_refused(tmp_path):
     finetune = str(REPO / "configs" / "finetune_digits.yaml")
     (line,) = refused("finetune", "/runs/a", "-c", finetune, "--set", "init.checkpoint=/runs/b", "--dry-run")
     assert line == "error: give the checkpoint once: CHECKPOINT (/runs/a) or --set init.checkpoint=/runs/b, not both"
+
+
+def test_the_demos_grid_values_are_blamed_on_grid_set(tmp_path):
+    # The demo's two option lists: a grid value is the user's --grid-set, and is said so.
+    lines = refused("demo", "--out", str(tmp_path / "demo"), "--grid-set", "fewshot.l2_reg=-1")
+    assert lines[0] == "error: invalid config (--grid-set fewshot.l2_reg=-1):"
+    (line,) = refused("demo", "--out", str(tmp_path / "demo"), "--grid-set", "fewshot")
+    assert line == "error: --grid-set 'fewshot': expected dotted.key=value, e.g. --grid-set finetune.steps=50"
+
+
+def test_a_validators_sentence_that_quotes_the_value_is_not_followed_by_it_again():
+    lines = refused("fewshot", "CKPT", "--data-root", "data", "--l2", "-5")
+    (line,) = [line for line in lines[1:] if "l2_reg" in line]
+    assert line.strip() == 'fewshot.l2_reg: must be a positive number or "select", got -5.0'
