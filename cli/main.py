@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 import traceback
@@ -15,6 +16,7 @@ from vitray.cli import data, demo, inspection, pretrain, runs, submit, transfer 
 from vitray.cli.app import app, command_line, console, data_app, handled, reflow_help, say_stopped_by_user
 from vitray.cluster.runtime import enable_token_auth_if_available
 from vitray.common import exit_codes, redact
+from vitray.common.redact import redact_at
 from vitray.common.failures import describe_failure, environment_problem
 
 reflow_help(app)
@@ -47,9 +49,42 @@ _arrange_help()
 __all__ = ["app", "main"]
 
 
+# A config value given as an argument of its own, as Hydra (`optim.lr=0.1`) and ml_collections
+# (`--config.optim.lr=0.1`, big_vision's flags) take them.
+_CONFIG_VALUE = re.compile(r"^(?:--config\.)?([a-z_]+(?:\.[a-z_0-9]+)+)=(.*)$", re.DOTALL)
+
+
+def config_value_without_set(argv: list[str]) -> str | None:
+    """The refusal of `vitray pretrain ... optim.lr=0.1`, which click answers "unexpected extra
+    argument" (or "no such option"): the fix is `--set`, said with the value (masked if secret)."""
+    commands = getattr(typer.main.get_command(app), "commands", {})
+    command = commands.get(argv[1]) if len(argv) > 1 else None
+    if command is None or not any("--set" in param.opts for param in command.params):
+        return None
+    # The options whose next argument is their value: `--name optim.lr=0.1` names a run so.
+    valued = {
+        opt for param in command.params if param.param_type_name == "option" and not param.is_flag for opt in param.opts
+    }
+    args = argv[2:]
+    for before, arg in zip(["", *args], args):
+        if arg == "--":
+            break
+        match = _CONFIG_VALUE.match(arg)
+        if match and (arg.startswith("--config.") or before not in valued):
+            key, value = match.groups()
+            shown = f"{key}={value}" if redact_at(key.split("."), value) == value else f"{key}=***"
+            given = f"--config.{shown}" if arg.startswith("--config.") else shown
+            return f"unexpected argument {given}: a config value is given with --set (--set {shown})"
+    return None
+
+
 def main() -> None:
     # Ray reads its auth mode when first imported, so this comes before any command runs.
     enable_token_auth_if_available()
+    refusal = config_value_without_set(sys.argv)
+    if refusal is not None:
+        console.print(f"[bold red]error:[/] {escape(refusal)}", highlight=False)
+        sys.exit(exit_codes.INPUT_ERROR)
     try:
         # What a command did not handle itself: one line, not a traceback.
         with handled():

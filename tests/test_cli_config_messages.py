@@ -4,6 +4,9 @@ such; a warm-up longer than the run refused. All before Ray starts, with exit co
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,3 +144,43 @@ def test_a_validators_sentence_that_quotes_the_value_is_not_followed_by_it_again
     lines = refused("fewshot", "CKPT", "--data-root", "data", "--l2", "-5")
     (line,) = [line for line in lines[1:] if "l2_reg" in line]
     assert line.strip() == 'fewshot.l2_reg: must be a positive number or "select", got -5.0'
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (  # Hydra's form
+            ["pretrain", "-c", DEMO, "optim.lr=0.1", "--dry-run"],
+            "error: unexpected argument optim.lr=0.1: a config value is given with --set (--set optim.lr=0.1)",
+        ),
+        (  # big_vision's (ml_collections) form
+            ["pretrain", "-c", DEMO, "--config.optim.lr=0.1"],
+            "error: unexpected argument --config.optim.lr=0.1: a config value is given with --set (--set optim.lr=0.1)",
+        ),
+        (  # a secret's value is not echoed
+            ["finetune", "CKPT", "data.storage_options.secret=abc"],
+            "error: unexpected argument data.storage_options.secret=***: a config value is given with --set"
+            " (--set data.storage_options.secret=***)",
+        ),
+    ],
+)
+def test_a_config_value_given_without_set_is_pointed_to_set(args, line):
+    from vitray.cli.main import config_value_without_set
+
+    assert config_value_without_set(["vitray", *args]) == line.removeprefix("error: ")
+    # What the console says, through the console script itself (click would say "extra argument").
+    done = subprocess.run(
+        [sys.executable, "-m", "vitray.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "1000"},
+    )
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [line], done.stderr
+
+
+def test_values_of_options_and_set_itself_are_not_taken_for_bare_config_values():
+    from vitray.cli.main import config_value_without_set
+
+    assert config_value_without_set(["vitray", "pretrain", "-c", DEMO, "--set", "optim.lr=0.1"]) is None
+    assert config_value_without_set(["vitray", "finetune", "CKPT", "--name", "my.run=1"]) is None
+    assert config_value_without_set(["vitray", "export", "CKPT", "a.b=1"]) is None  # no --set: click's own
