@@ -16,7 +16,6 @@ from vitray.cli import data, demo, inspection, pretrain, runs, submit, transfer 
 from vitray.cli.app import app, command_line, console, data_app, handled, reflow_help, say_stopped_by_user
 from vitray.cluster.runtime import enable_token_auth_if_available
 from vitray.common import exit_codes, redact
-from vitray.common.redact import redact_at
 from vitray.common.failures import describe_failure, environment_problem
 
 reflow_help(app)
@@ -72,7 +71,7 @@ def config_value_without_set(argv: list[str]) -> str | None:
         match = _CONFIG_VALUE.match(arg)
         if match and (arg.startswith("--config.") or before not in valued):
             key, value = match.groups()
-            shown = f"{key}={value}" if redact_at(key.split("."), value) == value else f"{key}=***"
+            shown = f"{key}={value}" if redact.redact_at(key.split("."), value) == value else f"{key}=***"
             given = f"--config.{shown}" if arg.startswith("--config.") else shown
             return f"unexpected argument {given}: a config value is given with --set (--set {shown})"
     return None
