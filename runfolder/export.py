@@ -71,7 +71,14 @@ def export(path: str, fmt: str, out: str, *, overwrite: bool = False) -> Checkpo
 def check_output(out: str, fmt: str, *, overwrite: bool) -> None:
     """Refuse (ExportRefused, one line) an output that exists, unless `overwrite`; a folder where a
     file is written, or a file where a folder is, always; a store that cannot be reached (credentials,
-    endpoint, bucket) too, before the checkpoint is read."""
+    endpoint, bucket) too, before the checkpoint is read; and an output named for another format
+    (`--format safetensors --out model.npz`: a file whose name misleads every later reader)."""
+    named = next((other for other in FORMATS if other != fmt and out.rstrip("/").endswith(f".{other}")), None)
+    if named is not None:
+        fix = f"--out {default_output(fmt)}" if fmt in FOLDER_FORMATS else f"--out NAME.{fmt}"
+        raise ExportRefused(
+            f"--out {out} is named as a .{named} file, but --format {fmt} is written: give --format {named}, or {fix}"
+        )
     try:
         storage.check_remote_reachable(out, writable=True)
     except storage.StorageUnreachable as err:

@@ -176,10 +176,28 @@ def test_an_existing_output_is_refused_unless_overwrite(checkpoint, tmp_path):
     config = (timm_dir / "config.json").read_text()
     with pytest.raises(ExportRefused, match=r"already holds config.json, model.safetensors; pass --overwrite"):
         export(folder, "timm", str(timm_dir))
+    a_file = tmp_path / "weights.bin"
+    a_file.write_bytes(b"keep me")
     with pytest.raises(ExportRefused, match="is a file; --format timm writes a folder"):
-        export(folder, "timm", str(target), overwrite=True)
+        export(folder, "timm", str(a_file), overwrite=True)
     export(folder, "timm", str(timm_dir), overwrite=True)
     assert json.loads((timm_dir / "config.json").read_text()) == json.loads(config)
+
+
+@pytest.mark.parametrize(
+    "fmt, out, fix",
+    [
+        ("safetensors", "model.npz", "give --format npz, or --out NAME.safetensors"),
+        ("npz", "out/vit.onnx", "give --format onnx, or --out NAME.npz"),
+        ("timm", "model.safetensors", "give --format safetensors, or --out model-timm"),
+    ],
+)
+def test_an_output_named_for_another_format_is_refused(checkpoint, tmp_path, fmt, out, fix):
+    # Weights in one format under another's name: every later reader (np.load, timm) is misled.
+    folder, _ = checkpoint
+    with pytest.raises(ExportRefused, match=f"is named as a .* file, but --format {fmt} is written: {fix}$"):
+        export(folder, fmt, str(tmp_path / out))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_timm_export_stopped_part_way_leaves_no_folder_timm_would_load(checkpoint, tmp_path, monkeypatch):
