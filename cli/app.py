@@ -176,7 +176,12 @@ Errors = tuple[type[BaseException], ...]
 
 @contextmanager
 def handled(
-    refused: Errors = (), *, failed: Errors = (), doing: str | None = None, traceback_at: str = ""
+    refused: Errors = (),
+    *,
+    failed: Errors = (),
+    doing: str | None = None,
+    traceback_at: str = "",
+    after_stop: str = "",
 ) -> Iterator[None]:
     """The one wrapper that turns what a command raises into one line on the console and the exit
     status of common/exit_codes.py; a traceback goes to the log (`vitray.cli` at debug level), never
@@ -189,14 +194,14 @@ def handled(
     - ``failed`` (the work failed): `error: DOING failed: ROOT CAUSE` (:func:`describe_failure`),
       the advice that fits the cause and ``traceback_at`` (where the whole traceback is), exit 1;
     - Ctrl-C: `stopped by user (Ctrl-C): DOING did not finish` (by default DOING is the command line's
-      command, `vitray data prepare`), exit 130 (a command that checkpoints
-      first catches it itself);
+      command, `vitray data prepare`; then ``after_stop``, what a re-run does), exit 130 (a command
+      that checkpoints first catches it itself);
     - `typer.Exit` (a command's own :func:`fail`) and anything else: as raised.
     """
     try:
         yield
     except KeyboardInterrupt:
-        say_stopped_by_user(doing)
+        say_stopped_by_user(doing, after_stop)
         raise typer.Exit(exit_codes.STOPPED_BY_USER) from None
     except (typer.Exit, typer.Abort, click.ClickException):
         raise
@@ -219,10 +224,11 @@ def handled(
         raise
 
 
-def say_stopped_by_user(doing: str | None = None) -> None:
+def say_stopped_by_user(doing: str | None = None, after_stop: str = "") -> None:
     """Ctrl-C's one line on the console: `stopped by user (Ctrl-C): DOING did not finish` (by default
-    DOING is the command line's command)."""
-    typer.echo(f"stopped by user (Ctrl-C): {doing or command_line()} did not finish", err=True)
+    DOING is the command line's command), and ``after_stop``: what running it again does."""
+    then = f"; {after_stop}" if after_stop else ""
+    typer.echo(f"stopped by user (Ctrl-C): {doing or command_line()} did not finish{then}", err=True)
 
 
 def command_line() -> str:

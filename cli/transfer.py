@@ -337,7 +337,12 @@ def evaluate(
 
     # A checkpoint that is not there, or a grid its model cannot run (pre-flight, before Ray): exit 2;
     # the grid itself failing (not one of its cells: those are in the table): exit 1
-    with handled((FileNotFoundError, ValueError, RuntimeError), failed=(Exception,), doing="evaluation"):
+    with handled(
+        (FileNotFoundError, ValueError, RuntimeError),
+        failed=(Exception,),
+        doing="evaluation",
+        after_stop="the same command goes on: finished cells are kept, fine-tunes resume from their checkpoints",
+    ):
         watched = evaluate_checkpoint(
             checkpoint,
             grid,

@@ -297,6 +297,15 @@ def _describe(err: ValidationError, schema: type[BaseModel], blame: _Blame, data
     return "\n".join([blame.header(blamed), *lines])
 
 
+def _whole_number(text: str) -> int | None:
+    """`1e3` -> 1000; None for what is no whole number written as a float."""
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    return int(number) if number.is_integer() else None
+
+
 def _yaml_hint(key: str, problem: Mapping[str, Any]) -> str:
     """How to write the value, where YAML read it as another type than the key takes (`--set
     run.name=123` is a number, `--set benchmarks=digits` a string)."""
@@ -306,6 +315,9 @@ def _yaml_hint(key: str, problem: Mapping[str, Any]) -> str:
         written = given if isinstance(given, int) and not isinstance(given, bool) else "..."
         kind = "a boolean" if isinstance(given, bool) else "a number"
         return f"; YAML read {kind}: quote it to give a string, --set '{key}=\"{written}\"'"
+    if problem["type"] == "int_parsing" and isinstance(given, str) and _whole_number(given) is not None:
+        # YAML 1.1 reads 1e3 as a string (its floats need a dot), and an int key takes no exponent.
+        return f"; write the integer out: {key}={_whole_number(given)}"
     if problem["type"] == "list_type" and isinstance(given, str):
         return f"; a list is written in brackets: --set '{key}=[{given}]'"
     return ""

@@ -184,3 +184,11 @@ def test_values_of_options_and_set_itself_are_not_taken_for_bare_config_values()
     assert config_value_without_set(["vitray", "pretrain", "-c", DEMO, "--set", "optim.lr=0.1"]) is None
     assert config_value_without_set(["vitray", "finetune", "CKPT", "--name", "my.run=1"]) is None
     assert config_value_without_set(["vitray", "export", "CKPT", "a.b=1"]) is None  # no --set: click's own
+
+
+def test_an_integer_written_with_an_exponent_is_told_to_be_written_out():
+    # YAML 1.1 (PyYAML) reads 1e3 as a string; an int key takes no exponent.
+    lines = refused("pretrain", "-c", DEMO, "--set", "train.steps=1e3", "--dry-run")
+    assert lines[1].strip().endswith("(got '1e3'); write the integer out: train.steps=1000"), lines
+    lines = refused("pretrain", "-c", DEMO, "--set", "train.steps=2.55e1", "--dry-run")
+    assert "write the integer out" not in lines[1] and "(got '2.55e1')" in lines[1], lines
