@@ -95,6 +95,15 @@ def pretrain_args(dataset: str, storage: str, name: str, *extra: str, base: Sequ
     return vitray_cmd("pretrain", *[a for s in sets for a in ("--set", s)])
 
 
+# What the test process's own one-rank group (conftest's `process_group`) set in its environment: a
+# command run from it gets none of it, as from a shell, whichever tests ran first in this worker.
+TEST_GROUP_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def _as_a_shell_has_it(environ: dict) -> dict:
+    return {name: value for name, value in environ.items() if name not in TEST_GROUP_ENV}
+
+
 def run(
     cmd: list[str], timeout: float = 480, env: dict | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
@@ -105,7 +114,7 @@ def run(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, **(env or {})},
+        env={**_as_a_shell_has_it(os.environ), **(env or {})},
         cwd=cwd,
         start_new_session=True,
     )
@@ -155,7 +164,13 @@ def run_until_mid_checkpoint(cmd: list[str], run_dir: str, after_step: int, time
     `after_step` or later: its files in the folder (rank 0's trainer state among them), not all of
     its completion records. A pre-emption at the worst moment. Returns that unfinished checkpoint."""
     cmd = [*cmd, "--set", "debug.checkpoint_record_delay_s=5"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        env=_as_a_shell_has_it(os.environ),
+    )
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
@@ -219,7 +234,14 @@ def run_until_ray_dies(
 def running(cmd: list[str]) -> Iterator[subprocess.Popen]:
     """``cmd`` started in a session of its own, its output piped as text; on leaving the block it
     is killed if it still runs, and its embedded Ray's leftovers are stopped."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=_as_a_shell_has_it(os.environ),
+    )
     try:
         yield proc
     finally:

@@ -471,6 +471,13 @@ def test_a_zero_checkpoint_keeps_12_bytes_a_parameter_resumes_exactly_and_gives_
     if stage < 3:  # (ZeRO-3's module holds no weights outside its forward pass)
         assert all(torch.equal(fresh.module.state_dict()[k], v) for k, v in trained.items())
     assert all(torch.equal(fresh.full_state_dict()[k], v) for k, v in whole.items())
+    # And it goes on as the run does: a step of each from one batch ends at the same weights (Adam's
+    # moments, its step count and the schedule restored, not the weights alone).
+    batch = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1)).to(backend.dtype)
+    for engine in (backend, fresh):
+        engine.backward_step(engine(batch).float().square().mean())
+    went_on = backend.full_state_dict()
+    assert all(torch.equal(fresh.full_state_dict()[k], v) for k, v in went_on.items())
 
 
 def test_a_resume_reads_deepspeeds_shards_once_checked_as_read_and_refuses_a_corrupt_one(

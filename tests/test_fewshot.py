@@ -328,11 +328,10 @@ def test_extract_features_errors():
 
 
 def test_extract_features_from_a_vitray_vit():
-    models = pytest.importorskip("vitray.models")
-    if not hasattr(models, "create_model"):
-        pytest.skip("vitray.models.create_model is not available yet")
+    from vitray.models import create_model
+
     torch.manual_seed(0)
-    model = models.create_model("Ti/4", num_classes=10, img_size=32)
+    model = create_model("Ti/4", num_classes=10, img_size=32)
     images = torch.rand(6, 3, 32, 32) * 2 - 1
     features, labels = extract_features(model, [(images[:3], torch.arange(3)), (images[3:], torch.arange(3, 6))])
     assert features.shape == (6, model.num_features)
@@ -505,3 +504,35 @@ def test_a_live_runs_checkpoint_being_read_is_not_pruned_by_the_run(digits_datas
     assert pruned == [[]] and json.loads(result.stdout)["results"][0]["accuracy"] >= 0.0
     assert pinned_checkpoints(str(run)) == set() and not list((run / "vitray" / "pins").iterdir())
     assert ckpt.prune_checkpoints(str(run), keep=1) == [str(run / "checkpoint_2026-01-01_00-00-00.000001")]
+
+
+def test_each_shots_summary_is_the_mean_and_population_std_of_its_ok_seeds():
+    """What `vitray fewshot` prints and the pre-training hook logs per shots value: the seeds'
+    accuracies reduced here by hand, a failed seed left out, `select`'s choices kept in seed order."""
+    from vitray.evaluation.methods.fewshot import L2_METRIC, METRIC, summarize_scores
+    from vitray.evaluation.results import Cell, CellOutcome
+
+    def outcome(shots, seed, accuracy=None, chosen=None, l2="select"):
+        cell = Cell("ckpt", "digits", "fewshot", {"shots": shots, "l2_reg": l2}, seed=seed)
+        if accuracy is None:
+            return CellOutcome(cell, error="RuntimeError: lost")
+        metrics = {METRIC: accuracy, **({L2_METRIC: chosen} if chosen is not None else {})}
+        return CellOutcome(cell, metrics)
+
+    summaries = summarize_scores(
+        [
+            outcome(5, 0, 0.50, 64.0),
+            outcome(1, 0, 0.25, l2=1024),
+            outcome(5, 1, 0.70, 256.0),
+            outcome(5, 2),  # failed: not averaged in as a zero
+            outcome(5, 3, 0.90, 16.0),
+            outcome(1, 1, 0.35, l2=1024),
+        ]
+    )
+    assert list(summaries) == [1, 5]
+    one, five = summaries[1], summaries[5]
+    assert (one.seeds, one.l2) == (2, (1024.0, 1024.0))
+    assert one.mean == pytest.approx(0.30) and one.std == pytest.approx(0.05)  # sqrt(((.05)^2 * 2) / 2)
+    assert (five.seeds, five.l2) == (3, (64.0, 256.0, 16.0))
+    # mean 0.7; deviations -0.2, 0, 0.2: population variance 0.08 / 3
+    assert five.mean == pytest.approx(0.70) and five.std == pytest.approx((0.08 / 3) ** 0.5)

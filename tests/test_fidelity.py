@@ -81,7 +81,9 @@ _FORWARD = Forward("cpu", torch.float32, lambda values: values)
 def test_evaluators_score_the_ema_weights_and_put_the_live_ones_back():
     model = create_model("Ti/16", num_classes=3, img_size=32)
     ema = Ema(WholeWeights(model), decay=0.5)  # the shadow holds zero head weights
-    with torch.no_grad():
+    with torch.no_grad():  # every live weight away from the shadow's: a swap back that missed one shows
+        for weights in model.parameters():
+            weights.add_(0.5)
         model.head.weight.fill_(1.0)
     live = {k: v.clone() for k, v in model.state_dict().items()}
     on_ema = ScheduledEvaluator("val", ValEvalConfig(type="val", every=1), _WeightSum())
@@ -98,11 +100,15 @@ def test_ema_weights_are_restored_when_the_evaluation_fails():
     model = create_model("Ti/16", num_classes=3, img_size=32)
     ema = Ema(WholeWeights(model), decay=0.5)
     with torch.no_grad():
+        for weights in model.parameters():
+            weights.add_(0.5)
         model.head.weight.fill_(2.0)
+    live = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(RuntimeError, match="boom"), ema.swapped_in():
         assert float(model.head.weight.detach().sum()) == 0.0
         raise RuntimeError("boom")
     assert float(model.head.weight.detach().sum()) == 2.0 * 3 * 192
+    assert all(torch.equal(v, live[k]) for k, v in model.state_dict().items())  # all of them, bit for bit
 
 
 def _checkpoint(folder: Path, model: torch.nn.Module, ema_state: dict | None) -> Path:

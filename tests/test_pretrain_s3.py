@@ -1,5 +1,5 @@
 """Pre-training with data and checkpoints on S3 (SeaweedFS on 127.0.0.1), then listing,
-exporting and re-running against the same storage."""
+exporting, re-running a finished run and resuming one against the same storage."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from safetensors.torch import load, load_file
 
 from vitray.data import prepare_dataset
 from vitray.models.io_safetensors import read_safetensors_metadata
-from vitray.runfolder.checkpoint_folders import find_checkpoints
-from vitray.storage import read_bytes
+from vitray.runfolder.checkpoint_folders import find_checkpoints, latest_complete_checkpoint
+from vitray.storage import filesystem, read_bytes
 from vitray.trainers.checkpoint import rank_files as ckpt
 
 pytestmark = pytest.mark.slow
@@ -54,6 +54,16 @@ def test_pretrain_on_s3_lists_exports_and_resumes(seaweed_s3, tmp_path):
     assert [c.step for c in find_checkpoints(run_dir)] == [4, 8]
     said = " ".join(again.stderr.split())
     assert f"s3run is finished: its latest checkpoint is at step 8 of train.steps=8 ({checkpoints[-1].path})" in said
+
+    # Its last checkpoint as a kill during its upload leaves it (rank 1's part never recorded): the
+    # same command resumes from step 4 on S3 and trains step 8 again, to the same weights bit for bit.
+    fs, path = filesystem(checkpoints[-1].path)
+    fs.rm(f"{path}/complete-rank-0001.json")
+    resumed = run(args)
+    assert "resuming s3run from step 4 (" in " ".join(resumed.stderr.split()), resumed.stderr[-3000:]
+    latest = latest_complete_checkpoint(run_dir)
+    assert latest.step == 8 and latest.path != checkpoints[-1].path
+    assert_same_weights(load(read_bytes(f"{latest.path}/{ckpt.MODEL_FILE}")), weights)
 
 
 def test_export_refuses_a_folder_without_checkpoints(tmp_path):

@@ -19,7 +19,10 @@ from vitray.trainers.trackers import MlflowSettings, Trackers, WandbSettings
 @pytest.fixture(autouse=True)
 def _offline(monkeypatch):
     # As a user's shell has it: MLflow 3 refuses a folder store unless told, and vitray tells it.
-    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    # (Set first, so that the variable as it was comes back after the test, whoever set it since:
+    # a delenv of an absent variable records nothing to undo.)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
