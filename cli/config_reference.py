@@ -105,8 +105,8 @@ def _without_none(annotation: Any) -> tuple[Any, bool]:
 
 
 def _is_storage_path(metadata: list[Any]) -> bool:
-    """`vitray.data.config.StoragePath`: a str made absolute by `vitray.data.storage.absolute`."""
-    return any(getattr(getattr(m, "func", None), "__name__", None) == "absolute" for m in metadata)
+    """`vitray.data.config.StoragePath`: a str checked and made absolute by `storage_path`."""
+    return any(getattr(getattr(m, "func", None), "__name__", None) == "storage_path" for m in metadata)
 
 
 def _section_model(field: FieldInfo) -> type[BaseModel] | None:

@@ -30,6 +30,7 @@ from vitray.cli.app import (
     print_config,
     table_console,
 )
+from vitray.common.config import OptionValue
 from vitray.data.config import TRAIN_CROPS
 
 
@@ -77,17 +78,17 @@ def fewshot(
     Exit code 1 when a benchmark's data is missing or a cell failed (the others are printed)."""
     overrides = []
     if benchmark:
-        overrides.append(f"benchmarks=[{', '.join(benchmark)}]")
+        overrides.append(OptionValue(f"benchmarks=[{', '.join(benchmark)}]", " ".join(f"-b {b}" for b in benchmark)))
     if data_root:
-        overrides.append(f"data_root={data_root}")
+        overrides.append(OptionValue(f"data_root={data_root}", f"--data-root {data_root}"))
     if shots:
-        overrides.append(f"fewshot.shots={_as_list(shots, int, '--shots')}")
+        overrides.append(OptionValue(f"fewshot.shots={_as_list(shots, int, '--shots')}", f"--shots {shots}"))
     if seeds:
-        overrides.append(f"fewshot.seeds={seeds}")
+        overrides.append(OptionValue(f"fewshot.seeds={seeds}", f"--seeds {seeds}"))
     if l2:
-        overrides.append(f"fewshot.l2_reg={l2}")
+        overrides.append(OptionValue(f"fewshot.l2_reg={l2}", f"--l2 {l2}"))
     if img_size:
-        overrides.append(f"fewshot.img_size={img_size}")
+        overrides.append(OptionValue(f"fewshot.img_size={img_size}", f"--img-size {img_size}"))
     grid = _grid(config, overrides + list(set_ or []))
     from vitray.cluster.fewshot_cells import fewshot_checkpoint
 
@@ -328,7 +329,8 @@ def evaluate(
     Prints the table and writes <output>/report (Markdown + PNG plots).
     Exit code 1 when a cell failed or a benchmark's data is missing.
     """
-    overrides = ([f"data_root={data_root}"] if data_root else []) + ([f"output={output}"] if output else [])
+    overrides = [OptionValue(f"data_root={data_root}", f"--data-root {data_root}")] if data_root else []
+    overrides += [OptionValue(f"output={output}", f"--output {output}")] if output else []
     grid = _grid(config, overrides + list(set_ or []))
     if dry_run:
         print_config(grid)

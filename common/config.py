@@ -20,13 +20,25 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from vitray.common.redact import redact_at, redacted_config
+from vitray.common.redact import redact_at, redact_text, redacted_config
 
 M = TypeVar("M", bound=BaseModel)
 
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message lists every problem found."""
+
+
+class OptionValue(str):
+    """A `key=value` override that one of a command's own options gave (`fewshot.l2_reg=-5` from
+    `--l2 -5`): an error about it names the option as typed, not a `--set` nobody wrote."""
+
+    given_as: str
+
+    def __new__(cls, text: str, given_as: str) -> OptionValue:
+        value = super().__new__(cls, text)
+        value.given_as = given_as
+        return value
 
 
 # Said when a command needs sections that no file gave (the defaults alone do not make a config).
@@ -87,7 +99,12 @@ def validate_config(
         origins = {key: f"override {key}={redact_at(key.split('.'), value)!r}" for key, value in items}
     else:
         items = [_parse_override(text, flag) for text in overrides]
-        origins = {key: f"{flag} {_shown_override(key, value, text)}" for (key, value), text in zip(items, overrides)}
+        origins = {
+            key: redact_text(text.given_as)
+            if isinstance(text, OptionValue)
+            else f"{flag} {_shown_override(key, value, text)}"
+            for (key, value), text in zip(items, overrides)
+        }
     for key, value in items:
         _set_dotted(data, key, value, flag)
     blame = _Blame(source, origins)

@@ -33,16 +33,25 @@ RESIZE_RATIO = 448 / 384
 # authors' ImageNet evaluation, 256 / 224.
 EVAL_RESIZE_RATIO = 256 / 224
 
+
 # A config field naming a local folder or file, or a URL: a relative local path is made absolute
 # when the config is read (on the driver), so that Ray's workers, in other working directories,
 # read and write the same folder.
-StoragePath = Annotated[str, AfterValidator(absolute)]
+def storage_path(path: str) -> str:
+    """`absolute(path)`; an empty path, which would name the working folder itself (a run's or a
+    grid's files among whatever is there), refused."""
+    if not path.strip():
+        raise ValueError("is empty: give a local folder or an s3:// URL")
+    return absolute(path)
+
+
+StoragePath = Annotated[str, AfterValidator(storage_path)]
 
 
 class DataConfig(BaseModel):
     """Which prepared dataset to read and how (see :class:`vitray.data.ShardLoader`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     train: StoragePath = Field(description="Prepared dataset for training: a local folder or s3://bucket/prefix.")
     train_split: str = Field(

@@ -27,7 +27,7 @@ from vitray.evaluation.suite import BENCHMARKS, Benchmark, benchmarks_in_group, 
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class EvalClusterConfig(_Section):

@@ -38,7 +38,7 @@ STREAMS_PER_WORKER = 8
 class FinetuneRecipe(BaseModel):
     """One fine-tune run: what it starts from, what it trains on, how, and where it lives."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     checkpoint: str = Field(description="The pre-trained checkpoint the run starts from.")
     model: dict[str, Any] = Field(description="The checkpoint's model section (its architecture).")

@@ -17,7 +17,7 @@ class ModelConfig(BaseModel):
     """Which ViT to build: the one declaration of the model's arguments, which :func:`create_model`,
     :class:`~vitray.models.VisionTransformer` and a checkpoint's ``model`` record take from here."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = Field("Ti/4", description='Variant, e.g. "B/16", "L/32", "R50+B/16", "Ti/4".')
     img_size: int = Field(32, gt=0, description="Input resolution in pixels (square).")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import math
 import threading
 import time
@@ -15,6 +16,8 @@ from vitray import storage
 from vitray.runfolder.files import RunFiles
 from vitray.runfolder.listing import skipped_data
 from vitray.runfolder.run_report import evaluations
+
+log = logging.getLogger(__name__)
 
 
 class MetricsTail:
@@ -144,6 +147,12 @@ class TrainingProgress:
 
     def _refresh(self) -> None:
         try:
+            self._show()
+        except Exception:  # the display's own failure is no reason to stop a run, nor a traceback on its console
+            log.debug("showing the run's progress failed", exc_info=True)
+
+    def _show(self) -> None:
+        try:
             records = storage.polled(self.metrics.read, what=f"reading {self.metrics.path}", within_s=self.outage_s)
         except Exception:
             return
@@ -190,6 +199,9 @@ class TrainingProgress:
         self._quiet_since = time.monotonic()
 
 
+ETA_SHOWN_S = 365 * 24 * 3600.0
+
+
 def progress_line(record: dict[str, Any], records: list[dict[str, Any]], total_steps: int) -> str:
     """One log line of a metrics record: "step 200/300  loss 1.0435  58.5 img/s  data wait 1%
     lr 1.00e-03  eta 0:01:42  val/top1 0.783"; the ETA from the pace between the first of `records` (this
@@ -207,7 +219,9 @@ def progress_line(record: dict[str, Any], records: list[dict[str, Any]], total_s
     first = records[0]
     if "time" in record and "time" in first and step > first.get("step", 0) and step < total_steps:
         per_step = (record["time"] - first["time"]) / (step - first["step"])
-        parts.append(f"eta {datetime.timedelta(seconds=round(per_step * (total_steps - step)))}")
+        left = per_step * (total_steps - step)
+        # (a timedelta of train.steps=1e20's seconds overflows, and would stop the progress lines)
+        parts.append(f"eta {datetime.timedelta(seconds=round(left))}" if left < ETA_SHOWN_S else "eta over a year")
     parts += [f"{key} {value:.3f}" for key, value in evaluations(record)]
     if record.get("skipped_samples"):
         parts.append(f"{record['skipped_samples']} corrupt samples skipped")

@@ -94,6 +94,11 @@ def check_path_form(path: str) -> None:
         meant = f"write {scheme.lower()}:// in lower case: {scheme.lower()}://{rest}"
     elif web is not None:
         meant = f"an S3 bucket's web address: write it s3://{web['bucket'] + '/' if web['bucket'] else ''}{web['rest']}"
+    elif scheme.lower() in ("http", "https"):  # fsspec reads a web server, but lists and writes nothing there
+        meant = (
+            "vitray reads and writes local paths and s3:// URLs (AWS S3, or an S3-compatible store, its endpoint in "
+            "AWS_ENDPOINT_URL); a web server is no place a dataset, run or output can be listed or written"
+        )
     elif _filesystem_here(scheme):  # another filesystem fsspec has here (one a deployment registered)
         return
     else:

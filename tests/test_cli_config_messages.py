@@ -143,7 +143,8 @@ def test_the_demos_grid_values_are_blamed_on_grid_set(tmp_path):
 def test_a_validators_sentence_that_quotes_the_value_is_not_followed_by_it_again():
     lines = refused("fewshot", "CKPT", "--data-root", "data", "--l2", "-5")
     (line,) = [line for line in lines[1:] if "l2_reg" in line]
-    assert line.strip() == 'fewshot.l2_reg: must be a positive number or "select", got -5.0'
+    assert lines[0] == "error: invalid config (--l2 -5):"  # the option as typed, not a --set
+    assert line.strip() == 'fewshot.l2_reg: must be a positive number or "select", got -5'
 
 
 @pytest.mark.parametrize(

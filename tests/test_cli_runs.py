@@ -294,3 +294,17 @@ def test_runs_of_a_dataset_or_a_checkpoint_folder_says_what_it_is(digits_dataset
     result = CliRunner().invoke(app, ["runs", str(checkpoint)])
     said = " ".join(result.output.split())
     assert f"it is a checkpoint folder; its run's storage is {tmp_path / 'store'}" in said, result.output
+
+
+def test_the_eta_of_a_run_longer_than_a_year_is_said_so(tmp_path):
+    """train.steps=1e20: a timedelta of its seconds overflows, which stopped the progress lines and
+    turned the run's Ctrl-C into 'failed: OverflowError'."""
+    from vitray.runfolder.progress import TrainingProgress, progress_line
+
+    first, record = {"step": 1, "time": 0.0, "loss": 2.0}, {"step": 3, "time": 2.0, "loss": 1.9}
+    assert "eta over a year" in progress_line(record, [first, record], 10**20)
+    assert "eta 0:00:07" in progress_line(record, [first, record], 10)
+    # Whatever the display meets, it is not the run's failure: the follower logs it and goes on.
+    progress = TrainingProgress(str(tmp_path / "r"), total_steps=10)
+    progress._show = lambda: 1 / 0
+    progress._refresh()

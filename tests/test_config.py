@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import operator
+import re
 import subprocess
 import sys
 import time
@@ -540,3 +541,44 @@ def test_the_docs_recipe_paths_work_outside_a_checkout(tmp_path, monkeypatch):
     assert "pretrain_b16_i21k.yaml" in str(refused.value)
     with pytest.raises(ConfigError, match=r"^config file elsewhere/run.yaml does not exist$"):
         load_config(TrainingConfig, "elsewhere/run.yaml")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        # .inf passes every ge/gt bound: each of these trained nothing, NaN'd every loss or failed in
+        # the workers after Ray started (a restart spent on an error that recurs).
+        ("optim.eps=.inf", "optim.eps: Input should be a finite number"),
+        ("train.mixup_alpha=.inf", "train.mixup_alpha: Input should be a finite number"),
+        ("optim.lr=.inf", "optim.lr: Input should be a finite number"),
+        ("evals={val: {type: val, every: 2, resize_ratio: .inf}}", "evals.val.resize_ratio: Input should be a finite"),
+        ("data.resize_ratio=.nan", "data.resize_ratio: Input should be a finite number"),
+        ("run.preemption_grace_s=.inf", "run.preemption_grace_s: Input should be a finite number"),
+        ("seed=99999999999999999999", "seed: Input should be less than or equal to 9223372036854775807"),
+        ("run.storage=", "run.storage: is empty: give a local folder or an s3:// URL"),
+        ("run.storage=http://host/runs", "run.storage: http://host/runs: vitray reads and writes local paths"),
+    ],
+)
+def test_values_no_run_can_use_are_refused_with_the_config(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(TrainingConfig, None, ["data.train=/data", override])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("fewshot.l2_reg=.inf", 'fewshot.l2_reg: must be a positive number or "select", got inf'),
+        ("fewshot.l2_reg=Select", "fewshot.l2_reg: must be a positive number or \"select\", got 'Select'"),
+        ("finetune.learning_rates=[.nan]", "finetune.learning_rates.0: Input should be a finite number"),
+        ("output=' '", "output: is empty"),
+    ],
+)
+def test_grid_values_no_cell_can_use_are_refused_in_one_line_each(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as refused:
+        load_config(GridConfig, None, ["data_root=/data", override])
+    assert len(str(refused.value).splitlines()) == 2  # the header and one line: not one per union branch
+
+
+def test_a_whole_number_l2_given_as_text_is_taken():
+    grid = load_config(GridConfig, None, ["data_root=/data", "fewshot.l2_reg=1e3"])
+    assert grid.fewshot.l2_reg == 1000.0

@@ -49,7 +49,7 @@ def default_loader_workers(cpus_per_worker: float, micro_batch_size: int, *, acc
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RunConfig(_Section):
@@ -426,7 +426,10 @@ class TrainingConfig(_Section):
     MOVED_KEYS: ClassVar[dict[str, str]] = MOVED_KEYS
 
     seed: int = Field(
-        0, ge=0, description="Seeds the model's initialisation, the sample order and every step's randomness."
+        0,
+        ge=0,
+        le=2**63 - 1,  # torch.manual_seed's largest
+        description="Seeds the model's initialisation, the sample order and every step's randomness.",
     )
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)

@@ -55,7 +55,7 @@ DEFAULT_MLFLOW_STORE = "mlruns"
 
 
 class MlflowSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     tracking_uri: Annotated[str | None, AfterValidator(tracking_uri_here)] = Field(
         None,
@@ -115,7 +115,7 @@ def mlflow_store_problem(settings: MlflowSettings | None) -> str | None:
 
 
 class WandbSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     project: str = Field("vitray", description="W&B project.")
     entity: str | None = Field(None, description="W&B entity (team or user); your default when unset.")

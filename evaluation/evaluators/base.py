@@ -37,7 +37,7 @@ TEST_TOP1 = metric_name(TEST, "top1")
 class EvalSection(BaseModel):
     """What every evaluator's section of `evals:` has (each kind adds its `type` and its own keys)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     every: int = Field(gt=0, description="Run every N steps (and at the last step).")
     weights: Literal["ema", "live"] = Field(

@@ -94,7 +94,7 @@ class Planned:
 class MethodSection(BaseModel):
     """A method's section of the grid config (`GridConfig.<method>`)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     enabled: bool = Field(True, description="Run this method's cells of the grid.")
 

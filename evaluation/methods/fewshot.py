@@ -8,6 +8,7 @@ probe that a training run's few-shot evaluator uses too (:func:`vitray.evaluatio
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -63,12 +64,19 @@ class FewShotGrid(TaskSection):
             raise ValueError(f"must be a non-empty list of positive integers, e.g. [1, 5, 10, 25]; got {shots}")
         return None if shots is None else sorted(set(shots))
 
-    @field_validator("l2_reg")
+    @field_validator("l2_reg", mode="before")
     @classmethod
-    def _positive_l2(cls, l2: float | str | None) -> float | str | None:
-        if l2 is not None and not isinstance(l2, str) and not l2 > 0:
-            raise ValueError(f'must be a positive number or "select", got {l2}')
-        return l2
+    def _positive_l2(cls, l2: Any) -> Any:
+        """One sentence for every wrong value (not one per branch of the union)."""
+        if l2 is None or l2 == "select":
+            return l2
+        try:
+            number = float(l2)  # a number, or its text (YAML 1.1 reads 1e3 as a string)
+        except (TypeError, ValueError):
+            number = math.nan
+        if isinstance(l2, bool) or not (math.isfinite(number) and number > 0):
+            raise ValueError(f'must be a positive number or "select", got {l2!r}')
+        return number
 
 
 Config = FewShotGrid
