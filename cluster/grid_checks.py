@@ -35,6 +35,9 @@ def check_work(work: list[GridWork], grid: GridConfig) -> None:
                 scored = ev.dataset(cfg.data) if ev.type == "val" else None
                 if scored is not None:
                     splits.check("finetune.val_split", *scored)
+                    splits.held_out(
+                        "finetune.val_split", *scored, "finetune.train_split", cfg.data.train, cfg.data.train_split
+                    )
         elif isinstance(unit, FewShotGroup):
             benchmark = unit.benchmark
             shots = max(int(c.settings["shots"]) for c in unit.cells)
@@ -97,6 +100,14 @@ class _SplitCheck:
         self.storage_options = storage_options
         self._infos: dict[str, DatasetInfo] = {}
         self._checked: set[tuple[str, str, int]] = set()
+
+    def held_out(self, val_key: str, path: str, split: str, train_key: str, train_path: str, train_split: str) -> None:
+        """No sample of the validation slice is trained on (`check_held_out`): the learning rate the
+        grid selects on it, and the top-1 it reports, would be of training samples."""
+        from vitray.trainers.driver_checks.preflight import check_held_out
+
+        if path == train_path:  # (both checked, and their info read, by `check` first)
+            check_held_out(val_key, split, train_key, train_split, self._infos[path], same_ok=False)
 
     def check(self, key: str, path: str, split: str, *, shots: int = 0) -> None:
         from vitray.trainers.driver_checks.preflight import PreflightError

@@ -30,6 +30,7 @@ from vitray.cluster.process_group import NodeBoundTorchConfig
 from vitray.cluster.runtime import check_local_resources, check_ray_alive, ray_storage
 from vitray.cluster.train_worker import train_worker
 from vitray.common.failures import describe_failure, restart_cannot_fix
+from vitray.common.leftovers import remove_stale
 from vitray.runfolder.checkpoint_folders import CheckpointInfo
 from vitray.runfolder.files import run_dir
 from vitray.trainers.config import TrainingConfig
@@ -116,8 +117,11 @@ class _WorkerGroupFailures(UserCallback):
 class _FailureNotes:
     """The driver's side of `_WorkerGroupFailures`: the file, and what is new in it."""
 
+    PREFIX = "vitray-worker-failures-"
+
     def __init__(self):
-        fd, self.path = tempfile.mkstemp(prefix="vitray-worker-failures-", suffix=".jsonl")
+        remove_stale(self.PREFIX)  # the notes of drivers killed before they removed theirs
+        fd, self.path = tempfile.mkstemp(prefix=self.PREFIX, suffix=".jsonl")
         os.close(fd)
         self._read = 0
 

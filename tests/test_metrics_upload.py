@@ -246,3 +246,57 @@ def test_metrics_on_s3_read_back_by_run_files_pandas_and_pyarrow_and_resume_repl
     assert frame["step"].tolist() == [1, 2, 3, 4, 5] and frame["loss"].iloc[-1] == pytest.approx(0.4)
     table = paj.read_json(io.BytesIO(raw))
     assert table.column("step").to_pylist() == [1, 2, 3, 4, 5]
+
+
+def test_a_failed_attempt_leaves_no_local_copy_once_its_lines_are_in_the_run_folder(
+    process_group, digits_dataset, tmp_path
+):
+    """Each failed attempt (a worker group restart) kept rank 0's copy of the whole metrics history
+    in /tmp; it is kept now only where its last lines could not be uploaded."""
+    from pretrain_helpers import in_process_loop
+
+    loop = in_process_loop(digits_dataset, tmp_path)
+    local = loop.metrics.local_dir
+
+    def fail() -> None:
+        loop.metrics.write(1, {"loss": 2.0})
+        raise RuntimeError("a worker's error")
+
+    loop._run = fail
+    with pytest.raises(RuntimeError, match="a worker's error"):
+        loop.run()
+    assert not local.exists()
+    assert [r["step"] for r in RunFiles(str(tmp_path / "run")).read_metrics()] == [1]
+
+
+def test_a_mirror_says_whether_its_last_state_reached_storage(tmp_path):
+    def refused(name: str, data: bytes) -> None:
+        raise PermissionError("AccessDenied")
+
+    (tmp_path / "ok").mkdir()
+    _, mirror = _mirror_of_one_line(tmp_path / "ok", lambda name, data: None)
+    assert mirror.close() is True
+    (tmp_path / "refused").mkdir()
+    _, mirror = _mirror_of_one_line(tmp_path / "refused", refused)
+    assert mirror.close(raise_errors=False) is False
+
+
+def test_what_killed_processes_left_in_the_temporary_folder_is_removed_once_stale(tmp_path, monkeypatch):
+    import os
+
+    from vitray.common.leftovers import STALE_AFTER_S, remove_stale
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    old, live, notes, other = (tmp_path / name for name in ("vitray-metrics-a", "vitray-metrics-b", "n.jsonl", "x"))
+    for folder in (old, live):
+        (folder / "tensorboard").mkdir(parents=True)
+        (folder / "metrics.jsonl").write_text("{}\n")
+    notes.write_text("")
+    other.write_text("")
+    long_ago = time.time() - STALE_AFTER_S - 60
+    for path in (old, old / "tensorboard", old / "metrics.jsonl", live, live / "tensorboard", notes, other):
+        os.utime(path, (long_ago, long_ago))
+    # (`live`'s metrics.jsonl was written just now: a live run's folder)
+    assert remove_stale("vitray-metrics-") == [str(old)]
+    assert live.exists() and notes.exists() and other.exists()
+    assert remove_stale("n.json") == [str(notes)] and other.exists()

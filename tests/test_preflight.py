@@ -515,3 +515,46 @@ def test_a_worker_killed_without_an_error_is_said_so_with_the_memory_advice():
     assert cause.kind == "WorkerHealthCheckFailedError" and len(cause.one_line()) < 400
     assert "a worker process was killed without an error of its own (out of memory, or stopped" in cause.message
     assert "lower train.micro_batch_size (accumulation keeps train.batch_size)" in cause.advice()
+
+
+def test_a_validation_slice_the_run_trains_on_is_refused(digits_dataset, tmp_path, capsys):
+    """Its top-1 was reported as held out, exit 0, of samples the run trained on."""
+    runs, val = tmp_path / "runs", "evals.val={type: val, every: 2}"  # (data.val_split is its split)
+    line = refused(*_sets(digits_dataset, runs, "data.train_split=train[:90%]", "data.val_split=train[80%:]", val))
+    assert line == (
+        "error: data.val_split=train[80%:] and data.train_split=train[:90%] share 143 samples ([1150:1293] of "
+        "train's 1,437): its top-1 would be measured on samples the run trains on. Hold out a slice the training "
+        "slice leaves out, e.g. data.train_split=train[:98%] with data.val_split=train[98%:]"
+    )
+    # An evaluator's own split, inside the whole split trained on (the held-out slice set, train_split not)
+    line = refused(*_sets(digits_dataset, runs, "evals.held={type: val, every: 2, split: 'train[98%:]'}"))
+    assert line.startswith("error: evals.held.split=train[98%:] and data.train_split=train share 29 samples")
+
+    # Held out, and the very split trained on (a look at the fit): taken, the latter with a note.
+    def checked(*sets: str) -> str:
+        check_inputs(
+            load_config(TrainingConfig, None, [*BASE, f"data.train={digits_dataset}", f"run.storage={runs}", *sets])
+        )
+        return " ".join(capsys.readouterr().err.split())
+
+    assert "note" not in checked("data.train_split=train[:98%]", "data.val_split=train[98%:]", val)
+    assert (
+        "vitray: note: evals.fit.split=train is the split the run trains on (data.train_split=train): its top-1 is a "
+        "training accuracy, not a held-out one" in checked("evals.fit={type: val, every: 2, split: train}")
+    )
+    assert not runs.exists()
+
+
+def test_a_grids_validation_slice_its_fine_tunes_train_on_is_refused(pretrained, digits_dataset, tmp_path):
+    """The learning rate was selected on training samples."""
+    root = tmp_path / "prepared"
+    root.mkdir()
+    (root / "digits").symlink_to(digits_dataset)
+    grid = Path(__file__).resolve().parents[1] / "configs" / "grid_digits.yaml"
+    args = ["evaluate", pretrained, "-c", str(grid), "--data-root", str(root), "--output", str(tmp_path / "eval")]
+    sets = ["--set", "finetune.train_split=train[:90%]", "--set", "finetune.val_split=train[50%:]"]
+    result = CliRunner().invoke(app, [*args, *sets])
+    assert result.exit_code == 2 and not ray.is_initialized(), result.output
+    assert "error: finetune.val_split=train[50%:] and finetune.train_split=train[:90%] share 575 samples" in " ".join(
+        result.output.split()
+    )

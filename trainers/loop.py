@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from vitray import storage
+from vitray.common.leftovers import remove_stale
 from vitray.common.redact import redacted_config
 from vitray.data import ShardLoader, read_dataset_info, transforms
 from vitray.data.batch import UnreadableData
@@ -51,6 +52,9 @@ from vitray.trainers.step.ema import Ema
 from vitray.trainers.step.feed import decodes_on_device
 from vitray.trainers.step.objectives import build_objective
 from vitray.trainers.trackers import Trackers
+
+# Rank 0's local copy of the metrics files, which a background thread mirrors to the run folder.
+LOCAL_METRICS_PREFIX = "vitray-metrics-"
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -96,7 +100,8 @@ class TrainingLoop:
         self.peak_tflops = accelerator_peak_tflops(cfg.log.peak_tflops, cfg.precision.dtype)
         self.metrics = None
         if self.rank == 0:
-            local_metrics = Path(tempfile.mkdtemp(prefix="vitray-metrics-"))
+            remove_stale(LOCAL_METRICS_PREFIX)  # earlier attempts' copies a kill left behind
+            local_metrics = Path(tempfile.mkdtemp(prefix=LOCAL_METRICS_PREFIX))
             self.run_files.seed_local_metrics(local_metrics, self.step)
             self.metrics = MetricsWriter(
                 local_metrics,
@@ -180,17 +185,17 @@ class TrainingLoop:
         try:
             last = self._run()
         except BaseException:
-            if self.metrics is not None:  # the lines that show what happened, best effort
-                self.metrics.close(raise_errors=False)
+            # The lines that show what happened, best effort; the local copy is kept only where
+            # they could not reach the run folder (each failed attempt's copy stayed in /tmp).
+            if self.metrics is not None and self.metrics.close(raise_errors=False):
+                shutil.rmtree(self.metrics.local_dir, ignore_errors=True)
             if self.trackers is not None:
                 self.trackers.close(failed=True)
             raise
         if self.trackers is not None:
             self.trackers.close()
         if self.metrics is not None:
-            self.metrics.close()  # uploads the last lines and waits for them
-            # All of it is in the run folder now. (A failed run keeps its local copy: its last
-            # lines may not have reached the run folder.)
+            self.metrics.close()  # uploads the last lines and waits for them: all of it is in the run folder
             shutil.rmtree(self.metrics.local_dir, ignore_errors=True)
         return last
 

@@ -144,10 +144,12 @@ class MetricsWriter:
         is in the run folder (None without a mirror)."""
         return self._upload.flush() if self._upload is not None else None
 
-    def close(self, *, raise_errors: bool = True) -> None:
-        """Close the files and upload their last state (waits for it)."""
+    def close(self, *, raise_errors: bool = True) -> bool:
+        """Close the files and upload their last state (waits for it); returns whether that is in
+        the run folder (False without a mirror: the local files are the only copy)."""
         self._jsonl.close()
         self._tb.close()
-        if self._upload is not None:
-            self._upload.changed()
-            self._upload.close(raise_errors=raise_errors)
+        if self._upload is None:
+            return False
+        self._upload.changed()
+        return self._upload.close(raise_errors=raise_errors)

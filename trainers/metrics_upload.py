@@ -98,9 +98,10 @@ class BackgroundMirror:
             self._cond.notify_all()
             return UploadHandle(self, self._generation)
 
-    def close(self, *, raise_errors: bool = True) -> None:
+    def close(self, *, raise_errors: bool = True) -> bool:
         """Upload the last state and stop the thread; raise if that final upload failed (unless
-        `raise_errors` is false: closing on the way out of a failed run must not hide its error)."""
+        `raise_errors` is false: closing on the way out of a failed run must not hide its error).
+        Returns whether the last state is on storage."""
         handle = self.flush()
         with self._cond:
             self._closing = True
@@ -108,6 +109,7 @@ class BackgroundMirror:
         self._thread.join()
         if raise_errors:
             handle.wait()
+        return self._uploaded_generation >= handle._generation
 
     # -- the uploader thread ------------------------------------------------------------------------
     def _due(self) -> bool:

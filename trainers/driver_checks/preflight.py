@@ -32,6 +32,7 @@ from vitray import storage
 from vitray.common.config import flatten_config
 from vitray.common.redact import redacted_config
 from vitray.data.layout import DatasetInfo, read_dataset_info, read_split
+from vitray.data.splits import parse_split, slice_bounds
 from vitray.models import TRAINING_SETTINGS, ModelConfig, create_model_from_config, on_meta_device
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.trainers.config import TrainingConfig
@@ -42,6 +43,7 @@ from vitray.trainers.trackers import missing_tracker_packages, mlflow_store_prob
 __all__ = [
     "PreflightError",
     "ResumePlan",
+    "check_held_out",
     "check_inputs",
     "check_model",
     "check_resume",
@@ -106,6 +108,9 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
             continue
         key = "data.val" if scored == (cfg.data.val_path, cfg.data.val_split) else f"evals.{name}"
         _check_same_labels(key, scored[0], _check_dataset(key, *scored, options)[0], cfg.data.train, info)
+        if scored[0] == cfg.data.train:
+            split_key = "data.val_split" if key == "data.val" else f"evals.{name}.split"
+            check_held_out(split_key, scored[1], "data.train_split", cfg.data.train_split, info)
         checked.add(scored)
     for name, ev in cfg.evals.items():
         for dataset_name, path in getattr(ev, "datasets", {}).items():
@@ -162,6 +167,36 @@ def _check_same_labels(key: str, path: str, scored: DatasetInfo, train_path: str
             f"{scored.classes[differ]!r} against {train.classes[differ]!r}); its top-1 counts them as the same",
             file=sys.stderr,
             flush=True,
+        )
+
+
+def check_held_out(
+    val_key: str, val_split: str, train_key: str, train_split: str, info: DatasetInfo, *, same_ok: bool = True
+) -> None:
+    """A validation slice of the training dataset shares no sample with the training slice: a top-1
+    of samples the run trains on looked like a held-out one (`train[:90%]` against `train[80%:]`,
+    or `train` against `train[:98%]`). The very slice the run trains on is said to be a training
+    accuracy where `same_ok` (a deliberate look at a run's fit), else refused too (a grid's
+    learning rate is selected on its validation slice)."""
+    val, train = parse_split(val_split), parse_split(train_split)
+    if val.name != train.name or val.name not in info.splits:
+        return
+    size = info.splits[val.name].num_samples
+    (val_start, val_stop), (train_start, train_stop) = slice_bounds(val, size), slice_bounds(train, size)
+    if same_ok and (val_start, val_stop) == (train_start, train_stop):
+        print(
+            f"vitray: note: {val_key}={val_split} is the split the run trains on ({train_key}={train_split}): "
+            "its top-1 is a training accuracy, not a held-out one",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    first, last = max(val_start, train_start), min(val_stop, train_stop)
+    if first < last:
+        raise PreflightError(
+            f"{val_key}={val_split} and {train_key}={train_split} share {last - first:,} samples ([{first}:{last}] "
+            f"of {val.name}'s {size:,}): its top-1 would be measured on samples the run trains on. Hold out a slice "
+            f"the training slice leaves out, e.g. {train_key}={val.name}[:98%] with {val_key}={val.name}[98%:]"
         )
 
 
