@@ -793,3 +793,16 @@ def test_the_val_evaluator_resizes_as_its_section_says(digits_dataset):
         load_config(
             TrainingConfig, None, [f"data.train={digits_dataset}", "evals.val={type: val, every: 1, resize: crop}"]
         )
+
+
+def test_a_grids_warm_up_longer_than_its_fine_tunes_is_refused():
+    """The grid clipped it to the run (the whole run warm-up, never decaying); pre-training refuses it."""
+    digits = get_benchmark("digits")
+    with pytest.raises(
+        ValueError, match=r"finetune.warmup_steps=10 is longer than the fine-tune \(finetune.steps: 4\)"
+    ):
+        finetune_settings(digits, FinetuneGrid(steps=4, warmup_steps=10))
+    protocol = digits.finetune.steps
+    with pytest.raises(ValueError, match=rf"\(digits's protocol steps: {protocol}\).* at most {protocol}$"):
+        finetune_settings(digits, FinetuneGrid(warmup_steps=protocol + 1))
+    assert finetune_settings(digits, FinetuneGrid(steps=4, warmup_steps=4))[0]["warmup_steps"] == 4

@@ -300,3 +300,27 @@ def test_what_killed_processes_left_in_the_temporary_folder_is_removed_once_stal
     assert remove_stale("vitray-metrics-") == [str(old)]
     assert live.exists() and notes.exists() and other.exists()
     assert remove_stale("n.json") == [str(notes)] and other.exists()
+
+
+def test_tensorboard_shows_each_step_once_after_a_resume_from_before_the_last_logged_step(tmp_path):
+    """A run killed at step 12, its last checkpoint at step 8: the resumed attempt logs 9..12 again
+    (equal values: the resume is exact), and TensorBoard's plots held them twice."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = MetricsWriter(tmp_path / "first")
+    for step in range(1, 13):
+        first.write(step, {"loss": 100.0 + step})
+    first.close()
+    resumed = MetricsWriter(tmp_path / "resumed", resumed_at=8)
+    for step in range(9, 15):
+        resumed.write(step, {"loss": 100.0 + step})
+    resumed.close()
+    # The run folder's tensorboard/ holds both attempts' event files (the mirror uploads each).
+    run = tmp_path / "run" / "tensorboard"
+    run.mkdir(parents=True)
+    for attempt in ("first", "resumed"):
+        for events in (tmp_path / attempt / "tensorboard").iterdir():
+            events.rename(run / events.name)
+    plots = EventAccumulator(str(run))
+    plots.Reload()
+    assert [(e.step, e.value) for e in plots.Scalars("loss")] == [(s, 100.0 + s) for s in range(1, 15)]

@@ -108,6 +108,7 @@ class TrainingLoop:
                 self.run_files,
                 upload_every_s=cfg.log.upload_every_s,
                 outage_s=cfg.run.storage_outage_s,
+                resumed_at=self.step,
             )
             self.checkpointer.before_complete = self.metrics.flush
         self.trackers = None

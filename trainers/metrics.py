@@ -110,7 +110,19 @@ class MetricsWriter:
     (`RunFiles`), a background thread copies the folder to the run folder, at most every
     `upload_every_s` seconds (`vitray.trainers.metrics_upload`): a step never waits for storage."""
 
-    def __init__(self, local_dir: Path, mirror=None, *, upload_every_s: float = 10.0, outage_s: float | None = None):
+    def __init__(
+        self,
+        local_dir: Path,
+        mirror=None,
+        *,
+        upload_every_s: float = 10.0,
+        outage_s: float | None = None,
+        resumed_at: int = 0,
+    ):
+        """`resumed_at`: the step a resumed attempt goes on from. TensorBoard is told to hide what
+        earlier attempts logged after it (they logged past their last checkpoint before they were
+        stopped; metrics.jsonl is cut there, `RunFiles.seed_local_metrics`), or a killed run's
+        plots held those steps twice."""
         self.local_dir = local_dir
         self.local_dir.mkdir(parents=True, exist_ok=True)
         # TensorBoard's file layer imports boto3 for its own s3:// support, about 0.3 CPU-s of a
@@ -119,7 +131,7 @@ class MetricsWriter:
 
         from vitray.trainers.metrics_upload import BackgroundMirror
 
-        self._tb = SummaryWriter(str(local_dir / "tensorboard"))
+        self._tb = SummaryWriter(str(local_dir / "tensorboard"), purge_step=resumed_at + 1 if resumed_at else None)
         self._jsonl = open(local_dir / METRICS_FILE, "a", encoding="utf-8")
         outage = {} if outage_s is None else {"outage_s": outage_s}  # run.storage_outage_s
         self._upload = (

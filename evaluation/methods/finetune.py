@@ -200,6 +200,12 @@ def finetune_settings(benchmark: Benchmark, section: FinetuneGrid) -> list[dict[
     protocol = benchmark.finetune
     steps = section.steps or protocol.steps
     if section.warmup_steps is not None:
+        if section.warmup_steps > steps:  # as pre-training refuses it (the protocol's own is scaled below)
+            of = "finetune.steps" if section.steps else f"{benchmark.name}'s protocol steps"
+            raise ValueError(
+                f"finetune.warmup_steps={section.warmup_steps} is longer than the fine-tune ({of}: {steps}): its "
+                f"learning rate would never decay; set finetune.warmup_steps to at most {steps}"
+            )
         warmup = section.warmup_steps
     elif steps < protocol.steps:  # a shorter run keeps the protocol's share of warm-up (20 of 20: no decay)
         warmup = round(protocol.warmup_steps * steps / protocol.steps)
