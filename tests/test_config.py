@@ -582,3 +582,13 @@ def test_grid_values_no_cell_can_use_are_refused_in_one_line_each(override, mess
 def test_a_whole_number_l2_given_as_text_is_taken():
     grid = load_config(GridConfig, None, ["data_root=/data", "fewshot.l2_reg=1e3"])
     assert grid.fewshot.l2_reg == 1000.0
+
+
+@pytest.mark.parametrize("name", ["''", "a/b"])
+def test_a_fewshot_dataset_name_that_makes_no_metric_name_is_refused(name):
+    with pytest.raises(ConfigError, match=r"dataset name .* must start with a letter or digit .*names the probe's"):
+        load_config(
+            TrainingConfig,
+            None,
+            ["data.train=/data", f"evals.fs={{type: fewshot, every: 2, datasets: {{{name}: /d}}}}"],
+        )

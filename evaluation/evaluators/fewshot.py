@@ -19,7 +19,7 @@ import torch
 from pydantic import Field, field_validator
 
 from vitray.data.config import StoragePath
-from vitray.evaluation.evaluators.base import EvalSection, Forward, Worker
+from vitray.evaluation.evaluators.base import EVAL_NAME, EvalSection, Forward, Worker
 
 KIND = "fewshot"
 
@@ -42,6 +42,17 @@ class FewshotEvalConfig(EvalSection):
         if any(k <= 0 for k in shots):
             raise ValueError(f"must be positive numbers of examples per class, got {shots}")
         return shots
+
+    @field_validator("datasets")
+    @classmethod
+    def _dataset_names(cls, datasets: dict[str, str]) -> dict[str, str]:
+        for name in datasets:  # each names metrics (`NAME/DATASET_Kshot`): '' or 'a/b' made odd ones
+            if not EVAL_NAME.match(name):
+                raise ValueError(
+                    f"dataset name {name!r} must start with a letter or digit and contain only letters, digits, "
+                    "'_', '.', '-' (it names the probe's metrics)"
+                )
+        return datasets
 
 
 Config = FewshotEvalConfig
