@@ -556,6 +556,7 @@ def test_the_docs_recipe_paths_work_outside_a_checkout(tmp_path, monkeypatch):
         ("run.preemption_grace_s=.inf", "run.preemption_grace_s: Input should be a finite number"),
         ("seed=99999999999999999999", "seed: Input should be less than or equal to 9223372036854775807"),
         ("run.storage=", "run.storage: is empty: give a local folder or an s3:// URL"),
+        ("cluster.resources_per_worker={foo: -1}", "cluster.resources_per_worker.foo: Input should be greater than or"),
         ("run.storage=http://host/runs", "run.storage: http://host/runs: vitray reads and writes local paths"),
     ],
 )

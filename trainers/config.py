@@ -10,7 +10,7 @@ to one CPU machine.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -296,7 +296,7 @@ class ClusterConfig(_Section):
         "gpus_per_worker); on TPUs a TPU host's CPUs but one (see `with_worker_cpus`).",
     )
     gpus_per_worker: float = Field(0.0, ge=0, description="GPUs each worker reserves; 0 trains on CPUs.")
-    resources_per_worker: dict[str, float] = Field(
+    resources_per_worker: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=dict, description="Other Ray resources each worker reserves, e.g. {my_node_type: 1}."
     )
     max_failures: int = Field(0, ge=-1, description="Worker-group restarts from the latest checkpoint; -1 = unlimited.")
