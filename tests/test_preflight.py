@@ -558,3 +558,19 @@ def test_a_grids_validation_slice_its_fine_tunes_train_on_is_refused(pretrained,
     assert "error: finetune.val_split=train[50%:] and finetune.train_split=train[:90%] share 575 samples" in " ".join(
         result.output.split()
     )
+
+
+def test_a_run_folder_that_is_or_is_inside_a_prepared_dataset_is_refused(digits_dataset, tmp_path):
+    """Its checkpoints and records were written among the shards."""
+    digits_dataset = Path(shutil.copytree(digits_dataset, tmp_path / "digits"))  # (were it taken, not the shared one)
+    before = sorted(p.name for p in digits_dataset.iterdir())
+    sets = [*BASE, f"data.train={digits_dataset}"]
+    inside = refused(*[a for s in [*sets, f"run.storage={digits_dataset}", "run.name=r"] for a in ("--set", s)])
+    assert inside == (
+        f"error: run.storage: the run folder {digits_dataset / 'r'} would be inside the prepared dataset "
+        f"{digits_dataset} (it holds dataset.json): give the runs a folder of their own (run.storage)"
+    )
+    named = [f"run.storage={digits_dataset.parent}", f"run.name={digits_dataset.name}"]
+    line = refused(*[a for s in [*sets, *named] for a in ("--set", s)])
+    assert line.startswith(f"error: run.name: the run folder {digits_dataset} would be the prepared dataset ")
+    assert sorted(p.name for p in digits_dataset.iterdir()) == before

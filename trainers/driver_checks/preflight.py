@@ -35,6 +35,7 @@ from vitray.data.layout import DatasetInfo, read_dataset_info, read_split
 from vitray.data.splits import parse_split, slice_bounds
 from vitray.models import TRAINING_SETTINGS, ModelConfig, create_model_from_config, on_meta_device
 from vitray.runfolder import checkpoint_folders as ckpt
+from vitray.runfolder.files import run_dir as run_folder
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.step.float8 import float8_layer_names, local_gpu_fp8_problem, no_float8_layer, torchao_missing
 from vitray.trainers.step.objectives import resolve_objective
@@ -96,6 +97,7 @@ def check_inputs(cfg: TrainingConfig) -> DatasetInfo:
             raise PreflightError(f"run.storage: {err}") from None
     else:
         _check_writable_folder("run.storage", cfg.run.storage)
+    _check_not_a_dataset(cfg)
     info, samples = _check_dataset("data.train", cfg.data.train, cfg.data.train_split, options)
     try:
         resolve_objective(cfg.train.objective, info.label_kind)  # what the workers would refuse
@@ -342,6 +344,18 @@ def config_changes(
         else:
             changed.append(f"{key}: {old} -> {value}")
     return fixed, changed
+
+
+def _check_not_a_dataset(cfg: TrainingConfig) -> None:
+    """The run's folder is no prepared dataset, nor inside one (a `run.storage` given the data's
+    folder): its checkpoints and records were written among the shards."""
+    folder = run_folder(cfg.run.storage, cfg.run.name)
+    for key, path in (("run.storage", cfg.run.storage), ("run.name", folder)):
+        if storage.exists(storage.join(path, "dataset.json")):
+            raise PreflightError(
+                f"{key}: the run folder {folder} would be {'inside ' if key == 'run.storage' else ''}the prepared "
+                f"dataset {path} (it holds dataset.json): give the runs a folder of their own (run.storage)"
+            )
 
 
 def _check_writable_folder(key: str, path: str) -> None:
