@@ -232,9 +232,15 @@ def test_a_log_says_when_no_new_metrics_come(tmp_path, capsys, monkeypatch):
     """Where a bar would move its clock, a log shows nothing: a line says how long it has been
     without metrics, then after twice as long, and again once new ones have come."""
     import time
+    import types
 
+    from vitray.runfolder import progress as progress_module
     from vitray.runfolder.progress import TrainingProgress
 
+    # The display's own clock, moved by the test: a machine's stall between two looks does not
+    # make a quiet time of its own (a loaded machine printed an extra line).
+    clock = [1000.0]
+    monkeypatch.setattr(progress_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=time.time))
     monkeypatch.setattr(TrainingProgress, "QUIET_S", 0.3)
     run_dir = str(tmp_path / "run")
     metrics = Path(RunFiles(run_dir).metrics_path)
@@ -242,15 +248,15 @@ def test_a_log_says_when_no_new_metrics_come(tmp_path, capsys, monkeypatch):
     progress = TrainingProgress(run_dir, total_steps=100, poll_seconds=60)
     progress._refresh()
     assert capsys.readouterr().out == ""
-    time.sleep(0.35)
+    clock[0] += 0.35
     progress._refresh()
     assert capsys.readouterr().out.startswith("no metrics yet after 0:00:00 (the workers are starting")
-    time.sleep(0.35)
+    clock[0] += 0.35
     progress._refresh()  # the next quiet time is twice as long
     assert capsys.readouterr().out == ""
     metrics.write_text(json.dumps({"step": 10, "time": time.time(), "loss": 2.0}) + "\n")
     progress._refresh()
     assert capsys.readouterr().out.splitlines() == ["step 10/100  loss 2.0000"]
-    time.sleep(0.35)
+    clock[0] += 0.35
     progress._refresh()
     assert capsys.readouterr().out.splitlines() == ["no new metrics for 0:00:00 since step 10"]
