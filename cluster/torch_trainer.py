@@ -67,18 +67,50 @@ def check_workers_fit(cfg: TrainingConfig) -> None:
     check_local_resources(scaling.num_workers, scaling.resources_per_worker, RESOURCE_SETTINGS)
 
 
+# Under unlimited restarts (`cluster.max_failures=-1`, every paper recipe: pre-emptible nodes) a
+# failure that is no lost worker, node or connection and comes back word for word this many times in
+# a row is not waited out: a bug or a value only the workers find wrong restarted every few seconds
+# for good, and an unattended run held its nodes. (A bounded max_failures is the user's own budget.)
+SAME_FAILURE_LIMIT = 3
+
+
+class SameFailureAgain:
+    """The worker group failures seen so far, one call each: whether this one ends the run."""
+
+    def __init__(self, max_failures: int):
+        self.unlimited = max_failures < 0
+        self._last: list[str] | None = None
+        self._times = 0
+
+    def final(self, errors: list[BaseException]) -> bool:
+        failures = [describe_failure(error) for error in errors]
+        if not self.unlimited or not failures or any(failure.transient for failure in failures):
+            self._last, self._times = None, 0
+            return False
+        seen = sorted({failure.one_line(limit=300) for failure in failures})
+        self._times = self._times + 1 if seen == self._last else 1
+        self._last = seen
+        return self._times >= SAME_FAILURE_LIMIT
+
+
 class _NoRestartForWhatARestartCannotFix(FailurePolicy):
     """Ray Train's own failure policy (`max_failures` restarts), except that a worker group failing
     with a RestartCannotFix (`train_worker`: data missing from storage, a config value only the
-    worker finds wrong) fails the run at once: a new group would meet the same error."""
+    worker finds wrong), or under unlimited restarts with the same failure again and again
+    (`SameFailureAgain`), fails the run at once: a new group would meet the same error."""
 
     def __init__(self, default: FailurePolicy):
         super().__init__(default.failure_config)
         self.default = default
+        self.again = SameFailureAgain(default.failure_config.max_failures)
 
     def make_decision(self, training_failed_error) -> FailureDecision:
-        if isinstance(training_failed_error, WorkerGroupError) and restart_cannot_fix(training_failed_error):
-            return FailureDecision.RAISE
+        if isinstance(training_failed_error, WorkerGroupError):
+            errors = list(dict(getattr(training_failed_error, "worker_failures", None) or {}).values())
+            # (both asked: the repeats are counted at every failure of the group)
+            again = self.again.final(errors)
+            if restart_cannot_fix(training_failed_error) or again:
+                return FailureDecision.RAISE
         return self.default.make_decision(training_failed_error)
 
 
@@ -101,13 +133,15 @@ class _WorkerGroupFailures(UserCallback):
     in a local file the driver follows (`fit`): Ray Train restarts the group in silence otherwise.
     It runs on Ray Train's controller, which Ray pins to the driver's node: the file is the driver's."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, max_failures: int):
         self.path = path
+        self.again = SameFailureAgain(max_failures)  # counted as the failure policy counts them
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
         errors = sorted(worker_exceptions.items())
         causes = [f"rank {rank}: {describe_failure(error).one_line(limit=300)}" for rank, error in errors]
-        final = any(restart_cannot_fix(error) for _, error in errors)  # the failure policy ends the run
+        again = self.again.final([error for _, error in errors])
+        final = again or any(restart_cannot_fix(error) for _, error in errors)  # the failure policy ends the run
         # A note that cannot be written (a driver elsewhere, through ray://) is no reason to fail the
         # controller, whose failure handling runs next.
         with contextlib.suppress(OSError), open(self.path, "a") as notes:
@@ -163,7 +197,7 @@ def build_trainer(
             storage_filesystem=storage_fs,
             failure_config=FailureConfig(max_failures=cfg.cluster.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=None),  # vitray prunes (checkpoint.keep)
-            callbacks=[_WorkerGroupFailures(failure_notes)] if failure_notes else [],
+            callbacks=[_WorkerGroupFailures(failure_notes, cfg.cluster.max_failures)] if failure_notes else [],
         ),
     )
 

@@ -103,3 +103,49 @@ def test_the_cells_of_a_missing_benchmark_are_one_row_with_their_count(tmp_path)
     markdown = write_report(table, tmp_path / "report").markdown.read_text()
     assert markdown.count("| missing |") == 1 and "| pets | 10 | 14 cells: few-shot 1, 5, 10, 25 shots;" in markdown
     assert len(json.loads(summary_json(table))["not_finished"]) == 15
+
+
+def test_unlimited_restarts_end_on_the_same_failure_a_third_time_but_not_on_lost_workers():
+    """`cluster.max_failures=-1` (every paper recipe): a worker error that comes back word for word
+    (a seed torch cannot take, a bug) restarted every few seconds for good; a lost worker or node,
+    however often, is waited out; a bounded max_failures is Ray Train's own count."""
+    from ray.exceptions import ActorDiedError
+    from ray.train import FailureConfig
+    from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from vitray.cluster.torch_trainer import SAME_FAILURE_LIMIT, _NoRestartForWhatARestartCannotFix
+
+    def group(*errors: Exception) -> WorkerGroupError:
+        return WorkerGroupError("Training failed due to worker errors", dict(enumerate(errors)))
+
+    def decisions(max_failures: int, failures: list[WorkerGroupError]) -> list[FailureDecision]:
+        policy = _NoRestartForWhatARestartCannotFix(DefaultFailurePolicy(FailureConfig(max_failures=max_failures)))
+        return [policy.make_decision(failure) for failure in failures]
+
+    def overflow() -> ValueError:
+        return ValueError("Overflow when unpacking long long")
+
+    same = [group(overflow(), overflow()) for _ in range(SAME_FAILURE_LIMIT)]
+    assert decisions(-1, same) == [FailureDecision.RETRY] * (SAME_FAILURE_LIMIT - 1) + [FailureDecision.RAISE]
+    # Another error between two of them starts the count again; lost workers never end the run.
+    other = group(ValueError("another"), ValueError("another"))
+    assert FailureDecision.RAISE not in decisions(-1, [same[0], same[1], other, same[0], same[1]])
+    lost = [group(ActorDiedError(), ActorDiedError()) for _ in range(2 * SAME_FAILURE_LIMIT)]
+    assert FailureDecision.RAISE not in decisions(-1, lost)
+    assert FailureDecision.RAISE not in decisions(10, same)  # the user's budget of 10
+
+
+def test_the_worker_group_notes_say_the_run_ends_when_the_policy_ends_it(tmp_path):
+    from vitray.cluster.torch_trainer import SAME_FAILURE_LIMIT, _FailureNotes, _WorkerGroupFailures
+
+    notes = _FailureNotes()
+    try:
+        callback = _WorkerGroupFailures(notes.path, max_failures=-1)
+        for _ in range(SAME_FAILURE_LIMIT):
+            callback.after_exception(None, {0: ValueError("Overflow when unpacking long long")})
+        said = notes.new()
+    finally:
+        notes.close()
+    assert [note["final"] for note in said] == [False] * (SAME_FAILURE_LIMIT - 1) + [True]
+    assert said[-1]["causes"] == ["rank 0: ValueError: Overflow when unpacking long long"]
