@@ -31,7 +31,7 @@ from vitray.cluster.runtime import check_local_resources, check_ray_alive, ray_s
 from vitray.cluster.train_worker import train_worker
 from vitray.common.failures import describe_failure, restart_cannot_fix
 from vitray.common.leftovers import remove_stale
-from vitray.runfolder.checkpoint_folders import CheckpointInfo
+from vitray.runfolder.checkpoint_folders import CheckpointInfo, resume_point
 from vitray.runfolder.files import run_dir
 from vitray.trainers.config import TrainingConfig
 from vitray.trainers.driver_checks.tpu_slices import tpu_slice
@@ -69,17 +69,18 @@ def check_workers_fit(cfg: TrainingConfig) -> None:
 
 # Under unlimited restarts (`cluster.max_failures=-1`, every paper recipe: pre-emptible nodes) a
 # failure that is no lost worker, node or connection and comes back word for word this many times in
-# a row is not waited out: a bug or a value only the workers find wrong restarted every few seconds
-# for good, and an unattended run held its nodes. (A bounded max_failures is the user's own budget.)
+# a row, the run's latest checkpoint the same each time, is not waited out: a bug or a value only the
+# workers find wrong restarted every few seconds for good, and an unattended run held its nodes. (A
+# bounded max_failures is the user's own budget; an error that recurs after progress is restarted.)
 SAME_FAILURE_LIMIT = 3
 
 
 class SameFailureAgain:
     """The worker group failures seen so far, one call each: whether this one ends the run."""
 
-    def __init__(self, max_failures: int):
-        self.unlimited = max_failures < 0
-        self._last: list[str] | None = None
+    def __init__(self, max_failures: int, run_dir: str | None):
+        self.unlimited, self.run_dir = max_failures < 0, run_dir
+        self._last: tuple[list[str], object] | None = None
         self._times = 0
 
     def final(self, errors: list[BaseException]) -> bool:
@@ -87,10 +88,19 @@ class SameFailureAgain:
         if not self.unlimited or not failures or any(failure.transient for failure in failures):
             self._last, self._times = None, 0
             return False
-        seen = sorted({failure.one_line(limit=300) for failure in failures})
+        seen = (sorted({failure.one_line(limit=300) for failure in failures}), self._latest_checkpoint())
         self._times = self._times + 1 if seen == self._last else 1
         self._last = seen
         return self._times >= SAME_FAILURE_LIMIT
+
+    def _latest_checkpoint(self) -> object:
+        """The run's latest complete checkpoint; where it cannot be read, a value equal to no other
+        (progress unknown: counted as progress)."""
+        try:
+            chosen, _ = resume_point(self.run_dir) if self.run_dir else (None, [])
+        except Exception:
+            return object()
+        return chosen.path if chosen is not None else None
 
 
 class _NoRestartForWhatARestartCannotFix(FailurePolicy):
@@ -99,10 +109,10 @@ class _NoRestartForWhatARestartCannotFix(FailurePolicy):
     worker finds wrong), or under unlimited restarts with the same failure again and again
     (`SameFailureAgain`), fails the run at once: a new group would meet the same error."""
 
-    def __init__(self, default: FailurePolicy):
+    def __init__(self, default: FailurePolicy, run_dir: str | None = None):
         super().__init__(default.failure_config)
         self.default = default
-        self.again = SameFailureAgain(default.failure_config.max_failures)
+        self.again = SameFailureAgain(default.failure_config.max_failures, run_dir)
 
     def make_decision(self, training_failed_error) -> FailureDecision:
         if isinstance(training_failed_error, WorkerGroupError):
@@ -121,7 +131,8 @@ class _Trainer(TorchTrainer):
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
         policy = controller_init_kwargs["failure_policy"]
-        controller_init_kwargs["failure_policy"] = _NoRestartForWhatARestartCannotFix(policy)
+        run_folder = (self.train_loop_config or {}).get("run_dir")
+        controller_init_kwargs["failure_policy"] = _NoRestartForWhatARestartCannotFix(policy, run_folder)
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
 
@@ -133,9 +144,9 @@ class _WorkerGroupFailures(UserCallback):
     in a local file the driver follows (`fit`): Ray Train restarts the group in silence otherwise.
     It runs on Ray Train's controller, which Ray pins to the driver's node: the file is the driver's."""
 
-    def __init__(self, path: str, max_failures: int):
+    def __init__(self, path: str, max_failures: int, run_dir: str):
         self.path = path
-        self.again = SameFailureAgain(max_failures)  # counted as the failure policy counts them
+        self.again = SameFailureAgain(max_failures, run_dir)  # counted as the failure policy counts them
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
         errors = sorted(worker_exceptions.items())
@@ -181,11 +192,12 @@ def build_trainer(
     its step), or start from scratch. Each worker group failure is noted in `failure_notes` (a local file)."""
     storage_path, storage_fs = ray_storage(cfg.run.storage, cfg.run.storage_outage_s)
     scaling = scaling_config(cfg)
+    folder = run_dir(cfg.run.storage, cfg.run.name)
     return _Trainer(
         train_worker,
         train_loop_config={
             "config": cfg.settings(),
-            "run_dir": run_dir(cfg.run.storage, cfg.run.name),
+            "run_dir": folder,
             "resume_from": resume.path if resume else None,
             "resume_step": resume.step if resume else None,
         },
@@ -197,7 +209,7 @@ def build_trainer(
             storage_filesystem=storage_fs,
             failure_config=FailureConfig(max_failures=cfg.cluster.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=None),  # vitray prunes (checkpoint.keep)
-            callbacks=[_WorkerGroupFailures(failure_notes, cfg.cluster.max_failures)] if failure_notes else [],
+            callbacks=[_WorkerGroupFailures(failure_notes, cfg.cluster.max_failures, folder)] if failure_notes else [],
         ),
     )
 

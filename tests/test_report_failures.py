@@ -105,10 +105,12 @@ def test_the_cells_of_a_missing_benchmark_are_one_row_with_their_count(tmp_path)
     assert len(json.loads(summary_json(table))["not_finished"]) == 15
 
 
-def test_unlimited_restarts_end_on_the_same_failure_a_third_time_but_not_on_lost_workers():
+def test_unlimited_restarts_end_on_the_same_failure_a_third_time_but_not_on_lost_workers(tmp_path):
     """`cluster.max_failures=-1` (every paper recipe): a worker error that comes back word for word
-    (a seed torch cannot take, a bug) restarted every few seconds for good; a lost worker or node,
-    however often, is waited out; a bounded max_failures is Ray Train's own count."""
+    from the same checkpoint (a seed torch cannot take, a bug) restarted every few seconds for good;
+    a lost worker or node, however often, is waited out, and so is an error that comes back after
+    progress; a bounded max_failures is Ray Train's own count."""
+    from pretrain_helpers import make_checkpoint
     from ray.exceptions import ActorDiedError
     from ray.train import FailureConfig
     from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
@@ -119,9 +121,11 @@ def test_unlimited_restarts_end_on_the_same_failure_a_third_time_but_not_on_lost
     def group(*errors: Exception) -> WorkerGroupError:
         return WorkerGroupError("Training failed due to worker errors", dict(enumerate(errors)))
 
-    def decisions(max_failures: int, failures: list[WorkerGroupError]) -> list[FailureDecision]:
-        policy = _NoRestartForWhatARestartCannotFix(DefaultFailurePolicy(FailureConfig(max_failures=max_failures)))
-        return [policy.make_decision(failure) for failure in failures]
+    def decisions(max_failures: int, failures: list, run_dir: str | None = None) -> list[FailureDecision]:
+        default = DefaultFailurePolicy(FailureConfig(max_failures=max_failures))
+        policy = _NoRestartForWhatARestartCannotFix(default, run_dir)
+        # (a callable: what happened between two failures, e.g. a checkpoint written)
+        return [policy.make_decision(f) for f in (f() if callable(f) else f for f in failures)]
 
     def overflow() -> ValueError:
         return ValueError("Overflow when unpacking long long")
@@ -134,6 +138,20 @@ def test_unlimited_restarts_end_on_the_same_failure_a_third_time_but_not_on_lost
     lost = [group(ActorDiedError(), ActorDiedError()) for _ in range(2 * SAME_FAILURE_LIMIT)]
     assert FailureDecision.RAISE not in decisions(-1, lost)
     assert FailureDecision.RAISE not in decisions(10, same)  # the user's budget of 10
+    # The same error again after the run made progress (a new complete checkpoint): restarted.
+    run_dir = tmp_path / "run"
+
+    def after_a_checkpoint(step: int):
+        def failure() -> WorkerGroupError:
+            make_checkpoint(run_dir / f"checkpoint_s{step:012d}_2026-01-01_00-00-00.000001")
+            return same[0]
+
+        return failure
+
+    assert decisions(-1, [same[0], after_a_checkpoint(4), after_a_checkpoint(8)], str(run_dir)) == (
+        [FailureDecision.RETRY] * 3
+    )
+    assert decisions(-1, [same[0], same[0], same[0]], str(run_dir))[-1] == FailureDecision.RAISE
 
 
 def test_the_worker_group_notes_say_the_run_ends_when_the_policy_ends_it(tmp_path):
@@ -141,7 +159,7 @@ def test_the_worker_group_notes_say_the_run_ends_when_the_policy_ends_it(tmp_pat
 
     notes = _FailureNotes()
     try:
-        callback = _WorkerGroupFailures(notes.path, max_failures=-1)
+        callback = _WorkerGroupFailures(notes.path, max_failures=-1, run_dir=str(tmp_path / "run"))
         for _ in range(SAME_FAILURE_LIMIT):
             callback.after_exception(None, {0: ValueError("Overflow when unpacking long long")})
         said = notes.new()
