@@ -64,11 +64,12 @@ def _what_it_is_instead(storage: str) -> str:
     """A folder given for STORAGE that is something else vitray writes (a dataset, a run, a
     checkpoint): said, with the STORAGE to give."""
     from vitray import storage as stores
+    from vitray.data.layout import is_prepared_dataset
     from vitray.runfolder.checkpoint_folders import STATE_FILE
 
     parent = storage.rstrip("/").rsplit("/", 1)[0] or "/"
     try:
-        if stores.exists(stores.join(storage, "dataset.json")):
+        if is_prepared_dataset(storage):
             return ": it is a prepared dataset (dataset.json); give the folder of the runs (run.storage)"
         if stores.exists(stores.join(storage, STATE_FILE)):
             return f": it is a checkpoint folder; its run's storage is {parent.rsplit('/', 1)[0] or '/'}"

@@ -9,6 +9,7 @@ from typing import Any
 from vitray import storage
 from vitray.cluster.finetune import finetune_config
 from vitray.data import DatasetInfo, read_dataset_info
+from vitray.data.layout import DATASET_JSON
 from vitray.data.splits import parse_split, slice_bounds
 from vitray.evaluation.config import GridConfig
 from vitray.evaluation.methods import METHODS, GridWork
@@ -84,7 +85,7 @@ def check_grid_storage(checkpoint: str, grid: GridConfig, *, writes: bool = True
     storage.check_remote_reachable(grid.data_root, storage_options=options)
     if writes:
         storage.check_remote_reachable(grid.output, writable=True, storage_options=options)
-        for marker, what in (("dataset.json", "a prepared dataset"), ("vitray", "a training run's folder")):
+        for marker, what in ((DATASET_JSON, "a prepared dataset"), ("vitray", "a training run's folder")):
             if storage.exists(storage.join(grid.output, marker), options):
                 raise ValueError(
                     f"output={grid.output} is {what} (it holds {marker}); give the evaluation a folder of its own"

@@ -332,9 +332,10 @@ def _yaml_hint(key: str, problem: Mapping[str, Any]) -> str:
         written = given if isinstance(given, int) and not isinstance(given, bool) else "..."
         kind = "a boolean" if isinstance(given, bool) else "a number"
         return f"; YAML read {kind}: quote it to give a string, --set '{key}=\"{written}\"'"
-    if problem["type"] == "int_parsing" and isinstance(given, str) and _whole_number(given) is not None:
+    whole = _whole_number(given) if problem["type"] == "int_parsing" and isinstance(given, str) else None
+    if whole is not None:
         # YAML 1.1 reads 1e3 as a string (its floats need a dot), and an int key takes no exponent.
-        return f"; write the integer out: {key}={_whole_number(given)}"
+        return f"; write the integer out: {key}={whole}"
     if problem["type"] == "list_type" and isinstance(given, str):
         return f"; a list is written in brackets: --set '{key}=[{given}]'"
     return ""

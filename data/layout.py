@@ -174,6 +174,11 @@ def write_dataset_info(dataset: str, info: DatasetInfo, storage_options: dict[st
     storage.write_bytes_atomic(storage.join(dataset, DATASET_JSON), text.encode(), storage_options)
 
 
+def is_prepared_dataset(path: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether `path` holds a prepared dataset (its dataset.json): a folder no run or output belongs in."""
+    return storage.exists(storage.join(path, DATASET_JSON), storage_options)
+
+
 # Written before the first shard, removed after dataset.json: "a vitray preparation began here"
 # (`vitray.data.prepare`).
 PREPARING_MARKER = ".vitray-preparing"

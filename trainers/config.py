@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from vitray.data.config import DataConfig, StoragePath
 from vitray.data.plan import default_num_slots
-from vitray.evaluation.evaluators import EVAL_NAME, EvalConfig
+from vitray.evaluation.evaluators import EVAL_NAME, NAME_RULE, EvalConfig
 from vitray.models.config import ModelConfig
 from vitray.models.variants import Variant, get_variant
 from vitray.runfolder.run_report import ENGINE_NAMESPACES
@@ -91,7 +91,7 @@ class RunConfig(_Section):
     @classmethod
     def _safe_name(cls, name: str) -> str:
         if not _RUN_NAME.match(name):
-            raise ValueError("must start with a letter or digit and contain only letters, digits, '_', '.', '-'")
+            raise ValueError(NAME_RULE)
         return name
 
 
@@ -454,10 +454,7 @@ class TrainingConfig(_Section):
     def _eval_names(cls, evals: dict[str, Any]) -> dict[str, Any]:
         for name in evals:
             if not EVAL_NAME.match(name):
-                raise ValueError(
-                    f"evaluator name {name!r} must start with a letter or digit and contain only letters, digits, "
-                    "'_', '.', '-' (it prefixes the evaluator's metric names)"
-                )
+                raise ValueError(f"evaluator name {name!r} {NAME_RULE} (it prefixes the evaluator's metric names)")
             if f"{name}/".startswith(ENGINE_NAMESPACES):
                 raise ValueError(f"evaluator name {name!r} is taken by the engine's own metrics: give it another name")
         return evals

@@ -24,6 +24,7 @@ from pydantic import Field
 from vitray.evaluation.evaluators import fewshot, val
 from vitray.evaluation.evaluators.base import (
     EVAL_NAME,
+    NAME_RULE,
     TEST,
     TEST_TOP1,
     VAL,
@@ -49,6 +50,7 @@ def build_evaluator(config: EvalSection, worker: Worker) -> Evaluator:
 __all__ = [
     "EVAL_NAME",
     "KINDS",
+    "NAME_RULE",
     "TEST",
     "TEST_TOP1",
     "VAL",

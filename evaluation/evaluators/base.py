@@ -21,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from vitray.data.config import DataConfig
 
 EVAL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# What EVAL_NAME allows, as a refusal says it (of evaluator, dataset and run names).
+NAME_RULE = "must start with a letter or digit and contain only letters, digits, '_', '.', '-'"
 
 
 def metric_name(evaluator: str, metric: str) -> str:

@@ -19,7 +19,7 @@ import torch
 from pydantic import Field, field_validator
 
 from vitray.data.config import StoragePath
-from vitray.evaluation.evaluators.base import EVAL_NAME, EvalSection, Forward, Worker
+from vitray.evaluation.evaluators.base import EVAL_NAME, NAME_RULE, EvalSection, Forward, Worker
 
 KIND = "fewshot"
 
@@ -48,10 +48,7 @@ class FewshotEvalConfig(EvalSection):
     def _dataset_names(cls, datasets: dict[str, str]) -> dict[str, str]:
         for name in datasets:  # each names metrics (`NAME/DATASET_Kshot`): '' or 'a/b' made odd ones
             if not EVAL_NAME.match(name):
-                raise ValueError(
-                    f"dataset name {name!r} must start with a letter or digit and contain only letters, digits, "
-                    "'_', '.', '-' (it names the probe's metrics)"
-                )
+                raise ValueError(f"dataset name {name!r} {NAME_RULE} (it names the probe's metrics)")
         return datasets
 
 

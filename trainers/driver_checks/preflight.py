@@ -31,7 +31,7 @@ from torch import nn
 from vitray import storage
 from vitray.common.config import flatten_config
 from vitray.common.redact import redacted_config
-from vitray.data.layout import DatasetInfo, read_dataset_info, read_split
+from vitray.data.layout import DatasetInfo, is_prepared_dataset, read_dataset_info, read_split
 from vitray.data.splits import parse_split, slice_bounds
 from vitray.models import TRAINING_SETTINGS, ModelConfig, create_model_from_config, on_meta_device
 from vitray.runfolder import checkpoint_folders as ckpt
@@ -351,7 +351,7 @@ def _check_not_a_dataset(cfg: TrainingConfig) -> None:
     folder): its checkpoints and records were written among the shards."""
     folder = run_folder(cfg.run.storage, cfg.run.name)
     for key, path in (("run.storage", cfg.run.storage), ("run.name", folder)):
-        if storage.exists(storage.join(path, "dataset.json")):
+        if is_prepared_dataset(path):
             raise PreflightError(
                 f"{key}: the run folder {folder} would be {'inside ' if key == 'run.storage' else ''}the prepared "
                 f"dataset {path} (it holds dataset.json): give the runs a folder of their own (run.storage)"
