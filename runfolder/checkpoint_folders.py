@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import google_crc32c
 
 from vitray import storage
 from vitray.runfolder import derived_weights
@@ -217,9 +218,30 @@ def load_model(
     if name == MODEL_FILE and not fs.isfile(f"{folder}/{MODEL_FILE}"):
         model.load_state_dict(model_weights(folder, fs, state), strict=True)
         return model, {**state, "weights_file": derived_weights.SHARDS}
-    with fs.open(f"{folder}/{name}", "rb") as f:
-        model.load_state_dict(load(f.read()), strict=True)
+    model.load_state_dict(load(_read_checked(folder, fs, name)), strict=True)
     return model, {**state, "weights_file": name}
+
+
+def _read_checked(folder: str, fs, name: str) -> bytes:
+    """The whole file `name` of the complete checkpoint `folder`, checked against the CRC-32C that
+    rank 0's completion record lists for it (rank 0 writes the model's and the EMA's weights).
+    Completeness is checked by size (`verify_complete`): a bit flipped at rest or in transit
+    passes that, and the weights loaded from such a file were evaluated and exported without a word.
+    A record of an older vitray lists no CRC: nothing to check against."""
+    with fs.open(f"{folder}/{name}", "rb") as f:
+        data = f.read()
+    try:
+        listing = json.loads(fs.cat(f"{folder}/{completion_record(0)}"))
+    except (OSError, ValueError):
+        listing = None  # (verify_complete read it a moment ago: gone since, the folder is being pruned)
+    listed = listed_crc32c(listing.get(name)) if isinstance(listing, dict) else None
+    if listed is not None and google_crc32c.value(data) != listed:
+        raise IncompleteCheckpointError(
+            folder,
+            f"{name} does not have the CRC-32C its record lists: the file was damaged after it was written. "
+            "Give an earlier checkpoint folder of the run instead",
+        )
+    return data
 
 
 def model_weights(folder: str, fs, state: dict[str, Any]) -> dict[str, Any]:
@@ -229,8 +251,7 @@ def model_weights(folder: str, fs, state: dict[str, Any]) -> dict[str, Any]:
 
     folder = str(folder).rstrip("/")
     if fs.isfile(f"{folder}/{MODEL_FILE}"):
-        with fs.open(f"{folder}/{MODEL_FILE}", "rb") as f:
-            return load(f.read())
+        return load(_read_checked(folder, fs, MODEL_FILE))
     prefix = fs._strip_protocol(folder).rstrip("/")
     names = {info.rstrip("/")[len(prefix) + 1 :] for info in fs.find(folder)}
     if not derived_weights.derivable(state, names):

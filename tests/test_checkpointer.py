@@ -208,6 +208,49 @@ def test_the_record_lists_crc32c_and_a_restore_refuses_a_corrupt_file(tmp_path):
         checked_copy.rank_copy(str(folder), None, restore_dir, 0)
 
 
+@pytest.mark.parametrize("damaged", [ckpt.MODEL_FILE, ckpt.EMA_FILE])
+def test_weights_read_whole_are_checked_against_their_crc32c(tmp_path, damaged):
+    """model.safetensors and ema.safetensors, which evaluation, `vitray export` and fine-tuning read
+    whole (`load_model`, `model_weights`), are checked against the CRC-32C rank 0's record lists:
+    a bit flipped since they were written keeps the size that makes the checkpoint count, and the
+    weights loaded from it were evaluated and exported without a word."""
+    import fsspec
+
+    from vitray.models import ModelConfig, create_model_from_config
+
+    model_cfg = ModelConfig(name="Ti/4", img_size=8, depth=1)
+    backend = FakeBackend()
+    backend.module = create_model_from_config(model_cfg, num_classes=2)
+    ema = Ema(WholeWeights(backend.module), decay=0.5)
+    reports = []
+    saver = checkpointer(backend, reports, FakeLoader(), ema, run_dir=tmp_path)
+    saver.record.update({"model": model_cfg.model_dump()})
+    saver.save(2, {})
+    saver.finish(wait=True)
+    folder = reports[0][1]
+    whole = backend.full_state_dict()
+    for use_ema in (False, True):
+        model, state = ckpt.load_model(folder, ema=use_ema)
+        assert state["weights_file"] == (ckpt.EMA_FILE if use_ema else ckpt.MODEL_FILE)
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in whole.items())
+
+    path = Path(folder) / damaged
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40  # a bit of the last tensor's bytes: the file still parses
+    path.write_bytes(bytes(data))
+    assert ckpt.verify_complete(folder)["step"] == 2  # the sizes alone take it for whole
+    corrupt = pytest.raises(
+        ckpt.IncompleteCheckpointError, match=f"{damaged} does not have the CRC-32C its record lists.*earlier checkpoint"
+    )
+    with corrupt:
+        ckpt.load_model(folder, ema=damaged == ckpt.EMA_FILE)
+    if damaged == ckpt.MODEL_FILE:
+        with corrupt:
+            ckpt.model_weights(folder, fsspec.filesystem("file"), state)
+    else:  # the raw weights, whole, still load
+        assert ckpt.load_model(folder, ema=False)[1]["weights_file"] == ckpt.MODEL_FILE
+
+
 def test_a_resume_checks_a_local_checkpoint_after_the_engine_loads_and_refuses_a_corrupt_one(tmp_path):
     """A local checkpoint's files that no reader checked as it read them (here: the fake backend
     reads its shard itself) are checked when the body of `restore_copy` ends, and a corrupt file
