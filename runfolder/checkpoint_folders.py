@@ -218,24 +218,37 @@ def load_model(
     if name == MODEL_FILE and not fs.isfile(f"{folder}/{MODEL_FILE}"):
         model.load_state_dict(model_weights(folder, fs, state), strict=True)
         return model, {**state, "weights_file": derived_weights.SHARDS}
-    model.load_state_dict(load(_read_checked(folder, fs, name)), strict=True)
+    model.load_state_dict(load(_read_checked(folder, fs, name, _listed_files(folder, fs, ranks=[0]))), strict=True)
     return model, {**state, "weights_file": name}
 
 
-def _read_checked(folder: str, fs, name: str) -> bytes:
-    """The whole file `name` of the complete checkpoint `folder`, checked against the CRC-32C that
-    rank 0's completion record lists for it (rank 0 writes the model's and the EMA's weights).
+def _listed_files(folder: str, fs, ranks) -> dict[str, Any]:
+    """The files that the completion records of `ranks` list, by name, with their sizes and CRCs
+    (read in one call; a record that cannot be read lists nothing: `verify_complete` read it a
+    moment ago, so the folder is being pruned, and the read of its files says so)."""
+    records = [f"{folder}/{completion_record(rank)}" for rank in ranks]
+    try:
+        contents = fs.cat(records) if records else {}
+    except OSError:
+        return {}
+    listed: dict[str, Any] = {}
+    for content in contents.values():
+        with contextlib.suppress(ValueError):
+            listing = json.loads(content)
+            listed.update(listing if isinstance(listing, dict) else {})
+    return listed
+
+
+def _read_checked(folder: str, fs, name: str, listed: dict[str, Any]) -> bytes:
+    """The whole file `name` of the complete checkpoint `folder`, checked against the CRC-32C its
+    record lists (`listed`: :func:`_listed_files`; rank 0 writes the model's and the EMA's weights).
     Completeness is checked by size (`verify_complete`): a bit flipped at rest or in transit
-    passes that, and the weights loaded from such a file were evaluated and exported without a word.
-    A record of an older vitray lists no CRC: nothing to check against."""
+    passes that, and weights read from such a file were evaluated and exported without a word. A
+    record of an older vitray lists no CRC: nothing to check against."""
     with fs.open(f"{folder}/{name}", "rb") as f:
         data = f.read()
-    try:
-        listing = json.loads(fs.cat(f"{folder}/{completion_record(0)}"))
-    except (OSError, ValueError):
-        listing = None  # (verify_complete read it a moment ago: gone since, the folder is being pruned)
-    listed = listed_crc32c(listing.get(name)) if isinstance(listing, dict) else None
-    if listed is not None and google_crc32c.value(data) != listed:
+    listed_crc = listed_crc32c(listed.get(name))
+    if listed_crc is not None and google_crc32c.value(data) != listed_crc:
         raise IncompleteCheckpointError(
             folder,
             f"{name} does not have the CRC-32C its record lists: the file was damaged after it was written. "
@@ -251,7 +264,7 @@ def model_weights(folder: str, fs, state: dict[str, Any]) -> dict[str, Any]:
 
     folder = str(folder).rstrip("/")
     if fs.isfile(f"{folder}/{MODEL_FILE}"):
-        return load(_read_checked(folder, fs, MODEL_FILE))
+        return load(_read_checked(folder, fs, MODEL_FILE, _listed_files(folder, fs, ranks=[0])))
     prefix = fs._strip_protocol(folder).rstrip("/")
     names = {info.rstrip("/")[len(prefix) + 1 :] for info in fs.find(folder)}
     if not derived_weights.derivable(state, names):
@@ -260,7 +273,8 @@ def model_weights(folder: str, fs, state: dict[str, Any]) -> dict[str, Any]:
             f"it holds no {MODEL_FILE} (checkpoint.model_weights) and its weights cannot be derived from its "
             f"{state.get('backend', 'deepspeed')} shards here: use a checkpoint written with them (the run's last one)",
         )
-    return derived_weights.derive(folder, fs, state)
+    listed = _listed_files(folder, fs, ranks=range(int(state["world_size"])))
+    return derived_weights.derive(folder, fs, state, read=lambda name: _read_checked(folder, fs, name, listed))
 
 
 # ---------------------------------------------------------------------------------------------

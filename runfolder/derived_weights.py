@@ -20,8 +20,10 @@ files are opened with `torch.load(weights_only=True)`, with DeepSpeed's few plai
 
 from __future__ import annotations
 
+import io
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,9 +58,9 @@ def _stand_ins() -> list[tuple[type, str]]:
     return [(type(name.rsplit(".", 1)[-1], (_StandIn,), {}), name) for name in _DEEPSPEED_DATA_CLASSES]
 
 
-def _load(fs, path: str) -> dict[str, Any]:
-    with fs.open(path, "rb") as f, torch.serialization.safe_globals(_stand_ins()):
-        return torch.load(f, map_location="cpu", weights_only=True)
+def _load(data: bytes) -> dict[str, Any]:
+    with torch.serialization.safe_globals(_stand_ins()):
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def derivable(state: dict[str, Any], names: set[str]) -> bool:
@@ -69,18 +71,19 @@ def derivable(state: dict[str, Any], names: set[str]) -> bool:
     return (stage in (0, 1, 2) and MODULE_STATES in names) or (stage == 3 and ZERO3_MODULE_STATES in names)
 
 
-def derive(folder: str, fs, state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The module's fp32 weights (and buffers) of the ZeRO 0-3 checkpoint `folder` on `fs`."""
+def derive(folder: str, fs, state: dict[str, Any], read: Callable[[str], bytes]) -> dict[str, torch.Tensor]:
+    """The module's fp32 weights (and buffers) of the ZeRO 0-3 checkpoint `folder` on `fs`, whose
+    files `read` gives whole (by their names in the folder; checked against their records)."""
     world = int(state["world_size"])
     stage = state["config"]["train"]["zero_stage"]
-    module_states = _load(fs, f"{folder}/{ZERO3_MODULE_STATES if stage == 3 else MODULE_STATES}")
+    module_states = _load(read(ZERO3_MODULE_STATES if stage == 3 else MODULE_STATES))
     if stage == 0:
         return _zero0_weights(folder, module_states)
     shards = fs.ls(f"{folder}/{SHARDS}", detail=False)
     optim = []
     for rank in range(world):  # zero_pp_rank_R_... (bf16: bf16_zero_pp_rank_R_...)
         [path] = [p for p in shards if re.search(rf"(^|[_/])zero_pp_rank_{rank}_mp_rank_00_optim_states\.pt$", p)]
-        optim.append(_load(fs, path)["optimizer_state_dict"])
+        optim.append(_load(read(f"{SHARDS}/{path.rsplit('/', 1)[-1]}"))["optimizer_state_dict"])
     # What the optimizer does not hold: buffers and, at ZeRO 1-2, frozen parameters (the module
     # states keep them; a ZeRO-3 checkpoint with frozen parameters carries model.safetensors).
     trained = {name for shapes in module_states["param_shapes"] for name in shapes}

@@ -240,7 +240,8 @@ def test_weights_read_whole_are_checked_against_their_crc32c(tmp_path, damaged):
     path.write_bytes(bytes(data))
     assert ckpt.verify_complete(folder)["step"] == 2  # the sizes alone take it for whole
     corrupt = pytest.raises(
-        ckpt.IncompleteCheckpointError, match=f"{damaged} does not have the CRC-32C its record lists.*earlier checkpoint"
+        ckpt.IncompleteCheckpointError,
+        match=f"{damaged} does not have the CRC-32C its record lists.*earlier checkpoint",
     )
     with corrupt:
         ckpt.load_model(folder, ema=damaged == ckpt.EMA_FILE)
@@ -502,6 +503,13 @@ def test_a_zero_checkpoint_keeps_12_bytes_a_parameter_resumes_exactly_and_gives_
     model, state = load_model(str(folder))
     assert state["weights_file"] == "deepspeed/state"
     assert all(torch.equal(model.state_dict()[k], v) for k, v in whole.items())
+    # The shards the weights are derived from are checked against their records' CRC-32C
+    shard = max((p for p in (folder / "deepspeed").rglob("*.pt")), key=lambda p: p.stat().st_size)
+    good = shard.read_bytes()
+    shard.write_bytes(good[: len(good) // 2] + bytes([good[len(good) // 2] ^ 0x40]) + good[len(good) // 2 + 1 :])
+    with pytest.raises(ckpt.IncompleteCheckpointError, match=f"{shard.name} does not have the CRC-32C"):
+        load_model(str(folder))
+    shard.write_bytes(good)
 
     trained = {k: v.clone() for k, v in backend.module.state_dict().items()}
     _, fresh = _deepspeed_backend(stage=stage, dtype=dtype)
