@@ -324,11 +324,12 @@ def _center_crop(image: Image.Image, size: int) -> Image.Image:
 
 
 def eval_transform(img_size: int, resize: EvalResize = "aspect", ratio: float = EVAL_RESIZE_RATIO) -> Transform:
-    """PIL image -> uint8 tensor ``(3, img_size, img_size)``: :func:`eval_resize`, then to a tensor."""
+    """PIL image -> uint8 tensor ``(3, img_size, img_size)``: as RGB (a gray, palette or RGBA image
+    converted as the loaders convert it), :func:`eval_resize`, then to a tensor."""
     resized = eval_resize(img_size, resize, ratio)
 
     def transform(image: Image.Image) -> torch.Tensor:
-        out = resized(image)
+        out = resized(_loaded_rgb(image))
         pixels = torch.from_numpy(np.array(out, copy=True))
         return pixels.view(out.height, out.width, len(out.getbands())).permute(2, 0, 1)
 

@@ -285,9 +285,18 @@ class VisionTransformer(nn.Module):
         with ``patch_source``/``patch_mask``, the patch embeddings are corrupted first."""
         expected = (3, self.img_size, self.img_size)
         if images.ndim != 4 or tuple(images.shape[1:]) != expected:
+            # Only another resolution is fixed by set_img_size(): not a missing batch dimension,
+            # channels last, or a gray or RGBA image (vitray.data.eval_transform gives RGB).
+            other_size = images.ndim == 4 and images.shape[1] == 3
             raise ValueError(
                 f"{self.name} expects images of shape (batch, {', '.join(map(str, expected))}), "
-                f"got {tuple(images.shape)}; call set_img_size() to change the resolution"
+                f"got {tuple(images.shape)}; "
+                + (
+                    "call set_img_size() to change the resolution"
+                    if other_size
+                    else "give a batch of RGB images, channels first, in [-1, 1] (vitray.data.eval_transform "
+                    "and to_model_range make them)"
+                )
             )
         x = images if self.stem is None else self.stem(images)
         x = self.patch_embed(x).flatten(2).transpose(1, 2)  # (B, grid*grid, width)

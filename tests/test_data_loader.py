@@ -594,13 +594,12 @@ def test_eval_transform_gives_torchvisions_pixels(resize, ratio):
     ours = eval_transform(img_size, resize, ratio)
     sizes = [(8, 6), (32, 32), (31, 40), (33, 33), (37, 37), (60, 20), (20, 60), (41, 97), (100, 75), (333, 500)]
     for width, height in sizes:
-        for mode in ("RGB", "L"):
-            channels = 3 if mode == "RGB" else 1
-            pixels = rng.integers(0, 256, (height, width, channels), dtype=np.uint8)
+        for mode in ("RGB", "L", "RGBA"):  # a gray or RGBA image comes out RGB, as the loaders read it
+            pixels = rng.integers(0, 256, (height, width, len(mode)), dtype=np.uint8)
             image = Image.fromarray(pixels.squeeze(-1) if mode == "L" else pixels, mode)
-            expected = v2.PILToTensor()(reference(image))
+            expected = v2.PILToTensor()(reference(image.convert("RGB")))
             got = ours(image)
-            assert got.shape == expected.shape == (channels, img_size, img_size), (width, height, mode)
+            assert got.shape == expected.shape == (3, img_size, img_size), (width, height, mode)
             assert torch.equal(got, expected), (width, height, mode)
 
 

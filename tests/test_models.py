@@ -513,8 +513,14 @@ def test_depth_overrides_the_variants_number_of_blocks_and_its_weights_load_only
 
 def test_wrong_input_shape_is_a_clear_error():
     model = create_model("Ti/4", num_classes=5, img_size=32)
-    with pytest.raises(ValueError, match=r"expects images of shape \(batch, 3, 32, 32\), got \(2, 1, 32, 32\)"):
-        model(torch.randn(2, 1, 32, 32))
+    # Another resolution is what set_img_size() fixes; a gray image, channels last or no batch are not
+    for shape in [(2, 1, 32, 32), (2, 32, 32, 3), (3, 32, 32)]:
+        with pytest.raises(ValueError, match=r"expects images of shape \(batch, 3, 32, 32\), got") as raised:
+            model(torch.randn(*shape))
+        assert "give a batch of RGB images, channels first" in str(raised.value), shape
+        assert "set_img_size" not in str(raised.value), shape
+    with pytest.raises(ValueError, match=r"got \(2, 3, 16, 16\); call set_img_size\(\)"):
+        model(torch.randn(2, 3, 16, 16))
 
 
 def test_create_model_from_config():
