@@ -60,4 +60,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'vitray.evaluation' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:  # the lazy names too: a notebook's completion lists them
+    return sorted([*globals(), *_HOMES])
+
+
 __all__ = sorted(_HOMES)

@@ -15,3 +15,27 @@ models. A worker writes its checkpoint files with `vitray.trainers.checkpoint.ra
 not called ``runs/``: ``./runs`` is where runs live by default (``run.storage``), so run folders
 would be written into the source tree.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["load_checkpoint"]
+
+
+def load_checkpoint(path: str, *, ema: bool = True) -> tuple[Any, dict[str, Any]]:
+    """The trained model of a vitray checkpoint, for use in Python: ``(model, info)``.
+
+    ``path`` is a checkpoint folder or a run folder (then its latest complete checkpoint), local or
+    ``s3://``. The model is built from the checkpoint's own record (name, resolution, depth, head,
+    classes), with its EMA weights where the run kept them and ``ema`` is true (the weights vitray
+    evaluates and exports), or derived from the shards of a checkpoint written without its
+    consolidated weights. A checkpoint that does not count (a rank never finished writing it, a
+    file fails its CRC-32C) is refused with :class:`~vitray.runfolder.checkpoint_folders.IncompleteCheckpointError`,
+    and is pinned while it is read, so that a live run's pruning does not delete it under the read.
+    ``info`` is the checkpoint's trainer state: ``info["checkpoint"]`` the folder read, ``"step"``,
+    ``"num_classes"``, ``"model"`` and the run's ``"config"``. The model is in training mode, as
+    built; call ``model.eval()`` to score it."""
+    from vitray.runfolder.checkpoint_folders import load_checkpoint as load
+
+    return load(path, ema=ema, pin=True)

@@ -320,3 +320,28 @@ def test_a_local_export_is_made_beside_its_out_not_in_the_temporary_folder(check
         export(folder, fmt, str(out))
         assert out.exists()
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors", "timm"]  # nothing left
+
+
+def test_load_checkpoint_gives_the_model_of_a_run_or_checkpoint_folder_and_refuses_an_incomplete_one(tmp_path):
+    """`vitray.runfolder.load_checkpoint`, the Python API's loader of what a run wrote: the model
+    built from the checkpoint's own record, from a run folder (its latest complete checkpoint) or a
+    checkpoint folder; pinned while it is read (the pin gone after); a checkpoint that does not
+    count refused, where a `load_weights` of the file inside it took it."""
+    from vitray.runfolder import load_checkpoint
+    from vitray.runfolder.checkpoint_folders import IncompleteCheckpointError, completion_record
+    from vitray.runfolder.pins import pinned_checkpoints
+
+    run = tmp_path / "runs" / "mine"
+    folder = run / "checkpoint_2026-01-01_00-00-00.000001"
+    net = make_checkpoint(folder, depth=2)
+    (run / "vitray").mkdir()
+    for path in (run, folder):
+        model, info = load_checkpoint(str(path))
+        assert (info["checkpoint"], info["step"], info["num_classes"], model.depth) == (str(folder), 4, 10, 2)
+        assert torch.equal(model.eval()(IMAGES), net(IMAGES))
+    assert pinned_checkpoints(str(run)) == set()
+    (folder / completion_record(0)).unlink()
+    with pytest.raises(IncompleteCheckpointError, match="rank 0 never finished writing it"):
+        load_checkpoint(str(folder))
+    with pytest.raises(FileNotFoundError, match="nor a run folder with a complete checkpoint"):
+        load_checkpoint(str(run))
