@@ -72,6 +72,7 @@ class _Spec:
     extents: ExtentTable  # the split (or its slice) per shard, in manifest order
     slots: tuple[int, ...]  # the rank's slots, in batch order
     per_slot: int  # positions taken from each slot per batch
+    micro_batches: int  # batches a training step takes (gradient accumulation): an epoch ends between steps
     num_slots: int
     seed: int
     shuffle_buffer: int
@@ -96,6 +97,18 @@ class _Spec:
 # with a few hundred of its tuples counted there; 3.11 and 3.13 with none). More than these, and the
 # application froze objects itself.
 FROZEN_BEFORE_VITRAY = gc.get_freeze_count()
+
+
+def _epoch_end(slot_size: int, spec: _Spec) -> int:
+    """The position in every slot at which an epoch ends: after the last whole training *step*
+    that fits (`micro_batches` batches of `per_slot` positions), not the last batch. A step takes
+    batch_size / num_slots positions of each slot however its batch is split into ranks and
+    micro-batches, so the epoch ends, and the next begins, at the same step whatever the split: a
+    run with gradient accumulation, or resumed on fewer workers that accumulate more, trains on the
+    samples the same global batch took without it (ending per batch, a step straddled the epoch
+    end and every later one took other samples)."""
+    per_step = spec.per_slot * spec.micro_batches
+    return slot_size // per_step * per_step
 
 
 def _start_workers(loader: DataLoader) -> Iterable[Any]:
@@ -230,7 +243,7 @@ class _TrainStream(IterableDataset):
         """Readers of this worker's slots of ``epoch`` from position ``start`` on, their first windows
         already being read in the background; and the number of batches left in the epoch."""
         plan = epoch_plan(spec.seed, epoch, spec.extents, spec.num_slots, slots=[spec.slots[i] for i in local_slots])
-        batches = (plan.slot_size - start) // spec.per_slot
+        batches = max(0, _epoch_end(plan.slot_size, spec) - start) // spec.per_slot
         cache = ShardCache(spec.shard_cache, spec.shard_cache_bytes) if spec.shard_cache else None
 
         def wanted(p: int) -> bool:
@@ -298,6 +311,9 @@ class ShardLoader:
             :mod:`vitray.data.splits`).
         rank, world_size: this rank among the data-parallel ranks; ``num_slots % world_size == 0``.
         batch_size: samples per batch on this rank; a multiple of ``num_slots // world_size``.
+        micro_batches: the batches one training step takes (its gradient accumulation): an epoch
+            ends after the last whole step, so the samples of each step are those of the same
+            global batch split any other way.
         img_size: output resolution.
         train: random crop + flip (True) or resize + central crop (False).
         crop, min_crop_area, resize_ratio, flip: the training crop and flip
@@ -334,6 +350,7 @@ class ShardLoader:
         img_size: int,
         train: bool,
         seed: int,
+        micro_batches: int = 1,
         num_slots: int = 8,
         num_workers: int = 1,
         shuffle_buffer: int = 512,
@@ -366,7 +383,11 @@ class ShardLoader:
                 f"(num_slots={num_slots} / world_size={world_size}): every batch takes the same number of "
                 "samples from each slot"
             )
-        for name, value in (("img_size", img_size), ("shuffle_buffer", shuffle_buffer)):
+        for name, value in (
+            ("img_size", img_size),
+            ("shuffle_buffer", shuffle_buffer),
+            ("micro_batches", micro_batches),
+        ):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if num_workers < 0 or seed < 0:
@@ -380,6 +401,7 @@ class ShardLoader:
             extents=source.extent_table,
             slots=tuple(slots),
             per_slot=batch_size // len(slots),
+            micro_batches=micro_batches,
             num_slots=num_slots,
             seed=seed,
             shuffle_buffer=shuffle_buffer,
@@ -411,10 +433,11 @@ class ShardLoader:
                 world_size * num_workers,
             )
         self.slot_size = epoch_plan(seed, 0, self._spec.extents, num_slots, slots=()).slot_size
+        self._end = _epoch_end(self.slot_size, self._spec)
         if self.steps_per_epoch == 0:
             raise ValueError(
                 f"split {split!r} has {self.num_samples} samples: too few for {num_slots} slots of "
-                f"{self._spec.per_slot} samples per batch; use a smaller batch_size or num_slots"
+                f"{self._spec.per_slot * micro_batches} samples per step; use a smaller batch_size or num_slots"
             )
         self._epoch, self._position = 0, 0
         self._yielded, self._skipped = 0, 0
@@ -422,8 +445,8 @@ class ShardLoader:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Batches per epoch (the same on every rank)."""
-        return self.slot_size // self._spec.per_slot
+        """Batches per epoch (the same on every rank; `micro_batches` of them a training step)."""
+        return self._end // self._spec.per_slot
 
     @property
     def epoch(self) -> int:
@@ -487,7 +510,7 @@ class ShardLoader:
         return self._batches(self._generation)
 
     def _batches(self, generation: int) -> Iterator[Batch]:
-        if self._position + self._spec.per_slot > self.slot_size:  # the epoch has no whole batch left
+        if self._position + self._spec.per_slot > self._end:  # the epoch has no whole batch left
             self._epoch, self._position = self._epoch + 1, 0
         spec, workers = self._spec, self._spec.num_workers
         rings = self._rings() if workers else None
@@ -520,7 +543,7 @@ class ShardLoader:
                 for worker, _ in in_rings:
                     rings[worker].release()
                 self._position += spec.per_slot
-                if self._position + spec.per_slot > self.slot_size:
+                if self._position + spec.per_slot > self._end:
                     self._epoch, self._position = self._epoch + 1, 0
                 self._yielded += len(batch)
                 self._skipped += batch.num_skipped

@@ -165,6 +165,44 @@ def test_resume_on_another_world_size_visits_every_sample_once(digits_dataset, b
     assert len(keys) == len(set(keys)) == steps_per_epoch * GLOBAL_BATCH
 
 
+def test_an_epoch_ends_between_steps_whatever_their_split(digits_dataset):
+    """One global batch of 32, split as 1 rank x 32, 1 rank x 16 x 2 micro-batches, 2 ranks x 8 x 2
+    and 4 ranks x 8: every step takes the same samples, across the epoch end (179 positions a slot,
+    4 a step: 44 steps an epoch, 3 positions left over). Ending per batch, a step of 2 micro-batches
+    straddled the end and every later step took other samples; and so did a run resumed on fewer
+    workers that accumulate more (the README's way to keep the global batch)."""
+    end = 179 // (GLOBAL_BATCH // NUM_SLOTS)
+    steps = end + 3
+
+    def run(world_size, micro_batch, count, state=None):
+        accumulate = GLOBAL_BATCH // (world_size * micro_batch)
+        ranks = [
+            loader(digits_dataset, rank=r, world_size=world_size, batch_size=micro_batch, micro_batches=accumulate)
+            for r in range(world_size)
+        ]
+        for rank_loader in ranks:
+            if state:
+                rank_loader.load_state_dict(state)
+        per_rank = [take(rank_loader, count * accumulate) for rank_loader in ranks]
+        keys = [
+            sorted(
+                k for batches in per_rank for b in batches[step * accumulate : (step + 1) * accumulate] for k in b.keys
+            )
+            for step in range(count)
+        ]
+        assert ranks[0].steps_per_epoch == end * accumulate
+        return keys, ranks[0].state_dict(), [b.epoch for b in per_rank[0][::accumulate]]
+
+    reference, _, epochs = run(1, GLOBAL_BATCH, steps)
+    assert epochs == [0] * end + [1] * (steps - end)
+    for world_size, micro_batch in [(1, 16), (2, 8), (4, 8)]:
+        assert run(world_size, micro_batch, steps)[0] == reference, (world_size, micro_batch)
+    # Stopped after the epoch end on 2 ranks without accumulation, resumed on 1 that accumulates 2
+    before, state, _ = run(2, 16, end + 1)
+    after, _, _ = run(1, 16, 2, state)
+    assert before + after == reference
+
+
 def _stream_keys(plan, slot: int) -> list[str]:
     """Keys of a slot's stream, in stream order (digits: 100 samples per shard, keys by index)."""
     return [f"train_{r.shard * 100 + i:08d}" for r in plan.slots[slot] for i in range(r.start, r.stop)]

@@ -134,6 +134,7 @@ class TrainingLoop:
                 rank=self.rank,
                 world_size=self.world,
                 batch_size=self.cfg.train.micro_batch_size,
+                micro_batches=self.accum,  # an epoch ends between steps, whatever their split
                 img_size=self.cfg.model.img_size,
                 train=True,
                 seed=self.cfg.seed,
