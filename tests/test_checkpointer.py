@@ -192,6 +192,16 @@ def test_every_file_and_folder_is_fsynced_before_the_record_which_is_renamed_int
     assert ("fsync", str(folder)) in events[renamed + 1 :]  # and its name, after
 
 
+def test_a_rank_that_wrote_no_file_records_its_completion_before_rank_0_made_the_folder(tmp_path):
+    """ZeRO-0 on 2 workers: DeepSpeed saves from rank 0 alone, so rank 1 writes no file, and it
+    reached its folder's fsync before rank 0 had made the folder (FileNotFoundError: the run failed
+    at its first checkpoint)."""
+    folder = str(tmp_path / "run" / "checkpoint_s000000000002_2026-01-01_00-00-00.000001")
+    rank_files.sync_folders(folder, [])
+    rank_files.mark_complete(folder, 1, [])
+    assert json.loads(Path(folder, ckpt.completion_record(1)).read_text()) == {}
+
+
 def test_the_record_lists_crc32c_and_a_restore_refuses_a_corrupt_file(tmp_path):
     reports = []
     saver = checkpointer(FakeBackend(), reports, FakeLoader(), None, run_dir=tmp_path)

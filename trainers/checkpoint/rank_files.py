@@ -97,6 +97,9 @@ def sync_folders(folder: str, written: list[Written]) -> None:
     if storage.is_remote(folder):
         return
     root = Path(folder)
+    # A rank that wrote no file (ZeRO-0: DeepSpeed saves from rank 0 alone) still records its
+    # completion in the folder, which rank 0 may not have made yet.
+    root.mkdir(parents=True, exist_ok=True)
     folders = {root, root.parent}
     for w in written:
         parent = (root / w.name).parent
