@@ -119,6 +119,8 @@ def pretrain(cfg: TrainingConfig, *, show_progress: bool = True, verbose: bool =
             stop.check()
             with ray_init_keeps_sigterm():
                 cfg = _on_the_cluster(cfg, verbose=verbose)
+            if plan.chosen is None:
+                _say_num_slots_default(cfg)
             stop.take_signals()  # back from Ray's C++ core, which set its own SIGTERM handler
             stop.check()
             check_workers_fit(cfg)  # refused before an attempt is recorded: nothing was tried
@@ -182,6 +184,22 @@ def _say_warmup_default(cfg: TrainingConfig) -> None:
             f"vitray: note: schedule.warmup_steps is unset, and its default ({warmup:,} steps, the paper's) spans the "
             f"whole run (train.steps={steps:,}): the learning rate rises until the last step and never decays; "
             "set schedule.warmup_steps to decay after it",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _say_num_slots_default(cfg: TrainingConfig) -> None:
+    """A new run's `data.num_slots` left unset comes from its cluster (workers x loader workers):
+    said, because the sample order is a function of it (with the seed), and a resume can only
+    take numbers of workers that divide it."""
+    if cfg.data.num_slots is None:
+        slots, workers = cfg.new_run_num_slots(), cfg.cluster.num_workers
+        print(
+            f"vitray: note: data.num_slots is unset: {slots} ({workers} worker{'s' if workers > 1 else ''} x "
+            f"{slots // workers} loader slot{'s' if slots // workers > 1 else ''}); the order of the samples "
+            f"depends on it, and a resume takes a number of workers that divides it. Set data.num_slots (the "
+            "paper's recipes: 1024) to keep the order when the cluster changes",
             file=sys.stderr,
             flush=True,
         )

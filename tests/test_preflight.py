@@ -507,6 +507,22 @@ def test_a_run_shorter_than_the_default_warm_up_is_told_it_never_decays(digits_d
     )
 
 
+def test_a_new_run_with_data_num_slots_unset_is_told_the_number_its_sample_order_depends_on(digits_dataset, capsys):
+    """Unset, data.num_slots is workers x loader workers: 1 worker and 2 gave other samples at every
+    step, without a word (the README's "a pure function of the seed" held for a set number only)."""
+    from vitray.cluster.pretrain import _say_num_slots_default
+
+    base = [*BASE, f"data.train={digits_dataset}", "data.num_workers=2", "train.micro_batch_size=8"]
+    for extra, said in (
+        (["data.num_slots=null", "cluster.num_workers=2"], "data.num_slots is unset: 4 (2 workers x 2 loader slots)"),
+        (["data.num_slots=null", "cluster.num_workers=1"], "data.num_slots is unset: 2 (1 worker x 2 loader slots)"),
+        (["data.num_slots=8", "cluster.num_workers=2"], None),
+    ):
+        _say_num_slots_default(load_config(TrainingConfig, None, [*base, *extra]))
+        err = capsys.readouterr().err
+        assert (said in err and "Set data.num_slots" in err) if said else err == "", (extra, err)
+
+
 def test_a_worker_killed_without_an_error_is_said_so_with_the_memory_advice():
     """A worker the OOM killer took: ~1,500 characters of Ray's account, and advice that re-running helps
     (it fails the same way): cut, said, with what to lower."""
