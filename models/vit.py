@@ -403,14 +403,15 @@ class VisionTransformer(nn.Module):
 
     def reset_head(self, num_classes: int) -> None:
         """Prepares fine-tuning: drops the pre-training heads (pre-logits layer, masked patch
-        predictor and [mask] embedding) and adds a zero-initialised head."""
-        _check_positive_int("num_classes", num_classes)
+        predictor and [mask] embedding) and adds a zero-initialised head; none for 0 (the model
+        then gives its features, as timm's ``reset_classifier(0)``)."""
+        _check_num_classes(num_classes)
         self.masked_patch = None
         self.pre_logits = None
         self.representation_size = None
         self.num_features = self.width
         self.num_classes = num_classes
-        self.head = self._zero_linear(self.width, num_classes)
+        self.head = self._zero_linear(self.width, num_classes) if num_classes else nn.Identity()
 
     def start_masked_patch(self, outputs: int, num_classes: int, *, keep_predictor: bool = False) -> None:
         """Prepares masked patch pre-training from these weights: the parts of a model built for it

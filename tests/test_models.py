@@ -403,6 +403,11 @@ def test_reset_head_drops_pre_logits_and_zeroes_the_head():
     images = torch.randn(2, 3, 32, 32)
     assert torch.count_nonzero(model(images)) == 0
     torch.testing.assert_close(model.forward_features(images), model.forward_tokens(images)[:, 0])
+    model.reset_head(0)  # no head: the model gives its features (timm's reset_classifier(0))
+    assert model.num_classes == 0 and not any(key.startswith("head") for key in model.state_dict())
+    torch.testing.assert_close(model(images), model.forward_features(images))
+    with pytest.raises(ValueError, match="num_classes must be a non-negative integer"):
+        model.reset_head(-1)
 
 
 def test_set_img_size_resamples_the_position_embedding():
