@@ -38,8 +38,22 @@ def load_weights(model: VisionTransformer, path: str | os.PathLike, *, load_head
 
     State dicts may use vitray's or timm's names; ``.pt`` files are read with
     ``torch.load(weights_only=True)``. A different patch grid is resampled; anything else that
-    does not fit raises ValueError. ``load_head=False`` keeps the model's own head.
+    does not fit raises ValueError. ``load_head=False`` keeps the model's own head. A vitray run or
+    checkpoint folder (local or s3://) loads with ``vitray.runfolder.load_checkpoint``.
     """
+    if not isinstance(model, VisionTransformer):
+        raise TypeError(
+            f"load_weights(model, path) takes a vitray model first (vitray.models.create_model), got "
+            f"{type(model).__name__}; a state dict loads with load_timm_state_dict or model.load_state_dict"
+        )
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"load_weights(model, path): path must be a file path, got {type(path).__name__}")
+    where = os.fspath(path)
+    if "://" in where or Path(where).is_dir():
+        raise ValueError(
+            f"load_weights reads a weights file on this machine, not {where!r}: a vitray run or checkpoint folder "
+            "(also on s3://) loads with vitray.runfolder.load_checkpoint(PATH); copy another remote file here first"
+        )
     suffix = Path(path).suffix.lower()
     if suffix == ".npz":
         load_npz(model, path, load_head=load_head)

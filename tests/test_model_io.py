@@ -322,6 +322,20 @@ def test_a_damaged_or_misnamed_weights_file_is_refused_naming_it(tmp_path):
         assert "weights_only" not in message and "\n" not in message
 
 
+def test_load_weights_refuses_what_it_does_not_read_pointing_to_the_right_call(tmp_path):
+    """A run or checkpoint folder, an s3:// URL, a state dict or swapped arguments gave pathlib's,
+    torch's or a missing file's error (`No such file or directory: s3://...`)."""
+    model = create_model("Ti/4", num_classes=10, img_size=32)
+    save_safetensors(model, tmp_path / "w.safetensors")
+    for path in (tmp_path, "s3://bucket/runs/mine", "s3://bucket/w.safetensors"):
+        with pytest.raises(ValueError, match="reads a weights file on this machine.*vitray.runfolder.load_checkpoint"):
+            load_weights(model, path)
+    with pytest.raises(TypeError, match="takes a vitray model first"):
+        load_weights(tmp_path / "w.safetensors", model)
+    with pytest.raises(TypeError, match="path must be a file path, got OrderedDict"):
+        load_weights(model, model.state_dict())
+
+
 # -- mismatches are errors, never partial loads ------------------------------------------------
 
 
