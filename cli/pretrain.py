@@ -57,7 +57,7 @@ def pretrain(
             )
             return
         except training.Preempted as stopped:
-            exit_stopped(stopped, folder)
+            exit_stopped(stopped, folder, cfg.train.steps)
         except KeyboardInterrupt:
             console.print(
                 f"stopped by user at once; latest complete checkpoint: {_latest_text(training, folder)} (one the "
@@ -71,18 +71,22 @@ def pretrain(
         console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
-def exit_stopped(stopped, folder: str) -> NoReturn:
+def exit_stopped(stopped, folder: str, total_steps: int) -> NoReturn:
     """A run stopped by a SIGTERM (exit 75) or Ctrl-C (130) once its workers checkpointed: one line,
-    with where a re-run resumes."""
+    with where a re-run resumes, or that the run had finished (the stop came after its last step)."""
     from vitray.cluster import pretrain as training
 
     what = "stopped by user" if stopped.by_user else f"stopped on a pre-emption notice ({stopped})"
-    console.print(
-        f"{what}; latest complete checkpoint: {_latest_text(training, folder)}; re-run the same command to resume"
+    latest = training.latest_complete(folder)
+    then = (
+        "the run had finished: nothing to resume"
+        if latest is not None and latest.step >= total_steps
+        else "re-run the same command to resume"
     )
+    console.print(f"{what}; latest complete checkpoint: {_latest_text(training, folder, latest)}; {then}")
     raise typer.Exit(exit_codes.STOPPED_BY_USER if stopped.by_user else exit_codes.PREEMPTED) from None
 
 
-def _latest_text(training, folder: str) -> str:
-    latest = training.latest_complete(folder)
+def _latest_text(training, folder: str, latest=None) -> str:
+    latest = latest or training.latest_complete(folder)
     return f"step {latest.step} ({latest.path})" if latest else "no checkpoint"

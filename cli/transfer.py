@@ -280,7 +280,7 @@ def finetune(
             # JSON mode: stdout is for the JSON alone (the progress lines go to stdout)
             result = run_finetune(cfg, show_progress=format_ == OutputFormat.table, verbose=verbose)
         except training.Preempted as stopped:
-            exit_stopped(stopped, folder)
+            exit_stopped(stopped, folder, cfg.train.steps)
     scored = [("val" if result.test is not None else "top1", (cfg.data.val_path, cfg.data.val_split), result.top1)]
     if result.test is not None:
         scored.append(("test", cfg.evals[TEST].dataset(cfg.data), result.test))

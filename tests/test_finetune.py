@@ -806,3 +806,27 @@ def test_a_grids_warm_up_longer_than_its_fine_tunes_is_refused():
     with pytest.raises(ValueError, match=rf"\(digits's protocol steps: {protocol}\).* at most {protocol}$"):
         finetune_settings(digits, FinetuneGrid(warmup_steps=protocol + 1))
     assert finetune_settings(digits, FinetuneGrid(steps=4, warmup_steps=4))[0]["warmup_steps"] == 4
+
+
+def test_a_stop_that_comes_after_the_last_step_says_the_run_had_finished(tmp_path, monkeypatch):
+    """A Ctrl-C after the workers' last step (its checkpoint written) said "re-run the same command to
+    resume", while `vitray runs` showed the run finished."""
+    from pretrain_helpers import make_checkpoint
+    from typer.testing import CliRunner
+
+    import vitray.cluster.pretrain
+    from vitray.cli.main import app
+    from vitray.cluster.pretrain import Preempted
+
+    def run(cfg, **kwargs):
+        make_checkpoint(tmp_path / "runs" / cfg.run.name / "checkpoint_2026-01-01_00-00-00.000001")  # at step 4
+        raise Preempted(None, "Ctrl-C", by_user=True)
+
+    monkeypatch.setattr(vitray.cluster.pretrain, "pretrain", run)
+    demo = str(Path(__file__).parents[1] / "configs" / "demo.yaml")
+    for steps, said in ((4, "; the run had finished: nothing to resume"), (5, "; re-run the same command to resume")):
+        sets = [f"run.storage={tmp_path / 'runs'}", f"run.name=at{steps}", f"train.steps={steps}"]
+        args = ["pretrain", "-c", demo, *(a for s in [*sets, "schedule.warmup_steps=1"] for a in ("--set", s))]
+        result = CliRunner().invoke(app, args, env={"COLUMNS": "300"})
+        assert result.exit_code == 130 and "latest complete checkpoint: step 4 (" in result.output, result.output
+        assert said in result.output, result.output
