@@ -23,7 +23,7 @@ def data_prepare(
         str,
         typer.Argument(
             help="imagefolder:PATH | cifar10:PATH | cifar100:PATH | parquet:PATH | "
-            "hf:PATH[?image=COL&label=COL&split=FROM:TO] | tfds:DATA_DIR/NAME/VERSION[?split=FROM:TO] | vtab:TASK:DATA_DIR/NAME/VERSION | pets:DIR | flowers102:DIR | builtin:digits | "
+            "hf:PATH[?image=COL&label=COL&split=FROM:TO] | tfds:DATA_DIR/NAME/VERSION[?split=FROM:TO] | vtab:TASK:DATA_DIR/NAME/VERSION | webdataset:PATH[?image=EXT&label=EXT&split=FROM:TO] | pets:DIR | flowers102:DIR | builtin:digits | "
             "unlabelled:SOURCE (any of these, its labels dropped)"
         ),
     ],

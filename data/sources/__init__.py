@@ -2,12 +2,13 @@
 
 A source spec is ``KIND:PATH`` (``imagefolder:/data/pets``, ``cifar10:/data/cifar-10-binary.tar.gz``,
 ``cifar100:PATH``, ``parquet:PATH``, ``hf:PATH``, ``tfds:DATA_DIR/NAME/VERSION``,
-``vtab:TASK:DATA_DIR/NAME/VERSION``, the original archives ``pets:DIR`` and ``flowers102:DIR``)
+``vtab:TASK:DATA_DIR/NAME/VERSION``, ``webdataset:PATH``, the original archives ``pets:DIR`` and
+``flowers102:DIR``)
 or ``builtin:NAME`` (``builtin:digits``); ``unlabelled:SPEC`` is any of them without its labels.
 
 One module per format (:mod:`.imagefolder`, :mod:`.cifar`, :mod:`.parquet`, :mod:`.hf`, :mod:`.tfds`
 with its TFRecord reader :mod:`.tfrecord`, :mod:`.vtab`, :mod:`.archives`, :mod:`.builtin`,
-:mod:`.unlabelled`), each a :class:`Source` of :mod:`.base`, the types they share. The adapters are
+:mod:`.unlabelled`, :mod:`.webdataset`), each a :class:`Source` of :mod:`.base`, the types they share. The adapters are
 imported when a source is opened, so that reading shards never imports them.
 """
 
@@ -40,6 +41,7 @@ def source_kinds() -> dict[str, type[Source]]:
     from .tfds import TfdsSource
     from .unlabelled import UnlabelledSource
     from .vtab import VtabSource
+    from .webdataset import WebDatasetSource
 
     kinds: list[type[Source]] = [
         ImageFolderSource,
@@ -49,6 +51,7 @@ def source_kinds() -> dict[str, type[Source]]:
         HfSource,
         TfdsSource,
         VtabSource,
+        WebDatasetSource,
         PetsSource,
         Flowers102Source,
         BuiltinSource,

@@ -44,6 +44,16 @@ class SampleChunk(abc.ABC):
     def __iter__(self) -> Iterator[Sample]: ...
 
 
+class LabelColumnMissing(ValueError):
+    """A source whose labels are missing or unusable (a table without its label column, shards
+    where only some samples have one): refused, but `unlabelled:`, which drops the labels, reads it
+    as it is (`reopen`)."""
+
+    def __init__(self, message: str, reopen: Callable[[], Source]):
+        super().__init__(message)
+        self.reopen = reopen
+
+
 class Source(abc.ABC):
     """A dataset in some original format."""
 

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..layout import check_split_name
-from .base import Sample, SampleChunk, Source, image_ext, split_renames
+from .base import LabelColumnMissing, Sample, SampleChunk, Source, image_ext, split_renames
 
 
 class ParquetChunk(SampleChunk):
@@ -76,14 +76,6 @@ def _read_rows(path: str, lo: int, hi: int, columns: tuple[str, str | None]) -> 
                     origin=where,
                 )
         first += rows
-
-
-class LabelColumnMissing(ValueError):
-    """A table without its label column: `unlabelled:` reads it as it is (`reopen`)."""
-
-    def __init__(self, message: str, reopen: Callable[[], Source]):
-        super().__init__(message)
-        self.reopen = reopen
 
 
 class LabelsOutOfRange(LabelColumnMissing):

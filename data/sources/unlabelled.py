@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .base import Sample, SampleChunk, Source
+from .base import LabelColumnMissing, Sample, SampleChunk, Source
 
 
 class UnlabelledChunk(SampleChunk):
@@ -43,7 +43,7 @@ class UnlabelledSource(Source):
 
     @classmethod
     def open_spec(cls, location: str, open_source: Callable[[str], Source]) -> Source:
-        from .parquet import LabelColumnMissing, ParquetSource
+        from .parquet import ParquetSource
 
         try:
             inner = open_source(location)
