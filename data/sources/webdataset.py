@@ -152,39 +152,35 @@ def _split_of(shard: Path) -> str:
 def _index(shard: Path, image_exts: tuple[str, ...], label_ext: str | None, without_image: list[str]) -> list[_Located]:
     """The samples of one shard in stored order, from its headers and label members (none read
     when `label_ext` is None); a sample without an image member is left out (named in `without_image`)."""
-    located: list[_Located] = []
+    path, located = str(shard), []  # (one path string for all of the shard's samples)
+
+    def add(tar: tarfile.TarFile, key: str, members: dict[str, tarfile.TarInfo]) -> None:
+        image = next((members[ext] for ext in image_exts if ext in members), None)
+        if image is None:
+            without_image.append(f"{path}:{key}")
+            return
+        label = None
+        if label_ext in members:
+            text = tar.extractfile(members[label_ext]).read().decode("utf-8", "replace").strip()
+            if not re.fullmatch(r"\d+", text):
+                raise ValueError(f"{path}:{members[label_ext].name} holds {text[:40]!r}, not a class index")
+            label = int(text)
+        located.append(_Located(path, image.offset_data, image.size, image.name, label))
+
     try:
         with tarfile.open(shard, "r:") as tar:
             key, members = None, {}
-            for member in [*tar, None]:
-                match = _MEMBER.match(member.name) if member is not None and member.isfile() else None
-                if member is not None and match is None:
+            for member in tar:
+                match = _MEMBER.match(member.name) if member.isfile() else None
+                if match is None:
                     continue  # a folder entry, or a file without an extension: no sample's member
-                if member is None or match.group(1) != key:
-                    sample = _sample(tar, shard, key, members, image_exts, label_ext) if key is not None else None
-                    if sample is not None:
-                        located.append(sample)
-                    elif key is not None:
-                        without_image.append(f"{shard}:{key}")
-                    if member is None:
-                        break
+                if match.group(1) != key:
+                    if key is not None:
+                        add(tar, key, members)
                     key, members = match.group(1), {}
                 members.setdefault(match.group(2).lower(), member)
+            if key is not None:
+                add(tar, key, members)
     except tarfile.TarError as error:
         raise ValueError(f"webdataset shard {shard} is not a readable tar file ({error})") from None
     return located
-
-
-def _sample(
-    tar, shard: Path, key: str, members: dict, image_exts: tuple[str, ...], label_ext: str | None
-) -> _Located | None:
-    image = next((members[ext] for ext in image_exts if ext in members), None)
-    if image is None:
-        return None
-    label = None
-    if label_ext in members:
-        text = tar.extractfile(members[label_ext]).read().decode("utf-8", "replace").strip()
-        if not re.fullmatch(r"\d+", text):
-            raise ValueError(f"{shard}:{members[label_ext].name} holds {text[:40]!r}, not a class index")
-        label = int(text)
-    return _Located(str(shard), image.offset_data, image.size, image.name, label)
