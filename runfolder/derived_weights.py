@@ -59,8 +59,9 @@ def _stand_ins() -> list[tuple[type, str]]:
 
 
 def _load(data: bytes) -> dict[str, Any]:
+    buffer = io.BytesIO(data)
     with torch.serialization.safe_globals(_stand_ins()):
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return torch.load(buffer, map_location="cpu", weights_only=True)
 
 
 def derivable(state: dict[str, Any], names: set[str]) -> bool:

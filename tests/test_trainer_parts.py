@@ -27,11 +27,10 @@ from vitray.trainers.step.schedule import lr_multiplier
 
 def test_warmup_then_linear_and_cosine_decay():
     kw = {"total_steps": 100, "warmup_steps": 10}
-    # The authors' warm-up (vit_jax, big_vision): `step / warmup_steps`, 0 at the first update
-    assert lr_multiplier(0, decay="linear", **kw) == 0.0
-    assert lr_multiplier(1, decay="linear", **kw) == pytest.approx(0.1)
-    assert lr_multiplier(9, decay="linear", **kw) == pytest.approx(0.9)
-    assert lr_multiplier(10, decay="linear", **kw) == pytest.approx(1.0)
+    # A step ahead of the authors' `step / warmup_steps` (docs/evaluation.md's fidelity table): no
+    # first rate of 0, which XLA would compile a step of its own for (tests/test_xla.py counts them)
+    assert lr_multiplier(0, decay="linear", **kw) == pytest.approx(0.1)
+    assert lr_multiplier(9, decay="linear", **kw) == pytest.approx(1.0)
     assert lr_multiplier(55, decay="linear", **kw) == pytest.approx(0.5)
     assert lr_multiplier(100, decay="linear", **kw) == pytest.approx(0.0)
     assert lr_multiplier(55, decay="cosine", **kw) == pytest.approx(0.5)
