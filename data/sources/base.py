@@ -76,6 +76,9 @@ class Source(abc.ABC):
         # Images known to be bad from the listing alone (a zero-byte file), as "ORIGIN: why": refused
         # (or, with --skip-bad, left out) before any shard is written.
         self.known_bad: list[str] = []
+        # Set where splits were left out for their labels: the same source with every split, labels
+        # dropped, what `unlabelled:` reads.
+        self.reopen_unlabelled: Callable[[], Source] | None = None
 
     @classmethod
     @abc.abstractmethod

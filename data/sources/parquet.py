@@ -103,8 +103,6 @@ class ParquetSource(Source):
             "none" if columns[1] is None else "multi" if multi else "single",
         )
         self.files, self.columns = files, columns
-        # Set when splits were left out for their labels: opens the same tables with every split, for `unlabelled:`.
-        self.reopen_unlabelled: Callable[[], ParquetSource] | None = None
         self.rows = {split: [pq.ParquetFile(f).metadata.num_rows for f in paths] for split, paths in files.items()}
 
     @classmethod

@@ -43,13 +43,11 @@ class UnlabelledSource(Source):
 
     @classmethod
     def open_spec(cls, location: str, open_source: Callable[[str], Source]) -> Source:
-        from .parquet import ParquetSource
-
         try:
             inner = open_source(location)
         except LabelColumnMissing as missing:  # a table of images alone (or labels unusable): what this is for
             inner = missing.reopen()
-        if isinstance(inner, ParquetSource) and inner.reopen_unlabelled is not None:  # its splits without labels too
+        if inner.reopen_unlabelled is not None:  # its splits without labels too
             inner = inner.reopen_unlabelled()
         return inner if inner.label_kind == "none" else cls(inner)
 
