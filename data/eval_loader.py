@@ -13,9 +13,11 @@ crop, see :mod:`vitray.data.transforms`).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import multiprocessing.forkserver
+import sys
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -187,7 +189,9 @@ class EvalLoader:
             multiprocessing_context=_worker_context() if workers else None,
             timeout=BATCH_TIMEOUT_S if workers else 0,
         )
-        for number, chunks in in_order(loader, parts_per_item=1):
+        with _main_script_hidden() if workers else contextlib.nullcontext():
+            items = iter(loader)  # (the workers start here)
+        for number, chunks in in_order(items, parts_per_item=1):
             batch = concat_chunks(chunks, epoch=0, step=number, float_images=self.float_images)
             self._yielded += len(batch)
             self._skipped += batch.num_skipped
@@ -220,11 +224,33 @@ def start_worker_server() -> None:
 
 def _worker_context():
     context = multiprocessing.get_context(WORKER_START)
-    # Effective until the forkserver first starts. The main module too: each worker would otherwise
-    # import it again (Ray's worker script: Ray, a second each), as workers started so always do.
-    # (The evaluation transforms are PIL's alone: no torchvision to preload.)
-    context.set_forkserver_preload(["__main__", __name__])
+    # Effective until the forkserver first starts. (The evaluation transforms are PIL's alone: no
+    # torchvision to preload. The main module is not preloaded: see `_main_script_hidden`.)
+    context.set_forkserver_preload([__name__])
     return context
+
+
+@contextlib.contextmanager
+def _main_script_hidden() -> Iterator[None]:
+    """While evaluation workers start, the caller's main module names neither its file nor its
+    module, so that they do not run it again. A worker started by the forkserver runs the main script
+    again as `__mp_main__` (Python 3.11's forkserver never preloads it: it looks for a `main_path`
+    that its parent never sends), and the workers start for every pass: more than half a worker's
+    time went to it (a script importing webdataset and torchvision: 1.3 s a pass instead of 0.36;
+    Ray's worker script in an actor), and a script without a `__main__` guard started workers of
+    its own in each. The workers unpickle only vitray's classes, never one of the main module's."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    hidden_file = main.__dict__.pop("__file__", None)
+    spec, main.__spec__ = getattr(main, "__spec__", None), None
+    try:
+        yield
+    finally:
+        main.__spec__ = spec
+        if hidden_file is not None:
+            main.__file__ = hidden_file
 
 
 def top1_hits(predicted: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:

@@ -9,6 +9,8 @@ import logging
 import mmap
 import os
 import shutil
+import subprocess
+import sys
 import tarfile
 from collections import Counter
 from pathlib import Path
@@ -549,6 +551,27 @@ def test_eval_loader_reads_every_sample_once_across_ranks(digits_dataset):
         k for b in EvalLoader(str(digits_dataset), "test", batch_size=64, img_size=8, num_workers=0) for k in b.keys
     ]
     assert single == keys
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_eval_loader_workers_do_not_run_the_callers_script_again(digits_dataset, tmp_path, guarded):
+    """The forkserver's workers ran the caller's main script again as `__mp_main__`, each worker of
+    every pass (more than half their time: its imports), and a script without a `__main__` guard
+    started workers of its own in them (a traceback, then a 10-minute wait)."""
+    ran = tmp_path / "ran"
+    body = f"""
+with open({str(ran)!r}, "a") as f:
+    f.write("x")
+from vitray.data import EvalLoader
+def count():
+    loader = EvalLoader({str(digits_dataset)!r}, "test", batch_size=64, img_size=8, num_workers=2)
+    return [sum(len(b) for b in loader) for _ in range(2)]
+"""
+    main = '\nif __name__ == "__main__":\n    print(count())\n' if guarded else "\nprint(count())\n"
+    (tmp_path / "evaluate.py").write_text(body + main)
+    done = subprocess.run([sys.executable, str(tmp_path / "evaluate.py")], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and done.stdout.strip() == "[360, 360]", done.stderr[-2000:]
+    assert ran.read_text() == "x"  # the script ran once: in no worker of either pass
 
 
 def test_load_split_decodes_a_whole_split(digits_dataset):
