@@ -55,8 +55,9 @@ def runs(
                 )
             )
         )
-    table_console().print(table)
-    if not found:
+    if found:
+        table_console().print(table)
+    else:  # (not an empty table above it)
         console.print(f"no runs under {storage}{_what_it_is_instead(storage)}")
 
 

@@ -24,9 +24,10 @@ import io
 import math
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Where the DeepSpeed engine writes a checkpoint's shards (`save_checkpoint(<checkpoint>/deepspeed,
 # tag="state")`): named here, below the engine, which reads it from here too.
@@ -59,6 +60,8 @@ def _stand_ins() -> list[tuple[type, str]]:
 
 
 def _load(data: bytes) -> dict[str, Any]:
+    import torch  # (here: `vitray runs`, which imports this module, needs no torch)
+
     buffer = io.BytesIO(data)
     with torch.serialization.safe_globals(_stand_ins()):
         return torch.load(buffer, map_location="cpu", weights_only=True)
@@ -75,6 +78,8 @@ def derivable(state: dict[str, Any], names: set[str]) -> bool:
 def derive(folder: str, fs, state: dict[str, Any], read: Callable[[str], bytes]) -> dict[str, torch.Tensor]:
     """The module's fp32 weights (and buffers) of the ZeRO 0-3 checkpoint `folder` on `fs`, whose
     files `read` gives whole (by their names in the folder; checked against their records)."""
+    import torch
+
     world = int(state["world_size"])
     stage = state["config"]["train"]["zero_stage"]
     module_states = _load(read(ZERO3_MODULE_STATES if stage == 3 else MODULE_STATES))
@@ -108,6 +113,8 @@ def derive(folder: str, fs, state: dict[str, Any], read: Callable[[str], bytes])
 
 def _zero3_parameters(folder: str, param_shapes: list[dict], optim: list[dict]) -> dict[str, torch.Tensor]:
     """Each parameter of a ZeRO-3 checkpoint: its part from every rank's flat groups, joined."""
+    import torch
+
     ranks = [torch.cat(list(o["fp32_flat_groups"])) for o in optim]
     world, out, offset = len(ranks), {}, 0
     for shapes in param_shapes:

@@ -5,6 +5,8 @@ cause, not tracebacks; tables are not cut without a terminal; `--format json`; `
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -308,3 +310,22 @@ def test_the_eta_of_a_run_longer_than_a_year_is_said_so(tmp_path):
     progress = TrainingProgress(str(tmp_path / "r"), total_steps=10)
     progress._show = lambda: 1 / 0
     progress._refresh()
+
+
+def test_vitray_runs_does_not_import_torch(tmp_path):
+    """`vitray runs` reads files alone: it imported torch (1.4 s of its 1.9) through the module that
+    derives weights from a checkpoint's shards."""
+    from pretrain_helpers import make_checkpoint
+
+    make_checkpoint(tmp_path / "mine" / "checkpoint_2026-01-01_00-00-00.000001")
+    (tmp_path / "mine" / "vitray").mkdir()
+    code = (
+        "import sys\n"
+        f"sys.argv = ['vitray', 'runs', {str(tmp_path)!r}]\n"
+        "from vitray.cli.entry import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "mine" in done.stdout and "step 4" in done.stdout, done.stdout + done.stderr
+    assert done.stdout.strip().endswith("torch imported: False"), done.stdout
