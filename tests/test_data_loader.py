@@ -637,8 +637,8 @@ def test_square_eval_resize_squashes_then_crops_as_the_authors_few_shot_protocol
     "resize, ratio", [("aspect", 256 / 224), ("aspect", 448 / 384), ("square", 256 / 224), ("whole", 1)]
 )
 def test_eval_transform_gives_torchvisions_pixels(resize, ratio):
-    """The evaluation transform is done with PIL alone (no torchvision in a training worker), pixel
-    for pixel what torchvision's v2.Resize (bilinear, antialiased) and v2.CenterCrop gave: every
+    """The evaluation transform is done with PIL alone (no torchvision in a training worker), within
+    a level of what torchvision's v2.Resize (bilinear, antialiased) and v2.CenterCrop give: every
     aspect and size class (smaller than, equal to and larger than img_size; odd margins that round).
     "aspect" is big_vision's resize_small(R)|central_crop(S) for every image, small ones enlarged
     (they were squashed whole: not the authors' evaluation, and a 500x375 photo at 384 px is small)."""
@@ -661,7 +661,13 @@ def test_eval_transform_gives_torchvisions_pixels(resize, ratio):
             expected = v2.PILToTensor()(reference(image.convert("RGB")))
             got = ours(image)
             assert got.shape == expected.shape == (3, img_size, img_size), (width, height, mode)
-            assert torch.equal(got, expected), (width, height, mode)
+            # PIL resamples only the part the crop keeps: within a level of the whole resize, cropped
+            assert (got.int() - expected.int()).abs().max() <= 1, (width, height, mode)
+            assert (got.int() - expected.int()).abs().float().mean() < 0.5, (
+                width,
+                height,
+                mode,
+            )  # (noise: a shift is ~80)
 
 
 def test_eval_transform_resizes_small_images_and_crops_large_ones():
