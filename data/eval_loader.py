@@ -17,7 +17,6 @@ import contextlib
 import itertools
 import multiprocessing
 import multiprocessing.forkserver
-import sys
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from vitray import storage
 from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_order
 from .layout import LabelKind, ResolvedSplit, read_split
 from .plan import ShardRange
+from .processes import main_script_hidden
 from .reader import RawSample, SampleStream
 from .transforms import EVAL_RESIZE_RATIO, CorruptSample, EvalResize, decode_label, eval_transform
 
@@ -189,7 +189,9 @@ class EvalLoader:
             multiprocessing_context=_worker_context() if workers else None,
             timeout=BATCH_TIMEOUT_S if workers else 0,
         )
-        with _main_script_hidden() if workers else contextlib.nullcontext():
+        # A worker would run the caller's script again, every pass (1.3 s a pass instead of 0.36 for a
+        # script importing webdataset and torchvision; Ray's worker script in a run)
+        with main_script_hidden() if workers else contextlib.nullcontext():
             items = iter(loader)  # (the workers start here)
         for number, chunks in in_order(items, parts_per_item=1):
             batch = concat_chunks(chunks, epoch=0, step=number, float_images=self.float_images)
@@ -225,32 +227,9 @@ def start_worker_server() -> None:
 def _worker_context():
     context = multiprocessing.get_context(WORKER_START)
     # Effective until the forkserver first starts. (The evaluation transforms are PIL's alone: no
-    # torchvision to preload. The main module is not preloaded: see `_main_script_hidden`.)
+    # torchvision to preload. The main module is not preloaded: see `vitray.data.processes`.)
     context.set_forkserver_preload([__name__])
     return context
-
-
-@contextlib.contextmanager
-def _main_script_hidden() -> Iterator[None]:
-    """While evaluation workers start, the caller's main module names neither its file nor its
-    module, so that they do not run it again. A worker started by the forkserver runs the main script
-    again as `__mp_main__` (Python 3.11's forkserver never preloads it: it looks for a `main_path`
-    that its parent never sends), and the workers start for every pass: more than half a worker's
-    time went to it (a script importing webdataset and torchvision: 1.3 s a pass instead of 0.36;
-    Ray's worker script in an actor), and a script without a `__main__` guard started workers of
-    its own in each. The workers unpickle only vitray's classes, never one of the main module's."""
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    hidden_file = main.__dict__.pop("__file__", None)
-    spec, main.__spec__ = getattr(main, "__spec__", None), None
-    try:
-        yield
-    finally:
-        main.__spec__ = spec
-        if hidden_file is not None:
-            main.__file__ = hidden_file
 
 
 def top1_hits(predicted: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:

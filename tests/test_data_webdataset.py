@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -166,14 +168,69 @@ def test_webdataset_mistakes_are_refused_naming_the_file_or_option(tmp_path):
         open_source(f"webdataset:{tmp_path / 'hollow'}")
 
 
-def test_many_shards_are_indexed_in_processes_of_their_own_with_the_same_result(tmp_path):
+def test_many_shards_are_indexed_in_processes_of_their_own_with_the_same_result(tmp_path, monkeypatch):
+    """From the pool as in one process, the pool really used; a bad label refused from a worker of
+    it; and a script without a `__main__` guard opens it too (spawned workers ran it again, each
+    starting a pool of its own: BrokenProcessPool)."""
+    from concurrent.futures import ProcessPoolExecutor
+
     from vitray.data.sources import webdataset
 
     count = webdataset.SHARDS_PER_PROCESS_POOL
     root = _shards(tmp_path / "wds", {"train": [[i] for i in range(count)]})
-    source = open_source(f"webdataset:{root}")
-    assert source.split_sizes() == {"train": count} and source.classes == ["0", "1", "2"]
-    assert [int(i.labels[0]) for i in source.splits["train"]] == [i % 3 for i in range(count)]
+    pools = []
+
+    class Recorded(ProcessPoolExecutor):
+        def __init__(self, *args, **kwargs):
+            pools.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(webdataset, "ProcessPoolExecutor", Recorded)
+    pooled = open_source(f"webdataset:{root}")
+    monkeypatch.setattr(webdataset, "SHARDS_PER_PROCESS_POOL", count + 1)
+    inline = open_source(f"webdataset:{root}")
+    assert len(pools) == 1 and pooled.split_sizes() == inline.split_sizes() == {"train": count}
+    for a, b in zip(pooled.splits["train"], inline.splits["train"], strict=True):
+        assert (a.path, a.names, a.offsets.tolist(), a.labels.tolist()) == (
+            b.path,
+            b.names,
+            b.offsets.tolist(),
+            b.labels.tolist(),
+        )
+    assert [int(i.labels[0]) for i in pooled.splits["train"]] == [i % 3 for i in range(count)]
+
+    script = tmp_path / "open.py"  # no __main__ guard
+    script.write_text(
+        f"from vitray.data.sources import open_source\nprint(open_source({f'webdataset:{root}'!r}).split_sizes())\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and done.stdout.strip() == f"{{'train': {count}}}", done.stderr[-2000:]
+
+    monkeypatch.setattr(webdataset, "SHARDS_PER_PROCESS_POOL", count)
     _tar(root / "mine-train-0003.tar", [("s.png", png(3)), ("s.cls", b"three")])  # refused from its process
     with pytest.raises(ValueError, match=r"mine-train-0003.tar:s.cls holds 'three'.*unlabelled:webdataset"):
         open_source(f"webdataset:{root}")
+
+
+def test_webdataset_patterns_are_sources_of_their_own_folder(tmp_path, monkeypatch):
+    """A folder or pattern under a split-named folder is that split; a pattern's spec is absolute
+    (the same shards from elsewhere are the same source); a brace pattern that repeats a shard; a
+    glob's `?` reads as the options (said); an output inside a pattern's folder is refused, as
+    inside a folder source."""
+    from typer.testing import CliRunner
+
+    from vitray.cli.main import app
+
+    _shards(tmp_path / "ds", {"x": [[1, 2]]}, name="validation/{split}")
+    for location in ("ds/validation", "ds/validation/*.tar"):
+        monkeypatch.chdir(tmp_path)
+        source = open_source(f"webdataset:{location}")
+        assert source.split_sizes() == {"validation": 2}, location
+    assert open_source("webdataset:ds/validation/*.tar").spec == f"webdataset:{tmp_path}/ds/validation/*.tar"
+    assert open_source("webdataset:ds/validation/x-{0000,0000}.tar").split_sizes() == {"validation": 2}
+    with pytest.raises(
+        ValueError, match=r"options \['.tar'\] are not known.*match one character of a glob with \[0-9\]"
+    ):
+        open_source("webdataset:ds/validation/x-000?.tar")
+    refused = CliRunner().invoke(app, ["data", "prepare", "webdataset:ds/**/*.tar", "ds/out"])
+    assert refused.exit_code == 2 and "inside" in refused.output, refused.output

@@ -91,4 +91,6 @@ def source_folder(spec: str) -> Path | None:
     if kind == "vtab":
         location = location.partition(":")[2]
     path = location.partition("?")[0]
+    if any(c in path for c in "*[{"):  # a pattern of files (webdataset:): the folder its literal part names
+        path = path[: min(path.index(c) for c in "*[{" if c in path)].rpartition("/")[0] or "."
     return Path(path).expanduser().resolve() if path else None

@@ -50,6 +50,7 @@ from urllib.parse import parse_qs
 import numpy as np
 
 from ..layout import check_split_name
+from ..processes import main_script_hidden
 from .base import (
     UNSUPPORTED_IMAGE_SUFFIXES,
     LabelColumnMissing,
@@ -130,9 +131,11 @@ class WebDatasetSource(Source):
     def open(cls, location: str, *, labels: bool = True) -> WebDatasetSource:
         """`labels=False` (`unlabelled:`, which drops them): no label member is read."""
         path, _, query = location.partition("?")
-        image_exts, label_ext, renames_given = _options(query)
+        image_exts, label_ext, renames_given = _options(query, path)
         root, shards = _shards(path)
-        spec = f"{cls.kind}:{path if _is_pattern(path) else root}" + (f"?{query}" if query else "")
+        # (a pattern as an absolute one: the same shards given from elsewhere are the same source)
+        where = os.path.abspath(os.path.expanduser(path)) if _is_pattern(path) else root
+        spec = f"{cls.kind}:{where}" + (f"?{query}" if query else "")
         splits, named = _splits_of(root, shards)
         renames = split_renames(renames_given, sorted(set(splits.values())), cls.kind, "SPLIT")
 
@@ -186,12 +189,15 @@ class WebDatasetSource(Source):
         return WebDatasetChunk(located)
 
 
-def _options(query: str) -> tuple[tuple[str, ...], str, list[str]]:
+def _options(query: str, path: str) -> tuple[tuple[str, ...], str, list[str]]:
     values = parse_qs(query, keep_blank_values=True)
     unknown = sorted(set(values) - {"image", "label", "split"})
-    if unknown:
+    if unknown or (query and not values):
+        # A glob's `?` (one character) reads as the start of the options
+        glob_hint = "; a `?` starts the options: match one character of a glob with [0-9] or [a-z]"
         raise ValueError(
-            f"webdataset source options {unknown} are not known; allowed: image=EXT, label=EXT, split=SPLIT:NAME"
+            f"webdataset source options {unknown or [query]} are not known; allowed: image=EXT, label=EXT, "
+            f"split=SPLIT:NAME{glob_hint if _is_pattern(path) or '.tar' in query else ''}"
         )
     for option in ("image", "label"):
         if len(values.get(option, [])) > 1:
@@ -224,12 +230,12 @@ def _shards(path: str) -> tuple[Path, list[Path]]:
     if _is_pattern(path):
         from braceexpand import braceexpand  # webdataset's own dependency, for its `{0000..1023}` form
 
-        expanded = [os.path.expanduser(p) for p in braceexpand(path)]
+        expanded = list(dict.fromkeys(os.path.expanduser(p) for p in braceexpand(path)))
         found = sorted({Path(m).resolve() for p in expanded for m in glob.glob(p, recursive=True)})
         if not found:
             raise FileNotFoundError(f"webdataset source {path}: no file matches it")
-        if "{" in path and "*" not in path and len(found) < len(expanded):
-            missing = next(p for p in expanded if not Path(p).exists())
+        missing = next((p for p in expanded if not any(c in p for c in "*?[") and not Path(p).exists()), None)
+        if missing is not None:  # a shard a brace pattern names, not there
             raise FileNotFoundError(f"webdataset source {path}: {missing} does not exist")
         root = Path(os.path.commonpath([str(p.parent) for p in found]))
     else:
@@ -259,8 +265,8 @@ def _splits_of(root: Path, shards: list[Path]) -> tuple[dict[Path, str], bool]:
                 f"webdataset shard {shard}: its name holds several split words ({', '.join(words)}); rename it to "
                 "hold one"
             )
-        if not words:  # the nearest folder under the root that is named as a split
-            folders = shard.parent.relative_to(root).parts if root in shard.parents else ()
+        if not words:  # the nearest folder, up to the root itself, that is named as a split
+            folders = (root.name, *shard.parent.relative_to(root).parts) if root in shard.parents else (root.name,)
             words = [f.lower() for f in reversed(folders) if f.lower() in SPLIT_WORDS][:1]
         named = named or bool(words)
         splits[shard] = check_split_name(words[0] if words else "train", str(shard))
@@ -270,9 +276,14 @@ def _splits_of(root: Path, shards: list[Path]) -> tuple[dict[Path, str], bool]:
 def _index_all(shards: list[Path], image_exts: tuple[str, ...], label_ext: str | None) -> list[_ShardIndex]:
     if len(shards) < SHARDS_PER_PROCESS_POOL:
         return [_index(s, image_exts, label_ext) for s in shards]
-    # Reading tar headers is Python-bound: one process a core, each on whole shards
-    with ProcessPoolExecutor(min(len(shards), os.cpu_count() or 1), mp_context=get_context("spawn")) as pool:
-        return list(pool.map(_index, shards, [image_exts] * len(shards), [label_ext] * len(shards), chunksize=4))
+    # Reading tar headers is Python-bound: one process a core this process may use, each on whole
+    # shards; they do not run the caller's script again (`main_script_hidden`)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    with main_script_hidden():
+        pool = ProcessPoolExecutor(min(len(shards), cores), mp_context=get_context("spawn"))
+        indexes = pool.map(_index, shards, [image_exts] * len(shards), [label_ext] * len(shards), chunksize=4)
+    with pool:
+        return list(indexes)
 
 
 def _index(shard: Path, image_exts: tuple[str, ...], label_ext: str | None) -> _ShardIndex:
