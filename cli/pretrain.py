@@ -60,7 +60,7 @@ def pretrain(
             exit_stopped(stopped, folder, cfg.train.steps)
         except KeyboardInterrupt:
             console.print(
-                f"stopped by user at once; latest complete checkpoint: {_latest_text(training, folder)} (one the "
+                f"stopped by user at once; latest complete checkpoint: {_latest_text(training.latest_complete(folder))} (one the "
                 "workers were writing may still complete); re-run the same command to resume from the latest"
             )
             raise typer.Exit(exit_codes.STOPPED_BY_USER) from None
@@ -83,10 +83,9 @@ def exit_stopped(stopped, folder: str, total_steps: int) -> NoReturn:
         if latest is not None and latest.step >= total_steps
         else "re-run the same command to resume"
     )
-    console.print(f"{what}; latest complete checkpoint: {_latest_text(training, folder, latest)}; {then}")
+    console.print(f"{what}; latest complete checkpoint: {_latest_text(latest)}; {then}")
     raise typer.Exit(exit_codes.STOPPED_BY_USER if stopped.by_user else exit_codes.PREEMPTED) from None
 
 
-def _latest_text(training, folder: str, latest=None) -> str:
-    latest = latest or training.latest_complete(folder)
+def _latest_text(latest) -> str:
     return f"step {latest.step} ({latest.path})" if latest else "no checkpoint"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .base import Sample, SampleChunk, Source, image_ext
+from .base import PATTERN_CHARS, Sample, SampleChunk, Source, image_ext
 
 __all__ = [
     "Sample",
@@ -91,6 +91,6 @@ def source_folder(spec: str) -> Path | None:
     if kind == "vtab":
         location = location.partition(":")[2]
     path = location.partition("?")[0]
-    if any(c in path for c in "*[{"):  # a pattern of files (webdataset:): the folder its literal part names
-        path = path[: min(path.index(c) for c in "*[{" if c in path)].rpartition("/")[0] or "."
+    if any(c in path for c in PATTERN_CHARS):  # a pattern of files (webdataset:): the folder its literal part names
+        path = path[: min(path.index(c) for c in PATTERN_CHARS if c in path)].rpartition("/")[0] or "."
     return Path(path).expanduser().resolve() if path else None

@@ -24,6 +24,8 @@ JPEG_SIGNATURE = b"\xff\xd8\xff"
 # since shards keep the original bytes.
 OTHER_IMAGE_SIGNATURES = {b"GIF87a": "GIF", b"GIF89a": "GIF", b"BM": "BMP", b"II*\x00": "TIFF", b"MM\x00*": "TIFF"}
 IMAGE_SUFFIXES = {".png": "png", ".jpg": "jpg", ".jpeg": "jpg"}
+# A source path holding one of these is a pattern of files (a glob, webdataset's brace form), not a path.
+PATTERN_CHARS = "*?[{"
 UNSUPPORTED_IMAGE_SUFFIXES = {".gif", ".bmp", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".heic", ".avif"}
 
 

@@ -52,6 +52,7 @@ import numpy as np
 from ..layout import check_split_name
 from ..processes import main_script_hidden
 from .base import (
+    PATTERN_CHARS,
     UNSUPPORTED_IMAGE_SUFFIXES,
     LabelColumnMissing,
     Sample,
@@ -131,7 +132,7 @@ class WebDatasetSource(Source):
     def open(cls, location: str, *, labels: bool = True) -> WebDatasetSource:
         """`labels=False` (`unlabelled:`, which drops them): no label member is read."""
         path, _, query = location.partition("?")
-        image_exts, label_ext, renames_given = _options(query, path)
+        image_exts, label_ext, label_given, renames_given = _options(query, path)
         root, shards = _shards(path)
         # (a pattern as an absolute one: the same shards given from elsewhere are the same source)
         where = os.path.abspath(os.path.expanduser(path)) if _is_pattern(path) else root
@@ -148,7 +149,7 @@ class WebDatasetSource(Source):
             for shard, index in zip(shards, indexes):
                 by_split.setdefault(renames.get(splits[shard], splits[shard]), []).append(index)
             notes = _check_samples(by_split, image_exts)
-            classes, left = _classes(by_split, label_ext, "label" in parse_qs(query)) if labels else ([], [])
+            classes, left = _classes(by_split, label_ext, label_given) if labels else ([], [])
         except _BadLabel as bad:
             raise LabelColumnMissing(f"{bad}; or prepare unlabelled:{spec} to use the images alone", reopen) from None
         if not named:
@@ -189,7 +190,8 @@ class WebDatasetSource(Source):
         return WebDatasetChunk(located)
 
 
-def _options(query: str, path: str) -> tuple[tuple[str, ...], str, list[str]]:
+def _options(query: str, path: str) -> tuple[tuple[str, ...], str, bool, list[str]]:
+    """(the image extensions, the label's, whether `label=` was given, the split renames)."""
     values = parse_qs(query, keep_blank_values=True)
     unknown = sorted(set(values) - {"image", "label", "split"})
     if unknown or (query and not values):
@@ -218,11 +220,11 @@ def _options(query: str, path: str) -> tuple[tuple[str, ...], str, list[str]]:
             f"webdataset source option image={','.join(image_exts)}: {', '.join(unsupported)} images are not read "
             "(shards hold PNG and JPEG only, never re-encoded): convert them to JPEG or PNG first"
         )
-    return image_exts, label_ext, values.get("split", [])
+    return image_exts, label_ext, "label" in values, values.get("split", [])
 
 
 def _is_pattern(path: str) -> bool:
-    return any(c in path for c in "*?[{")
+    return any(c in path for c in PATTERN_CHARS)
 
 
 def _shards(path: str) -> tuple[Path, list[Path]]:
@@ -234,7 +236,7 @@ def _shards(path: str) -> tuple[Path, list[Path]]:
         found = sorted({Path(m).resolve() for p in expanded for m in glob.glob(p, recursive=True)})
         if not found:
             raise FileNotFoundError(f"webdataset source {path}: no file matches it")
-        missing = next((p for p in expanded if not any(c in p for c in "*?[") and not Path(p).exists()), None)
+        missing = next((p for p in expanded if not _is_pattern(p) and not Path(p).exists()), None)
         if missing is not None:  # a shard a brace pattern names, not there
             raise FileNotFoundError(f"webdataset source {path}: {missing} does not exist")
         root = Path(os.path.commonpath([str(p.parent) for p in found]))
