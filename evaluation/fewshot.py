@@ -333,18 +333,31 @@ def _scorer(test_labels: Any, num_classes: int, num_rows: int):
 # ---------------------------------------------------------------------------------------------
 
 
+def _representation_of(model: Any) -> Any:
+    """The function from a batch of images to `model`'s pre-logits representations `(B, D)`."""
+    if callable(getattr(model, "forward_pre_logits", None)):
+        return model.forward_pre_logits  # a vitray ViT: the last block for the class token alone
+    if callable(getattr(model, "forward_features", None)) and callable(getattr(model, "forward_head", None)):
+        return lambda images: model.forward_head(model.forward_features(images), pre_logits=True)
+    raise TypeError(
+        f"{type(model).__name__} has neither forward_pre_logits(x) (a vitray ViT) nor forward_features(x) and "
+        "forward_head(x, pre_logits=True) (a timm model): pass one of those"
+    )
+
+
 def extract_features(model: Any, batches: Iterable[Any], device: Any = "cpu") -> tuple[np.ndarray, np.ndarray]:
     """Pre-logits representations of every image in `batches`: (features float32 (N, D), labels).
 
-    `model` needs `forward_features(x) -> (B, D)` (vitray's ViT); it is moved to `device` and put
-    in eval mode for the pass (its train/eval mode is restored afterwards). `batches` yields the
+    `model` is a vitray ViT (its `forward_pre_logits`) or a timm model (`forward_head(forward_features(x),
+    pre_logits=True)`); it is moved to `device` and put in eval mode for the pass (its train/eval mode
+    is restored afterwards). The images are passed as the batches hold them: vitray's loaders give
+    [-1, 1], the range of the ViT authors' and timm's original ViT weights. `batches` yields the
     data layer's `Batch` (`.images`, `.labels`) or `(images, labels)` pairs. Labels are returned
     as given (class ids, or multi-hot rows) concatenated in order.
     """
     import torch
 
-    if not callable(getattr(model, "forward_features", None)):
-        raise TypeError(f"{type(model).__name__} has no forward_features(x); pass a vitray ViT")
+    represent = _representation_of(model)
     was_training = model.training
     model.to(device)
     model.eval()
@@ -354,7 +367,7 @@ def extract_features(model: Any, batches: Iterable[Any], device: Any = "cpu") ->
             for i, batch in enumerate(batches):
                 images, batch_labels = _unpack_batch(batch, i)
                 images = torch.as_tensor(images).to(device=device, dtype=torch.float32)
-                features.append(model.forward_features(images).float().cpu().numpy())
+                features.append(represent(images).float().cpu().numpy())
                 batch_labels = batch_labels.cpu().numpy() if torch.is_tensor(batch_labels) else batch_labels
                 labels.append(np.asarray(batch_labels))
     finally:

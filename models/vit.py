@@ -3,7 +3,7 @@
     z0  = [x_class; x_p^1 E; ...; x_p^N E] + E_pos            (1)  embed()
     z'_l = MSA(LN(z_{l-1})) + z_{l-1}                          (2)  EncoderBlock
     z_l  = MLP(LN(z'_l)) + z'_l                                (3)  EncoderBlock
-    y    = LN(z_L^0)                                           (4)  forward_features()
+    y    = LN(z_L^0)                                           (4)  forward_head()
 
 Choices that follow the authors' code (google-research/vision_transformer, ``models_vit.py``):
 
@@ -20,8 +20,11 @@ Choices that follow the authors' code (google-research/vision_transformer, ``mod
 
 The normal path uses ``scaled_dot_product_attention`` and never materialises attention
 probabilities; ``forward_with_attention`` is the (slower) inspection path. With the token head,
-``forward``/``forward_features`` run the last block for the class token alone (the only token
-the head reads), which is the same function with less work; ``forward_tokens`` runs it fully.
+``forward``/``forward_pre_logits`` run the last block for the class token alone (the only token
+the head reads), which is the same function with less work. The names follow timm's:
+``forward_features`` gives every token (the last block run fully), ``forward_head`` pools them and
+applies the head (with ``pre_logits=True``, the representation alone), ``get_classifier`` and
+``reset_classifier``.
 
 ``num_classes=0`` builds no classification head (timm's convention): ``forward`` then returns
 the pre-logits representation. A model built with ``masked_patch_outputs`` also has the parts of
@@ -181,7 +184,7 @@ class VisionTransformer(nn.Module):
     Attributes: ``name``, ``num_classes``, ``img_size``, ``patch_size`` (pixels per token side;
     for a hybrid the ResNet's stride), ``grid_size`` (tokens per side), ``width``, ``depth``,
     ``num_heads``, ``mlp_dim``, ``head_type`` ("token" | "gap"), ``representation_size``,
-    ``num_features`` (size of :meth:`forward_features`), ``grad_checkpointing``,
+    ``num_features`` (size of :meth:`forward_pre_logits`), ``grad_checkpointing``,
     ``masked_patch_outputs`` (predictions per patch of the masked patch predictor, or None).
     """
 
@@ -324,17 +327,31 @@ class VisionTransformer(nn.Module):
             return checkpoint(block, x, first_token_only=first_token_only, use_reentrant=False)
         return block(x, first_token_only=first_token_only)
 
-    def forward_tokens(self, images: torch.Tensor) -> torch.Tensor:
-        """All encoded tokens after the final LayerNorm, ``(B, [cls] + grid*grid, width)``."""
+    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
+        """All encoded tokens after the final LayerNorm, ``(B, [cls] + grid*grid, width)``, as timm's
+        ``forward_features``; :meth:`forward_head` pools them."""
         x = self.embed(images)
         for block in self.blocks:
             x = self._run(block, x)
         return self.norm(x)
 
+    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Equation (4) and the head, from :meth:`forward_features`' tokens (timm's ``forward_head``):
+        the class token, or the mean token for "gap", through the pre-logits layer where the model
+        has one; then the logits, or with ``pre_logits`` the representation ``(B, num_features)``."""
+        pooled = tokens.mean(dim=1) if self.head_type == "gap" else tokens[:, 0]
+        representation = self._represent(pooled)
+        return representation if pre_logits else self.head(representation)
+
+    def forward_pre_logits(self, images: torch.Tensor) -> torch.Tensor:
+        """The pre-logits representation ``(B, num_features)`` that linear probes use:
+        ``forward_head(forward_features(images), pre_logits=True)``, with less work for the token head."""
+        return self._represent(self._pool(images))
+
     def _pool(self, images: torch.Tensor) -> torch.Tensor:
         """Equation (4) before the head: the normalised class token, or the mean token for "gap"."""
         if self.head_type == "gap":
-            return self.forward_tokens(images).mean(dim=1)
+            return self.forward_features(images).mean(dim=1)
         # Only the class token of the last block reaches the head, so that block runs its
         # attention output, projection and MLP for that token alone (all tokens still serve as
         # keys and values): the same function for about 3/4 of a block less work.
@@ -345,10 +362,6 @@ class VisionTransformer(nn.Module):
 
     def _represent(self, pooled: torch.Tensor) -> torch.Tensor:
         return pooled if self.pre_logits is None else torch.tanh(self.pre_logits(pooled))
-
-    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
-        """The pre-logits representation ``(B, num_features)`` used by linear probes."""
-        return self._represent(self._pool(images))
 
     def forward(
         self,
@@ -369,7 +382,7 @@ class VisionTransformer(nn.Module):
             if any(arg is None for arg in corruption):
                 raise ValueError("masked patch prediction needs all of patch_source, patch_mask and predict_at")
             return self.predict_masked_patches(images, patch_source, patch_mask, predict_at)
-        return self.head(self.forward_features(images))
+        return self.head(self.forward_pre_logits(images))
 
     def predict_masked_patches(
         self, images: torch.Tensor, patch_source: torch.Tensor, patch_mask: torch.Tensor, predict_at: torch.Tensor
@@ -395,9 +408,7 @@ class VisionTransformer(nn.Module):
         for block in self.blocks:
             x, probs = block(x, return_attention=True)
             attentions.append(probs)
-        tokens = self.norm(x)
-        pooled = tokens[:, 0] if self.head_type == "token" else tokens.mean(dim=1)
-        return self.head(self._represent(pooled)), attentions
+        return self.forward_head(self.norm(x)), attentions
 
     # -- adaptation ------------------------------------------------------------------------
 
@@ -412,6 +423,21 @@ class VisionTransformer(nn.Module):
         self.num_features = self.width
         self.num_classes = num_classes
         self.head = self._zero_linear(self.width, num_classes) if num_classes else nn.Identity()
+
+    def get_classifier(self) -> nn.Module:
+        """The classification head (timm's name): a Linear, or an Identity where there is none."""
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """timm's name for :meth:`reset_head`. ``global_pool`` may only name the pooling the model
+        was built with ("token", or "avg" for the gap head): vitray fixes it when the model is made."""
+        own = "avg" if self.head_type == "gap" else "token"
+        if global_pool is not None and global_pool != own:
+            raise ValueError(
+                f"global_pool={global_pool!r}: {self.name} pools with {own!r} (head={self.head_type!r}), fixed when "
+                f'the model is made; create it with head="gap" (avg) or head="token" to pool otherwise'
+            )
+        self.reset_head(num_classes)
 
     def start_masked_patch(self, outputs: int, num_classes: int, *, keep_predictor: bool = False) -> None:
         """Prepares masked patch pre-training from these weights: the parts of a model built for it

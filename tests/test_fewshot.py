@@ -277,7 +277,7 @@ def test_multi_hot_test_labels_score_like_imagenet_real(digits):
 
 
 class _PixelEncoder(torch.nn.Module):
-    """A small real encoder with the ViT's `forward_features` contract (dropout shows the mode)."""
+    """A small real encoder with the ViT's `forward_pre_logits` contract (dropout shows the mode)."""
 
     def __init__(self):
         super().__init__()
@@ -285,12 +285,12 @@ class _PixelEncoder(torch.nn.Module):
         self.drop = torch.nn.Dropout(0.5)
         self.head = torch.nn.Linear(16, 10)
 
-    def forward_features(self, x):
+    def forward_pre_logits(self, x):
         assert not torch.is_grad_enabled()
         return self.drop(torch.tanh(self.proj(x.flatten(1))))
 
     def forward(self, x):
-        return self.head(self.forward_features(x))
+        return self.head(self.forward_pre_logits(x))
 
 
 @dataclass
@@ -319,7 +319,7 @@ def test_extract_features_batches_and_pairs():
 
 
 def test_extract_features_errors():
-    with pytest.raises(TypeError, match="forward_features"):
+    with pytest.raises(TypeError, match="neither forward_pre_logits.*nor forward_features"):
         extract_features(torch.nn.Linear(3, 3), [])
     with pytest.raises(ValueError, match="nothing"):
         extract_features(_PixelEncoder(), [])
@@ -336,14 +336,30 @@ def test_extract_features_from_a_vitray_vit():
     features, labels = extract_features(model, [(images[:3], torch.arange(3)), (images[3:], torch.arange(3, 6))])
     assert features.shape == (6, model.num_features)
     with torch.inference_mode():
-        np.testing.assert_allclose(features, model.eval().forward_features(images).numpy(), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(features, model.eval().forward_pre_logits(images).numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(labels, np.arange(6))
+
+
+def test_extract_features_from_a_timm_model_equal_those_of_the_same_vitray_vit():
+    import timm
+
+    from vitray.models import create_model, load_timm_state_dict
+
+    torch.manual_seed(0)
+    reference = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, depth=2, num_classes=10)
+    model = create_model("Ti/4", num_classes=10, img_size=32, depth=2)
+    load_timm_state_dict(model, reference.state_dict())
+    batches = [(torch.rand(3, 3, 32, 32) * 2 - 1, torch.arange(3))]
+    timm_features, _ = extract_features(reference, batches)
+    vitray_features, _ = extract_features(model, batches)
+    assert timm_features.shape == (3, model.width)
+    np.testing.assert_allclose(timm_features, vitray_features, rtol=1e-4, atol=1e-5)
 
 
 class _PooledPixels(torch.nn.Module):
     """Raw pixels, 4x4-average-pooled: a parameter-free encoder with the ViT's feature contract."""
 
-    def forward_features(self, x):
+    def forward_pre_logits(self, x):
         return torch.nn.functional.avg_pool2d(x, 4).flatten(1)
 
 
@@ -375,7 +391,7 @@ class _CountingPixels(torch.nn.Module):
         self.anchor = torch.nn.Parameter(torch.zeros(1))
         self.encoded = 0
 
-    def forward_features(self, x):
+    def forward_pre_logits(self, x):
         self.encoded += len(x)
         return torch.nn.functional.avg_pool2d(x, 4).flatten(1)
 

@@ -131,7 +131,7 @@ def test_model_corruption_hides_masked_patches_and_moves_replaced_ones():
         untouched = model(
             images, patch_source=identity, patch_mask=torch.zeros(2, 4, dtype=torch.bool), predict_at=everywhere
         )
-        expected = model.masked_patch.predictor(model.forward_tokens(images)[:, 1:])
+        expected = model.masked_patch.predictor(model.forward_features(images)[:, 1:])
         torch.testing.assert_close(untouched, expected)
         # Every patch masked: the predictions no longer depend on the pixels.
         masked = model(
@@ -146,7 +146,7 @@ def test_model_corruption_hides_masked_patches_and_moves_replaced_ones():
         replaced = model(
             images, patch_source=source, patch_mask=torch.zeros(2, 4, dtype=torch.bool), predict_at=everywhere[:, :2]
         )
-        torch.testing.assert_close(replaced[0], model.masked_patch.predictor(model.forward_tokens(moved)[0, 1:3]))
+        torch.testing.assert_close(replaced[0], model.masked_patch.predictor(model.forward_features(moved)[0, 1:3]))
     with pytest.raises(ValueError, match="all of patch_source, patch_mask and predict_at"):
         model(images, patch_source=identity)
     with pytest.raises(ValueError, match="needs a plain ViT"):

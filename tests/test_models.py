@@ -18,6 +18,7 @@ from vitray.models import (
     VisionTransformer,
     create_model,
     create_model_from_config,
+    load_timm_state_dict,
     model_names,
     on_meta_device,
     resample_posemb,
@@ -178,7 +179,7 @@ def test_output_shapes_at_224_and_384(name, img_size):
     assert model.pos_embed.shape == (1, 1 + grid * grid, model.width)
     images = torch.empty(2, 3, img_size, img_size, device="meta")
     assert model(images).shape == (2, 1000)
-    assert model.forward_features(images).shape == (2, model.width)
+    assert model.forward_pre_logits(images).shape == (2, model.width)
 
 
 def test_h14_and_g14_run_at_a_multiple_of_14():
@@ -241,8 +242,8 @@ def test_fresh_model_predicts_zero_logits():
 def test_token_features_are_the_normalised_class_token():
     model = randomize_(create_model("Ti/4", num_classes=5, img_size=32, representation_size=24))
     images = torch.randn(2, 3, 32, 32)
-    tokens = model.forward_tokens(images)
-    features = model.forward_features(images)
+    tokens = model.forward_features(images)
+    features = model.forward_pre_logits(images)
     expected = torch.tanh(model.pre_logits(tokens[:, 0]))
     assert features.shape == (2, 24) and model.num_features == 24
     torch.testing.assert_close(features, expected, atol=1e-5, rtol=1e-5)
@@ -256,7 +257,7 @@ def test_class_token_shortcut_trains_like_the_full_encoder():
     images, labels = torch.randn(2, 3, 32, 32), torch.tensor([0, 4])
     parameters = list(model.parameters())
     shortcut = torch.autograd.grad(F.cross_entropy(model(images), labels), parameters)
-    full_logits = model.head(model.forward_tokens(images)[:, 0])
+    full_logits = model.head(model.forward_features(images)[:, 0])
     full = torch.autograd.grad(F.cross_entropy(full_logits, labels), parameters)
     for (name, _), a, b in zip(model.named_parameters(), shortcut, full):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4, msg=name)
@@ -280,9 +281,46 @@ def test_gap_head_has_no_class_token_and_averages_patch_tokens():
     assert model.cls_token is None and "cls_token" not in model.state_dict()
     assert model.pos_embed.shape == (1, 64, model.width)
     images = torch.randn(2, 3, 32, 32)
-    tokens = model.forward_tokens(images)
+    tokens = model.forward_features(images)
     assert tokens.shape == (2, 64, model.width)
-    torch.testing.assert_close(model.forward_features(images), tokens.mean(dim=1))
+    torch.testing.assert_close(model.forward_pre_logits(images), tokens.mean(dim=1))
+
+
+def test_timms_forward_names_mean_what_they_mean_in_timm():
+    """Code written for timm runs on a vitray ViT with the same meaning: `forward_features` gives the
+    tokens, `forward_head` pools them (`pre_logits=True`: the representation), `get_classifier` and
+    `reset_classifier`; `forward_features(x)[:, 0]` must not be a column of pooled features."""
+    torch.manual_seed(0)
+    reference = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, depth=2, num_classes=5).eval()
+    model = create_model("Ti/4", num_classes=5, img_size=32, depth=2).eval()
+    load_timm_state_dict(model, reference.state_dict())
+    images = torch.rand(2, 3, 32, 32) * 2 - 1
+    with torch.no_grad():
+        tokens = model.forward_features(images)
+        assert tokens.shape == (2, 65, model.width)
+        torch.testing.assert_close(tokens, reference.forward_features(images), atol=1e-5, rtol=1e-5)
+        pooled = model.forward_head(tokens, pre_logits=True)
+        torch.testing.assert_close(pooled, reference.forward_head(reference.forward_features(images), pre_logits=True))
+        torch.testing.assert_close(pooled, model.forward_pre_logits(images), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model.forward_head(tokens), model(images), atol=1e-5, rtol=1e-5)
+    assert model.get_classifier() is model.head
+    model.reset_classifier(0)
+    assert isinstance(model.get_classifier(), torch.nn.Identity) and model.num_classes == 0
+    model.reset_classifier(3, global_pool="token")
+    assert model.get_classifier().out_features == 3
+    with pytest.raises(ValueError, match=r"global_pool='avg': Ti/4 pools with 'token'.*head=\"gap\""):
+        model.reset_classifier(3, global_pool="avg")
+
+
+@pytest.mark.parametrize("head", ["token", "gap"])
+def test_forward_head_of_the_tokens_is_the_forward_pass(head):
+    model = randomize_(create_model("Ti/4", num_classes=5, img_size=32, head=head, representation_size=16))
+    images = torch.randn(2, 3, 32, 32)
+    tokens = model.forward_features(images)
+    torch.testing.assert_close(model.forward_head(tokens), model(images), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        model.forward_head(tokens, pre_logits=True), model.forward_pre_logits(images), atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("head", ["token", "gap"])
@@ -371,7 +409,7 @@ def test_hybrid_forward():
     model = create_model("R26+Ti/32", num_classes=4, img_size=64).eval()
     assert (model.grid_size, model.stem.stride, model.stem.out_channels) == (2, 32, 2048)
     images = torch.randn(2, 3, 64, 64)
-    features = model.forward_features(images)
+    features = model.forward_pre_logits(images)
     assert features.shape == (2, model.width) and torch.isfinite(features).all()
     assert features.std() > 0.1
     assert model(images).shape == (2, 4)
@@ -383,11 +421,11 @@ def test_weight_standardisation_ignores_kernel_scale():
     torch.manual_seed(0)
     model = create_model("R26+Ti/32", num_classes=4, img_size=64).eval()
     images = torch.randn(1, 3, 64, 64)
-    before = model.forward_features(images)
+    before = model.forward_pre_logits(images)
     with torch.no_grad():
         conv = model.stem.stages[1][0].conv2
         conv.weight.mul_(3.0).add_(0.5)
-    torch.testing.assert_close(model.forward_features(images), before, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(model.forward_pre_logits(images), before, atol=1e-4, rtol=1e-4)
 
 
 # -- adaptation -----------------------------------------------------------------------------
@@ -402,10 +440,10 @@ def test_reset_head_drops_pre_logits_and_zeroes_the_head():
     assert model.head.weight.shape == (3, model.width) and torch.count_nonzero(model.head.weight) == 0
     images = torch.randn(2, 3, 32, 32)
     assert torch.count_nonzero(model(images)) == 0
-    torch.testing.assert_close(model.forward_features(images), model.forward_tokens(images)[:, 0])
+    torch.testing.assert_close(model.forward_pre_logits(images), model.forward_features(images)[:, 0])
     model.reset_head(0)  # no head: the model gives its features (timm's reset_classifier(0))
     assert model.num_classes == 0 and not any(key.startswith("head") for key in model.state_dict())
-    torch.testing.assert_close(model(images), model.forward_features(images))
+    torch.testing.assert_close(model(images), model.forward_pre_logits(images))
     with pytest.raises(ValueError, match="num_classes must be a non-negative integer"):
         model.reset_head(-1)
 

@@ -166,5 +166,5 @@ class _CastInputs(torch.nn.Module):
         self.inner, self.dtype = inner, dtype
         self.training = inner.training  # extract_features restores this mode afterwards
 
-    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
-        return self.inner.forward_features(images.to(self.dtype))
+    def forward_pre_logits(self, images: torch.Tensor) -> torch.Tensor:
+        return self.inner.forward_pre_logits(images.to(self.dtype))
