@@ -7,12 +7,15 @@ from typing import Any
 from pydantic import ValidationError
 
 from .config import ModelConfig
-from .vit import VisionTransformer
+from .vit import VisionTransformer, square_side
 
 
-def create_model(name: str, *, num_classes: int, img_size: int = 224, **options: Any) -> VisionTransformer:
+def create_model(
+    name: str, *, num_classes: int, img_size: int | tuple[int, int] = 224, **options: Any
+) -> VisionTransformer:
     """Builds the ViT called ``name`` (see :func:`model_names`) with the authors' initialisation.
 
+    ``img_size`` is the side of the square input, or its ``(height, width)`` as timm takes it.
     ``options`` are the other fields of :class:`ModelConfig`, which declares and validates them:
     ``head`` is "token" (class token) or "gap" (mean of the patch tokens, no class token);
     ``representation_size`` adds the tanh pre-logits layer used in pre-training; ``dropout``,
@@ -24,7 +27,7 @@ def create_model(name: str, *, num_classes: int, img_size: int = 224, **options:
     returns the representation).
     """
     try:
-        cfg = ModelConfig(name=name, img_size=img_size, **options)
+        cfg = ModelConfig(name=name, img_size=square_side(img_size), **options)
     except ValidationError as err:
         raise _argument_error(name, err) from None
     return VisionTransformer(cfg, num_classes=num_classes)

@@ -170,6 +170,19 @@ def _check_positive_int(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def square_side(img_size: object) -> object:
+    """A resolution given as timm takes it, one side or ``(height, width)``, as the one side of
+    vitray's square inputs (anything else is returned for the usual checks to refuse)."""
+    if isinstance(img_size, (tuple, list)) and len(img_size) == 2:
+        height, width = img_size
+        if height != width:
+            raise ValueError(
+                f"img_size={tuple(img_size)}: vitray's ViTs take square images; give one side, e.g. img_size={max(height, width)}"
+            )
+        return height
+    return img_size
+
+
 def _check_num_classes(value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"num_classes must be a non-negative integer (0: no classification head), got {value!r}")
@@ -454,12 +467,13 @@ class VisionTransformer(nn.Module):
         self.num_classes = num_classes
         self.head = self._zero_linear(self.width, num_classes) if num_classes else nn.Identity()
 
-    def set_img_size(self, img_size: int) -> None:
-        """Changes the input resolution in place, resampling the position embedding.
+    def set_img_size(self, img_size: int | tuple[int, int]) -> None:
+        """Changes the input resolution (one side, or a square's ``(height, width)``) in place,
+        resampling the position embedding.
 
         The position embedding becomes a new Parameter: build optimizers after calling this.
         """
-        self._set_resolution_attributes(img_size)
+        self._set_resolution_attributes(square_side(img_size))
         if self.pos_embed.shape[1] == self.num_prefix_tokens + self.grid_size**2:
             return
         with torch.no_grad():

@@ -460,6 +460,15 @@ def test_set_img_size_resamples_the_position_embedding():
         model(torch.randn(1, 3, 32, 32))
     with pytest.raises(ValueError, match="not divisible by the patch size 4"):
         model.set_img_size(50)
+    at_48 = model.pos_embed.detach().clone()
+    model.set_img_size((32, 32))  # a square's (height, width), as timm takes a resolution
+    assert model.img_size == 32
+    torch.testing.assert_close(model.pos_embed.detach(), resample_posemb(at_48, 8))
+
+
+def test_a_square_resolution_as_timm_gives_it():
+    model = create_model("Ti/4", num_classes=5, img_size=(32, 32))
+    assert (model.img_size, model.grid_size) == (32, 8)
 
 
 # -- position-embedding resampling vs scipy -----------------------------------------------
@@ -516,6 +525,10 @@ def test_resample_posemb_rejects_non_grids():
         ({"num_classes": 10, "dropout": 1.0}, r"dropout=1.0: Input should be less than 1$"),
         ({"num_classes": 10, "depth": 0}, r"^create_model\('Ti/4'\): depth=0: Input should be greater than 0$"),
         ({"num_classes": 10, "attn_dropout": -0.1}, r"attn_dropout=-0.1: Input should be greater than or equal to 0$"),
+        (
+            {"num_classes": 10, "img_size": (32, 48)},
+            r"^img_size=\(32, 48\): vitray's ViTs take square images; give one side",
+        ),
     ],
 )
 def test_bad_arguments_are_clear_errors(kwargs, message):
