@@ -35,7 +35,13 @@ def load_checkpoint(path: str, *, ema: bool = True) -> tuple[Any, dict[str, Any]
     and is pinned while it is read, so that a live run's pruning does not delete it under the read.
     ``info`` is the checkpoint's trainer state: ``info["checkpoint"]`` the folder read, ``"step"``,
     ``"num_classes"``, ``"model"`` and the run's ``"config"``. The model is in training mode, as
-    built; call ``model.eval()`` to score it."""
+    built; call ``model.eval()`` to score it. Its ``pretrained_cfg`` (timm's) says how the run
+    evaluated it (the range [-1, 1], the resize and crop of its ``val`` evaluation), so that
+    ``timm.data.create_transform(**timm.data.resolve_data_config(model=model))`` makes those inputs."""
     from vitray.runfolder.checkpoint_folders import load_checkpoint as load
+    from vitray.runfolder.timm_folder import eval_resize_of, pretrained_cfg
 
-    return load(path, ema=ema, pin=True)
+    model, info = load(path, ema=ema, pin=True)
+    evaluation = eval_resize_of((info.get("config") or {}).get("evals"))
+    model.pretrained_cfg = pretrained_cfg(model, evaluation, f"vitray {model.name}, step {info['step']} of {path}")
+    return model, info

@@ -155,28 +155,35 @@ def timm_config(model, eval_resize: Mapping[str, Any]) -> dict:
     }
     if model.stem is None:
         model_args["patch_size"] = model.patch_size
-    first_conv = "patch_embed.proj" if model.stem is None else "patch_embed.backbone.stem.conv"
     return {
         "architecture": hybrid or plain_architecture(model.name, model.patch_size, model.img_size),
         "num_classes": model.num_classes,
         "num_features": model.width,
         "global_pool": model_args["global_pool"],
         "model_args": model_args,
-        "pretrained_cfg": {
-            "tag": "vitray",
-            "custom_load": False,
-            "input_size": [3, model.img_size, model.img_size],
-            "fixed_input_size": True,
-            "interpolation": "bilinear",
-            **timm_crop(model.img_size, eval_resize["resize"], float(eval_resize["resize_ratio"])),
-            "mean": [0.5, 0.5, 0.5],
-            "std": [0.5, 0.5, 0.5],
-            "num_classes": model.num_classes,
-            "pool_size": None,
-            "first_conv": first_conv,
-            "classifier": "head",
-            "description": f"vitray {model.name} at {model.img_size} px, exported by vitray export --format timm",
-        },
+        "pretrained_cfg": pretrained_cfg(
+            model, eval_resize, f"vitray {model.name} at {model.img_size} px, exported by vitray export --format timm"
+        ),
+    }
+
+
+def pretrained_cfg(model, eval_resize: Mapping[str, Any], description: str) -> dict[str, Any]:
+    """timm's `pretrained_cfg` of `model` evaluated with `eval_resize` (:func:`eval_resize_of`): what
+    `timm.data.resolve_data_config` reads to make the inputs vitray evaluated the model on."""
+    return {
+        "tag": "vitray",
+        "custom_load": False,
+        "input_size": (3, model.img_size, model.img_size),  # a tuple, as timm holds it (a list in JSON)
+        "fixed_input_size": True,
+        "interpolation": "bilinear",
+        **timm_crop(model.img_size, eval_resize["resize"], float(eval_resize["resize_ratio"])),
+        "mean": [0.5, 0.5, 0.5],
+        "std": [0.5, 0.5, 0.5],
+        "num_classes": model.num_classes,
+        "pool_size": None,
+        "first_conv": "patch_embed.proj" if model.stem is None else "patch_embed.backbone.stem.conv",
+        "classifier": "head",
+        "description": description,
     }
 
 

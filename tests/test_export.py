@@ -59,19 +59,23 @@ def test_timm_loads_the_exported_folder_with_the_same_logits(model, tmp_path):
 def test_timms_transform_of_the_export_is_the_checkpoints_evaluation(evals, img_size, resize, tmp_path):
     """timm's `resolve_data_config` + `create_transform` on the exported folder give the pixels the
     checkpoint's val evaluator scored: its resize (whole image or central crop) and its ratio, with
-    vitray's rounding of the enlarged side (a fixed 0.875 crop was off for all but 224 px)."""
+    vitray's rounding of the enlarged side (a fixed 0.875 crop was off for all but 224 px). The model
+    `vitray.runfolder.load_checkpoint` gives carries the same data config for timm to read."""
     import timm
     from PIL import Image
 
     from vitray.data.config import EVAL_RESIZE_RATIO
     from vitray.data.transforms import eval_transform
+    from vitray.runfolder import load_checkpoint
     from vitray.runfolder.timm_folder import DEFAULT_EVAL_RESIZE
 
     assert DEFAULT_EVAL_RESIZE == {"resize": "aspect", "resize_ratio": EVAL_RESIZE_RATIO}
     make_checkpoint(tmp_path / "ckpt", img_size=img_size, evals=evals)
     export(str(tmp_path / "ckpt"), "timm", str(tmp_path / "timm"))
     loaded = timm.create_model(f"local-dir:{tmp_path / 'timm'}", pretrained=True)
-    theirs = timm.data.create_transform(**timm.data.resolve_data_config({}, model=loaded))
+    data_config = timm.data.resolve_data_config({}, model=loaded)
+    assert timm.data.resolve_data_config({}, model=load_checkpoint(str(tmp_path / "ckpt"))[0]) == data_config
+    theirs = timm.data.create_transform(**data_config)
     ours = eval_transform(img_size, *resize)
     rng = np.random.default_rng(0)
     for height, width in [(37, 23), (23, 37), (64, 64), (101, 55), (img_size, img_size + 5)]:
