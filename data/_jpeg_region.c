@@ -11,10 +11,13 @@
  * RGB pixels of rows [top, top + height) and columns [left, left + width), row after row. The
  * pixels are those of a full decode by the same libjpeg: columns on each side of the crop are
  * decoded as well, so that "fancy" chroma upsampling at the crop's edge sees its real neighbours.
- * Raises ValueError for data libjpeg cannot decode (its message), including data it only warns
- * about (a truncated or damaged stream), and UnsupportedJPEG for images this path does not
- * handle (CMYK/YCCK); the caller then decodes them another way. The GIL is released while
- * decoding.
+ * Raises ValueError for data libjpeg cannot decode (its message); DamagedJPEG (a ValueError) for
+ * data it decodes with a warning of damaged entropy-coded data in the crop's rows or above them
+ * (a corrupted or cut-short stream; not a header oddity such as an unknown JFIF version, after which
+ * the pixels are whole); UnsupportedJPEG for images this path does not handle (CMYK/YCCK). On
+ * either of the last two the caller decodes the image whole: a crop sees only its own rows' data, so
+ * the verdict on a damaged image must come from one decode of all of it, whatever the crop. The GIL
+ * is released while decoding.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -25,12 +28,14 @@
 #include <string.h>
 
 #include <jpeglib.h>
+#include <jerror.h> /* the warnings' codes */
 
-static PyObject *UnsupportedJPEG;
+static PyObject *UnsupportedJPEG, *DamagedJPEG;
 
 struct region_error {
     struct jpeg_error_mgr pub;
     jmp_buf jump;
+    int damage; /* warnings that mean damaged entropy-coded data */
     char message[JMSG_LENGTH_MAX];
 };
 
@@ -40,12 +45,31 @@ static void on_error(j_common_ptr cinfo) {
     longjmp(err->jump, 1);
 }
 
-/* Warnings (corrupt data, a premature end) are kept, not printed: the caller fails the sample. */
+/* Warnings are kept, not printed. Those that mean damaged or missing entropy-coded data fail the
+   sample; the others (an unknown JFIF version, a sequential JPEG's odd scan parameters, a bad ICC
+   marker, extraneous bytes before a marker) leave whole pixels, which Pillow, torchvision and
+   TF's decode_jpeg give as well. */
+static int is_damage(int code) {
+    return code == JWRN_HIT_MARKER || code == JWRN_JPEG_EOF || code == JWRN_HUFF_BAD_CODE ||
+           code == JWRN_ARITH_BAD_CODE || code == JWRN_MUST_RESYNC || code == JWRN_BOGUS_PROGRESSION;
+}
+
 static void on_message(j_common_ptr cinfo, int level) {
     struct region_error *err = (struct region_error *)cinfo->err;
-    if (level < 0 && err->pub.num_warnings++ == 0) {
-        (*cinfo->err->format_message)(cinfo, err->message);
+    if (level < 0) {
+        cinfo->err->num_warnings++;
+        if (is_damage(cinfo->err->msg_code) && err->damage++ == 0) {
+            (*cinfo->err->format_message)(cinfo, err->message);
+        }
     }
+}
+
+static void start_error_handling(struct jpeg_decompress_struct *cinfo, struct region_error *err) {
+    cinfo->err = jpeg_std_error(&err->pub);
+    err->pub.error_exit = on_error;
+    err->pub.emit_message = on_message;
+    err->damage = 0;
+    err->message[0] = '\0';
 }
 
 enum outcome { DECODED, FAILED, UNSUPPORTED, BAD_REGION };
@@ -57,10 +81,7 @@ static enum outcome decode(const unsigned char *data, size_t size, int top, int 
     unsigned char *volatile row = NULL;
     volatile enum outcome result = FAILED;
 
-    cinfo.err = jpeg_std_error(&err->pub);
-    err->pub.error_exit = on_error;
-    err->pub.emit_message = on_message;
-    err->message[0] = '\0';
+    start_error_handling(&cinfo, err);
     if (setjmp(err->jump)) {
         free(row);
         jpeg_destroy_decompress(&cinfo);
@@ -109,7 +130,7 @@ static enum outcome decode(const unsigned char *data, size_t size, int top, int 
     }
     free(row);
     row = NULL;
-    result = err->pub.num_warnings ? FAILED : DECODED;
+    result = err->damage ? FAILED : DECODED;
     jpeg_abort_decompress(&cinfo); /* the rows below the crop are never decoded */
     jpeg_destroy_decompress(&cinfo);
     return result;
@@ -147,7 +168,8 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "decode_region: the region %dx%d at (%d, %d) is not inside the image",
                      width, height, left, top);
     } else {
-        PyErr_Format(PyExc_ValueError, "corrupt JPEG: %s", err.message[0] ? err.message : "unknown error");
+        PyErr_Format(err.damage ? DamagedJPEG : PyExc_ValueError, "corrupt JPEG: %s",
+                     err.message[0] ? err.message : "unknown error");
     }
     return NULL;
 }
@@ -168,6 +190,11 @@ PyMODINIT_FUNC PyInit__jpeg_region(void) {
     }
     UnsupportedJPEG = PyErr_NewException("vitray.data._jpeg_region.UnsupportedJPEG", PyExc_ValueError, NULL);
     if (UnsupportedJPEG == NULL || PyModule_AddObjectRef(m, "UnsupportedJPEG", UnsupportedJPEG) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    DamagedJPEG = PyErr_NewException("vitray.data._jpeg_region.DamagedJPEG", PyExc_ValueError, NULL);
+    if (DamagedJPEG == NULL || PyModule_AddObjectRef(m, "DamagedJPEG", DamagedJPEG) < 0) {
         Py_DECREF(m);
         return NULL;
     }

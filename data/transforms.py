@@ -407,15 +407,18 @@ def _jpeg_frame(data: bytes) -> tuple[int, int, int, int, int, int | None] | Non
 def _decode_jpeg_region(data: bytes, top: int, left: int, height: int, width: int) -> torch.Tensor | None:
     """The crop of a JPEG as RGB uint8 ``(3, height, width)`` (a channels-last view), decoding
     only the rows and iMCU columns it needs (``_jpeg_region``); the same pixels as cropping a full
-    decode. None where this path does not apply (the extension is not built, a CMYK JPEG, or data
-    that does not end with the end-of-image marker: whether a cut-short JPEG is refused must not
-    depend on where its crop falls, so the full decode decides). CorruptSample's cause raised as
-    ValueError for data libjpeg cannot decode."""
+    decode. None where this path does not apply: the extension is not built, a CMYK JPEG, or a
+    damaged one -- data that does not end with the end-of-image marker, or whose entropy-coded data
+    libjpeg warns about in the rows the crop decodes. A crop reads only the data of its own rows and
+    those above, so whether a damaged JPEG is refused (or decoded, as Pillow and torchvision decode
+    it, warnings and all) must not depend on where its crop falls: the full decode decides, as it
+    does for the reduced decode's and the evaluation's crops. CorruptSample's cause raised as
+    ValueError for data libjpeg cannot decode at all."""
     if _jpeg_region is None or not REGION_DECODE or data[-2:] != b"\xff\xd9":
         return None
     try:
         pixels = _jpeg_region.decode_region(data, top, left, height, width)
-    except _jpeg_region.UnsupportedJPEG:
+    except (_jpeg_region.UnsupportedJPEG, _jpeg_region.DamagedJPEG):
         return None
     return torch.frombuffer(pixels, dtype=torch.uint8).view(height, width, 3).permute(2, 0, 1)
 

@@ -110,6 +110,39 @@ def test_train_crops_are_the_same_by_region_or_whole_and_cut_short_jpegs_fail_ei
             train_crop.from_bytes(cut, seed)
 
 
+def _as_tensor(region: bytearray, height: int, width: int) -> torch.Tensor:
+    return torch.frombuffer(region, dtype=torch.uint8).view(height, width, 3).permute(2, 0, 1)
+
+
+@needs_extension
+def test_a_jpeg_gets_one_verdict_whatever_its_crop(monkeypatch):
+    """What libjpeg only warns about: a header oddity (an unknown JFIF version, a sequential JPEG's
+    odd scan parameters) leaves whole pixels, decoded by region; damaged entropy-coded data before
+    the end marker is decoded whole for every crop, as Pillow and torchvision decode it (and so the
+    reduced decode and the evaluation), not refused by the crops whose rows reach the damage only."""
+    decode_region = transforms._jpeg_region.decode_region
+    data = _jpeg(_photo(320, 240))
+    scan = data.find(b"\xff\xda")
+    odd_scan = bytearray(data)
+    odd_scan[scan + 2 + int.from_bytes(data[scan + 2 : scan + 4], "big") - 3] = 1  # Ss = 1
+    jfif_2 = bytearray(data)
+    jfif_2[jfif_2.find(b"JFIF\0") + 5] = 2
+    for quirk in (bytes(odd_scan), bytes(jfif_2)):
+        assert torch.equal(_as_tensor(decode_region(quirk, 10, 20, 64, 64), 64, 64), _full_crop(data, 10, 20, 64, 64))
+    damaged = data[: scan + (len(data) - scan) * 3 // 4] + b"\xff\xd9"
+    decode_region(damaged, 0, 0, 30, 30)  # rows above the damage
+    with pytest.raises(transforms._jpeg_region.DamagedJPEG, match="corrupt JPEG: Corrupt JPEG data"):
+        decode_region(damaged, 200, 0, 30, 30)  # rows past it: the region decoder leaves it to the full decode
+
+    train_crop = TrainCrop(64)  # most crops of a 320x240 photo are < 128 px: the region decoder
+    for image in (bytes(odd_scan), bytes(jfif_2), damaged):
+        by_region = [train_crop.from_bytes(image, seed) for seed in range(20)]  # none refused
+        monkeypatch.setattr(transforms, "REGION_DECODE", False)
+        whole = [train_crop.from_bytes(image, seed) for seed in range(20)]
+        monkeypatch.setattr(transforms, "REGION_DECODE", True)
+        assert all(torch.equal(a, b) for a, b in zip(by_region, whole))
+
+
 @pytest.mark.parametrize("built", [True, False])
 def test_a_run_says_when_its_loader_decodes_jpegs_whole(built, monkeypatch, capsys):
     """Without the extension (no libjpeg headers at install) the loader is slower: rank 0 says so,
