@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from vitray import storage
 from vitray.runfolder.files import RunFiles
 from vitray.runfolder.listing import skipped_data
-from vitray.runfolder.run_report import evaluations
+from vitray.runfolder.run_report import evaluations, result_text
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ def progress_line(record: dict[str, Any], records: list[dict[str, Any]], total_s
         left = per_step * (total_steps - step)
         # (a timedelta of train.steps=1e20's seconds overflows, and would stop the progress lines)
         parts.append(f"eta {datetime.timedelta(seconds=round(left))}" if left < ETA_SHOWN_S else "eta over a year")
-    parts += [f"{key} {value:.3f}" for key, value in evaluations(record)]
+    parts += [result_text(key, value, digits=3) for key, value in evaluations(record)]
     if record.get("skipped_samples"):
         parts.append(f"{record['skipped_samples']} corrupt samples skipped")
     return "  ".join(parts)

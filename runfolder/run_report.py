@@ -37,11 +37,14 @@ def run_report(run_dir: str, *, total_steps: int, wall_s: float) -> list[str]:
     evaluated = [r for r in records if evaluations(r)]
     if evaluated:
         last = evaluated[-1]
-        results = ", ".join(f"{key} {value:.4f}" for key, value in evaluations(last))
+        results = ", ".join(result_text(key, value) for key, value in evaluations(last))
         lines.append(f"evaluations at step {last['step']}: {results}")
     skipped, shards = skipped_data(records)
     if skipped:
-        lines.append(f"data:        {skipped_data_line(skipped, shards)} (damaged or cut short: prepare them again)")
+        lines.append(
+            f"data:        {skipped_data_line(skipped, shards)} (`vitray data verify` finds a shard damaged since "
+            "it was written; where it finds none, the images are damaged in the source)"
+        )
     checkpoint = latest_complete_checkpoint(run_dir)
     lines.append(f"checkpoint:  {checkpoint.path} (step {checkpoint.step})" if checkpoint else "checkpoint:  none")
     lines.append(f"metrics:     {files.metrics_path}")
@@ -69,6 +72,18 @@ def _export_command(run_dir: str, model: dict[str, Any]) -> str:
 # Named like an evaluator's numbers, but an engine's own figures about the step (the xla backend's
 # graph compilations): kept in the metrics, not shown as results.
 ENGINE_NAMESPACES = ("xla/",)
+
+
+# An evaluator's count of the images it could not decode and left out of its score (`val/skipped`),
+# recorded only where there were any: shown as a count, not as a score.
+EVAL_SKIPPED = "skipped"
+
+
+def result_text(key: str, value: float, digits: int = 4) -> str:
+    """One evaluation result as the run's lines show it: "val/top1 0.7830"."""
+    if key.endswith("/" + EVAL_SKIPPED):
+        return f"{key} {int(value)} (undecodable images, left out of the score)"
+    return f"{key} {value:.{digits}f}"
 
 
 def evaluations(record: dict[str, Any]) -> list[tuple[str, float]]:

@@ -435,6 +435,51 @@ def test_the_val_evaluator_scores_the_path_and_split_its_section_names(digits_da
         )
 
 
+def test_the_val_evaluator_says_how_many_images_it_could_not_decode(tmp_path, single_thread):
+    """A score of fewer images than the split holds says so: `val/skipped`, the undecodable images
+    left out (here one kept at preparation), beside the top-1 of the others; the run's lines show it."""
+    import io
+
+    from vitray.common.config import load_config
+    from vitray.data import prepare_dataset
+    from vitray.evaluation.top1 import split_top1
+    from vitray.models import create_model
+    from vitray.runfolder.run_report import result_text
+    from vitray.trainers.config import TrainingConfig
+    from vitray.trainers.eval_schedule import build_evaluators
+
+    rng = np.random.default_rng(0)
+    for c in range(2):
+        (tmp_path / "src" / f"class{c}").mkdir(parents=True)
+        for i in range(6):
+            png = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(png, format="PNG")
+            (tmp_path / "src" / f"class{c}" / f"{i}.png").write_bytes(png.getvalue())
+    (tmp_path / "src" / "class1" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n this is not a PNG")
+    data = str(tmp_path / "data")
+    prepare_dataset(f"imagefolder:{tmp_path / 'src'}", data, bad_images="keep")  # stored, for the reader to meet
+    torch.manual_seed(0)
+    model = create_model("Ti/4", num_classes=2, img_size=16).eval()
+    cfg = load_config(
+        TrainingConfig,
+        None,
+        [
+            f"data.train={data}",
+            "data.val_split=train",
+            "model.img_size=16",
+            "data.num_workers=0",
+            f"evals.{VAL}={{type: val, every: 1, batch_size: 8}}",
+        ],
+    )
+    (val,) = build_evaluators(cfg, rank=0, world_size=1)
+    forward = Forward(device="cpu", dtype=torch.float32, sum_over_ranks=lambda values: values)
+    for _ in range(2):  # counted per evaluation, not summed over the run's evaluations
+        scores = val(model, forward, rank=0)
+        assert scores == {VAL_TOP1: pytest.approx(split_top1(model, data, "train")), f"{VAL}/skipped": 1.0}
+    assert result_text(f"{VAL}/skipped", 1.0) == "val/skipped 1 (undecodable images, left out of the score)"
+    assert result_text(VAL_TOP1, 0.5) == "val/top1 0.5000"
+
+
 def test_preflight_checks_every_split_a_val_evaluator_scores(digits_dataset, tmp_path):
     from vitray.common.config import load_config
     from vitray.trainers.config import TrainingConfig

@@ -19,6 +19,7 @@ from pydantic import Field, field_validator
 from vitray.data.config import EVAL_RESIZE_RATIO, DataConfig, StoragePath
 from vitray.data.splits import parse_split
 from vitray.evaluation.evaluators.base import EvalSection, Forward, Worker
+from vitray.runfolder.run_report import EVAL_SKIPPED
 
 KIND = "val"
 
@@ -62,7 +63,8 @@ Config = ValEvalConfig
 
 
 class Evaluator:
-    """``top1`` on the section's split; every rank scores its share, the counts are summed."""
+    """``top1`` on the section's split; every rank scores its share, the counts are summed. Images
+    that cannot be decoded are left out of the score and counted: ``skipped``, where there are any."""
 
     rank0_only: ClassVar[bool] = False
 
@@ -106,6 +108,7 @@ class Evaluator:
         from vitray.evaluation.top1 import count_top1
 
         loader = self.loader()
+        skipped_before = loader.stats["skipped"]
         model.eval()
         try:
             correct, seen = count_top1(model, loader, device=forward.device, dtype=forward.dtype)
@@ -121,5 +124,8 @@ class Evaluator:
                         model(blank)
         finally:
             model.train()
-        correct, seen = forward.sum_over_ranks([float(correct), float(seen)])
+        skipped = loader.stats["skipped"] - skipped_before
+        correct, seen, skipped = forward.sum_over_ranks([float(correct), float(seen), float(skipped)])
         yield "top1", correct / max(seen, 1.0)
+        if skipped:  # the score is of fewer images than the split holds: the record says how many fewer
+            yield EVAL_SKIPPED, skipped
