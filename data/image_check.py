@@ -15,9 +15,10 @@ import warnings
 
 from PIL import Image
 
-# How an image over Pillow's decompression-bomb limit is described (BadImagesError tells it from
-# the damaged ones by this: its fix is another).
+# How an image over Pillow's decompression-bomb limit, and one of another format, are described
+# (BadImagesError tells them from the damaged ones by these: their fixes are others).
 TOO_LARGE = "too large"
+OTHER_FORMAT = "not a PNG/JPEG image"
 
 
 def image_problem(data: bytes) -> str | None:
@@ -29,7 +30,7 @@ def image_problem(data: bytes) -> str | None:
             warnings.simplefilter("ignore")  # Pillow's warnings about odd but readable files
             with Image.open(io.BytesIO(data)) as image:
                 if image.format not in ("PNG", "JPEG", "MPO"):  # MPO: a JPEG with extra frames
-                    return f"not a PNG/JPEG image ({image.format})"
+                    return f"{OTHER_FORMAT} ({image.format})"
                 image.verify()
     except Image.UnidentifiedImageError:
         return "not an image (unidentifiable bytes)"

@@ -21,7 +21,7 @@ import numpy as np
 
 from vitray import storage
 
-from .image_check import TOO_LARGE, image_problem
+from .image_check import OTHER_FORMAT, TOO_LARGE, image_problem
 from .layout import LabelKind, ManifestRow, check_split_name, key_width, sample_key, shard_name
 from .sources.base import SampleChunk, Source
 
@@ -54,16 +54,24 @@ class BadImagesError(ValueError):
         self.bad = bad
         more = f"; {len(bad) - shown} more" if len(bad) > shown else ""
         n = len(bad)
-        # An image over Pillow's pixel limit is not damaged: its fix is to resize it.
+        them = "them" if n != 1 else "it"
+        # An image over Pillow's pixel limit is not damaged: its fix is to resize it; one of another
+        # format (a WEBP named .jpg, a GIF) is to be converted.
         too_large = sum(f": {TOO_LARGE}: " in entry for entry in bad)
-        if not too_large:
-            why, fix = " (zero-byte or undecodable)", "fix or remove them, or pass --skip-bad to leave them out"
-        elif too_large == n:
-            them = "them" if n != 1 else "it"
-            why, fix = "", f"resize {them} below the limit, or pass --skip-bad to leave {them} out"
+        other_format = sum(f": {OTHER_FORMAT} (" in entry for entry in bad)
+        damaged = n - too_large - other_format
+        kinds = ["zero-byte", "undecodable"] * bool(damaged) + ["not PNG/JPEG"] * bool(other_format)
+        kinds += [TOO_LARGE] * bool(too_large)
+        why = f" ({', '.join(kinds[:-1])} or {kinds[-1]})" if len(kinds) > 1 else ""  # one kind: each entry says it
+        if too_large == n:
+            fix = f"resize {them} below the limit"
+        elif other_format == n:
+            fix = f"convert {them} to PNG or JPEG"
         else:
-            why = " (zero-byte, undecodable or too large)"
-            fix = "fix or remove them (resize the ones too large), or pass --skip-bad to leave them out"
+            ways = ["convert the ones of other formats to PNG or JPEG"] * bool(other_format)
+            ways += ["resize the ones too large"] * bool(too_large)
+            fix = f"fix or remove {them}" + (f" ({'; '.join(ways)})" if ways else "")
+        fix += f", or pass --skip-bad to leave {them} out"
         super().__init__(
             f"{n} image{'s' if n != 1 else ''} cannot be read{why}: " + "; ".join(bad[:shown]) + more + f": {fix}"
         )

@@ -444,11 +444,61 @@ def test_bad_sources_are_named(spec, error, message):
     assert type(raised.value) is error
 
 
-def test_unsupported_images_and_tables_are_rejected(tmp_path):
-    (tmp_path / "gif" / "cls").mkdir(parents=True)
-    Image.new("RGB", (4, 4)).save(tmp_path / "gif" / "cls" / "a.gif")
-    with pytest.raises(ValueError, match=r"\.gif images are not supported"):
-        open_source(f"imagefolder:{tmp_path / 'gif'}")
+def test_images_of_other_formats_are_bad_images_named_where_they_are(tmp_path):
+    """Shards hold PNG/JPEG only (the original bytes): a GIF file, or WEBP/GIF/BMP bytes under a .jpg
+    name (as web scrapes hold) in a folder, a webdataset shard or a table, is one more bad image,
+    named by its file, member or row: refused with the others (an image folder's before anything is
+    written), or left out with --skip-bad; it once refused the whole source, one file at a time."""
+    from vitray.data import BadImagesError
+
+    rng = np.random.default_rng(0)
+    others = {}
+    for fmt in ("WEBP", "GIF", "BMP"):
+        buffer = io.BytesIO()
+        Image.fromarray(random_image(rng)).save(buffer, format=fmt)
+        others[fmt] = buffer.getvalue()
+    folder = tmp_path / "folder"
+    make_image_folder(folder, rng, splits=("train",))
+    (folder / "train" / "ant" / "web.jpg").write_bytes(others["WEBP"])  # known once read
+    Image.fromarray(random_image(rng)).save(folder / "train" / "cat" / "anim.gif")  # known from its name
+    gif = f"{folder}/train/cat/anim.gif: not a PNG/JPEG image (.gif)"
+    assert open_source(f"imagefolder:{folder}").known_bad == [gif]
+
+    shards = tmp_path / "wds"
+    shards.mkdir()
+    with wds.TarWriter(str(shards / "train-0.tar")) as sink:
+        for i, fmt in enumerate(["JPEG", *others]):
+            image = others.get(fmt) or jpeg_bytes(random_image(rng))
+            sink.write({"__key__": f"s{i}", "jpg": image, "cls": str(i % 2).encode()})
+    table = tmp_path / "table"
+    table.mkdir()
+    images = [{"bytes": png_bytes(random_image(rng)), "path": "a.png"}, {"bytes": others["WEBP"], "path": "b.jpg"}]
+    pq.write_table(pa.table({"image": pa.array(images), "label": [0, 1]}), table / "train.parquet")
+
+    for source, expected in (
+        (f"imagefolder:{folder}", [gif]),
+        (
+            f"webdataset:{shards}",
+            [f"{shards}/train-0.tar:s{i}.jpg: not a PNG/JPEG image ({fmt})" for i, fmt in enumerate(others, 1)],
+        ),
+        (f"parquet:{table}", [f"{table}/train.parquet row 1: not a PNG/JPEG image (WEBP)"]),
+    ):
+        with pytest.raises(BadImagesError) as refused:
+            prepare_dataset(source, str(tmp_path / "refused"))
+        assert all(entry in refused.value.bad for entry in expected), refused.value.bad
+        assert str(refused.value).endswith(
+            "or pass --skip-bad to leave them out"
+            if len(refused.value.bad) > 1
+            else "or pass --skip-bad to leave it out"
+        )
+        dest = tmp_path / source.split(":")[0]
+        prepare_dataset(source, str(dest), bad_images="skip")
+        kept = shard_samples(dest, "train")
+        assert all(fields.get("jpg", b"\xff\xd8")[:2] == b"\xff\xd8" for fields in kept.values())
+        assert len(kept) == sum(row.num_samples for row in read_manifest(str(dest), "train"))
+
+
+def test_unsupported_tables_are_rejected(tmp_path):
     (tmp_path / "empty" / "cls").mkdir(parents=True)
     with pytest.raises(ValueError, match="has no PNG/JPEG images"):
         open_source(f"imagefolder:{tmp_path / 'empty'}")

@@ -78,7 +78,7 @@ def test_zero_byte_images_are_refused_when_listed_before_ray_and_any_shard(tmp_p
     message = refused(f"imagefolder:{src}", str(dest))  # without --serial: before Ray would start
     assert message == (
         f"error: 1 image cannot be read (zero-byte or undecodable): {src}/ant/empty.jpg: empty file (0 bytes): "
-        "fix or remove them, or pass --skip-bad to leave them out"
+        "fix or remove it, or pass --skip-bad to leave it out"
     )
     assert not dest.exists()
 

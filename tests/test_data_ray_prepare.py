@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import ray
 
@@ -59,13 +60,21 @@ def test_ray_prepare_treats_bad_images_like_the_serial_one(local_ray, tmp_path, 
         assert "skipped 2 bad images" in capsys.readouterr().out
     assert read_manifest(str(tmp_path / "ray"), "train") == read_manifest(str(tmp_path / "serial"), "train")
 
-    # Another error a shard task raises (a WEBP under a .jpg name): the task's own, as the serial path
-    # raises it, not Ray's wrapper with the worker's traceback (which reached the console).
-    (src / "ant" / "fake.jpg").write_bytes(b"RIFF\x24\x00\x00\x00WEBPVP8 ")
+    # Another error a shard task raises (a table's row without its label): the task's own, as the
+    # serial path raises it, not Ray's wrapper with the worker's traceback (which reached the console).
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from test_data_prepare import png_bytes
+
+    (tmp_path / "table").mkdir()
+    image = {"bytes": png_bytes(np.zeros((4, 4, 3), np.uint8)), "path": "a.png"}
+    pq.write_table(
+        pa.table({"image": pa.array([image] * 6), "label": [0, 1, 0, None, 1, 0]}), tmp_path / "table" / "train.parquet"
+    )
     errors = []
     for dest, prepare in (("ray2", prepare_dataset_on_ray), ("serial2", prepare_dataset)):
-        with pytest.raises(ValueError) as raised:
-            prepare(f"imagefolder:{src}", str(tmp_path / dest), samples_per_shard=3, bad_images="skip")
+        with pytest.raises(ValueError, match="train.parquet row 3 has no label") as raised:
+            prepare(f"parquet:{tmp_path / 'table'}", str(tmp_path / dest), samples_per_shard=3, bad_images="skip")
         errors.append(raised.value)
     assert type(errors[0]) is type(errors[1]) and str(errors[0]) == str(errors[1]) and "ray::" not in str(errors[0])
 

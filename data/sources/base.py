@@ -20,9 +20,6 @@ from ..layout import LabelKind, check_split_name
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 JPEG_SIGNATURE = b"\xff\xd8\xff"
-# Formats Pillow reads but standard webdataset decoders do not: rejected rather than re-encoded,
-# since shards keep the original bytes.
-OTHER_IMAGE_SIGNATURES = {b"GIF87a": "GIF", b"GIF89a": "GIF", b"BM": "BMP", b"II*\x00": "TIFF", b"MM\x00*": "TIFF"}
 IMAGE_SUFFIXES = {".png": "png", ".jpg": "jpg", ".jpeg": "jpg"}
 # A source path holding one of these is a pattern of files (a glob, webdataset's brace form), not a path.
 PATTERN_CHARS = "*?[{"
@@ -108,21 +105,17 @@ class Source(abc.ABC):
 
 
 def image_ext(data: bytes, name: str = "") -> str:
-    """``"png"`` or ``"jpg"`` from the image bytes, else from the file name.
+    """``"png"`` or ``"jpg"`` from the image bytes, else from the file name (jpg by default).
 
-    Bytes of another image format raise ValueError (shards hold only PNG/JPEG, never re-encoded).
-    Unrecognisable bytes (a corrupt file) are kept under the name's extension, defaulting to jpg;
-    the reader skips them as corrupt.
+    Bytes of neither are another format (a WEBP under a ``.jpg`` name, as web scrapes hold) or
+    damaged: the image check as the shard is written refuses them as one more bad image, named by
+    the sample's origin, or leaves them out with ``--skip-bad`` (shards hold only PNG/JPEG, never
+    re-encoded); ``bad_images="keep"`` stores them under this extension.
     """
     if data.startswith(PNG_SIGNATURE):
         return "png"
     if data.startswith(JPEG_SIGNATURE):
         return "jpg"
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        raise ValueError(f"{name or 'image'} is WEBP; only PNG and JPEG images are supported")
-    for signature, fmt in OTHER_IMAGE_SIGNATURES.items():
-        if data.startswith(signature):
-            raise ValueError(f"{name or 'image'} is {fmt}; only PNG and JPEG images are supported")
     suffix = "." + name.rsplit(".", 1)[-1].lower() if "." in name else ""
     return IMAGE_SUFFIXES.get(suffix, "jpg")
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..image_check import OTHER_FORMAT
 from .base import IMAGE_SUFFIXES, UNSUPPORTED_IMAGE_SUFFIXES, Sample, SampleChunk, Source, image_ext
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class ImageFolderSource(Source):
             left_out += [str(p) for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(".")]
         source = cls(root, split_files, classes)
         source.left_out = left_out
-        source.known_bad = _empty_files(split_files)
+        source.known_bad = _known_bad(split_files)
         return source
 
     @classmethod
@@ -119,7 +120,7 @@ class ImageFolderSource(Source):
             split_files[split] = files
         source = cls(root, split_files, [])
         source.left_out = left_out
-        source.known_bad = _empty_files(split_files)
+        source.known_bad = _known_bad(split_files)
         return source
 
     def split_sizes(self) -> dict[str, int]:
@@ -133,9 +134,17 @@ class ImageFolderSource(Source):
         return ImageFolderChunk([(files[i][0], files[i][1]) for i in indices])
 
 
-def _empty_files(split_files: dict[str, list[tuple[str, int | None, int]]]) -> list[str]:
-    """Zero-byte images, known from the listing: said before any shard is written, not after a pass."""
-    return [f"{path}: empty file (0 bytes)" for files in split_files.values() for path, _, size in files if size == 0]
+def _known_bad(split_files: dict[str, list[tuple[str, int | None, int]]]) -> list[str]:
+    """Images known to be bad from the listing, said before any shard is written, not after a pass:
+    zero-byte files, and images of a format shards do not hold (shards keep the original bytes)."""
+    bad = []
+    for path, _, size in (file for files in split_files.values() for file in files):
+        suffix = os.path.splitext(path)[1].lower()
+        if suffix in UNSUPPORTED_IMAGE_SUFFIXES:
+            bad.append(f"{path}: {OTHER_FORMAT} ({suffix})")
+        elif size == 0:
+            bad.append(f"{path}: empty file (0 bytes)")
+    return bad
 
 
 def _refuse_splits_beside_other_folders(root: Path, top: list[str]) -> None:
@@ -183,12 +192,9 @@ def _image_files(class_dir: Path, recursive: bool = True, left_out: list[str] | 
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")) if recursive else []
         for name in filenames:
             suffix = os.path.splitext(name)[1].lower()
-            if name.startswith(".") or suffix not in IMAGE_SUFFIXES:
-                if suffix in UNSUPPORTED_IMAGE_SUFFIXES:
-                    raise ValueError(
-                        f"{os.path.join(dirpath, name)}: {suffix} images are not supported; "
-                        "convert them to PNG or JPEG (shards keep the original bytes)"
-                    )
+            # An image of another format is a sample, and a bad image (`_known_bad`): refused before
+            # anything is written, or left out with --skip-bad, as the other unreadable ones.
+            if name.startswith(".") or suffix not in IMAGE_SUFFIXES.keys() | UNSUPPORTED_IMAGE_SUFFIXES:
                 if left_out is not None and not name.startswith("."):
                     left_out.append(os.path.join(dirpath, name))
                 continue
