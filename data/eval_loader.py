@@ -31,7 +31,7 @@ from vitray import storage
 from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_order
 from .layout import LabelKind, ResolvedSplit, read_split
 from .plan import ShardRange
-from .processes import main_script_hidden
+from .processes import main_script_hidden, workers_generator
 from .reader import RawSample, SampleStream
 from .transforms import EVAL_RESIZE_RATIO, CorruptSample, EvalResize, decode_label, eval_transform
 
@@ -184,6 +184,7 @@ class EvalLoader:
         loader = DataLoader(
             _EvalStream(self._spec),
             batch_size=None,
+            generator=workers_generator(),  # not torch's global one: see there
             num_workers=workers,
             prefetch_factor=2 if workers else None,
             multiprocessing_context=_worker_context() if workers else None,

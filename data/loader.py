@@ -43,6 +43,7 @@ from .batch import Batch, Chunk, SkipReporter, concat_chunks, decode_chunk, in_o
 from .config import RESIZE_RATIO, TRAIN_CROPS, TrainCropKind
 from .layout import LabelKind, read_split
 from .plan import ExtentTable, augment_seed, epoch_plan, rank_slots, window_offset
+from .processes import workers_generator
 from .shared_memory import BatchMemory, ChunkRing
 from .slots import READ_AHEAD, SlotReader
 from .transforms import TRAIN_CROP_SCALE, eval_resize, train_augment
@@ -520,6 +521,7 @@ class ShardLoader:
             num_workers=workers,
             prefetch_factor=PREFETCH if workers else None,
             persistent_workers=False,
+            generator=workers_generator(),  # not torch's global one: see there
         )
         # Every batch comes in one part per working worker (each a block of slots), or one per slot.
         parts = min(max(workers, 1), len(spec.slots))

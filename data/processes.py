@@ -1,4 +1,5 @@
-"""Starting worker processes that do not run the caller's main script again.
+"""Starting worker processes that do not run the caller's main script again, nor draw from the
+caller's random state.
 
 A process started by `spawn` or the `forkserver` runs the main script of the process that started
 it as `__mp_main__` (Python 3.11's forkserver never preloads it: it looks for a `main_path` that its
@@ -12,6 +13,18 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from typing import Any
+
+
+def workers_generator() -> Any:
+    """The generator a DataLoader draws its workers' base seed from when an iterator starts, in
+    place of torch's global one: the caller's random state stays as it was (the training loop seeds
+    the global generator for each step's dropout; a draw while the first batch is fetched shifted the
+    first step of every attempt, so a resumed run's weights differed). A fixed seed: vitray's
+    workers draw their augmentation from the data seed, never from the base seed."""
+    import torch  # (the preparation's indexing pool imports this module, and needs no torch)
+
+    return torch.Generator().manual_seed(0)
 
 
 @contextlib.contextmanager

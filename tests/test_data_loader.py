@@ -143,6 +143,22 @@ def test_any_worker_count_gives_the_same_batches(digits_dataset):
     assert same_batches(take(loader(digits_dataset, rank=1, world_size=2, batch_size=16, workers=3), 3), reference)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_leaves_torchs_global_random_state_as_it_was(digits_dataset, workers):
+    """The training loop seeds torch's global generator for each step's dropout and then fetches the
+    step's batch: starting a loader's iterator drew a number from it (DataLoader's base seed), so the
+    first step of every attempt had other dropout, and a resumed run did not end with the weights of
+    the run that went straight through."""
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
+    batches = iter(loader(digits_dataset, workers=workers))
+    next(batches)
+    assert torch.equal(torch.get_rng_state(), state)
+    batches.close()
+    next(iter(EvalLoader(str(digits_dataset), "test", batch_size=64, img_size=8, num_workers=workers)))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 @pytest.mark.parametrize(("before_ws", "after_ws"), [(2, 1), (1, 2)])
 def test_resume_on_another_world_size_visits_every_sample_once(digits_dataset, before_ws, after_ws):
     def run(world_size, steps, state=None):
