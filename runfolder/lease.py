@@ -124,6 +124,45 @@ def read_lease(path: str) -> LeaseRecord | None:
         return None  # deleted meanwhile
 
 
+class DriverGone(RuntimeError):
+    """The driver that started a run's workers no longer holds the run's lease (it exited, or another
+    driver took the run over): its workers must not make another checkpoint count."""
+
+
+def holder_check(path: str) -> Callable[[], None] | None:
+    """For a run's workers: a check, to run before a checkpoint is made to count, that the driver
+    holding the lease at `path` now still holds it; it raises DriverGone when the lease is gone or
+    another's. A driver that exits at once (a second Ctrl-C, `kill -9`) releases the lease or stops
+    its heartbeat while Ray is still ending its workers: they must not complete a checkpoint
+    meanwhile, nor while a re-run's workers write theirs. None where no lease is held (a training
+    loop run without a driver: tests, benchmarks). A store that does not answer is not taken for a
+    gone driver."""
+    try:
+        held = read_lease(path)
+    except OSError:
+        held = None
+    if held is None:
+        return None
+    owner = held.describe()
+
+    def check() -> None:
+        try:
+            now = read_lease(path)
+        except OSError:
+            return
+        if now is None or now.owner != held.owner or now.gone_from_this_host():
+            by = (
+                "released it"
+                if now is None
+                else "is gone"
+                if now.owner == held.owner
+                else f"lost it to {now.describe()}"
+            )
+            raise DriverGone(f"the run's driver ({owner}) {by}: this worker stops without completing its checkpoint")
+
+    return check
+
+
 def _parse(data: bytes) -> LeaseRecord | None:
     try:
         return LeaseRecord(**json.loads(data))

@@ -95,6 +95,26 @@ def checkpointer(backend, reports, loader, ema, every=2, last_step=5, run_dir=No
     )
 
 
+def test_a_checkpoint_whose_last_check_fails_does_not_count():
+    """`before_record` (the loop's: the run's driver still holds its lease) is asked by rank 0 just
+    before its completion record: when it raises, the checkpoint's files are there but it never
+    counts, and the error reaches the training thread."""
+    from vitray.runfolder.lease import DriverGone
+
+    def driver_gone():
+        raise DriverGone("the run's driver (x) released it: this worker stops without completing its checkpoint")
+
+    reports: list = []
+    saver = checkpointer(FakeBackend(), reports, FakeLoader(), None)
+    saver.before_record = driver_gone
+    saver.save(2, {})
+    with pytest.raises(RuntimeError, match="writing the checkpoint failed: the run's driver .* released it"):
+        saver.finish(wait=True)
+    assert reports == []
+    assert ckpt.latest_complete_checkpoint(saver.run_dir) is None
+    assert [p.name for p in Path(saver.run_dir).iterdir() if p.name.startswith("checkpoint_")]  # written, not counted
+
+
 def test_saves_every_n_steps_and_at_the_last():
     saver = checkpointer(FakeBackend(), [], FakeLoader(), None, every=2, last_step=5)
     assert [step for step in range(1, 6) if saver.due(step)] == [2, 4, 5]

@@ -115,6 +115,45 @@ def test_ray_trains_advice_to_delete_a_run_written_by_two_drivers_is_not_passed_
     assert "do not delete it" in str(raised.value) and isinstance(raised.value, training.REFUSED)
 
 
+def test_the_workers_check_that_their_driver_still_holds_the_run(tmp_path):
+    """A driver that stops at once (a second Ctrl-C, kill -9) releases its lease, or leaves it behind
+    with its process gone, while Ray is still ending the workers: a checkpoint they finish meanwhile
+    must not count (one completed the run's last step after the driver had said it stopped at once),
+    nor one finished after another driver took the run over. Rank 0 asks `holder_check`'s check
+    before its completion record (tests/test_checkpointer.py: the checkpoint then does not count)."""
+    from vitray.runfolder.lease import DriverGone, holder_check
+
+    run_dir = str(tmp_path / "run")
+    path = RunFiles(run_dir).lease_path
+    assert holder_check(path) is None  # no driver: a training loop run by hand
+    lease = RunLease(run_dir, timeout_s=600)
+    lease.acquire()
+    check = holder_check(path)
+    check()
+    lease.release()
+    with pytest.raises(DriverGone, match=f"driver \\({lease.owner} .*\\) released it: this worker stops without"):
+        check()
+
+    lease = RunLease(run_dir, timeout_s=600)
+    lease.acquire()
+    check = holder_check(path)
+    thief = RunLease(run_dir, timeout_s=600, force=True)
+    thief.acquire()
+    with pytest.raises(DriverGone, match=f"lost it to {thief.owner}"):
+        check()
+    thief.release()
+
+    proc, owner = _holder(run_dir)
+    try:
+        check = holder_check(path)
+        check()
+    finally:
+        proc.kill()  # kill -9 of the driver alone: its lease stays, its process is gone from this host
+        proc.wait()
+    with pytest.raises(DriverGone, match=f"driver \\({owner} .*\\) is gone"):
+        check()
+
+
 def test_a_stale_lease_is_taken_over_and_a_fresh_one_needs_force(tmp_path):
     run_dir = str(tmp_path / "run")
     path = Path(RunFiles(run_dir).lease_path)

@@ -385,6 +385,28 @@ def test_when_the_grace_period_runs_out_the_driver_exits_without_a_new_checkpoin
     assert read_lease(RunFiles(run_dir).lease_path) is None
 
 
+def test_once_the_driver_is_gone_no_checkpoint_of_its_workers_counts(digits_dataset, tmp_path):
+    """`kill -9` of the driver's process group (the driver, Ray's GCS and raylet; the Ray workers run
+    in groups of their own): the workers trained on for seconds and completed checkpoints that a
+    re-run then resumed from, and a re-run started meanwhile would have met them. A checkpoint no
+    longer counts once the driver that started its workers is gone or let go of the run (its lease:
+    `runfolder.lease.holder_check`; a second Ctrl-C releases it while Ray ends the workers)."""
+    import os
+
+    keys, storage = tmp_path / "keys", tmp_path / "runs"
+    args = _args(digits_dataset, storage, "checkpoint.every=1", f"debug.record_sample_keys={keys}")
+    with running(args) as proc:
+        _wait_for(lambda: steps_begun(keys) >= 6, proc, "step 6 was begun")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        at_exit = latest_complete_checkpoint(str(storage / "ref"))
+        before = steps_begun(keys)
+        time.sleep(10)  # the workers' last seconds, before `running` ends what is left of the run
+        later = latest_complete_checkpoint(str(storage / "ref"))
+        assert steps_begun(keys) > before, "the workers went on training after the driver was killed"
+    assert later.path == at_exit.path, (at_exit, later)
+
+
 def test_sigterm_while_the_run_starts_stops_it_at_once_recorded_and_released(digits_dataset, tmp_path):
     """A pre-emption in the seconds between the lease and the workers (ray.init, the conversion of a
     checkpoint): nothing to checkpoint, so the driver stops at once, as one that was stopped (exit

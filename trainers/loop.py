@@ -34,6 +34,7 @@ from vitray.evaluation.evaluators import Forward
 from vitray.models import TRAINING_SETTINGS, ModelConfig, create_model_from_config
 from vitray.runfolder import checkpoint_folders as ckpt
 from vitray.runfolder.files import RunFiles
+from vitray.runfolder.lease import holder_check
 from vitray.trainers.checkpoint.checkpointer import Checkpointer
 from vitray.trainers.checkpoint.restore import restore_copy
 from vitray.trainers.collectives import all_reduce as _all_reduce
@@ -111,6 +112,7 @@ class TrainingLoop:
                 resumed_at=self.step,
             )
             self.checkpointer.before_complete = self.metrics.flush
+            self.checkpointer.before_record = holder_check(self.run_files.lease_path)
         self.trackers = None
         if self.rank == 0 and (cfg.log.mlflow or cfg.log.wandb):
             self.trackers = Trackers(

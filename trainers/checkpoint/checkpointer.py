@@ -107,6 +107,9 @@ class Checkpointer:
         # (`wait()`) before the completion record: the loop sets it to the metrics upload, so a
         # checkpoint never counts before the lines logged up to its step are in the run folder.
         self.before_complete: Callable[[], Any] | None = None
+        # Called by rank 0's writer just before its completion record: raises where the checkpoint
+        # must not count (the loop sets it to `vitray.runfolder.lease.holder_check`: the driver gone).
+        self.before_record: Callable[[], None] | None = None
 
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.last_step
@@ -137,7 +140,14 @@ class Checkpointer:
         lead = self.rank == 0
         also = self.before_complete() if lead and self.before_complete is not None else None
         writer = _Writer(
-            folder, self.rank, shards, files if lead else {}, state if lead else None, also, self.record_delay_s
+            folder,
+            self.rank,
+            shards,
+            files if lead else {},
+            state if lead else None,
+            also,
+            self.record_delay_s,
+            self.before_record if lead else None,
         )
         self._in_flight = _InFlight(folder, step, metrics, writer, snapshot_s=time.perf_counter() - t0)
 
@@ -239,17 +249,18 @@ class _Writer:
         state: dict | None,
         also_wait=None,
         record_delay_s: float = 0.0,
+        before_record: Callable[[], None] | None = None,
     ):
         self.seconds = 0.0
         self.bytes = 0
         self._error: BaseException | None = None
-        self._args = (folder, rank, shards, files, state, also_wait, record_delay_s)
+        self._args = (folder, rank, shards, files, state, also_wait, record_delay_s, before_record)
         self._thread = threading.Thread(target=self._run, name=f"vitray-ckpt-r{rank}", daemon=True)
         self._started = time.perf_counter()
         self._thread.start()
 
     def _run(self) -> None:
-        folder, rank, shards, files, state, also_wait, record_delay_s = self._args
+        folder, rank, shards, files, state, also_wait, record_delay_s, before_record = self._args
         try:
             from safetensors.torch import save
 
@@ -263,6 +274,8 @@ class _Writer:
                 written.append(ckpt.write_state(folder, state))
             ckpt.sync_folders(folder, written)
             time.sleep(record_delay_s)  # tests: a checkpoint whose files are written, its record not yet
+            if before_record is not None:
+                before_record()
             ckpt.mark_complete(folder, rank, written)
             self.bytes = sum(w.size for w in written)
         except BaseException as error:  # surfaced by wait() on the training thread
