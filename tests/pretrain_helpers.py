@@ -252,9 +252,14 @@ def running(cmd: list[str]) -> Iterator[subprocess.Popen]:
 
 
 def _stop_leftover_ray(session_id: int) -> None:
-    """Processes of the killed session that outlived the kill (Ray daemons re-parented to init)."""
+    """Processes of the killed session that outlived the kill: Ray daemons re-parented to init, and
+    Ray's workers, which run in process groups of their own (in the command's session)."""
     with suppress(ProcessLookupError):
         os.killpg(session_id, signal.SIGKILL)
+    for pid in (int(entry) for entry in os.listdir("/proc") if entry.isdigit()):
+        with suppress(ProcessLookupError, PermissionError):
+            if pid != os.getpid() and os.getsid(pid) == session_id:
+                os.kill(pid, signal.SIGKILL)
 
 
 def final_weights(run_dir: str) -> dict:
