@@ -168,3 +168,69 @@ def test_skipped_steps_and_damaged_samples_are_counted_across_a_kill_and_the_res
     assert {m["step"]: m["skipped_samples"] for m in resumed} == logged  # the same samples skipped at the same steps
     assert_same_weights(final_weights(str(killed / "bad")), final_weights(str(reference / "bad")))
     assert all(bool(w.isfinite().all()) for w in final_weights(str(reference / "bad")).values())
+
+
+def _fp16_or_skip(loop_args) -> None:
+    """DeepSpeed trains fp16 on a CPU only where oneDNN has fp16 kernels (this machine's and CI's do)."""
+    try:
+        return in_process_loop(*loop_args)
+    except (RuntimeError, ValueError) as error:
+        if "fp16 is not supported" in str(error):
+            pytest.skip(f"DeepSpeed refuses fp16 on this CPU: {error}")
+        raise
+
+
+def test_fp16_loss_scale_overflows_are_no_fault_of_the_run(process_group, digits_dataset, tmp_path):
+    """fp16's dynamic loss scale is found by dropping the steps whose scaled gradients overflow (a
+    real fp16 run's first steps): under the default train.nonfinite=stop every such run stopped at
+    its first log step. They are counted apart (`loss_scale_skips`) and the run trains on; a NaN loss
+    still stops it."""
+    loop = _fp16_or_skip((digits_dataset, tmp_path / "a", "precision.dtype=fp16", "train.steps=12", "log.every=4"))
+    assert loop.cfg.train.nonfinite == "stop"  # the default
+    loop.backend.engine.optimizer.loss_scaler.cur_scale = 2.0**24  # overflows until halved to 2^16
+    last = loop.run()
+    assert last["loss_scale_skips"] >= 8 and last["loss_scale"] <= 2.0**16 and last["nonfinite_steps"] == 0
+    assert math.isfinite(last["loss"]) and _finite(loop.backend.module)
+    poisoned = _fp16_or_skip(
+        (digits_dataset, tmp_path / "b", "precision.dtype=fp16", "debug.nonfinite_loss_at_steps=[3]")
+    )
+    with pytest.raises(FloatingPointError, match=r"train.nonfinite=stop: 1 step\(s\) between 1 and 4"):
+        poisoned.run()
+
+
+def test_skip_under_zero_0_in_fp32_is_refused_before_the_run():
+    """DeepSpeed's plain optimizer (ZeRO-0, fp32) checks nothing: the NaN step was applied, the run
+    trained on NaN weights and failed at its checkpoint, spending its restarts on the same failure."""
+    with pytest.raises(ConfigError, match=r"train.nonfinite=skip with train.zero_stage=0 and precision.dtype=fp32"):
+        load_config(
+            TrainingConfig,
+            None,
+            ["data.train=x", "train.zero_stage=0", "precision.dtype=fp32", "train.nonfinite=skip"],
+        )
+    load_config(
+        TrainingConfig, None, ["data.train=x", "train.zero_stage=0", "precision.dtype=bf16", "train.nonfinite=skip"]
+    )
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_the_logged_lr_and_grad_norm_are_those_of_the_logged_step(process_group, digits_dataset, tmp_path, stage):
+    """`lr` was the next step's (the last record showed min_lr, a rate no step trained at), and ZeRO-0
+    in fp32 logged a NaN `grad_norm` (DeepSpeed's plain optimizer keeps none)."""
+    from vitray.trainers.step.schedule import lr_multiplier
+
+    steps = 4
+    loop = in_process_loop(
+        digits_dataset,
+        tmp_path,
+        f"train.zero_stage={stage}",
+        "precision.dtype=fp32",
+        "optim.grad_clip=1e-6",
+        f"train.steps={steps}",
+        "log.every=4",
+        "schedule.warmup_steps=1",
+        "schedule.decay=linear",
+    )
+    last = loop.run()
+    rate = lr_multiplier(steps - 1, total_steps=steps, warmup_steps=1, decay="linear")  # the last step, 0-based
+    assert last["lr"] == pytest.approx(loop.cfg.optim.lr * rate) and rate > 0
+    assert math.isfinite(last["grad_norm"]) and last["grad_norm"] > 1e-3  # before clipping (to 1e-6)

@@ -221,7 +221,12 @@ class ScheduleConfig(_Section):
     decay: Literal["linear", "cosine"] = Field(
         "linear", description="Decay after the warm-up, to min_lr at train.steps."
     )
-    min_lr: float = Field(0.0, ge=0, description="Learning rate at the last step.")
+    min_lr: float = Field(
+        0.0,
+        ge=0,
+        description="Learning rate the decay reaches at train.steps: the last step trains one decay step above it "
+        "(as big_vision's schedule).",
+    )
 
 
 class PrecisionConfig(_Section):
@@ -626,6 +631,12 @@ class TrainingConfig(_Section):
             raise ValueError(
                 f"train.nonfinite=skip needs train.backend={able} (an engine that drops a step whose gradients are not "
                 f"finite); with train.backend={self.train.backend} use train.nonfinite=stop"
+            )
+        if self.train.nonfinite == "skip" and self.train.zero_stage == 0 and self.precision.dtype == "fp32":
+            raise ValueError(
+                "train.nonfinite=skip with train.zero_stage=0 and precision.dtype=fp32: DeepSpeed steps its plain "
+                "optimizer there, which checks nothing before a step (a NaN step would be applied); use "
+                "train.zero_stage=1 (the default), or bf16"
             )
         if self.train.check_grad_overflow and not self.engine.skips_nonfinite:
             raise ValueError(

@@ -395,7 +395,13 @@ class TrainingLoop:
     # -- non-finite losses and gradients (train.nonfinite) -----------------------------------------
     def _count_nonfinite(self, nonfinite_losses: int) -> int:
         """This window's steps with a non-finite loss or gradient: those DeepSpeed dropped, or those
-        whose loss was not finite on some rank where nothing was dropped (bf16 without the check)."""
+        whose loss was not finite on some rank where nothing was dropped (bf16 without the check).
+        fp16 counts its losses only: its dynamic loss scale is found by dropping the steps whose scaled
+        gradients overflow (several in a run's first steps, and whenever the scale grows), which is
+        no fault of the run; a real NaN or inf loss still counts, and DeepSpeed itself stops a run
+        whose scale can fall no further."""
+        if self.cfg.precision.dtype == "fp16":
+            return int(nonfinite_losses)
         return max(self.backend.skipped_steps() - self._skipped_seen, int(nonfinite_losses))
 
     def _apply_nonfinite_policy(self, new: int, window_steps: int) -> None:

@@ -94,7 +94,7 @@ class TrainBackend(Protocol):
         device: the loop reads it on log steps only, so other steps never wait for the device."""
 
     def lr(self) -> float:
-        """The learning rate of the last optimizer step."""
+        """The learning rate the last optimizer step trained at (not the next step's)."""
 
     def skipped_steps(self) -> int:
         """Optimizer steps dropped so far for non-finite gradients (`train.nonfinite=skip`), a host

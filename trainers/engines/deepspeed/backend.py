@@ -354,6 +354,11 @@ class DeepSpeedBackend:
         # ZeRO-3 gathers each layer's weights from every rank inside the forward pass: every rank
         # must make the same forward calls (evaluation and probes included).
         self.collective_forward = self.engine.zero_optimization_stage() == 3
+        # ZeRO-0 in fp32 steps DeepSpeed's plain optimizer, which keeps no gradient norm (its wrappers
+        # do): the norm of the (all-reduced) gradients is taken here, on the device, before the step.
+        self._plain_optimizer = stage == 0 and self.dtype == torch.float32
+        self._plain_grad_norm: torch.Tensor | float = float("nan")
+        self._step_lr = float(self.engine.get_lr()[0])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.engine(*args, **kwargs)
@@ -368,6 +373,12 @@ class DeepSpeedBackend:
 
     def backward_step(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
+        # The rate this step trains at, read before the step moves the schedule on (a host value).
+        self._step_lr = float(self.engine.get_lr()[0])
+        if self._plain_optimizer and self.engine.is_gradient_accumulation_boundary():
+            self._plain_grad_norm = torch.nn.utils.get_total_norm(
+                [p.grad for p in self.module.parameters() if p.grad is not None]
+            )
         self.engine.step()  # DeepSpeed steps the optimizer only at accumulation boundaries
         if not self._buffers_reserved and self.engine.global_steps > 0:
             # The optimizer's state exists from its first step on: the checkpoint's host buffers are
@@ -380,18 +391,26 @@ class DeepSpeedBackend:
 
     def grad_norm(self) -> torch.Tensor | float:
         # ZeRO 1-2 keep the norm as a device tensor: handed on as is, read by the loop on log steps.
+        if self._plain_optimizer:
+            return self._plain_grad_norm
         norm = self.engine.get_global_grad_norm()
         return norm if norm is not None else float("nan")
 
     def lr(self) -> float:
-        return float(self.engine.get_lr()[0])
+        return self._step_lr
 
     def skipped_steps(self) -> int:
         # Counted on the host by the overflow check itself; part of DeepSpeed's checkpointed state.
         return int(self.engine.skipped_steps)
 
     def metrics(self) -> dict[str, float]:
-        return {}
+        if self.dtype != torch.float16:
+            return {}
+        # fp16's dynamic loss scale (a host value), and the steps dropped so far to find it
+        return {
+            "loss_scale": float(self.engine.optimizer.loss_scale),
+            "loss_scale_skips": int(self.engine.skipped_steps),
+        }
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.engine)

@@ -119,6 +119,7 @@ class XlaBackend:
         self._create_optimizer_state()
         self._micro = 0
         self._norm: torch.Tensor | None = None
+        self._step_lr = float(self.optimizer.param_groups[0]["lr"])
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitray-xla-ckpt")
         # DCP coordinates hosts on the checkpoint thread while the loop trains: a group of its own
         # keeps its collectives apart from the loop's metric all-reduces -- and from the loop's own
@@ -179,6 +180,7 @@ class XlaBackend:
             self._norm = torch.nn.utils.clip_grad_norm_(params, self._clip)
         else:
             self._norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        self._step_lr = float(self.optimizer.param_groups[0]["lr"])  # before the schedule moves on
         self.optimizer.step()
         self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -192,7 +194,7 @@ class XlaBackend:
         return self._norm if self._norm is not None else float("nan")  # read by the loop on log steps only
 
     def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
+        return self._step_lr
 
     def skipped_steps(self) -> int:
         return 0  # no step is ever dropped (train.nonfinite=skip needs DeepSpeed)
