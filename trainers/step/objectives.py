@@ -44,7 +44,10 @@ def targets_from_labels(labels: torch.Tensor, num_classes: int, label_smoothing:
 
 
 def mixup(images: torch.Tensor, targets: torch.Tensor, alpha: float, rng: np.random.Generator):
-    """Mix each example with the batch reversed (big_vision's convention), one ratio per batch.
+    """Mix each example with its neighbour, the batch rolled by one (big_vision's `get_mixup`: every
+    example mixed, with a partner of its own), at one ratio r = max(b, 1 - b), b ~ Beta(alpha, alpha),
+    for the micro-batch (big_vision draws one for the global batch; here each worker's micro-batch
+    draws its own).
 
     The ratio comes from the caller's seeded generator, so a resumed run mixes identically.
     """
@@ -52,7 +55,10 @@ def mixup(images: torch.Tensor, targets: torch.Tensor, alpha: float, rng: np.ran
         return images, targets
     ratio = float(rng.beta(alpha, alpha))
     ratio = max(ratio, 1.0 - ratio)
-    return ratio * images + (1 - ratio) * images.flip(0), ratio * targets + (1 - ratio) * targets.flip(0)
+    return (
+        ratio * images + (1 - ratio) * images.roll(1, dims=0),
+        ratio * targets + (1 - ratio) * targets.roll(1, dims=0),
+    )
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor, objective: str) -> torch.Tensor:
