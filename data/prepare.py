@@ -61,7 +61,8 @@ def _our_files(splits: Iterable[str]) -> re.Pattern[str]:
     is being prepared."""
     names = "|".join(re.escape(split) for split in sorted(set(splits))) or "(?!)"
     shard = r"-\d{6,}\.tar(\.done)?"  # a shard, or a shard's record (prepare_resume)
-    return re.compile(rf"^(\.?({names})({shard}|\.manifest\.parquet)|\.dataset\.json)(\.[^/]*\.tmp)?$")
+    skipped = re.escape(SKIPPED_IMAGES)
+    return re.compile(rf"^(\.?({names})({shard}|\.manifest\.parquet)|\.dataset\.json|{skipped})(\.[^/]*\.tmp)?$")
 
 
 SHARD_NAME = re.compile(r"^[^.][^/]*-\d{6,}\.tar$")
@@ -70,6 +71,8 @@ SHARD_NAME = re.compile(r"^[^.][^/]*-\d{6,}\.tar$")
 PREPARING_LEASE = ".vitray-preparing.lease.json"
 # How many of a foreign folder's names a refusal lists.
 NAMES_SHOWN = 5
+# Every image `--skip-bad` left out of the dataset, one "ORIGIN: why" a line (the message names a few).
+SKIPPED_IMAGES = "skipped-images.txt"
 
 MapFn = Callable[[Callable[[ShardTask], ShardResult], Iterable[ShardTask]], Iterator[ShardResult]]
 
@@ -144,8 +147,8 @@ def begin_prepare(
             f"shard{'s' if len(tasks) != 1 else ''} ({samples:,} images) already written"
         )
         return done
-    if recorded is not None:
-        left = sum(1 for name in names if SHARD_NAME.match(name))
+    left = sum(1 for name in names if SHARD_NAME.match(name))
+    if recorded is not None and left:  # (none written, as after a refusal: nothing to start over from)
         why = (
             "with other options or of the source as it was then"
             if recorded
@@ -227,18 +230,28 @@ def refuse_known_bad(source: Source, bad_images: BadImages) -> None:
         raise BadImagesError(source.known_bad)
 
 
-def settle_bad_images(results: Iterable[ShardResult], bad_images: BadImages) -> list[ManifestRow]:
+def settle_bad_images(
+    results: Iterable[ShardResult], bad_images: BadImages, dest: str, storage_options: dict[str, Any] | None = None
+) -> list[ManifestRow]:
     """The manifest rows of the shards written; with "refuse", raises :class:`BadImagesError`
     naming every bad image met (the shards with none are written, but no ``dataset.json``); with
-    "skip", says how many were left out and which."""
+    "skip", says how many were left out and the first few, and lists them all in ``dest``'s
+    :data:`SKIPPED_IMAGES` file."""
     results = list(results)
-    bad = [entry for result in results for entry in result.bad]
+    bad = sorted(entry for result in results for entry in result.bad)
     if bad and bad_images == "refuse":
         raise BadImagesError(bad)
     if bad and bad_images == "skip":
+        listed = storage.join(dest, SKIPPED_IMAGES)
+        storage.write_bytes_atomic(listed, "".join(f"{entry}\n" for entry in bad).encode(), storage_options)
         more = f" and {len(bad) - NAMES_SHOWN} more" if len(bad) > NAMES_SHOWN else ""
         n = len(bad)
-        print(f"skipped {n} bad image{'s' if n != 1 else ''}: " + "; ".join(bad[:NAMES_SHOWN]) + more)
+        print(
+            f"skipped {n} bad image{'s' if n != 1 else ''}: "
+            + "; ".join(bad[:NAMES_SHOWN])
+            + more
+            + f" (all in {listed})"
+        )
     return [result.row for result in results if result.row is not None]
 
 
@@ -309,7 +322,7 @@ class Preparation:
     def finish(self, results: Iterable[ShardResult]) -> DatasetInfo:
         """Bad images settled (:func:`settle_bad_images`) over the shards kept and ``results``, the
         shards of :attr:`remaining` written; then the manifests and, last, ``dataset.json``."""
-        rows = settle_bad_images([*self.done.values(), *results], self.bad_images)
+        rows = settle_bad_images([*self.done.values(), *results], self.bad_images, self.dest, self.storage_options)
         return finalize(self.source, self.tasks, rows, self.dest, self.storage_options)
 
 

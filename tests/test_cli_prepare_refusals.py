@@ -159,6 +159,16 @@ def test_bad_images_are_skipped_with_skip_bad(tmp_path):
     assert "6 samples in 1 shard" in result.output and "1 shards" not in result.output
     assert "2 classes" in result.output
     assert [row.num_samples for row in read_manifest(str(dest), "train")] == [6]
+    # Every image left out is listed in the dataset's folder (the message names the first five only)
+    listed = (dest / "skipped-images.txt").read_text().splitlines()
+    assert sorted(line.split(": ")[0] for line in listed) == sorted(str(path) for path in bad)
+    assert f"(all in {dest / 'skipped-images.txt'})" in " ".join(result.output.split())
+    # ... and a preparation that skips none leaves no list of an earlier one behind
+    for path in bad:
+        path.unlink()
+    result = prepare(f"imagefolder:{src}", str(dest), "--serial", "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert not (dest / "skipped-images.txt").exists()
 
 
 def test_s3_destination_without_credentials_is_one_line(seaweed_s3, monkeypatch, tmp_path):
