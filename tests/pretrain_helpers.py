@@ -317,3 +317,28 @@ def in_process_loop(dataset, tmp_path: Path, *extra: str, restore_dir: Path | No
         resume_from=str(restore_dir) if restore_dir is not None else None,
     )
     return TrainingLoop(cfg, ctx)
+
+
+def straight_and_resumed(dataset, tmp_path: Path, *extra: str, between=None) -> tuple[dict, dict]:
+    """The final weights of an `in_process_loop` run of `extra` (with `checkpoint.every` set) that went
+    straight through, and of the same run resumed from its first checkpoint in a fresh loop
+    (`between()` runs before the resume). Needs the `process_group` fixture."""
+    from vitray.runfolder import checkpoint_folders as ckpt
+
+    saved: dict[str, list[str]] = {"straight": [], "resumed": []}
+
+    def keep(name):
+        return lambda metrics, folder: saved[name].append(folder)
+
+    in_process_loop(dataset, tmp_path / "straight", *extra, report=keep("straight")).run()
+    if between is not None:
+        between()
+    restore = Path(saved["straight"][0])
+    resumed = in_process_loop(dataset, tmp_path / "resumed", *extra, restore_dir=restore, report=keep("resumed"))
+    assert resumed.step == ckpt.read_state(str(restore))["step"] > 0
+    resumed.run()
+
+    def weights(folder: str) -> dict:
+        return ckpt.model_weights(folder, ckpt.storage.filesystem(folder)[0], ckpt.read_state(folder))
+
+    return weights(saved["straight"][-1]), weights(saved["resumed"][-1])

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
-from pretrain_helpers import assert_same_weights, in_process_loop, make_checkpoint, run
+from pretrain_helpers import assert_same_weights, in_process_loop, make_checkpoint, run, straight_and_resumed
 from safetensors.torch import load_file
 
 from vitray.cluster.checkpoint_inputs import resolve_checkpoints
@@ -762,28 +762,16 @@ def test_a_resumed_fine_tune_does_not_read_its_init_checkpoints_weights(process_
     """The run's own checkpoint replaces every weight on a resume: `init.checkpoint`'s weights are not
     read again (a download per rank from object storage at every resume), only its architecture, and
     the resumed run ends with the weights of the run that went straight through."""
-    from vitray.runfolder import checkpoint_folders as ckpt
-
     init = tmp_path / "pre" / "checkpoint_2026-01-01_00-00-00.000001"
     make_checkpoint(init, depth=2, representation_size=8)  # a pre-trained head and pre-logits, reset
     extra = (f"init.checkpoint={init}", "train.steps=6", "checkpoint.every=3", "log.every=3", "model.img_size=24")
-    saved: dict[str, list[str]] = {"straight": [], "resumed": []}
-
-    def keep(name):
-        return lambda metrics, folder: saved[name].append(folder)
-
-    in_process_loop(digits_dataset, tmp_path / "straight", *extra, report=keep("straight")).run()
     weights_file = init / "model.safetensors"
-    weights_file.write_bytes(b"\xff" * weights_file.stat().st_size)  # complete by its size; a read fails
-    restore = Path(saved["straight"][0])
-    resumed = in_process_loop(digits_dataset, tmp_path / "b", *extra, restore_dir=restore, report=keep("resumed"))
-    assert resumed.step == 3
-    resumed.run()
 
-    def weights(folder: str) -> dict:
-        return ckpt.model_weights(folder, ckpt.storage.filesystem(folder)[0], ckpt.read_state(folder))
+    def unreadable_init_weights():
+        weights_file.write_bytes(b"\xff" * weights_file.stat().st_size)  # complete by its size; a read fails
 
-    assert_same_weights(weights(saved["resumed"][-1]), weights(saved["straight"][-1]))
+    straight, resumed = straight_and_resumed(digits_dataset, tmp_path, *extra, between=unreadable_init_weights)
+    assert_same_weights(resumed, straight)
 
 
 def test_a_fine_tune_trains_with_its_own_dropout_and_checkpointing_not_the_checkpoints(
