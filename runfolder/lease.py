@@ -139,7 +139,7 @@ def holder_check(path: str) -> Callable[[], None] | None:
     gone driver."""
     try:
         held = read_lease(path)
-    except OSError:
+    except Exception:  # (a store's own errors are not all OSErrors)
         held = None
     if held is None:
         return None
@@ -148,7 +148,7 @@ def holder_check(path: str) -> Callable[[], None] | None:
     def check() -> None:
         try:
             now = read_lease(path)
-        except OSError:
+        except Exception:
             return
         if now is None or now.owner != held.owner or now.gone_from_this_host():
             by = (
