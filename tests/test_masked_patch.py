@@ -231,6 +231,9 @@ def test_config_gives_the_model_its_predictor_only_for_masked_patch_prediction()
             load_config(TrainingConfig, None, [*base, "train.objective=masked_patch", *target, bad])
     with pytest.raises(ConfigError, match=r"remove it \(--set evals.val=null"):
         load_config(TrainingConfig, None, [*base, "train.objective=masked_patch", "evals.val={type: val, every: 10}"])
+    # with another objective the section would be ignored: a run that trains otherwise, saying nothing
+    with pytest.raises(ConfigError, match=r"train.masked_patch.target set, but train.objective=auto: they act only"):
+        load_config(TrainingConfig, None, [*base, "train.masked_patch.target=patch_l2"])
 
 
 def test_supervised_objectives_refuse_unlabelled_data_before_ray(unlabelled_digits, tmp_path):
@@ -516,3 +519,29 @@ def test_b16_recipe_dry_run():
     assert (masked.corrupt_rate, masked.mask_rate, masked.random_rate, masked.keep_rate) == (0.5, 0.8, 0.1, 0.1)
     assert (masked.target, masked.color_bits) == ("mean_color", 3)
     assert RECIPE.read_text().startswith("# Reproduces:") and "79.9 %" in RECIPE.read_text()
+
+
+def test_each_prediction_is_scored_against_its_own_patchs_target():
+    """A predictor that outputs each corrupted patch's own mean-colour class (computed here from the
+    pixels, independently of the objective) has a near-zero loss; scored against another image's or
+    another patch's targets (a pairing bug the end-to-end loss curve does not show) it would not."""
+    torch.manual_seed(0)
+    pixels = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8)  # 4 images of 2x2 patches of 4x4
+
+    def own_classes(images: torch.Tensor) -> torch.Tensor:  # (B, 4): r*64 + g*8 + b of each patch's mean
+        means = images.float().reshape(4, 3, 2, 4, 2, 4).mean(dim=(3, 5)).flatten(2).transpose(1, 2)  # (B, 4, 3)
+        levels = (means / 255 * 8).floor().clamp(0, 7).long()
+        return levels[..., 0] * 64 + levels[..., 1] * 8 + levels[..., 2]
+
+    class Oracle(torch.nn.Module):
+        patch_size, grid_size, masked_patch_outputs = 4, 2, 512
+
+        def forward(self, images, patch_source, patch_mask, predict_at):
+            classes = own_classes(pixels).gather(1, predict_at)  # the true patches at the predicted positions
+            return torch.nn.functional.one_hot(classes, 512).float() * 50.0
+
+    backend = _Backend(Oracle(), torch.float32)
+    batch = type("Batch", (), {"images": pixels, "labels": torch.full((4,), -1)})()
+    loss = MaskedPatchObjective("mean_color").loss(backend, batch, np.random.default_rng(0))
+    assert loss.item() < 1e-6
+    assert len(set(own_classes(pixels).flatten().tolist())) > 8  # targets that differ, so a mix-up would show

@@ -674,6 +674,12 @@ class TrainingConfig(_Section):
                 )
             outputs = target_outputs(masked.target, masked.color_bits, variant.patch_size)
             _check_predictor_size(outputs, variant, masked)
+        elif self.train.masked_patch.model_fields_set:  # (a run that trained otherwise, saying nothing)
+            keys = ", ".join(f"train.masked_patch.{key}" for key in sorted(self.train.masked_patch.model_fields_set))
+            raise ValueError(
+                f"{keys} set, but train.objective={self.train.objective}: they act only with "
+                "train.objective=masked_patch; set it, or leave them out"
+            )
         if self.model.masked_patch_outputs != outputs:
             self.model = self.model.model_copy(update={"masked_patch_outputs": outputs})
         return self

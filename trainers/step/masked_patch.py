@@ -14,7 +14,9 @@ computed from the original pixels (colours in ``[0, 1]``, un-normalised from the
 - ``patch_l2``: the patch's pixels (``3 * P * P`` values, channel-major), mean squared error.
 
 A colour class is ``(r << 2b) | (g << b) | blue`` with each channel's level
-``min(floor(c * 2**b), 2**b - 1)``; for 8-bit pixels and b=3 that is ``pixel >> 5``.
+``min(floor(c * 2**b), 2**b - 1)`` of its mean ``c`` in ``[0, 1]``: for a single 8-bit pixel and b=3
+that is ``pixel >> 5``; a patch's mean ``m`` (in 0..255) falls in level k from ``31.875 k`` on, not
+``32 k`` (the paper does not say where its bins lie).
 
 Shapes are fixed -- K per image never changes and the corruption is three dense tensors -- so a
 compiled graph (XLA) is reused every step. The corruption is drawn from the loop's generator,
