@@ -363,7 +363,9 @@ def extract_features(model: Any, batches: Iterable[Any], device: Any = "cpu") ->
     model.eval()
     features, labels = [], []
     try:
-        with torch.inference_mode():
+        # no_grad, not inference_mode: torch-xla cannot run the model under inference_mode (a training
+        # run's probe on a TPU failed at its first evaluation), and it gains a probe nothing measurable.
+        with torch.no_grad():
             for i, batch in enumerate(batches):
                 images, batch_labels = _unpack_batch(batch, i)
                 images = torch.as_tensor(images).to(device=device, dtype=torch.float32)

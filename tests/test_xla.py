@@ -309,12 +309,15 @@ def test_checkpoint_from_four_devices_resumes_on_two(digits_dataset, reference, 
             f"checkpoint.every={EVERY}",
             f"debug.record_sample_keys={keys}",
             f"evals.val={{type: val, every: {STEPS}}}",
+            f"evals.probe={{type: fewshot, every: {STEPS}, datasets: {{digits: {digits_dataset}}}, shots: [5]}}",
         ),
         env={"CPU_NUM_DEVICES": "2"},
     )
     resumed = [m for m in _metrics(str(run_dir)) if m["step"] > EVERY]
     assert resumed and all(m["xla/devices"] == 2 for m in resumed)
     assert 0.0 <= resumed[-1]["val/top1"] <= 1.0  # validation on the XLA device too
+    # and the few-shot probe (its feature pass failed on XLA under torch.inference_mode)
+    assert 0.1 < resumed[-1]["probe/digits_5shot"] <= 1.0
     assert collect_keys(keys) == reference["keys"]  # the same samples, whatever the mesh
     # The same computation partitioned in halves instead of quarters: equal up to the order of
     # floating-point sums. Measured here: the first resumed losses within 3e-5 of the 4-device
