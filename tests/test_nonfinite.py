@@ -234,3 +234,18 @@ def test_the_logged_lr_and_grad_norm_are_those_of_the_logged_step(process_group,
     rate = lr_multiplier(steps - 1, total_steps=steps, warmup_steps=1, decay="linear")  # the last step, 0-based
     assert last["lr"] == pytest.approx(loop.cfg.optim.lr * rate) and rate > 0
     assert math.isfinite(last["grad_norm"]) and last["grad_norm"] > 1e-3  # before clipping (to 1e-6)
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "xla"])
+def test_the_stop_message_offers_skip_only_where_the_engine_can_skip(backend):
+    """The xla backend refuses train.nonfinite=skip (and fp16): its stop message offered both."""
+    from types import SimpleNamespace
+
+    from vitray.trainers.loop import TrainingLoop
+
+    cfg = load_config(TrainingConfig, None, ["data.train=x", f"train.backend={backend}"])
+    with pytest.raises(FloatingPointError) as stopped:
+        TrainingLoop._apply_nonfinite_policy(SimpleNamespace(cfg=cfg, step=4), 1, 2)
+    message = str(stopped.value)
+    assert "between 3 and 4" in message and "fp16" not in message
+    assert ("train.nonfinite=skip" in message) == (backend == "deepspeed")

@@ -407,11 +407,17 @@ class TrainingLoop:
     def _apply_nonfinite_policy(self, new: int, window_steps: int) -> None:
         if new and self.cfg.train.nonfinite == "stop":
             first = self.step - window_steps + 1
+            causes = "optim.lr too high, a bad sample" + (
+                ", fp16's range" if self.cfg.precision.dtype == "fp16" else ""
+            )
+            # (only an engine that drops a step is offered `skip`: the xla backend refuses it)
+            skip = (
+                " or set train.nonfinite=skip to drop such steps and go on" if self.cfg.engine.skips_nonfinite else ""
+            )
             raise FloatingPointError(
                 f"train.nonfinite=stop: {new} step(s) between {first} and {self.step} had a non-finite loss or "
                 "gradient; stopping before any checkpoint of them is written (the latest complete checkpoint is "
-                "finite). Look for the cause (optim.lr too high, a bad sample, fp16 range) or set "
-                "train.nonfinite=skip to drop such steps and go on"
+                f"finite). Look for the cause ({causes}){skip}"
             )
 
     def _check_finite(self, window: _Window | None) -> None:
