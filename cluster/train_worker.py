@@ -40,11 +40,13 @@ def train_worker(loop_config: dict[str, Any]) -> None:
 def _not_fixed_by_a_restart() -> tuple[type[BaseException], ...]:
     """Errors that a new worker group would meet again: data missing from storage or unreadable (a
     batch of only damaged samples), a config value only the worker finds wrong (it validates the
-    config again). Imported here: the driver imports this module, and the data side imports torch."""
+    config again), a non-finite loss or gradient (`train.nonfinite=stop`: a step is a function of the
+    seed and the checkpoint, so it recurs). Imported here: the driver imports this module, and the
+    data side imports torch."""
     from vitray.data.batch import UnreadableData
     from vitray.data.reader import ShardMissing
 
-    return (ShardMissing, UnreadableData, ConfigError, ValidationError)
+    return (ShardMissing, UnreadableData, ConfigError, ValidationError, FloatingPointError)
 
 
 def _train(loop_config: dict[str, Any]) -> None:

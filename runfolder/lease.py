@@ -150,7 +150,9 @@ def holder_check(path: str) -> Callable[[], None] | None:
             now = read_lease(path)
         except Exception:
             return
-        if now is None or now.owner != held.owner or now.gone_from_this_host():
+        # (not fresh: its heartbeat older than its timeout, or its process gone from this host: what
+        # lets a re-run take the run over)
+        if now is None or now.owner != held.owner or not now.fresh():
             by = (
                 "released it"
                 if now is None

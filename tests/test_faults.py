@@ -153,6 +153,15 @@ def test_the_workers_check_that_their_driver_still_holds_the_run(tmp_path):
     with pytest.raises(DriverGone, match=f"driver \\({owner} .*\\) is gone"):
         check()
 
+    # A driver on another host, killed: its lease stays, its heartbeat stops (what a re-run takes over)
+    lease = RunLease(run_dir, timeout_s=60)
+    lease.acquire()
+    check = holder_check(path)
+    record = json.loads(Path(path).read_text())
+    Path(path).write_text(json.dumps({**record, "host": "head-node", "heartbeat": time.time() - 3600}))
+    with pytest.raises(DriverGone, match="is gone"):
+        check()
+
 
 def test_a_stale_lease_is_taken_over_and_a_fresh_one_needs_force(tmp_path):
     run_dir = str(tmp_path / "run")

@@ -234,6 +234,9 @@ def test_config_gives_the_model_its_predictor_only_for_masked_patch_prediction()
     # with another objective the section would be ignored: a run that trains otherwise, saying nothing
     with pytest.raises(ConfigError, match=r"train.masked_patch.target set, but train.objective=auto: they act only"):
         load_config(TrainingConfig, None, [*base, "train.masked_patch.target=patch_l2"])
+    # ... but a full dump (a checkpoint's record, --dry-run's output) holds the section at its defaults
+    full = load_config(TrainingConfig, None, base).model_dump(mode="json")
+    assert TrainingConfig.model_validate(full).train.objective == "auto"
 
 
 def test_supervised_objectives_refuse_unlabelled_data_before_ray(unlabelled_digits, tmp_path):

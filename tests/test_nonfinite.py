@@ -249,3 +249,45 @@ def test_the_stop_message_offers_skip_only_where_the_engine_can_skip(backend):
     message = str(stopped.value)
     assert "between 3 and 4" in message and "fp16" not in message
     assert ("train.nonfinite=skip" in message) == (backend == "deepspeed")
+
+
+def test_a_resumed_fp16_run_counts_no_loss_scale_drop_as_a_nonfinite_step(process_group, digits_dataset, tmp_path):
+    """The run-long count went on from DeepSpeed's checkpointed dropped steps: in fp16 the loss
+    scaler's, so a resumed run reported 8 non-finite steps that never happened."""
+    from pathlib import Path
+
+    saved = []
+    extra = ("precision.dtype=fp16", "train.steps=16", "log.every=4", "checkpoint.every=8")
+    straight = _fp16_or_skip((digits_dataset, tmp_path / "a", *extra))
+    straight.ctx.report = lambda metrics, folder: saved.append(folder)
+    straight.checkpointer.report = straight.ctx.report
+    straight.backend.engine.optimizer.loss_scaler.cur_scale = 2.0**24  # drops until halved to 2^16
+    last = straight.run()
+    resumed = in_process_loop(digits_dataset, tmp_path / "b", *extra, restore_dir=Path(saved[0]))
+    assert resumed.step == 8
+    again = resumed.run()
+    assert last["loss_scale_skips"] >= 8 and last["nonfinite_steps"] == again["nonfinite_steps"] == 0
+
+
+def test_a_non_finite_stop_is_not_restarted(monkeypatch):
+    """A step is a function of the seed and the checkpoint: a new worker group from the latest
+    checkpoint meets the same NaN, so the stop (and fp16's exhausted loss scale) spends no restart."""
+    from vitray.cluster import train_worker as worker
+    from vitray.common.failures import RestartCannotFix
+
+    def poisoned(loop_config):
+        raise FloatingPointError("train.nonfinite=stop: 1 step(s) between 3 and 4 had a non-finite loss")
+
+    monkeypatch.setattr(worker, "_train", poisoned)
+    with pytest.raises(RestartCannotFix, match="between 3 and 4"):
+        worker.train_worker({})
+
+
+def test_fp16_gradients_that_overflow_at_every_scale_stop_with_vitrays_words(process_group, digits_dataset, tmp_path):
+    """A finite loss whose gradients are not finite at any scale: DeepSpeed halves the loss scale to
+    its minimum and raised its bare `Exception` (restarted, to meet it again); the scaler's drops no
+    longer count as non-finite steps, so this is said here instead."""
+    loop = _fp16_or_skip((digits_dataset, tmp_path, "precision.dtype=fp16", "train.steps=60", "log.every=30"))
+    loop.backend.module.head.weight.register_hook(lambda grad: grad * float("inf"))
+    with pytest.raises(FloatingPointError, match=r"fp16's loss scale fell to its minimum .* Train in bf16"):
+        loop.run()

@@ -674,8 +674,12 @@ class TrainingConfig(_Section):
                 )
             outputs = target_outputs(masked.target, masked.color_bits, variant.patch_size)
             _check_predictor_size(outputs, variant, masked)
-        elif self.train.masked_patch.model_fields_set:  # (a run that trained otherwise, saying nothing)
-            keys = ", ".join(f"train.masked_patch.{key}" for key in sorted(self.train.masked_patch.model_fields_set))
+        elif changed := [  # (a run that trained otherwise, saying nothing; a full dump holds the defaults)
+            key
+            for key, default in MaskedPatchConfig().model_dump().items()
+            if getattr(self.train.masked_patch, key) != default
+        ]:
+            keys = ", ".join(f"train.masked_patch.{key}" for key in changed)
             raise ValueError(
                 f"{keys} set, but train.objective={self.train.objective}: they act only with "
                 "train.objective=masked_patch; set it, or leave them out"

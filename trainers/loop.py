@@ -153,6 +153,9 @@ class TrainingLoop:
                 device_decode=self._decodes_on_device(),
             )
         )
+        # The run's count of steps with a non-finite loss or gradient, kept in the checkpoint for fp16,
+        # whose own it is (DeepSpeed's checkpointed count of dropped steps is the loss scaler's there).
+        self.nonfinite = RunCount()
         self.checkpointer = Checkpointer(
             self.backend,
             rank=self.rank,
@@ -163,7 +166,7 @@ class TrainingLoop:
             run_dir=self.ctx.run_dir,
             model_weights=self.cfg.checkpoint.model_weights,
             record_delay_s=self.cfg.debug.checkpoint_record_delay_s,
-            states={"data": self.loader},
+            states={"data": self.loader, "nonfinite_steps": self.nonfinite},
             weights={ckpt.EMA_FILE: self.ema} if self.ema is not None else {},
             record={
                 "num_classes": self.info.num_classes,
@@ -217,7 +220,13 @@ class TrainingLoop:
     def _train(self, batches) -> dict[str, Any]:
         train = self.cfg.train
         window = _Window(lazy=self.cfg.engine.lazy_tensors)
-        self._skipped_seen = self._nonfinite_total = self.backend.skipped_steps()
+        self._skipped_seen = self.backend.skipped_steps()
+        if self.cfg.precision.dtype != "fp16":
+            # DeepSpeed's count of dropped steps, restored with its state to the very step (a count
+            # kept at the last log would miss a dropped step since)
+            self.nonfinite.value = self._skipped_seen
+        elif self.nonfinite.value is None:  # a new run, or a checkpoint written before the count was kept
+            self.nonfinite.value = 0
         last: dict[str, Any] = {}
         while self.step < train.steps:
             if self.cfg.debug.step_delay_s:  # tests: a run to act on while it runs
@@ -230,8 +239,8 @@ class TrainingLoop:
             logged = self._log_due()
             if logged:
                 metrics = {**self._step_metrics(window, grad_norm), **self.checkpointer.take_costs()}
-                new_nonfinite = metrics["nonfinite_steps"] - self._nonfinite_total, window.steps
-                self._nonfinite_total, self._skipped_seen = metrics["nonfinite_steps"], self.backend.skipped_steps()
+                new_nonfinite = metrics["nonfinite_steps"] - self.nonfinite.value, window.steps
+                self.nonfinite.value, self._skipped_seen = metrics["nonfinite_steps"], self.backend.skipped_steps()
                 window = _Window(lazy=self.cfg.engine.lazy_tensors)
             for evaluator in self.evaluators:
                 if evaluator.due(self.step, train.steps):
@@ -380,7 +389,7 @@ class TrainingLoop:
             "skipped_samples": int(skipped),
             # Steps with a non-finite loss or gradient so far in the run (DeepSpeed's dropped-step count
             # is checkpointed, so the count goes on across resumes).
-            "nonfinite_steps": self._nonfinite_total + self._count_nonfinite(_nonfinite_steps(flags)),
+            "nonfinite_steps": self.nonfinite.value + self._count_nonfinite(_nonfinite_steps(flags)),
             "epoch": self.loader.state_dict()["epoch"],
             **self.backend.metrics(),
         }
@@ -468,6 +477,22 @@ class TrainingLoop:
             return
         if self.run_files.claim_once(f"killed-at-step-{at}"):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RunCount:
+    """A run-long count kept in the checkpoint's trainer state (None until set or restored; a
+    checkpoint written before it was kept has none, and restores nothing)."""
+
+    optional = True  # (Checkpointer.restore: absent from older checkpoints)
+
+    def __init__(self) -> None:
+        self.value: int | None = None
+
+    def state_dict(self) -> int | None:
+        return self.value
+
+    def load_state_dict(self, value: int | None) -> None:
+        self.value = value
 
 
 class _Window:

@@ -231,7 +231,8 @@ class Checkpointer:
             if (folder / name).is_file():
                 part.load_state_dict(load_file(str(folder / name)))
         for name, part in self.states.items():
-            part.load_state_dict(state[name])
+            if name in state or not getattr(part, "optional", False):
+                part.load_state_dict(state[name])
         return int(state["step"])
 
 

@@ -379,7 +379,17 @@ class DeepSpeedBackend:
             self._plain_grad_norm = torch.nn.utils.get_total_norm(
                 [p.grad for p in self.module.parameters() if p.grad is not None]
             )
-        self.engine.step()  # DeepSpeed steps the optimizer only at accumulation boundaries
+        try:
+            self.engine.step()  # DeepSpeed steps the optimizer only at accumulation boundaries
+        except Exception as error:
+            if "loss scale already at minimum" not in str(error):
+                raise
+            # fp16: the scaled gradients overflowed at every scale the scaler tried, not once
+            raise FloatingPointError(
+                "fp16's loss scale fell to its minimum and the gradients still overflow: they are not finite at "
+                "any scale (not one step's overflow). Train in bf16, or look for the cause (optim.lr too high, a bad "
+                "sample)"
+            ) from None
         if not self._buffers_reserved and self.engine.global_steps > 0:
             # The optimizer's state exists from its first step on: the checkpoint's host buffers are
             # allocated now, in the background, rather than in the first checkpoint's stall.
