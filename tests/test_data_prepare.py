@@ -460,7 +460,8 @@ def test_images_of_other_formats_are_bad_images_named_where_they_are(tmp_path):
     folder = tmp_path / "folder"
     make_image_folder(folder, rng, splits=("train",))
     (folder / "train" / "ant" / "web.jpg").write_bytes(others["WEBP"])  # known once read
-    Image.fromarray(random_image(rng)).save(folder / "train" / "cat" / "anim.gif")  # known from its name
+    Image.fromarray(random_image(rng)).save(folder / "train" / "cat" / "anim.gif")  # known from its name ...
+    (folder / "train" / "zebra" / "photo.webp").write_bytes(jpeg_bytes(random_image(rng)))  # ... and bytes: kept
     gif = f"{folder}/train/cat/anim.gif: not a PNG/JPEG image (.gif)"
     assert open_source(f"imagefolder:{folder}").known_bad == [gif]
 

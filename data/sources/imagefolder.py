@@ -30,7 +30,16 @@ from pathlib import Path
 import numpy as np
 
 from ..image_check import OTHER_FORMAT
-from .base import IMAGE_SUFFIXES, UNSUPPORTED_IMAGE_SUFFIXES, Sample, SampleChunk, Source, image_ext
+from .base import (
+    IMAGE_SUFFIXES,
+    JPEG_SIGNATURE,
+    PNG_SIGNATURE,
+    UNSUPPORTED_IMAGE_SUFFIXES,
+    Sample,
+    SampleChunk,
+    Source,
+    image_ext,
+)
 
 log = logging.getLogger(__name__)
 
@@ -136,15 +145,22 @@ class ImageFolderSource(Source):
 
 def _known_bad(split_files: dict[str, list[tuple[str, int | None, int]]]) -> list[str]:
     """Images known to be bad from the listing, said before any shard is written, not after a pass:
-    zero-byte files, and images of a format shards do not hold (shards keep the original bytes)."""
+    zero-byte files, and images of a format shards do not hold (shards keep the original bytes): a
+    file named so whose first bytes are not a PNG's or a JPEG's (a JPEG named .webp is one)."""
     bad = []
     for path, _, size in (file for files in split_files.values() for file in files):
         suffix = os.path.splitext(path)[1].lower()
-        if suffix in UNSUPPORTED_IMAGE_SUFFIXES:
+        if suffix in UNSUPPORTED_IMAGE_SUFFIXES and size and not _png_or_jpeg(path):
             bad.append(f"{path}: {OTHER_FORMAT} ({suffix})")
         elif size == 0:
             bad.append(f"{path}: empty file (0 bytes)")
     return bad
+
+
+def _png_or_jpeg(path: str) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(len(PNG_SIGNATURE))
+    return head.startswith((PNG_SIGNATURE, JPEG_SIGNATURE))
 
 
 def _refuse_splits_beside_other_folders(root: Path, top: list[str]) -> None:
