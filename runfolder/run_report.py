@@ -87,14 +87,18 @@ def result_text(key: str, value: float, digits: int = 4) -> str:
 
 
 def evaluations(record: dict[str, Any]) -> list[tuple[str, float]]:
-    """The evaluators' numbers in a metrics record (named `evaluator/metric`)."""
+    """The evaluators' numbers in a metrics record (named `evaluator/metric`), by evaluator, each
+    one's count of skipped images after its scores."""
     return sorted(
-        (key, float(value))
-        for key, value in record.items()
-        if "/" in key
-        and not key.startswith(ENGINE_NAMESPACES)
-        and isinstance(value, (int, float))
-        and not isinstance(value, bool)
+        (
+            (key, float(value))
+            for key, value in record.items()
+            if "/" in key
+            and not key.startswith(ENGINE_NAMESPACES)
+            and isinstance(value, (int, float))
+            and not isinstance(value, bool)
+        ),
+        key=lambda item: (item[0].rsplit("/", 1)[0], item[0].endswith("/" + EVAL_SKIPPED), item[0]),
     )
 
 

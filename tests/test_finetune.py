@@ -477,6 +477,10 @@ def test_the_val_evaluator_says_how_many_images_it_could_not_decode(tmp_path, si
         scores = val(model, forward, rank=0)
         assert scores == {VAL_TOP1: pytest.approx(split_top1(model, data, "train")), f"{VAL}/skipped": 1.0}
     assert result_text(f"{VAL}/skipped", 1.0) == "val/skipped 1 (undecodable images, left out of the score)"
+    from vitray.runfolder.run_report import evaluations
+
+    record = {"step": 4, VAL_TOP1: 0.5, f"{VAL}/skipped": 1.0, "fewshot/digits_10shot": 0.9}
+    assert [key for key, _ in evaluations(record)] == ["fewshot/digits_10shot", VAL_TOP1, f"{VAL}/skipped"]
     assert result_text(VAL_TOP1, 0.5) == "val/top1 0.5000"
 
 
