@@ -142,6 +142,7 @@ def test_the_workers_check_that_their_driver_still_holds_the_run(tmp_path):
     with pytest.raises(DriverGone, match=f"lost it to {thief.owner}"):
         check()
     thief.release()
+    lease.release()
 
     proc, owner = _holder(run_dir)
     try:
@@ -158,6 +159,7 @@ def test_the_workers_check_that_their_driver_still_holds_the_run(tmp_path):
     lease.acquire()
     check = holder_check(path)
     record = json.loads(Path(path).read_text())
+    lease.release()  # (its heartbeat must not write the lease back)
     Path(path).write_text(json.dumps({**record, "host": "head-node", "heartbeat": time.time() - 3600}))
     with pytest.raises(DriverGone, match="is gone"):
         check()
