@@ -139,8 +139,9 @@ def holder_check(path: str) -> Callable[[], None] | None:
     gone driver."""
     try:
         held = read_lease(path)
-    except Exception:  # (a store's own errors are not all OSErrors)
-        held = None
+    except Exception as error:  # (a store's own errors are not all OSErrors)
+        print(f"vitray: the run's lease could not be read ({error}): checkpoints go unchecked against the driver")
+        return None
     if held is None:
         return None
     owner = held.describe()

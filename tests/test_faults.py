@@ -115,7 +115,7 @@ def test_ray_trains_advice_to_delete_a_run_written_by_two_drivers_is_not_passed_
     assert "do not delete it" in str(raised.value) and isinstance(raised.value, training.REFUSED)
 
 
-def test_the_workers_check_that_their_driver_still_holds_the_run(tmp_path):
+def test_the_workers_check_that_their_driver_still_holds_the_run(tmp_path, monkeypatch, capsys):
     """A driver that stops at once (a second Ctrl-C, kill -9) releases its lease, or leaves it behind
     with its process gone, while Ray is still ending the workers: a checkpoint they finish meanwhile
     must not count (one completed the run's last step after the driver had said it stopped at once),
@@ -163,6 +163,16 @@ def test_the_workers_check_that_their_driver_still_holds_the_run(tmp_path):
     Path(path).write_text(json.dumps({**record, "host": "head-node", "heartbeat": time.time() - 3600}))
     with pytest.raises(DriverGone, match="is gone"):
         check()
+
+    # A lease that cannot be read when the workers start: no check, and that is said
+    from vitray.runfolder import lease as lease_module
+
+    def unreadable(path):
+        raise PermissionError(f"[Errno 13] Permission denied: {path!r}")
+
+    monkeypatch.setattr(lease_module, "read_lease", unreadable)
+    assert holder_check(path) is None
+    assert "lease could not be read ([Errno 13] Permission denied" in capsys.readouterr().out
 
 
 def test_a_stale_lease_is_taken_over_and_a_fresh_one_needs_force(tmp_path):

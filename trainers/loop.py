@@ -407,8 +407,8 @@ class TrainingLoop:
         whose loss was not finite on some rank where nothing was dropped (bf16 without the check).
         fp16 counts its losses only: its dynamic loss scale is found by dropping the steps whose scaled
         gradients overflow (several in a run's first steps, and whenever the scale grows), which is
-        no fault of the run; a real NaN or inf loss still counts, and DeepSpeed itself stops a run
-        whose scale can fall no further."""
+        no fault of the run; a real NaN or inf loss still counts, and a scale that can fall no further
+        stops the run (the backend's FloatingPointError)."""
         if self.cfg.precision.dtype == "fp16":
             return int(nonfinite_losses)
         return max(self.backend.skipped_steps() - self._skipped_seen, int(nonfinite_losses))
