@@ -353,28 +353,22 @@ class VisionTransformer(nn.Module):
         the class token, or the mean token for "gap", through the pre-logits layer where the model
         has one; then the logits, or with ``pre_logits`` the representation ``(B, num_features)``."""
         pooled = tokens.mean(dim=1) if self.head_type == "gap" else tokens[:, 0]
-        representation = self._represent(pooled)
+        representation = pooled if self.pre_logits is None else torch.tanh(self.pre_logits(pooled))
         return representation if pre_logits else self.head(representation)
 
     def forward_pre_logits(self, images: torch.Tensor) -> torch.Tensor:
         """The pre-logits representation ``(B, num_features)`` that linear probes use:
         ``forward_head(forward_features(images), pre_logits=True)``, with less work for the token head."""
-        return self._represent(self._pool(images))
-
-    def _pool(self, images: torch.Tensor) -> torch.Tensor:
-        """Equation (4) before the head: the normalised class token, or the mean token for "gap"."""
         if self.head_type == "gap":
-            return self.forward_features(images).mean(dim=1)
+            return self.forward_head(self.forward_features(images), pre_logits=True)
         # Only the class token of the last block reaches the head, so that block runs its
         # attention output, projection and MLP for that token alone (all tokens still serve as
         # keys and values): the same function for about 3/4 of a block less work.
         x = self.embed(images)
         for block in self.blocks[:-1]:
             x = self._run(block, x)
-        return self.norm(self._run(self.blocks[-1], x, first_token_only=True))[:, 0]
-
-    def _represent(self, pooled: torch.Tensor) -> torch.Tensor:
-        return pooled if self.pre_logits is None else torch.tanh(self.pre_logits(pooled))
+        class_token = self.norm(self._run(self.blocks[-1], x, first_token_only=True))  # (B, 1, width)
+        return self.forward_head(class_token, pre_logits=True)
 
     def forward(
         self,

@@ -44,6 +44,8 @@ from .base import (
 log = logging.getLogger(__name__)
 
 SPLIT_FOLDERS = ("train", "val", "validation", "test")
+# The files a listing takes as samples: PNG/JPEG, and images of other formats (bad ones: `_known_bad`)
+LISTED_SUFFIXES = IMAGE_SUFFIXES.keys() | UNSUPPORTED_IMAGE_SUFFIXES
 
 
 class ImageFolderChunk(SampleChunk):
@@ -210,7 +212,7 @@ def _image_files(class_dir: Path, recursive: bool = True, left_out: list[str] | 
             suffix = os.path.splitext(name)[1].lower()
             # An image of another format is a sample, and a bad image (`_known_bad`): refused before
             # anything is written, or left out with --skip-bad, as the other unreadable ones.
-            if name.startswith(".") or suffix not in IMAGE_SUFFIXES.keys() | UNSUPPORTED_IMAGE_SUFFIXES:
+            if name.startswith(".") or suffix not in LISTED_SUFFIXES:
                 if left_out is not None and not name.startswith("."):
                     left_out.append(os.path.join(dirpath, name))
                 continue
